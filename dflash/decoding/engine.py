@@ -1,0 +1,372 @@
+"""The speculative decoding loop: prefill, then draft a block, verify it, accept, and go on.
+
+    prefill:  target(prompt) -> first token (the first anchor); its features become drafter context
+    step:     draft   = proposer(anchor, context)            one drafter forward, block_size - 1 tokens
+              logits  = target([anchor, draft tokens])       one target forward
+              new     = verify(draft, logits)                accepted draft tokens + recovered/bonus token
+              commit: keep the accepted slots of the target cache, hand the accepted tokens' features
+                      to the proposer, the last new token becomes the next anchor
+
+Batches are ragged: each row accepts its own number of tokens per step (see `slots`).
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Iterator
+
+import torch
+
+from dflash.decoding.proposer import NoDraftProposer, PendingContext, Proposer
+from dflash.decoding.sampling import SamplingParams, to_probs
+from dflash.decoding.slots import compaction_index, gather_slots, pad_and_concat
+from dflash.decoding.stopping import StopChecker
+from dflash.decoding.verify import greedy_verify, rejection_sample, sample_target_only
+from dflash.model import hf_compat
+from dflash.model.target import TargetModel
+
+# Compact a ragged batch's caches once this share of slots are holes (and there are enough of them).
+_COMPACT_HOLE_SHARE = 0.5
+_COMPACT_MIN_SLOTS = 64
+
+
+class GenerationError(ValueError):
+    """A request the engine cannot serve as given; the message says what to change."""
+
+
+@dataclass
+class GenerationConfig:
+    max_new_tokens: int = 256
+    temperature: float = 0.0
+    top_p: float = 1.0
+    top_k: int = 0
+    seed: int | None = None
+    stop_token_ids: list[int] | None = None  # None: the target's EOS ids
+    stop_strings: list[str] = field(default_factory=list)
+    block_size: int | None = None  # None: the drafter's own block size
+
+    def __post_init__(self) -> None:
+        if self.max_new_tokens < 1:
+            raise GenerationError(f"max_new_tokens must be >= 1, got {self.max_new_tokens}")
+        self.sampling  # validates temperature / top_p / top_k
+
+    @property
+    def sampling(self) -> SamplingParams:
+        try:
+            return SamplingParams(self.temperature, self.top_p, self.top_k)
+        except ValueError as err:
+            raise GenerationError(str(err)) from None
+
+
+@dataclass
+class GenerationStats:
+    prompt_tokens: int = 0
+    acceptance_lengths: list[int] = field(default_factory=list)  # tokens per target forward; [0] = prefill's
+    time_to_first_token_s: float = 0.0
+    decode_time_s: float = 0.0  # from the first token to the last
+    target_forwards: int = 0
+    drafter_forwards: int = 0
+
+    @property
+    def num_output_tokens(self) -> int:
+        return sum(self.acceptance_lengths)
+
+    @property
+    def mean_acceptance_length(self) -> float:
+        """tau: mean tokens per verify forward (decode steps; the prefill's single token is left out)."""
+        steps = self.acceptance_lengths[1:]
+        return sum(steps) / len(steps) if steps else 0.0
+
+    @property
+    def decode_tokens_per_s(self) -> float:
+        decoded = self.num_output_tokens - 1
+        return decoded / self.decode_time_s if self.decode_time_s > 0 else 0.0
+
+
+@dataclass
+class GenerationOutput:
+    output_ids: list[int]  # generated ids only
+    finish_reason: str  # "stop" or "length"
+    stats: GenerationStats
+    text: str | None = None
+
+
+@dataclass
+class StepProfile:
+    """Where a decode step's time goes; the engine's own overhead is what is left outside model forwards."""
+
+    steps: int = 0
+    draft_s: float = 0.0
+    target_s: float = 0.0
+    total_s: float = 0.0
+
+    @property
+    def overhead_s(self) -> float:
+        return self.total_s - self.draft_s - self.target_s
+
+
+class Sequence:
+    """One prompt being decoded: its output so far, its sampling state and its stats."""
+
+    def __init__(self, prompt_ids: list[int], config: GenerationConfig, stop: StopChecker):
+        self.prompt_ids = list(prompt_ids)
+        self.config = config
+        self.params = config.sampling
+        self.stop = stop
+        self.generator = None
+        if not self.params.greedy:
+            self.generator = torch.Generator()
+            self.generator.manual_seed(config.seed if config.seed is not None else torch.seed())
+        self.output_ids: list[int] = []
+        self.finish_reason: str | None = None
+        self.stats = GenerationStats(prompt_tokens=len(prompt_ids))
+        self.started = time.perf_counter()
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+    def record(self, new_tokens: list[int]) -> list[int]:
+        """Append a forward's new tokens, cut at a stop; returns the tokens kept."""
+        decision = self.stop.check(self.output_ids, new_tokens)
+        kept = new_tokens[: decision.keep]
+        self.output_ids.extend(kept)
+        self.stats.acceptance_lengths.append(len(kept))
+        now = time.perf_counter()
+        if len(self.stats.acceptance_lengths) == 1:
+            self.stats.time_to_first_token_s = now - self.started
+        self.stats.decode_time_s = now - self.started - self.stats.time_to_first_token_s
+        self.finish_reason = decision.reason
+        return kept
+
+    def result(self) -> GenerationOutput:
+        text = self.stop.final_text(self.output_ids) if self.stop.tokenizer is not None else None
+        return GenerationOutput(list(self.output_ids), self.finish_reason or "length", self.stats, text)
+
+
+@dataclass
+class Batch:
+    """Sequences decoded together, and the caches they share (see `slots` for the layout)."""
+
+    sequences: list[Sequence]
+    proposer: Proposer
+    target_cache: object
+    target_valid: torch.Tensor  # (b, slots) bool
+    draft_state: object
+    anchors: torch.Tensor  # (b,) the last token of each row, not yet seen by the target
+    anchor_positions: torch.Tensor  # (b,)
+    has_holes: bool = False
+
+    def __len__(self) -> int:
+        return len(self.sequences)
+
+
+class SpeculativeEngine:
+    def __init__(self, target: TargetModel, proposer: Proposer | None = None, tokenizer=None):
+        self.target = target
+        self.proposer = proposer or NoDraftProposer()
+        self.tokenizer = tokenizer if tokenizer is not None else target.tokenizer
+        self.target.set_feature_layers(self.proposer.feature_layer_ids)
+        self.profile = StepProfile()
+
+    # ---- requests ---------------------------------------------------------------------------------------
+    def new_sequence(self, prompt_ids: list[int], config: GenerationConfig) -> Sequence:
+        if not prompt_ids:
+            raise GenerationError("the prompt is empty; give at least one token")
+        bad = [t for t in prompt_ids if not 0 <= t < self.target.vocab_size]
+        if bad:
+            raise GenerationError(f"prompt token ids {bad[:5]} are outside the vocabulary (0..{self.target.vocab_size - 1})")
+        limit = getattr(self.target.config, "max_position_embeddings", None)
+        needed = len(prompt_ids) + config.max_new_tokens + self.proposer.block_size
+        if limit and needed > limit:
+            raise GenerationError(
+                f"prompt ({len(prompt_ids)} tokens) + max_new_tokens ({config.max_new_tokens}) exceeds the target's "
+                f"context of {limit} tokens; shorten the prompt or lower max_new_tokens"
+            )
+        stop_ids = config.stop_token_ids if config.stop_token_ids is not None else self.target.eos_token_ids()
+        stop = StopChecker(stop_ids, config.stop_strings, config.max_new_tokens, self.tokenizer)
+        return Sequence(prompt_ids, config, stop)
+
+    def proposer_for(self, config: GenerationConfig) -> Proposer:
+        if config.block_size is None:
+            return self.proposer
+        try:
+            return self.proposer.with_block_size(config.block_size)
+        except ValueError as err:
+            raise GenerationError(str(err)) from None
+
+    # ---- the algorithm ------------------------------------------------------------------------------------
+    @torch.inference_mode()
+    def prefill(self, seq: Sequence, proposer: Proposer | None = None) -> Batch:
+        """Run the prompt through the target alone; its first token becomes the first anchor."""
+        proposer = proposer or self.proposer
+        device = self.target.device
+        ids = torch.tensor([seq.prompt_ids], device=device)  # (1, n)
+        positions = torch.arange(ids.shape[1], device=device)[None]
+        cache = self.target.new_cache()
+        out = self.target.forward(ids, positions, cache, logits_to_keep=1)
+        first = sample_target_only(out.logits[0, -1], seq.params, seq.generator)
+        seq.stats.target_forwards += 1
+        seq.record([first])
+        state = proposer.new_state()
+        valid = torch.ones_like(ids, dtype=torch.bool)
+        if out.features is not None:
+            proposer.observe(state, PendingContext(out.features, positions, valid))
+        return Batch(
+            sequences=[seq], proposer=proposer, target_cache=cache, target_valid=valid, draft_state=state,
+            anchors=torch.tensor([first], device=device), anchor_positions=torch.tensor([ids.shape[1]], device=device),
+        )
+
+    @torch.inference_mode()
+    def step(self, batch: Batch) -> list[list[int]]:
+        """One draft-verify-accept round for every row; returns the tokens each row kept."""
+        t0 = time.perf_counter()
+        rows = batch.sequences
+        draft = batch.proposer.propose(batch.draft_state, batch.anchors, batch.anchor_positions, rows)
+        t1 = time.perf_counter()
+        block = torch.cat([batch.anchors[:, None], draft.tokens], dim=1)  # (b, block_size)
+        offsets = torch.arange(block.shape[1], device=block.device)
+        positions = batch.anchor_positions[:, None] + offsets  # (b, block_size)
+        mask = None
+        if batch.has_holes:
+            mask = torch.cat([batch.target_valid, torch.ones_like(block, dtype=torch.bool)], dim=1).long()
+        out = self.target.forward(block, positions, batch.target_cache, attention_mask=mask)
+        t2 = time.perf_counter()
+        new_tokens = self._verify(draft, out.logits, rows)
+        self._commit(batch, new_tokens, out.features, positions, drafted=draft.tokens.shape[1] > 0)
+        kept = [seq.record(tokens) for seq, tokens in zip(rows, new_tokens)]
+        self.profile.steps += 1
+        self.profile.draft_s += t1 - t0
+        self.profile.target_s += t2 - t1
+        self.profile.total_s += time.perf_counter() - t0
+        return kept
+
+    def _verify(self, draft, target_logits: torch.Tensor, rows: list[Sequence]) -> list[list[int]]:
+        """Each row's new tokens: its accepted draft tokens plus one recovered or bonus token."""
+        if all(s.params.greedy for s in rows):
+            num_accepted, target_tokens = greedy_verify(draft.tokens, target_logits)
+            counts, tokens = num_accepted.tolist(), target_tokens.tolist()  # the step's one host sync
+            return [t[: n + 1] for t, n in zip(tokens, counts)]
+        new_tokens = []
+        for r, seq in enumerate(rows):
+            if seq.params.greedy:
+                n, t = greedy_verify(draft.tokens[r : r + 1], target_logits[r : r + 1])
+                new_tokens.append(t[0, : int(n) + 1].tolist())
+            else:
+                p = to_probs(target_logits[r], seq.params)
+                q = draft.probs[r] if draft.probs[r] is not None else p.new_zeros(0, p.shape[-1])
+                new_tokens.append(rejection_sample(draft.tokens[r], q, p, seq.generator))
+        return new_tokens
+
+    def _commit(self, batch: Batch, new_tokens: list[list[int]], features, positions, drafted: bool) -> None:
+        """Keep the slots of accepted tokens, pass their features on, and move every anchor."""
+        device = batch.anchors.device
+        produced = torch.tensor([len(t) for t in new_tokens], device=device)  # accepted + 1 per row
+        widest = max(len(t) for t in new_tokens)
+        old_slots = batch.target_valid.shape[1]
+        hf_compat.crop_cache(batch.target_cache, old_slots + widest)
+        new_valid = torch.arange(widest, device=device)[None, :] < produced[:, None]  # (b, widest)
+        batch.target_valid = torch.cat([batch.target_valid, new_valid], dim=1)
+        batch.has_holes = batch.has_holes or min(len(t) for t in new_tokens) != widest
+        if features is not None:
+            batch.proposer.observe(batch.draft_state,
+                                   PendingContext(features[:, :widest], positions[:, :widest], new_valid))
+        batch.anchors = torch.tensor([t[-1] for t in new_tokens], device=device)
+        batch.anchor_positions = batch.anchor_positions + produced
+        for seq in batch.sequences:
+            seq.stats.target_forwards += 1
+            seq.stats.drafter_forwards += int(drafted)
+        self._maybe_compact(batch)
+
+    def _maybe_compact(self, batch: Batch) -> None:
+        slots = batch.target_valid.shape[1]
+        if not batch.has_holes or slots < _COMPACT_MIN_SLOTS:
+            return
+        holes = slots * len(batch) - int(batch.target_valid.sum())
+        if holes < _COMPACT_HOLE_SHARE * slots * len(batch):
+            return
+        index, batch.target_valid = compaction_index(batch.target_valid)
+        hf_compat.set_cache_tensors(batch.target_cache, [
+            (gather_slots(k, index, 2), gather_slots(v, index, 2))
+            for k, v in hf_compat.cache_tensors(batch.target_cache)
+        ])
+        batch.proposer.compact(batch.draft_state)
+        batch.has_holes = not bool(batch.target_valid.all())
+
+    # ---- batch membership (continuous batching) -----------------------------------------------------
+    def merge(self, batches: list[Batch]) -> Batch:
+        """One batch with the rows of all `batches` (same proposer); call between steps."""
+        if len(batches) == 1:
+            return batches[0]
+        sizes = [len(b) for b in batches]
+        layers = [hf_compat.cache_tensors(b.target_cache) for b in batches]
+        cache = batches[0].target_cache
+        hf_compat.set_cache_tensors(cache, [
+            (pad_and_concat([l[i][0] for l in layers], sizes, 2), pad_and_concat([l[i][1] for l in layers], sizes, 2))
+            for i in range(len(layers[0]))
+        ])
+        valid = pad_and_concat([b.target_valid for b in batches], sizes, 1)
+        return Batch(
+            sequences=[s for b in batches for s in b.sequences],
+            proposer=batches[0].proposer,
+            target_cache=cache,
+            target_valid=valid,
+            draft_state=batches[0].proposer.merge([b.draft_state for b in batches], sizes),
+            anchors=torch.cat([b.anchors for b in batches]),
+            anchor_positions=torch.cat([b.anchor_positions for b in batches]),
+            has_holes=not bool(valid.all()),
+        )
+
+    def drop_finished(self, batch: Batch) -> Batch | None:
+        """Remove finished rows (their slots are freed); None when no row is left."""
+        keep = [i for i, s in enumerate(batch.sequences) if not s.finished]
+        return self.select_rows(batch, keep)
+
+    def select_rows(self, batch: Batch, keep: list[int]) -> Batch | None:
+        if len(keep) == len(batch):
+            return batch
+        if not keep:
+            return None
+        rows = torch.tensor(keep, device=batch.anchors.device)
+        hf_compat.set_cache_tensors(batch.target_cache,
+                                    [(k[rows], v[rows]) for k, v in hf_compat.cache_tensors(batch.target_cache)])
+        batch.proposer.select_rows(batch.draft_state, rows)
+        batch.sequences = [batch.sequences[i] for i in keep]
+        batch.target_valid = batch.target_valid[rows]
+        batch.anchors, batch.anchor_positions = batch.anchors[rows], batch.anchor_positions[rows]
+        return batch
+
+    # ---- whole generations --------------------------------------------------------------------------------
+    def generate(self, prompts: list[list[int]], config: GenerationConfig | None = None) -> list[GenerationOutput]:
+        """Decode several prompts together (ragged); each output equals its batch-of-one output."""
+        config = config or GenerationConfig()
+        proposer = self.proposer_for(config)
+        sequences = [self.new_sequence(p, config) for p in prompts]
+        batch = self.merge([self.prefill(s, proposer) for s in sequences])
+        batch = self.drop_finished(batch)
+        while batch is not None:
+            self.step(batch)
+            batch = self.drop_finished(batch)
+        return [s.result() for s in sequences]
+
+    def stream(self, prompt_ids: list[int], config: GenerationConfig | None = None) -> "TokenStream":
+        """Iterate over the new tokens of each step; `.result` holds the full output afterwards."""
+        return TokenStream(self, prompt_ids, config or GenerationConfig())
+
+
+class TokenStream:
+    def __init__(self, engine: SpeculativeEngine, prompt_ids: list[int], config: GenerationConfig):
+        self._engine = engine
+        self._seq = engine.new_sequence(prompt_ids, config)
+        self._proposer = engine.proposer_for(config)
+        self.result: GenerationOutput | None = None
+
+    def __iter__(self) -> Iterator[list[int]]:
+        batch = self._engine.prefill(self._seq, self._proposer)
+        yield list(self._seq.output_ids)
+        while not self._seq.finished:
+            kept = self._engine.step(batch)[0]
+            if kept:
+                yield kept
+        self.result = self._seq.result()

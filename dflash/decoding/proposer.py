@@ -1,0 +1,181 @@
+"""Proposers: one interface for every way of drafting (DFlash, none).
+
+A proposer keeps its own per-batch state (for DFlash, the drafter's context cache) and is told, after
+each target forward, the features of the tokens that were accepted; it injects them on its next draft.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Protocol
+
+import torch
+
+from dflash.decoding.sampling import sample, to_probs
+from dflash.decoding.slots import compaction_index, gather_slots, pad_and_concat
+from dflash.model.drafter import DFlashDraftModel, DrafterCache
+from dflash.model.target import TargetModel, check_compatible
+
+
+@dataclass
+class Draft:
+    tokens: torch.Tensor  # (b, k) draft tokens; k = block_size - 1 (0 without a drafter)
+    probs: list[torch.Tensor | None]  # per row: (k, vocab) proposal distribution, None for greedy rows
+
+
+@dataclass
+class PendingContext:
+    """Target features of newly accepted tokens, not yet injected into the drafter."""
+
+    features: torch.Tensor  # (b, c, num_features)
+    positions: torch.Tensor  # (b, c)
+    valid: torch.Tensor  # (b, c) bool
+
+
+class Proposer(Protocol):
+    block_size: int  # tokens per verify forward: the anchor + draft tokens
+    feature_layer_ids: list[int]  # target layers whose outputs the proposer needs
+
+    def new_state(self) -> object: ...
+
+    def observe(self, state: object, context: PendingContext) -> None: ...
+
+    def propose(self, state: object, anchors: torch.Tensor, anchor_positions: torch.Tensor, rows: list) -> Draft:
+        """anchors (b,), anchor_positions (b,); rows: the batch's `Sequence`s (tokens, sampling params)."""
+
+    def with_block_size(self, block_size: int | None) -> "Proposer": ...
+
+    def select_rows(self, state: object, rows: torch.Tensor) -> None: ...
+
+    def compact(self, state: object) -> None: ...
+
+    def merge(self, states: list[object], batch_sizes: list[int]) -> object: ...
+
+
+class NoDraftProposer:
+    """Plain autoregressive decoding through the same loop: no draft tokens, one token per forward."""
+
+    block_size = 1
+    feature_layer_ids: list[int] = []
+
+    def new_state(self) -> None:
+        return None
+
+    def observe(self, state, context) -> None:
+        pass
+
+    def propose(self, state, anchors, anchor_positions, rows) -> Draft:
+        return Draft(tokens=anchors.new_zeros(anchors.shape[0], 0), probs=[None] * anchors.shape[0])
+
+    def with_block_size(self, block_size: int | None) -> "NoDraftProposer":
+        return self
+
+    def select_rows(self, state, rows) -> None:
+        pass
+
+    def compact(self, state) -> None:
+        pass
+
+    def merge(self, states, batch_sizes) -> None:
+        return None
+
+
+@dataclass
+class DFlashState:
+    cache: DrafterCache
+    pending: PendingContext | None = None
+
+
+class DFlashProposer:
+    """Drafts `block_size - 1` tokens in one drafter forward, conditioned on the target's features."""
+
+    def __init__(self, drafter: DFlashDraftModel, target: TargetModel, block_size: int | None = None):
+        check_compatible(target, drafter.config)
+        trained = drafter.config.block_size
+        if block_size is not None and not 2 <= block_size <= trained:
+            raise ValueError(f"block size {block_size} is not usable with this drafter: choose 2..{trained} "
+                             "(a drafter works at or below the block size it was trained for)")
+        self.drafter = drafter
+        self.target = target
+        self.block_size = block_size or trained
+        self.feature_layer_ids = list(drafter.config.target_layer_ids)
+        self.mask_token_id = drafter.config.mask_token_id
+
+    def with_block_size(self, block_size: int | None) -> "DFlashProposer":
+        if block_size is None or block_size == self.block_size:
+            return self
+        return DFlashProposer(self.drafter, self.target, block_size)
+
+    def new_state(self) -> DFlashState:
+        return DFlashState(cache=DrafterCache(len(self.drafter.layers)))
+
+    def observe(self, state: DFlashState, context: PendingContext) -> None:
+        if state.pending is None:
+            state.pending = context
+        else:  # two observations before a draft (e.g. prefill then a no-draft step): keep both
+            p = state.pending
+            state.pending = PendingContext(
+                torch.cat([p.features, context.features], 1), torch.cat([p.positions, context.positions], 1),
+                torch.cat([p.valid, context.valid], 1),
+            )
+
+    @torch.inference_mode()
+    def propose(self, state: DFlashState, anchors, anchor_positions, rows) -> Draft:
+        pending = state.pending
+        state.pending = None
+        b, block = anchors.shape[0], self.block_size
+        offsets = torch.arange(block, device=anchors.device)
+        block_tokens = torch.full((b, block), self.mask_token_id, dtype=torch.long, device=anchors.device)
+        block_tokens[:, 0] = anchors
+        context = self.drafter.project_context(pending.features.to(self.drafter.fc.weight.dtype))
+        hidden = self.drafter(
+            block_embeds=self.target.embed(block_tokens).to(context.dtype),
+            block_positions=anchor_positions[:, None] + offsets,
+            context=context,
+            context_positions=pending.positions,
+            context_valid=pending.valid,
+            cache=state.cache,
+        )
+        logits = self.target.lm_head(hidden[:, 1:].to(self.target.dtype)).float()  # (b, k, vocab)
+        tokens = logits.argmax(-1)
+        probs: list[torch.Tensor | None] = [None] * b
+        for r, row in enumerate(rows):
+            if not row.params.greedy:
+                probs[r] = to_probs(logits[r], row.params)
+                tokens[r] = sample(probs[r], row.generator)
+        return Draft(tokens=tokens, probs=probs)
+
+    def select_rows(self, state: DFlashState, rows: torch.Tensor) -> None:
+        state.cache.map_slots(lambda t, dim: t[rows])
+        if state.pending is not None:
+            p = state.pending
+            state.pending = PendingContext(p.features[rows], p.positions[rows], p.valid[rows])
+
+    def compact(self, state: DFlashState) -> None:
+        """Squeeze the slots of rejected tokens out of the drafter's context cache."""
+        if state.cache.valid is None or bool(state.cache.valid.all()):
+            return
+        index, new_valid = compaction_index(state.cache.valid)
+        state.cache.map_slots(lambda t, dim: gather_slots(t, index, dim))
+        state.cache.valid = new_valid
+
+    def merge(self, states: list[DFlashState], batch_sizes: list[int]) -> DFlashState:
+        """One state holding the rows of all `states`, slot layouts left-padded to equal width."""
+        def pad(tensors, dim):
+            return pad_and_concat(tensors, batch_sizes, dim)
+
+        merged = self.new_state()
+        caches = [s.cache for s in states]
+        for i in range(len(merged.cache.keys)):
+            merged.cache.keys[i] = pad([c.keys[i] for c in caches], 2)
+            merged.cache.values[i] = pad([c.values[i] for c in caches], 2)
+        merged.cache.valid = pad([c.valid for c in caches], 1)
+        merged.cache.positions = pad([c.positions for c in caches], 1)
+        pendings = [s.pending for s in states]
+        if any(p is None for p in pendings):
+            raise RuntimeError("merge batches only right after a prefill or a step (every row has new context)")
+        merged.pending = PendingContext(
+            pad([p.features for p in pendings], 1), pad([p.positions for p in pendings], 1),
+            pad([p.valid for p in pendings], 1),
+        )
+        return merged

@@ -1,0 +1,53 @@
+"""Ragged batches in a shared slot layout.
+
+Rows of a batch accept different numbers of tokens per step. Instead of cropping each row's KV cache
+to its own length, every row keeps the same number of slots and a `valid` mask (b, slots) hides the
+slots of rejected tokens; attention never reads them. Compaction squeezes the holes out when they pile up,
+and merging left-pads rows with invalid slots so that batches can join.
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+def compaction_index(valid: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """valid (b, s) -> (index (b, s'), new_valid (b, s')) keeping each row's valid slots, right-aligned, in order."""
+    counts = valid.sum(dim=1)
+    width = int(counts.max())
+    order = torch.sort(valid.int(), dim=1, stable=True).indices  # invalid slots first, then valid, order kept
+    index = order[:, valid.shape[1] - width:]
+    new_valid = torch.arange(width, device=valid.device)[None, :] >= (width - counts)[:, None]
+    return index, new_valid
+
+
+def gather_slots(tensor: torch.Tensor, index: torch.Tensor, dim: int) -> torch.Tensor:
+    """Pick slots per row: tensor has batch at dim 0 and slots at `dim`; index (b, s')."""
+    shape = [index.shape[0]] + [1] * (tensor.dim() - 1)
+    shape[dim] = index.shape[1]
+    expanded = index.view(shape).expand(*[s if i != dim else index.shape[1] for i, s in enumerate(tensor.shape)])
+    return torch.gather(tensor, dim, expanded)
+
+
+def pad_and_concat(tensors: list[torch.Tensor | None], batch_sizes: list[int], dim: int) -> torch.Tensor | None:
+    """Left-pad each part with zero (= invalid) slots to the widest, then concatenate rows.
+
+    A None part stands for rows that have no slots yet.
+    """
+    ref = next((t for t in tensors if t is not None), None)
+    if ref is None:
+        return None
+    width = max(t.shape[dim] for t in tensors if t is not None)
+    parts = []
+    for t, rows in zip(tensors, batch_sizes):
+        if t is None:
+            shape = list(ref.shape)
+            shape[0], shape[dim] = rows, 0
+            t = ref.new_zeros(shape)
+        missing = width - t.shape[dim]
+        if missing:
+            shape = list(t.shape)
+            shape[dim] = missing
+            t = torch.cat([t.new_zeros(shape), t], dim=dim)
+        parts.append(t)
+    return torch.cat(parts, dim=0)

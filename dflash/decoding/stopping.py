@@ -1,0 +1,52 @@
+"""When a sequence stops: stop token ids, stop strings, max_new_tokens."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass
+class StopDecision:
+    keep: int  # how many of the offered new tokens to keep
+    reason: str | None  # "stop", "length" or None (go on)
+
+
+class StopChecker:
+    """Decides, for each batch of new tokens, how many to keep and whether the sequence ends."""
+
+    def __init__(self, stop_token_ids: list[int], stop_strings: list[str], max_new_tokens: int, tokenizer=None):
+        if stop_strings and tokenizer is None:
+            raise ValueError("stop strings need a tokenizer to decode the output")
+        self.stop_token_ids = set(stop_token_ids)
+        self.stop_strings = [s for s in stop_strings if s]
+        self.max_new_tokens = max_new_tokens
+        self.tokenizer = tokenizer
+
+    def check(self, output_ids: list[int], new_tokens: list[int]) -> StopDecision:
+        """output_ids: tokens kept so far (before new_tokens)."""
+        for i, token in enumerate(new_tokens):
+            if len(output_ids) + i + 1 > self.max_new_tokens:
+                return StopDecision(i, "length")
+            if token in self.stop_token_ids:
+                return StopDecision(i + 1, "stop")
+        keep = len(new_tokens)
+        if self.stop_strings:
+            for i in range(len(new_tokens)):
+                if self.find_stop(output_ids + new_tokens[: i + 1]) is not None:
+                    return StopDecision(i + 1, "stop")
+        if len(output_ids) + keep >= self.max_new_tokens:
+            return StopDecision(keep, "length")
+        return StopDecision(keep, None)
+
+    def find_stop(self, output_ids: list[int]) -> int | None:
+        """Character index where the first stop string starts in the decoded output, if any."""
+        text = self.tokenizer.decode(output_ids, skip_special_tokens=True)
+        hits = [text.find(s) for s in self.stop_strings]
+        hits = [h for h in hits if h >= 0]
+        return min(hits) if hits else None
+
+    def final_text(self, output_ids: list[int]) -> str:
+        """The decoded output with a stop string and anything after it removed."""
+        text = self.tokenizer.decode(output_ids, skip_special_tokens=True)
+        cut = self.find_stop(output_ids) if self.stop_strings else None
+        return text if cut is None else text[:cut]

@@ -1,0 +1,63 @@
+"""Verification: which draft tokens the target accepts, and the one token it adds.
+
+Definitions used throughout:
+- accepted tokens: the longest prefix of the draft tokens the target agrees with (greedy) or keeps
+  under rejection sampling;
+- recovered token: on the first rejection, a token drawn from normalize(max(p - q, 0)) at that position;
+- bonus token: when every draft token is accepted, a token drawn from the target at the next position;
+- acceptance length: accepted + 1, the tokens one verify forward produces.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from dflash.decoding.sampling import SamplingParams, sample, to_probs
+
+
+def greedy_verify(draft_tokens: torch.Tensor, target_logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """draft_tokens (b, k); target_logits (b, k + 1, vocab).
+
+    Returns (num_accepted (b,), target_tokens (b, k + 1)). Row r's new tokens are
+    target_tokens[r, : num_accepted[r] + 1]: accepted draft tokens equal the target's argmax, and the
+    token after them is the target's argmax there (recovered or bonus).
+    """
+    target_tokens = target_logits.argmax(-1)  # (b, k + 1)
+    matches = (draft_tokens == target_tokens[:, :-1]).int()  # (b, k)
+    num_accepted = matches.cumprod(dim=1).sum(dim=1)
+    return num_accepted, target_tokens
+
+
+def rejection_sample(
+    draft_tokens: torch.Tensor,  # (k,)
+    draft_probs: torch.Tensor,  # (k, vocab), the distribution each draft token was sampled from
+    target_probs: torch.Tensor,  # (k + 1, vocab), after the same transform as the drafter
+    generator: torch.Generator | None = None,
+) -> list[int]:
+    """Speculative rejection sampling for one sequence: its new tokens (accepted + recovered or bonus).
+
+    Draft token i is accepted with probability min(1, p_i(x) / q_i(x)); the output follows p exactly.
+    """
+    k = draft_tokens.shape[0]
+    idx = torch.arange(k, device=draft_tokens.device)
+    p = target_probs[idx, draft_tokens]
+    q = draft_probs[idx, draft_tokens]
+    uniforms = torch.rand(k, generator=generator, device=draft_tokens.device)
+    accept = uniforms * q < p  # u < p/q without dividing by zero
+    num_accepted = int(accept.int().cumprod(0).sum())  # host sync: the step's shape depends on it
+    tokens = draft_tokens[:num_accepted].tolist()
+    if num_accepted < k:
+        residual = (target_probs[num_accepted] - draft_probs[num_accepted]).clamp_min(0)
+        total = residual.sum()
+        dist = residual / total if total > 0 else target_probs[num_accepted]
+    else:
+        dist = target_probs[k]
+    tokens.append(int(sample(dist[None], generator)))
+    return tokens
+
+
+def sample_target_only(logits: torch.Tensor, params: SamplingParams, generator: torch.Generator | None) -> int:
+    """One token from the target alone (prefill, or a step without draft tokens). logits (vocab,)."""
+    if params.greedy:
+        return int(logits.argmax())
+    return int(sample(to_probs(logits, params)[None], generator))

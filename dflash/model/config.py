@@ -1,0 +1,162 @@
+"""Typed configuration of a DFlash drafter and its public `config.json` form (REFERENCE section 3)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+# Fields this dataclass owns; everything else in a config.json is kept in `extra` and written back.
+_OWNED = {
+    "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads",
+    "head_dim", "vocab_size", "rms_norm_eps", "max_position_embeddings", "layer_types", "sliding_window",
+    "rope_theta", "rope_scaling", "rope_parameters", "block_size", "num_target_layers", "dflash_config",
+    "mask_token_id", "target_layer_ids", "architectures", "model_type", "tie_word_embeddings",
+    "torch_dtype", "dtype", "hidden_act", "attention_bias", "use_sliding_window", "max_window_layers",
+}
+
+
+class DrafterConfigError(ValueError):
+    """A drafter config.json that cannot be used; the message says what to change."""
+
+
+def default_target_layer_ids(num_target_layers: int, num_draft_layers: int) -> list[int]:
+    """Which target layers feed the drafter when a checkpoint does not say (REFERENCE section 1).
+
+    One draft layer reads the middle target layer; n layers read n ids spread from layer 1 to layer N-3.
+    Qwen3-8B (36 layers) with 5 draft layers gives [1, 9, 17, 25, 33].
+    """
+    n_target, n = num_target_layers, num_draft_layers
+    if n_target < 1 or n < 1:
+        raise DrafterConfigError(f"need at least one target and one draft layer, got {n_target} and {n}")
+    if n == 1:
+        return [n_target // 2]
+    ids = [round(1 + i * (n_target - 4) / (n - 1)) for i in range(n)]
+    return [min(max(i, 0), n_target - 1) for i in ids]
+
+
+@dataclass
+class DrafterConfig:
+    hidden_size: int
+    intermediate_size: int
+    num_hidden_layers: int
+    num_attention_heads: int
+    num_key_value_heads: int
+    head_dim: int
+    vocab_size: int
+    num_target_layers: int
+    target_layer_ids: list[int]
+    mask_token_id: int
+    block_size: int = 16
+    rms_norm_eps: float = 1e-6
+    max_position_embeddings: int = 32768
+    layer_types: list[str] = field(default_factory=list)
+    sliding_window: int | None = None
+    rope: dict[str, Any] = field(default_factory=lambda: {"rope_theta": 1_000_000.0})
+    dtype: str | None = None
+    extra: dict[str, Any] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        if not self.layer_types:
+            self.layer_types = ["full_attention"] * self.num_hidden_layers
+        if len(self.layer_types) != self.num_hidden_layers:
+            raise DrafterConfigError(
+                f"layer_types has {len(self.layer_types)} entries but num_hidden_layers is {self.num_hidden_layers}"
+            )
+        if "sliding_attention" in self.layer_types and not self.sliding_window:
+            raise DrafterConfigError("layer_types uses 'sliding_attention' but sliding_window is not set")
+        if self.block_size < 2:
+            raise DrafterConfigError(f"block_size must be >= 2 (one anchor + draft tokens), got {self.block_size}")
+
+    @property
+    def num_features(self) -> int:
+        """Width of the concatenated target features fed to `fc`."""
+        return len(self.target_layer_ids) * self.hidden_size
+
+    @classmethod
+    def from_dict(cls, raw: dict[str, Any], mask_token_id: int | None = None) -> "DrafterConfig":
+        """Parse the public format: `dflash_config` (new), top-level fields, or the legacy form without either."""
+        dflash = raw.get("dflash_config") or {}
+        missing = [k for k in ("hidden_size", "num_hidden_layers", "num_attention_heads", "vocab_size") if k not in raw]
+        if missing:
+            raise DrafterConfigError(f"drafter config.json lacks {', '.join(missing)}; is this a DFlash drafter?")
+        mask = mask_token_id if mask_token_id is not None else dflash.get("mask_token_id", raw.get("mask_token_id"))
+        if mask is None:
+            raise DrafterConfigError(
+                "this drafter checkpoint does not name its mask token (legacy format without dflash_config); "
+                "pass it explicitly, e.g. --mask-token-id ID or load_drafter(..., mask_token_id=ID)"
+            )
+        n_layers = raw["num_hidden_layers"]
+        n_target = raw.get("num_target_layers", dflash.get("num_target_layers"))
+        layer_ids = dflash.get("target_layer_ids", raw.get("target_layer_ids"))
+        if layer_ids is None:
+            if n_target is None:
+                raise DrafterConfigError(
+                    "config.json has neither target_layer_ids nor num_target_layers; add one of them"
+                )
+            layer_ids = default_target_layer_ids(n_target, n_layers)
+        heads = raw["num_attention_heads"]
+        rope = {k: raw[k] for k in ("rope_theta", "rope_scaling", "rope_parameters") if raw.get(k) is not None}
+        return cls(
+            hidden_size=raw["hidden_size"],
+            intermediate_size=raw.get("intermediate_size", 4 * raw["hidden_size"]),
+            num_hidden_layers=n_layers,
+            num_attention_heads=heads,
+            num_key_value_heads=raw.get("num_key_value_heads", heads),
+            head_dim=raw.get("head_dim") or raw["hidden_size"] // heads,
+            vocab_size=raw["vocab_size"],
+            num_target_layers=n_target if n_target is not None else max(layer_ids) + 1,
+            target_layer_ids=list(layer_ids),
+            mask_token_id=int(mask),
+            block_size=dflash.get("block_size", raw.get("block_size", 16)),
+            rms_norm_eps=raw.get("rms_norm_eps", 1e-6),
+            max_position_embeddings=raw.get("max_position_embeddings", 32768),
+            layer_types=list(raw.get("layer_types") or []),
+            sliding_window=raw.get("sliding_window"),
+            rope=rope or {"rope_theta": 1_000_000.0},
+            dtype=raw.get("dtype") or raw.get("torch_dtype"),
+            extra={k: v for k, v in raw.items() if k not in _OWNED},
+        )
+
+    def to_dict(self) -> dict[str, Any]:
+        """The public config.json (Qwen3 fields + DFlash fields) that vLLM, SGLang and this package read."""
+        out: dict[str, Any] = dict(self.extra)
+        out.update(
+            architectures=["DFlashDraftModel"],
+            model_type="qwen3",
+            hidden_size=self.hidden_size,
+            intermediate_size=self.intermediate_size,
+            num_hidden_layers=self.num_hidden_layers,
+            num_attention_heads=self.num_attention_heads,
+            num_key_value_heads=self.num_key_value_heads,
+            head_dim=self.head_dim,
+            vocab_size=self.vocab_size,
+            rms_norm_eps=self.rms_norm_eps,
+            max_position_embeddings=self.max_position_embeddings,
+            layer_types=self.layer_types,
+            sliding_window=self.sliding_window,
+            hidden_act="silu",
+            attention_bias=False,
+            tie_word_embeddings=False,
+            block_size=self.block_size,
+            num_target_layers=self.num_target_layers,
+            dflash_config={
+                "mask_token_id": self.mask_token_id,
+                "target_layer_ids": self.target_layer_ids,
+                "block_size": self.block_size,
+            },
+            **self.rope,
+        )
+        if self.dtype:
+            out["torch_dtype"] = self.dtype
+        return out
+
+    def qwen3_fields(self) -> dict[str, Any]:
+        """Fields a transformers Qwen3Config accepts (used for the rotary embedding)."""
+        return dict(
+            hidden_size=self.hidden_size,
+            num_attention_heads=self.num_attention_heads,
+            num_key_value_heads=self.num_key_value_heads,
+            head_dim=self.head_dim,
+            max_position_embeddings=self.max_position_embeddings,
+            **self.rope,
+        )

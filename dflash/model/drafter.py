@@ -1,0 +1,227 @@
+"""The DFlash drafter: a small stack of Qwen3-style layers that drafts a whole block in one forward.
+
+Vocabulary (used across the package):
+- anchor: the last accepted token; a block starts with it.
+- block: `[anchor, MASK x (block_size - 1)]` at positions anchor..anchor+block_size-1.
+- draft tokens: what the drafter proposes for the MASK slots.
+- context: the target's features (outputs of layers `target_layer_ids`) of tokens strictly before the
+  anchor, projected by `fc` + `hidden_norm` and injected as extra keys/values into every layer.
+
+This module holds modules and their forward only; it never samples and never loops.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from dflash.model import hf_compat
+from dflash.model.config import DrafterConfig
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float = 1e-6):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        dtype = x.dtype
+        x = x.float()
+        x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * x.to(dtype)
+
+
+def _rotate_half(x: torch.Tensor) -> torch.Tensor:
+    half = x.shape[-1] // 2
+    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """x (b, heads, t, d); cos/sin (b, t, d)."""
+    cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)
+    return x * cos + _rotate_half(x) * sin
+
+
+class DFlashAttention(nn.Module):
+    """Queries from the block; keys/values = [injected context ; block], bidirectional within the block."""
+
+    def __init__(self, config: DrafterConfig):
+        super().__init__()
+        h, d = config.hidden_size, config.head_dim
+        self.num_heads, self.num_kv_heads, self.head_dim = config.num_attention_heads, config.num_key_value_heads, d
+        self.q_proj = nn.Linear(h, self.num_heads * d, bias=False)
+        self.k_proj = nn.Linear(h, self.num_kv_heads * d, bias=False)
+        self.v_proj = nn.Linear(h, self.num_kv_heads * d, bias=False)
+        self.o_proj = nn.Linear(self.num_heads * d, h, bias=False)
+        self.q_norm = RMSNorm(d, config.rms_norm_eps)
+        self.k_norm = RMSNorm(d, config.rms_norm_eps)
+
+    def _heads(self, x: torch.Tensor, n: int) -> torch.Tensor:
+        b, t, _ = x.shape
+        return x.view(b, t, n, self.head_dim).transpose(1, 2)  # (b, n, t, d)
+
+    def keys_values(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """x (b, t, h) -> rotated keys and values, each (b, kv_heads, t, d)."""
+        k = self.k_norm(self._heads(self.k_proj(x), self.num_kv_heads))
+        v = self._heads(self.v_proj(x), self.num_kv_heads)
+        return apply_rope(k, cos, sin), v
+
+    def forward(
+        self,
+        x: torch.Tensor,  # (b, q, h) normed block hidden states
+        cos: torch.Tensor,  # (b, q, d)
+        sin: torch.Tensor,
+        context_k: torch.Tensor,  # (b, kv_heads, c, d)
+        context_v: torch.Tensor,
+        mask: torch.Tensor,  # (b, q, c + q) bool, True = may attend
+    ) -> torch.Tensor:
+        q = apply_rope(self.q_norm(self._heads(self.q_proj(x), self.num_heads)), cos, sin)
+        k, v = self.keys_values(x, cos, sin)
+        k = torch.cat([context_k, k], dim=2)
+        v = torch.cat([context_v, v], dim=2)
+        groups = self.num_heads // self.num_kv_heads
+        if groups > 1:
+            k, v = k.repeat_interleave(groups, dim=1), v.repeat_interleave(groups, dim=1)
+        out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask.unsqueeze(1))  # (b, heads, q, d)
+        b, _, t, _ = out.shape
+        return self.o_proj(out.transpose(1, 2).reshape(b, t, -1))
+
+
+class DFlashMLP(nn.Module):
+    def __init__(self, config: DrafterConfig):
+        super().__init__()
+        h, i = config.hidden_size, config.intermediate_size
+        self.gate_proj = nn.Linear(h, i, bias=False)
+        self.up_proj = nn.Linear(h, i, bias=False)
+        self.down_proj = nn.Linear(i, h, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class DFlashDecoderLayer(nn.Module):
+    def __init__(self, config: DrafterConfig):
+        super().__init__()
+        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.self_attn = DFlashAttention(config)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.mlp = DFlashMLP(config)
+
+    def forward(self, x, cos, sin, context_k, context_v, mask) -> torch.Tensor:
+        x = x + self.self_attn(self.input_layernorm(x), cos, sin, context_k, context_v, mask)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class DrafterCache:
+    """Keys/values of the injected context, per layer: only accepted tokens are ever written here.
+
+    Slots are shared across the batch; `valid` marks which slots hold a real token of that row (rows
+    accept different numbers of tokens per step), `positions` holds each slot's sequence position.
+    """
+
+    def __init__(self, num_layers: int):
+        self.keys: list[torch.Tensor | None] = [None] * num_layers  # each (b, kv_heads, slots, d)
+        self.values: list[torch.Tensor | None] = [None] * num_layers
+        self.valid: torch.Tensor | None = None  # (b, slots) bool
+        self.positions: torch.Tensor | None = None  # (b, slots) long
+
+    @property
+    def num_slots(self) -> int:
+        return 0 if self.valid is None else self.valid.shape[1]
+
+    def add_slots(self, valid: torch.Tensor, positions: torch.Tensor) -> None:
+        self.valid = valid if self.valid is None else torch.cat([self.valid, valid], dim=1)
+        self.positions = positions if self.positions is None else torch.cat([self.positions, positions], dim=1)
+
+    def update(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        if self.keys[layer] is not None:
+            k = torch.cat([self.keys[layer], k], dim=2)
+            v = torch.cat([self.values[layer], v], dim=2)
+        self.keys[layer], self.values[layer] = k, v
+        return k, v
+
+    def tensors(self) -> list[torch.Tensor]:
+        return [t for t in (*self.keys, *self.values, self.valid, self.positions) if t is not None]
+
+    def map_slots(self, fn) -> None:
+        """Apply `fn(tensor, slot_dim)` to every slot-indexed tensor (used to select rows, compact or merge)."""
+        self.keys = [None if k is None else fn(k, 2) for k in self.keys]
+        self.values = [None if v is None else fn(v, 2) for v in self.values]
+        if self.valid is not None:
+            self.valid = fn(self.valid, 1)
+            self.positions = fn(self.positions, 1)
+
+
+class DFlashDraftModel(nn.Module):
+    """Drafter modules with the public checkpoint's parameter names (no embedding, no LM head)."""
+
+    def __init__(self, config: DrafterConfig):
+        super().__init__()
+        self.config = config
+        self.layers = nn.ModuleList(DFlashDecoderLayer(config) for _ in range(config.num_hidden_layers))
+        self.fc = nn.Linear(config.num_features, config.hidden_size, bias=False)
+        self.hidden_norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.rotary_emb = hf_compat.rotary_embedding(config.qwen3_fields())
+
+    @classmethod
+    def from_pretrained(cls, path_or_id: str, **kwargs) -> "DFlashDraftModel":
+        from dflash.model.loading import load_drafter
+
+        return load_drafter(path_or_id, **kwargs)
+
+    def save_pretrained(self, directory: str) -> None:
+        from dflash.model.loading import save_drafter
+
+        save_drafter(self, directory)
+
+    def init_weights(self, std: float = 0.02) -> None:
+        for module in self.modules():
+            if isinstance(module, nn.Linear):
+                nn.init.normal_(module.weight, std=std)
+            elif isinstance(module, RMSNorm):
+                nn.init.ones_(module.weight)
+
+    def project_context(self, features: torch.Tensor) -> torch.Tensor:
+        """features (b, c, len(target_layer_ids) * hidden) -> context (b, c, hidden)."""
+        return self.hidden_norm(self.fc(features))
+
+    def forward(
+        self,
+        block_embeds: torch.Tensor,  # (b, q, h): target embeddings of the block tokens
+        block_positions: torch.Tensor,  # (b, q)
+        context: torch.Tensor,  # (b, c, h): projected context of tokens new to this forward
+        context_positions: torch.Tensor,  # (b, c)
+        context_valid: torch.Tensor | None = None,  # (b, c) bool; default all valid
+        cache: DrafterCache | None = None,
+        attn_mask: torch.Tensor | None = None,  # (b, q, keys + q) bool; default: every valid key
+    ) -> torch.Tensor:
+        """Returns the final normed hidden states of the block, (b, q, h)."""
+        b, q, _ = block_embeds.shape
+        if context_valid is None:
+            context_valid = torch.ones(context.shape[:2], dtype=torch.bool, device=context.device)
+        if cache is not None:
+            cache.add_slots(context_valid, context_positions)
+            key_valid, key_positions = cache.valid, cache.positions
+        else:
+            key_valid, key_positions = context_valid, context_positions
+        if attn_mask is None:
+            block_valid = torch.ones(b, q, dtype=torch.bool, device=block_embeds.device)
+            attn_mask = torch.cat([key_valid, block_valid], dim=1)[:, None, :].expand(b, q, -1)
+        masks = {"full_attention": attn_mask}
+        if "sliding_attention" in self.config.layer_types:
+            all_positions = torch.cat([key_positions, block_positions], dim=1)  # (b, keys + q)
+            distance = block_positions[:, :, None] - all_positions[:, None, :]
+            masks["sliding_attention"] = attn_mask & (distance < self.config.sliding_window)
+
+        cos_q, sin_q = self.rotary_emb(block_embeds, block_positions)
+        cos_c, sin_c = self.rotary_emb(context, context_positions)
+        hidden = block_embeds
+        for i, layer in enumerate(self.layers):
+            k, v = layer.self_attn.keys_values(context, cos_c, sin_c)
+            if cache is not None:
+                k, v = cache.update(i, k, v)
+            hidden = layer(hidden, cos_q, sin_q, k, v, masks[self.config.layer_types[i]])
+        return self.norm(hidden)

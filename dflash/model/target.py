@@ -1,0 +1,162 @@
+"""Adapter around any Hugging Face causal LM used as the DFlash target.
+
+It runs target forwards with a KV cache and captures the outputs of decoder layers `target_layer_ids`
+with forward hooks, so only those layers' hidden states exist, never all of them.
+"""
+
+from __future__ import annotations
+
+import inspect
+import os
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from dflash.model import hf_compat
+from dflash.model.config import DrafterConfig
+from dflash.model.loading import parse_dtype, resolve_model_dir
+
+
+class IncompatibleDrafterError(ValueError):
+    """The drafter was not built for this target; the message names every mismatch."""
+
+
+@dataclass
+class TargetOutput:
+    logits: torch.Tensor  # (b, q, vocab) float32
+    features: torch.Tensor | None  # (b, q, len(target_layer_ids) * hidden) or None without feature layers
+
+
+class TargetModel:
+    def __init__(self, model: nn.Module, tokenizer=None, feature_layer_ids: list[int] | None = None):
+        self.model = model.eval()
+        self.tokenizer = tokenizer
+        self.config = hf_compat.text_config(model.config)
+        self.layers = hf_compat.decoder_layers(model)
+        self._cache_kwarg = hf_compat.cache_kwarg_name(model)
+        self._takes_logits_to_keep = "logits_to_keep" in inspect.signature(model.forward).parameters
+        self._captured: dict[int, torch.Tensor] = {}
+        self._hooks: list = []
+        self.feature_layer_ids: list[int] = []
+        self.set_feature_layers(feature_layer_ids or [])
+
+    @classmethod
+    def from_pretrained(
+        cls,
+        path_or_id: str | os.PathLike,
+        dtype: str | torch.dtype | None = None,
+        device: str | torch.device = "cpu",
+        revision: str | None = None,
+    ) -> "TargetModel":
+        from transformers import AutoModelForCausalLM, AutoTokenizer
+
+        directory = resolve_model_dir(path_or_id, revision)
+        torch_dtype = parse_dtype(dtype) or "auto"
+        model = AutoModelForCausalLM.from_pretrained(directory, dtype=torch_dtype).to(device)
+        tokenizer = AutoTokenizer.from_pretrained(directory)
+        return cls(model, tokenizer)
+
+    # ---- facts about the target -------------------------------------------------------------------
+    @property
+    def num_layers(self) -> int:
+        return len(self.layers)
+
+    @property
+    def hidden_size(self) -> int:
+        return self.config.hidden_size
+
+    @property
+    def vocab_size(self) -> int:
+        return self.model.get_output_embeddings().weight.shape[0]
+
+    @property
+    def device(self) -> torch.device:
+        return next(self.model.parameters()).device
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return next(self.model.parameters()).dtype
+
+    def eos_token_ids(self) -> list[int]:
+        ids: set[int] = set()
+        for source in (getattr(self.model, "generation_config", None), self.config):
+            eos = getattr(source, "eos_token_id", None)
+            if eos is not None:
+                ids.update([eos] if isinstance(eos, int) else eos)
+        if self.tokenizer is not None and self.tokenizer.eos_token_id is not None:
+            ids.add(self.tokenizer.eos_token_id)
+        return sorted(ids)
+
+    # ---- feature capture ----------------------------------------------------------------------------
+    def set_feature_layers(self, layer_ids: list[int]) -> None:
+        """Capture the outputs of these decoder layers on every forward (in this order)."""
+        for hook in self._hooks:
+            hook.remove()
+        self._hooks, self._captured = [], {}
+        bad = [i for i in layer_ids if not 0 <= i < self.num_layers]
+        if bad:
+            raise IncompatibleDrafterError(f"feature layer ids {bad} are outside the target's {self.num_layers} layers")
+        self.feature_layer_ids = list(layer_ids)
+        for i in set(layer_ids):
+            self._hooks.append(self.layers[i].register_forward_hook(self._capture_hook(i)))
+
+    def _capture_hook(self, layer_id: int):
+        def hook(module, inputs, output):
+            self._captured[layer_id] = hf_compat.layer_output_tensor(output)
+
+        return hook
+
+    # ---- forwards -------------------------------------------------------------------------------------
+    def new_cache(self):
+        return hf_compat.new_dynamic_cache(self.model.config)
+
+    def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
+        return self.model.get_input_embeddings()(input_ids)
+
+    def lm_head(self, hidden: torch.Tensor) -> torch.Tensor:
+        return self.model.get_output_embeddings()(hidden)
+
+    @torch.inference_mode()
+    def forward(
+        self,
+        input_ids: torch.Tensor,  # (b, q)
+        position_ids: torch.Tensor,  # (b, q) real sequence positions
+        cache,
+        attention_mask: torch.Tensor | None = None,  # (b, cache slots + q), 1 = real token, 0 = hole
+        logits_to_keep: int = 0,  # 0 = logits for every position
+    ) -> TargetOutput:
+        kwargs = {self._cache_kwarg: cache, "use_cache": True}
+        if self._takes_logits_to_keep:
+            kwargs["logits_to_keep"] = logits_to_keep
+        out = self.model(input_ids=input_ids, position_ids=position_ids, attention_mask=attention_mask, **kwargs)
+        logits = out.logits
+        if logits_to_keep and logits.shape[1] > logits_to_keep:
+            logits = logits[:, -logits_to_keep:]
+        features = None
+        if self.feature_layer_ids:
+            features = torch.cat([self._captured[i] for i in self.feature_layer_ids], dim=-1)
+            self._captured = {}
+        return TargetOutput(logits=logits.float(), features=features)
+
+
+def check_compatible(target: TargetModel, config: DrafterConfig) -> None:
+    """Refuse a drafter built for another target, naming every mismatch."""
+    problems = []
+    if config.hidden_size != target.hidden_size:
+        problems.append(f"hidden size: drafter {config.hidden_size}, target {target.hidden_size}")
+    if config.num_target_layers != target.num_layers:
+        problems.append(f"number of target layers: drafter was built for {config.num_target_layers}, "
+                        f"target has {target.num_layers}")
+    bad_ids = [i for i in config.target_layer_ids if not 0 <= i < target.num_layers]
+    if bad_ids:
+        problems.append(f"target_layer_ids {bad_ids} out of range for a {target.num_layers}-layer target")
+    if config.vocab_size != target.vocab_size:
+        problems.append(f"vocab size: drafter {config.vocab_size}, target {target.vocab_size}")
+    if not 0 <= config.mask_token_id < target.vocab_size:
+        problems.append(f"mask_token_id {config.mask_token_id} is not in the target's vocabulary of {target.vocab_size}")
+    if problems:
+        raise IncompatibleDrafterError(
+            "this drafter does not fit this target: " + "; ".join(problems)
+            + ". Use the drafter trained for this target (or train one with `dflash train`)."
+        )

@@ -1,0 +1,280 @@
+"""Train the embedded DFlash target (a tiny Qwen3ForCausalLM) from scratch on GSM8K chats.
+
+Config choice (measured with scripts/embedded/bench_configs.py, torch threads = 2, ~200 ctx):
+    8x256  7.35M params  1-tok 6.2 ms  16-tok 8.9 ms  (x1.43)  train ~2200 tok/s
+    12x256 10.5M         1-tok 8.8 ms  16-tok 12.4 ms (x1.41)  train ~1570 tok/s
+    6x384  11.9M         1-tok 7.2 ms  16-tok 11.0 ms (x1.52)  train ~1990 tok/s
+    8x384  15.3M         1-tok 9.1 ms  16-tok 13.2 ms (x1.45)  train ~1390 tok/s
+We use 8 layers x hidden 256 (4 heads x head_dim 64, 2 KV heads, MLP 768): it trains fastest
+on 2 cores (needed for ~40 min convergence), and its decode step is dominated by per-layer
+overhead (a 16-token verify block costs only ~1.4x a 1-token step), which is the regime where
+block speculative decoding pays off. Deeper-narrow beats wider-shallow on that ratio.
+
+Training: fp32, AdamW, linear warmup + cosine decay, length-bucketed batches, loss on all
+non-pad tokens. The cosine horizon is either --steps (exactly reproducible), or, with
+--steps 0, a wall-clock budget --time-budget (seconds of training compute): the cosine
+progress is train_time / budget, so the schedule completes even if the shared CPU slows
+down. The number of steps actually run is logged, so a rerun can use --steps. Checkpoints (model + optimizer) go to --ckpt-dir every
+--save-every steps; --resume continues from the latest one.
+
+Usage:
+    python scripts/embedded/train_target.py --time-budget 2400 --ckpt-dir /work/ckpt_target
+"""
+import argparse
+import json
+import math
+import random
+import sys
+import time
+from pathlib import Path
+
+import torch
+from transformers import AutoTokenizer, GenerationConfig, Qwen3Config, Qwen3ForCausalLM
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from prepare_data import load_chats  # noqa: E402
+
+ROOT = Path(__file__).resolve().parents[2]
+ASSET_DIR = ROOT / "dflash" / "assets" / "target"
+
+MODEL_CFG = dict(
+    num_hidden_layers=8,
+    hidden_size=256,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    head_dim=64,
+    intermediate_size=768,
+    max_position_embeddings=2048,
+    tie_word_embeddings=True,
+    rope_theta=10000.0,
+    attention_dropout=0.0,
+)
+
+
+def build_config(tok):
+    return Qwen3Config(
+        vocab_size=len(tok),
+        bos_token_id=None,
+        eos_token_id=tok.eos_token_id,
+        pad_token_id=tok.pad_token_id,
+        **MODEL_CFG,
+    )
+
+
+def encode_chats(tok, chats, max_len):
+    """Return list of (input_ids, labels) with labels = -100 outside assistant content if asst_only."""
+    out = []
+    for chat in chats:
+        prompt = tok.apply_chat_template(chat[:-1], add_generation_prompt=True, tokenize=False)
+        full = tok.apply_chat_template(chat, tokenize=False)
+        p_ids = tok(prompt, add_special_tokens=False)["input_ids"]
+        ids = tok(full, add_special_tokens=False)["input_ids"]
+        assert ids[: len(p_ids)] == p_ids
+        # drop the trailing "\n" after <|im_end|>: the sequence ends on EOS
+        if ids[-1] != tok.eos_token_id:
+            ids = ids[: ids.index(tok.eos_token_id, len(p_ids)) + 1]
+        out.append((ids[:max_len], len(p_ids)))
+    return out
+
+
+def make_batches(examples, max_tokens, shuffle=True, rng=None):
+    rng = rng or random.Random(0)
+    idx = list(range(len(examples)))
+    if shuffle:
+        keys = {i: len(examples[i][0]) + rng.uniform(-8, 8) for i in idx}
+        idx.sort(key=keys.get)
+    else:
+        idx.sort(key=lambda i: len(examples[i][0]))
+    batches, cur, cur_max = [], [], 0
+    for i in idx:
+        L = len(examples[i][0])
+        if cur and max(cur_max, L) * (len(cur) + 1) > max_tokens:
+            batches.append(cur)
+            cur, cur_max = [], 0
+        cur.append(i)
+        cur_max = max(cur_max, L)
+    if cur:
+        batches.append(cur)
+    if shuffle:
+        rng.shuffle(batches)
+    return batches
+
+
+def collate(examples, batch, pad_id, asst_only):
+    L = max(len(examples[i][0]) for i in batch)
+    ids = torch.full((len(batch), L), pad_id, dtype=torch.long)
+    labels = torch.full((len(batch), L), -100, dtype=torch.long)
+    attn = torch.zeros((len(batch), L), dtype=torch.long)
+    for r, i in enumerate(batch):
+        seq, plen = examples[i]
+        ids[r, : len(seq)] = torch.tensor(seq)
+        attn[r, : len(seq)] = 1
+        lab = torch.tensor(seq)
+        if asst_only:
+            lab[:plen] = -100
+        labels[r, : len(seq)] = lab
+    return ids, attn, labels
+
+
+@torch.no_grad()
+def eval_loss(model, examples, pad_id, max_tokens=8192):
+    """Mean token loss on assistant tokens (answer + EOS)."""
+    model.eval()
+    tot, n = 0.0, 0
+    for b in make_batches(examples, max_tokens, shuffle=False):
+        ids, attn, labels = collate(examples, b, pad_id, asst_only=True)
+        logits = model(input_ids=ids, attention_mask=attn).logits[:, :-1].float()
+        tgt = labels[:, 1:]
+        loss = torch.nn.functional.cross_entropy(
+            logits.reshape(-1, logits.size(-1)), tgt.reshape(-1), ignore_index=-100, reduction="sum"
+        )
+        tot += loss.item()
+        n += (tgt != -100).sum().item()
+    model.train()
+    return tot / n
+
+
+def lr_at(step, warmup, progress, peak, min_ratio=0.05):
+    """Linear warmup over `warmup` steps, then cosine over `progress` in [0, 1]."""
+    if step < warmup:
+        return peak * (step + 1) / warmup
+    p = min(1.0, max(0.0, progress))
+    return peak * (min_ratio + (1 - min_ratio) * 0.5 * (1 + math.cos(math.pi * p)))
+
+
+def export(model, tok, out_dir, store_dtype=torch.float16):
+    """Save fp16 weights with config dtype float32 (loads in fp32 on CPU)."""
+    out_dir = Path(out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    m = Qwen3ForCausalLM(model.config)
+    m.load_state_dict(model.state_dict())
+    m = m.to(store_dtype)
+    m.config.dtype = "float32"
+    m.generation_config = GenerationConfig(
+        eos_token_id=tok.eos_token_id,
+        pad_token_id=tok.pad_token_id,
+        do_sample=False,
+        max_new_tokens=300,
+    )
+    m.save_pretrained(out_dir)
+    cfg = json.loads((out_dir / "config.json").read_text())
+    cfg["dtype"] = "float32"
+    cfg.pop("torch_dtype", None)
+    (out_dir / "config.json").write_text(json.dumps(cfg, indent=2) + "\n")
+    tok.save_pretrained(out_dir)
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--tokenizer", default=str(ASSET_DIR))
+    ap.add_argument("--ckpt-dir", default="/work/ckpt_target")
+    ap.add_argument("--out", default=str(ASSET_DIR))
+    ap.add_argument("--steps", type=int, default=0, help="total steps (0 = derive from --time-budget)")
+    ap.add_argument("--time-budget", type=float, default=2400.0)
+    ap.add_argument("--max-tokens", type=int, default=4096, help="tokens per batch incl. padding")
+    ap.add_argument("--max-len", type=int, default=400)
+    ap.add_argument("--lr", type=float, default=2e-3)
+    ap.add_argument("--warmup", type=int, default=60)
+    ap.add_argument("--wd", type=float, default=0.1)
+    ap.add_argument("--asst-only", action="store_true")
+    ap.add_argument("--save-every", type=int, default=200)
+    ap.add_argument("--eval-every", type=int, default=300)
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--resume", action="store_true")
+    args = ap.parse_args()
+
+    torch.set_num_threads(args.threads)
+    torch.manual_seed(args.seed)
+    rng = random.Random(args.seed)
+    ckpt_dir = Path(args.ckpt_dir)
+    ckpt_dir.mkdir(parents=True, exist_ok=True)
+
+    tok = AutoTokenizer.from_pretrained(args.tokenizer)
+    train = encode_chats(tok, load_chats("train"), args.max_len)
+    val = encode_chats(tok, load_chats("test"), args.max_len)
+    val_sub = random.Random(1).sample(val, 200)
+    n_tok = sum(len(s) for s, _ in train)
+    print(f"train {len(train)} chats / {n_tok} tokens, val {len(val)}", flush=True)
+
+    model = Qwen3ForCausalLM(build_config(tok))
+    model.train()
+    print(f"params {sum(p.numel() for p in model.parameters())/1e6:.2f}M", flush=True)
+    decay = [p for n, p in model.named_parameters() if p.dim() >= 2 and "embed" not in n]
+    no_decay = [p for n, p in model.named_parameters() if not (p.dim() >= 2 and "embed" not in n)]
+    opt = torch.optim.AdamW(
+        [{"params": decay, "weight_decay": args.wd}, {"params": no_decay, "weight_decay": 0.0}],
+        lr=args.lr, betas=(0.9, 0.95), eps=1e-8,
+    )
+    step, total, epoch = 0, args.steps, 0
+    warm_time = None
+    seen_tokens, train_time = 0, 0.0
+    if args.resume and (ckpt_dir / "last.pt").exists():
+        st = torch.load(ckpt_dir / "last.pt", weights_only=False)
+        model.load_state_dict(st["model"])
+        opt.load_state_dict(st["opt"])
+        step, total, epoch = st["step"], st["total"], st["epoch"]
+        warm_time = st.get("warm_time")
+        seen_tokens, train_time = st.get("seen_tokens", 0), st.get("train_time", 0.0)
+        rng.setstate(st["rng"])
+        print(f"resumed at step {step}/{total}", flush=True)
+
+    def save():
+        torch.save(
+            dict(model=model.state_dict(), opt=opt.state_dict(), step=step, total=total, epoch=epoch,
+                 seen_tokens=seen_tokens, train_time=train_time, warm_time=warm_time, rng=rng.getstate(), args=vars(args)),
+            ckpt_dir / "last.pt.tmp",
+        )
+        (ckpt_dir / "last.pt.tmp").replace(ckpt_dir / "last.pt")
+
+    batches = []
+    t_start = time.time()
+    log_loss, log_n = 0.0, 0
+    while (step < total) if args.steps else (train_time < args.time_budget):
+        if not batches:
+            batches = make_batches(train, args.max_tokens, rng=rng)
+            epoch += 1
+        b = batches.pop()
+        ids, attn, labels = collate(train, b, tok.pad_token_id, args.asst_only)
+        if args.steps:
+            progress = (step - args.warmup) / max(1, total - args.warmup)
+        else:
+            progress = (train_time - (warm_time or 0.0)) / max(1.0, args.time_budget - (warm_time or 0.0))
+        lr = lr_at(step, args.warmup, progress, args.lr)
+        for g in opt.param_groups:
+            g["lr"] = lr
+        t0 = time.time()
+        loss = model(input_ids=ids, attention_mask=attn, labels=labels).loss
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        train_time += time.time() - t0
+        seen_tokens += int(attn.sum())
+        step += 1
+        log_loss += loss.item()
+        log_n += 1
+        if step == args.warmup:
+            warm_time = train_time
+            if not args.steps:
+                total = int(args.time_budget / (train_time / step))
+                print(f"timing: {train_time/step:.3f} s/step -> ~{total} steps (time-based)", flush=True)
+        if step % 20 == 0:
+            el = time.time() - t_start
+            print(f"step {step}/{total} ep {epoch} loss {log_loss/log_n:.4f} lr {lr:.2e} "
+                  f"tok/s {seen_tokens/max(train_time,1e-9):.0f} elapsed {el:.0f}s", flush=True)
+            log_loss, log_n = 0.0, 0
+        if step % args.eval_every == 0:
+            print(f"step {step} val_loss(asst, 200 test) {eval_loss(model, val_sub, tok.pad_token_id):.4f}", flush=True)
+        if step % args.save_every == 0:
+            save()
+    save()
+    vl = eval_loss(model, val, tok.pad_token_id)
+    print(f"done: {step} steps, {epoch} epochs, train_time {train_time:.0f}s, "
+          f"{seen_tokens/train_time:.0f} tok/s, val_loss(asst, full test) {vl:.4f}", flush=True)
+    export(model, tok, args.out)
+    print(f"exported to {args.out}", flush=True)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,106 @@
+"""Tiny random targets of several families, drafters that fit them, and test proposers."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+
+from dflash.decoding.proposer import DFlashProposer, Draft
+from dflash.model.config import DrafterConfig, default_target_layer_ids
+from dflash.model.drafter import DFlashDraftModel
+from dflash.model.target import TargetModel
+
+VOCAB = 128
+HIDDEN = 64
+LAYERS = 4
+MASK_TOKEN_ID = VOCAB - 1
+FAMILIES = ("qwen3", "llama", "qwen3_moe")
+
+
+def tiny_target_model(family: str = "qwen3", seed: int = 0, layers: int = LAYERS):
+    """A random causal LM with peaky logits (so float noise never flips an argmax)."""
+    from transformers import AutoModelForCausalLM, LlamaConfig, Qwen3Config, Qwen3MoeConfig
+
+    common = dict(vocab_size=VOCAB, hidden_size=HIDDEN, intermediate_size=128, num_hidden_layers=layers,
+                  num_attention_heads=4, num_key_value_heads=2, head_dim=16, max_position_embeddings=1024,
+                  tie_word_embeddings=False, eos_token_id=None, bos_token_id=None, pad_token_id=None)
+    if family == "qwen3":
+        config = Qwen3Config(**common)
+    elif family == "llama":
+        config = LlamaConfig(**common)
+    elif family == "qwen3_moe":
+        config = Qwen3MoeConfig(**common, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=64,
+                                decoder_sparse_step=1, mlp_only_layers=[])
+    else:
+        raise ValueError(family)
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    with torch.no_grad():
+        model.get_output_embeddings().weight.mul_(8.0)
+    return model.eval()
+
+
+def tiny_drafter_config(target: TargetModel, layers: int = 1, block_size: int = 16) -> DrafterConfig:
+    return DrafterConfig(
+        hidden_size=target.hidden_size, intermediate_size=128, num_hidden_layers=layers, num_attention_heads=4,
+        num_key_value_heads=2, head_dim=16, vocab_size=target.vocab_size, num_target_layers=target.num_layers,
+        target_layer_ids=default_target_layer_ids(target.num_layers, layers), mask_token_id=MASK_TOKEN_ID,
+        block_size=block_size, max_position_embeddings=1024,
+    )
+
+
+def tiny_drafter(target: TargetModel, layers: int = 1, block_size: int = 16, seed: int = 0) -> DFlashDraftModel:
+    torch.manual_seed(seed)
+    drafter = DFlashDraftModel(tiny_drafter_config(target, layers, block_size))
+    drafter.init_weights()
+    return drafter.eval()
+
+
+@pytest.fixture(params=FAMILIES)
+def family(request) -> str:
+    return request.param
+
+
+@pytest.fixture
+def target(family) -> TargetModel:
+    return TargetModel(tiny_target_model(family))
+
+
+def random_prompts(n: int, seed: int = 0, low: int = 3, high: int = 20) -> list[list[int]]:
+    rng = random.Random(seed)
+    return [[rng.randrange(VOCAB - 1) for _ in range(rng.randint(low, high))] for _ in range(n)]
+
+
+class OracleProposer(DFlashProposer):
+    """Runs the real drafter (cache and all), then replaces its draft tokens with the target's own greedy
+    continuation, kept correct for `correct(row)` tokens and corrupted after that.
+
+    `references` maps a prompt (tuple) to the target-alone greedy output (prompt excluded).
+    `correct`: None = every draft token right (whole blocks accepted); an int or a callable for partial.
+    """
+
+    def __init__(self, drafter, target, references: dict[tuple, list[int]], correct=None, seed: int = 0):
+        super().__init__(drafter, target)
+        self.references = references
+        self.correct = correct
+        self.rng = random.Random(seed)
+
+    def with_block_size(self, block_size):
+        clone = OracleProposer(self.drafter, self.target, self.references, self.correct)
+        clone.rng = self.rng
+        clone.block_size = block_size or self.block_size
+        return clone
+
+    def propose(self, state, anchors, anchor_positions, rows) -> Draft:
+        draft = super().propose(state, anchors, anchor_positions, rows)
+        k = draft.tokens.shape[1]
+        for r, row in enumerate(rows):
+            full = row.prompt_ids + self.references[tuple(row.prompt_ids)]
+            start = int(anchor_positions[r]) + 1
+            truth = (full[start:start + k] + [0] * k)[:k]
+            n_right = k if self.correct is None else (self.correct(self.rng) if callable(self.correct) else self.correct)
+            wrong = [(t + 1) % (VOCAB - 1) for t in truth]
+            draft.tokens[r] = torch.tensor(truth[:n_right] + wrong[n_right:])
+        return draft
