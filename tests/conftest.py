@@ -12,6 +12,8 @@ from dflash.model.config import DrafterConfig, default_target_layer_ids
 from dflash.model.drafter import DFlashDraftModel
 from dflash.model.target import TargetModel
 
+torch.set_num_threads(1)  # tiny models: one thread is fastest and never oversubscribes the machine
+
 VOCAB = 128
 HIDDEN = 64
 LAYERS = 4
@@ -104,3 +106,57 @@ class OracleProposer(DFlashProposer):
             wrong = [(t + 1) % (VOCAB - 1) for t in truth]
             draft.tokens[r] = torch.tensor(truth[:n_right] + wrong[n_right:])
         return draft
+
+
+# ---- a tiny text pair on disk (target + tokenizer + drafter), for the CLI, bench and server ----------
+CHAT_TEMPLATE = (
+    "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+_CORPUS = (
+    "Natalia sold clips to 48 of her friends in April, and then she sold half as many clips in May. "
+    "How many clips did Natalia sell altogether in April and May? Weng earns 12 dollars an hour for babysitting. "
+    "Yesterday, she just did 50 minutes of babysitting. How much did she earn? The answer is 72. "
+    "Please reason step by step, and put your final answer within boxed."
+)
+
+
+def make_tokenizer():
+    """A ~128-token SentencePiece-style BPE with a ChatML template and a dedicated mask token."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    specials = ["<unk>", "<|im_start|>", "<|im_end|>", "<|mask|>"]
+    tok = Tokenizer(models.BPE(unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.Metaspace()
+    tok.decoder = decoders.Metaspace()
+    tok.train_from_iterator([_CORPUS] * 4, trainers.BpeTrainer(vocab_size=VOCAB, special_tokens=specials))
+    fast = PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="<unk>", eos_token="<|im_end|>",
+                                   pad_token="<unk>", additional_special_tokens=["<|im_start|>", "<|mask|>"])
+    fast.chat_template = CHAT_TEMPLATE
+    return fast
+
+
+def save_tiny_pair(root, family: str = "qwen3", block_size: int = 8, drafter_layers: int = 1):
+    """Write a tiny target (with tokenizer) and a random drafter for it; returns (target_dir, draft_dir)."""
+    from pathlib import Path
+
+    root = Path(root)
+    tokenizer = make_tokenizer()
+    model = tiny_target_model(family)
+    eos = tokenizer.convert_tokens_to_ids("<|im_end|>")
+    model.config.eos_token_id = eos
+    model.generation_config.eos_token_id = eos
+    model.save_pretrained(root / "target")
+    tokenizer.save_pretrained(root / "target")
+    target = TargetModel(model, tokenizer)
+    drafter = tiny_drafter(target, layers=drafter_layers, block_size=block_size)
+    drafter.config.mask_token_id = tokenizer.convert_tokens_to_ids("<|mask|>")
+    drafter.save_pretrained(root / "draft")
+    return root / "target", root / "draft"
+
+
+@pytest.fixture(scope="session")
+def tiny_pair(tmp_path_factory):
+    """(target_dir, draft_dir) of a tiny Qwen3 pair with a real tokenizer and chat template."""
+    return save_tiny_pair(tmp_path_factory.mktemp("tiny_pair"))

@@ -12,6 +12,7 @@ Batches are ragged: each row accepts its own number of tokens per step (see `slo
 
 from __future__ import annotations
 
+from dflash.errors import UserError
 import time
 from dataclasses import dataclass, field
 from typing import Iterator
@@ -31,7 +32,7 @@ _COMPACT_HOLE_SHARE = 0.5
 _COMPACT_MIN_SLOTS = 64
 
 
-class GenerationError(ValueError):
+class GenerationError(UserError):
     """A request the engine cannot serve as given; the message says what to change."""
 
 
@@ -167,7 +168,6 @@ class SpeculativeEngine:
         self.target = target
         self.proposer = proposer or NoDraftProposer()
         self.tokenizer = tokenizer if tokenizer is not None else target.tokenizer
-        self.target.set_feature_layers(self.proposer.feature_layer_ids)
         self.profile = StepProfile()
 
     # ---- requests ---------------------------------------------------------------------------------------
@@ -205,7 +205,8 @@ class SpeculativeEngine:
         ids = torch.tensor([seq.prompt_ids], device=device)  # (1, n)
         positions = torch.arange(ids.shape[1], device=device)[None]
         cache = self.target.new_cache()
-        out = self.target.forward(ids, positions, cache, logits_to_keep=1)
+        out = self.target.forward(ids, positions, cache, logits_to_keep=1,
+                                  feature_layer_ids=proposer.feature_layer_ids)
         first = sample_target_only(out.logits[0, -1], seq.params, seq.generator)
         seq.stats.target_forwards += 1
         seq.record([first])
@@ -231,7 +232,8 @@ class SpeculativeEngine:
         mask = None
         if batch.has_holes:
             mask = torch.cat([batch.target_valid, torch.ones_like(block, dtype=torch.bool)], dim=1).long()
-        out = self.target.forward(block, positions, batch.target_cache, attention_mask=mask)
+        out = self.target.forward(block, positions, batch.target_cache, attention_mask=mask,
+                                  feature_layer_ids=batch.proposer.feature_layer_ids)
         t2 = time.perf_counter()
         new_tokens = self._verify(draft, out.logits, rows)
         self._commit(batch, new_tokens, out.features, positions, drafted=draft.tokens.shape[1] > 0)

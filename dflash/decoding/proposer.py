@@ -12,6 +12,7 @@ from typing import Protocol
 import torch
 
 from dflash.decoding.sampling import sample, to_probs
+from dflash.errors import UserError
 from dflash.decoding.slots import compaction_index, gather_slots, pad_and_concat
 from dflash.model.drafter import DFlashDraftModel, DrafterCache
 from dflash.model.target import TargetModel, check_compatible
@@ -93,7 +94,7 @@ class DFlashProposer:
         check_compatible(target, drafter.config)
         trained = drafter.config.block_size
         if block_size is not None and not 2 <= block_size <= trained:
-            raise ValueError(f"block size {block_size} is not usable with this drafter: choose 2..{trained} "
+            raise UserError(f"block size {block_size} is not usable with this drafter: choose 2..{trained} "
                              "(a drafter works at or below the block size it was trained for)")
         self.drafter = drafter
         self.target = target

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from dflash.errors import UserError
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -15,7 +16,7 @@ _OWNED = {
 }
 
 
-class DrafterConfigError(ValueError):
+class DrafterConfigError(UserError):
     """A drafter config.json that cannot be used; the message says what to change."""
 
 
@@ -76,6 +77,12 @@ class DrafterConfig:
     def from_dict(cls, raw: dict[str, Any], mask_token_id: int | None = None) -> "DrafterConfig":
         """Parse the public format: `dflash_config` (new), top-level fields, or the legacy form without either."""
         dflash = raw.get("dflash_config") or {}
+        architectures = raw.get("architectures") or []
+        if architectures and not any("DFlash" in a for a in architectures):
+            raise DrafterConfigError(
+                f"this checkpoint is a {architectures[0]} model, not a DFlash drafter; pass the drafter directory "
+                "as the draft model (and the full model as the target)"
+            )
         missing = [k for k in ("hidden_size", "num_hidden_layers", "num_attention_heads", "vocab_size") if k not in raw]
         if missing:
             raise DrafterConfigError(f"drafter config.json lacks {', '.join(missing)}; is this a DFlash drafter?")

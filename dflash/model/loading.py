@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from dflash.errors import UserError
 import json
 import os
 from pathlib import Path
@@ -16,7 +17,7 @@ _DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch
            "fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
 
 
-class CheckpointError(ValueError):
+class CheckpointError(UserError):
     """A checkpoint that cannot be found or read; the message says what to do."""
 
 

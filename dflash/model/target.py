@@ -6,6 +6,7 @@ with forward hooks, so only those layers' hidden states exist, never all of them
 
 from __future__ import annotations
 
+from dflash.errors import UserError
 import inspect
 import os
 from dataclasses import dataclass
@@ -18,7 +19,7 @@ from dflash.model.config import DrafterConfig
 from dflash.model.loading import parse_dtype, resolve_model_dir
 
 
-class IncompatibleDrafterError(ValueError):
+class IncompatibleDrafterError(UserError):
     """The drafter was not built for this target; the message names every mismatch."""
 
 
@@ -29,7 +30,7 @@ class TargetOutput:
 
 
 class TargetModel:
-    def __init__(self, model: nn.Module, tokenizer=None, feature_layer_ids: list[int] | None = None):
+    def __init__(self, model: nn.Module, tokenizer=None):
         self.model = model.eval()
         self.tokenizer = tokenizer
         self.config = hf_compat.text_config(model.config)
@@ -37,9 +38,8 @@ class TargetModel:
         self._cache_kwarg = hf_compat.cache_kwarg_name(model)
         self._takes_logits_to_keep = "logits_to_keep" in inspect.signature(model.forward).parameters
         self._captured: dict[int, torch.Tensor] = {}
-        self._hooks: list = []
-        self.feature_layer_ids: list[int] = []
-        self.set_feature_layers(feature_layer_ids or [])
+        self._hooks: dict[int, object] = {}
+        self._wanted: set[int] = set()
 
     @classmethod
     def from_pretrained(
@@ -89,21 +89,19 @@ class TargetModel:
         return sorted(ids)
 
     # ---- feature capture ----------------------------------------------------------------------------
-    def set_feature_layers(self, layer_ids: list[int]) -> None:
-        """Capture the outputs of these decoder layers on every forward (in this order)."""
-        for hook in self._hooks:
-            hook.remove()
-        self._hooks, self._captured = [], {}
+    def _ensure_hooks(self, layer_ids: list[int]) -> None:
+        """Hooks are added once per layer and capture only while that layer's output is wanted."""
         bad = [i for i in layer_ids if not 0 <= i < self.num_layers]
         if bad:
             raise IncompatibleDrafterError(f"feature layer ids {bad} are outside the target's {self.num_layers} layers")
-        self.feature_layer_ids = list(layer_ids)
-        for i in set(layer_ids):
-            self._hooks.append(self.layers[i].register_forward_hook(self._capture_hook(i)))
+        for i in layer_ids:
+            if i not in self._hooks:
+                self._hooks[i] = self.layers[i].register_forward_hook(self._capture_hook(i))
 
     def _capture_hook(self, layer_id: int):
         def hook(module, inputs, output):
-            self._captured[layer_id] = hf_compat.layer_output_tensor(output)
+            if layer_id in self._wanted:
+                self._captured[layer_id] = hf_compat.layer_output_tensor(output)
 
         return hook
 
@@ -125,7 +123,10 @@ class TargetModel:
         cache,
         attention_mask: torch.Tensor | None = None,  # (b, cache slots + q), 1 = real token, 0 = hole
         logits_to_keep: int = 0,  # 0 = logits for every position
+        feature_layer_ids: list[int] | tuple = (),  # outputs of these layers, concatenated in this order
     ) -> TargetOutput:
+        self._ensure_hooks(list(feature_layer_ids))
+        self._wanted, self._captured = set(feature_layer_ids), {}
         kwargs = {self._cache_kwarg: cache, "use_cache": True}
         if self._takes_logits_to_keep:
             kwargs["logits_to_keep"] = logits_to_keep
@@ -134,9 +135,9 @@ class TargetModel:
         if logits_to_keep and logits.shape[1] > logits_to_keep:
             logits = logits[:, -logits_to_keep:]
         features = None
-        if self.feature_layer_ids:
-            features = torch.cat([self._captured[i] for i in self.feature_layer_ids], dim=-1)
-            self._captured = {}
+        if feature_layer_ids:
+            features = torch.cat([self._captured[i] for i in feature_layer_ids], dim=-1)
+        self._wanted, self._captured = set(), {}
         return TargetOutput(logits=logits.float(), features=features)
 
 

@@ -1,0 +1,157 @@
+"""The one-call Python API: load a target + drafter pair, generate from text, chat messages or token ids.
+
+    from dflash import DFlash
+    pipe = DFlash.from_pretrained()                       # the embedded pair
+    out = pipe.generate("What is 12 * 7?", max_new_tokens=64)
+    print(out.text, out.stats.mean_acceptance_length)
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import fields
+from pathlib import Path
+from typing import Any, Iterator, Union
+
+import torch
+
+from dflash.decoding.engine import GenerationConfig, GenerationError, GenerationOutput, SpeculativeEngine
+from dflash.decoding.proposer import DFlashProposer, NoDraftProposer
+from dflash.model.loading import load_drafter
+from dflash.model.target import TargetModel
+
+ASSETS = Path(__file__).parent / "assets"
+DEFAULT_TARGET = ASSETS / "target"
+DEFAULT_DRAFT = ASSETS / "drafter"
+
+Prompt = Union[str, list[dict[str, str]], list[int]]
+
+
+def default_device() -> str:
+    return "cuda" if torch.cuda.is_available() else "cpu"
+
+
+class DFlash:
+    """A target, an optional DFlash drafter, their tokenizer, and the engine that decodes with them."""
+
+    def __init__(self, target: TargetModel, drafter=None, block_size: int | None = None):
+        self.target = target
+        self.drafter = drafter
+        self.tokenizer = target.tokenizer
+        proposer = DFlashProposer(drafter, target, block_size) if drafter is not None else NoDraftProposer()
+        self.engine = SpeculativeEngine(target, proposer)
+
+    @classmethod
+    def from_pretrained(
+        cls,
+        target: str | os.PathLike | None = None,
+        draft: str | os.PathLike | None = None,
+        *,
+        no_draft: bool = False,
+        dtype: str | torch.dtype | None = None,
+        device: str | None = None,
+        block_size: int | None = None,
+        mask_token_id: int | None = None,
+    ) -> "DFlash":
+        """Paths or hub ids. With neither given, the embedded pair; `no_draft=True` decodes plainly."""
+        device = device or default_device()
+        if target is None:
+            target = DEFAULT_TARGET
+            draft = draft if draft is not None else (None if no_draft else DEFAULT_DRAFT)
+        target_model = TargetModel.from_pretrained(target, dtype=dtype, device=device)
+        drafter = None
+        if draft is not None and not no_draft:
+            drafter = load_drafter(draft, mask_token_id=mask_token_id, dtype=target_model.dtype, device=device)
+        return cls(target_model, drafter, block_size)
+
+    # ---- prompts ------------------------------------------------------------------------------------
+    def encode(self, prompt: Prompt, raw: bool = False) -> list[int]:
+        """Token ids for a prompt: ids as given; chat messages and (unless raw) text via the chat template."""
+        if isinstance(prompt, list) and all(isinstance(t, int) for t in prompt) and prompt:
+            return list(prompt)
+        if self.tokenizer is None:
+            raise GenerationError("this target has no tokenizer; pass token ids instead of text")
+        has_template = bool(getattr(self.tokenizer, "chat_template", None))
+        if isinstance(prompt, list):
+            _check_messages(prompt)
+            if not has_template:
+                raise GenerationError("the tokenizer has no chat template; send plain text with raw=True")
+            return _as_ids(self.tokenizer.apply_chat_template(prompt, add_generation_prompt=True, tokenize=True))
+        if not isinstance(prompt, str):
+            raise GenerationError(f"a prompt is text, a list of chat messages or a list of token ids, not {type(prompt).__name__}")
+        if has_template and not raw:
+            return self.encode([{"role": "user", "content": prompt}])
+        return self.tokenizer(prompt, add_special_tokens=True)["input_ids"]
+
+    # ---- generation -----------------------------------------------------------------------------------
+    def generate(self, prompt: Prompt, raw: bool = False, **options: Any) -> GenerationOutput:
+        """Options are `GenerationConfig` fields: max_new_tokens, temperature, top_p, top_k, seed, ..."""
+        return self.generate_batch([prompt], raw=raw, **options)[0]
+
+    def generate_batch(self, prompts: list[Prompt], raw: bool = False, **options: Any) -> list[GenerationOutput]:
+        config = make_config(**options)
+        return self.engine.generate([self.encode(p, raw) for p in prompts], config)
+
+    def stream(self, prompt: Prompt, raw: bool = False, **options: Any) -> "TextStream":
+        """Iterate over text pieces as they are decoded; `.result` holds the output afterwards."""
+        config = make_config(**options)
+        return TextStream(self, self.engine.stream(self.encode(prompt, raw), config), config.stop_strings)
+
+
+class TextStream:
+    """Text pieces of a generation. Text that may be the start of a stop string is held back until it is
+    clear, so the pieces always add up to the final text (which never contains the stop string)."""
+
+    def __init__(self, pipe: DFlash, tokens, stop_strings: list[str]):
+        self._pipe, self._tokens, self._stops = pipe, tokens, [s for s in stop_strings if s]
+        self.result: GenerationOutput | None = None
+
+    def __iter__(self) -> Iterator[str]:
+        ids: list[int] = []
+        shown = 0
+        for new in self._tokens:
+            ids.extend(new)
+            text = self._pipe.tokenizer.decode(ids, skip_special_tokens=True)
+            safe = self._safe_length(text)
+            if safe > shown:
+                yield text[shown:safe]
+                shown = safe
+        self.result = self._tokens.result
+        final = self.result.text or ""
+        if len(final) > shown:
+            yield final[shown:]
+
+    def _safe_length(self, text: str) -> int:
+        """How much of `text` can be shown: up to a stop string, minus a tail that could begin one."""
+        hits = [i for i in (text.find(s) for s in self._stops) if i >= 0]
+        if hits:
+            return min(hits)
+        safe = len(text) - 1 if text.endswith("\ufffd") else len(text)  # half a multi-byte character
+        for s in self._stops:
+            for n in range(min(len(s) - 1, safe), 0, -1):
+                if text[:safe].endswith(s[:n]):
+                    safe = min(safe, len(text[:safe]) - n)
+                    break
+        return safe
+
+
+def make_config(**options: Any) -> GenerationConfig:
+    known = {f.name for f in fields(GenerationConfig)}
+    unknown = sorted(set(options) - known)
+    if unknown:
+        raise GenerationError(f"unknown generation option(s) {unknown}; known: {sorted(known)}")
+    return GenerationConfig(**options)
+
+
+def _check_messages(messages: list) -> None:
+    if not messages:
+        raise GenerationError("messages is empty; send at least one {'role': 'user', 'content': ...}")
+    for m in messages:
+        if not isinstance(m, dict) or not isinstance(m.get("role"), str) or not isinstance(m.get("content"), str):
+            raise GenerationError(f"each message needs string 'role' and 'content', got {m!r}")
+
+
+def _as_ids(encoded) -> list[int]:
+    if hasattr(encoded, "keys") and "input_ids" in encoded:
+        encoded = encoded["input_ids"]
+    return list(encoded)

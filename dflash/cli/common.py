@@ -1,0 +1,29 @@
+"""Flags shared by the subcommands that load a model pair."""
+
+from __future__ import annotations
+
+import argparse
+
+
+def add_model_arguments(parser: argparse.ArgumentParser) -> None:
+    group = parser.add_argument_group("models (default: the embedded GSM8K pair)")
+    group.add_argument("--target", help="target model: local directory or Hugging Face hub id")
+    draft = group.add_mutually_exclusive_group()
+    draft.add_argument("--draft", help="DFlash drafter: local directory or hub id")
+    draft.add_argument("--no-draft", action="store_true", help="plain autoregressive decoding (the baseline)")
+    group.add_argument("--mask-token-id", type=int, help="mask token id for legacy drafters whose config lacks it")
+    group.add_argument("--block-size", type=int, help="tokens per block (<= the drafter's block size)")
+    group.add_argument("--dtype", choices=["auto", "float32", "float16", "bfloat16"], default="auto")
+    group.add_argument("--device", help="cpu, cuda, cuda:1, ... (default: cuda if available)")
+
+
+def load_pipeline(args: argparse.Namespace):
+    from dflash.api import DFlash
+    from dflash.errors import UserError
+
+    if args.draft and not args.target:
+        raise UserError("--draft needs --target (the drafter must be paired with the target it was trained for)")
+    return DFlash.from_pretrained(
+        args.target, args.draft, no_draft=args.no_draft, dtype=args.dtype, device=args.device,
+        block_size=args.block_size, mask_token_id=args.mask_token_id,
+    )

@@ -1,0 +1,58 @@
+"""`dflash` command line: one subcommand per job, each in its own module."""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import sys
+
+# subcommand -> module with add_arguments(parser) and run(args) -> int
+COMMANDS = {
+    "generate": ("dflash.cli.generate", "decode a prompt with DFlash speculative decoding"),
+}
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="dflash", description="Lossless block-diffusion speculative decoding.")
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    for name, (module, help_text) in COMMANDS.items():
+        command = sub.add_parser(name, help=help_text, description=help_text)
+        importlib.import_module(module).add_arguments(command)
+        command.set_defaults(module=module)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    from dflash.errors import UserError
+
+    args = build_parser().parse_args(argv)
+    _quiet_libraries()
+    try:
+        return importlib.import_module(args.module).run(args) or 0
+    except UserError as err:
+        print(f"dflash {args.command}: error: {err}", file=sys.stderr)
+        return 2
+    except (FileNotFoundError, OSError) as err:
+        print(f"dflash {args.command}: error: {err}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print(f"dflash {args.command}: interrupted", file=sys.stderr)
+        return 130
+
+
+def _quiet_libraries() -> None:
+    """Keep the terminal for our output: no per-load progress bars or advisory warnings from transformers."""
+    import os
+
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    try:
+        from transformers.utils import logging as hf_logging
+
+        hf_logging.set_verbosity_error()
+        hf_logging.disable_progress_bar()
+    except ImportError:
+        pass
+
+
+if __name__ == "__main__":
+    sys.exit(main())

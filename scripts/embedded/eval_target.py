@@ -1,0 +1,114 @@
+"""Evaluate the embedded DFlash target.
+
+Reports
+  (a) validation loss: mean cross-entropy over assistant tokens (answer + <|im_end|>) of all
+      1,319 GSM8K test chats (formatted like training, teacher-forced);
+  (b) loop share on the first N test questions, greedy-decoded (batch 1, chat template,
+      max 300 new tokens). A response counts as a LOOP if
+        - it emits no EOS (<|im_end|>) within the token limit, or
+        - any 6-gram of generated tokens occurs 3 or more times in it;
+  (c) share of responses that end with a boxed answer ("...\\boxed{X}." then EOS), and the
+      accuracy (boxed X equals the GSM8K reference number).
+Prints 3 sample answers.
+
+Usage: python scripts/embedded/eval_target.py [--model dflash/assets/target] [--n 100]
+"""
+import argparse
+import re
+import sys
+import time
+from collections import Counter
+from pathlib import Path
+
+import torch
+from transformers import AutoModelForCausalLM, AutoTokenizer
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from prepare_data import final_number, format_question, load_chats, load_split  # noqa: E402
+from train_target import encode_chats, eval_loss  # noqa: E402
+
+ROOT = Path(__file__).resolve().parents[2]
+BOXED_END = re.compile(r"\\boxed\{([^{}]*)\}\.?\s*$")
+
+
+def is_loop(gen_ids, eos_id, n=6, k=3):
+    if eos_id not in gen_ids:
+        return True, "no-eos"
+    body = gen_ids[: gen_ids.index(eos_id)]
+    grams = Counter(tuple(body[i : i + n]) for i in range(len(body) - n + 1))
+    if grams and max(grams.values()) >= k:
+        return True, "ngram"
+    return False, ""
+
+
+def to_num(s):
+    s = s.replace(",", "").replace("$", "").strip()
+    try:
+        return float(s)
+    except ValueError:
+        return None
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--model", default=str(ROOT / "dflash" / "assets" / "target"))
+    ap.add_argument("--n", type=int, default=100)
+    ap.add_argument("--max-new-tokens", type=int, default=300)
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--skip-loss", action="store_true")
+    args = ap.parse_args()
+    torch.set_num_threads(args.threads)
+
+    tok = AutoTokenizer.from_pretrained(args.model)
+    model = AutoModelForCausalLM.from_pretrained(args.model).eval()
+    print(f"loaded {args.model}: dtype {next(model.parameters()).dtype}, "
+          f"{sum(p.numel() for p in model.parameters())/1e6:.2f}M params", flush=True)
+    eos = tok.eos_token_id
+
+    if not args.skip_loss:
+        val = encode_chats(tok, load_chats("test"), 400)
+        print(f"(a) val loss (assistant tokens, {len(val)} test chats): {eval_loss(model, val, tok.pad_token_id):.4f}",
+              flush=True)
+
+    rows = load_split("test")[: args.n]
+    loops, why, boxed, correct, samples, n_tok = 0, Counter(), 0, 0, [], 0
+    t0 = time.time()
+    for i, row in enumerate(rows):
+        msgs = [{"role": "user", "content": format_question(row["question"])}]
+        prompt = tok.apply_chat_template(msgs, add_generation_prompt=True, tokenize=False)
+        ids = tok(prompt, return_tensors="pt", add_special_tokens=False)
+        with torch.inference_mode():
+            out = model.generate(**ids, do_sample=False, max_new_tokens=args.max_new_tokens,
+                                 eos_token_id=eos, pad_token_id=tok.pad_token_id)
+        gen = out[0, ids["input_ids"].shape[1]:].tolist()
+        n_tok += len(gen)
+        loop, reason = is_loop(gen, eos)
+        text = tok.decode(gen, skip_special_tokens=True)
+        m = BOXED_END.search(text)
+        has_box = m is not None and (eos in gen)
+        ok = False
+        if has_box:
+            boxed += 1
+            a, b = to_num(m.group(1)), to_num(final_number(row["answer"]))
+            ok = a is not None and b is not None and abs(a - b) < 1e-6
+            correct += ok
+        if loop:
+            loops += 1
+            why[reason] += 1
+        if len(samples) < 3:
+            samples.append((row["question"], text, final_number(row["answer"]), loop, ok))
+    dt = time.time() - t0
+    n = len(rows)
+    print(f"(b) loop share: {loops}/{n} = {loops/n:.1%}  ({dict(why)})")
+    print(f"(c) ends with boxed answer + EOS: {boxed}/{n} = {boxed/n:.1%};  accuracy: {correct}/{n} = {correct/n:.1%}")
+    print(f"generation: {n_tok} tokens in {dt:.0f}s ({n_tok/dt:.1f} tok/s, HF generate, batch 1)")
+    for q, a, ref, loop, ok in samples:
+        print("=" * 70)
+        print("Q:", q)
+        print("-" * 70)
+        print(a)
+        print(f"-- ref {ref} | loop={loop} correct={ok}")
+
+
+if __name__ == "__main__":
+    main()
