@@ -1,0 +1,35 @@
+import json
+
+from dflash.cli.main import main
+
+
+def test_json_output_has_the_documented_fields(tiny_pair, capsys):
+    target, draft = tiny_pair
+    code = main(["generate", "--target", str(target), "--draft", str(draft), "--prompt", "How many clips?",
+                 "--max-new-tokens", "12", "--json", "--compare"])
+    assert code == 0
+    report = json.loads(capsys.readouterr().out)
+    for key in ("text", "output_ids", "num_output_tokens", "acceptance_lengths", "mean_acceptance_length",
+                "time_to_first_token_s", "decode_tokens_per_s"):
+        assert key in report
+    assert sum(report["acceptance_lengths"]) == report["num_output_tokens"] == len(report["output_ids"])
+    assert report["matches_baseline"] is True
+
+
+def test_streaming_output_ends_with_a_stats_line(tiny_pair, capsys):
+    target, draft = tiny_pair
+    assert main(["generate", "--target", str(target), "--draft", str(draft), "--prompt", "Weng earns",
+                 "--max-new-tokens", "8", "--temperature", "0.8", "--seed", "1"]) == 0
+    captured = capsys.readouterr()
+    assert captured.out.strip() and "acceptance length" in captured.err
+
+
+def test_user_errors_are_one_line(tiny_pair, capsys):
+    target, draft = tiny_pair
+    assert main(["generate", "--target", str(target), "--draft", str(draft), "--prompt", "x",
+                 "--block-size", "99"]) == 2
+    assert "block size 99" in capsys.readouterr().err
+    assert main(["generate", "--target", str(target), "--no-draft", "--prompt", "x", "--top-p", "0"]) == 2
+    assert "top_p" in capsys.readouterr().err
+    assert main(["generate", "--draft", str(draft), "--prompt", "x"]) == 2
+    assert "--draft needs --target" in capsys.readouterr().err

@@ -1,0 +1,53 @@
+import pytest
+
+from dflash.model.config import DrafterConfig, DrafterConfigError, default_target_layer_ids
+
+BASE = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+            num_key_value_heads=2, head_dim=16, vocab_size=128, rms_norm_eps=1e-6, rope_theta=10000.0,
+            max_position_embeddings=1024)
+
+
+def test_layer_id_formula_matches_published_examples():
+    assert default_target_layer_ids(36, 5) == [1, 9, 17, 25, 33]  # Qwen3-8B
+    assert default_target_layer_ids(36, 1) == [18]
+    assert default_target_layer_ids(28, 2) == [1, 25]
+
+
+def test_new_form_with_block_size_inside_dflash_config():
+    raw = {**BASE, "architectures": ["DFlashDraftModel"], "num_target_layers": 8,
+           "dflash_config": {"mask_token_id": 99, "target_layer_ids": [2, 5], "block_size": 10}}
+    config = DrafterConfig.from_dict(raw)
+    assert (config.mask_token_id, config.target_layer_ids, config.block_size) == (99, [2, 5], 10)
+
+
+def test_top_level_block_size_and_round_trip():
+    raw = {**BASE, "num_target_layers": 8, "block_size": 8, "dflash_config": {"mask_token_id": 7,
+           "target_layer_ids": [1, 5]}, "custom_field": "kept"}
+    config = DrafterConfig.from_dict(raw)
+    assert config.block_size == 8
+    again = DrafterConfig.from_dict(config.to_dict())
+    assert again == config and config.to_dict()["custom_field"] == "kept"
+    out = config.to_dict()
+    assert out["architectures"] == ["DFlashDraftModel"] and out["tie_word_embeddings"] is False
+    assert out["dflash_config"] == {"mask_token_id": 7, "target_layer_ids": [1, 5], "block_size": 8}
+
+
+def test_legacy_form_uses_formula_and_needs_a_mask_token():
+    raw = {**BASE, "num_target_layers": 36, "block_size": 16}
+    with pytest.raises(DrafterConfigError, match="mask-token-id"):
+        DrafterConfig.from_dict(raw)
+    config = DrafterConfig.from_dict(raw, mask_token_id=5)
+    assert config.target_layer_ids == [1, 33] and config.mask_token_id == 5
+
+
+def test_a_plain_model_is_not_a_drafter():
+    with pytest.raises(DrafterConfigError, match="not a DFlash drafter"):
+        DrafterConfig.from_dict({**BASE, "architectures": ["Qwen3ForCausalLM"]})
+
+
+def test_sliding_layers_need_a_window():
+    raw = {**BASE, "num_target_layers": 8, "layer_types": ["sliding_attention", "full_attention"],
+           "dflash_config": {"mask_token_id": 1}}
+    with pytest.raises(DrafterConfigError, match="sliding_window"):
+        DrafterConfig.from_dict(raw)
+    assert DrafterConfig.from_dict({**raw, "sliding_window": 4}).sliding_window == 4

@@ -1,0 +1,47 @@
+import torch
+
+from conftest import tiny_drafter
+from dflash.model.drafter import DrafterCache
+
+
+def block_inputs(drafter, b=1, ctx=9, q=8, seed=0):
+    torch.manual_seed(seed)
+    h = drafter.config.hidden_size
+    return (torch.randn(b, q, h), torch.arange(ctx, ctx + q).repeat(b, 1),
+            torch.randn(b, ctx, drafter.config.num_features), torch.arange(ctx).repeat(b, 1))
+
+
+def test_context_injected_in_pieces_through_the_cache_equals_all_at_once(target):
+    drafter = tiny_drafter(target, layers=2)
+    embeds, positions, features, ctx_positions = block_inputs(drafter)
+    context = drafter.project_context(features)
+    full = drafter(embeds, positions, context, ctx_positions)
+    cache = DrafterCache(2)
+    drafter(embeds, positions, context[:, :4], ctx_positions[:, :4], cache=cache)  # an earlier step's draft
+    pieced = drafter(embeds, positions, context[:, 4:], ctx_positions[:, 4:], cache=cache)
+    assert torch.allclose(full, pieced, atol=1e-5)
+    assert cache.num_slots == 9  # only context is cached, never the block
+
+
+def test_invalid_context_slots_are_ignored(target):
+    drafter = tiny_drafter(target)
+    embeds, positions, features, ctx_positions = block_inputs(drafter)
+    context = drafter.project_context(features)
+    valid = torch.ones(1, 9, dtype=torch.bool)
+    valid[0, 3] = False
+    noisy = context.clone()
+    noisy[0, 3] += 5.0
+    a = drafter(embeds, positions, context, ctx_positions, context_valid=valid)
+    b = drafter(embeds, positions, noisy, ctx_positions, context_valid=valid)
+    assert torch.allclose(a, b, atol=1e-6)
+
+
+def test_attention_within_a_block_is_bidirectional(target):
+    drafter = tiny_drafter(target)
+    embeds, positions, features, ctx_positions = block_inputs(drafter)
+    context = drafter.project_context(features)
+    changed = embeds.clone()
+    changed[0, -1] += 1.0  # the last block token
+    a = drafter(embeds, positions, context, ctx_positions)
+    b = drafter(changed, positions, context, ctx_positions)
+    assert not torch.allclose(a[0, 0], b[0, 0])  # the first position sees the last one

@@ -1,0 +1,153 @@
+"""The public checkpoint format: written here by hand (not by our own saver), then loaded."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+import torch
+from safetensors.torch import save_file
+
+from conftest import tiny_drafter
+from dflash.errors import UserError
+from dflash.model import CheckpointError, IncompatibleDrafterError, load_drafter
+from dflash.model.target import check_compatible
+
+H, I, HEADS, KV, D, V = 64, 128, 4, 2, 16, 128
+
+
+def public_state_dict(num_layers: int, num_features: int, seed: int = 0) -> dict[str, torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+
+    def w(*shape):
+        return torch.randn(*shape, generator=g) * 0.02
+
+    state = {"fc.weight": w(H, num_features), "hidden_norm.weight": torch.ones(H), "norm.weight": torch.ones(H)}
+    for i in range(num_layers):
+        p = f"layers.{i}."
+        state.update({
+            p + "self_attn.q_proj.weight": w(HEADS * D, H), p + "self_attn.k_proj.weight": w(KV * D, H),
+            p + "self_attn.v_proj.weight": w(KV * D, H), p + "self_attn.o_proj.weight": w(H, HEADS * D),
+            p + "self_attn.q_norm.weight": torch.ones(D), p + "self_attn.k_norm.weight": torch.ones(D),
+            p + "mlp.gate_proj.weight": w(I, H), p + "mlp.up_proj.weight": w(I, H), p + "mlp.down_proj.weight": w(H, I),
+            p + "input_layernorm.weight": torch.ones(H), p + "post_attention_layernorm.weight": torch.ones(H),
+        })
+    return state
+
+
+def public_config(**overrides) -> dict:
+    config = {
+        "architectures": ["DFlashDraftModel"], "model_type": "qwen3", "hidden_size": H, "intermediate_size": I,
+        "num_hidden_layers": 2, "num_attention_heads": HEADS, "num_key_value_heads": KV, "head_dim": D,
+        "rms_norm_eps": 1e-6, "rope_theta": 1000000, "max_position_embeddings": 1024, "vocab_size": V,
+        "layer_types": ["full_attention", "full_attention"], "sliding_window": None, "tie_word_embeddings": False,
+        "block_size": 16, "num_target_layers": 4, "dtype": "bfloat16",
+        "dflash_config": {"mask_token_id": 127, "target_layer_ids": [1, 2]},
+    }
+    config.update(overrides)
+    return config
+
+
+def write_checkpoint(directory, config: dict, state: dict, shards: int = 1) -> None:
+    directory.mkdir(parents=True, exist_ok=True)
+    (directory / "config.json").write_text(json.dumps(config))
+    if shards == 1:
+        save_file(state, directory / "model.safetensors")
+        return
+    keys = sorted(state)
+    weight_map = {}
+    for s in range(shards):
+        name = f"model-{s + 1:05d}-of-{shards:05d}.safetensors"
+        part = {k: state[k] for k in keys[s::shards]}
+        save_file(part, directory / name)
+        weight_map.update({k: name for k in part})
+    (directory / "model.safetensors.index.json").write_text(json.dumps({"weight_map": weight_map}))
+
+
+@pytest.mark.parametrize("shards", [1, 3])
+def test_public_format_loads_with_weights_in_place(tmp_path, shards):
+    state = public_state_dict(2, 2 * H)
+    write_checkpoint(tmp_path / "d", public_config(), state, shards)
+    drafter = load_drafter(tmp_path / "d")
+    assert drafter.config.target_layer_ids == [1, 2] and drafter.config.mask_token_id == 127
+    assert next(drafter.parameters()).dtype == torch.bfloat16  # dtype from config
+    loaded = drafter.state_dict()
+    for key, value in state.items():
+        assert torch.equal(loaded[key].float(), value.to(torch.bfloat16).float()), key
+    assert load_drafter(tmp_path / "d", dtype="float32").fc.weight.dtype == torch.float32  # argument wins
+
+
+def test_legacy_checkpoint_without_dflash_config(tmp_path):
+    config = public_config(num_target_layers=36)
+    del config["dflash_config"]
+    write_checkpoint(tmp_path / "legacy", config, public_state_dict(2, 2 * H))
+    with pytest.raises(UserError, match="mask"):
+        load_drafter(tmp_path / "legacy")
+    drafter = load_drafter(tmp_path / "legacy", mask_token_id=3)
+    assert drafter.config.target_layer_ids == [1, 33] and drafter.config.mask_token_id == 3
+
+
+def test_sliding_window_and_rope_scaling_are_honoured(tmp_path):
+    config = public_config(layer_types=["sliding_attention", "full_attention"], sliding_window=3,
+                           rope_scaling={"rope_type": "linear", "factor": 2.0})
+    write_checkpoint(tmp_path / "s", config, public_state_dict(2, 2 * H))
+    drafter = load_drafter(tmp_path / "s", dtype="float32")
+    plain = load_drafter(tmp_path / "s", dtype="float32")
+    plain.config.layer_types = ["full_attention"] * 2
+    torch.manual_seed(0)
+    ctx_len = 10
+    args = dict(block_embeds=torch.randn(1, 4, H), block_positions=torch.arange(ctx_len, ctx_len + 4)[None],
+                context=torch.randn(1, ctx_len, H), context_positions=torch.arange(ctx_len)[None])
+    assert not torch.allclose(drafter(**args), plain(**args))  # the window hides old context
+    inv = drafter.rotary_emb.inv_freq
+    unscaled = 1.0 / (1000000 ** (torch.arange(0, D, 2).float() / D))
+    assert torch.allclose(inv, unscaled / 2.0)  # linear scaling factor 2
+
+
+def test_save_then_load_gives_the_same_outputs(tmp_path, target):
+    drafter = tiny_drafter(target, layers=2)
+    drafter.save_pretrained(tmp_path / "out")
+    saved = json.loads((tmp_path / "out" / "config.json").read_text())
+    assert saved["architectures"] == ["DFlashDraftModel"] and "dflash_config" in saved
+    again = load_drafter(tmp_path / "out")
+    torch.manual_seed(0)
+    args = dict(block_embeds=torch.randn(2, 8, H), block_positions=torch.arange(5, 13).repeat(2, 1),
+                context=torch.randn(2, 5, H), context_positions=torch.arange(5).repeat(2, 1))
+    assert torch.equal(drafter(**args), again(**args))
+
+
+def test_mismatched_weights_are_refused(tmp_path):
+    state = public_state_dict(1, 2 * H)  # config says 2 layers
+    write_checkpoint(tmp_path / "bad", public_config(), state)
+    with pytest.raises(CheckpointError, match="missing"):
+        load_drafter(tmp_path / "bad")
+
+
+def test_drafter_for_another_target_is_refused(tmp_path, target):
+    write_checkpoint(tmp_path / "d", public_config(num_target_layers=36, vocab_size=200,
+                                                   dflash_config={"mask_token_id": 150, "target_layer_ids": [1, 33]}),
+                     public_state_dict(2, 2 * H))
+    drafter = load_drafter(tmp_path / "d")
+    with pytest.raises(IncompatibleDrafterError) as err:
+        check_compatible(target, drafter.config)
+    message = str(err.value)
+    for expected in ("number of target layers", "out of range", "vocab size", "mask_token_id"):
+        assert expected in message
+
+
+def test_cli_refuses_a_mismatched_drafter_without_traceback(tmp_path, tiny_pair):
+    target_dir, _ = tiny_pair
+    write_checkpoint(tmp_path / "d", public_config(hidden_size=H, num_target_layers=36,
+                                                   dflash_config={"mask_token_id": 3, "target_layer_ids": [1, 33]}),
+                     public_state_dict(2, 2 * H))
+    proc = subprocess.run([sys.executable, "-m", "dflash.cli.main", "generate", "--target", str(target_dir),
+                           "--draft", str(tmp_path / "d"), "--prompt", "hi"], capture_output=True, text=True)
+    assert proc.returncode == 2
+    assert "does not fit this target" in proc.stderr and "Traceback" not in proc.stderr
+
+
+def test_missing_local_path_is_a_clear_error(tmp_path):
+    with pytest.raises(CheckpointError, match="not a directory|could not find"):
+        load_drafter(tmp_path / "nowhere" / "x")

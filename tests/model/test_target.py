@@ -1,0 +1,34 @@
+import torch
+
+from dflash.model.hf_compat import cache_length, crop_cache
+
+
+def test_features_are_the_outputs_of_the_chosen_layers(target):
+    """Layer id l means the output of decoder layer l, i.e. transformers' hidden_states[l + 1] (except for
+    the last layer, whose hidden_states entry has the final norm applied; DFlash never reads that one)."""
+    ids = torch.tensor([[5, 9, 3, 44, 2, 7]])
+    positions = torch.arange(6)[None]
+    reference = target.model(ids, output_hidden_states=True)
+    out = target.forward(ids, positions, target.new_cache(), feature_layer_ids=[2, 0, 1])
+    expected = torch.cat([reference.hidden_states[i + 1] for i in (2, 0, 1)], dim=-1)
+    assert out.features.shape == (1, 6, 3 * target.hidden_size)
+    assert torch.allclose(out.features, expected, atol=1e-5)
+    assert torch.allclose(out.logits, reference.logits, atol=1e-4)
+
+
+def test_no_features_unless_asked_and_hooks_capture_only_when_asked(target):
+    ids, positions = torch.tensor([[1, 2, 3]]), torch.arange(3)[None]
+    target.forward(ids, positions, target.new_cache(), feature_layer_ids=[1])
+    out = target.forward(ids, positions, target.new_cache())
+    assert out.features is None and target._captured == {}
+
+
+def test_cache_crop_keeps_a_prefix(target):
+    cache = target.new_cache()
+    ids = torch.tensor([[1, 2, 3, 4, 5]])
+    target.forward(ids, torch.arange(5)[None], cache)
+    crop_cache(cache, 3)
+    assert cache_length(cache) == 3
+    step = target.forward(torch.tensor([[4]]), torch.tensor([[3]]), cache)
+    full = target.forward(ids[:, :4], torch.arange(4)[None], target.new_cache())
+    assert torch.allclose(step.logits[0, -1], full.logits[0, -1], atol=1e-4)

@@ -1,0 +1,44 @@
+import pytest
+
+from dflash import DFlash
+from dflash.errors import UserError
+
+
+@pytest.fixture(scope="module")
+def pipe(tiny_pair):
+    target_dir, draft_dir = tiny_pair
+    return DFlash.from_pretrained(target_dir, draft_dir, device="cpu")
+
+
+def test_text_messages_and_ids_encode_consistently(pipe):
+    text_ids = pipe.encode("How many clips?")
+    assert text_ids == pipe.encode([{"role": "user", "content": "How many clips?"}])
+    assert pipe.encode(text_ids) == text_ids
+    assert pipe.encode("How many clips?", raw=True) != text_ids  # no chat template
+
+
+def test_generate_matches_plain_decoding(tiny_pair, pipe):
+    plain = DFlash.from_pretrained(tiny_pair[0], no_draft=True, device="cpu")
+    a = pipe.generate("How many clips did Natalia sell?", max_new_tokens=20)
+    b = plain.generate("How many clips did Natalia sell?", max_new_tokens=20)
+    assert a.output_ids == b.output_ids and a.text == b.text
+    assert a.stats.drafter_forwards > 0 and b.stats.drafter_forwards == 0
+
+
+def test_stream_pieces_add_up_to_the_text_without_the_stop_string(pipe):
+    free = pipe.generate("Weng earns", max_new_tokens=30, stop_token_ids=[])
+    assert len(free.text) > 6
+    stop = free.text[4:7]
+    stream = pipe.stream("Weng earns", max_new_tokens=30, stop_token_ids=[], stop_strings=[stop])
+    pieces = list(stream)
+    assert "".join(pieces) == stream.result.text == free.text[: free.text.find(stop)]
+    assert stop not in "".join(pieces)
+
+
+def test_bad_prompts_and_options(pipe):
+    with pytest.raises(UserError, match="messages is empty"):
+        pipe.generate([])
+    with pytest.raises(UserError, match="role"):
+        pipe.generate([{"content": "hi"}])
+    with pytest.raises(UserError, match="unknown generation option"):
+        pipe.generate("hi", max_tokens=3)
