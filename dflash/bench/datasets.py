@@ -1,0 +1,234 @@
+"""The benchmark datasets and their usual DFlash prompt formats.
+
+A `Sample` is one conversation to decode: fixed `history` messages (usually none) and the user `turns`,
+answered one after another by the model itself (mt-bench has two turns; the others one).
+
+Where a dataset comes from, first found wins:
+    1. --data-file FILE.jsonl      the dataset's own records, or any records with `prompt`, `turns` or `messages`
+    2. --data-dir DIR / $DFLASH_DATA_DIR   laid out like the bundled copies (gsm8k/test.jsonl, ...)
+    3. the copies bundled with the package (gsm8k, humaneval, mt-bench)
+    4. the Hugging Face Hub through `datasets` (math500, mbpp)
+"""
+
+from __future__ import annotations
+
+import gzip
+import json
+import os
+import random
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Callable, Iterable
+
+from dflash.errors import UserError
+
+BUNDLED_DIR = Path(__file__).parent / "data"
+DATA_DIR_ENV = "DFLASH_DATA_DIR"
+
+MATH_SUFFIX = "\nPlease reason step by step, and put your final answer within \\boxed{}."
+CODE_PREFIX = "Write a solution to the following problem and make sure that it passes the tests:\n```python\n"
+
+
+@dataclass(frozen=True)
+class Sample:
+    id: str
+    turns: tuple[str, ...]  # user turns; each is answered by the model before the next is sent
+    history: tuple[dict, ...] = ()  # fixed chat messages before the first turn
+
+
+@dataclass(frozen=True)
+class HubSource:
+    path: str
+    config: str | None
+    split: str
+
+
+@dataclass(frozen=True)
+class DatasetSpec:
+    name: str
+    files: tuple[str, ...]  # candidate paths inside a data directory, first found is used
+    native_fields: tuple[str, ...]  # a record with all of these is in the dataset's own format
+    format: Callable[[dict], tuple[str, ...]]  # native record -> user turns
+    hub: HubSource | None = None
+    id_field: str | None = None
+
+
+def _gsm8k(record: dict) -> tuple[str, ...]:
+    return (record["question"] + MATH_SUFFIX,)
+
+
+def _math500(record: dict) -> tuple[str, ...]:
+    return (record["problem"] + MATH_SUFFIX,)
+
+
+def _humaneval(record: dict) -> tuple[str, ...]:
+    return (CODE_PREFIX + record["prompt"] + "\n```",)
+
+
+def _mbpp(record: dict) -> tuple[str, ...]:
+    task = record.get("prompt") or record.get("text")
+    tests = "\n".join(record["test_list"])
+    return (f"You are an expert Python programmer, and here is your task: {task} "
+            f"Your code should pass these tests:\n\n{tests}",)
+
+
+def _mt_bench(record: dict) -> tuple[str, ...]:
+    return tuple(record["turns"])
+
+
+DATASETS: dict[str, DatasetSpec] = {
+    "gsm8k": DatasetSpec("gsm8k", ("gsm8k/test.jsonl",), ("question",), _gsm8k,
+                         HubSource("openai/gsm8k", "main", "test")),
+    "math500": DatasetSpec("math500", ("math500/test.jsonl", "MATH-500/test.jsonl"), ("problem",), _math500,
+                           HubSource("HuggingFaceH4/MATH-500", None, "test"), id_field="unique_id"),
+    "humaneval": DatasetSpec("humaneval", ("humaneval/HumanEval.jsonl.gz", "humaneval/HumanEval.jsonl"),
+                             ("prompt", "entry_point"), _humaneval,
+                             HubSource("openai/openai_humaneval", None, "test"), id_field="task_id"),
+    "mbpp": DatasetSpec("mbpp", ("mbpp/test.jsonl", "mbpp/sanitized-mbpp.jsonl"), ("test_list",), _mbpp,
+                        HubSource("google-research-datasets/mbpp", "sanitized", "test"), id_field="task_id"),
+    "mt-bench": DatasetSpec("mt-bench", ("mt-bench/question.jsonl",), ("turns",), _mt_bench,
+                            id_field="question_id"),
+}
+ALIASES = {"math-500": "math500", "math": "math500", "mt_bench": "mt-bench", "mtbench": "mt-bench",
+           "human_eval": "humaneval", "openai_humaneval": "humaneval"}
+
+
+@dataclass
+class DataOptions:
+    data_file: str | None = None
+    data_dir: str | None = None  # None: $DFLASH_DATA_DIR, if set
+    max_samples: int | None = None  # None or 0: every sample
+    seed: int = 0
+    use_hub: bool = True
+    extra_dirs: list[Path] = field(default_factory=lambda: [BUNDLED_DIR])
+
+
+def resolve_names(names: Iterable[str]) -> list[str]:
+    """Dataset names from flags (`all`, aliases, comma lists), validated, in the order given."""
+    out: list[str] = []
+    for raw in names:
+        for name in (n.strip().lower() for n in raw.split(",") if n.strip()):
+            if name == "all":
+                out.extend(DATASETS)
+                continue
+            name = ALIASES.get(name, name)
+            if name not in DATASETS:
+                raise UserError(f"unknown dataset {name!r}; choose from {', '.join(DATASETS)} or 'all'")
+            out.append(name)
+    return list(dict.fromkeys(out))
+
+
+def load_samples(name: str, options: DataOptions) -> list[Sample]:
+    """The samples of one dataset, from the first source that has it, subset by max_samples/seed."""
+    spec = DATASETS[resolve_names([name])[0]]
+    records = _records(spec, options)
+    samples = [_to_sample(spec, r, i) for i, r in enumerate(records)]
+    if not samples:
+        raise UserError(f"{spec.name}: the data source has no records; check the file")
+    return subset(samples, options.max_samples, options.seed)
+
+
+def subset(samples: list[Sample], max_samples: int | None, seed: int) -> list[Sample]:
+    """A deterministic subset: the same `seed` picks the same samples, kept in dataset order."""
+    if not max_samples or max_samples >= len(samples):
+        return samples
+    picked = sorted(random.Random(seed).sample(range(len(samples)), max_samples))
+    return [samples[i] for i in picked]
+
+
+# ---- sources ----------------------------------------------------------------------------------------
+def _records(spec: DatasetSpec, options: DataOptions) -> list[dict]:
+    if options.data_file:
+        return read_jsonl(Path(options.data_file))
+    for directory in _data_dirs(options):
+        for relative in spec.files:
+            path = directory / relative
+            if path.is_file():
+                return read_jsonl(path)
+    if spec.hub is not None and options.use_hub:
+        return load_from_hub(spec)
+    raise UserError(_missing_message(spec, options))
+
+
+def _data_dirs(options: DataOptions) -> list[Path]:
+    dirs = []
+    given = options.data_dir or os.environ.get(DATA_DIR_ENV)
+    if given:
+        if not Path(given).is_dir():
+            raise UserError(f"data directory {given} does not exist; fix --data-dir or ${DATA_DIR_ENV}")
+        dirs.append(Path(given))
+    return dirs + list(options.extra_dirs)
+
+
+def read_jsonl(path: Path) -> list[dict]:
+    if not path.is_file():
+        raise UserError(f"data file {path} does not exist; pass an existing JSONL file to --data-file")
+    opener = gzip.open if path.suffix == ".gz" else open
+    records = []
+    with opener(path, "rt", encoding="utf-8") as f:
+        for number, line in enumerate(f, 1):
+            if not line.strip():
+                continue
+            try:
+                record = json.loads(line)
+            except json.JSONDecodeError as err:
+                raise UserError(f"{path}:{number} is not valid JSON ({err.msg}); the file must be JSONL, "
+                                "one JSON object per line") from None
+            if not isinstance(record, dict):
+                raise UserError(f"{path}:{number} is not a JSON object; each line must be an object")
+            records.append(record)
+    return records
+
+
+def load_from_hub(spec: DatasetSpec) -> list[dict]:
+    """The dataset from the Hugging Face Hub (or the local `datasets` cache)."""
+    try:
+        import datasets
+
+        data = datasets.load_dataset(spec.hub.path, spec.hub.config, split=spec.hub.split)
+        return [dict(r) for r in data]
+    except Exception as err:  # offline, missing package, gated repo: all mean "give the data another way"
+        raise UserError(f"{_missing_message(spec, None)} (Hugging Face `datasets` could not load "
+                        f"{spec.hub.path}: {type(err).__name__})") from None
+
+
+def _missing_message(spec: DatasetSpec, options: DataOptions | None) -> str:
+    return (f"no data for {spec.name}: pass --data-file FILE.jsonl (one JSON object per line, with "
+            f"{'/'.join(repr(f) for f in spec.native_fields)} or 'prompt'/'turns'/'messages'), or put "
+            f"{spec.files[0]} under --data-dir DIR (or ${DATA_DIR_ENV})"
+            + (f", or connect to the Hugging Face Hub ({spec.hub.path})" if spec.hub else ""))
+
+
+# ---- records -> samples -----------------------------------------------------------------------------
+def _to_sample(spec: DatasetSpec, record: dict, index: int) -> Sample:
+    sample_id = str(record.get(spec.id_field or "", record.get("id", index)))
+    if all(f in record for f in spec.native_fields):
+        return Sample(sample_id, _check_turns(spec.format(record), spec.name, index))
+    if "messages" in record:
+        history, turn = _split_messages(record["messages"], spec.name, index)
+        return Sample(sample_id, (turn,), history)
+    if "turns" in record:
+        return Sample(sample_id, _check_turns(tuple(record["turns"]), spec.name, index))
+    if "prompt" in record:
+        return Sample(sample_id, _check_turns((record["prompt"],), spec.name, index))
+    raise UserError(f"{spec.name} record {index} has none of the fields "
+                    f"{list(spec.native_fields)}, 'prompt', 'turns' or 'messages' (it has {sorted(record)[:8]})")
+
+
+def _check_turns(turns: tuple, name: str, index: int) -> tuple[str, ...]:
+    if not turns or not all(isinstance(t, str) and t for t in turns):
+        raise UserError(f"{name} record {index}: every turn must be a non-empty string, got {turns!r:.120}")
+    return turns
+
+
+def _split_messages(messages, name: str, index: int) -> tuple[tuple[dict, ...], str]:
+    """Fixed history and the last user turn; trailing assistant messages (reference answers) are dropped."""
+    if not isinstance(messages, list) or not all(isinstance(m, dict) and "role" in m and "content" in m
+                                                 for m in messages):
+        raise UserError(f"{name} record {index}: 'messages' must be a list of {{'role', 'content'}} objects")
+    messages = list(messages)
+    while messages and messages[-1]["role"] == "assistant":
+        messages.pop()
+    if not messages or messages[-1]["role"] != "user":
+        raise UserError(f"{name} record {index}: 'messages' must contain a user message to answer")
+    return tuple({"role": m["role"], "content": m["content"]} for m in messages[:-1]), messages[-1]["content"]

@@ -1,0 +1,151 @@
+"""The local backend: the same target decodes every prompt twice in one process, plainly (the baseline)
+and with DFlash, after a warm-up. At temperature 0 the two outputs must be identical token for token;
+every difference is counted in `mismatches`.
+
+For multi-turn samples (mt-bench) each next turn follows the model's own previous answer: the baseline's,
+so both methods see exactly the same prompt at every turn.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable, Protocol
+
+from dflash.bench.datasets import Sample
+from dflash.bench.metrics import (
+    BenchResult,
+    acceptance_histogram,
+    acceptance_rate_per_position,
+    mean_acceptance_length,
+    ratio,
+)
+from dflash.decoding.engine import GenerationConfig, GenerationOutput, SpeculativeEngine
+from dflash.errors import UserError
+
+
+class Engine(Protocol):
+    def generate(self, prompts: list[list[int]], config: GenerationConfig) -> list[GenerationOutput]: ...
+
+
+@dataclass
+class LocalConfig:
+    max_new_tokens: int = 256
+    temperature: float = 0.0
+    block_size: int | None = None  # None: the drafter's own
+    seed: int = 0
+    warmup_tokens: int = 16  # a short generation per engine before timing (0: none)
+
+
+@dataclass
+class TurnRecord:
+    sample_id: str
+    turn: int
+    baseline: GenerationOutput
+    dflash: GenerationOutput
+
+
+class LocalBackend:
+    """Plain decoding and DFlash on one target. Engines can be swapped (tests plant a faulty one)."""
+
+    def __init__(self, pipe, baseline: Engine | None = None, dflash: Engine | None = None):
+        if pipe.drafter is None and dflash is None:
+            raise UserError("dflash bench compares DFlash with plain decoding and needs a drafter: "
+                            "drop --no-draft, or pass --draft with --target")
+        self.pipe = pipe
+        self.baseline = baseline or SpeculativeEngine(pipe.target)  # the same target, no drafter
+        self.dflash = dflash or pipe.engine
+
+    def block_size(self, requested: int | None) -> int:
+        """The block size a run uses; raises a UserError if the drafter cannot use `requested`."""
+        return self.pipe.engine.proposer_for(GenerationConfig(block_size=requested)).block_size
+
+    def run(self, dataset: str, samples: list[Sample], config: LocalConfig,
+            on_turn: Callable[[], None] | None = None) -> BenchResult:
+        block_size = self.block_size(config.block_size)
+        self.warm_up(samples[0], config)
+        records = []
+        for index, sample in enumerate(samples):
+            records.extend(self.run_sample(sample, config, seed=config.seed + index, on_turn=on_turn))
+        return summarize(dataset, len(samples), records, config, block_size)
+
+    def warm_up(self, sample: Sample, config: LocalConfig) -> None:
+        if config.warmup_tokens <= 0:
+            return
+        ids = self.encode(list(sample.history) + [{"role": "user", "content": sample.turns[0]}])
+        short = min(config.warmup_tokens, config.max_new_tokens)
+        self.baseline.generate([ids], self.generation_config(config, short, baseline=True))
+        self.dflash.generate([ids], self.generation_config(config, short, baseline=False))
+
+    def run_sample(self, sample: Sample, config: LocalConfig, seed: int,
+                   on_turn: Callable[[], None] | None = None) -> list[TurnRecord]:
+        messages = list(sample.history)
+        records = []
+        for turn, text in enumerate(sample.turns):
+            messages.append({"role": "user", "content": text})
+            ids = self.encode(messages)
+            base_cfg = self.generation_config(config, config.max_new_tokens, baseline=True, seed=seed + turn)
+            dflash_cfg = self.generation_config(config, config.max_new_tokens, baseline=False, seed=seed + turn)
+            baseline = self.baseline.generate([ids], base_cfg)[0]
+            dflash = self.dflash.generate([ids], dflash_cfg)[0]
+            records.append(TurnRecord(sample.id, turn, baseline, dflash))
+            messages.append({"role": "assistant", "content": self.answer_text(baseline)})
+            if on_turn is not None:
+                on_turn()
+        return records
+
+    def encode(self, messages: list[dict]) -> list[int]:
+        return self.pipe.encode(messages)
+
+    def answer_text(self, output: GenerationOutput) -> str:
+        if output.text is not None:
+            return output.text
+        return self.pipe.tokenizer.decode(output.output_ids, skip_special_tokens=True)
+
+    @staticmethod
+    def generation_config(config: LocalConfig, max_new_tokens: int, baseline: bool,
+                          seed: int | None = None) -> GenerationConfig:
+        return GenerationConfig(max_new_tokens=max_new_tokens, temperature=config.temperature,
+                                seed=seed if seed is not None else config.seed,
+                                block_size=None if baseline else config.block_size)
+
+
+def summarize(dataset: str, num_prompts: int, records: list[TurnRecord], config: LocalConfig,
+              block_size: int) -> BenchResult:
+    """Pool the per-turn outputs of one dataset into its numbers."""
+    base = [r.baseline for r in records]
+    fast = [r.dflash for r in records]
+    steps = [n for out in fast for n in out.stats.acceptance_lengths[1:]]  # verify steps only
+    hist = acceptance_histogram(steps, block_size)
+    base_tps, fast_tps = tokens_per_s(base), tokens_per_s(fast)
+    greedy = config.temperature == 0
+    mismatched = [f"{r.sample_id}#{r.turn}" for r in records if r.baseline.output_ids != r.dflash.output_ids]
+    return BenchResult(
+        dataset=dataset, backend="local", num_prompts=num_prompts, num_requests=len(records),
+        block_size=block_size, concurrency=1, temperature=config.temperature,
+        max_new_tokens=config.max_new_tokens,
+        baseline_tokens_per_s=base_tps, dflash_tokens_per_s=fast_tps, speedup=ratio(fast_tps, base_tps),
+        mean_acceptance_length=mean_acceptance_length(hist), acceptance_histogram=hist,
+        acceptance_rate_per_position=acceptance_rate_per_position(hist),
+        mismatches=len(mismatched) if greedy else None, mismatched_prompts=mismatched if greedy else [],
+        baseline_output_tokens=sum(o.stats.num_output_tokens for o in base),
+        dflash_output_tokens=sum(o.stats.num_output_tokens for o in fast),
+        baseline_ttft_ms=_mean_ms([o.stats.time_to_first_token_s for o in base]),
+        dflash_ttft_ms=_mean_ms([o.stats.time_to_first_token_s for o in fast]),
+        baseline_tpot_ms=_mean_ms([_tpot(o) for o in base if o.stats.num_output_tokens > 1]),
+        dflash_tpot_ms=_mean_ms([_tpot(o) for o in fast if o.stats.num_output_tokens > 1]),
+    )
+
+
+def tokens_per_s(outputs: list[GenerationOutput]) -> float | None:
+    """Output tokens over generation time (time to first token + decode), pooled over requests."""
+    tokens = sum(o.stats.num_output_tokens for o in outputs)
+    seconds = sum(o.stats.time_to_first_token_s + o.stats.decode_time_s for o in outputs)
+    return tokens / seconds if seconds > 0 else None
+
+
+def _tpot(output: GenerationOutput) -> float:
+    return output.stats.decode_time_s / (output.stats.num_output_tokens - 1)
+
+
+def _mean_ms(values: list[float]) -> float | None:
+    return 1000.0 * sum(values) / len(values) if values else None

@@ -1,0 +1,347 @@
+"""The server backend: load an OpenAI-compatible server (vLLM, SGLang, `dflash serve`, ...) at one or
+several concurrencies and read its speculative-decoding counters from Prometheus `/metrics`.
+
+Counters (scraped before and after each load; the difference is this load's):
+    <prefix>spec_decode_num_drafts                verify steps that had a draft
+    <prefix>spec_decode_num_draft_tokens          draft tokens proposed
+    <prefix>spec_decode_num_accepted_tokens       draft tokens accepted
+    <prefix>spec_decode_num_accepted_tokens_per_pos{position="i"}   drafts whose token i+1 was accepted
+with prefix `dflash:` (ours) or `vllm:`, each possibly with a `_total` suffix.
+Mean acceptance length = 1 + accepted / drafts.
+
+With `baseline_url` (the same target served without a drafter) the same load runs there too, for the
+speedup and, at temperature 0, a text comparison prompt by prompt.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import re
+import time
+from dataclasses import dataclass, field
+from typing import Callable
+from urllib.parse import urlsplit, urlunsplit
+
+import httpx
+
+from dflash.bench.datasets import Sample
+from dflash.bench.metrics import (
+    BenchResult,
+    acceptance_rate_per_position,
+    histogram_from_counters,
+    percentiles,
+    ratio,
+)
+from dflash.errors import UserError
+
+PREFIXES = ("dflash:", "vllm:")
+COUNTERS = ("num_drafts", "num_draft_tokens", "num_accepted_tokens")
+PER_POSITION = "num_accepted_tokens_per_pos"
+
+
+@dataclass
+class ServerConfig:
+    base_url: str  # e.g. http://127.0.0.1:8000/v1
+    model: str | None = None  # None: the first model the server lists
+    endpoint: str = "chat"  # "chat" (/chat/completions) or "completions" (/completions)
+    api_key: str | None = None
+    concurrency: list[int] = field(default_factory=lambda: [1])
+    num_prompts: int | None = None  # conversations per concurrency level; None: each sample once
+    duration_s: float | None = None  # keep the load up this long instead (prompts cycle)
+    max_new_tokens: int = 256
+    temperature: float = 0.0
+    seed: int = 0
+    timeout_s: float = 600.0
+    metrics_url: str | None = None  # None: /metrics at the server's root
+    baseline_url: str | None = None
+
+
+@dataclass
+class RequestRecord:
+    sample_id: str
+    turn: int
+    latency_s: float
+    output_tokens: int
+    text: str
+    error: str | None = None
+
+
+@dataclass
+class LoadResult:
+    records: list[RequestRecord]
+    wall_s: float
+
+
+@dataclass
+class SpecDecodeCounters:
+    drafts: float = 0.0
+    draft_tokens: float = 0.0
+    accepted_tokens: float = 0.0
+    accepted_per_pos: list[float] = field(default_factory=list)
+
+    def __sub__(self, other: "SpecDecodeCounters") -> "SpecDecodeCounters":
+        width = max(len(self.accepted_per_pos), len(other.accepted_per_pos))
+        mine = self.accepted_per_pos + [0.0] * (width - len(self.accepted_per_pos))
+        theirs = other.accepted_per_pos + [0.0] * (width - len(other.accepted_per_pos))
+        return SpecDecodeCounters(self.drafts - other.drafts, self.draft_tokens - other.draft_tokens,
+                                  self.accepted_tokens - other.accepted_tokens,
+                                  [a - b for a, b in zip(mine, theirs)])
+
+    @property
+    def mean_acceptance_length(self) -> float | None:
+        return 1.0 + self.accepted_tokens / self.drafts if self.drafts > 0 else None
+
+
+# ---- Prometheus text ----------------------------------------------------------------------------------
+_SAMPLE = re.compile(r"^([A-Za-z_:][A-Za-z0-9_:]*)(\{(.*)\})?\s+(\S+)")
+_LABEL = re.compile(r'([A-Za-z_][A-Za-z0-9_]*)="((?:[^"\\]|\\.)*)"')
+
+
+def parse_prometheus(text: str) -> list[tuple[str, dict[str, str], float]]:
+    """(name, labels, value) for every sample line of a Prometheus text exposition."""
+    samples = []
+    for line in text.splitlines():
+        match = _SAMPLE.match(line.strip())
+        if not match or line.startswith("#"):
+            continue
+        try:
+            value = float(match.group(4))
+        except ValueError:
+            continue
+        samples.append((match.group(1), dict(_LABEL.findall(match.group(3) or "")), value))
+    return samples
+
+
+def spec_decode_counters(text: str) -> SpecDecodeCounters | None:
+    """The spec-decode counters of the first prefix the server exposes (ours, then vLLM's), summed over
+    label sets (engines, models); None when it exposes none."""
+    samples = parse_prometheus(text)
+    for prefix in PREFIXES:
+        def total(name: str) -> list[tuple[dict, float]]:
+            base = f"{prefix}spec_decode_{name}"
+            return [(labels, v) for n, labels, v in samples if n in (base, base + "_total")]
+
+        drafts = total("num_drafts")
+        if not drafts:
+            continue
+        per_pos: dict[int, float] = {}
+        for labels, value in total(PER_POSITION):
+            position = int(labels.get("position", 0))
+            per_pos[position] = per_pos.get(position, 0.0) + value
+        return SpecDecodeCounters(
+            drafts=sum(v for _, v in drafts),
+            draft_tokens=sum(v for _, v in total("num_draft_tokens")),
+            accepted_tokens=sum(v for _, v in total("num_accepted_tokens")),
+            accepted_per_pos=[per_pos.get(i, 0.0) for i in range(max(per_pos) + 1)] if per_pos else [],
+        )
+    return None
+
+
+def default_metrics_url(base_url: str) -> str:
+    """http://host:port/v1 -> http://host:port/metrics"""
+    parts = urlsplit(base_url)
+    path = parts.path.rstrip("/")
+    if path.endswith("/v1"):
+        path = path[: -len("/v1")]
+    return urlunsplit((parts.scheme, parts.netloc, path + "/metrics", "", ""))
+
+
+def scrape(url: str, timeout_s: float = 10.0) -> SpecDecodeCounters | None:
+    try:
+        response = httpx.get(url, timeout=timeout_s)
+    except httpx.HTTPError:
+        return None
+    if response.status_code != 200:
+        return None
+    return spec_decode_counters(response.text)
+
+
+# ---- the client ---------------------------------------------------------------------------------------
+class Client:
+    """One OpenAI-compatible endpoint: a conversation's turns, each answered before the next is sent."""
+
+    def __init__(self, base_url: str, config: ServerConfig, model: str):
+        self.base_url = base_url.rstrip("/")
+        self.config = config
+        self.model = model
+        self.headers = {"Authorization": f"Bearer {config.api_key}"} if config.api_key else {}
+
+    async def conversation(self, http: httpx.AsyncClient, sample: Sample, seed: int) -> list[RequestRecord]:
+        messages = list(sample.history)
+        records = []
+        for turn, text in enumerate(sample.turns):
+            messages.append({"role": "user", "content": text})
+            record = await self.request(http, messages, sample.id, turn, seed + turn)
+            records.append(record)
+            if record.error is not None:
+                break
+            messages.append({"role": "assistant", "content": record.text})
+        return records
+
+    async def request(self, http: httpx.AsyncClient, messages: list[dict], sample_id: str, turn: int,
+                      seed: int) -> RequestRecord:
+        url, body = self.payload(messages, seed)
+        start = time.perf_counter()
+        try:
+            response = await http.post(url, json=body, headers=self.headers, timeout=self.config.timeout_s)
+            latency = time.perf_counter() - start
+            if response.status_code != 200:
+                return RequestRecord(sample_id, turn, latency, 0, "", f"HTTP {response.status_code}: {response.text[:200]}")
+            data = response.json()
+        except httpx.ConnectError:
+            raise UserError(f"cannot connect to {url}: is the server running? check --base-url") from None
+        except (httpx.HTTPError, ValueError) as err:
+            return RequestRecord(sample_id, turn, time.perf_counter() - start, 0, "", f"{type(err).__name__}: {err}")
+        text = _choice_text(data, self.config.endpoint)
+        tokens = int((data.get("usage") or {}).get("completion_tokens") or 0)
+        return RequestRecord(sample_id, turn, latency, tokens, text)
+
+    def payload(self, messages: list[dict], seed: int) -> tuple[str, dict]:
+        body = {"model": self.model, "max_tokens": self.config.max_new_tokens,
+                "temperature": self.config.temperature, "seed": seed}
+        if self.config.endpoint == "chat":
+            return f"{self.base_url}/chat/completions", {**body, "messages": messages}
+        return f"{self.base_url}/completions", {**body, "prompt": "\n\n".join(m["content"] for m in messages)}
+
+
+def _choice_text(data: dict, endpoint: str) -> str:
+    choice = (data.get("choices") or [{}])[0]
+    if endpoint == "chat":
+        return (choice.get("message") or {}).get("content") or ""
+    return choice.get("text") or ""
+
+
+def resolve_model(base_url: str, config: ServerConfig) -> str:
+    if config.model:
+        return config.model
+    url = base_url.rstrip("/") + "/models"
+    try:
+        response = httpx.get(url, timeout=30, headers={"Authorization": f"Bearer {config.api_key}"} if config.api_key else {})
+        return response.json()["data"][0]["id"]
+    except httpx.ConnectError:
+        raise UserError(f"cannot connect to {url}: is the server running? check --base-url") from None
+    except (httpx.HTTPError, ValueError, KeyError, IndexError, TypeError):
+        raise UserError(f"could not read the model name from {url}; pass --model NAME") from None
+
+
+async def run_load(client: Client, samples: list[Sample], concurrency: int, num_prompts: int,
+                   duration_s: float | None, seed: int, on_request: Callable[[], None] | None = None) -> LoadResult:
+    """`concurrency` workers take conversations in turn until `num_prompts` are done (or, with a
+    duration, until the time is up; prompts cycle)."""
+    next_index = 0
+    records: list[RequestRecord] = []
+    start = time.perf_counter()
+    deadline = start + duration_s if duration_s else None
+
+    def take() -> int | None:
+        nonlocal next_index
+        if deadline is not None:
+            if time.perf_counter() >= deadline:
+                return None
+        elif next_index >= num_prompts:
+            return None
+        next_index += 1
+        return next_index - 1
+
+    async def worker(http: httpx.AsyncClient) -> None:
+        while (index := take()) is not None:
+            sample = samples[index % len(samples)]
+            for record in await client.conversation(http, sample, seed + index % len(samples)):
+                records.append(record)
+                if on_request is not None:
+                    on_request()
+
+    limits = httpx.Limits(max_connections=concurrency, max_keepalive_connections=concurrency)
+    async with httpx.AsyncClient(limits=limits, timeout=client.config.timeout_s) as http:
+        await asyncio.gather(*(worker(http) for _ in range(concurrency)))
+    return LoadResult(records, time.perf_counter() - start)
+
+
+class ServerBackend:
+    def __init__(self, config: ServerConfig):
+        if config.endpoint not in ("chat", "completions"):
+            raise UserError(f"--endpoint must be 'chat' or 'completions', not {config.endpoint!r}")
+        if any(c < 1 for c in config.concurrency):
+            raise UserError(f"--concurrency values must be >= 1, got {config.concurrency}")
+        self.config = config
+        model = resolve_model(config.base_url, config)
+        self.client = Client(config.base_url, config, model)
+        self.baseline = Client(config.baseline_url, config, model) if config.baseline_url else None
+        self.metrics_url = config.metrics_url or default_metrics_url(config.base_url)
+
+    def num_prompts(self, samples: list[Sample]) -> int:
+        return self.config.num_prompts or len(samples)
+
+    def run(self, dataset: str, samples: list[Sample],
+            on_request: Callable[[], None] | None = None) -> list[BenchResult]:
+        """One result per concurrency level."""
+        return [self.run_level(dataset, samples, c, on_request) for c in self.config.concurrency]
+
+    def run_level(self, dataset: str, samples: list[Sample], concurrency: int,
+                  on_request: Callable[[], None] | None = None) -> BenchResult:
+        cfg = self.config
+        before = scrape(self.metrics_url)
+        load = asyncio.run(run_load(self.client, samples, concurrency, self.num_prompts(samples),
+                                    cfg.duration_s, cfg.seed, on_request))
+        after = scrape(self.metrics_url)
+        counters = after - before if before is not None and after is not None else None
+        base = None
+        if self.baseline is not None:
+            base = asyncio.run(run_load(self.baseline, samples, concurrency, self.num_prompts(samples),
+                                        cfg.duration_s, cfg.seed, on_request))
+        return summarize_load(dataset, load, base, counters, cfg, concurrency)
+
+
+def summarize_load(dataset: str, load: LoadResult, base: LoadResult | None, counters: SpecDecodeCounters | None,
+                   config: ServerConfig, concurrency: int) -> BenchResult:
+    ok = [r for r in load.records if r.error is None]
+    if load.records and not ok:
+        raise UserError(f"every request to {config.base_url} failed; the first: {load.records[0].error}")
+    fast_tps = _throughput(load)
+    base_tps = _throughput(base) if base is not None else None
+    result = BenchResult(
+        dataset=dataset, backend="server", num_prompts=len({r.sample_id for r in load.records}),
+        num_requests=len(load.records), concurrency=concurrency, temperature=config.temperature,
+        max_new_tokens=config.max_new_tokens, dflash_tokens_per_s=fast_tps, baseline_tokens_per_s=base_tps,
+        speedup=ratio(fast_tps, base_tps), dflash_output_tokens=sum(r.output_tokens for r in ok),
+        dflash_latency_ms=_latency_ms(load), requests_per_s=len(ok) / load.wall_s if load.wall_s > 0 else None,
+        errors=len(load.records) - len(ok),
+    )
+    if base is not None:
+        result.baseline_output_tokens = sum(r.output_tokens for r in base.records if r.error is None)
+        result.baseline_latency_ms = _latency_ms(base)
+        if config.temperature == 0:
+            result.mismatched_prompts = _compare_texts(base.records, load.records)
+            result.mismatches = len(result.mismatched_prompts)
+    if counters is not None and counters.drafts > 0:
+        hist = histogram_from_counters(counters.drafts, counters.accepted_per_pos)
+        result.block_size = len(hist) - 1 if counters.accepted_per_pos else None
+        result.mean_acceptance_length = counters.mean_acceptance_length
+        result.acceptance_histogram = hist if counters.accepted_per_pos else []
+        result.acceptance_rate_per_position = acceptance_rate_per_position(hist) if counters.accepted_per_pos else []
+    return result
+
+
+def _throughput(load: LoadResult) -> float | None:
+    tokens = sum(r.output_tokens for r in load.records if r.error is None)
+    return tokens / load.wall_s if load.wall_s > 0 else None
+
+
+def _latency_ms(load: LoadResult) -> dict[str, float]:
+    return {k: 1000.0 * v for k, v in percentiles([r.latency_s for r in load.records if r.error is None]).items()}
+
+
+def _compare_texts(baseline: list[RequestRecord], dflash: list[RequestRecord]) -> list[str]:
+    """Keys (sample#turn) whose first answer differs between the two servers."""
+    first: dict[str, str] = {}
+    for r in baseline:
+        if r.error is None:
+            first.setdefault(f"{r.sample_id}#{r.turn}", r.text)
+    seen, differ = set(), []
+    for r in dflash:
+        key = f"{r.sample_id}#{r.turn}"
+        if r.error is None and key in first and key not in seen:
+            seen.add(key)
+            if r.text != first[key]:
+                differ.append(key)
+    return differ

@@ -1,0 +1,115 @@
+"""`dflash bench`: DFlash against plain decoding on the standard datasets (local), or load on a server."""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import os
+
+from dflash.cli.common import add_model_arguments, load_pipeline
+from dflash.errors import UserError
+
+DATASET_HELP = "gsm8k, math500, humaneval, mbpp, mt-bench, or all (several: space or comma separated)"
+
+
+def int_list(text: str) -> list[int]:
+    """'8' -> [8]; '1,4,8' -> [1, 4, 8]"""
+    try:
+        values = [int(v) for v in text.split(",") if v.strip()]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected an integer or a comma-separated list like 1,4,8, got {text!r}")
+    if not values:
+        raise argparse.ArgumentTypeError("expected at least one integer")
+    return values
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    add_model_arguments(parser)
+    _make_block_size_a_sweep(parser)
+    data = parser.add_argument_group("data")
+    data.add_argument("--dataset", nargs="+", default=["gsm8k"], metavar="NAME", help=DATASET_HELP)
+    data.add_argument("--data-file", help="JSONL with the dataset's own records, or 'prompt', 'turns' or "
+                                          "'messages' per line (one dataset only)")
+    data.add_argument("--data-dir", help="directory laid out like gsm8k/test.jsonl, math500/test.jsonl, ... "
+                                         "(default: $DFLASH_DATA_DIR)")
+    data.add_argument("--max-samples", type=int, default=20,
+                      help="samples per dataset, a deterministic subset (0 = all; default 20)")
+    data.add_argument("--seed", type=int, default=0, help="picks the subset; seeds sampling at temperature > 0")
+    gen = parser.add_argument_group("generation")
+    gen.add_argument("--max-new-tokens", type=int, default=256)
+    gen.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (outputs must match)")
+    gen.add_argument("--warmup-tokens", type=int, default=16, help="tokens of the warm-up generation (local)")
+    server = parser.add_argument_group("server backend (any OpenAI-compatible server)")
+    server.add_argument("--backend", choices=["local", "server"],
+                        help="local: decode in this process (default); server: send requests to --base-url")
+    server.add_argument("--base-url", help="e.g. http://127.0.0.1:8000/v1 (implies --backend server)")
+    server.add_argument("--model", help="model name sent to the server (default: the first it lists)")
+    server.add_argument("--endpoint", choices=["chat", "completions"], default="chat")
+    server.add_argument("--api-key", default=os.environ.get("OPENAI_API_KEY"), help="default: $OPENAI_API_KEY")
+    server.add_argument("--concurrency", type=int_list, default=[1], help="one value or a sweep like 1,4,8")
+    server.add_argument("--num-prompts", type=int, help="conversations per concurrency level (default: each sample once)")
+    server.add_argument("--duration", type=float, help="seconds of load per level instead of a prompt count")
+    server.add_argument("--metrics-url", help="Prometheus metrics (default: /metrics at the server's root)")
+    server.add_argument("--baseline-url", help="the same target served without a drafter, for the speedup")
+    server.add_argument("--request-timeout", type=float, default=600.0, help="seconds per request")
+    out = parser.add_argument_group("output")
+    out.add_argument("--output-dir", help="write results.json, results.md and plots here")
+    out.add_argument("--gpu-hourly-usd", type=float, help="machine price per hour: adds the cost of 1M output tokens")
+    out.add_argument("--no-progress", action="store_true", help="no progress bars")
+
+
+def _make_block_size_a_sweep(parser: argparse.ArgumentParser) -> None:
+    """The shared --block-size flag takes one size; here it also takes a sweep (4,8,16)."""
+    for action in parser._actions:
+        if action.dest == "block_size":
+            action.type = int_list
+            action.help = "block size(s) to measure, e.g. 16 or 4,8,16 (<= the drafter's; default: the drafter's)"
+
+
+def run(args: argparse.Namespace) -> int:
+    from dflash.bench.runner import run_bench
+
+    config = bench_config(args)
+    pipe = None if config.backend == "server" else _load_pair(args)
+    results = run_bench(config, pipe)
+    return 1 if any(r.mismatches for r in results) else 0
+
+
+def bench_config(args: argparse.Namespace):
+    from dflash.bench.datasets import DataOptions, resolve_names
+    from dflash.bench.runner import BenchConfig
+    from dflash.bench.server import ServerConfig
+
+    backend = args.backend or ("server" if args.base_url else "local")
+    names = resolve_names(args.dataset)
+    if args.data_file and len(names) > 1:
+        raise UserError(f"--data-file holds one dataset, but {len(names)} were asked for; pass one --dataset")
+    if args.max_new_tokens < 1:
+        raise UserError(f"--max-new-tokens must be >= 1, got {args.max_new_tokens}")
+    if args.max_samples is not None and args.max_samples < 0:
+        raise UserError(f"--max-samples must be >= 0 (0 = all), got {args.max_samples}")
+    server = None
+    if backend == "server":
+        if not args.base_url:
+            raise UserError("the server backend needs --base-url, e.g. http://127.0.0.1:8000/v1")
+        server = ServerConfig(base_url=args.base_url, model=args.model, endpoint=args.endpoint,
+                              api_key=args.api_key, concurrency=args.concurrency, num_prompts=args.num_prompts,
+                              duration_s=args.duration, timeout_s=args.request_timeout,
+                              metrics_url=args.metrics_url, baseline_url=args.baseline_url)
+    return BenchConfig(
+        datasets=names,
+        data=DataOptions(data_file=args.data_file, data_dir=args.data_dir, max_samples=args.max_samples or None,
+                         seed=args.seed),
+        backend=backend, block_sizes=args.block_size or [None], max_new_tokens=args.max_new_tokens,
+        temperature=args.temperature, seed=args.seed, warmup_tokens=args.warmup_tokens, server=server,
+        output_dir=args.output_dir, gpu_hourly_usd=args.gpu_hourly_usd, show_progress=not args.no_progress,
+    )
+
+
+def _load_pair(args: argparse.Namespace):
+    """The pair at the drafter's own block size; the sweep sets the block size per run."""
+    if args.no_draft:
+        raise UserError("dflash bench measures DFlash against plain decoding itself; drop --no-draft")
+    single = copy.copy(args)
+    single.block_size = None
+    return load_pipeline(single)
