@@ -1,0 +1,124 @@
+"""`dflash serve`: an OpenAI-compatible server with DFlash inside, or a hand-off to vLLM / SGLang.
+
+    dflash serve                                         # the embedded pair on 127.0.0.1:8000
+    dflash serve --target T --draft D --api-key KEY --max-batch-size 8
+    dflash serve --target T --draft D --engine vllm --dry-run   # print the vLLM command
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import sys
+
+from dflash.cli.common import add_model_arguments, load_pipeline
+from dflash.errors import UserError
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    add_model_arguments(parser)
+    net = parser.add_argument_group("server")
+    net.add_argument("--host", default="127.0.0.1", help="address to bind (default: 127.0.0.1, this machine only)")
+    net.add_argument("--port", type=int, default=8000)
+    net.add_argument("--api-key", default=os.environ.get("DFLASH_API_KEY"),
+                     help="require 'Authorization: Bearer KEY' on /v1 (default: $DFLASH_API_KEY, else none)")
+    net.add_argument("--served-model-name", help="the model id clients send (default: the --target value)")
+    net.add_argument("--max-model-len", type=int, help="context limit, prompt + max_tokens (default: the target's)")
+    net.add_argument("--max-batch-size", type=int, default=8, help="requests decoded together (default: 8)")
+    net.add_argument("--max-queue", type=int, default=64,
+                     help="requests waiting for a batch slot; more are answered 429 (default: 64)")
+    net.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
+    fb = parser.add_argument_group("adaptive fallback (decode without the drafter when it does not pay)")
+    fb.add_argument("--fallback-min-acceptance", type=float, default=1.5, metavar="TAU",
+                    help="mean acceptance length below which a workload stops drafting; 0 = never (default: 1.5)")
+    fb.add_argument("--fallback-window", type=int, default=64, help="drafted steps in the rolling mean (default: 64)")
+    fb.add_argument("--fallback-probe-after", type=int, default=32,
+                    help="requests decoded plainly before drafting is tried again (default: 32)")
+    handoff = parser.add_argument_group("hand-off to a distributed engine")
+    handoff.add_argument("--engine", choices=["dflash", "vllm", "sglang"], default="dflash",
+                         help="dflash (this server), or launch vLLM / SGLang with the DFlash speculative config")
+    handoff.add_argument("--dry-run", action="store_true", help="with --engine vllm|sglang: print the command only")
+
+
+def run(args: argparse.Namespace) -> int:
+    _check_args(args)
+    if args.engine != "dflash":
+        return _hand_off(args)
+    return _serve(args)
+
+
+def _check_args(args: argparse.Namespace) -> None:
+    if args.draft and not args.target:
+        raise UserError("--draft needs --target (the drafter must be paired with the target it was trained for)")
+    for flag, value, low in (("--max-batch-size", args.max_batch_size, 1), ("--max-queue", args.max_queue, 0),
+                             ("--port", args.port, 0), ("--fallback-window", args.fallback_window, 1),
+                             ("--fallback-probe-after", args.fallback_probe_after, 1)):
+        if value < low:
+            raise UserError(f"{flag} must be >= {low}, got {value}")
+    if args.max_model_len is not None and args.max_model_len < 2:
+        raise UserError(f"--max-model-len must be >= 2, got {args.max_model_len}")
+    if args.fallback_min_acceptance < 0:
+        raise UserError(f"--fallback-min-acceptance must be >= 0, got {args.fallback_min_acceptance}")
+    if args.dry_run and args.engine == "dflash":
+        raise UserError("--dry-run prints the command of a hand-off; use it with --engine vllm or --engine sglang")
+    if args.api_key is not None and not args.api_key:
+        raise UserError("--api-key is empty; give a key or leave the flag out")
+
+
+def _hand_off(args: argparse.Namespace) -> int:
+    from dflash.api import DEFAULT_DRAFT, DEFAULT_TARGET
+    from dflash.serve import handoff
+
+    target = args.target or str(DEFAULT_TARGET)
+    draft = None if args.no_draft else (args.draft or (None if args.target else str(DEFAULT_DRAFT)))
+    if args.target and not args.draft and not args.no_draft:
+        raise UserError("--target needs --draft (or --no-draft to serve the target alone)")
+    if args.mask_token_id is not None:
+        raise UserError("--mask-token-id does not carry over: vLLM and SGLang read the mask token id from the "
+                        "drafter's config.json (dflash_config.mask_token_id); put it there")
+    options = handoff.HandoffOptions(
+        host=args.host, port=args.port, api_key=args.api_key, max_model_len=args.max_model_len,
+        served_model_name=args.served_model_name, max_batch_size=args.max_batch_size,
+        dtype=None if args.dtype == "auto" else args.dtype,
+    )
+    argv = handoff.engine_command(args.engine, target, draft, args.block_size, options)
+    if args.dry_run:
+        print(handoff.format_command(argv))
+        return 0
+    return handoff.launch(args.engine, argv)
+
+
+def _serve(args: argparse.Namespace) -> int:
+    import uvicorn
+
+    from dflash.serve.app import ServeConfig, create_app
+    from dflash.serve.fallback import FallbackConfig
+    from dflash.serve.scheduler import SchedulerConfig
+
+    logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    pipe = load_pipeline(args)
+    config = ServeConfig(
+        served_model_name=args.served_model_name or args.target or "dflash",
+        api_key=args.api_key,
+        max_model_len=args.max_model_len,
+        scheduler=SchedulerConfig(args.max_batch_size, args.max_queue),
+        fallback=FallbackConfig(args.fallback_min_acceptance, args.fallback_window, args.fallback_probe_after),
+    )
+    app = create_app(pipe, config)
+    _warm_up(pipe)
+    if args.host not in ("127.0.0.1", "localhost", "::1") and not args.api_key:
+        print(f"dflash serve: warning: listening on {args.host} without --api-key; anyone who can reach it can "
+              "use it", file=sys.stderr)
+    uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level)
+    return 0
+
+
+def _warm_up(pipe) -> None:
+    """One short decode with and without the drafter, so the first client does not pay for lazy set-up."""
+    from dflash.decoding.engine import GenerationConfig, SpeculativeEngine
+
+    ids = pipe.encode("Hello", raw=True) if pipe.tokenizer is not None else [0]
+    config = GenerationConfig(max_new_tokens=4, stop_token_ids=[])
+    pipe.engine.generate([ids], config)
+    SpeculativeEngine(pipe.target).generate([ids], config)

@@ -1,0 +1,257 @@
+"""The FastAPI app: OpenAI-compatible endpoints in front of the continuous-batching scheduler.
+
+    GET  /v1/models             the one served model
+    POST /v1/chat/completions   chat messages -> chat template -> decode (stream or not)
+    POST /v1/completions        raw text or token ids -> decode
+    GET  /health                200 while the decode thread runs (with running / waiting counts)
+    GET  /metrics               Prometheus exposition (see `metrics`)
+
+Every client mistake is answered as an OpenAI error object with a 4xx status; the handlers never let one
+reach the decode thread.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import secrets
+import time
+from contextlib import asynccontextmanager
+from dataclasses import dataclass, field
+
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from dflash.decoding.engine import GenerationConfig
+from dflash.errors import UserError
+from dflash.serve.detokenizer import TextDeltas
+from dflash.serve.fallback import FallbackConfig
+from dflash.serve.metrics import ServerMetrics
+from dflash.serve.protocol import (APIError, ChatCompletionRequest, CompletionRequest, ResponseShape,
+                                   SamplingRequest, model_list, parse_request, sse)
+from dflash.serve.scheduler import QueueFull, Request as Decoding, Scheduler, SchedulerClosed, SchedulerConfig
+
+log = logging.getLogger("dflash.serve")
+
+COMPLETIONS_DEFAULT_MAX_TOKENS = 16  # OpenAI's default for /v1/completions; chat defaults to the context left
+
+
+@dataclass
+class ServeConfig:
+    served_model_name: str = "dflash"
+    api_key: str | None = None
+    max_model_len: int | None = None  # None: the target's context
+    scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
+    fallback: FallbackConfig = field(default_factory=FallbackConfig)
+
+
+class Server:
+    """What the handlers share: the pipeline, the scheduler, the limits."""
+
+    def __init__(self, pipe, config: ServeConfig):
+        self.pipe = pipe
+        self.config = config
+        self.engine = pipe.engine
+        target_limit = getattr(pipe.target.config, "max_position_embeddings", None)
+        limit = config.max_model_len or target_limit
+        if config.max_model_len and target_limit and config.max_model_len > target_limit:
+            raise UserError(f"--max-model-len {config.max_model_len} exceeds the target's context of "
+                            f"{target_limit} tokens; use at most {target_limit}")
+        if limit is None:
+            raise UserError("the target's config has no max_position_embeddings; give --max-model-len")
+        self.max_model_len = limit
+        self.metrics = ServerMetrics(num_draft_tokens=max(self.engine.proposer.block_size - 1, 0))
+        self.scheduler = Scheduler(self.engine, config.scheduler, self.metrics, config.fallback)
+        self.created = int(time.time())
+
+    # ---- request -> sequence ----------------------------------------------------------------------------
+    def check_model(self, model: str | None) -> None:
+        if model is not None and model != self.config.served_model_name:
+            raise APIError(404, f"model {model!r} does not exist; this server serves "
+                                f"{self.config.served_model_name!r} (see GET /v1/models)",
+                           param="model", code="model_not_found")
+
+    def generation_config(self, req: SamplingRequest, prompt_len: int, default_max: int | None) -> GenerationConfig:
+        left = self.max_model_len - prompt_len - self.engine.proposer.block_size
+        if left < 1:
+            raise APIError(400, f"the prompt ({prompt_len} tokens) fills the context of {self.max_model_len} "
+                                "tokens; shorten it", code="context_length_exceeded")
+        max_tokens = req.token_limit
+        if max_tokens is None:
+            max_tokens = min(default_max, left) if default_max else left
+        if prompt_len + max_tokens > self.max_model_len:
+            raise APIError(400, f"prompt ({prompt_len} tokens) + max_tokens ({max_tokens}) exceeds the context of "
+                                f"{self.max_model_len} tokens; shorten the prompt or lower max_tokens",
+                           param="max_tokens", code="context_length_exceeded")
+        return GenerationConfig(
+            max_new_tokens=max_tokens, temperature=req.temperature, top_p=req.top_p, top_k=max(req.top_k, 0),
+            seed=req.seed, stop_token_ids=[] if req.ignore_eos else None, stop_strings=req.stop_strings,
+        )
+
+    def submit(self, req: SamplingRequest, prompt_ids: list[int], kind: str, default_max: int | None) -> Decoding:
+        config = self.generation_config(req, len(prompt_ids), default_max)
+        seq = self.engine.new_sequence(prompt_ids, config)  # GenerationError (a UserError) -> 400
+        workload = f"{kind}/{'greedy' if config.temperature == 0 else 'sampled'}"
+        return self.scheduler.submit(seq, workload)
+
+    # ---- answers ----------------------------------------------------------------------------------------------
+    async def answer(self, http: Request, req: SamplingRequest, prompt_ids: list[int], kind: str,
+                     default_max: int | None) -> Response:
+        decoding = self.submit(req, prompt_ids, kind, default_max)
+        shape = ResponseShape(kind, self.config.served_model_name)
+        if req.stream:
+            return StreamingResponse(self._stream(decoding, shape, req), media_type="text/event-stream")
+        return await self._complete(http, decoding, shape)
+
+    async def _complete(self, http: Request, decoding: Decoding, shape: ResponseShape) -> Response:
+        watcher = asyncio.create_task(_cancel_on_disconnect(http, decoding))
+        try:
+            async for event in _events(decoding):
+                if event.done and event.error:
+                    raise APIError(500, event.error, type="server_error")
+        finally:
+            watcher.cancel()
+            decoding.cancel()
+        seq = decoding.seq
+        result = seq.result()
+        return JSONResponse(shape.full(result.text or "", result.finish_reason, len(seq.prompt_ids),
+                                       len(seq.output_ids)))
+
+    async def _stream(self, decoding: Decoding, shape: ResponseShape, req: SamplingRequest):
+        """Server-sent events; leaving early (a disconnect cancels this generator) frees the row."""
+        seq = decoding.seq
+        deltas = TextDeltas(self.pipe.tokenizer, req.stop_strings)
+        try:
+            if shape.kind == "chat":
+                yield sse(shape.chunk(None, first=True))
+            async for event in _events(decoding):
+                piece = deltas.add(event.tokens) if event.tokens else ""
+                if event.done:
+                    if event.error:
+                        yield sse(APIError(500, event.error, type="server_error").body())
+                        break
+                    result = seq.result()
+                    piece += deltas.finish(result.text or "")
+                    if piece:
+                        yield sse(shape.chunk(piece))
+                    yield sse(shape.chunk(None, finish_reason=result.finish_reason))
+                    if req.include_usage:
+                        yield sse(shape.usage_chunk(len(seq.prompt_ids), len(seq.output_ids)))
+                elif piece:
+                    yield sse(shape.chunk(piece))
+            yield sse("[DONE]")
+        finally:
+            decoding.cancel()
+
+
+async def _events(decoding: Decoding):
+    while True:
+        event = await decoding.events.get()
+        yield event
+        if event.done:
+            return
+
+
+async def _cancel_on_disconnect(http: Request, decoding: Decoding) -> None:
+    """For non-streamed answers: the body is read, so the next ASGI message can only be a disconnect."""
+    while True:
+        message = await http.receive()
+        if message["type"] == "http.disconnect":
+            decoding.cancel()
+            return
+
+
+def create_app(pipe, config: ServeConfig | None = None) -> FastAPI:
+    """The ASGI app for a loaded `DFlash` pipeline; the decode thread runs for the app's lifespan."""
+    server = Server(pipe, config or ServeConfig())
+
+    @asynccontextmanager
+    async def lifespan(app: FastAPI):
+        server.scheduler.start()
+        log.info("serving %r (drafter: %s), up to %d rows per batch, %d queued", server.config.served_model_name,
+                 "yes" if server.scheduler.has_drafter else "no", server.config.scheduler.max_batch_size,
+                 server.config.scheduler.max_queue)
+        yield
+        server.scheduler.stop()
+
+    app = FastAPI(title="DFlash", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None)
+    app.state.server = server
+    _add_error_handlers(app)
+
+    def authorize(http: Request) -> None:
+        key = server.config.api_key
+        if key is None:
+            return
+        given = http.headers.get("authorization", "")
+        if not (given.startswith("Bearer ") and secrets.compare_digest(given[7:].encode(), key.encode())):
+            raise APIError(401, "missing or wrong API key; send the header 'Authorization: Bearer <key>'",
+                           type="authentication_error", code="invalid_api_key")
+
+    @app.get("/v1/models")
+    async def models(http: Request):
+        authorize(http)
+        return model_list(server.config.served_model_name, server.created)
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(http: Request):
+        authorize(http)
+        req = parse_request(await http.body(), ChatCompletionRequest)
+        server.check_model(req.model)
+        req.check_supported()
+        prompt_ids = server.pipe.encode(req.chat())
+        return await server.answer(http, req, prompt_ids, "chat", default_max=None)
+
+    @app.post("/v1/completions")
+    async def completions(http: Request):
+        authorize(http)
+        req = parse_request(await http.body(), CompletionRequest)
+        server.check_model(req.model)
+        req.check_supported()
+        prompt_ids = server.pipe.encode(req.prompt, raw=True)
+        return await server.answer(http, req, prompt_ids, "completion", default_max=COMPLETIONS_DEFAULT_MAX_TOKENS)
+
+    @app.get("/health")
+    async def health():
+        counts = server.scheduler.counts()
+        if not server.scheduler.alive:
+            return JSONResponse({"status": "down", **counts}, status_code=503)
+        return {"status": "ok", **counts}
+
+    @app.get("/metrics")
+    async def metrics():
+        return Response(server.metrics.exposition(), media_type=server.metrics.content_type)
+
+    return app
+
+
+def _add_error_handlers(app: FastAPI) -> None:
+    def error(err: APIError) -> JSONResponse:
+        headers = {"WWW-Authenticate": "Bearer"} if err.status == 401 else None
+        return JSONResponse(err.body(), status_code=err.status, headers=headers)
+
+    @app.exception_handler(APIError)
+    async def api_error(_, err: APIError):
+        return error(err)
+
+    @app.exception_handler(UserError)
+    async def user_error(_, err: UserError):
+        return error(APIError(400, str(err)))
+
+    @app.exception_handler(QueueFull)
+    async def queue_full(_, err: QueueFull):
+        return error(APIError(429, str(err), type="rate_limit_error", code="queue_full"))
+
+    @app.exception_handler(SchedulerClosed)
+    async def closed(_, err: SchedulerClosed):
+        return error(APIError(503, str(err), type="server_error", code="unavailable"))
+
+    @app.exception_handler(StarletteHTTPException)
+    async def http_error(_, err: StarletteHTTPException):
+        kind = "not_found_error" if err.status_code == 404 else "invalid_request_error"
+        return error(APIError(err.status_code, str(err.detail), type=kind))
+
+    @app.exception_handler(Exception)
+    async def unexpected(_, err: Exception):
+        log.exception("unexpected error answering a request")
+        return error(APIError(500, f"internal server error ({type(err).__name__})", type="server_error"))

@@ -1,0 +1,96 @@
+"""Adaptive fallback: stop drafting for a workload whose drafts are mostly rejected, and try again later.
+
+Speculation pays only when enough draft tokens are accepted: every drafted step costs a drafter forward and
+a verify forward over the whole block. For each workload (a request kind, e.g. "chat/greedy") the server
+keeps the acceptance lengths of its last `window` drafted decode steps. When their mean falls below
+`min_acceptance_length`, new requests of that workload decode without the drafter; after `probe_after`
+such requests, the next ones draft again (a probe) and a fresh window decides anew. Rows already decoding
+keep the proposer they started with (a row cannot change batch).
+"""
+
+from __future__ import annotations
+
+import logging
+from collections import deque
+from dataclasses import dataclass, field
+from typing import Callable
+
+log = logging.getLogger("dflash.serve")
+
+
+@dataclass
+class FallbackConfig:
+    min_acceptance_length: float = 0.0  # tokens per verify forward; 0 disables the fallback
+    window: int = 64  # drafted decode steps in the rolling mean
+    probe_after: int = 32  # requests decoded without the drafter before drafting is tried again
+
+    def __post_init__(self) -> None:
+        if self.min_acceptance_length < 0:
+            raise ValueError(f"the fallback threshold must be >= 0, got {self.min_acceptance_length}")
+        if self.window < 1 or self.probe_after < 1:
+            raise ValueError("the fallback window and probe interval must be >= 1")
+
+    @property
+    def enabled(self) -> bool:
+        return self.min_acceptance_length > 0
+
+
+@dataclass
+class _Workload:
+    lengths: deque = field(default_factory=deque)
+    drafting: bool = True
+    plain_requests: int = 0  # since drafting was switched off
+
+    def rolling(self) -> float | None:
+        return sum(self.lengths) / len(self.lengths) if self.lengths else None
+
+
+# listener(workload, drafting, rolling mean acceptance length or None)
+Listener = Callable[[str, bool, "float | None"], None]
+
+
+class AdaptiveFallback:
+    """Decides per new request whether it drafts. Used from the scheduler's one decode thread only."""
+
+    def __init__(self, config: FallbackConfig, listener: Listener | None = None):
+        self.config = config
+        self._listener = listener or (lambda *_: None)
+        self._workloads: dict[str, _Workload] = {}
+
+    def _get(self, workload: str) -> _Workload:
+        if workload not in self._workloads:
+            self._workloads[workload] = _Workload(lengths=deque(maxlen=self.config.window))
+        return self._workloads[workload]
+
+    def should_draft(self, workload: str) -> bool:
+        """Called once per new request."""
+        if not self.config.enabled:
+            return True
+        state = self._get(workload)
+        if state.drafting:
+            return True
+        state.plain_requests += 1
+        if state.plain_requests <= self.config.probe_after:
+            return False
+        state.drafting, state.plain_requests = True, 0
+        state.lengths.clear()
+        log.info("fallback: probing drafting again for workload %r", workload)
+        self._listener(workload, True, None)
+        return True
+
+    def observe(self, workload: str, acceptance_lengths: list[int]) -> None:
+        """Acceptance lengths (tokens per verify forward) of one drafted step's rows of this workload."""
+        if not self.config.enabled or not acceptance_lengths:
+            return
+        state = self._get(workload)
+        state.lengths.extend(acceptance_lengths)
+        rolling = state.rolling()
+        if state.drafting and len(state.lengths) >= self.config.window and rolling < self.config.min_acceptance_length:
+            state.drafting, state.plain_requests = False, 0
+            log.warning("fallback: workload %r has mean acceptance length %.2f < %.2f over its last %d drafted "
+                        "steps; new requests decode without the drafter", workload, rolling,
+                        self.config.min_acceptance_length, len(state.lengths))
+        self._listener(workload, state.drafting, rolling)
+
+    def drafting(self, workload: str) -> bool:
+        return self._get(workload).drafting if self.config.enabled else True

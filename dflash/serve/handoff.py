@@ -1,0 +1,198 @@
+"""Hand a pair to vLLM or SGLang: check it from its configs (no weights loaded), then launch the engine with
+its DFlash speculative configuration (REFERENCE section 3), or print the command.
+
+    vllm serve TARGET --speculative-config '{"method": "dflash", "model": DRAFT, "num_speculative_tokens": B-1}'
+    python -m sglang.launch_server --model-path TARGET --speculative-algorithm DFLASH \
+        --speculative-draft-model-path DRAFT --speculative-num-draft-tokens B
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import shlex
+import shutil
+import subprocess
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+from dflash.errors import UserError
+from dflash.model.config import DrafterConfig
+from dflash.model.target import check_compatible
+
+ENGINES = ("vllm", "sglang")
+DRAFTER_ARCHITECTURE = "DFlashDraftModel"  # what both engines load for method "dflash" / DFLASH
+# Per-layer and top-level weights a DFlash drafter checkpoint must hold (no embedding, no LM head).
+_LAYER_KEYS = ("self_attn.q_proj.weight", "self_attn.k_proj.weight", "self_attn.v_proj.weight",
+               "self_attn.o_proj.weight", "self_attn.q_norm.weight", "self_attn.k_norm.weight",
+               "mlp.gate_proj.weight", "mlp.up_proj.weight", "mlp.down_proj.weight",
+               "input_layernorm.weight", "post_attention_layernorm.weight")
+_TOP_KEYS = ("fc.weight", "hidden_norm.weight", "norm.weight")
+
+
+@dataclass
+class HandoffOptions:
+    """The `dflash serve` flags that carry over to the engine; None = the engine's default."""
+
+    host: str = "127.0.0.1"
+    port: int = 8000
+    api_key: str | None = None
+    max_model_len: int | None = None
+    served_model_name: str | None = None
+    max_batch_size: int | None = None
+    dtype: str | None = None
+
+
+@dataclass
+class TargetFacts:
+    """The target's shape as its config.json states it (duck-types `TargetModel` for `check_compatible`)."""
+
+    hidden_size: int
+    num_layers: int
+    vocab_size: int
+
+
+# ---- checking the pair ---------------------------------------------------------------------------------
+def _read_json(path_or_id: str, filename: str) -> dict:
+    """A JSON file from a local checkpoint directory or, for a hub id, just that file from the hub."""
+    path = Path(path_or_id).expanduser()
+    if path.is_dir():
+        file = path / filename
+        if not file.exists():
+            raise UserError(f"{path} has no {filename}; is it a model checkpoint directory?")
+        return json.loads(file.read_text())
+    if path.exists() or str(path_or_id).startswith((".", "/", "~")):
+        raise UserError(f"{path_or_id} is not a directory; give a checkpoint directory or a hub id like org/name")
+    try:
+        from huggingface_hub import hf_hub_download
+
+        return json.loads(Path(hf_hub_download(str(path_or_id), filename)).read_text())
+    except Exception as err:  # offline, private, missing: all mean "could not read it"
+        raise UserError(f"could not read {filename} of {path_or_id!r} locally or from the hub "
+                        f"({type(err).__name__}); check the path or id") from None
+
+
+def target_facts(target: str) -> TargetFacts:
+    raw = _read_json(target, "config.json")
+    text = raw.get("text_config") or raw  # multimodal configs keep the language model's fields there
+    missing = [k for k in ("hidden_size", "num_hidden_layers", "vocab_size") if k not in text]
+    if missing:
+        raise UserError(f"the target's config.json lacks {', '.join(missing)}; is {target} a causal LM checkpoint?")
+    return TargetFacts(text["hidden_size"], text["num_hidden_layers"], text["vocab_size"])
+
+
+def drafter_config(draft: str) -> DrafterConfig:
+    raw = _read_json(draft, "config.json")
+    if DRAFTER_ARCHITECTURE not in (raw.get("architectures") or []):
+        raise UserError(f"{draft} declares architectures {raw.get('architectures')}; vLLM and SGLang load DFlash "
+                        f"drafters declared as {DRAFTER_ARCHITECTURE!r}")
+    try:
+        return DrafterConfig.from_dict(raw)
+    except UserError as err:
+        raise UserError(f"{draft}: {err}. (vLLM and SGLang read the drafter's settings, the mask token id "
+                        "included, from its config.json only: fix the file rather than pass flags)") from None
+
+
+def check_drafter_weights(draft: str, config: DrafterConfig) -> None:
+    """Read the safetensors headers of a local drafter (not the tensors) and check the key layout."""
+    directory = Path(draft).expanduser()
+    if not directory.is_dir():
+        return  # a hub id: the configs were checked; weights are read by the engine
+    files = sorted(directory.glob("*.safetensors"))
+    if not files:
+        raise UserError(f"no *.safetensors weights in {directory}")
+    from safetensors import safe_open
+
+    keys: set[str] = set()
+    for file in files:
+        with safe_open(file, framework="pt") as f:
+            keys.update(k.removeprefix("model.") for k in f.keys())
+    wanted = [*_TOP_KEYS, *(f"layers.{i}.{k}" for i in range(config.num_hidden_layers) for k in _LAYER_KEYS)]
+    missing = [k for k in wanted if k not in keys]
+    if missing:
+        raise UserError(f"{directory} is not in the DFlash drafter format: missing weights {missing[:5]}"
+                        f"{' ...' if len(missing) > 5 else ''}")
+
+
+def check_pair(target: str, draft: str, block_size: int | None) -> int:
+    """Check format and compatibility from configs and headers; returns the block size to serve with."""
+    config = drafter_config(draft)
+    check_compatible(target_facts(target), config)
+    check_drafter_weights(draft, config)
+    if block_size is None:
+        return config.block_size
+    if not 2 <= block_size <= config.block_size:
+        raise UserError(f"block size {block_size} is not usable with this drafter: choose 2..{config.block_size}")
+    return block_size
+
+
+# ---- the commands ----------------------------------------------------------------------------------------
+def vllm_command(target: str, draft: str | None, block_size: int, options: HandoffOptions) -> list[str]:
+    cmd = ["vllm", "serve", target]
+    if draft is not None:
+        spec = {"method": "dflash", "model": draft, "num_speculative_tokens": block_size - 1}
+        cmd += ["--speculative-config", json.dumps(spec)]
+    cmd += ["--host", options.host, "--port", str(options.port)]
+    cmd += _optional({"--api-key": options.api_key, "--max-model-len": options.max_model_len,
+                      "--served-model-name": options.served_model_name, "--max-num-seqs": options.max_batch_size,
+                      "--dtype": options.dtype})
+    return cmd
+
+
+def sglang_command(target: str, draft: str | None, block_size: int, options: HandoffOptions) -> list[str]:
+    cmd = ["python", "-m", "sglang.launch_server", "--model-path", target]
+    if draft is not None:
+        cmd += ["--speculative-algorithm", "DFLASH", "--speculative-draft-model-path", draft,
+                "--speculative-num-draft-tokens", str(block_size)]
+    cmd += ["--host", options.host, "--port", str(options.port)]
+    cmd += _optional({"--api-key": options.api_key, "--context-length": options.max_model_len,
+                      "--served-model-name": options.served_model_name,
+                      "--max-running-requests": options.max_batch_size, "--dtype": options.dtype})
+    return cmd
+
+
+def _optional(flags: dict[str, object]) -> list[str]:
+    out: list[str] = []
+    for flag, value in flags.items():
+        if value is not None:
+            out += [flag, str(value)]
+    return out
+
+
+def engine_command(engine: str, target: str, draft: str | None, block_size: int | None,
+                   options: HandoffOptions) -> list[str]:
+    """Check the pair, then build the engine's command line (argv)."""
+    if engine not in ENGINES:
+        raise UserError(f"unknown engine {engine!r}; choose one of {', '.join(ENGINES)}")
+    if draft is not None:
+        block_size = check_pair(target, draft, block_size)
+    else:
+        target_facts(target)
+    build = vllm_command if engine == "vllm" else sglang_command
+    return build(target, draft, block_size or 0, options)
+
+
+def ensure_installed(engine: str) -> None:
+    installed = shutil.which("vllm") is not None if engine == "vllm" else importlib.util.find_spec("sglang") is not None
+    if not installed:
+        name = "vLLM (pip install vllm)" if engine == "vllm" else "SGLang (pip install 'sglang[all]')"
+        raise UserError(f"{name} is not installed in this environment; install it on a machine with a GPU it "
+                        "supports, or add --dry-run to print the command and run it there")
+
+
+def launch(engine: str, argv: list[str]) -> int:
+    """Run the engine in the foreground and return its exit status."""
+    ensure_installed(engine)
+    if argv[0] == "python":
+        argv = [sys.executable, *argv[1:]]
+    print(f"dflash serve: launching {shlex.join(argv)}", file=sys.stderr, flush=True)
+    try:
+        return subprocess.call(argv, env=os.environ.copy())
+    except KeyboardInterrupt:
+        return 130
+
+
+def format_command(argv: list[str]) -> str:
+    return shlex.join(argv)

@@ -1,0 +1,81 @@
+"""Prometheus metrics of one server, in their own registry (so two servers in one process never collide).
+
+Spec-decode counters are named like vLLM's `vllm:spec_decode_*` (the exposition adds `_total` to counters):
+a draft is one row of one drafted verify step; it has `block_size - 1` draft tokens, of which the accepted
+ones are the prefix kept before the recovered/bonus token. Mean acceptance length = 1 + accepted / drafts.
+"""
+
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client.exposition import CONTENT_TYPE_LATEST
+
+_LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0)
+
+
+class ServerMetrics:
+    content_type = CONTENT_TYPE_LATEST
+
+    def __init__(self, num_draft_tokens: int = 0):
+        r = self.registry = CollectorRegistry()
+        # requests
+        self.running = Gauge("dflash:num_requests_running", "Requests in the decoding batch.", registry=r)
+        self.waiting = Gauge("dflash:num_requests_waiting", "Requests queued for a batch slot.", registry=r)
+        self.finished = Counter("dflash:request_success", "Finished requests, by finish reason "
+                                "(stop, length, abort = client cancelled or disconnected, error).",
+                                ["finished_reason"], registry=r)
+        self.rejected = Counter("dflash:request_rejected", "Requests refused before decoding, by reason.",
+                                ["reason"], registry=r)
+        self.decoded = Counter("dflash:request_decoder", "Requests started, by decoder: draft (DFlash) or plain.",
+                               ["decoder"], registry=r)
+        # tokens and latency
+        self.prompt_tokens = Counter("dflash:prompt_tokens", "Prompt tokens prefilled.", registry=r)
+        self.generation_tokens = Counter("dflash:generation_tokens", "Tokens generated.", registry=r)
+        self.ttft = Histogram("dflash:time_to_first_token_seconds", "Arrival to first token.",
+                              buckets=_LATENCY_BUCKETS, registry=r)
+        self.e2e = Histogram("dflash:e2e_request_latency_seconds", "Arrival to last token.",
+                             buckets=_LATENCY_BUCKETS, registry=r)
+        # speculative decoding
+        self.num_drafts = Counter("dflash:spec_decode_num_drafts", "Drafts verified (rows x drafted steps).",
+                                  registry=r)
+        self.num_draft_tokens = Counter("dflash:spec_decode_num_draft_tokens", "Draft tokens proposed.", registry=r)
+        self.num_accepted_tokens = Counter("dflash:spec_decode_num_accepted_tokens", "Draft tokens accepted.",
+                                           registry=r)
+        self.accepted_per_pos = Counter("dflash:spec_decode_num_accepted_tokens_per_pos",
+                                        "Draft tokens accepted, by position in the block (0 = first draft token).",
+                                        ["position"], registry=r)
+        self.mean_acceptance_length = Gauge("dflash:spec_decode_mean_acceptance_length",
+                                            "1 + accepted tokens / drafts, since start.", registry=r)
+        for pos in range(num_draft_tokens):
+            self.accepted_per_pos.labels(position=str(pos))
+        # adaptive fallback
+        self.fallback_active = Gauge("dflash:fallback_active",
+                                     "1 while new requests of this workload decode without the drafter.",
+                                     ["workload"], registry=r)
+        self.fallback_rolling = Gauge("dflash:fallback_rolling_acceptance_length",
+                                      "Mean acceptance length over the workload's recent drafted steps.",
+                                      ["workload"], registry=r)
+        self._drafts = 0
+        self._accepted = 0
+
+    def record_drafts(self, accepted: list[int], draft_tokens: int) -> None:
+        """One drafted step: `accepted[i]` draft tokens accepted in row i, each row proposing `draft_tokens`."""
+        if not accepted:
+            return
+        self.num_drafts.inc(len(accepted))
+        self.num_draft_tokens.inc(len(accepted) * draft_tokens)
+        self.num_accepted_tokens.inc(sum(accepted))
+        for n in accepted:
+            for pos in range(n):
+                self.accepted_per_pos.labels(position=str(pos)).inc()
+        self._drafts += len(accepted)
+        self._accepted += sum(accepted)
+        self.mean_acceptance_length.set(1 + self._accepted / self._drafts)
+
+    def record_fallback(self, workload: str, drafting: bool, rolling: float | None) -> None:
+        self.fallback_active.labels(workload=workload).set(0 if drafting else 1)
+        if rolling is not None:
+            self.fallback_rolling.labels(workload=workload).set(rolling)
+
+    def exposition(self) -> bytes:
+        return generate_latest(self.registry)

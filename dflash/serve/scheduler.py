@@ -1,0 +1,281 @@
+"""Continuous batching: one decode thread owns the engine; requests join and leave between steps.
+
+    HTTP handlers (event loop)              decode thread (the only one that touches torch)
+    submit(seq) -> waiting queue   ---->    admit: take waiting requests while batch slots are free
+                                            prefill each (first token), merge into the running batch
+    await request.events           <----    step: draft + verify every row, send each row its kept tokens
+    cancel() (disconnect, abort)   ---->    between steps: drop finished and cancelled rows, free their slots
+
+Drafted and plain rows cannot share a batch (they run different proposers), so there is one running batch
+per decoder; each loop steps both. Which decoder a new request gets is the adaptive fallback's call.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import threading
+import time
+from collections import deque
+from dataclasses import dataclass, field
+
+from dflash.decoding.engine import Batch, Sequence, SpeculativeEngine
+from dflash.decoding.proposer import NoDraftProposer
+from dflash.serve.fallback import AdaptiveFallback, FallbackConfig
+from dflash.serve.metrics import ServerMetrics
+
+log = logging.getLogger("dflash.serve")
+
+DRAFT, PLAIN = "draft", "plain"
+
+
+class QueueFull(Exception):
+    """Every batch slot and queue place is taken; the client should retry later (HTTP 429)."""
+
+
+class SchedulerClosed(Exception):
+    """The server is shutting down or its decode thread has stopped (HTTP 503)."""
+
+
+@dataclass
+class SchedulerConfig:
+    max_batch_size: int = 8  # rows decoded together
+    max_queue: int = 64  # requests waiting for a row beyond those decoding
+
+    def __post_init__(self) -> None:
+        if self.max_batch_size < 1:
+            raise ValueError(f"max batch size must be >= 1, got {self.max_batch_size}")
+        if self.max_queue < 0:
+            raise ValueError(f"max queue must be >= 0, got {self.max_queue}")
+
+
+@dataclass
+class Event:
+    """What the decode thread tells a request: tokens kept this step, then once `done`."""
+
+    tokens: list[int] = field(default_factory=list)
+    done: bool = False
+    finish_reason: str | None = None  # stop, length, abort, error
+    error: str | None = None
+
+
+class Request:
+    """A handler's handle on one sequence being decoded; events arrive on its asyncio queue."""
+
+    def __init__(self, seq: Sequence, workload: str, loop: asyncio.AbstractEventLoop, scheduler: "Scheduler"):
+        self.seq = seq
+        self.workload = workload
+        self.events: asyncio.Queue[Event] = asyncio.Queue()
+        self.arrival = time.perf_counter()
+        self.cancelled = False
+        self.finished = False
+        self._loop = loop
+        self._scheduler = scheduler
+
+    def cancel(self) -> None:
+        """Abort decoding (no-op once finished); its batch slot is freed before the next step."""
+        if not self.finished:
+            self._scheduler.cancel(self)
+
+    def emit(self, event: Event) -> None:  # decode thread
+        try:
+            self._loop.call_soon_threadsafe(self.events.put_nowait, event)
+        except RuntimeError:  # the event loop is closed: nobody is listening any more
+            self.cancelled = True
+
+
+class Scheduler:
+    def __init__(self, engine: SpeculativeEngine, config: SchedulerConfig | None = None,
+                 metrics: ServerMetrics | None = None, fallback: FallbackConfig | None = None):
+        self.engine = engine
+        self.config = config or SchedulerConfig()
+        self.metrics = metrics or ServerMetrics()
+        self.fallback = AdaptiveFallback(fallback or FallbackConfig(), self.metrics.record_fallback)
+        self.has_drafter = not isinstance(engine.proposer, NoDraftProposer)
+        self._proposers = {DRAFT: engine.proposer, PLAIN: NoDraftProposer()}
+        self._cond = threading.Condition()
+        self._waiting: deque[Request] = deque()
+        self._admitted = 0  # waiting + decoding; guarded by _cond
+        self._running: dict[str, Batch] = {}  # decoder -> batch; decode thread only
+        self._requests: dict[int, Request] = {}  # id(seq) -> request; decode thread only
+        self._stopping = False
+        self._thread: threading.Thread | None = None
+
+    # ---- the handlers' side ----------------------------------------------------------------------------
+    def start(self) -> None:
+        self._thread = threading.Thread(target=self._run, name="dflash-decode", daemon=True)
+        self._thread.start()
+
+    def stop(self, timeout: float = 10.0) -> None:
+        with self._cond:
+            self._stopping = True
+            self._cond.notify_all()
+        if self._thread is not None:
+            self._thread.join(timeout)
+
+    @property
+    def alive(self) -> bool:
+        return self._thread is not None and self._thread.is_alive() and not self._stopping
+
+    def submit(self, seq: Sequence, workload: str) -> Request:
+        """Queue a sequence (from the event loop); raises QueueFull when no slot or queue place is left."""
+        request = Request(seq, workload, asyncio.get_running_loop(), self)
+        with self._cond:
+            if not self.alive:
+                raise SchedulerClosed("the server is shutting down")
+            if self._admitted >= self.config.max_batch_size + self.config.max_queue:
+                self.metrics.rejected.labels(reason="queue_full").inc()
+                raise QueueFull(f"the server is at capacity ({self.config.max_batch_size} decoding, "
+                                f"{self.config.max_queue} queued); retry later")
+            self._admitted += 1
+            self._waiting.append(request)
+            self.metrics.waiting.set(len(self._waiting))
+            self._cond.notify_all()
+        return request
+
+    def cancel(self, request: Request) -> None:
+        with self._cond:
+            request.cancelled = True
+            self._cond.notify_all()
+
+    def counts(self) -> dict[str, int]:
+        with self._cond:
+            waiting = len(self._waiting)
+            return {"waiting": waiting, "running": self._admitted - waiting}
+
+    # ---- the decode thread --------------------------------------------------------------------------------
+    def _run(self) -> None:
+        while True:
+            new = self._admit()
+            if new is None:
+                break
+            try:
+                self._prefill(new)
+                for decoder in list(self._running):
+                    self._step(decoder)
+            except Exception:  # a bug, not a client's mistake: fail what is decoding, keep serving
+                log.exception("decode loop error; failing the running requests")
+                for decoder in list(self._running):
+                    self._fail_batch(decoder, "internal error while decoding")
+        self._shutdown()
+
+    def _admit(self) -> list[Request] | None:
+        """Waiting requests that get a row now (cancelled ones are finished here); None to stop."""
+        with self._cond:
+            while not self._stopping and not self._running and not self._waiting:
+                self._cond.wait()
+            if self._stopping:
+                return None
+            free = self.config.max_batch_size - sum(len(b) for b in self._running.values())
+            taken = []
+            while self._waiting and len(taken) < free:
+                taken.append(self._waiting.popleft())
+            self.metrics.waiting.set(len(self._waiting))
+        admitted = []
+        for request in taken:
+            if request.cancelled:
+                self._finish(request, "abort")
+            else:
+                admitted.append(request)
+        return admitted
+
+    def _prefill(self, requests: list[Request]) -> None:
+        """Run each new prompt through the target and merge the new rows into the running batches."""
+        joined: dict[str, list[Batch]] = {}
+        for request in requests:
+            decoder = DRAFT if self.has_drafter and self.fallback.should_draft(request.workload) else PLAIN
+            seq = request.seq
+            try:
+                batch = self.engine.prefill(seq, self._proposers[decoder])
+            except Exception as err:
+                log.exception("prefill failed")
+                self._finish(request, "error", f"prefill failed: {type(err).__name__}")
+                continue
+            self.metrics.decoded.labels(decoder=decoder).inc()
+            self.metrics.prompt_tokens.inc(len(seq.prompt_ids))
+            self.metrics.ttft.observe(time.perf_counter() - request.arrival)
+            self._send(request, list(seq.output_ids))
+            if seq.finished:
+                self._finish(request, seq.finish_reason)
+                continue
+            self._requests[id(seq)] = request
+            joined.setdefault(decoder, []).append(batch)
+        for decoder, batches in joined.items():
+            running = [self._running[decoder]] if decoder in self._running else []
+            self._running[decoder] = self.engine.merge(running + batches)
+        self._update_running()
+
+    def _step(self, decoder: str) -> None:
+        """Drop cancelled rows, run one draft-verify-accept step, send every row its tokens."""
+        batch = self._running[decoder]
+        for seq in batch.sequences:
+            if self._requests[id(seq)].cancelled:
+                seq.finish_reason = "abort"
+        if not self._drop_finished(decoder):
+            return
+        batch = self._running[decoder]
+        kept = self.engine.step(batch)
+        if decoder == DRAFT:
+            self._record_drafts(batch, kept)
+        for seq, tokens in zip(batch.sequences, kept):
+            if tokens:
+                self._send(self._requests[id(seq)], tokens)
+        self._drop_finished(decoder)
+
+    def _record_drafts(self, batch: Batch, kept: list[list[int]]) -> None:
+        # Tokens kept = accepted draft tokens + 1 (the recovered or bonus token); a row's last step may be
+        # cut short by a stop, which can only undercount its acceptance.
+        accepted = [max(len(tokens) - 1, 0) for tokens in kept]
+        self.metrics.record_drafts(accepted, batch.proposer.block_size - 1)
+        by_workload: dict[str, list[int]] = {}
+        for seq, tokens in zip(batch.sequences, kept):
+            by_workload.setdefault(self._requests[id(seq)].workload, []).append(len(tokens))
+        for workload, lengths in by_workload.items():
+            self.fallback.observe(workload, lengths)
+
+    def _drop_finished(self, decoder: str) -> bool:
+        """Finish and remove done rows; False when the decoder's batch is empty (and removed)."""
+        batch = self._running[decoder]
+        for seq in batch.sequences:
+            if seq.finished:
+                self._finish(self._requests.pop(id(seq)), seq.finish_reason)
+        batch = self.engine.drop_finished(batch)
+        if batch is None:
+            del self._running[decoder]
+        else:
+            self._running[decoder] = batch
+        self._update_running()
+        return batch is not None
+
+    def _fail_batch(self, decoder: str, message: str) -> None:
+        batch = self._running.pop(decoder)
+        for seq in batch.sequences:
+            request = self._requests.pop(id(seq), None)
+            if request is not None and not request.finished:
+                self._finish(request, "error", message)
+        self._update_running()
+
+    def _send(self, request: Request, tokens: list[int]) -> None:
+        self.metrics.generation_tokens.inc(len(tokens))
+        request.emit(Event(tokens=tokens))
+
+    def _finish(self, request: Request, reason: str, error: str | None = None) -> None:
+        request.finished = True
+        with self._cond:
+            self._admitted -= 1
+        self.metrics.finished.labels(finished_reason=reason).inc()
+        if reason in ("stop", "length"):
+            self.metrics.e2e.observe(time.perf_counter() - request.arrival)
+        request.emit(Event(done=True, finish_reason=reason, error=error))
+
+    def _update_running(self) -> None:
+        self.metrics.running.set(sum(len(b) for b in self._running.values()))
+
+    def _shutdown(self) -> None:
+        for decoder in list(self._running):
+            self._fail_batch(decoder, "the server is shutting down")
+        with self._cond:
+            left = list(self._waiting)
+            self._waiting.clear()
+        for request in left:
+            self._finish(request, "error", "the server is shutting down")
