@@ -9,6 +9,7 @@ import sys
 # subcommand -> module with add_arguments(parser) and run(args) -> int
 COMMANDS = {
     "generate": ("dflash.cli.generate", "decode a prompt with DFlash speculative decoding"),
+    "serve": ("dflash.cli.serve", "OpenAI-compatible server with batched DFlash decoding, or a vLLM/SGLang hand-off"),
     "bench": ("dflash.cli.bench", "measure DFlash speedup and acceptance on standard datasets, locally or on a server"),
 }
 
