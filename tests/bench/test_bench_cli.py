@@ -1,0 +1,130 @@
+"""`dflash bench` and `python -m dflash.benchmark` end to end on the tiny pair: table, JSON, markdown, plots."""
+
+from __future__ import annotations
+
+import json
+import struct
+
+import pytest
+
+from dflash.bench.metrics import BenchResult, cost_per_million_tokens, percentiles
+from dflash.bench.report import markdown, write_outputs
+from dflash.benchmark import to_bench_argv
+from dflash.cli.main import main
+
+REQUIRED = ("dataset", "num_prompts", "baseline_tokens_per_s", "dflash_tokens_per_s", "speedup",
+            "mean_acceptance_length", "acceptance_histogram", "mismatches", "acceptance_rate_per_position",
+            "baseline_ttft_ms", "dflash_ttft_ms", "baseline_tpot_ms", "dflash_tpot_ms")
+
+
+def png_size(path) -> tuple[int, int]:
+    data = path.read_bytes()
+    assert data[:8] == b"\x89PNG\r\n\x1a\n", f"{path.name} is not a PNG"
+    return struct.unpack(">II", data[16:24])
+
+
+def test_local_bench_writes_json_markdown_and_plots(tiny_pair, data_dir, tmp_path, capsys):
+    target, draft = tiny_pair
+    out = tmp_path / "out"
+    code = main(["bench", "--target", str(target), "--draft", str(draft), "--dataset", "gsm8k,mt-bench",
+                 "--data-dir", str(data_dir), "--max-samples", "1", "--max-new-tokens", "8", "--warmup-tokens", "2",
+                 "--block-size", "4,8", "--gpu-hourly-usd", "3.6", "--output-dir", str(out), "--no-progress"])
+    assert code == 0
+    results = json.loads((out / "results.json").read_text())
+    assert [(r["dataset"], r["block_size"]) for r in results] == [("gsm8k", 4), ("mt-bench", 4), ("gsm8k", 8),
+                                                                  ("mt-bench", 8)]
+    for r in results:
+        assert all(k in r for k in REQUIRED), sorted(set(REQUIRED) - set(r))
+        assert r["mismatches"] == 0 and r["num_prompts"] == 1
+        assert len(r["acceptance_histogram"]) == r["block_size"] + 1
+        assert r["dflash_cost_per_1m_tokens_usd"] == pytest.approx(1e6 / 1000 / r["dflash_tokens_per_s"], rel=1e-3)
+    assert results[1]["num_requests"] == 2  # mt-bench: two turns
+    md = (out / "results.md").read_text()
+    assert "| dataset |" in md and "| mt-bench | 8 |" in md
+    assert json.loads((out / "config.json").read_text())["block_sizes"] == [4, 8]
+    for name in ("acceptance_histogram.png", "speedup.png"):
+        width, height = png_size(out / name)
+        assert width > 200 and height > 200
+    assert not (out / "throughput_vs_concurrency.png").exists()  # no concurrency sweep
+    assert "dflash bench" in capsys.readouterr().err  # the table
+
+
+def test_server_bench_with_a_concurrency_sweep_plots_throughput(openai_server, data_dir, tmp_path):
+    server = openai_server()
+    out = tmp_path / "out"
+    code = main(["bench", "--base-url", server.base_url, "--dataset", "gsm8k", "--data-dir", str(data_dir),
+                 "--max-samples", "2", "--max-new-tokens", "6", "--concurrency", "1,2", "--output-dir", str(out),
+                 "--no-progress"])
+    assert code == 0
+    results = json.loads((out / "results.json").read_text())
+    assert [r["concurrency"] for r in results] == [1, 2]
+    assert all(r["backend"] == "server" and r["mean_acceptance_length"] >= 1 for r in results)
+    assert all(k in results[0] for k in REQUIRED)
+    png_size(out / "throughput_vs_concurrency.png")
+    png_size(out / "acceptance_histogram.png")
+
+
+def test_mismatches_make_the_command_fail(tiny_pair, data_dir, monkeypatch, tmp_path):
+    from dflash.bench import local
+
+    real = local.summarize
+
+    def planted(*args, **kwargs):
+        result = real(*args, **kwargs)
+        result.mismatches, result.mismatched_prompts = 1, ["0#0"]
+        return result
+
+    monkeypatch.setattr(local, "summarize", planted)
+    target, draft = tiny_pair
+    assert main(["bench", "--target", str(target), "--draft", str(draft), "--data-dir", str(data_dir),
+                 "--max-samples", "1", "--max-new-tokens", "4", "--no-progress"]) == 1
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--dataset", "gsmk"], "unknown dataset 'gsmk'"),
+    (["--block-size", "99"], "block size 99"),
+    (["--no-draft"], "drop --no-draft"),
+    (["--backend", "server"], "needs --base-url"),
+    (["--data-file", "x.jsonl", "--dataset", "gsm8k", "mbpp"], "--data-file holds one dataset"),
+])
+def test_user_errors_are_one_line(tiny_pair, data_dir, capsys, argv, message):
+    target, draft = tiny_pair
+    base = ["bench", "--target", str(target), "--data-dir", str(data_dir), "--max-new-tokens", "4", "--no-progress"]
+    base += [] if "--no-draft" in argv else ["--draft", str(draft)]
+    assert main(base + argv) == 2
+    err = capsys.readouterr().err.strip()
+    assert message in err and len(err.splitlines()) == 1 and "Traceback" not in err
+
+
+def test_reference_flags_map_onto_dflash_bench():
+    assert to_bench_argv(["--backend", "transformers", "--model", "T", "--draft-model", "D", "--dataset", "gsm8k",
+                          "math500", "--max-samples", "5", "--block-size", "16", "--max-new-tokens", "64",
+                          "--temperature", "0.0", "--output-dir", "o"]) == [
+        "--backend", "local", "--dataset", "gsm8k", "math500", "--target", "T", "--draft", "D", "--max-samples",
+        "5", "--block-size", "16", "--max-new-tokens", "64", "--temperature", "0.0", "--output-dir", "o"]
+    assert to_bench_argv(["--backend", "vllm", "--base-url", "http://h/v1", "--model", "M", "--draft-model", "D",
+                          "--num-prompts", "8", "--concurrency", "1,8"]) == [
+        "--backend", "server", "--dataset", "gsm8k", "--model", "M", "--num-prompts", "8", "--concurrency", "1,8",
+        "--base-url", "http://h/v1"]
+
+
+def test_python_m_dflash_benchmark_runs(tiny_pair, data_dir, tmp_path, capsys):
+    from dflash.benchmark import main as benchmark_main
+
+    target, draft = tiny_pair
+    assert benchmark_main(["--backend", "transformers", "--model", str(target), "--draft-model", str(draft),
+                           "--dataset", "humaneval", "--max-samples", "1", "--max-new-tokens", "4",
+                           "--data-dir", str(data_dir), "--output-dir", str(tmp_path), "--no-progress"]) == 0
+    assert json.loads((tmp_path / "results.json").read_text())[0]["dataset"] == "humaneval"
+    assert benchmark_main(["--backend", "tgi"]) == 2
+    assert "unknown --backend 'tgi'" in capsys.readouterr().err
+
+
+def test_costs_percentiles_and_markdown_without_numbers(tmp_path):
+    assert cost_per_million_tokens(3.6, 100.0) == pytest.approx(10.0)  # $0.001/s over 10,000 s
+    assert cost_per_million_tokens(3.6, None) is None
+    assert percentiles([4.0, 1.0, 3.0, 2.0]) == {"mean": 2.5, "p50": 2.0, "p90": 4.0, "p99": 4.0}
+    empty = BenchResult(dataset="gsm8k", backend="server", num_prompts=0, num_requests=0)
+    assert "| gsm8k | - |" in markdown([empty], {})
+    written = write_outputs([empty], tmp_path, {"backend": "server"})
+    assert [p.name for p in written] == ["results.json", "config.json", "results.md"]  # nothing to plot

@@ -1,0 +1,128 @@
+import json
+import sys
+import types
+
+import pytest
+
+from dflash.bench import datasets
+from dflash.bench.datasets import DataOptions, load_samples, resolve_names, subset
+from dflash.errors import UserError
+
+from .conftest import GSM8K, write_jsonl
+
+
+def only(data_dir, **kw) -> DataOptions:
+    """Options that see the fixture directory and nothing else (no bundled copies, no hub)."""
+    return DataOptions(data_dir=str(data_dir), extra_dirs=[], use_hub=False, **kw)
+
+
+def test_gsm8k_uses_the_usual_prompt_format(data_dir):
+    samples = load_samples("gsm8k", only(data_dir))
+    assert len(samples) == len(GSM8K)
+    assert samples[0].turns == (GSM8K[0]["question"] + "\nPlease reason step by step, and put your final "
+                                "answer within \\boxed{}.",)
+    assert samples[0].history == ()
+
+
+def test_humaneval_reads_gzip_and_wraps_the_code(data_dir):
+    [sample] = load_samples("humaneval", only(data_dir))
+    assert sample.id == "HumanEval/0"
+    assert sample.turns[0].startswith("Write a solution to the following problem and make sure that it passes "
+                                      "the tests:\n```python\ndef add(a, b):")
+    assert sample.turns[0].endswith("\n```")
+
+
+def test_mt_bench_keeps_both_turns(data_dir):
+    samples = load_samples("mt-bench", only(data_dir))
+    assert [s.id for s in samples] == ["81", "82"]
+    assert samples[0].turns == ("Write a haiku about clips.", "Now make it rhyme.")
+
+
+def test_math500_and_mbpp_from_a_data_file(data_dir):
+    math = load_samples("math500", DataOptions(data_file=str(data_dir / "math500" / "test.jsonl"), use_hub=False))
+    assert math[0].id == "test/algebra/1.json"
+    assert math[0].turns[0].startswith("What is $1+1$?\nPlease reason step by step")
+    [mbpp] = load_samples("mbpp", DataOptions(data_file=str(data_dir / "mbpp" / "test.jsonl"), use_hub=False))
+    assert "here is your task: Write a function to find the shared elements" in mbpp.turns[0]
+    assert mbpp.turns[0].endswith("assert similar_elements((1,), (2,)) == ()")
+
+
+def test_generic_records_prompt_turns_and_messages(tmp_path):
+    path = tmp_path / "mine.jsonl"
+    write_jsonl(path, [
+        {"prompt": "plain prompt"},
+        {"turns": ["first", "second"]},
+        {"messages": [{"role": "system", "content": "be brief"}, {"role": "user", "content": "hi"},
+                      {"role": "assistant", "content": "reference answer, dropped"}]},
+    ])
+    a, b, c = load_samples("gsm8k", DataOptions(data_file=str(path), use_hub=False))
+    assert a.turns == ("plain prompt",)  # no gsm8k format: the record is not in gsm8k's own format
+    assert b.turns == ("first", "second")
+    assert c.history == ({"role": "system", "content": "be brief"},) and c.turns == ("hi",)
+
+
+def test_data_dir_from_the_environment(data_dir, monkeypatch):
+    monkeypatch.setenv(datasets.DATA_DIR_ENV, str(data_dir))
+    assert len(load_samples("math500", DataOptions(extra_dirs=[], use_hub=False))) == 2
+
+
+def test_bundled_copies_are_used_without_any_source():
+    gsm8k = load_samples("gsm8k", DataOptions(use_hub=False, max_samples=3))
+    mt = load_samples("mt-bench", DataOptions(use_hub=False))
+    humaneval = load_samples("humaneval", DataOptions(use_hub=False))
+    assert len(gsm8k) == 3 and len(mt) == 80 and len(humaneval) == 164
+    assert all(len(s.turns) == 2 for s in mt)
+
+
+def test_subset_is_deterministic_and_seeded(data_dir):
+    first = load_samples("gsm8k", DataOptions(use_hub=False, max_samples=5, seed=1))
+    again = load_samples("gsm8k", DataOptions(use_hub=False, max_samples=5, seed=1))
+    other = load_samples("gsm8k", DataOptions(use_hub=False, max_samples=5, seed=2))
+    assert [s.id for s in first] == [s.id for s in again] != [s.id for s in other]
+    assert subset(first, 0, 0) == first and subset(first, 99, 0) == first
+
+
+def test_offline_without_data_says_what_to_provide(monkeypatch, tmp_path):
+    def offline(*args, **kwargs):
+        raise ConnectionError("no network")
+
+    monkeypatch.setitem(sys.modules, "datasets", types.SimpleNamespace(load_dataset=offline))
+    monkeypatch.delenv(datasets.DATA_DIR_ENV, raising=False)
+    with pytest.raises(UserError) as err:
+        load_samples("mbpp", DataOptions(extra_dirs=[tmp_path]))
+    message = str(err.value)
+    assert message.startswith("no data for mbpp: pass --data-file FILE.jsonl")
+    assert "mbpp/test.jsonl under --data-dir" in message and "google-research-datasets/mbpp" in message
+
+
+def test_hub_records_are_formatted(monkeypatch):
+    calls = []
+
+    def load_dataset(path, config, split):
+        calls.append((path, config, split))
+        return [{"problem": "What is 2+2?", "answer": "4", "unique_id": "x"}]
+
+    monkeypatch.setitem(sys.modules, "datasets", types.SimpleNamespace(load_dataset=load_dataset))
+    [sample] = load_samples("math500", DataOptions(extra_dirs=[]))
+    assert calls == [("HuggingFaceH4/MATH-500", None, "test")]
+    assert sample.turns[0].startswith("What is 2+2?\nPlease reason step by step")
+
+
+def test_names_aliases_and_errors():
+    assert resolve_names(["all"]) == ["gsm8k", "math500", "humaneval", "mbpp", "mt-bench"]
+    assert resolve_names(["gsm8k,MATH-500", "mt_bench", "gsm8k"]) == ["gsm8k", "math500", "mt-bench"]
+    with pytest.raises(UserError, match="unknown dataset 'gsmk'"):
+        resolve_names(["gsmk"])
+
+
+def test_bad_files_are_user_errors(tmp_path):
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text('{"prompt": "ok"}\nnot json\n')
+    with pytest.raises(UserError, match="bad.jsonl:2 is not valid JSON"):
+        load_samples("gsm8k", DataOptions(data_file=str(bad)))
+    odd = tmp_path / "odd.jsonl"
+    odd.write_text(json.dumps({"query": "no known field"}) + "\n")
+    with pytest.raises(UserError, match="none of the fields"):
+        load_samples("gsm8k", DataOptions(data_file=str(odd)))
+    with pytest.raises(UserError, match="does not exist"):
+        load_samples("gsm8k", DataOptions(data_file=str(tmp_path / "missing.jsonl")))

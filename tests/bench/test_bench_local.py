@@ -1,0 +1,116 @@
+"""The local backend on the tiny pair: honest runs report 0 mismatches, a planted fault is caught."""
+
+from __future__ import annotations
+
+import pytest
+
+from conftest import OracleProposer
+from dflash.bench.datasets import Sample
+from dflash.bench.local import LocalBackend, LocalConfig
+from dflash.decoding import GenerationConfig, SpeculativeEngine
+from dflash.errors import UserError
+
+SAMPLES = [Sample("a", ("How many clips did Natalia sell?",)), Sample("b", ("Weng earns 12 dollars an hour.",))]
+FAST = LocalConfig(max_new_tokens=12, warmup_tokens=4)
+
+
+class CorruptingEngine:
+    """Wraps an engine and flips the last output token of one prompt: a lossy decoder to be caught."""
+
+    def __init__(self, engine, victim_ids: list[int]):
+        self.engine, self.victim_ids = engine, victim_ids
+
+    def generate(self, prompts, config):
+        outputs = self.engine.generate(prompts, config)
+        for prompt, out in zip(prompts, outputs):
+            if prompt == self.victim_ids and config.max_new_tokens == FAST.max_new_tokens:
+                out.output_ids[-1] = (out.output_ids[-1] + 1) % 100
+        return outputs
+
+
+class RecordingEngine:
+    def __init__(self, engine):
+        self.engine, self.prompts = engine, []
+
+    def generate(self, prompts, config):
+        self.prompts.extend(prompts)
+        return self.engine.generate(prompts, config)
+
+
+def test_honest_run_has_no_mismatches_and_consistent_acceptance(pipe):
+    result = LocalBackend(pipe).run("gsm8k", SAMPLES, FAST)
+    assert result.mismatches == 0 and result.mismatched_prompts == []
+    assert result.num_prompts == 2 and result.num_requests == 2
+    block = pipe.engine.proposer.block_size
+    assert result.block_size == block and len(result.acceptance_histogram) == block + 1
+    assert len(result.acceptance_rate_per_position) == block - 1
+    steps = sum(result.acceptance_histogram)
+    assert steps > 0 and result.acceptance_histogram[0] == 0
+    produced = sum(n * c for n, c in enumerate(result.acceptance_histogram))
+    assert result.mean_acceptance_length == pytest.approx(produced / steps)
+    # every output token is either a prefill's first token or produced by a verify step
+    assert result.dflash_output_tokens == produced + result.num_requests
+    assert result.baseline_output_tokens == result.dflash_output_tokens
+    assert result.speedup == pytest.approx(result.dflash_tokens_per_s / result.baseline_tokens_per_s)
+    assert result.baseline_ttft_ms > 0 and result.dflash_tpot_ms > 0
+
+
+def test_a_planted_mismatch_is_caught(pipe):
+    victim = pipe.encode([{"role": "user", "content": SAMPLES[1].turns[0]}])
+    backend = LocalBackend(pipe, dflash=CorruptingEngine(pipe.engine, victim))
+    result = backend.run("gsm8k", SAMPLES, FAST)
+    assert result.mismatches == 1
+    assert result.mismatched_prompts == ["b#0"]
+
+
+def test_second_turn_follows_the_models_own_first_answer(pipe):
+    recorder = RecordingEngine(SpeculativeEngine(pipe.target))
+    backend = LocalBackend(pipe, baseline=recorder)
+    sample = Sample("81", ("Write about clips.", "Now shorter."))
+    [first, second] = backend.run_sample(sample, FAST, seed=0)
+    answer = pipe.tokenizer.decode(first.baseline.output_ids, skip_special_tokens=True)
+    expected = pipe.encode([{"role": "user", "content": "Write about clips."},
+                            {"role": "assistant", "content": answer},
+                            {"role": "user", "content": "Now shorter."}])
+    assert answer and recorder.prompts[-1] == expected
+    assert (first.turn, second.turn) == (0, 1)
+    assert second.baseline.output_ids == second.dflash.output_ids
+
+
+def test_oracle_drafts_give_full_blocks(pipe):
+    """With a drafter that proposes the target's own continuation, every verify step accepts the block."""
+    plain = SpeculativeEngine(pipe.target)
+    prompts = [pipe.encode([{"role": "user", "content": s.turns[0]}]) for s in SAMPLES]
+    config = GenerationConfig(max_new_tokens=40, stop_token_ids=[])
+    references = {tuple(p): out.output_ids for p, out in zip(prompts, plain.generate(prompts, config))}
+    oracle = SpeculativeEngine(pipe.target, OracleProposer(pipe.drafter, pipe.target, references))
+
+    class NoStop:  # the oracle's references run past EOS; so must the bench's generations
+        def __init__(self, engine):
+            self.engine = engine
+
+        def generate(self, prompts, config):
+            config.stop_token_ids = []
+            return self.engine.generate(prompts, config)
+
+    backend = LocalBackend(pipe, baseline=NoStop(plain), dflash=NoStop(oracle))
+    result = backend.run("gsm8k", SAMPLES, LocalConfig(max_new_tokens=33, warmup_tokens=0))
+    block = pipe.engine.proposer.block_size
+    assert result.mismatches == 0
+    assert result.acceptance_histogram[block] == 2 * 32 // block  # 32 tokens after the prefill's, full blocks
+    assert result.mean_acceptance_length == block
+    assert result.acceptance_rate_per_position == [1.0] * (block - 1)
+
+
+def test_sampling_runs_without_a_mismatch_check(pipe):
+    result = LocalBackend(pipe).run("gsm8k", SAMPLES[:1], LocalConfig(max_new_tokens=8, temperature=0.8,
+                                                                        warmup_tokens=0))
+    assert result.mismatches is None and result.temperature == 0.8
+    assert result.dflash_output_tokens > 0
+
+
+def test_block_size_is_checked_against_the_drafter(pipe):
+    backend = LocalBackend(pipe)
+    assert backend.block_size(4) == 4
+    with pytest.raises(UserError, match="block size 99"):
+        backend.block_size(99)

@@ -1,0 +1,103 @@
+"""The server backend against a real HTTP server on 127.0.0.1 (see conftest: FastAPI + uvicorn + the tiny pair)."""
+
+from __future__ import annotations
+
+import pytest
+
+from dflash.bench.datasets import Sample
+from dflash.bench.metrics import histogram_from_counters
+from dflash.bench.server import (
+    ServerBackend,
+    ServerConfig,
+    default_metrics_url,
+    spec_decode_counters,
+)
+from dflash.errors import UserError
+
+SAMPLES = [Sample("a", ("How many clips?",)), Sample("b", ("Weng earns",)),
+           Sample("81", ("Write about clips.", "Now shorter."))]
+
+
+def config(server, **kw) -> ServerConfig:
+    return ServerConfig(base_url=server.base_url, max_new_tokens=10, **{"concurrency": [1], **kw})
+
+
+def test_chat_load_reads_throughput_latency_and_counters(openai_server):
+    server = openai_server()
+    result = ServerBackend(config(server, concurrency=[2])).run_level("mixed", SAMPLES, 2)
+    tally = server.tally
+    assert result.errors == 0 and result.num_requests == 4 and result.num_prompts == 3
+    assert result.concurrency == 2 and result.dflash_tokens_per_s > 0 and result.requests_per_s > 0
+    assert set(result.dflash_latency_ms) == {"mean", "p50", "p90", "p99"}
+    assert result.dflash_latency_ms["p50"] <= result.dflash_latency_ms["p99"]
+    assert tally.drafts > 0
+    assert result.mean_acceptance_length == pytest.approx(1 + tally.accepted / tally.drafts)
+    assert sum(result.acceptance_histogram) == tally.drafts
+    assert result.block_size == len(tally.per_pos) + 1
+    assert result.acceptance_rate_per_position == pytest.approx([c / tally.drafts for c in tally.per_pos])
+    # the model name came from /v1/models; the second mt-bench turn carried the first answer
+    requests = server.app.state.requests
+    assert {r["model"] for r in requests} == {"tiny-dflash"}
+    two_turn = [r for r in requests if len(r["messages"]) == 3]
+    assert len(two_turn) == 1 and two_turn[0]["messages"][1]["role"] == "assistant"
+
+
+def test_counters_are_per_load_not_since_server_start(openai_server):
+    server = openai_server(prefix="vllm:", suffix="")
+    backend = ServerBackend(config(server, endpoint="completions", model="tiny-dflash"))
+    backend.run_level("gsm8k", SAMPLES[:1], 1)
+    drafts_after_first = server.tally.drafts
+    second = backend.run_level("gsm8k", SAMPLES[1:2], 1)
+    assert sum(second.acceptance_histogram) == server.tally.drafts - drafts_after_first
+    assert all("prompt" in r for r in server.app.state.requests)
+
+
+def test_concurrency_sweep_num_prompts_and_baseline(openai_server):
+    dflash_server, plain_server = openai_server(), openai_server()
+    backend = ServerBackend(config(dflash_server, concurrency=[1, 2], num_prompts=4,
+                                   baseline_url=plain_server.base_url))
+    results = backend.run("gsm8k", SAMPLES[:2])
+    assert [r.concurrency for r in results] == [1, 2]
+    for r in results:
+        assert r.num_requests == 4 and r.baseline_tokens_per_s > 0 and r.speedup is not None
+        assert r.mismatches == 0  # same pair behind both servers, greedy
+    assert len(plain_server.app.state.requests) == 8
+
+
+def test_duration_keeps_the_load_up(openai_server):
+    server = openai_server(delay_s=0.05)
+    result = ServerBackend(config(server, duration_s=0.3, concurrency=[2])).run_level("gsm8k", SAMPLES[:2], 2)
+    assert result.num_requests >= 4  # two workers, ~0.1 s per request at least, prompts cycling
+
+
+def test_unreachable_server_is_a_user_error():
+    with pytest.raises(UserError, match="cannot connect"):
+        ServerBackend(ServerConfig(base_url="http://127.0.0.1:9/v1", model="m")).run_level("gsm8k", SAMPLES, 1)
+
+
+def test_prometheus_parsing_of_vllm_and_dflash_names():
+    text = "\n".join([
+        "# HELP vllm:spec_decode_num_drafts_total Number of spec decoding drafts.",
+        'vllm:spec_decode_num_drafts_total{engine="0",model_name="m"} 10.0',
+        'vllm:spec_decode_num_drafts_total{engine="1",model_name="m"} 10.0',
+        'vllm:spec_decode_num_drafts_created{engine="0",model_name="m"} 1.7e9',
+        'vllm:spec_decode_num_draft_tokens_total{engine="0",model_name="m"} 60.0',
+        'vllm:spec_decode_num_accepted_tokens_total{engine="0",model_name="m"} 30.0',
+        'vllm:spec_decode_num_accepted_tokens_per_pos_total{engine="0",model_name="m",position="0"} 16.0',
+        'vllm:spec_decode_num_accepted_tokens_per_pos_total{engine="0",model_name="m",position="1"} 10.0',
+        'vllm:spec_decode_num_accepted_tokens_per_pos_total{engine="0",model_name="m",position="2"} 4.0',
+    ])
+    counters = spec_decode_counters(text)
+    assert counters.drafts == 20 and counters.accepted_tokens == 30 and counters.draft_tokens == 60
+    assert counters.accepted_per_pos == [16, 10, 4]
+    assert counters.mean_acceptance_length == pytest.approx(2.5)
+    # 4 drafts accepted nothing, 6 one token, 6 two, 4 all three -> lengths 1, 2, 3, 4
+    assert histogram_from_counters(counters.drafts, counters.accepted_per_pos) == [0, 4, 6, 6, 4]
+    assert spec_decode_counters("dflash:spec_decode_num_drafts 4\n").drafts == 4
+    assert spec_decode_counters("some_other_metric 1\n") is None
+
+
+def test_metrics_url_is_at_the_server_root():
+    assert default_metrics_url("http://h:8000/v1") == "http://h:8000/metrics"
+    assert default_metrics_url("http://h:8000/v1/") == "http://h:8000/metrics"
+    assert default_metrics_url("http://h/proxy/v1") == "http://h/proxy/metrics"
