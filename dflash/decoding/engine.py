@@ -340,11 +340,18 @@ class SpeculativeEngine:
         return batch
 
     # ---- whole generations --------------------------------------------------------------------------------
-    def generate(self, prompts: list[list[int]], config: GenerationConfig | None = None) -> list[GenerationOutput]:
-        """Decode several prompts together (ragged); each output equals its batch-of-one output."""
-        config = config or GenerationConfig()
-        proposer = self.proposer_for(config)
-        sequences = [self.new_sequence(p, config) for p in prompts]
+    def generate(
+        self, prompts: list[list[int]], config: GenerationConfig | list[GenerationConfig] | None = None,
+    ) -> list[GenerationOutput]:
+        """Decode several prompts together (ragged); each output equals its batch-of-one output.
+
+        `config` is shared, or one per prompt (e.g. different seeds); the first one's block size is used.
+        """
+        configs = config if isinstance(config, list) else [config or GenerationConfig()] * len(prompts)
+        if len(configs) != len(prompts):
+            raise GenerationError(f"{len(configs)} generation configs for {len(prompts)} prompts")
+        proposer = self.proposer_for(configs[0])
+        sequences = [self.new_sequence(p, c) for p, c in zip(prompts, configs)]
         batch = self.merge([self.prefill(s, proposer) for s in sequences])
         batch = self.drop_finished(batch)
         while batch is not None:

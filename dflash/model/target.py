@@ -141,6 +141,23 @@ class TargetModel:
         return TargetOutput(logits=logits.float(), features=features)
 
 
+    @torch.no_grad()
+    def context_features(
+        self,
+        input_ids: torch.Tensor,  # (b, T)
+        attention_mask: torch.Tensor,  # (b, T) bool, real tokens
+        feature_layer_ids: list[int],
+    ) -> torch.Tensor:
+        """Features of whole sequences for training, (b, T, len(ids) * hidden); no cache, no LM head."""
+        self._ensure_hooks(list(feature_layer_ids))
+        self._wanted, self._captured = set(feature_layer_ids), {}
+        decoder = self.model.get_decoder() if hasattr(self.model, "get_decoder") else self.model
+        decoder(input_ids=input_ids, attention_mask=attention_mask.long(), use_cache=False)
+        features = torch.cat([self._captured[i] for i in feature_layer_ids], dim=-1)
+        self._wanted, self._captured = set(), {}
+        return features
+
+
 def check_compatible(target: TargetModel, config: DrafterConfig) -> None:
     """Refuse a drafter built for another target, naming every mismatch."""
     problems = []

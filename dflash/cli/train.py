@@ -1,0 +1,51 @@
+"""`dflash train`: train a DFlash drafter for a target (run under torchrun for several processes)."""
+
+from __future__ import annotations
+
+import argparse
+
+from dflash.training.config import load_config
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--config", help="YAML file of training options; flags override it")
+    parser.add_argument("--target", help="target model: directory or hub id")
+    parser.add_argument("--data", help="JSONL written by `dflash datagen`")
+    parser.add_argument("--output", help="output directory (public drafter format + checkpoints/)")
+    parser.add_argument("--draft-layers", type=int)
+    parser.add_argument("--block-size", type=int)
+    parser.add_argument("--target-layer-ids", type=lambda s: [int(x) for x in s.split(",")],
+                        help="comma-separated target layer ids (default: the published formula)")
+    parser.add_argument("--mask-token-id", type=int)
+    parser.add_argument("--intermediate-size", type=int)
+    parser.add_argument("--anchors-per-sequence", type=int)
+    parser.add_argument("--loss-gamma", type=float)
+    parser.add_argument("--max-length", type=int)
+    parser.add_argument("--epochs", type=float)
+    parser.add_argument("--max-steps", type=int)
+    parser.add_argument("--batch-size", type=int, help="sequences per process per step")
+    parser.add_argument("--lr", type=float)
+    parser.add_argument("--weight-decay", type=float)
+    parser.add_argument("--warmup-ratio", type=float)
+    parser.add_argument("--grad-clip", type=float)
+    parser.add_argument("--dtype", choices=["float32", "bfloat16"])
+    parser.add_argument("--seed", type=int)
+    parser.add_argument("--eval-fraction", type=float)
+    parser.add_argument("--eval-every", type=int)
+    parser.add_argument("--log-every", type=int)
+    parser.add_argument("--checkpoint-every", type=int)
+    parser.add_argument("--feature-cache", help="'memory' or a directory: reuse target features across epochs")
+    parser.add_argument("--resume", action="store_true", default=None, help="continue from the newest checkpoint")
+    parser.add_argument("--device")
+
+
+def run(args: argparse.Namespace) -> int:
+    from dflash.training.trainer import Trainer
+
+    overrides = {k: v for k, v in vars(args).items() if k not in ("config", "command", "module")}
+    trainer = Trainer(load_config(args.config, overrides)).setup()
+    try:
+        trainer.train()
+    finally:
+        trainer.cleanup()
+    return 0

@@ -1,0 +1,88 @@
+"""Typed training configuration: dataclass defaults < YAML file < command-line flags."""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, fields
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from dflash.errors import UserError
+
+
+@dataclass
+class TrainConfig:
+    target: str = ""  # path or hub id of the target
+    data: str = ""  # JSONL from `dflash datagen`
+    output: str = ""  # output directory: the public drafter format + checkpoints/
+    # drafter shape
+    draft_layers: int = 1
+    block_size: int = 16
+    target_layer_ids: list[int] | None = None  # default: the published formula
+    mask_token_id: int | None = None  # default: the tokenizer's mask token, or the first unused embedding row
+    intermediate_size: int | None = None  # default: the target's
+    # objective
+    anchors_per_sequence: int = 64
+    loss_gamma: float | None = None  # default: from block size (7 for 16)
+    max_length: int = 3072
+    # optimisation
+    epochs: float = 6.0
+    max_steps: int | None = None  # overrides epochs when set
+    batch_size: int = 4  # sequences per process per step
+    lr: float = 6e-4
+    weight_decay: float = 0.0
+    warmup_ratio: float = 0.04
+    grad_clip: float = 1.0
+    dtype: str = "float32"  # float32 or bfloat16 (autocast; master weights stay fp32)
+    seed: int = 0
+    # bookkeeping
+    eval_fraction: float = 0.02
+    eval_every: int = 200
+    log_every: int = 10
+    checkpoint_every: int = 200
+    keep_checkpoints: int = 2
+    feature_cache: str | None = None  # "memory" or a directory: keep target features across epochs
+    resume: bool = False
+    device: str | None = None
+
+    def validate(self) -> None:
+        for name in ("target", "data", "output"):
+            if not getattr(self, name):
+                raise UserError(f"--{name} is required (or set `{name}:` in the YAML config)")
+        if not 2 <= self.block_size <= 64:
+            raise UserError(f"--block-size must be in 2..64, got {self.block_size}")
+        if self.draft_layers < 1:
+            raise UserError(f"--draft-layers must be >= 1, got {self.draft_layers}")
+        if self.batch_size < 1 or self.anchors_per_sequence < 1:
+            raise UserError("--batch-size and --anchors-per-sequence must be >= 1")
+        if self.lr <= 0:
+            raise UserError(f"--lr must be > 0, got {self.lr}")
+        if self.dtype not in ("float32", "bfloat16"):
+            raise UserError(f"--dtype must be float32 or bfloat16, got {self.dtype}")
+        if self.max_steps is None and self.epochs <= 0:
+            raise UserError("set --epochs > 0 or --max-steps")
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+def load_config(yaml_path: str | None, overrides: dict[str, Any]) -> TrainConfig:
+    """Dataclass defaults, then the YAML file, then every flag that was given (not None)."""
+    values: dict[str, Any] = {}
+    if yaml_path:
+        path = Path(yaml_path)
+        if not path.exists():
+            raise UserError(f"config file {path} does not exist")
+        loaded = yaml.safe_load(path.read_text()) or {}
+        if not isinstance(loaded, dict):
+            raise UserError(f"{path} must be a YAML mapping of training options")
+        values.update({k.replace("-", "_"): v for k, v in loaded.items()})
+    values.update({k: v for k, v in overrides.items() if v is not None})
+    known = {f.name for f in fields(TrainConfig)}
+    unknown = sorted(set(values) - known)
+    if unknown:
+        raise UserError(f"unknown training option(s) {unknown}; known: {sorted(known)}")
+    config = TrainConfig(**values)
+    config.validate()
+    return config

@@ -1,0 +1,149 @@
+"""The DFlash training objective (REFERENCE section 4).
+
+For each sequence, anchors are sampled inside the response. Anchor a starts the block
+`[x_a, MASK x (B-1)]` at positions a..a+B-1. The block sees the target's context features of positions
+strictly before a, all of its own block (bidirectional) and no other block. Block position k (1..B-1)
+is labelled with x_{a+k} (same-position labels) and weighted by exp(-(k-1)/gamma); position 0 has no loss.
+Many blocks of one sequence are trained in a single drafter forward.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+# Published decay constants: gamma = 7 for B=16, 5 for B=10, 4 for B=8.
+_PUBLISHED_GAMMA = {8: 4.0, 10: 5.0, 16: 7.0}
+
+
+def loss_gamma(block_size: int) -> float:
+    """Decay constant for a block size: the published values, linearly interpolated in between."""
+    if block_size in _PUBLISHED_GAMMA:
+        return _PUBLISHED_GAMMA[block_size]
+    points = sorted(_PUBLISHED_GAMMA.items())
+    lo = max((p for p in points if p[0] < block_size), default=points[0])
+    hi = min((p for p in points if p[0] > block_size), default=points[-1])
+    if lo == hi:
+        (lo, hi) = (points[-2], points[-1]) if block_size > points[-1][0] else (points[0], points[1])
+    slope = (hi[1] - lo[1]) / (hi[0] - lo[0])
+    return max(1.0, lo[1] + slope * (block_size - lo[0]))
+
+
+def position_weights(block_size: int, gamma: float) -> torch.Tensor:
+    """(B,) loss weight per block position: 0 for the anchor, exp(-(k-1)/gamma) for k >= 1."""
+    k = torch.arange(block_size, dtype=torch.float32)
+    weights = torch.exp(-(k - 1) / gamma)
+    weights[0] = 0.0
+    return weights
+
+
+def sample_anchors(
+    loss_mask: torch.Tensor,  # (b, T) bool: response tokens
+    num_anchors: int,
+    generators: list[torch.Generator],  # one per row, so a row's anchors do not depend on its batch
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Random anchor positions inside each response, with at least one label after them.
+
+    Returns anchors (b, n) sorted and anchor_valid (b, n) bool (rows with short responses get fewer).
+    """
+    b, T = loss_mask.shape
+    has_label = torch.zeros_like(loss_mask)
+    has_label[:, :-1] = loss_mask[:, 1:]
+    candidates = loss_mask & has_label  # anchor inside the response, next token labelled
+    lengths = loss_mask.long().cumsum(1).argmax(1) + 1  # up to each row's last response token
+    scores = torch.full((b, T), 2.0)
+    for r, g in enumerate(generators):
+        scores[r, : lengths[r]] = torch.rand(int(lengths[r]), generator=g)
+    scores = scores.to(loss_mask.device).masked_fill(~candidates, 2.0)
+    n = min(num_anchors, T)
+    chosen_scores, chosen = torch.topk(scores, n, dim=1, largest=False)  # n random candidates per row
+    valid = chosen_scores < 2.0
+    anchors = torch.where(valid, chosen, torch.zeros_like(chosen))
+    order = torch.argsort(anchors + (~valid).long() * T, dim=1)  # sorted, invalid ones last
+    return anchors.gather(1, order), valid.gather(1, order)
+
+
+@dataclass
+class Blocks:
+    """The training blocks of a batch, flattened to (b, n * B)."""
+
+    tokens: torch.Tensor  # (b, n*B) block token ids: x_anchor then mask tokens
+    positions: torch.Tensor  # (b, n*B) real sequence positions
+    labels: torch.Tensor  # (b, n*B) token at the same position, -100 where there is none
+    weights: torch.Tensor  # (b, n*B) loss weight (decay x label validity)
+    attn_mask: torch.Tensor  # (b, n*B, T + n*B) bool: context strictly before the anchor + own block
+
+
+def build_blocks(
+    input_ids: torch.Tensor,  # (b, T)
+    loss_mask: torch.Tensor,  # (b, T) bool
+    context_valid: torch.Tensor,  # (b, T) bool: real (non-padding) tokens
+    anchors: torch.Tensor,  # (b, n)
+    anchor_valid: torch.Tensor,  # (b, n)
+    block_size: int,
+    mask_token_id: int,
+    gamma: float,
+) -> Blocks:
+    b, T = input_ids.shape
+    n, B = anchors.shape[1], block_size
+    device = input_ids.device
+    offsets = torch.arange(B, device=device)
+    positions = anchors[:, :, None] + offsets  # (b, n, B)
+    in_range = positions < T
+    safe = positions.clamp(max=T - 1)
+    targets = input_ids.gather(1, safe.view(b, -1)).view(b, n, B)
+    labelled = in_range & loss_mask.gather(1, safe.view(b, -1)).view(b, n, B) & anchor_valid[:, :, None]
+    labelled[:, :, 0] = False  # the anchor itself is given, not predicted
+    tokens = torch.full((b, n, B), mask_token_id, dtype=input_ids.dtype, device=device)
+    tokens[:, :, 0] = input_ids.gather(1, anchors)
+    labels = torch.where(labelled, targets, torch.full_like(targets, -100))
+    weights = position_weights(B, gamma).to(device)[None, None, :] * labelled
+
+    # attention: block j sees context t < anchor_j (and real), and every position of block j only
+    t = torch.arange(T, device=device)
+    sees_context = (t[None, None, :] < anchors[:, :, None]) & context_valid[:, None, :]  # (b, n, T)
+    sees_context = sees_context[:, :, None, :].expand(b, n, B, T).reshape(b, n * B, T)
+    block_id = torch.arange(n, device=device).repeat_interleave(B)  # (n*B,)
+    same_block = (block_id[:, None] == block_id[None, :])[None].expand(b, -1, -1)
+    attn_mask = torch.cat([sees_context, same_block], dim=2)
+    return Blocks(tokens.view(b, -1), positions.view(b, -1), labels.view(b, -1), weights.view(b, -1), attn_mask)
+
+
+@dataclass
+class LossOutput:
+    loss: torch.Tensor  # scalar: mean over sequences of the decay-weighted cross-entropy
+    correct: torch.Tensor  # (B,) correct predictions per block position (summed over the batch)
+    counted: torch.Tensor  # (B,) labelled predictions per block position
+    accepted: torch.Tensor  # () sum over blocks of leading correct draft tokens
+    blocks: torch.Tensor  # () number of blocks with at least one label
+
+
+def block_loss(logits: torch.Tensor, blocks: Blocks, block_size: int) -> LossOutput:
+    """logits (b, n*B, vocab). Each sequence's loss is normalised by its weight sum, then averaged over
+    sequences, so a batch split across processes averages to the same value."""
+    b = logits.shape[0]
+    ce = F.cross_entropy(logits.float().transpose(1, 2), blocks.labels.clamp_min(0), reduction="none")  # (b, n*B)
+    weighted = (ce * blocks.weights).sum(1)
+    weight_sum = blocks.weights.sum(1)
+    has_labels = weight_sum > 0
+    per_sequence = weighted / weight_sum.clamp_min(1e-9)
+    loss = (per_sequence * has_labels).sum() / max(int(has_labels.sum()), 1)
+
+    with torch.no_grad():
+        hit = (logits.argmax(-1) == blocks.labels).view(b, -1, block_size)
+        labelled = (blocks.labels >= 0).view(b, -1, block_size)
+        correct = (hit & labelled).sum((0, 1))
+        counted = labelled.sum((0, 1))
+        # acceptance estimate: leading correct draft tokens per block (greedy, on the target's own text)
+        leading = (hit | ~labelled)[:, :, 1:].int().cumprod(-1) * labelled[:, :, 1:]
+        accepted = leading.sum()
+        blocks_with_labels = labelled[:, :, 1:].any(-1).sum()
+    return LossOutput(loss, correct, counted, accepted, blocks_with_labels)
+
+
+def estimated_acceptance_length(accepted: float, blocks: float) -> float:
+    """tau estimate: 1 + mean leading correct draft tokens per block."""
+    return 1.0 + accepted / blocks if blocks else math.nan

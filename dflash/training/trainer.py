@@ -1,0 +1,376 @@
+"""The drafter training recipe: setup / train / evaluate / save_checkpoint / export / cleanup.
+
+Target features are computed on the fly without gradients (optionally cached); only the drafter's
+layers, fc and norms train; the target's embedding and LM head are used frozen. Under `torchrun` the
+same command trains with DDP (gloo on CPU, nccl on GPU).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import shutil
+import time
+from contextlib import nullcontext
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+import yaml
+from torch import nn
+
+from dflash.errors import UserError
+from dflash.model.config import DrafterConfig, default_target_layer_ids
+from dflash.model.drafter import DFlashDraftModel
+from dflash.model.loading import save_drafter
+from dflash.model.target import TargetModel
+from dflash.training.config import TrainConfig
+from dflash.training.data import Batch, collate, epoch_batches, load_examples, split_examples
+from dflash.training.objective import (
+    block_loss, build_blocks, estimated_acceptance_length, loss_gamma, sample_anchors,
+)
+
+
+class DraftingHead(nn.Module):
+    """The trainable drafter plus the target's frozen embedding and LM head: features + blocks -> logits.
+
+    The frozen pieces are held outside the module tree so DDP neither syncs nor saves them.
+    """
+
+    def __init__(self, drafter: DFlashDraftModel, target: TargetModel):
+        super().__init__()
+        self.drafter = drafter
+        self._target = [target]
+
+    def forward(self, features, block_tokens, block_positions, context_valid, attn_mask) -> torch.Tensor:
+        target = self._target[0]
+        context = self.drafter.project_context(features)  # (b, T, h)
+        T = features.shape[1]
+        context_positions = torch.arange(T, device=features.device)[None].expand(features.shape[0], T)
+        embeds = target.embed(block_tokens).to(context.dtype)
+        hidden = self.drafter(embeds, block_positions, context, context_positions, context_valid=context_valid,
+                              attn_mask=attn_mask)
+        return target.lm_head(hidden.to(target.dtype))  # (b, n*B, vocab)
+
+
+def choose_mask_token_id(config: TrainConfig, tokenizer, vocab_size: int) -> int:
+    """An id that is no real token: the tokenizer's mask token, `<|mask|>`, or the first unused embedding row."""
+    if config.mask_token_id is not None:
+        return config.mask_token_id
+    if tokenizer is not None:
+        if getattr(tokenizer, "mask_token_id", None) is not None:
+            return tokenizer.mask_token_id
+        vocab = tokenizer.get_vocab()
+        if "<|mask|>" in vocab:
+            return vocab["<|mask|>"]
+        if len(tokenizer) < vocab_size:
+            return len(tokenizer)
+    raise UserError("cannot pick a mask token: the tokenizer has none and the embedding has no unused row; "
+                    "pass --mask-token-id with an id that never occurs in text (not pad or eos)")
+
+
+def drafter_config_for(target: TargetModel, config: TrainConfig, mask_token_id: int) -> DrafterConfig:
+    tc = target.config
+    heads = tc.num_attention_heads
+    layer_ids = config.target_layer_ids or default_target_layer_ids(target.num_layers, config.draft_layers)
+    return DrafterConfig(
+        hidden_size=target.hidden_size,
+        intermediate_size=config.intermediate_size or getattr(tc, "intermediate_size", 4 * target.hidden_size),
+        num_hidden_layers=config.draft_layers,
+        num_attention_heads=heads,
+        num_key_value_heads=getattr(tc, "num_key_value_heads", None) or heads,
+        head_dim=getattr(tc, "head_dim", None) or target.hidden_size // heads,
+        vocab_size=target.vocab_size,
+        num_target_layers=target.num_layers,
+        target_layer_ids=list(layer_ids),
+        mask_token_id=mask_token_id,
+        block_size=config.block_size,
+        rms_norm_eps=getattr(tc, "rms_norm_eps", 1e-6),
+        max_position_embeddings=getattr(tc, "max_position_embeddings", 32768),
+        rope={k: v for k, v in (("rope_theta", getattr(tc, "rope_theta", None)),
+                                ("rope_scaling", getattr(tc, "rope_scaling", None)),
+                                ("rope_parameters", getattr(tc, "rope_parameters", None))) if v is not None},
+    )
+
+
+_EVAL_EPOCH = 999_999  # anchors for evaluation are drawn once, the same at every evaluation
+
+
+def _example_generator(seed: int, epoch: int, index: int) -> torch.Generator:
+    return torch.Generator().manual_seed((seed * 1_000_003 + epoch) * 10_000_019 + index)
+
+
+class Trainer:
+    def __init__(self, config: TrainConfig):
+        self.config = config
+        self.step = 0
+        self.rank, self.world = 0, 1
+        self._feature_cache: dict[int, torch.Tensor] = {}
+        self.history: list[dict] = []
+
+    # ---- setup ----------------------------------------------------------------------------------------
+    def setup(self) -> "Trainer":
+        self._setup_distributed()
+        self._setup_target()
+        self._setup_data()
+        self._setup_drafter()
+        self._setup_optimizer()
+        if self.config.resume:
+            self._load_latest_checkpoint()
+        return self
+
+    def _setup_distributed(self) -> None:
+        if int(os.environ.get("WORLD_SIZE", "1")) > 1 and not dist.is_initialized():
+            backend = "nccl" if torch.cuda.is_available() else "gloo"
+            dist.init_process_group(backend)
+        if dist.is_initialized():
+            self.rank, self.world = dist.get_rank(), dist.get_world_size()
+        if self.config.device:
+            self.device = torch.device(self.config.device)
+        elif torch.cuda.is_available():
+            self.device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
+        else:
+            self.device = torch.device("cpu")
+
+    def _setup_target(self) -> None:
+        self.target = TargetModel.from_pretrained(self.config.target, dtype="auto", device=self.device)
+        for p in self.target.model.parameters():
+            p.requires_grad_(False)
+        self.tokenizer = self.target.tokenizer
+
+    def _setup_data(self) -> None:
+        c = self.config
+        examples = load_examples(c.data, self.tokenizer, c.max_length)
+        self.train_examples, self.eval_examples = split_examples(examples, c.eval_fraction, c.seed)
+        self.global_batch = c.batch_size * self.world
+        if len(self.train_examples) < self.global_batch:
+            raise UserError(f"only {len(self.train_examples)} training examples for a global batch of "
+                            f"{self.global_batch}; lower --batch-size or add data")
+        self.batches_per_epoch = len(self.train_examples) // self.global_batch
+        self.total_steps = c.max_steps or max(1, math.ceil(c.epochs * self.batches_per_epoch))
+        pad = self.tokenizer.pad_token_id if self.tokenizer is not None else None
+        self.pad_id = pad if pad is not None else 0
+
+    def _setup_drafter(self) -> None:
+        c = self.config
+        mask_id = choose_mask_token_id(c, self.tokenizer, self.target.vocab_size)
+        self.drafter_config = drafter_config_for(self.target, c, mask_id)
+        torch.manual_seed(c.seed)
+        self.drafter = DFlashDraftModel(self.drafter_config)
+        self.drafter.init_weights()
+        self.drafter.to(self.device, torch.float32).train()
+        self.head = DraftingHead(self.drafter, self.target)
+        self.model: nn.Module = self.head
+        if self.world > 1:
+            ids = [self.device.index] if self.device.type == "cuda" else None
+            self.model = nn.parallel.DistributedDataParallel(self.head, device_ids=ids)
+        self.gamma = c.loss_gamma or loss_gamma(c.block_size)
+
+    def _setup_optimizer(self) -> None:
+        c = self.config
+        self.optimizer = torch.optim.AdamW(self.drafter.parameters(), lr=c.lr, weight_decay=c.weight_decay,
+                                           betas=(0.9, 0.95))
+        warmup = max(1, int(c.warmup_ratio * self.total_steps))
+        total = self.total_steps
+
+        def schedule(step: int) -> float:
+            if step < warmup:
+                return (step + 1) / warmup
+            progress = (step - warmup) / max(1, total - warmup)
+            return 0.5 * (1 + math.cos(math.pi * min(progress, 1.0)))
+
+        self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, schedule)
+
+    # ---- one step ----------------------------------------------------------------------------------------
+    def _features(self, batch: Batch) -> torch.Tensor:
+        """Target features (b, T, F), cached per example when --feature-cache is set."""
+        ids, real = batch.input_ids.to(self.device), batch.attention_mask.to(self.device)
+        layer_ids = self.drafter_config.target_layer_ids
+        if not self.config.feature_cache:
+            return self.target.context_features(ids, real, layer_ids).float()
+        missing = [r for r, i in enumerate(batch.indices) if self._cached(i) is None]
+        if missing:
+            computed = self.target.context_features(ids[missing], real[missing], layer_ids)
+            for r, row in zip(missing, computed):
+                self._store(batch.indices[r], row[: int(real[r].sum())])
+        T = ids.shape[1]
+        out = torch.zeros(len(batch.indices), T, self.drafter_config.num_features, device=self.device)
+        for r, i in enumerate(batch.indices):
+            cached = self._cached(i)
+            out[r, : cached.shape[0]] = cached.to(self.device).float()
+        return out
+
+    def _cached(self, index: int) -> torch.Tensor | None:
+        if self.config.feature_cache == "memory":
+            return self._feature_cache.get(index)
+        path = Path(self.config.feature_cache) / f"{index}.pt"
+        return torch.load(path) if path.exists() else None
+
+    def _store(self, index: int, features: torch.Tensor) -> None:
+        features = features.detach().cpu().clone()
+        if self.config.feature_cache == "memory":
+            self._feature_cache[index] = features
+            return
+        directory = Path(self.config.feature_cache)
+        directory.mkdir(parents=True, exist_ok=True)
+        tmp = directory / f".{index}.pt.tmp{self.rank}"
+        torch.save(features, tmp)
+        os.replace(tmp, directory / f"{index}.pt")
+
+    def _loss(self, batch: Batch, epoch: int):
+        c = self.config
+        features = self._features(batch)
+        generators = [_example_generator(c.seed, epoch, i) for i in batch.indices]
+        loss_mask = batch.loss_mask.to(self.device)
+        anchors, anchor_valid = sample_anchors(loss_mask, c.anchors_per_sequence, generators)
+        blocks = build_blocks(batch.input_ids.to(self.device), loss_mask, batch.attention_mask.to(self.device),
+                              anchors, anchor_valid, c.block_size, self.drafter_config.mask_token_id, self.gamma)
+        autocast = (torch.autocast(self.device.type, dtype=torch.bfloat16) if c.dtype == "bfloat16"
+                    else nullcontext())
+        with autocast:
+            logits = self.model(features, blocks.tokens, blocks.positions, batch.attention_mask.to(self.device),
+                                blocks.attn_mask)
+        return block_loss(logits, blocks, c.block_size)
+
+    def _batch(self, examples, indices: list[int]) -> Batch:
+        return collate([examples[i] for i in indices], indices, self.pad_id)
+
+    def _train_step(self, global_indices: list[int], epoch: int) -> dict:
+        mine = global_indices[self.rank * self.config.batch_size: (self.rank + 1) * self.config.batch_size]
+        batch = self._batch(self.train_examples, mine)
+        out = self._loss(batch, epoch)
+        self.optimizer.zero_grad(set_to_none=True)
+        out.loss.backward()
+        grad_norm = torch.nn.utils.clip_grad_norm_(self.drafter.parameters(), self.config.grad_clip)
+        self.optimizer.step()
+        self.scheduler.step()
+        self.step += 1
+        return {"loss": out.loss.item(), "grad_norm": float(grad_norm), "tokens": int(batch.attention_mask.sum()),
+                "tau_estimate": estimated_acceptance_length(float(out.accepted), float(out.blocks))}
+
+    # ---- the loop ------------------------------------------------------------------------------------------
+    def train(self) -> dict:
+        c = self.config
+        self._log({"event": "start", "steps": self.total_steps, "train_examples": len(self.train_examples),
+                   "eval_examples": len(self.eval_examples), "world_size": self.world,
+                   "drafter": self.drafter_config.to_dict()})
+        window_tokens, window_start = 0, time.perf_counter()
+        start = time.perf_counter()
+        while self.step < self.total_steps:
+            epoch, offset = divmod(self.step, self.batches_per_epoch)
+            for indices in epoch_batches(len(self.train_examples), self.global_batch, epoch, c.seed)[offset:]:
+                stats = self._train_step(indices, epoch)
+                window_tokens += stats["tokens"] * self.world
+                if self.step % c.log_every == 0 or self.step == self.total_steps:
+                    elapsed = time.perf_counter() - window_start
+                    self._log({"step": self.step, "epoch": round(self.step / self.batches_per_epoch, 3),
+                               "loss": round(stats["loss"], 4), "grad_norm": round(stats["grad_norm"], 3),
+                               "lr": self.scheduler.get_last_lr()[0], "tau_estimate": round(stats["tau_estimate"], 3),
+                               "tokens_per_s": round(window_tokens / max(elapsed, 1e-9), 1)})
+                    window_tokens, window_start = 0, time.perf_counter()
+                if self.eval_examples and c.eval_every and self.step % c.eval_every == 0:
+                    self._log({"step": self.step, **self.evaluate()})
+                if c.checkpoint_every and self.step % c.checkpoint_every == 0 and self.step < self.total_steps:
+                    self.save_checkpoint()
+                if self.step >= self.total_steps:
+                    break
+        final = {"step": self.step, "train_time_s": round(time.perf_counter() - start, 1)}
+        if self.eval_examples:
+            final.update(self.evaluate())
+        self.save_checkpoint()
+        self.export()
+        self._log({"event": "done", **final})
+        return final
+
+    @torch.no_grad()
+    def evaluate(self) -> dict:
+        """Held-out loss, per-position accuracy and an acceptance-length estimate (fixed anchors)."""
+        self.drafter.eval()
+        totals = {"loss": 0.0, "n": 0, "accepted": 0.0, "blocks": 0.0}
+        correct = counted = None
+        bs = self.config.batch_size
+        for start in range(0, len(self.eval_examples), bs):
+            indices = list(range(start, min(start + bs, len(self.eval_examples))))
+            out = self._loss(self._batch(self.eval_examples, indices), epoch=_EVAL_EPOCH)
+            totals["loss"] += float(out.loss) * len(indices)
+            totals["n"] += len(indices)
+            totals["accepted"] += float(out.accepted)
+            totals["blocks"] += float(out.blocks)
+            correct = out.correct if correct is None else correct + out.correct
+            counted = out.counted if counted is None else counted + out.counted
+        self.drafter.train()
+        accuracy = (correct[1:].float() / counted[1:].clamp_min(1)).tolist()
+        return {"eval_loss": round(totals["loss"] / totals["n"], 4),
+                "eval_tau_estimate": round(estimated_acceptance_length(totals["accepted"], totals["blocks"]), 3),
+                "eval_accuracy_per_position": [round(a, 3) for a in accuracy]}
+
+    # ---- checkpoints -----------------------------------------------------------------------------------
+    @property
+    def checkpoint_dir(self) -> Path:
+        return Path(self.config.output) / "checkpoints"
+
+    def save_checkpoint(self) -> None:
+        """Write checkpoints/step-N atomically (temporary directory, then rename); keep the newest few."""
+        if self.rank != 0:
+            self._barrier()
+            return
+        final = self.checkpoint_dir / f"step-{self.step:08d}"
+        tmp = self.checkpoint_dir / f".tmp-step-{self.step:08d}"
+        shutil.rmtree(tmp, ignore_errors=True)
+        tmp.mkdir(parents=True)
+        torch.save({
+            "step": self.step,
+            "drafter": self.drafter.state_dict(),
+            "optimizer": self.optimizer.state_dict(),
+            "scheduler": self.scheduler.state_dict(),
+            "config": self.config.to_dict(),
+            "drafter_config": self.drafter_config.to_dict(),
+        }, tmp / "training_state.pt")
+        shutil.rmtree(final, ignore_errors=True)
+        os.replace(tmp, final)
+        for old in sorted(self.checkpoint_dir.glob("step-*"))[: -self.config.keep_checkpoints]:
+            shutil.rmtree(old, ignore_errors=True)
+        self._barrier()
+
+    def _load_latest_checkpoint(self) -> None:
+        checkpoints = sorted(self.checkpoint_dir.glob("step-*"))
+        if not checkpoints:
+            self._log({"event": "resume", "note": "no checkpoint found; starting from scratch"})
+            return
+        state = torch.load(checkpoints[-1] / "training_state.pt", map_location=self.device, weights_only=False)
+        saved = DrafterConfig.from_dict(state["drafter_config"])
+        if saved.to_dict() != self.drafter_config.to_dict():
+            raise UserError(f"{checkpoints[-1]} was trained with a different drafter shape; use another --output "
+                            "or drop --resume")
+        self.drafter.load_state_dict(state["drafter"])
+        self.optimizer.load_state_dict(state["optimizer"])
+        self.scheduler.load_state_dict(state["scheduler"])
+        self.step = state["step"]
+        self._log({"event": "resume", "step": self.step, "checkpoint": str(checkpoints[-1])})
+
+    def export(self) -> None:
+        """The output directory in the public format (what this package, vLLM and SGLang load)."""
+        if self.rank == 0:
+            save_drafter(self.drafter, self.config.output)
+            (Path(self.config.output) / "training_config.yaml").write_text(yaml.safe_dump(self.config.to_dict()))
+        self._barrier()
+
+    def cleanup(self) -> None:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+    # ---- helpers ---------------------------------------------------------------------------------------
+    def _barrier(self) -> None:
+        if dist.is_initialized():
+            dist.barrier()
+
+    def _log(self, record: dict) -> None:
+        self.history.append(record)
+        if self.rank != 0:
+            return
+        Path(self.config.output).mkdir(parents=True, exist_ok=True)
+        with open(Path(self.config.output) / "train_log.jsonl", "a") as f:
+            f.write(json.dumps(record) + "\n")
+        if "drafter" not in record:
+            print(json.dumps(record), flush=True)

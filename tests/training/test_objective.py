@@ -1,0 +1,94 @@
+"""The objective's invariants: no context leak, block isolation, same-position labels, decay weights,
+anchors inside the response."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from conftest import MASK_TOKEN_ID, tiny_drafter
+from dflash.training.objective import build_blocks, loss_gamma, position_weights, sample_anchors
+from dflash.training.trainer import DraftingHead
+
+B = 4
+
+
+def toy_batch(T=24, response_start=8, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    ids = torch.randint(0, 100, (2, T), generator=g)
+    real = torch.ones(2, T, dtype=torch.bool)
+    real[1, 20:] = False  # second row is padded
+    loss_mask = torch.zeros(2, T, dtype=torch.bool)
+    loss_mask[:, response_start:] = True
+    loss_mask &= real
+    return ids, real, loss_mask
+
+
+def test_anchors_fall_inside_the_response_with_a_label_after_them():
+    ids, real, loss_mask = toy_batch()
+    for seed in range(20):
+        gens = [torch.Generator().manual_seed(seed * 2 + r) for r in range(2)]
+        anchors, valid = sample_anchors(loss_mask, 6, gens)
+        for r in range(2):
+            for a in anchors[r][valid[r]].tolist():
+                assert loss_mask[r, a] and loss_mask[r, a + 1], (r, a)
+            assert anchors[r][valid[r]].tolist() == sorted(anchors[r][valid[r]].tolist())
+
+
+def test_labels_are_same_position_and_weights_decay():
+    ids, real, loss_mask = toy_batch()
+    anchors = torch.tensor([[8, 12], [10, 17]])
+    valid = torch.ones(2, 2, dtype=torch.bool)
+    blocks = build_blocks(ids, loss_mask, real, anchors, valid, B, MASK_TOKEN_ID, gamma=7.0)
+    tokens, labels = blocks.tokens.view(2, 2, B), blocks.labels.view(2, 2, B)
+    assert tokens[0, 0].tolist() == [int(ids[0, 8])] + [MASK_TOKEN_ID] * (B - 1)
+    assert labels[0, 0].tolist() == [-100] + ids[0, 9:12].tolist()  # position k predicts x[anchor + k]
+    assert labels[1, 1].tolist() == [-100, int(ids[1, 18]), int(ids[1, 19]), -100]  # padding has no label
+    w = blocks.weights.view(2, 2, B)[0, 0]
+    assert w[0] == 0 and torch.allclose(w[1:], torch.exp(-torch.arange(B - 1) / 7.0))
+    assert loss_gamma(16) == 7 and loss_gamma(10) == 5 and loss_gamma(8) == 4
+    assert position_weights(16, 7.0)[1] == 1.0 and math.isclose(float(position_weights(16, 7.0)[8]), math.exp(-1), rel_tol=1e-6)
+
+
+@pytest.fixture
+def head(target):
+    drafter = tiny_drafter(target, layers=2, block_size=B)
+    return DraftingHead(drafter, target), drafter
+
+
+def logits_for(head_and_drafter, features, ids, real, loss_mask, anchors):
+    head, drafter = head_and_drafter
+    valid = torch.ones_like(anchors, dtype=torch.bool)
+    blocks = build_blocks(ids, loss_mask, real, anchors, valid, B, MASK_TOKEN_ID, 7.0)
+    with torch.no_grad():
+        return head(features, blocks.tokens, blocks.positions, real, blocks.attn_mask).view(ids.shape[0], -1, B, 128)
+
+
+def test_no_context_leak_features_at_or_after_the_anchor_are_invisible(head):
+    ids, real, loss_mask = toy_batch()
+    ids, real, loss_mask = ids[:1] % 100, real[:1], loss_mask[:1]
+    F = head[1].config.num_features
+    features = torch.randn(1, ids.shape[1], F)
+    anchors = torch.tensor([[10, 15]])
+    base = logits_for(head, features, ids, real, loss_mask, anchors)
+    changed = features.clone()
+    changed[:, 10:] += 3.0  # at and after the first anchor
+    after = logits_for(head, changed, ids, real, loss_mask, anchors)
+    assert torch.allclose(base[0, 0], after[0, 0], atol=1e-5)  # block at anchor 10 unchanged
+    assert not torch.allclose(base[0, 1], after[0, 1], atol=1e-3)  # block at 15 sees positions 10..14
+    before = features.clone()
+    before[:, 9] += 3.0  # strictly before the anchor: visible
+    assert not torch.allclose(base[0, 0], logits_for(head, before, ids, real, loss_mask, anchors)[0, 0], atol=1e-3)
+
+
+def test_a_block_does_not_see_other_blocks(head):
+    ids, real, loss_mask = toy_batch()
+    ids, real, loss_mask = ids[:1], real[:1], loss_mask[:1]
+    features = torch.randn(1, ids.shape[1], head[1].config.num_features)
+    base = logits_for(head, features, ids, real, loss_mask, torch.tensor([[10, 15]]))
+    other = logits_for(head, features, ids, real, loss_mask, torch.tensor([[10, 18]]))  # move the 2nd block
+    alone = logits_for(head, features, ids, real, loss_mask, torch.tensor([[10]]))
+    assert torch.allclose(base[0, 0], other[0, 0], atol=1e-5)
+    assert torch.allclose(base[0, 0], alone[0, 0], atol=1e-5)

@@ -1,0 +1,130 @@
+"""The trainer end to end on a tiny pair: export/load, exact resume, DDP == single process, lossless use."""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import socket
+import subprocess
+import sys
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from dflash import DFlash
+from dflash.cli.main import main
+from dflash.model import load_drafter
+from dflash.training import Trainer, load_config
+
+
+@pytest.fixture(scope="module")
+def train_data(tmp_path_factory, tiny_pair):
+    """Conversations the tiny target 'answered', as `dflash datagen` writes them (ids included)."""
+    path = tmp_path_factory.mktemp("data") / "data.jsonl"
+    rng = random.Random(0)
+    with path.open("w") as f:
+        for i in range(16):
+            prompt = [rng.randrange(4, 120) for _ in range(rng.randint(4, 10))]
+            response = [rng.randrange(4, 120) for _ in range(rng.randint(12, 30))]
+            f.write(json.dumps({"id": i, "messages": [], "prompt_ids": prompt, "response_ids": response}) + "\n")
+    return path
+
+
+def config(tiny_pair, train_data, output, **overrides):
+    values = dict(target=str(tiny_pair[0]), data=str(train_data), output=str(output), draft_layers=1, block_size=4,
+                  anchors_per_sequence=6, max_steps=6, batch_size=4, lr=3e-3, eval_fraction=0.125, eval_every=0,
+                  log_every=2, checkpoint_every=3, seed=0, device="cpu")
+    values.update(overrides)
+    return load_config(None, values)
+
+
+def weights(directory) -> dict[str, torch.Tensor]:
+    return load_file(os.path.join(directory, "model.safetensors"))
+
+
+def test_export_loads_with_the_same_outputs_and_decodes_losslessly(tiny_pair, train_data, tmp_path):
+    trainer = Trainer(config(tiny_pair, train_data, tmp_path / "out")).setup()
+    result = trainer.train()
+    assert "eval_loss" in result and len(result["eval_accuracy_per_position"]) == 3
+    loaded = load_drafter(tmp_path / "out", dtype="float32")
+    for key, value in trainer.drafter.state_dict().items():
+        if "rotary" not in key:
+            assert torch.equal(loaded.state_dict()[key], value), key
+    assert loaded.config.to_dict() == trainer.drafter_config.to_dict()
+    pipe = DFlash.from_pretrained(tiny_pair[0], tmp_path / "out", device="cpu")
+    plain = DFlash.from_pretrained(tiny_pair[0], no_draft=True, device="cpu")
+    for prompt in ("How many clips", "Weng earns 12 dollars"):
+        a = pipe.generate(prompt, max_new_tokens=24, stop_token_ids=[])
+        assert a.output_ids == plain.generate(prompt, max_new_tokens=24, stop_token_ids=[]).output_ids
+        assert a.stats.drafter_forwards > 0
+
+
+def test_interrupted_then_resumed_equals_uninterrupted(tiny_pair, train_data, tmp_path):
+    Trainer(config(tiny_pair, train_data, tmp_path / "straight")).setup().train()
+
+    class Interrupted(Exception):
+        pass
+
+    broken = Trainer(config(tiny_pair, train_data, tmp_path / "resumed")).setup()
+    original = broken._train_step
+
+    def step_then_die(indices, epoch):
+        if broken.step == 4:  # after the step-3 checkpoint
+            raise Interrupted
+        return original(indices, epoch)
+
+    broken._train_step = step_then_die
+    with pytest.raises(Interrupted):
+        broken.train()
+    resumed = Trainer(config(tiny_pair, train_data, tmp_path / "resumed", resume=True)).setup()
+    assert resumed.step == 3
+    resumed.train()
+    a, b = weights(tmp_path / "straight"), weights(tmp_path / "resumed")
+    assert a.keys() == b.keys()
+    for key in a:
+        assert torch.equal(a[key], b[key]), key
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def test_two_process_ddp_matches_one_process_with_the_doubled_batch(tiny_pair, train_data, tmp_path):
+    common = ["--target", str(tiny_pair[0]), "--data", str(train_data), "--draft-layers", "1", "--block-size", "4",
+              "--anchors-per-sequence", "6", "--max-steps", "4", "--lr", "3e-3", "--eval-fraction", "0.125",
+              "--eval-every", "0", "--checkpoint-every", "0", "--device", "cpu"]
+    assert main(["train", *common, "--batch-size", "4", "--output", str(tmp_path / "one")]) == 0
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    proc = subprocess.run(
+        [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", str(free_port()),
+         "-m", "dflash.cli.main", "train", *common, "--batch-size", "2", "--output", str(tmp_path / "two")],
+        capture_output=True, text=True, env=env, timeout=300,
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    log = [json.loads(line) for line in (tmp_path / "two" / "train_log.jsonl").read_text().splitlines()]
+    assert log[0]["world_size"] == 2
+    a, b = weights(tmp_path / "one"), weights(tmp_path / "two")
+    for key in a:
+        assert torch.allclose(a[key], b[key], atol=2e-5), (key, (a[key] - b[key]).abs().max())
+    changed = weights(tmp_path / "one")["fc.weight"]
+    assert changed.abs().sum() > 0
+
+
+def test_yaml_config_and_flag_override(tmp_path, tiny_pair, train_data):
+    yaml_path = tmp_path / "train.yaml"
+    yaml_path.write_text(f"target: {tiny_pair[0]}\ndata: {train_data}\noutput: {tmp_path}\nblock_size: 8\nlr: 0.001\n")
+    loaded = load_config(str(yaml_path), {"lr": 0.01, "epochs": None})
+    assert loaded.block_size == 8 and loaded.lr == 0.01
+    yaml_path.write_text("bogus_option: 1\n")
+    with pytest.raises(ValueError, match="unknown training option"):
+        load_config(str(yaml_path), {})
+
+
+def test_train_cli_errors_are_clear(tmp_path, tiny_pair, capsys):
+    assert main(["train", "--target", str(tiny_pair[0]), "--data", str(tmp_path / "missing.jsonl"),
+                 "--output", str(tmp_path / "o")]) == 2
+    assert "does not exist" in capsys.readouterr().err
