@@ -9,6 +9,8 @@ import sys
 # subcommand -> module with add_arguments(parser) and run(args) -> int
 COMMANDS = {
     "generate": ("dflash.cli.generate", "decode a prompt with DFlash speculative decoding"),
+    "datagen": ("dflash.cli.datagen", "have the target answer prompts (training data for a drafter)"),
+    "train": ("dflash.cli.train", "train a DFlash drafter for a target"),
     "serve": ("dflash.cli.serve", "OpenAI-compatible server with batched DFlash decoding, or a vLLM/SGLang hand-off"),
     "bench": ("dflash.cli.bench", "measure DFlash speedup and acceptance on standard datasets, locally or on a server"),
 }
