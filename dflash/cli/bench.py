@@ -110,6 +110,13 @@ def _load_pair(args: argparse.Namespace):
     """The pair at the drafter's own block size; the sweep sets the block size per run."""
     if args.no_draft:
         raise UserError("dflash bench measures DFlash against plain decoding itself; drop --no-draft")
+    if not args.target:
+        from dflash.api import DEFAULT_DRAFT, DEFAULT_TARGET
+
+        missing = [p for p in (DEFAULT_TARGET / "config.json", DEFAULT_DRAFT) if not p.exists()]
+        if missing:
+            raise UserError(f"the embedded pair is not installed ({missing[0]} is missing); "
+                            "pass --target and --draft, or benchmark a server with --base-url")
     single = copy.copy(args)
     single.block_size = None
     return load_pipeline(single)

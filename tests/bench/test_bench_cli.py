@@ -128,3 +128,11 @@ def test_costs_percentiles_and_markdown_without_numbers(tmp_path):
     assert "| gsm8k | - |" in markdown([empty], {})
     written = write_outputs([empty], tmp_path, {"backend": "server"})
     assert [p.name for p in written] == ["results.json", "config.json", "results.md"]  # nothing to plot
+
+
+def test_missing_embedded_pair_is_a_clear_error(monkeypatch, tmp_path, capsys):
+    import dflash.api
+
+    monkeypatch.setattr(dflash.api, "DEFAULT_TARGET", tmp_path / "target")
+    assert main(["bench", "--max-samples", "1"]) == 2
+    assert "embedded pair is not installed" in capsys.readouterr().err
