@@ -21,6 +21,8 @@ class ServerMetrics:
         # requests
         self.running = Gauge("dflash:num_requests_running", "Requests in the decoding batch.", registry=r)
         self.waiting = Gauge("dflash:num_requests_waiting", "Requests queued for a batch slot.", registry=r)
+        self.step_rows = Histogram("dflash:step_batch_size", "Rows in each decode step's batch.",
+                                   buckets=(1, 2, 4, 8, 16, 32, 64, 128), registry=r)
         self.finished = Counter("dflash:request_success", "Finished requests, by finish reason "
                                 "(stop, length, abort = client cancelled or disconnected, error).",
                                 ["finished_reason"], registry=r)

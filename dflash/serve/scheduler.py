@@ -134,9 +134,16 @@ class Scheduler:
         return request
 
     def cancel(self, request: Request) -> None:
+        """A queued request leaves the queue now; a decoding one is dropped before the next step."""
         with self._cond:
             request.cancelled = True
+            queued = request in self._waiting
+            if queued:
+                self._waiting.remove(request)
+                self.metrics.waiting.set(len(self._waiting))
             self._cond.notify_all()
+        if queued:
+            self._finish(request, "abort")
 
     def counts(self) -> dict[str, int]:
         with self._cond:
@@ -214,6 +221,7 @@ class Scheduler:
         if not self._drop_finished(decoder):
             return
         batch = self._running[decoder]
+        self.metrics.step_rows.observe(len(batch))
         kept = self.engine.step(batch)
         if decoder == DRAFT:
             self._record_drafts(batch, kept)

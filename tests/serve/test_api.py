@@ -1,0 +1,133 @@
+"""The endpoints through the official openai client: answers match the library, streams match answers,
+and concurrent requests decode together yet answer exactly as they would alone (greedy)."""
+
+from __future__ import annotations
+
+from concurrent.futures import ThreadPoolExecutor
+
+import httpx
+
+MODEL = "tiny"  # the served model name the fixtures use
+
+QUESTION = [{"role": "user", "content": "How many clips did Natalia sell in April and May?"}]
+PROMPTS = [
+    "Natalia sold clips to 48 of her friends",
+    "Weng earns 12 dollars an hour",
+    "How much did she earn?",
+    "Please reason step by step",
+    "The answer is 72.",
+    "She sold half as many clips in May",
+    "Yesterday, she just did 50 minutes of babysitting.",
+    "put your final answer within boxed",
+    "How many clips",
+    "altogether in April and May",
+]
+
+
+def chat(client, messages=QUESTION, **kw):
+    kw.setdefault("max_tokens", 24)
+    return client.chat.completions.create(model=MODEL, messages=messages, temperature=0, **kw)
+
+
+def stream_text(stream) -> tuple[str, str | None, object]:
+    pieces, finish, usage = [], None, None
+    for chunk in stream:
+        if chunk.usage is not None:
+            usage = chunk.usage
+        for choice in chunk.choices:
+            piece = choice.delta.content if hasattr(choice, "delta") else choice.text
+            pieces.append(piece or "")
+            finish = choice.finish_reason or finish
+    return "".join(pieces), finish, usage
+
+
+def test_models_and_health(server, client):
+    assert [m.id for m in client.models.list().data] == [MODEL]
+    health = httpx.get(f"{server.url}/health").json()
+    assert health["status"] == "ok" and health["running"] == 0
+
+
+def test_chat_matches_the_library(server, client):
+    out = chat(client, max_tokens=20, extra_body={"ignore_eos": True})
+    expected = server.pipe.generate(QUESTION, max_new_tokens=20, stop_token_ids=[])
+    assert out.choices[0].message.content == expected.text
+    assert out.choices[0].finish_reason == "length"
+    assert out.usage.completion_tokens == 20
+    assert out.usage.prompt_tokens == len(server.pipe.encode(QUESTION))
+
+
+def test_stream_equals_non_stream(client):
+    plain = chat(client, max_tokens=30).choices[0].message.content
+    streamed, finish, usage = stream_text(chat(client, max_tokens=30, stream=True,
+                                               stream_options={"include_usage": True}))
+    assert streamed == plain and plain
+    assert finish in ("stop", "length") and usage.completion_tokens > 0
+    # a stop string from the middle of the answer: both cut there, the stream never shows it
+    stop = plain[len(plain) // 2: len(plain) // 2 + 3]
+    cut = chat(client, max_tokens=30, stop=[stop]).choices[0].message.content
+    streamed_cut, finish_cut, _ = stream_text(chat(client, max_tokens=30, stop=[stop], stream=True))
+    assert cut == plain[: plain.find(stop)] and streamed_cut == cut and finish_cut == "stop"
+
+
+def test_completions(server, client):
+    out = client.completions.create(model=MODEL, prompt=PROMPTS[0], max_tokens=12, temperature=0,
+                                    extra_body={"ignore_eos": True})
+    ids = server.pipe.encode(PROMPTS[0], raw=True)
+    assert out.choices[0].text == server.pipe.generate(ids, max_new_tokens=12, stop_token_ids=[]).text
+    assert out.usage.prompt_tokens == len(ids) and out.usage.completion_tokens == 12
+    by_ids = client.completions.create(model=MODEL, prompt=ids, max_tokens=12, temperature=0,
+                                       extra_body={"ignore_eos": True})
+    assert by_ids.choices[0].text == out.choices[0].text
+    streamed, finish, _ = stream_text(client.completions.create(
+        model=MODEL, prompt=PROMPTS[0], max_tokens=12, temperature=0, stream=True, extra_body={"ignore_eos": True}))
+    assert streamed == out.choices[0].text and finish == "length"
+    default = client.completions.create(model=MODEL, prompt=PROMPTS[0], temperature=0,
+                                        extra_body={"ignore_eos": True})
+    assert default.usage.completion_tokens == 16  # OpenAI's default max_tokens for completions
+
+
+def test_seeded_sampling_repeats(client):
+    a, b = (client.completions.create(model=MODEL, prompt=PROMPTS[1], max_tokens=16, temperature=0.9, top_p=0.9,
+                                      seed=7).choices[0].text for _ in range(2))
+    assert a == b
+
+
+def test_parallel_equals_sequential(server, client):
+    def ask(i: int) -> str:
+        return client.completions.create(model=MODEL, prompt=PROMPTS[i], max_tokens=8 + 3 * i, temperature=0,
+                                         extra_body={"ignore_eos": True}).choices[0].text
+
+    sequential = [ask(i) for i in range(len(PROMPTS))]
+    before = server.metrics()
+    with ThreadPoolExecutor(len(PROMPTS)) as pool:
+        parallel = list(pool.map(ask, range(len(PROMPTS))))
+    after = server.metrics()
+    assert parallel == sequential
+    # they really decoded together: some steps ran more than one row
+    steps = after["dflash:step_batch_size_count"] - before["dflash:step_batch_size_count"]
+    single = after['dflash:step_batch_size_bucket{le="1.0"}'] - before['dflash:step_batch_size_bucket{le="1.0"}']
+    assert steps > single
+
+
+def test_metrics_move(server, client):
+    before = server.metrics()
+    chat(client, max_tokens=10, extra_body={"ignore_eos": True})
+    after = server.metrics()
+
+    def grew(name: str) -> float:
+        return after.get(name, 0.0) - before.get(name, 0.0)
+
+    assert grew('dflash:request_success_total{finished_reason="length"}') == 1
+    assert grew("dflash:generation_tokens_total") == 10
+    assert grew("dflash:prompt_tokens_total") > 0
+    assert grew("dflash:time_to_first_token_seconds_count") == 1
+    assert grew("dflash:e2e_request_latency_seconds_count") == 1
+    drafts = grew("dflash:spec_decode_num_drafts_total")
+    assert drafts >= 1  # 9 tokens after the prefill's first; each drafted step keeps >= 1
+    assert grew("dflash:spec_decode_num_draft_tokens_total") == drafts * 7  # block size 8
+    accepted = grew("dflash:spec_decode_num_accepted_tokens_total")
+    per_pos = sum(v - before.get(k, 0.0) for k, v in after.items()
+                  if k.startswith("dflash:spec_decode_num_accepted_tokens_per_pos_total"))
+    assert per_pos == accepted
+    assert after["dflash:spec_decode_mean_acceptance_length"] >= 1.0
+    assert after["dflash:num_requests_running"] == 0 and after["dflash:num_requests_waiting"] == 0

@@ -1,0 +1,115 @@
+"""Every client mistake is a 4xx with an OpenAI error object, and the server keeps serving after it."""
+
+from __future__ import annotations
+
+import httpx
+import openai
+import pytest
+
+MODEL = "tiny"  # the served model name the fixtures use
+MESSAGES = [{"role": "user", "content": "hello"}]
+
+
+def post(server, path: str, **kw) -> httpx.Response:
+    return httpx.post(f"{server.url}/v1/{path}", timeout=30, **kw)
+
+
+def assert_error(response: httpx.Response, status: int, param: str | None = None) -> dict:
+    assert response.status_code == status, response.text
+    error = response.json()["error"]
+    assert set(error) == {"message", "type", "param", "code"} and error["message"]
+    if param is not None:
+        assert error["param"] == param
+    return error
+
+
+@pytest.mark.parametrize("body", [b"{not json", b"", b"\xff\xfe", b"[1, 2]", b'"text"'])
+def test_invalid_json_is_400(server, body):
+    assert_error(post(server, "chat/completions", content=body, headers={"content-type": "application/json"}), 400)
+
+
+CHAT_BAD = [
+    ({"model": MODEL}, "messages"),  # missing messages
+    ({"model": MODEL, "messages": []}, "messages"),  # empty messages
+    ({"model": MODEL, "messages": "hello"}, "messages"),
+    ({"model": MODEL, "messages": [{"content": "hi"}]}, "messages.0.role"),
+    ({"model": MODEL, "messages": [{"role": "user", "content": 5}]}, None),
+    ({"model": MODEL, "messages": MESSAGES, "max_tokens": "ten"}, "max_tokens"),
+    ({"model": MODEL, "messages": MESSAGES, "max_tokens": 1.5}, "max_tokens"),
+    ({"model": MODEL, "messages": MESSAGES, "max_tokens": -1}, "max_tokens"),
+    ({"model": MODEL, "messages": MESSAGES, "max_tokens": 0}, "max_tokens"),
+    ({"model": MODEL, "messages": MESSAGES, "max_tokens": 10**9}, "max_tokens"),  # beyond the context
+    ({"model": MODEL, "messages": MESSAGES, "max_completion_tokens": -5}, "max_completion_tokens"),
+    ({"model": MODEL, "messages": MESSAGES, "temperature": -0.5}, "temperature"),
+    ({"model": MODEL, "messages": MESSAGES, "temperature": "hot"}, "temperature"),
+    ({"model": MODEL, "messages": MESSAGES, "top_p": 0}, "top_p"),
+    ({"model": MODEL, "messages": MESSAGES, "top_k": -3}, "top_k"),
+    ({"model": MODEL, "messages": MESSAGES, "seed": "x"}, "seed"),
+    ({"model": MODEL, "messages": MESSAGES, "stop": 3}, None),
+    ({"model": MODEL, "messages": MESSAGES, "stream": "yes"}, "stream"),
+    ({"model": MODEL, "messages": MESSAGES, "n": 2}, "n"),
+    ({"model": MODEL, "messages": MESSAGES, "logprobs": True}, "logprobs"),
+    ({"model": 7, "messages": MESSAGES}, "model"),
+]
+
+
+@pytest.mark.parametrize("body,param", CHAT_BAD)
+def test_bad_chat_requests_are_400(server, body, param):
+    assert_error(post(server, "chat/completions", json=body), 400, param)
+
+
+@pytest.mark.parametrize("body", [
+    {"model": MODEL},
+    {"model": MODEL, "prompt": ""},
+    {"model": MODEL, "prompt": []},
+    {"model": MODEL, "prompt": ["a", "b"]},
+    {"model": MODEL, "prompt": [1, "a"]},
+    {"model": MODEL, "prompt": [10**6]},  # a token id outside the vocabulary
+    {"model": MODEL, "prompt": "hi", "max_tokens": -2},
+    {"model": MODEL, "prompt": "hi", "echo": True},
+])
+def test_bad_completion_requests_are_400(server, body):
+    assert_error(post(server, "completions", json=body), 400)
+
+
+def test_prompt_plus_max_tokens_beyond_context(server, client):
+    context = server.server_state.max_model_len
+    prompt = (list(range(10, 60)) * (context // 50 + 1))[:context]  # the whole context in token ids
+    error = assert_error(post(server, "completions", json={"model": MODEL, "prompt": prompt[: context - 100],
+                                                           "max_tokens": 200}), 400, "max_tokens")
+    assert error["code"] == "context_length_exceeded" and str(context) in error["message"]
+    with pytest.raises(openai.BadRequestError):
+        client.completions.create(model=MODEL, prompt=prompt[:context], max_tokens=1)
+
+
+def test_unknown_model_is_404(server, client):
+    with pytest.raises(openai.NotFoundError) as err:
+        client.chat.completions.create(model="gpt-9", messages=MESSAGES, max_tokens=4)
+    assert err.value.body["code"] == "model_not_found"
+    assert_error(httpx.get(f"{server.url}/v1/nowhere"), 404)
+
+
+def test_openai_client_sees_400(client):
+    with pytest.raises(openai.BadRequestError) as err:
+        client.chat.completions.create(model=MODEL, messages=[], max_tokens=4)
+    assert err.value.status_code == 400
+
+
+def test_still_serving_after_every_mistake(server, client):
+    """Runs after the error tests above (file order): nothing broke, nothing leaked a slot, no 500."""
+    out = client.chat.completions.create(model=MODEL, messages=MESSAGES, max_tokens=5, temperature=0)
+    assert out.choices[0].message.content is not None
+    health = httpx.get(f"{server.url}/health").json()
+    assert health == {"status": "ok", "running": 0, "waiting": 0}
+    assert not any('finished_reason="error"' in k and v > 0 for k, v in server.metrics().items())
+
+
+def test_api_key(start_server):
+    locked = start_server(api_key="s3cret")
+    with pytest.raises(openai.AuthenticationError):
+        locked.client(api_key="wrong").models.list()
+    assert_error(httpx.post(f"{locked.url}/v1/chat/completions", json={"messages": MESSAGES}), 401)
+    assert_error(httpx.get(f"{locked.url}/v1/models", headers={"Authorization": "s3cret"}), 401)
+    out = locked.client(api_key="s3cret").chat.completions.create(model=MODEL, messages=MESSAGES, max_tokens=3)
+    assert out.usage.completion_tokens >= 1
+    assert httpx.get(f"{locked.url}/health").status_code == 200  # probes need no key

@@ -1,0 +1,58 @@
+"""Adaptive fallback: the tiny random drafter is almost never right, so its workload stops drafting, later
+probes drafting again, and answers stay identical throughout (decoding is lossless either way)."""
+
+from __future__ import annotations
+
+from dflash.serve.fallback import AdaptiveFallback, FallbackConfig
+
+MODEL = "tiny"  # the served model name the fixtures use
+DRAFTS = "dflash:spec_decode_num_drafts_total"
+ACTIVE = 'dflash:fallback_active{workload="chat/greedy"}'
+
+
+def test_fallback_policy():
+    changes = []
+    fb = AdaptiveFallback(FallbackConfig(min_acceptance_length=2.0, window=4, probe_after=2),
+                          lambda *a: changes.append(a))
+    assert fb.should_draft("w")
+    fb.observe("w", [5, 5, 5, 5])  # a full window that pays: keep drafting
+    assert fb.drafting("w") and fb.should_draft("w")
+    fb.observe("w", [1, 1, 1])  # rolling mean of the last 4 = (5 + 1 + 1 + 1) / 4 = 2.0: not below
+    assert fb.drafting("w")
+    fb.observe("w", [1])  # 1.0 < 2.0: off
+    assert not fb.drafting("w")
+    assert [fb.should_draft("w") for _ in range(3)] == [False, False, True]  # two plain requests, then a probe
+    fb.observe("w", [1, 1, 1])  # the probe's window is not full yet: no verdict
+    assert fb.drafting("w")
+    assert fb.should_draft("other")  # workloads are independent
+    assert changes[-1] == ("w", True, 1.0)
+    disabled = AdaptiveFallback(FallbackConfig(0.0))
+    disabled.observe("w", [1] * 100)
+    assert disabled.should_draft("w")
+
+
+def test_server_falls_back_and_probes(start_server):
+    server = start_server(fallback=FallbackConfig(min_acceptance_length=1.5, window=8, probe_after=2))
+    client = server.client()
+
+    def ask() -> str:
+        return client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "How many?"}],
+                                              max_tokens=24, temperature=0,
+                                              extra_body={"ignore_eos": True}).choices[0].message.content
+
+    m0 = server.metrics()
+    first = ask()  # drafts; after 8 drafted steps of acceptance length ~1 the workload falls back
+    m1 = server.metrics()
+    assert m1[DRAFTS] > m0.get(DRAFTS, 0) and m1[ACTIVE] == 1
+    assert m1['dflash:fallback_rolling_acceptance_length{workload="chat/greedy"}'] < 1.5
+    plain = [ask(), ask()]  # decode without the drafter
+    m2 = server.metrics()
+    assert m2[DRAFTS] == m1[DRAFTS]
+    assert m2['dflash:request_decoder_total{decoder="plain"}'] == 2
+    probe = ask()  # drafting is tried again, and fails again
+    m3 = server.metrics()
+    assert m3[DRAFTS] > m2[DRAFTS] and m3[ACTIVE] == 1
+    assert m3['dflash:request_decoder_total{decoder="draft"}'] == 2
+    assert first == plain[0] == plain[1] == probe
+    client.completions.create(model=MODEL, prompt="How many?", max_tokens=4, temperature=0)  # another workload
+    assert server.metrics()[DRAFTS] > m3[DRAFTS]

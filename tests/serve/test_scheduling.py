@@ -1,0 +1,101 @@
+"""Slots are freed at once: a client that disconnects mid-stream or gives up waiting, a queued request that is
+cancelled; a full queue answers 429. The server here decodes slowly (one row, 20 ms a step) so requests are
+still running when the test acts."""
+
+from __future__ import annotations
+
+import time
+
+import httpx
+import openai
+import pytest
+
+from dflash.serve.scheduler import SchedulerConfig
+
+MODEL = "tiny"  # the served model name the fixtures use
+LONG = {"model": MODEL, "messages": [{"role": "user", "content": "count"}], "max_tokens": 400, "temperature": 0,
+        "ignore_eos": True}  # ~8 s at 20 ms a step if nobody cancels it
+
+
+@pytest.fixture(scope="module")
+def slow(start_server):
+    return start_server(slow_step_s=0.02, scheduler=SchedulerConfig(max_batch_size=1, max_queue=1))
+
+
+def health(server) -> dict:
+    return httpx.get(f"{server.url}/health").json()
+
+
+def wait_idle(server, within_s: float = 2.0) -> float:
+    """Seconds until nothing runs or waits; fails after `within_s`."""
+    start = time.monotonic()
+    while time.monotonic() - start < within_s:
+        h = health(server)
+        if h["running"] == 0 and h["waiting"] == 0:
+            return time.monotonic() - start
+        time.sleep(0.02)
+    raise AssertionError(f"slots still taken after {within_s} s: {health(server)}")
+
+
+def first_content(response: httpx.Response):
+    """Read up to the first text; returns the line iterator, which must stay referenced (closing it closes
+    the connection, i.e. disconnects)."""
+    lines = response.iter_lines()
+    for line in lines:
+        if line.startswith("data: ") and '"content":"' in line and '"content":""' not in line:
+            return lines
+    raise AssertionError("the stream ended before any content")
+
+
+def grew(before: dict, after: dict, name: str) -> float:
+    return after.get(name, 0.0) - before.get(name, 0.0)
+
+
+ABORTED = 'dflash:request_success_total{finished_reason="abort"}'
+
+
+def test_disconnect_mid_stream_frees_the_slot(slow):
+    before = slow.metrics()
+    with httpx.stream("POST", f"{slow.url}/v1/chat/completions", json={**LONG, "stream": True}, timeout=30) as r:
+        assert r.status_code == 200
+        lines = first_content(r)
+        assert health(slow)["running"] == 1
+        assert next(lines) is not None  # still streaming
+    wait_idle(slow)
+    after = slow.metrics()
+    assert grew(before, after, ABORTED) == 1
+    assert grew(before, after, "dflash:generation_tokens_total") < 200  # stopped long before max_tokens
+
+
+def test_non_streaming_client_that_gives_up_frees_the_slot(slow):
+    before = slow.metrics()
+    with pytest.raises(httpx.ReadTimeout):
+        httpx.post(f"{slow.url}/v1/chat/completions", json=LONG, timeout=0.5)
+    wait_idle(slow)
+    assert grew(before, slow.metrics(), ABORTED) == 1
+
+
+def test_full_queue_is_429_and_cancelled_waiters_leave(slow):
+    before = slow.metrics()
+    url = f"{slow.url}/v1/chat/completions"
+    with httpx.Client(timeout=30) as a, httpx.Client(timeout=30) as b:
+        with a.stream("POST", url, json={**LONG, "stream": True}) as running:
+            lines = first_content(running)
+            with b.stream("POST", url, json={**LONG, "stream": True}) as queued:
+                assert queued.status_code == 200
+                assert health(slow) == {"status": "ok", "running": 1, "waiting": 1}
+                with pytest.raises(openai.RateLimitError) as err:
+                    slow.client().chat.completions.create(**{k: v for k, v in LONG.items() if k != "ignore_eos"})
+                assert err.value.status_code == 429 and err.value.body["code"] == "queue_full"
+            # the queued client left: its place is free at once, the running row is untouched
+            deadline = time.monotonic() + 2
+            while health(slow)["waiting"] and time.monotonic() < deadline:
+                time.sleep(0.02)
+            assert health(slow) == {"status": "ok", "running": 1, "waiting": 0}
+            assert next(lines) is not None  # the running stream goes on
+    wait_idle(slow)
+    after = slow.metrics()
+    assert grew(before, after, 'dflash:request_rejected_total{reason="queue_full"}') == 1
+    assert grew(before, after, ABORTED) == 2
+    out = slow.client().chat.completions.create(model=MODEL, messages=LONG["messages"], max_tokens=3)
+    assert out.usage.completion_tokens >= 1
