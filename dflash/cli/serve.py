@@ -15,6 +15,8 @@ import sys
 from dflash.cli.common import add_model_arguments, load_pipeline
 from dflash.errors import UserError
 
+DEFAULT_MAX_BATCH_SIZE = 8
+
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     add_model_arguments(parser)
@@ -25,7 +27,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                      help="require 'Authorization: Bearer KEY' on /v1 (default: $DFLASH_API_KEY, else none)")
     net.add_argument("--served-model-name", help="the model id clients send (default: the --target value)")
     net.add_argument("--max-model-len", type=int, help="context limit, prompt + max_tokens (default: the target's)")
-    net.add_argument("--max-batch-size", type=int, default=8, help="requests decoded together (default: 8)")
+    net.add_argument("--max-batch-size", type=int,
+                     help=f"requests decoded together (default: {DEFAULT_MAX_BATCH_SIZE}; with --engine, the engine's)")
     net.add_argument("--max-queue", type=int, default=64,
                      help="requests waiting for a batch slot; more are answered 429 (default: 64)")
     net.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
@@ -51,7 +54,8 @@ def run(args: argparse.Namespace) -> int:
 def _check_args(args: argparse.Namespace) -> None:
     if args.draft and not args.target:
         raise UserError("--draft needs --target (the drafter must be paired with the target it was trained for)")
-    for flag, value, low in (("--max-batch-size", args.max_batch_size, 1), ("--max-queue", args.max_queue, 0),
+    batch = args.max_batch_size if args.max_batch_size is not None else DEFAULT_MAX_BATCH_SIZE
+    for flag, value, low in (("--max-batch-size", batch, 1), ("--max-queue", args.max_queue, 0),
                              ("--port", args.port, 0), ("--fallback-window", args.fallback_window, 1),
                              ("--fallback-probe-after", args.fallback_probe_after, 1)):
         if value < low:
@@ -102,7 +106,7 @@ def _serve(args: argparse.Namespace) -> int:
         served_model_name=args.served_model_name or args.target or "dflash",
         api_key=args.api_key,
         max_model_len=args.max_model_len,
-        scheduler=SchedulerConfig(args.max_batch_size, args.max_queue),
+        scheduler=SchedulerConfig(args.max_batch_size or DEFAULT_MAX_BATCH_SIZE, args.max_queue),
         fallback=FallbackConfig(args.fallback_min_acceptance, args.fallback_window, args.fallback_probe_after),
     )
     app = create_app(pipe, config)
