@@ -17,6 +17,7 @@ import torch
 
 from dflash.decoding.engine import GenerationConfig, GenerationError, GenerationOutput, SpeculativeEngine
 from dflash.decoding.proposer import DFlashProposer, NoDraftProposer
+from dflash.errors import UserError
 from dflash.model.loading import load_drafter
 from dflash.model.target import TargetModel
 
@@ -58,6 +59,10 @@ class DFlash:
         if target is None:
             target = DEFAULT_TARGET
             draft = draft if draft is not None else (None if no_draft else DEFAULT_DRAFT)
+            missing = [p for p in (target, draft) if p is not None and not (Path(p) / "config.json").exists()]
+            if missing:
+                raise UserError(f"the embedded model pair is missing ({', '.join(map(str, missing))}); reinstall "
+                                "dflash from a full checkout, or pass --target/--draft")
         target_model = TargetModel.from_pretrained(target, dtype=dtype, device=device)
         drafter = None
         if draft is not None and not no_draft:

@@ -6,26 +6,14 @@ import argparse
 import copy
 import os
 
-from dflash.cli.common import add_model_arguments, load_pipeline
+from dflash.cli.common import add_model_arguments, int_list, load_pipeline
 from dflash.errors import UserError
 
 DATASET_HELP = "gsm8k, math500, humaneval, mbpp, mt-bench, or all (several: space or comma separated)"
 
 
-def int_list(text: str) -> list[int]:
-    """'8' -> [8]; '1,4,8' -> [1, 4, 8]"""
-    try:
-        values = [int(v) for v in text.split(",") if v.strip()]
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected an integer or a comma-separated list like 1,4,8, got {text!r}")
-    if not values:
-        raise argparse.ArgumentTypeError("expected at least one integer")
-    return values
-
-
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    add_model_arguments(parser)
-    _make_block_size_a_sweep(parser)
+    add_model_arguments(parser, block_size_sweep=True)
     data = parser.add_argument_group("data")
     data.add_argument("--dataset", nargs="+", default=["gsm8k"], metavar="NAME", help=DATASET_HELP)
     data.add_argument("--data-file", help="JSONL with the dataset's own records, or 'prompt', 'turns' or "
@@ -56,14 +44,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     out.add_argument("--output-dir", help="write results.json, results.md and plots here")
     out.add_argument("--gpu-hourly-usd", type=float, help="machine price per hour: adds the cost of 1M output tokens")
     out.add_argument("--no-progress", action="store_true", help="no progress bars")
-
-
-def _make_block_size_a_sweep(parser: argparse.ArgumentParser) -> None:
-    """The shared --block-size flag takes one size; here it also takes a sweep (4,8,16)."""
-    for action in parser._actions:
-        if action.dest == "block_size":
-            action.type = int_list
-            action.help = "block size(s) to measure, e.g. 16 or 4,8,16 (<= the drafter's; default: the drafter's)"
 
 
 def run(args: argparse.Namespace) -> int:

@@ -5,14 +5,26 @@ from __future__ import annotations
 import argparse
 
 
-def add_model_arguments(parser: argparse.ArgumentParser) -> None:
+def int_list(text: str) -> list[int]:
+    """'4,8,16' -> [4, 8, 16]."""
+    try:
+        return [int(x) for x in text.split(",") if x.strip()]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected integers separated by commas, got {text!r}") from None
+
+
+def add_model_arguments(parser: argparse.ArgumentParser, block_size_sweep: bool = False) -> None:
     group = parser.add_argument_group("models (default: the embedded GSM8K pair)")
     group.add_argument("--target", help="target model: local directory or Hugging Face hub id")
     draft = group.add_mutually_exclusive_group()
     draft.add_argument("--draft", help="DFlash drafter: local directory or hub id")
     draft.add_argument("--no-draft", action="store_true", help="plain autoregressive decoding (the baseline)")
     group.add_argument("--mask-token-id", type=int, help="mask token id for legacy drafters whose config lacks it")
-    group.add_argument("--block-size", type=int, help="tokens per block (<= the drafter's block size)")
+    if block_size_sweep:
+        group.add_argument("--block-size", type=int_list,
+                           help="block size(s) to measure, e.g. 16 or 4,8,16 (<= the drafter's; default: the drafter's)")
+    else:
+        group.add_argument("--block-size", type=int, help="tokens per block (<= the drafter's block size)")
     group.add_argument("--dtype", choices=["auto", "float32", "float16", "bfloat16"], default="auto")
     group.add_argument("--device", help="cpu, cuda, cuda:1, ... (default: cuda if available)")
 
