@@ -66,6 +66,14 @@ class Server:
         self.created = int(time.time())
 
     # ---- request -> sequence ----------------------------------------------------------------------------
+    def encode_chat(self, messages: list[dict[str, str]]) -> list[int]:
+        from jinja2 import TemplateError
+
+        try:
+            return self.pipe.encode(messages)
+        except TemplateError as err:  # templates refuse some conversations (roles, order) by raising
+            raise APIError(400, f"the model's chat template refused these messages: {err}", param="messages")
+
     def check_model(self, model: str | None) -> None:
         if model is not None and model != self.config.served_model_name:
             raise APIError(404, f"model {model!r} does not exist; this server serves "
@@ -199,7 +207,7 @@ def create_app(pipe, config: ServeConfig | None = None) -> FastAPI:
         req = parse_request(await http.body(), ChatCompletionRequest)
         server.check_model(req.model)
         req.check_supported()
-        prompt_ids = server.pipe.encode(req.chat())
+        prompt_ids = server.encode_chat(req.chat())
         return await server.answer(http, req, prompt_ids, "chat", default_max=None)
 
     @app.post("/v1/completions")

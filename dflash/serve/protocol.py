@@ -70,7 +70,7 @@ class SamplingRequest(_Strict):
     temperature: float = Field(default=1.0, ge=0.0, le=2.0)
     top_p: float = Field(default=1.0, gt=0.0, le=1.0)
     top_k: int = Field(default=0, ge=-1)  # 0 or -1: no top-k
-    seed: int | None = None
+    seed: int | None = Field(default=None, ge=-(2**63), lt=2**64)  # the range torch generators take
     stop: str | list[str] | None = None
     stream: bool = False
     stream_options: StreamOptions | None = None

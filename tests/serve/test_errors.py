@@ -23,7 +23,8 @@ def assert_error(response: httpx.Response, status: int, param: str | None = None
     return error
 
 
-@pytest.mark.parametrize("body", [b"{not json", b"", b"\xff\xfe", b"[1, 2]", b'"text"'])
+@pytest.mark.parametrize("body", [b"{not json", b"", b"\xff\xfe", b"[1, 2]", b'"text"',
+                                  b'{"model": "tiny", "messages": [{"role": "user", "content": "hi"}], "temperature": NaN}'])
 def test_invalid_json_is_400(server, body):
     assert_error(post(server, "chat/completions", content=body, headers={"content-type": "application/json"}), 400)
 
@@ -45,6 +46,10 @@ CHAT_BAD = [
     ({"model": MODEL, "messages": MESSAGES, "top_p": 0}, "top_p"),
     ({"model": MODEL, "messages": MESSAGES, "top_k": -3}, "top_k"),
     ({"model": MODEL, "messages": MESSAGES, "seed": "x"}, "seed"),
+    ({"model": MODEL, "messages": MESSAGES, "seed": 2**64}, "seed"),
+    ({"model": MODEL, "messages": MESSAGES, "temperature": 3.0}, "temperature"),
+    ({"model": MODEL, "messages": MESSAGES, "stop": ["a"] * 17}, "stop"),
+    ({"model": MODEL, "messages": [{"role": "user", "content": [{"type": "image_url"}]}]}, "messages"),
     ({"model": MODEL, "messages": MESSAGES, "stop": 3}, None),
     ({"model": MODEL, "messages": MESSAGES, "stream": "yes"}, "stream"),
     ({"model": MODEL, "messages": MESSAGES, "n": 2}, "n"),
