@@ -83,7 +83,8 @@ class DFlash:
                 raise GenerationError("the tokenizer has no chat template; send plain text with raw=True")
             return _as_ids(self.tokenizer.apply_chat_template(prompt, add_generation_prompt=True, tokenize=True))
         if not isinstance(prompt, str):
-            raise GenerationError(f"a prompt is text, a list of chat messages or a list of token ids, not {type(prompt).__name__}")
+            raise GenerationError("a prompt is text, a list of chat messages or a list of token ids, "
+                                  f"not {type(prompt).__name__}")
         if has_template and not raw:
             return self.encode([{"role": "user", "content": prompt}])
         return self.tokenizer(prompt, add_special_tokens=True)["input_ids"]

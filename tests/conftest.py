@@ -102,7 +102,10 @@ class OracleProposer(DFlashProposer):
             full = row.prompt_ids + self.references[tuple(row.prompt_ids)]
             start = int(anchor_positions[r]) + 1
             truth = (full[start:start + k] + [0] * k)[:k]
-            n_right = k if self.correct is None else (self.correct(self.rng) if callable(self.correct) else self.correct)
+            if self.correct is None:
+                n_right = k
+            else:
+                n_right = self.correct(self.rng) if callable(self.correct) else self.correct
             wrong = [(t + 1) % (VOCAB - 1) for t in truth]
             draft.tokens[r] = torch.tensor(truth[:n_right] + wrong[n_right:])
         return draft

@@ -32,8 +32,9 @@ def run(args: argparse.Namespace) -> int:
     total = len(read_prompts(config))
     with Progress(transient=False) as progress:
         task = progress.add_task("datagen", total=total)
-        from dflash.training.datagen import done_ids
         from pathlib import Path
+
+        from dflash.training.datagen import done_ids
 
         progress.update(task, completed=len(done_ids(Path(config.output))))
         written = run_datagen(config, progress=lambda n: progress.advance(task, n))

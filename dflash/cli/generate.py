@@ -77,5 +77,6 @@ def stats_line(report: dict) -> str:
             f"{report['decode_tokens_per_s']:.1f} tok/s | TTFT {report['time_to_first_token_s'] * 1000:.0f} ms")
     if "speedup" in report:
         same = "identical output" if report["matches_baseline"] else "OUTPUT DIFFERS"
-        line += f" | plain decoding {report['baseline_decode_tokens_per_s']:.1f} tok/s -> {report['speedup']:.2f}x, {same}"
+        baseline = report["baseline_decode_tokens_per_s"]
+        line += f" | plain decoding {baseline:.1f} tok/s -> {report['speedup']:.2f}x, {same}"
     return line + "]"

@@ -1,7 +1,11 @@
 """Decoding: proposers (draft), verification (accept), and the speculative loop."""
 
 from dflash.decoding.engine import (
-    GenerationConfig, GenerationError, GenerationOutput, GenerationStats, SpeculativeEngine,
+    GenerationConfig,
+    GenerationError,
+    GenerationOutput,
+    GenerationStats,
+    SpeculativeEngine,
 )
 from dflash.decoding.proposer import DFlashProposer, NoDraftProposer, Proposer
 from dflash.decoding.sampling import SamplingParams

@@ -12,7 +12,6 @@ Batches are ragged: each row accepts its own number of tokens per step (see `slo
 
 from __future__ import annotations
 
-from dflash.errors import UserError
 import time
 from dataclasses import dataclass, field
 from typing import Iterator
@@ -24,6 +23,7 @@ from dflash.decoding.sampling import SamplingParams, to_probs
 from dflash.decoding.slots import compaction_index, gather_slots, pad_and_concat
 from dflash.decoding.stopping import StopChecker
 from dflash.decoding.verify import greedy_verify, rejection_sample, sample_target_only
+from dflash.errors import UserError
 from dflash.model import hf_compat
 from dflash.model.target import TargetModel
 
@@ -50,7 +50,7 @@ class GenerationConfig:
     def __post_init__(self) -> None:
         if self.max_new_tokens < 1:
             raise GenerationError(f"max_new_tokens must be >= 1, got {self.max_new_tokens}")
-        self.sampling  # validates temperature / top_p / top_k
+        _ = self.sampling  # validates temperature / top_p / top_k
 
     @property
     def sampling(self) -> SamplingParams:
@@ -176,7 +176,8 @@ class SpeculativeEngine:
             raise GenerationError("the prompt is empty; give at least one token")
         bad = [t for t in prompt_ids if not 0 <= t < self.target.vocab_size]
         if bad:
-            raise GenerationError(f"prompt token ids {bad[:5]} are outside the vocabulary (0..{self.target.vocab_size - 1})")
+            raise GenerationError(f"prompt token ids {bad[:5]} are outside the vocabulary "
+                                  f"(0..{self.target.vocab_size - 1})")
         limit = getattr(self.target.config, "max_position_embeddings", None)
         needed = len(prompt_ids) + config.max_new_tokens + self.proposer.block_size
         if limit and needed > limit:
@@ -305,7 +306,7 @@ class SpeculativeEngine:
         layers = [hf_compat.cache_tensors(b.target_cache) for b in batches]
         cache = batches[0].target_cache
         hf_compat.set_cache_tensors(cache, [
-            (pad_and_concat([l[i][0] for l in layers], sizes, 2), pad_and_concat([l[i][1] for l in layers], sizes, 2))
+            tuple(pad_and_concat([kv[i][j] for kv in layers], sizes, 2) for j in (0, 1))
             for i in range(len(layers[0]))
         ])
         valid = pad_and_concat([b.target_valid for b in batches], sizes, 1)

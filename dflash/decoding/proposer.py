@@ -12,8 +12,8 @@ from typing import Protocol
 import torch
 
 from dflash.decoding.sampling import sample, to_probs
-from dflash.errors import UserError
 from dflash.decoding.slots import compaction_index, gather_slots, pad_and_concat
+from dflash.errors import UserError
 from dflash.model.drafter import DFlashDraftModel, DrafterCache
 from dflash.model.target import TargetModel, check_compatible
 

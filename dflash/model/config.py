@@ -2,9 +2,10 @@
 
 from __future__ import annotations
 
-from dflash.errors import UserError
 from dataclasses import dataclass, field
 from typing import Any
+
+from dflash.errors import UserError
 
 # Fields this dataclass owns; everything else in a config.json is kept in `extra` and written back.
 _OWNED = {

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-from dflash.errors import UserError
 import json
 import os
 from pathlib import Path
@@ -10,6 +9,7 @@ from pathlib import Path
 import torch
 from safetensors.torch import load_file, save_file
 
+from dflash.errors import UserError
 from dflash.model.config import DrafterConfig, DrafterConfigError
 from dflash.model.drafter import DFlashDraftModel
 

@@ -6,7 +6,6 @@ with forward hooks, so only those layers' hidden states exist, never all of them
 
 from __future__ import annotations
 
-from dflash.errors import UserError
 import inspect
 import os
 from dataclasses import dataclass
@@ -14,6 +13,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from dflash.errors import UserError
 from dflash.model import hf_compat
 from dflash.model.config import DrafterConfig
 from dflash.model.loading import parse_dtype, resolve_model_dir
@@ -172,7 +172,8 @@ def check_compatible(target: TargetModel, config: DrafterConfig) -> None:
     if config.vocab_size != target.vocab_size:
         problems.append(f"vocab size: drafter {config.vocab_size}, target {target.vocab_size}")
     if not 0 <= config.mask_token_id < target.vocab_size:
-        problems.append(f"mask_token_id {config.mask_token_id} is not in the target's vocabulary of {target.vocab_size}")
+        problems.append(f"mask_token_id {config.mask_token_id} is not in the target's vocabulary "
+                        f"of {target.vocab_size}")
     if problems:
         raise IncompatibleDrafterError(
             "this drafter does not fit this target: " + "; ".join(problems)

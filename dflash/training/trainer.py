@@ -28,7 +28,11 @@ from dflash.model.target import TargetModel
 from dflash.training.config import TrainConfig
 from dflash.training.data import Batch, collate, epoch_batches, load_examples, split_examples
 from dflash.training.objective import (
-    block_loss, build_blocks, estimated_acceptance_length, loss_gamma, sample_anchors,
+    block_loss,
+    build_blocks,
+    estimated_acceptance_length,
+    loss_gamma,
+    sample_anchors,
 )
 
 

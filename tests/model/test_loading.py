@@ -15,7 +15,7 @@ from dflash.errors import UserError
 from dflash.model import CheckpointError, IncompatibleDrafterError, load_drafter
 from dflash.model.target import check_compatible
 
-H, I, HEADS, KV, D, V = 64, 128, 4, 2, 16, 128
+H, INTER, HEADS, KV, D, V = 64, 128, 4, 2, 16, 128
 
 
 def public_state_dict(num_layers: int, num_features: int, seed: int = 0) -> dict[str, torch.Tensor]:
@@ -31,7 +31,8 @@ def public_state_dict(num_layers: int, num_features: int, seed: int = 0) -> dict
             p + "self_attn.q_proj.weight": w(HEADS * D, H), p + "self_attn.k_proj.weight": w(KV * D, H),
             p + "self_attn.v_proj.weight": w(KV * D, H), p + "self_attn.o_proj.weight": w(H, HEADS * D),
             p + "self_attn.q_norm.weight": torch.ones(D), p + "self_attn.k_norm.weight": torch.ones(D),
-            p + "mlp.gate_proj.weight": w(I, H), p + "mlp.up_proj.weight": w(I, H), p + "mlp.down_proj.weight": w(H, I),
+            p + "mlp.gate_proj.weight": w(INTER, H), p + "mlp.up_proj.weight": w(INTER, H),
+            p + "mlp.down_proj.weight": w(H, INTER),
             p + "input_layernorm.weight": torch.ones(H), p + "post_attention_layernorm.weight": torch.ones(H),
         })
     return state
@@ -39,7 +40,7 @@ def public_state_dict(num_layers: int, num_features: int, seed: int = 0) -> dict
 
 def public_config(**overrides) -> dict:
     config = {
-        "architectures": ["DFlashDraftModel"], "model_type": "qwen3", "hidden_size": H, "intermediate_size": I,
+        "architectures": ["DFlashDraftModel"], "model_type": "qwen3", "hidden_size": H, "intermediate_size": INTER,
         "num_hidden_layers": 2, "num_attention_heads": HEADS, "num_key_value_heads": KV, "head_dim": D,
         "rms_norm_eps": 1e-6, "rope_theta": 1000000, "max_position_embeddings": 1024, "vocab_size": V,
         "layer_types": ["full_attention", "full_attention"], "sliding_window": None, "tie_word_embeddings": False,

@@ -49,7 +49,8 @@ def test_labels_are_same_position_and_weights_decay():
     w = blocks.weights.view(2, 2, B)[0, 0]
     assert w[0] == 0 and torch.allclose(w[1:], torch.exp(-torch.arange(B - 1) / 7.0))
     assert loss_gamma(16) == 7 and loss_gamma(10) == 5 and loss_gamma(8) == 4
-    assert position_weights(16, 7.0)[1] == 1.0 and math.isclose(float(position_weights(16, 7.0)[8]), math.exp(-1), rel_tol=1e-6)
+    weights16 = position_weights(16, 7.0)
+    assert weights16[1] == 1.0 and math.isclose(float(weights16[8]), math.exp(-1), rel_tol=1e-6)
 
 
 @pytest.fixture
