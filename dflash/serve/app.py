@@ -28,9 +28,18 @@ from dflash.errors import UserError
 from dflash.serve.detokenizer import TextDeltas
 from dflash.serve.fallback import FallbackConfig
 from dflash.serve.metrics import ServerMetrics
-from dflash.serve.protocol import (APIError, ChatCompletionRequest, CompletionRequest, ResponseShape,
-                                   SamplingRequest, model_list, parse_request, sse)
-from dflash.serve.scheduler import QueueFull, Request as Decoding, Scheduler, SchedulerClosed, SchedulerConfig
+from dflash.serve.protocol import (
+    APIError,
+    ChatCompletionRequest,
+    CompletionRequest,
+    ResponseShape,
+    SamplingRequest,
+    model_list,
+    parse_request,
+    sse,
+)
+from dflash.serve.scheduler import QueueFull, Scheduler, SchedulerClosed, SchedulerConfig
+from dflash.serve.scheduler import Request as Decoding
 
 log = logging.getLogger("dflash.serve")
 
@@ -72,7 +81,8 @@ class Server:
         try:
             return self.pipe.encode(messages)
         except TemplateError as err:  # templates refuse some conversations (roles, order) by raising
-            raise APIError(400, f"the model's chat template refused these messages: {err}", param="messages")
+            raise APIError(400, f"the model's chat template refused these messages: {err}",
+                           param="messages") from None
 
     def check_model(self, model: str | None) -> None:
         if model is not None and model != self.config.served_model_name:

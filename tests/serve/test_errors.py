@@ -23,8 +23,10 @@ def assert_error(response: httpx.Response, status: int, param: str | None = None
     return error
 
 
-@pytest.mark.parametrize("body", [b"{not json", b"", b"\xff\xfe", b"[1, 2]", b'"text"',
-                                  b'{"model": "tiny", "messages": [{"role": "user", "content": "hi"}], "temperature": NaN}'])
+NAN_TEMPERATURE = b'{"model": "tiny", "messages": [{"role": "user", "content": "hi"}], "temperature": NaN}'
+
+
+@pytest.mark.parametrize("body", [b"{not json", b"", b"\xff\xfe", b"[1, 2]", b'"text"', NAN_TEMPERATURE])
 def test_invalid_json_is_400(server, body):
     assert_error(post(server, "chat/completions", content=body, headers={"content-type": "application/json"}), 400)
 
