@@ -109,10 +109,11 @@ class Batch:
     input_ids: torch.Tensor  # (b, T), right-padded
     attention_mask: torch.Tensor  # (b, T) bool: real tokens
     loss_mask: torch.Tensor  # (b, T) bool: response tokens
-    indices: list[int]  # example indices (for the feature cache)
+    indices: list[int]  # example indices within their split (anchor seeds, feature cache keys)
+    split: str = "train"
 
 
-def collate(examples: list[Example], indices: list[int], pad_id: int) -> Batch:
+def collate(examples: list[Example], indices: list[int], pad_id: int, split: str = "train") -> Batch:
     T = max(len(e) for e in examples)
     ids = torch.full((len(examples), T), pad_id, dtype=torch.long)
     real = torch.zeros(len(examples), T, dtype=torch.bool)
@@ -121,7 +122,7 @@ def collate(examples: list[Example], indices: list[int], pad_id: int) -> Batch:
         ids[r, : len(e)] = torch.tensor(e.input_ids)
         real[r, : len(e)] = True
         response[r, e.response_start: len(e)] = True
-    return Batch(ids, real, response, indices)
+    return Batch(ids, real, response, indices, split)
 
 
 def epoch_batches(num_examples: int, global_batch: int, epoch: int, seed: int) -> list[list[int]]:

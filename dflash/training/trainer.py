@@ -110,7 +110,7 @@ class Trainer:
         self.config = config
         self.step = 0
         self.rank, self.world = 0, 1
-        self._feature_cache: dict[int, torch.Tensor] = {}
+        self._feature_cache: dict[str, torch.Tensor] = {}
         self.history: list[dict] = []
 
     # ---- setup ----------------------------------------------------------------------------------------
@@ -193,34 +193,35 @@ class Trainer:
         layer_ids = self.drafter_config.target_layer_ids
         if not self.config.feature_cache:
             return self.target.context_features(ids, real, layer_ids).float()
-        missing = [r for r, i in enumerate(batch.indices) if self._cached(i) is None]
+        keys = [f"{batch.split}-{i}" for i in batch.indices]
+        missing = [r for r, key in enumerate(keys) if self._cached(key) is None]
         if missing:
             computed = self.target.context_features(ids[missing], real[missing], layer_ids)
             for r, row in zip(missing, computed):
-                self._store(batch.indices[r], row[: int(real[r].sum())])
+                self._store(keys[r], row[: int(real[r].sum())])
         T = ids.shape[1]
-        out = torch.zeros(len(batch.indices), T, self.drafter_config.num_features, device=self.device)
-        for r, i in enumerate(batch.indices):
-            cached = self._cached(i)
+        out = torch.zeros(len(keys), T, self.drafter_config.num_features, device=self.device)
+        for r, key in enumerate(keys):
+            cached = self._cached(key)
             out[r, : cached.shape[0]] = cached.to(self.device).float()
         return out
 
-    def _cached(self, index: int) -> torch.Tensor | None:
+    def _cached(self, key: str) -> torch.Tensor | None:
         if self.config.feature_cache == "memory":
-            return self._feature_cache.get(index)
-        path = Path(self.config.feature_cache) / f"{index}.pt"
+            return self._feature_cache.get(key)
+        path = Path(self.config.feature_cache) / f"{key}.pt"
         return torch.load(path) if path.exists() else None
 
-    def _store(self, index: int, features: torch.Tensor) -> None:
+    def _store(self, key: str, features: torch.Tensor) -> None:
         features = features.detach().cpu().clone()
         if self.config.feature_cache == "memory":
-            self._feature_cache[index] = features
+            self._feature_cache[key] = features
             return
         directory = Path(self.config.feature_cache)
         directory.mkdir(parents=True, exist_ok=True)
-        tmp = directory / f".{index}.pt.tmp{self.rank}"
+        tmp = directory / f".{key}.pt.tmp{self.rank}"
         torch.save(features, tmp)
-        os.replace(tmp, directory / f"{index}.pt")
+        os.replace(tmp, directory / f"{key}.pt")
 
     def _loss(self, batch: Batch, epoch: int):
         c = self.config
@@ -237,12 +238,13 @@ class Trainer:
                                 blocks.attn_mask)
         return block_loss(logits, blocks, c.block_size)
 
-    def _batch(self, examples, indices: list[int]) -> Batch:
-        return collate([examples[i] for i in indices], indices, self.pad_id)
+    def _batch(self, split: str, indices: list[int]) -> Batch:
+        examples = self.train_examples if split == "train" else self.eval_examples
+        return collate([examples[i] for i in indices], indices, self.pad_id, split)
 
     def _train_step(self, global_indices: list[int], epoch: int) -> dict:
         mine = global_indices[self.rank * self.config.batch_size: (self.rank + 1) * self.config.batch_size]
-        batch = self._batch(self.train_examples, mine)
+        batch = self._batch("train", mine)
         out = self._loss(batch, epoch)
         self.optimizer.zero_grad(set_to_none=True)
         out.loss.backward()
@@ -296,7 +298,7 @@ class Trainer:
         bs = self.config.batch_size
         for start in range(0, len(self.eval_examples), bs):
             indices = list(range(start, min(start + bs, len(self.eval_examples))))
-            out = self._loss(self._batch(self.eval_examples, indices), epoch=_EVAL_EPOCH)
+            out = self._loss(self._batch("eval", indices), epoch=_EVAL_EPOCH)
             totals["loss"] += float(out.loss) * len(indices)
             totals["n"] += len(indices)
             totals["accepted"] += float(out.accepted)

@@ -61,6 +61,17 @@ def test_export_loads_with_the_same_outputs_and_decodes_losslessly(tiny_pair, tr
         assert a.stats.drafter_forwards > 0
 
 
+def test_feature_cache_gives_the_same_training(tiny_pair, train_data, tmp_path):
+    """Cached target features (memory or disk) train like features computed every step (up to float noise:
+    a cached row was computed with another batch's padding)."""
+    Trainer(config(tiny_pair, train_data, tmp_path / "plain", eval_every=3)).setup().train()
+    for cache in ("memory", str(tmp_path / "features")):
+        out = tmp_path / f"cached-{len(cache)}"
+        Trainer(config(tiny_pair, train_data, out, eval_every=3, feature_cache=cache)).setup().train()
+        a, b = weights(tmp_path / "plain"), weights(out)
+        assert all(torch.allclose(a[k], b[k], atol=1e-5) for k in a)
+
+
 def test_interrupted_then_resumed_equals_uninterrupted(tiny_pair, train_data, tmp_path):
     Trainer(config(tiny_pair, train_data, tmp_path / "straight")).setup().train()
 
