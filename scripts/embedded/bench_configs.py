@@ -7,15 +7,22 @@ Usage: python scripts/embedded/bench_configs.py
 import time
 
 import torch
-from transformers import DynamicCache, Qwen3Config, Qwen3ForCausalLM
+from transformers import Qwen3Config, Qwen3ForCausalLM
 
 torch.set_num_threads(2)
 
+
+
+def _cfg(layers, hidden, heads, mlp):
+    return dict(num_hidden_layers=layers, hidden_size=hidden, num_attention_heads=heads,
+                num_key_value_heads=2, intermediate_size=mlp)
+
+
 CANDIDATES = {
-    "8x256": dict(num_hidden_layers=8, hidden_size=256, num_attention_heads=4, num_key_value_heads=2, intermediate_size=768),
-    "12x256": dict(num_hidden_layers=12, hidden_size=256, num_attention_heads=4, num_key_value_heads=2, intermediate_size=768),
-    "6x384": dict(num_hidden_layers=6, hidden_size=384, num_attention_heads=6, num_key_value_heads=2, intermediate_size=1152),
-    "8x384": dict(num_hidden_layers=8, hidden_size=384, num_attention_heads=6, num_key_value_heads=2, intermediate_size=1152),
+    "8x256": _cfg(8, 256, 4, 768),
+    "12x256": _cfg(12, 256, 4, 768),
+    "6x384": _cfg(6, 384, 6, 1152),
+    "8x384": _cfg(8, 384, 6, 1152),
 }
 
 
@@ -31,7 +38,7 @@ def time_step(model, n_new, ctx=200, reps=30):
     with torch.inference_mode():
         out = model(ids, use_cache=True)
         base = getattr(out, "cache", None) or out.past_key_values
-        for i in range(reps + 5):
+        for _ in range(reps + 5):
             cache = base
             # crop back to ctx so every step sees the same context length
             t0 = time.perf_counter()
@@ -65,4 +72,5 @@ if __name__ == "__main__":
         t1 = time_step(m, 1)
         t16 = time_step(m, 16)
         tps = train_tps(m)
-        print(f"{name}: params {n/1e6:.2f}M  1-tok {t1:.2f} ms  16-tok {t16:.2f} ms  ratio {t16/t1:.2f}  train {tps:.0f} tok/s", flush=True)
+        print(f"{name}: params {n/1e6:.2f}M  1-tok {t1:.2f} ms  16-tok {t16:.2f} ms  "
+              f"ratio {t16/t1:.2f}  train {tps:.0f} tok/s", flush=True)

@@ -73,7 +73,7 @@ def main():
     rows = load_split("test")[: args.n]
     loops, why, boxed, correct, samples, n_tok = 0, Counter(), 0, 0, [], 0
     t0 = time.time()
-    for i, row in enumerate(rows):
+    for row in rows:
         msgs = [{"role": "user", "content": format_question(row["question"])}]
         prompt = tok.apply_chat_template(msgs, add_generation_prompt=True, tokenize=False)
         ids = tok(prompt, return_tensors="pt", add_special_tokens=False)

@@ -8,7 +8,10 @@ import json
 import re
 from pathlib import Path
 
-DATA_DIR = Path("/work/shared/data/gsm8k")
+ROOT = Path(__file__).resolve().parents[2]
+# GSM8K (MIT, OpenAI grade-school-math), copied into the repo: train here, test with the bench data
+SPLITS = {"train": ROOT / "scripts" / "embedded" / "data" / "gsm8k_train.jsonl",
+          "test": ROOT / "dflash" / "bench" / "data" / "gsm8k" / "test.jsonl"}
 PROMPT_SUFFIX = "\nPlease reason step by step, and put your final answer within \\boxed{}."
 _CALC = re.compile(r"<<[^<>]*>>")
 
@@ -38,13 +41,13 @@ def to_messages(row: dict) -> list:
     ]
 
 
-def load_split(split: str, data_dir: Path = DATA_DIR) -> list:
-    with open(Path(data_dir) / f"{split}.jsonl") as f:
+def load_split(split: str) -> list:
+    with open(SPLITS[split]) as f:
         return [json.loads(line) for line in f if line.strip()]
 
 
-def load_chats(split: str, data_dir: Path = DATA_DIR) -> list:
-    return [to_messages(r) for r in load_split(split, data_dir)]
+def load_chats(split: str) -> list:
+    return [to_messages(r) for r in load_split(split)]
 
 
 if __name__ == "__main__":

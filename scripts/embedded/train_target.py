@@ -14,11 +14,13 @@ Training: fp32, AdamW, linear warmup + cosine decay, length-bucketed batches, lo
 non-pad tokens. The cosine horizon is either --steps (exactly reproducible), or, with
 --steps 0, a wall-clock budget --time-budget (seconds of training compute): the cosine
 progress is train_time / budget, so the schedule completes even if the shared CPU slows
-down. The number of steps actually run is logged, so a rerun can use --steps. Checkpoints (model + optimizer) go to --ckpt-dir every
---save-every steps; --resume continues from the latest one.
+down. The number of steps actually run is logged, so a rerun can use --steps.
+Checkpoints (model + optimizer) go to --ckpt-dir every --save-every steps; --resume
+continues from the latest one.
 
-Usage:
-    python scripts/embedded/train_target.py --time-budget 2400 --ckpt-dir /work/ckpt_target
+Usage (the exact phase-1 command sequence of the shipped target is in scripts/embedded/README.md):
+    python scripts/embedded/train_target.py --time-budget 2400 --ckpt-dir runs/embedded/target_checkpoints \
+        --out runs/embedded/target_export
 """
 import argparse
 import json
@@ -167,7 +169,7 @@ def export(model, tok, out_dir, store_dtype=torch.float16):
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--tokenizer", default=str(ASSET_DIR))
-    ap.add_argument("--ckpt-dir", default="/work/ckpt_target")
+    ap.add_argument("--ckpt-dir", default="runs/embedded/target_checkpoints")
     ap.add_argument("--out", default=str(ASSET_DIR))
     ap.add_argument("--steps", type=int, default=0, help="total steps (0 = derive from --time-budget)")
     ap.add_argument("--time-budget", type=float, default=2400.0)
@@ -179,9 +181,16 @@ def main():
     ap.add_argument("--asst-only", action="store_true")
     ap.add_argument("--save-every", type=int, default=200)
     ap.add_argument("--eval-every", type=int, default=300)
-    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--threads", type=int, default=1,
+                    help="start thread count; --adaptive-threads probes 1 vs 2 (cores are shared)")
+    ap.add_argument("--adaptive-threads", action="store_true")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--resume", action="store_true")
+    ap.add_argument("--stop-at-step", type=int, default=0,
+                    help="save a checkpoint and exit at this step (no final eval / export); the phase-1 "
+                    "recipe in scripts/embedded/README.md changes the batch size at such points")
+    ap.add_argument("--init-from", default="", help="start a new phase (fresh optimizer and schedule) "
+                    "from the model weights of a checkpoint written by this script")
     args = ap.parse_args()
 
     torch.set_num_threads(args.threads)
@@ -209,6 +218,9 @@ def main():
     step, total, epoch = 0, args.steps, 0
     warm_time = None
     seen_tokens, train_time = 0, 0.0
+    if args.init_from and not (args.resume and (ckpt_dir / "last.pt").exists()):
+        model.load_state_dict(torch.load(args.init_from, weights_only=False)["model"])
+        print(f"initialised weights from {args.init_from}", flush=True)
     if args.resume and (ckpt_dir / "last.pt").exists():
         st = torch.load(ckpt_dir / "last.pt", weights_only=False)
         model.load_state_dict(st["model"])
@@ -222,11 +234,14 @@ def main():
     def save():
         torch.save(
             dict(model=model.state_dict(), opt=opt.state_dict(), step=step, total=total, epoch=epoch,
-                 seen_tokens=seen_tokens, train_time=train_time, warm_time=warm_time, rng=rng.getstate(), args=vars(args)),
+                 seen_tokens=seen_tokens, train_time=train_time, warm_time=warm_time,
+                 rng=rng.getstate(), args=vars(args)),
             ckpt_dir / "last.pt.tmp",
         )
         (ckpt_dir / "last.pt.tmp").replace(ckpt_dir / "last.pt")
 
+    spt_ema = {}
+    probe = {"every": 50, "next": step + 50, "last": -1}  # exponential back-off of 2-thread probes
     batches = []
     t_start = time.time()
     log_loss, log_n = 0.0, 0
@@ -249,8 +264,25 @@ def main():
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         opt.step()
         opt.zero_grad(set_to_none=True)
-        train_time += time.time() - t0
+        dt = time.time() - t0
+        train_time += dt
         seen_tokens += int(attn.sum())
+        if args.adaptive_threads:
+            # On a shared 2-core box, 2 OpenMP threads are ~1.5x faster when the other core is
+            # free but many times slower when it is busy (barrier stalls). Probe and switch.
+            spt = dt / int(attn.sum())
+            cur = torch.get_num_threads()
+            prev = spt_ema.get(cur)
+            if cur == 2 and spt_ema.get(1) and spt > 0.9 * spt_ema[1]:
+                torch.set_num_threads(1)
+                probe["every"] = min(800, probe["every"] * 2) if probe["last"] == step else 50
+                probe["next"] = step + probe["every"]
+                print(f"step {step}: 2 threads slow ({spt*1e3:.2f} ms/tok) -> 1 thread, "
+                      f"next probe in {probe['every']} steps", flush=True)
+            elif cur == 1 and step >= probe["next"]:
+                torch.set_num_threads(2)
+                probe["last"] = step + 1
+            spt_ema[cur] = spt if prev is None else 0.8 * prev + 0.2 * spt
         step += 1
         log_loss += loss.item()
         log_n += 1
@@ -268,6 +300,10 @@ def main():
             print(f"step {step} val_loss(asst, 200 test) {eval_loss(model, val_sub, tok.pad_token_id):.4f}", flush=True)
         if step % args.save_every == 0:
             save()
+        if args.stop_at_step and step >= args.stop_at_step:
+            save()
+            print(f"stopped at step {step} (train_time {train_time:.0f}s)", flush=True)
+            return
     save()
     vl = eval_loss(model, val, tok.pad_token_id)
     print(f"done: {step} steps, {epoch} epochs, train_time {train_time:.0f}s, "

@@ -1,0 +1,29 @@
+#!/usr/bin/env bash
+# The figures reported in the README for the embedded pair, on this machine (run on a quiet machine).
+# Usage: benchmarks/embedded_pair.sh [OUT_DIR]
+set -euo pipefail
+cd "$(dirname "$0")/.."
+out=${1:-runs/report}
+mkdir -p "$out"
+
+# 1. where a decode step's time goes
+python benchmarks/engine_overhead.py > "$out/engine_overhead.json"
+
+# 2. local bench: DFlash vs plain decoding, greedy, B = 16 (math500 / mbpp need a --data-dir with them)
+dflash bench --dataset gsm8k humaneval mt-bench --max-samples 20 --max-new-tokens 256 \
+    --output-dir "$out/bench" --no-progress
+# acceptance on training questions (a large gap to the test figure would mean overfitting)
+dflash bench --dataset gsm8k --data-file scripts/embedded/data/gsm8k_train.jsonl --max-samples 20 \
+    --max-new-tokens 256 --output-dir "$out/bench_train" --no-progress
+
+# 3. the server under load, with and without the drafter
+dflash serve --port 8100 --fallback-min-acceptance 0 > "$out/serve_dflash.log" 2>&1 &
+draft_pid=$!
+dflash serve --port 8101 --no-draft > "$out/serve_plain.log" 2>&1 &
+plain_pid=$!
+trap 'kill $draft_pid $plain_pid 2>/dev/null || true' EXIT
+for port in 8100 8101; do
+    for _ in $(seq 60); do curl -sf "http://127.0.0.1:$port/health" > /dev/null && break; sleep 1; done
+done
+dflash bench --base-url http://127.0.0.1:8100/v1 --baseline-url http://127.0.0.1:8101/v1 --dataset gsm8k \
+    --concurrency 1,4,8 --num-prompts 16 --max-new-tokens 256 --output-dir "$out/serve" --no-progress

@@ -1,0 +1,13 @@
+#!/usr/bin/env bash
+# Rebuild the embedded drafter: the target answers the GSM8K training questions (greedy, the chat
+# template as served), then the drafter is trained on those answers and copied into dflash/assets/drafter.
+set -euo pipefail
+cd "$(dirname "$0")/../.."
+mkdir -p runs/embedded
+dflash datagen --target dflash/assets/target --prompts scripts/embedded/data/gsm8k_train.jsonl \
+    --prompt-field question \
+    --prompt-suffix $'\nPlease reason step by step, and put your final answer within \\boxed{}.' \
+    --output runs/embedded/gsm8k_train_regenerated.jsonl --max-new-tokens 384 --batch-size 32
+dflash train --config scripts/embedded/drafter.yaml "$@"
+rm -rf dflash/assets/drafter && mkdir -p dflash/assets/drafter
+cp runs/embedded/drafter/config.json runs/embedded/drafter/model.safetensors dflash/assets/drafter/
