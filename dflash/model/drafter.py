@@ -71,16 +71,21 @@ class DFlashAttention(nn.Module):
     def forward(
         self,
         x: torch.Tensor,  # (b, q, h) normed block hidden states
-        cos: torch.Tensor,  # (b, q, d)
+        context: torch.Tensor,  # (b, c, h) projected context new to this forward
+        cos: torch.Tensor,  # (b, c + q, d): rotary tables for [context ; block]
         sin: torch.Tensor,
-        context_k: torch.Tensor,  # (b, kv_heads, c, d)
-        context_v: torch.Tensor,
-        mask: torch.Tensor,  # (b, q, c + q) bool, True = may attend
+        mask: torch.Tensor,  # (b, q, keys) bool, True = may attend; keys = cached + c + q
+        cache: "DrafterCache | None" = None,
+        layer_idx: int = 0,
     ) -> torch.Tensor:
-        q = apply_rope(self.q_norm(self._heads(self.q_proj(x), self.num_heads)), cos, sin)
-        k, v = self.keys_values(x, cos, sin)
-        k = torch.cat([context_k, k], dim=2)
-        v = torch.cat([context_v, v], dim=2)
+        c = context.shape[1]
+        q = apply_rope(self.q_norm(self._heads(self.q_proj(x), self.num_heads)), cos[:, c:], sin[:, c:])
+        # one projection for the new context and the block: fewer, larger matmuls
+        k, v = self.keys_values(torch.cat([context, x], dim=1), cos, sin)  # (b, kv_heads, c + q, d)
+        if cache is not None:
+            context_k, context_v = cache.update(layer_idx, k[:, :, :c], v[:, :, :c])  # every accepted token
+            k = torch.cat([context_k, k[:, :, c:]], dim=2)
+            v = torch.cat([context_v, v[:, :, c:]], dim=2)
         groups = self.num_heads // self.num_kv_heads
         if groups > 1:
             k, v = k.repeat_interleave(groups, dim=1), v.repeat_interleave(groups, dim=1)
@@ -109,8 +114,8 @@ class DFlashDecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.mlp = DFlashMLP(config)
 
-    def forward(self, x, cos, sin, context_k, context_v, mask) -> torch.Tensor:
-        x = x + self.self_attn(self.input_layernorm(x), cos, sin, context_k, context_v, mask)
+    def forward(self, x, context, cos, sin, mask, cache=None, layer_idx: int = 0) -> torch.Tensor:
+        x = x + self.self_attn(self.input_layernorm(x), context, cos, sin, mask, cache, layer_idx)
         return x + self.mlp(self.post_attention_layernorm(x))
 
 
@@ -216,12 +221,8 @@ class DFlashDraftModel(nn.Module):
             distance = block_positions[:, :, None] - all_positions[:, None, :]
             masks["sliding_attention"] = attn_mask & (distance < self.config.sliding_window)
 
-        cos_q, sin_q = self.rotary_emb(block_embeds, block_positions)
-        cos_c, sin_c = self.rotary_emb(context, context_positions)
+        cos, sin = self.rotary_emb(block_embeds, torch.cat([context_positions, block_positions], dim=1))
         hidden = block_embeds
         for i, layer in enumerate(self.layers):
-            k, v = layer.self_attn.keys_values(context, cos_c, sin_c)
-            if cache is not None:
-                k, v = cache.update(i, k, v)
-            hidden = layer(hidden, cos_q, sin_q, k, v, masks[self.config.layer_types[i]])
+            hidden = layer(hidden, context, cos, sin, masks[self.config.layer_types[i]], cache, i)
         return self.norm(hidden)
