@@ -109,7 +109,8 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=30)
     parser.add_argument("--max-new-tokens", type=int, default=256)
     parser.add_argument("--prompt", default="Natalia sold clips to 48 of her friends in April, and then she sold half "
-                        "as many clips in May. How many clips did Natalia sell altogether in April and May?")
+                        "as many clips in May. How many clips did Natalia sell altogether in April and May?\n"
+                        "Please reason step by step, and put your final answer within \\boxed{}.")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     pipe = DFlash.from_pretrained(args.target, args.draft, device="cpu")
