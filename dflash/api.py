@@ -15,6 +15,7 @@ from typing import Any, Iterator, Union
 
 import torch
 
+from dflash.decoding.detokenizer import TextDeltas
 from dflash.decoding.engine import GenerationConfig, GenerationError, GenerationOutput, SpeculativeEngine
 from dflash.decoding.proposer import DFlashProposer, NoDraftProposer
 from dflash.errors import UserError
@@ -105,40 +106,22 @@ class DFlash:
 
 
 class TextStream:
-    """Text pieces of a generation. Text that may be the start of a stop string is held back until it is
-    clear, so the pieces always add up to the final text (which never contains the stop string)."""
+    """Text pieces of a generation; they add up to the final text (never containing a stop string)."""
 
     def __init__(self, pipe: DFlash, tokens, stop_strings: list[str]):
-        self._pipe, self._tokens, self._stops = pipe, tokens, [s for s in stop_strings if s]
+        self._tokens = tokens
+        self._deltas = TextDeltas(pipe.tokenizer, stop_strings)
         self.result: GenerationOutput | None = None
 
     def __iter__(self) -> Iterator[str]:
-        ids: list[int] = []
-        shown = 0
         for new in self._tokens:
-            ids.extend(new)
-            text = self._pipe.tokenizer.decode(ids, skip_special_tokens=True)
-            safe = self._safe_length(text)
-            if safe > shown:
-                yield text[shown:safe]
-                shown = safe
+            piece = self._deltas.add(new)
+            if piece:
+                yield piece
         self.result = self._tokens.result
-        final = self.result.text or ""
-        if len(final) > shown:
-            yield final[shown:]
-
-    def _safe_length(self, text: str) -> int:
-        """How much of `text` can be shown: up to a stop string, minus a tail that could begin one."""
-        hits = [i for i in (text.find(s) for s in self._stops) if i >= 0]
-        if hits:
-            return min(hits)
-        safe = len(text) - 1 if text.endswith("\ufffd") else len(text)  # half a multi-byte character
-        for s in self._stops:
-            for n in range(min(len(s) - 1, safe), 0, -1):
-                if text[:safe].endswith(s[:n]):
-                    safe = min(safe, len(text[:safe]) - n)
-                    break
-        return safe
+        tail = self._deltas.finish(self.result.text or "")
+        if tail:
+            yield tail
 
 
 def make_config(**options: Any) -> GenerationConfig:

@@ -117,7 +117,7 @@ def spec_decode_counters(text: str) -> SpecDecodeCounters | None:
     label sets (engines, models); None when it exposes none."""
     samples = parse_prometheus(text)
     for prefix in PREFIXES:
-        def total(name: str) -> list[tuple[dict, float]]:
+        def total(name: str, prefix: str = prefix) -> list[tuple[dict, float]]:
             base = f"{prefix}spec_decode_{name}"
             return [(labels, v) for n, labels, v in samples if n in (base, base + "_total")]
 
@@ -186,7 +186,8 @@ class Client:
             response = await http.post(url, json=body, headers=self.headers, timeout=self.config.timeout_s)
             latency = time.perf_counter() - start
             if response.status_code != 200:
-                return RequestRecord(sample_id, turn, latency, 0, "", f"HTTP {response.status_code}: {response.text[:200]}")
+                error = f"HTTP {response.status_code}: {response.text[:200]}"
+                return RequestRecord(sample_id, turn, latency, 0, "", error)
             data = response.json()
         except httpx.ConnectError:
             raise UserError(f"cannot connect to {url}: is the server running? check --base-url") from None
@@ -216,7 +217,8 @@ def resolve_model(base_url: str, config: ServerConfig) -> str:
         return config.model
     url = base_url.rstrip("/") + "/models"
     try:
-        response = httpx.get(url, timeout=30, headers={"Authorization": f"Bearer {config.api_key}"} if config.api_key else {})
+        headers = {"Authorization": f"Bearer {config.api_key}"} if config.api_key else {}
+        response = httpx.get(url, timeout=30, headers=headers)
         return response.json()["data"][0]["id"]
     except httpx.ConnectError:
         raise UserError(f"cannot connect to {url}: is the server running? check --base-url") from None

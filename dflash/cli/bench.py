@@ -35,7 +35,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     server.add_argument("--endpoint", choices=["chat", "completions"], default="chat")
     server.add_argument("--api-key", default=os.environ.get("OPENAI_API_KEY"), help="default: $OPENAI_API_KEY")
     server.add_argument("--concurrency", type=int_list, default=[1], help="one value or a sweep like 1,4,8")
-    server.add_argument("--num-prompts", type=int, help="conversations per concurrency level (default: each sample once)")
+    server.add_argument("--num-prompts", type=int,
+                        help="conversations per concurrency level (default: each sample once)")
     server.add_argument("--duration", type=float, help="seconds of load per level instead of a prompt count")
     server.add_argument("--metrics-url", help="Prometheus metrics (default: /metrics at the server's root)")
     server.add_argument("--baseline-url", help="the same target served without a drafter, for the speedup")

@@ -23,9 +23,9 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from dflash.decoding.detokenizer import TextDeltas
 from dflash.decoding.engine import GenerationConfig
 from dflash.errors import UserError
-from dflash.serve.detokenizer import TextDeltas
 from dflash.serve.fallback import FallbackConfig
 from dflash.serve.metrics import ServerMetrics
 from dflash.serve.protocol import (

@@ -88,8 +88,8 @@ class SpecDecodeTally:
                  f'{prefix}spec_decode_num_drafts_created{{model_name="tiny"}} 1700000000.0',
                  f'{prefix}spec_decode_num_draft_tokens{suffix}{{model_name="tiny"}} {float(self.draft_tokens)}',
                  f'{prefix}spec_decode_num_accepted_tokens{suffix}{{model_name="tiny"}} {float(self.accepted)}']
-        lines += [f'{prefix}spec_decode_num_accepted_tokens_per_pos{suffix}{{model_name="tiny",position="{i}"}} {float(c)}'
-                  for i, c in enumerate(self.per_pos)]
+        per_pos = f"{prefix}spec_decode_num_accepted_tokens_per_pos{suffix}"
+        lines += [f'{per_pos}{{model_name="tiny",position="{i}"}} {float(c)}' for i, c in enumerate(self.per_pos)]
         return "\n".join(lines) + "\n"
 
 
