@@ -7,10 +7,10 @@ out=${1:-runs/report}
 mkdir -p "$out"
 
 # 1. where a decode step's time goes
-python benchmarks/engine_overhead.py > "$out/engine_overhead.json"
+python benchmarks/engine_overhead.py --threads 2 > "$out/engine_overhead.json"
 
 # 2. local bench: DFlash vs plain decoding, greedy, B = 16 (math500 / mbpp need a --data-dir with them)
-dflash bench --dataset gsm8k humaneval mt-bench --max-samples 20 --max-new-tokens 256 \
+dflash bench --dataset gsm8k humaneval mt-bench --max-samples 20 --max-new-tokens 256 --block-size 8,16 \
     --output-dir "$out/bench" --no-progress
 # acceptance on training questions (a large gap to the test figure would mean overfitting)
 dflash bench --dataset gsm8k --data-file scripts/embedded/data/gsm8k_train.jsonl --max-samples 20 \
