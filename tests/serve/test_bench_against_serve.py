@@ -1,0 +1,20 @@
+"""`dflash bench --base-url` against the project's own server: load, counters and files end to end."""
+
+import json
+
+from dflash.cli.main import main
+
+
+def test_bench_reads_our_server_counters(start_server, tmp_path):
+    server = start_server()
+    before = server.metrics()
+    code = main(["bench", "--base-url", f"{server.url}/v1", "--dataset", "gsm8k", "--max-samples", "3",
+                 "--max-new-tokens", "8", "--concurrency", "1,2", "--output-dir", str(tmp_path), "--no-progress"])
+    assert code == 0
+    results = json.loads((tmp_path / "results.json").read_text())
+    assert [r["concurrency"] for r in results] == [1, 2]
+    for r in results:
+        assert r["errors"] == 0 and r["num_requests"] == 3 and r["dflash_tokens_per_s"] > 0
+        assert r["mean_acceptance_length"] is not None and r["mean_acceptance_length"] >= 1.0
+    drafts = "dflash:spec_decode_num_drafts_total"
+    assert server.metrics()[drafts] > before.get(drafts, 0.0)
