@@ -36,6 +36,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--checkpoint-every", type=int)
     parser.add_argument("--feature-cache", help="'memory' or a directory: reuse target features across epochs")
     parser.add_argument("--resume", action="store_true", default=None, help="continue from the newest checkpoint")
+    parser.add_argument("--init-from", help="start from this drafter (directory or hub id) instead of random weights; "
+                                            "its shape, layer ids and mask token are kept")
     parser.add_argument("--device")
 
 

@@ -44,6 +44,7 @@ class TrainConfig:
     keep_checkpoints: int = 2
     feature_cache: str | None = None  # "memory" or a directory: keep target features across epochs
     resume: bool = False
+    init_from: str | None = None  # a drafter checkpoint (public format) to start from instead of random weights
     device: str | None = None
 
     def validate(self) -> None:

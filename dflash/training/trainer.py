@@ -23,8 +23,8 @@ from torch import nn
 from dflash.errors import UserError
 from dflash.model.config import DrafterConfig, default_target_layer_ids
 from dflash.model.drafter import DFlashDraftModel
-from dflash.model.loading import save_drafter
-from dflash.model.target import TargetModel
+from dflash.model.loading import load_drafter, save_drafter
+from dflash.model.target import TargetModel, check_compatible
 from dflash.training.config import TrainConfig
 from dflash.training.data import Batch, collate, epoch_batches, load_examples, split_examples
 from dflash.training.objective import (
@@ -158,11 +158,15 @@ class Trainer:
 
     def _setup_drafter(self) -> None:
         c = self.config
-        mask_id = choose_mask_token_id(c, self.tokenizer, self.target.vocab_size)
-        self.drafter_config = drafter_config_for(self.target, c, mask_id)
         torch.manual_seed(c.seed)
-        self.drafter = DFlashDraftModel(self.drafter_config)
-        self.drafter.init_weights()
+        if c.init_from:
+            self.drafter = self._pretrained_drafter(c.init_from)
+            self.drafter_config = self.drafter.config
+        else:
+            mask_id = choose_mask_token_id(c, self.tokenizer, self.target.vocab_size)
+            self.drafter_config = drafter_config_for(self.target, c, mask_id)
+            self.drafter = DFlashDraftModel(self.drafter_config)
+            self.drafter.init_weights()
         self.drafter.to(self.device, torch.float32).train()
         self.head = DraftingHead(self.drafter, self.target)
         self.model: nn.Module = self.head
@@ -170,6 +174,13 @@ class Trainer:
             ids = [self.device.index] if self.device.type == "cuda" else None
             self.model = nn.parallel.DistributedDataParallel(self.head, device_ids=ids)
         self.gamma = c.loss_gamma or loss_gamma(c.block_size)
+
+    def _pretrained_drafter(self, path: str) -> DFlashDraftModel:
+        """Fine-tune an existing drafter: its own shape, layer ids and mask token; the block size may change."""
+        drafter = load_drafter(path, dtype=torch.float32, device=self.device)
+        check_compatible(self.target, drafter.config)
+        drafter.config.block_size = self.config.block_size
+        return drafter
 
     def _setup_optimizer(self) -> None:
         c = self.config

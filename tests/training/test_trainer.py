@@ -125,6 +125,17 @@ def test_two_process_ddp_matches_one_process_with_the_doubled_batch(tiny_pair, t
     assert changed.abs().sum() > 0
 
 
+def test_fine_tuning_starts_from_the_given_drafter(tiny_pair, train_data, tmp_path):
+    Trainer(config(tiny_pair, train_data, tmp_path / "first", draft_layers=2)).setup().train()
+    tuned = Trainer(config(tiny_pair, train_data, tmp_path / "tuned", init_from=str(tmp_path / "first"),
+                           draft_layers=1, max_steps=1, lr=1e-9)).setup()
+    assert tuned.drafter_config.num_hidden_layers == 2  # the checkpoint's shape wins over --draft-layers
+    start = weights(tmp_path / "first")
+    assert all(torch.equal(start[k], v) for k, v in tuned.drafter.state_dict().items() if "rotary" not in k)
+    tuned.train()
+    assert all(torch.allclose(start[k], v, atol=1e-6) for k, v in weights(tmp_path / "tuned").items())
+
+
 def test_yaml_config_and_flag_override(tmp_path, tiny_pair, train_data):
     yaml_path = tmp_path / "train.yaml"
     yaml_path.write_text(f"target: {tiny_pair[0]}\ndata: {train_data}\noutput: {tmp_path}\nblock_size: 8\nlr: 0.001\n")
