@@ -118,7 +118,10 @@ class Sequence:
         self.generator = None
         if not self.params.greedy:
             self.generator = torch.Generator()
-            self.generator.manual_seed(config.seed if config.seed is not None else torch.seed())
+            if config.seed is not None:
+                self.generator.manual_seed(config.seed)
+            else:
+                self.generator.seed()  # a fresh non-deterministic seed, leaving torch's global RNG alone
         self.output_ids: list[int] = []
         self.finish_reason: str | None = None
         self.stats = GenerationStats(prompt_tokens=len(prompt_ids))
