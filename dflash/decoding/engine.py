@@ -110,14 +110,15 @@ class StepProfile:
 class Sequence:
     """One prompt being decoded: its output so far, its sampling state and its stats."""
 
-    def __init__(self, prompt_ids: list[int], config: GenerationConfig, stop: StopChecker):
+    def __init__(self, prompt_ids: list[int], config: GenerationConfig, stop: StopChecker,
+                 device: torch.device | str = "cpu"):
         self.prompt_ids = list(prompt_ids)
         self.config = config
         self.params = config.sampling
         self.stop = stop
         self.generator = None
         if not self.params.greedy:
-            self.generator = torch.Generator()
+            self.generator = torch.Generator(device=device)  # on the device that samples
             if config.seed is not None:
                 self.generator.manual_seed(config.seed)
             else:
@@ -190,7 +191,7 @@ class SpeculativeEngine:
             )
         stop_ids = config.stop_token_ids if config.stop_token_ids is not None else self.target.eos_token_ids()
         stop = StopChecker(stop_ids, config.stop_strings, config.max_new_tokens, self.tokenizer)
-        return Sequence(prompt_ids, config, stop)
+        return Sequence(prompt_ids, config, stop, self.target.device)
 
     def proposer_for(self, config: GenerationConfig) -> Proposer:
         if config.block_size is None:
