@@ -111,14 +111,7 @@ class DFlashProposer:
         return DFlashState(cache=DrafterCache(len(self.drafter.layers)))
 
     def observe(self, state: DFlashState, context: PendingContext) -> None:
-        if state.pending is None:
-            state.pending = context
-        else:  # two observations before a draft (e.g. prefill then a no-draft step): keep both
-            p = state.pending
-            state.pending = PendingContext(
-                torch.cat([p.features, context.features], 1), torch.cat([p.positions, context.positions], 1),
-                torch.cat([p.valid, context.valid], 1),
-            )
+        state.pending = context  # injected by the next draft; the engine drafts after every observation
 
     @torch.inference_mode()
     def propose(self, state: DFlashState, anchors, anchor_positions, rows) -> Draft:

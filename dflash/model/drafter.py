@@ -147,9 +147,6 @@ class DrafterCache:
         self.keys[layer], self.values[layer] = k, v
         return k, v
 
-    def tensors(self) -> list[torch.Tensor]:
-        return [t for t in (*self.keys, *self.values, self.valid, self.positions) if t is not None]
-
     def map_slots(self, fn) -> None:
         """Apply `fn(tensor, slot_dim)` to every slot-indexed tensor (used to select rows, compact or merge)."""
         self.keys = [None if k is None else fn(k, 2) for k in self.keys]

@@ -21,6 +21,7 @@ import yaml
 from torch import nn
 
 from dflash.errors import UserError
+from dflash.model import hf_compat
 from dflash.model.config import DrafterConfig, default_target_layer_ids
 from dflash.model.drafter import DFlashDraftModel
 from dflash.model.loading import load_drafter, save_drafter
@@ -92,9 +93,7 @@ def drafter_config_for(target: TargetModel, config: TrainConfig, mask_token_id: 
         block_size=config.block_size,
         rms_norm_eps=getattr(tc, "rms_norm_eps", 1e-6),
         max_position_embeddings=getattr(tc, "max_position_embeddings", 32768),
-        rope={k: v for k, v in (("rope_theta", getattr(tc, "rope_theta", None)),
-                                ("rope_scaling", getattr(tc, "rope_scaling", None)),
-                                ("rope_parameters", getattr(tc, "rope_parameters", None))) if v is not None},
+        rope=hf_compat.rope_fields(tc),
     )
 
 
