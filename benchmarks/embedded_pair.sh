@@ -16,14 +16,17 @@ dflash bench --dataset gsm8k humaneval mt-bench --max-samples 20 --max-new-token
 dflash bench --dataset gsm8k --data-file scripts/embedded/data/gsm8k_train.jsonl --max-samples 20 \
     --max-new-tokens 256 --output-dir "$out/bench_train" --no-progress
 
-# 3. the server under load, with and without the drafter
-dflash serve --port 8100 --fallback-min-acceptance 0 > "$out/serve_dflash.log" 2>&1 &
-draft_pid=$!
-dflash serve --port 8101 --no-draft > "$out/serve_plain.log" 2>&1 &
-plain_pid=$!
-trap 'kill $draft_pid $plain_pid 2>/dev/null || true' EXIT
-for port in 8100 8101; do
-    for _ in $(seq 60); do curl -sf "http://127.0.0.1:$port/health" > /dev/null && break; sleep 1; done
-done
+# 3. the server under load: DFlash (adaptive block size, the default), DFlash with the full block every
+#    step, and the target alone; the bench client is on the same CPU
+wait_up() { for _ in $(seq 120); do curl -sf "http://127.0.0.1:$1/health" > /dev/null && return; sleep 1; done; }
+pids=()
+trap 'kill "${pids[@]}" 2>/dev/null || true' EXIT
+# one at a time: the adaptive server times its decode steps at start-up and needs the CPU to itself
+dflash serve --port 8100 --fallback-min-acceptance 0 > "$out/serve_dflash.log" 2>&1 & pids+=($!); wait_up 8100
+dflash serve --port 8101 --no-draft > "$out/serve_plain.log" 2>&1 & pids+=($!); wait_up 8101
+dflash serve --port 8102 --fallback-min-acceptance 0 --no-adaptive-block-size > "$out/serve_fixed.log" 2>&1 &
+pids+=($!); wait_up 8102
 dflash bench --base-url http://127.0.0.1:8100/v1 --baseline-url http://127.0.0.1:8101/v1 --dataset gsm8k \
     --concurrency 1,4,8 --num-prompts 16 --max-new-tokens 256 --output-dir "$out/serve" --no-progress
+dflash bench --base-url http://127.0.0.1:8102/v1 --baseline-url http://127.0.0.1:8101/v1 --dataset gsm8k \
+    --concurrency 1,4,8 --num-prompts 16 --max-new-tokens 256 --output-dir "$out/serve_fixed" --no-progress

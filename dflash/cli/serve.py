@@ -32,12 +32,16 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     net.add_argument("--max-queue", type=int, default=64,
                      help="requests waiting for a batch slot; more are answered 429 (default: 64)")
     net.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
-    fb = parser.add_argument_group("adaptive fallback (decode without the drafter when it does not pay)")
+    fb = parser.add_argument_group("adaptive drafting (a fallback to plain decoding, and the block size of each step)")
     fb.add_argument("--fallback-min-acceptance", type=float, default=1.5, metavar="TAU",
                     help="mean acceptance length below which a workload stops drafting; 0 = never (default: 1.5)")
     fb.add_argument("--fallback-window", type=int, default=64, help="drafted steps in the rolling mean (default: 64)")
     fb.add_argument("--fallback-probe-after", type=int, default=32,
                     help="requests decoded plainly before drafting is tried again (default: 32)")
+    fb.add_argument("--adaptive-block-size", action=argparse.BooleanOptionalAction, default=True,
+                    help="measure step costs at start-up, then choose each drafted step's block size (up to "
+                    "--block-size or the drafter's) for the most tokens/s at the current batch size and "
+                    "acceptance (default: on; --no-adaptive-block-size verifies the full block every step)")
     handoff = parser.add_argument_group("hand-off to a distributed engine")
     handoff.add_argument("--engine", choices=["dflash", "vllm", "sglang"], default="dflash",
                          help="dflash (this server), or launch vLLM / SGLang with the DFlash speculative config")
@@ -108,6 +112,7 @@ def _serve(args: argparse.Namespace) -> int:
         max_model_len=args.max_model_len,
         scheduler=SchedulerConfig(args.max_batch_size or DEFAULT_MAX_BATCH_SIZE, args.max_queue),
         fallback=FallbackConfig(args.fallback_min_acceptance, args.fallback_window, args.fallback_probe_after),
+        adaptive_block_size=args.adaptive_block_size,
     )
     app = create_app(pipe, config)
     _warm_up(pipe)

@@ -25,7 +25,9 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from dflash.decoding.detokenizer import TextDeltas
 from dflash.decoding.engine import GenerationConfig
+from dflash.decoding.proposer import NoDraftProposer
 from dflash.errors import UserError
+from dflash.serve.block_policy import BlockSizePolicy
 from dflash.serve.fallback import FallbackConfig
 from dflash.serve.metrics import ServerMetrics
 from dflash.serve.protocol import (
@@ -53,6 +55,7 @@ class ServeConfig:
     max_model_len: int | None = None  # None: the target's context
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
     fallback: FallbackConfig = field(default_factory=FallbackConfig)
+    adaptive_block_size: bool = False  # measure step costs at start-up, then pick each step's block size
 
 
 class Server:
@@ -71,7 +74,10 @@ class Server:
             raise UserError("the target's config has no max_position_embeddings; give --max-model-len")
         self.max_model_len = limit
         self.metrics = ServerMetrics(num_draft_tokens=max(self.engine.proposer.block_size - 1, 0))
-        self.scheduler = Scheduler(self.engine, config.scheduler, self.metrics, config.fallback)
+        policy = None
+        if config.adaptive_block_size and not isinstance(self.engine.proposer, NoDraftProposer):
+            policy = BlockSizePolicy.calibrate(self.engine, config.scheduler.max_batch_size)
+        self.scheduler = Scheduler(self.engine, config.scheduler, self.metrics, config.fallback, policy)
         self.created = int(time.time())
 
     # ---- request -> sequence ----------------------------------------------------------------------------

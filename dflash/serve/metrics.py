@@ -48,6 +48,10 @@ class ServerMetrics:
                                         ["position"], registry=r)
         self.mean_acceptance_length = Gauge("dflash:spec_decode_mean_acceptance_length",
                                             "1 + accepted tokens / drafts, since start.", registry=r)
+        self.block_size = Gauge("dflash:spec_decode_block_size",
+                                "Block size (anchor + draft tokens) of the latest drafted step; it moves with "
+                                "the batch under the adaptive block size.", registry=r)
+        self.block_size.set(num_draft_tokens + 1 if num_draft_tokens else 0)
         for pos in range(num_draft_tokens):
             self.accepted_per_pos.labels(position=str(pos))
         # adaptive fallback

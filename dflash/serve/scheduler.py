@@ -21,6 +21,7 @@ from dataclasses import dataclass, field
 
 from dflash.decoding.engine import Batch, Sequence, SpeculativeEngine
 from dflash.decoding.proposer import NoDraftProposer
+from dflash.serve.block_policy import BlockSizePolicy
 from dflash.serve.fallback import AdaptiveFallback, FallbackConfig
 from dflash.serve.metrics import ServerMetrics
 
@@ -86,12 +87,14 @@ class Request:
 
 class Scheduler:
     def __init__(self, engine: SpeculativeEngine, config: SchedulerConfig | None = None,
-                 metrics: ServerMetrics | None = None, fallback: FallbackConfig | None = None):
+                 metrics: ServerMetrics | None = None, fallback: FallbackConfig | None = None,
+                 block_policy: BlockSizePolicy | None = None):
         self.engine = engine
         self.config = config or SchedulerConfig()
         self.metrics = metrics or ServerMetrics()
         self.fallback = AdaptiveFallback(fallback or FallbackConfig(), self.metrics.record_fallback)
         self.has_drafter = not isinstance(engine.proposer, NoDraftProposer)
+        self.block_policy = block_policy  # None: every drafted step uses the proposer's own block size
         self._proposers = {DRAFT: engine.proposer, PLAIN: NoDraftProposer()}
         self._cond = threading.Condition()
         self._waiting: deque[Request] = deque()
@@ -222,6 +225,9 @@ class Scheduler:
             return
         batch = self._running[decoder]
         self.metrics.step_rows.observe(len(batch))
+        if decoder == DRAFT and self.block_policy is not None:
+            batch.proposer = self.block_policy.proposer_for(len(batch))
+            self.metrics.block_size.set(batch.proposer.block_size)
         kept = self.engine.step(batch)
         if decoder == DRAFT:
             self._record_drafts(batch, kept)
@@ -235,6 +241,8 @@ class Scheduler:
         # cut short by a stop, which can only undercount its acceptance.
         accepted = [max(len(tokens) - 1, 0) for tokens in kept]
         self.metrics.record_drafts(accepted, batch.proposer.block_size - 1)
+        if self.block_policy is not None:
+            self.block_policy.observe(accepted, batch.proposer.block_size - 1)
         by_workload: dict[str, list[int]] = {}
         for seq, tokens in zip(batch.sequences, kept):
             by_workload.setdefault(self._requests[id(seq)].workload, []).append(len(tokens))

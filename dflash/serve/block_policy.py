@@ -1,0 +1,167 @@
+"""Adaptive block size: how many tokens each drafted step verifies, chosen before every step.
+
+A drafted step costs a drafter forward and a target forward over rows x k tokens (k = the block size). On a
+GPU that cost is almost flat in k until the batch fills the device; on a CPU it grows with every token. What
+a step yields is 1 + the expected number of accepted draft tokens per row, which grows ever more slowly with
+k. Before each step the policy takes the k in 2..B with the most expected tokens per second:
+
+    k* = argmax_k  rows * E[tokens | k] / T(rows, k)
+
+T(rows, k) is measured once at start-up (real engine steps over dummy rows); E[tokens | k] comes from the
+acceptance counted per draft position over recent steps (old evidence fades, so it follows the workload).
+Lossless either way: a smaller block only verifies fewer draft tokens of the same drafter.
+"""
+
+from __future__ import annotations
+
+import logging
+import statistics
+import time
+from dataclasses import dataclass, field
+
+from dflash.decoding.engine import GenerationConfig, SpeculativeEngine
+from dflash.decoding.proposer import Proposer
+
+log = logging.getLogger("dflash.serve")
+
+
+@dataclass
+class AcceptanceByPosition:
+    """c[j] = P(draft token j+1 accepted | the tokens before it were), from decayed counts and a prior."""
+
+    num_draft_tokens: int  # B - 1
+    decay: float = 0.995  # per observed row: evidence from ~200 rows ago weighs 1/e
+    prior: float = 0.5
+    prior_weight: float = 2.0
+    tried: list[float] = field(init=False)
+    accepted: list[float] = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.tried = [0.0] * self.num_draft_tokens
+        self.accepted = [0.0] * self.num_draft_tokens
+
+    def observe(self, accepted: int, drafted: int) -> None:
+        """One row of one step: `drafted` draft tokens, of which the first `accepted` were accepted."""
+        for j in range(self.num_draft_tokens):
+            self.tried[j] *= self.decay
+            self.accepted[j] *= self.decay
+        for j in range(min(accepted + 1, drafted)):  # positions the target judged: accepted ones + the first miss
+            self.tried[j] += 1.0
+            self.accepted[j] += float(j < accepted)
+
+    def conditional(self, j: int) -> float:
+        return (self.accepted[j] + self.prior * self.prior_weight) / (self.tried[j] + self.prior_weight)
+
+    def expected_tokens(self, block_size: int) -> float:
+        """Tokens one row keeps from a step at this block size: 1 + expected accepted draft tokens."""
+        total, survive = 1.0, 1.0
+        for j in range(min(block_size - 1, self.num_draft_tokens)):
+            survive *= self.conditional(j)
+            total += survive
+        return total
+
+
+@dataclass
+class StepCosts:
+    """Seconds per drafted step, measured at `rows` x `block_sizes`; other row counts are interpolated."""
+
+    seconds: dict[tuple[int, int], float]  # (rows, block size) -> seconds
+
+    @property
+    def rows(self) -> list[int]:
+        return sorted({r for r, _ in self.seconds})
+
+    @property
+    def block_sizes(self) -> list[int]:
+        return sorted({k for _, k in self.seconds})
+
+    def __call__(self, rows: int, block_size: int) -> float:
+        measured = self.rows
+        below = max([r for r in measured if r <= rows], default=measured[0])
+        above = min([r for r in measured if r >= rows], default=measured[-1])
+        lo, hi = self.seconds[below, block_size], self.seconds[above, block_size]
+        if above == below:
+            return lo * (rows / below if rows > below else 1.0)  # beyond the measured range: grow linearly
+        return lo + (hi - lo) * (rows - below) / (above - below)
+
+    @classmethod
+    def measure(cls, engine: SpeculativeEngine, proposer: Proposer, rows: list[int], block_sizes: list[int],
+                repeats: int = 5, prompt_len: int = 32) -> "StepCosts":
+        """Time real engine steps: `rows` dummy sequences decoding together, each block size in turn."""
+        vocab = engine.target.vocab_size
+        prompt = [(7 * i + 11) % vocab for i in range(prompt_len)]  # any valid ids: only the time counts
+        steps = (repeats + 1) * len(block_sizes)
+        config = GenerationConfig(max_new_tokens=steps * max(block_sizes) + 1, stop_token_ids=[])
+        seconds = {}
+        for r in rows:
+            seqs = [engine.new_sequence(prompt, config) for _ in range(r)]
+            batch = engine.merge([engine.prefill(seq, proposer) for seq in seqs])
+            for k in block_sizes:
+                batch.proposer = proposer.with_block_size(k)
+                engine.step(batch)  # warm-up at this shape
+                times = []
+                for _ in range(repeats):
+                    t0 = time.perf_counter()
+                    engine.step(batch)
+                    times.append(time.perf_counter() - t0)
+                seconds[r, k] = statistics.median(times)
+        return cls(seconds).monotone()
+
+    def monotone(self) -> "StepCosts":
+        """A step over more rows or a longer block never costs less: noise on a shared machine only adds time,
+        so each shape takes the least time measured at any shape at least as large."""
+        return StepCosts({
+            (r, k): min(s for (r2, k2), s in self.seconds.items() if r2 >= r and k2 >= k)
+            for r, k in self.seconds
+        })
+
+
+def candidate_block_sizes(max_block: int) -> list[int]:
+    """2, 4, 8, ... up to and including the drafter's block size."""
+    sizes, k = [], 2
+    while k < max_block:
+        sizes.append(k)
+        k *= 2
+    return sizes + [max_block]
+
+
+def candidate_rows(max_batch_size: int) -> list[int]:
+    rows, r = [], 1
+    while r < max_batch_size:
+        rows.append(r)
+        r *= 2
+    return rows + [max_batch_size]
+
+
+class BlockSizePolicy:
+    """Picks each drafted step's block size from the batch's rows; used from the decode thread only."""
+
+    def __init__(self, proposer: Proposer, costs: StepCosts):
+        self.costs = costs
+        self.max_block = max(costs.block_sizes)
+        self.acceptance = AcceptanceByPosition(self.max_block - 1)
+        self._proposers = {k: proposer.with_block_size(k) for k in costs.block_sizes}
+
+    @classmethod
+    def calibrate(cls, engine: SpeculativeEngine, max_batch_size: int) -> "BlockSizePolicy":
+        proposer = engine.proposer
+        t0 = time.perf_counter()
+        costs = StepCosts.measure(engine, proposer, candidate_rows(max_batch_size),
+                                  candidate_block_sizes(proposer.block_size))
+        log.info("adaptive block size: step times measured in %.1f s: %s", time.perf_counter() - t0,
+                 ", ".join(f"{r}x{k}: {s * 1e3:.1f} ms" for (r, k), s in sorted(costs.seconds.items())))
+        return cls(proposer, costs)
+
+    def choose(self, rows: int) -> int:
+        def tokens_per_s(k: int) -> float:
+            return rows * self.acceptance.expected_tokens(k) / self.costs(rows, k)
+
+        return max(self._proposers, key=tokens_per_s)
+
+    def proposer_for(self, rows: int) -> Proposer:
+        return self._proposers[self.choose(rows)]
+
+    def observe(self, accepted: list[int], drafted: int) -> None:
+        """One drafted step: accepted draft tokens per row, `drafted` = block size - 1."""
+        for n in accepted:
+            self.acceptance.observe(n, drafted)

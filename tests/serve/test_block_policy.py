@@ -1,0 +1,125 @@
+"""Adaptive block size: acceptance by position, step-cost interpolation, the choice it makes, and that changing
+the block size between steps leaves greedy output lossless."""
+
+from __future__ import annotations
+
+import random
+from concurrent.futures import ThreadPoolExecutor
+
+import pytest
+
+from conftest import OracleProposer, random_prompts, tiny_drafter
+from dflash.decoding import DFlashProposer, GenerationConfig, SpeculativeEngine
+from dflash.serve.block_policy import (
+    AcceptanceByPosition,
+    BlockSizePolicy,
+    StepCosts,
+    candidate_block_sizes,
+    candidate_rows,
+)
+from tests.decoding.test_engine import hf_greedy
+
+
+class FakeProposer:
+    def __init__(self, block_size: int = 16):
+        self.block_size = block_size
+
+    def with_block_size(self, block_size):
+        return FakeProposer(block_size)
+
+
+def costs(per_token_s: float, fixed_s: float = 0.01) -> StepCosts:
+    """A step costs `fixed_s` plus `per_token_s` for every verified token (rows x k)."""
+    return StepCosts({(r, k): fixed_s + per_token_s * r * k for r in (1, 2, 4, 8) for k in (2, 4, 8, 16)})
+
+
+def policy_with(accepted_per_row: int, step_costs: StepCosts, steps: int = 400) -> BlockSizePolicy:
+    policy = BlockSizePolicy(FakeProposer(16), step_costs)
+    for _ in range(steps):
+        policy.observe([accepted_per_row] * 4, drafted=15)
+    return policy
+
+
+def test_acceptance_by_position_learns_where_drafts_break():
+    acc = AcceptanceByPosition(15)
+    for _ in range(500):
+        acc.observe(3, 15)  # always 3 accepted, the 4th rejected, later positions never judged
+    assert [acc.conditional(j) for j in range(4)] == pytest.approx([1.0, 1.0, 1.0, 0.0], abs=0.01)
+    assert acc.conditional(10) == pytest.approx(0.5)  # never judged: the prior
+    assert acc.expected_tokens(2) == pytest.approx(2.0, abs=0.01)
+    assert acc.expected_tokens(16) == pytest.approx(4.0, abs=0.05)
+
+
+def test_acceptance_follows_the_workload():
+    acc = AcceptanceByPosition(15)
+    for _ in range(500):
+        acc.observe(15, 15)
+    assert acc.expected_tokens(16) > 14.5
+    for _ in range(1500):  # the workload changes: drafts now fail at once
+        acc.observe(0, 15)
+    assert acc.expected_tokens(16) < 1.2
+
+
+def test_costs_interpolate_between_measured_rows_and_extrapolate_beyond():
+    c = StepCosts({(1, 4): 1.0, (4, 4): 4.0})
+    assert c(1, 4) == 1.0 and c(4, 4) == 4.0
+    assert c(2, 4) == pytest.approx(2.0)
+    assert c(8, 4) == pytest.approx(8.0)
+    noisy = StepCosts({(1, 2): 5.0, (1, 4): 2.0, (2, 2): 3.0, (2, 4): 9.0})  # (1, 2) caught a stall
+    assert noisy.monotone().seconds == {(1, 2): 2.0, (1, 4): 2.0, (2, 2): 3.0, (2, 4): 9.0}
+    assert candidate_block_sizes(16) == [2, 4, 8, 16] and candidate_block_sizes(6) == [2, 4, 6]
+    assert candidate_rows(8) == [1, 2, 4, 8] and candidate_rows(6) == [1, 2, 4, 6] and candidate_rows(1) == [1]
+
+
+def test_flat_costs_and_good_drafts_verify_the_whole_block():
+    policy = policy_with(accepted_per_row=12, step_costs=costs(per_token_s=0.0))
+    assert policy.choose(1) == policy.choose(8) == 16
+
+
+def test_costly_tokens_and_poor_drafts_verify_short_blocks_and_shorter_when_the_batch_grows():
+    policy = policy_with(accepted_per_row=2, step_costs=costs(per_token_s=0.002))
+    assert policy.choose(1) == 4  # 3 expected tokens for 0.018 s beats 2 for 0.014 s and ~3 for 0.026 s
+    assert policy.choose(8) == 2
+    assert policy.proposer_for(8).block_size == 2
+
+
+def test_changing_the_block_size_every_step_is_lossless(target):
+    prompts = random_prompts(3, seed=5)
+    refs = {tuple(p): hf_greedy(target, p, 40) for p in prompts}
+    proposer = OracleProposer(tiny_drafter(target, layers=2), target, refs,
+                              correct=lambda rng: rng.randint(0, 15), seed=3)
+    engine = SpeculativeEngine(target, proposer)
+    config = GenerationConfig(max_new_tokens=40, stop_token_ids=[])
+    batch = engine.merge([engine.prefill(engine.new_sequence(p, config)) for p in prompts])
+    rng, used = random.Random(0), set()
+    while not all(seq.finished for seq in batch.sequences):
+        k = rng.choice([2, 3, 5, 8, 16])
+        used.add(k)
+        batch.proposer = proposer.with_block_size(k)
+        engine.step(batch)
+    assert len(used) > 3
+    assert [seq.output_ids[:40] for seq in batch.sequences] == [refs[tuple(p)] for p in prompts]
+
+
+def test_calibration_times_every_shape_on_a_real_pair(target):
+    engine = SpeculativeEngine(target, DFlashProposer(tiny_drafter(target), target, block_size=8))
+    policy = BlockSizePolicy.calibrate(engine, max_batch_size=3)
+    assert set(policy.costs.seconds) == {(r, k) for r in (1, 2, 3) for k in (2, 4, 8)}
+    assert all(s > 0 for s in policy.costs.seconds.values())
+    assert policy.choose(3) in (2, 4, 8)
+
+
+def test_adaptive_server_answers_exactly_like_the_fixed_one(start_server, server):
+    adaptive = start_server(adaptive_block_size=True)
+    assert adaptive.server_state.scheduler.block_policy is not None
+
+    def ask(client, i: int) -> str:
+        return client.completions.create(model="tiny", prompt=f"question {i}: how many clips?", max_tokens=12 + 2 * i,
+                                         temperature=0, extra_body={"ignore_eos": True}).choices[0].text
+
+    fixed = [ask(server.client(), i) for i in range(8)]
+    with ThreadPoolExecutor(8) as pool:
+        answers = list(pool.map(lambda i: ask(adaptive.client(), i), range(8)))
+    assert answers == fixed
+    gauge = adaptive.metrics()["dflash:spec_decode_block_size"]
+    assert 2 <= gauge <= 8  # the tiny pair's drafter block is 8
