@@ -179,6 +179,8 @@ def main():
     ap.add_argument("--warmup", type=int, default=60)
     ap.add_argument("--wd", type=float, default=0.1)
     ap.add_argument("--asst-only", action="store_true")
+    ap.add_argument("--bf16", action="store_true", help="bfloat16 autocast for the forward (fp32 master weights); "
+                    "~2x faster on CPUs with AVX512-BF16/AMX")
     ap.add_argument("--save-every", type=int, default=200)
     ap.add_argument("--eval-every", type=int, default=300)
     ap.add_argument("--threads", type=int, default=1,
@@ -259,7 +261,8 @@ def main():
         for g in opt.param_groups:
             g["lr"] = lr
         t0 = time.time()
-        loss = model(input_ids=ids, attention_mask=attn, labels=labels).loss
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=args.bf16):
+            loss = model(input_ids=ids, attention_mask=attn, labels=labels).loss
         loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         opt.step()
@@ -282,6 +285,8 @@ def main():
             elif cur == 1 and step >= probe["next"]:
                 torch.set_num_threads(2)
                 probe["last"] = step + 1
+            elif cur == 2 and 1 not in spt_ema and step >= probe["next"]:
+                torch.set_num_threads(1)  # started on 2 threads: measure 1 thread once to have a baseline
             spt_ema[cur] = spt if prev is None else 0.8 * prev + 0.2 * spt
         step += 1
         log_loss += loss.item()
