@@ -12,6 +12,9 @@ python benchmarks/engine_overhead.py --threads 2 > "$out/engine_overhead.json"
 # 2. local bench: DFlash vs plain decoding, greedy, B = 16 (math500 / mbpp need a --data-dir with them)
 dflash bench --dataset gsm8k humaneval mt-bench --max-samples 20 --max-new-tokens 256 --block-size 8,16 \
     --output-dir "$out/bench" --no-progress
+# the block-size sweep on gsm8k (8 and 16 above)
+dflash bench --dataset gsm8k --max-samples 20 --max-new-tokens 256 --block-size 2,4 \
+    --output-dir "$out/bench_sweep" --no-progress
 # acceptance on training questions (a large gap to the test figure would mean overfitting)
 dflash bench --dataset gsm8k --data-file scripts/embedded/data/gsm8k_train.jsonl --max-samples 20 \
     --max-new-tokens 256 --output-dir "$out/bench_train" --no-progress
