@@ -29,7 +29,10 @@ dflash serve --port 8100 --fallback-min-acceptance 0 > "$out/serve_dflash.log" 2
 dflash serve --port 8101 --no-draft > "$out/serve_plain.log" 2>&1 & pids+=($!); wait_up 8101
 dflash serve --port 8102 --fallback-min-acceptance 0 --no-adaptive-block-size > "$out/serve_fixed.log" 2>&1 &
 pids+=($!); wait_up 8102
+dflash serve --port 8103 > "$out/serve_default.log" 2>&1 & pids+=($!); wait_up 8103  # all defaults (auto fallback)
 dflash bench --base-url http://127.0.0.1:8100/v1 --baseline-url http://127.0.0.1:8101/v1 --dataset gsm8k \
     --concurrency 1,4,8 --num-prompts 16 --max-new-tokens 256 --output-dir "$out/serve" --no-progress
 dflash bench --base-url http://127.0.0.1:8102/v1 --baseline-url http://127.0.0.1:8101/v1 --dataset gsm8k \
     --concurrency 1,4,8 --num-prompts 16 --max-new-tokens 256 --output-dir "$out/serve_fixed" --no-progress
+dflash bench --base-url http://127.0.0.1:8103/v1 --baseline-url http://127.0.0.1:8101/v1 --dataset gsm8k \
+    --concurrency 1,4,8 --num-prompts 16 --max-new-tokens 256 --output-dir "$out/serve_default" --no-progress

@@ -33,8 +33,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                      help="requests waiting for a batch slot; more are answered 429 (default: 64)")
     net.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
     fb = parser.add_argument_group("adaptive drafting (a fallback to plain decoding, and the block size of each step)")
-    fb.add_argument("--fallback-min-acceptance", type=float, default=1.5, metavar="TAU",
-                    help="mean acceptance length below which a workload stops drafting; 0 = never (default: 1.5)")
+    fb.add_argument("--fallback-min-acceptance", type=_threshold, default="auto", metavar="TAU|auto",
+                    help="mean acceptance length below which a workload stops drafting; 0 = never; auto = where "
+                    "drafting stops paying, from the step costs measured at start-up (default: auto)")
     fb.add_argument("--fallback-window", type=int, default=64, help="drafted steps in the rolling mean (default: 64)")
     fb.add_argument("--fallback-probe-after", type=int, default=32,
                     help="requests decoded plainly before drafting is tried again (default: 32)")
@@ -46,6 +47,15 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     handoff.add_argument("--engine", choices=["dflash", "vllm", "sglang"], default="dflash",
                          help="dflash (this server), or launch vLLM / SGLang with the DFlash speculative config")
     handoff.add_argument("--dry-run", action="store_true", help="with --engine vllm|sglang: print the command only")
+
+
+def _threshold(value: str) -> str | float:
+    if value == "auto":
+        return value
+    try:
+        return float(value)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number or 'auto', got {value!r}") from None
 
 
 def run(args: argparse.Namespace) -> int:
@@ -66,8 +76,8 @@ def _check_args(args: argparse.Namespace) -> None:
             raise UserError(f"{flag} must be >= {low}, got {value}")
     if args.max_model_len is not None and args.max_model_len < 2:
         raise UserError(f"--max-model-len must be >= 2, got {args.max_model_len}")
-    if args.fallback_min_acceptance < 0:
-        raise UserError(f"--fallback-min-acceptance must be >= 0, got {args.fallback_min_acceptance}")
+    if args.fallback_min_acceptance != "auto" and args.fallback_min_acceptance < 0:
+        raise UserError(f"--fallback-min-acceptance must be >= 0 or auto, got {args.fallback_min_acceptance}")
     if args.dry_run and args.engine == "dflash":
         raise UserError("--dry-run prints the command of a hand-off; use it with --engine vllm or --engine sglang")
     if args.api_key is not None and not args.api_key:
@@ -101,7 +111,6 @@ def _serve(args: argparse.Namespace) -> int:
     import uvicorn
 
     from dflash.serve.app import ServeConfig, create_app
-    from dflash.serve.fallback import FallbackConfig
     from dflash.serve.scheduler import SchedulerConfig
 
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
@@ -111,7 +120,7 @@ def _serve(args: argparse.Namespace) -> int:
         api_key=args.api_key,
         max_model_len=args.max_model_len,
         scheduler=SchedulerConfig(args.max_batch_size or DEFAULT_MAX_BATCH_SIZE, args.max_queue),
-        fallback=FallbackConfig(args.fallback_min_acceptance, args.fallback_window, args.fallback_probe_after),
+        fallback=_fallback_config(args),
         adaptive_block_size=args.adaptive_block_size,
     )
     app = create_app(pipe, config)
@@ -121,6 +130,14 @@ def _serve(args: argparse.Namespace) -> int:
               "use it", file=sys.stderr)
     uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level)
     return 0
+
+
+def _fallback_config(args: argparse.Namespace):
+    from dflash.serve.fallback import FallbackConfig
+
+    auto = args.fallback_min_acceptance == "auto"
+    return FallbackConfig(0.0 if auto else args.fallback_min_acceptance, args.fallback_window,
+                          args.fallback_probe_after, auto=auto)
 
 
 def _warm_up(pipe) -> None:

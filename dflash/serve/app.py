@@ -74,8 +74,12 @@ class Server:
             raise UserError("the target's config has no max_position_embeddings; give --max-model-len")
         self.max_model_len = limit
         self.metrics = ServerMetrics(num_draft_tokens=max(self.engine.proposer.block_size - 1, 0))
+        drafting = not isinstance(self.engine.proposer, NoDraftProposer)
+        if drafting and config.fallback.auto and not config.adaptive_block_size:
+            raise UserError("the automatic fallback threshold needs the step costs the adaptive block size "
+                            "measures: drop --no-adaptive-block-size, or give --fallback-min-acceptance a number")
         policy = None
-        if config.adaptive_block_size and not isinstance(self.engine.proposer, NoDraftProposer):
+        if drafting and config.adaptive_block_size:
             policy = BlockSizePolicy.calibrate(self.engine, config.scheduler.max_batch_size)
         self.scheduler = Scheduler(self.engine, config.scheduler, self.metrics, config.fallback, policy)
         self.created = int(time.time())

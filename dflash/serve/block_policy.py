@@ -20,7 +20,7 @@ import time
 from dataclasses import dataclass, field
 
 from dflash.decoding.engine import GenerationConfig, SpeculativeEngine
-from dflash.decoding.proposer import Proposer
+from dflash.decoding.proposer import NoDraftProposer, Proposer
 
 log = logging.getLogger("dflash.serve")
 
@@ -136,8 +136,9 @@ def candidate_rows(max_batch_size: int) -> list[int]:
 class BlockSizePolicy:
     """Picks each drafted step's block size from the batch's rows; used from the decode thread only."""
 
-    def __init__(self, proposer: Proposer, costs: StepCosts):
+    def __init__(self, proposer: Proposer, costs: StepCosts, plain_costs: StepCosts | None = None):
         self.costs = costs
+        self.plain_costs = plain_costs  # (rows, 1) -> seconds of a plain step, for the break-even
         self.max_block = max(costs.block_sizes)
         self.acceptance = AcceptanceByPosition(self.max_block - 1)
         self._proposers = {k: proposer.with_block_size(k) for k in costs.block_sizes}
@@ -146,11 +147,17 @@ class BlockSizePolicy:
     def calibrate(cls, engine: SpeculativeEngine, max_batch_size: int) -> "BlockSizePolicy":
         proposer = engine.proposer
         t0 = time.perf_counter()
-        costs = StepCosts.measure(engine, proposer, candidate_rows(max_batch_size),
-                                  candidate_block_sizes(proposer.block_size))
-        log.info("adaptive block size: step times measured in %.1f s: %s", time.perf_counter() - t0,
-                 ", ".join(f"{r}x{k}: {s * 1e3:.1f} ms" for (r, k), s in sorted(costs.seconds.items())))
-        return cls(proposer, costs)
+        rows = candidate_rows(max_batch_size)
+        costs = StepCosts.measure(engine, proposer, rows, candidate_block_sizes(proposer.block_size))
+        plain = StepCosts.measure(engine, NoDraftProposer(), rows, [1])
+        shapes = sorted((costs.seconds | plain.seconds).items())
+        log.info("adaptive block size: step times (rows x block) measured in %.1f s: %s", time.perf_counter() - t0,
+                 ", ".join(f"{r}x{k}: {s * 1e3:.1f} ms" for (r, k), s in shapes))
+        return cls(proposer, costs, plain)
+
+    def break_even(self, rows: int, block_size: int) -> float:
+        """The acceptance length at which a drafted step of this shape yields as many tokens/s as plain steps."""
+        return self.costs(rows, block_size) / self.plain_costs(rows, 1)
 
     def choose(self, rows: int) -> int:
         def tokens_per_s(k: int) -> float:

@@ -3,7 +3,8 @@
 Speculation pays only when enough draft tokens are accepted: every drafted step costs a drafter forward and
 a verify forward over the whole block. For each workload (a request kind, e.g. "chat/greedy") the server
 keeps the acceptance lengths of its last `window` drafted decode steps. When their mean falls below
-`min_acceptance_length`, new requests of that workload decode without the drafter; after `probe_after`
+`min_acceptance_length` (or, in auto mode, the break-even acceptance length the server measures: a drafted
+step's cost over a plain step's), new requests of that workload decode without the drafter; after `probe_after`
 such requests, the next ones draft again (a probe) and a fresh window decides anew. Rows already decoding
 keep the proposer they started with (a row cannot change batch).
 """
@@ -23,6 +24,7 @@ class FallbackConfig:
     min_acceptance_length: float = 0.0  # tokens per verify forward; 0 disables the fallback
     window: int = 64  # drafted decode steps in the rolling mean
     probe_after: int = 32  # requests decoded without the drafter before drafting is tried again
+    auto: bool = False  # the threshold is the break-even acceptance length measured by the server (set_threshold)
 
     def __post_init__(self) -> None:
         if self.min_acceptance_length < 0:
@@ -32,7 +34,7 @@ class FallbackConfig:
 
     @property
     def enabled(self) -> bool:
-        return self.min_acceptance_length > 0
+        return self.auto or self.min_acceptance_length > 0
 
 
 @dataclass
@@ -56,6 +58,12 @@ class AdaptiveFallback:
         self.config = config
         self._listener = listener or (lambda *_: None)
         self._workloads: dict[str, _Workload] = {}
+        self.threshold = config.min_acceptance_length
+
+    def set_threshold(self, break_even: float) -> None:
+        """Auto mode: the acceptance length at which the latest drafted step broke even with plain decoding
+        (its cost over a plain step's at the same batch size); the threshold follows it smoothly."""
+        self.threshold = break_even if self.threshold <= 0 else 0.9 * self.threshold + 0.1 * break_even
 
     def _get(self, workload: str) -> _Workload:
         if workload not in self._workloads:
@@ -85,11 +93,11 @@ class AdaptiveFallback:
         state = self._get(workload)
         state.lengths.extend(acceptance_lengths)
         rolling = state.rolling()
-        if state.drafting and len(state.lengths) >= self.config.window and rolling < self.config.min_acceptance_length:
+        if state.drafting and len(state.lengths) >= self.config.window and rolling < self.threshold:
             state.drafting, state.plain_requests = False, 0
-            log.warning("fallback: workload %r has mean acceptance length %.2f < %.2f over its last %d drafted "
-                        "steps; new requests decode without the drafter", workload, rolling,
-                        self.config.min_acceptance_length, len(state.lengths))
+            log.warning("fallback: workload %r has mean acceptance length %.2f < %.2f%s over its last %d drafted "
+                        "steps; new requests decode without the drafter", workload, rolling, self.threshold,
+                        " (break-even with plain decoding)" if self.config.auto else "", len(state.lengths))
         self._listener(workload, state.drafting, rolling)
 
     def drafting(self, workload: str) -> bool:

@@ -243,6 +243,8 @@ class Scheduler:
         self.metrics.record_drafts(accepted, batch.proposer.block_size - 1)
         if self.block_policy is not None:
             self.block_policy.observe(accepted, batch.proposer.block_size - 1)
+            if self.fallback.config.auto:
+                self.fallback.set_threshold(self.block_policy.break_even(len(batch), batch.proposer.block_size))
         by_workload: dict[str, list[int]] = {}
         for seq, tokens in zip(batch.sequences, kept):
             by_workload.setdefault(self._requests[id(seq)].workload, []).append(len(tokens))

@@ -83,6 +83,13 @@ def test_costly_tokens_and_poor_drafts_verify_short_blocks_and_shorter_when_the_
     assert policy.proposer_for(8).block_size == 2
 
 
+def test_break_even_is_the_cost_ratio_to_a_plain_step():
+    plain = StepCosts({(1, 1): 0.010, (8, 1): 0.020})
+    policy = BlockSizePolicy(FakeProposer(16), costs(per_token_s=0.001), plain)
+    assert policy.break_even(1, 4) == pytest.approx(0.014 / 0.010)
+    assert policy.break_even(8, 16) == pytest.approx(0.138 / 0.020)
+
+
 def test_changing_the_block_size_every_step_is_lossless(target):
     prompts = random_prompts(3, seed=5)
     refs = {tuple(p): hf_greedy(target, p, 40) for p in prompts}

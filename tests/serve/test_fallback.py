@@ -3,6 +3,8 @@ probes drafting again, and answers stay identical throughout (decoding is lossle
 
 from __future__ import annotations
 
+import pytest
+
 from dflash.serve.fallback import AdaptiveFallback, FallbackConfig
 
 MODEL = "tiny"  # the served model name the fixtures use
@@ -56,3 +58,29 @@ def test_server_falls_back_and_probes(start_server):
     assert first == plain[0] == plain[1] == probe
     client.completions.create(model=MODEL, prompt="How many?", max_tokens=4, temperature=0)  # another workload
     assert server.metrics()[DRAFTS] > m3[DRAFTS]
+
+
+def test_auto_threshold_follows_the_break_even():
+    fb = AdaptiveFallback(FallbackConfig(window=4, auto=True))
+    assert fb.config.enabled
+    fb.set_threshold(3.0)  # the first measurement sets it
+    assert fb.threshold == 3.0
+    fb.set_threshold(1.0)  # later ones move it smoothly
+    assert fb.threshold == pytest.approx(2.8)
+    fb.observe("w", [3, 3, 3, 3])  # pays: 3.0 >= 2.8
+    assert fb.drafting("w")
+    fb.observe("w", [2, 2])  # (3 + 3 + 2 + 2) / 4 = 2.5 < 2.8: off
+    assert not fb.drafting("w")
+
+
+def test_auto_server_measures_its_break_even(start_server):
+    server = start_server(adaptive_block_size=True, fallback=FallbackConfig(window=8, probe_after=2, auto=True))
+    policy = server.server_state.scheduler.block_policy
+    assert policy.plain_costs is not None and policy.break_even(1, 8) > 0
+    client = server.client()
+    for _ in range(4):  # the tiny random drafter almost never pays: the measured break-even turns drafting off
+        client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "How many?"}],
+                                       max_tokens=24, temperature=0, extra_body={"ignore_eos": True})
+    fallback = server.server_state.scheduler.fallback
+    assert fallback.threshold > 0
+    assert server.metrics()[ACTIVE] == 1.0
