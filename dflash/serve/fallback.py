@@ -4,9 +4,10 @@ Speculation pays only when enough draft tokens are accepted: every drafted step 
 a verify forward over the whole block. For each workload (a request kind, e.g. "chat/greedy") the server
 keeps the acceptance lengths of its last `window` drafted decode steps. When their mean falls below
 `min_acceptance_length` (or, in auto mode, the break-even acceptance length the server measures: a drafted
-step's cost over a plain step's), new requests of that workload decode without the drafter; after `probe_after`
-such requests, the next ones draft again (a probe) and a fresh window decides anew. Rows already decoding
-keep the proposer they started with (a row cannot change batch).
+step's cost over a plain step's), new requests of that workload decode without the drafter. After
+`probe_after` such requests it probes: one request at a time drafts (the others stay plain) until a fresh
+window decides whether drafting comes back. Rows already decoding keep the proposer they started with (a row
+cannot change batch), which is why a probe drafts a single request.
 """
 
 from __future__ import annotations
@@ -42,6 +43,8 @@ class _Workload:
     lengths: deque = field(default_factory=deque)
     drafting: bool = True
     plain_requests: int = 0  # since drafting was switched off
+    probing: bool = False  # off, but one request at a time drafts until a fresh window gives a verdict
+    probe_in_flight: bool = False
 
     def rolling(self) -> float | None:
         return sum(self.lengths) / len(self.lengths) if self.lengths else None
@@ -77,14 +80,23 @@ class AdaptiveFallback:
         state = self._get(workload)
         if state.drafting:
             return True
+        if state.probing:  # one probe request drafts at a time; the others stay plain until the verdict
+            if state.probe_in_flight:
+                return False
+            state.probe_in_flight = True
+            return True
         state.plain_requests += 1
         if state.plain_requests <= self.config.probe_after:
             return False
-        state.drafting, state.plain_requests = True, 0
+        state.probing, state.probe_in_flight, state.plain_requests = True, True, 0
         state.lengths.clear()
-        log.info("fallback: probing drafting again for workload %r", workload)
-        self._listener(workload, True, None)
+        log.info("fallback: probing drafting again for workload %r with one request", workload)
         return True
+
+    def finished(self, workload: str) -> None:
+        """A request of this workload that drafted has finished: a probe that has no verdict yet sends another."""
+        if self.config.enabled:
+            self._get(workload).probe_in_flight = False
 
     def observe(self, workload: str, acceptance_lengths: list[int]) -> None:
         """Acceptance lengths (tokens per verify forward) of one drafted step's rows of this workload."""
@@ -93,11 +105,19 @@ class AdaptiveFallback:
         state = self._get(workload)
         state.lengths.extend(acceptance_lengths)
         rolling = state.rolling()
-        if state.drafting and len(state.lengths) >= self.config.window and rolling < self.threshold:
-            state.drafting, state.plain_requests = False, 0
-            log.warning("fallback: workload %r has mean acceptance length %.2f < %.2f%s over its last %d drafted "
-                        "steps; new requests decode without the drafter", workload, rolling, self.threshold,
-                        " (break-even with plain decoding)" if self.config.auto else "", len(state.lengths))
+        if len(state.lengths) >= self.config.window:
+            if state.probing:
+                state.probing, state.plain_requests = False, 0
+                state.drafting = rolling >= self.threshold
+                log.info("fallback: the probe of workload %r measured mean acceptance length %.2f against %.2f; %s",
+                         workload, rolling, self.threshold,
+                         "drafting again" if state.drafting else "staying without the drafter")
+            elif state.drafting and rolling < self.threshold:
+                state.drafting, state.plain_requests = False, 0
+                log.warning("fallback: workload %r has mean acceptance length %.2f < %.2f%s over its last %d "
+                            "drafted steps; new requests decode without the drafter", workload, rolling,
+                            self.threshold, " (break-even with plain decoding)" if self.config.auto else "",
+                            len(state.lengths))
         self._listener(workload, state.drafting, rolling)
 
     def drafting(self, workload: str) -> bool:

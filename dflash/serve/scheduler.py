@@ -70,6 +70,7 @@ class Request:
         self.arrival = time.perf_counter()
         self.cancelled = False
         self.finished = False
+        self.decoder: str | None = None  # set at prefill
         self._loop = loop
         self._scheduler = scheduler
 
@@ -194,6 +195,7 @@ class Scheduler:
         joined: dict[str, list[Batch]] = {}
         for request in requests:
             decoder = DRAFT if self.has_drafter and self.fallback.should_draft(request.workload) else PLAIN
+            request.decoder = decoder
             seq = request.seq
             try:
                 batch = self.engine.prefill(seq, self._proposers[decoder])
@@ -281,6 +283,8 @@ class Scheduler:
         request.finished = True
         with self._cond:
             self._admitted -= 1
+        if request.decoder == DRAFT:  # set only by the decode thread's prefill, which is where this runs then
+            self.fallback.finished(request.workload)
         self.metrics.finished.labels(finished_reason=reason).inc()
         if reason in ("stop", "length"):
             self.metrics.e2e.observe(time.perf_counter() - request.arrival)

@@ -24,10 +24,19 @@ def test_fallback_policy():
     fb.observe("w", [1])  # 1.0 < 2.0: off
     assert not fb.drafting("w")
     assert [fb.should_draft("w") for _ in range(3)] == [False, False, True]  # two plain requests, then a probe
+    assert not fb.should_draft("w")  # one probe request at a time
     fb.observe("w", [1, 1, 1])  # the probe's window is not full yet: no verdict
-    assert fb.drafting("w")
+    assert not fb.should_draft("w") and not fb.drafting("w")
+    fb.finished("w")  # the probe request ended before its window filled: the next request probes on
+    assert fb.should_draft("w") and not fb.should_draft("w")
+    fb.observe("w", [3, 3, 3])  # window full: (1 + 3 + 3 + 3) / 4 = 2.5 >= 2.0, drafting is back for everyone
+    assert fb.drafting("w") and fb.should_draft("w") and fb.should_draft("w")
     assert fb.should_draft("other")  # workloads are independent
-    assert changes[-1] == ("w", True, 1.0)
+    assert changes[-1] == ("w", True, 2.5)
+    fb.observe("w", [1, 1, 1, 1])  # and off again; a failed probe keeps it off
+    assert [fb.should_draft("w") for _ in range(3)] == [False, False, True]
+    fb.observe("w", [1, 1, 1, 1])
+    assert not fb.drafting("w") and [fb.should_draft("w") for _ in range(2)] == [False, False]
     disabled = AdaptiveFallback(FallbackConfig(0.0))
     disabled.observe("w", [1] * 100)
     assert disabled.should_draft("w")
