@@ -116,21 +116,23 @@ class StepCosts:
         })
 
 
+def doublings(start: int, limit: int) -> list[int]:
+    """start, 2 x start, 4 x start, ... below `limit`, then `limit` itself."""
+    values = []
+    while start < limit:
+        values.append(start)
+        start *= 2
+    return values + [limit]
+
+
 def candidate_block_sizes(max_block: int) -> list[int]:
     """2, 4, 8, ... up to and including the drafter's block size."""
-    sizes, k = [], 2
-    while k < max_block:
-        sizes.append(k)
-        k *= 2
-    return sizes + [max_block]
+    return doublings(2, max_block)
 
 
 def candidate_rows(max_batch_size: int) -> list[int]:
-    rows, r = [], 1
-    while r < max_batch_size:
-        rows.append(r)
-        r *= 2
-    return rows + [max_batch_size]
+    """1, 2, 4, ... up to and including the largest batch."""
+    return doublings(1, max_batch_size)
 
 
 class BlockSizePolicy:
