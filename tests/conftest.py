@@ -75,6 +75,14 @@ def random_prompts(n: int, seed: int = 0, low: int = 3, high: int = 20) -> list[
     return [[rng.randrange(VOCAB - 1) for _ in range(rng.randint(low, high))] for _ in range(n)]
 
 
+def hf_greedy(target, prompt: list[int], max_new: int) -> list[int]:
+    """The target alone, decoded by transformers' own generate (an independent reference)."""
+    ids = torch.tensor([prompt])
+    out = target.model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_new,
+                                min_new_tokens=max_new, do_sample=False, pad_token_id=0)
+    return out[0, len(prompt):].tolist()
+
+
 class OracleProposer(DFlashProposer):
     """Runs the real drafter (cache and all), then replaces its draft tokens with the target's own greedy
     continuation, kept correct for `correct(row)` tokens and corrupted after that.

@@ -40,14 +40,15 @@ class AcceptanceByPosition:
         self.tried = [0.0] * self.num_draft_tokens
         self.accepted = [0.0] * self.num_draft_tokens
 
-    def observe(self, accepted: int, drafted: int) -> None:
-        """One row of one step: `drafted` draft tokens, of which the first `accepted` were accepted."""
-        for j in range(self.num_draft_tokens):
-            self.tried[j] *= self.decay
-            self.accepted[j] *= self.decay
-        for j in range(min(accepted + 1, drafted)):  # positions the target judged: accepted ones + the first miss
-            self.tried[j] += 1.0
-            self.accepted[j] += float(j < accepted)
+    def observe(self, accepted: list[int], drafted: int) -> None:
+        """One step: `drafted` draft tokens per row, of which the first `accepted[i]` were accepted in row i."""
+        fade = self.decay ** len(accepted)  # old evidence fades by one decay per row observed
+        self.tried = [t * fade for t in self.tried]
+        self.accepted = [a * fade for a in self.accepted]
+        for n in accepted:
+            for j in range(min(n + 1, drafted)):  # positions the target judged: the accepted ones + the first miss
+                self.tried[j] += 1.0
+                self.accepted[j] += float(j < n)
 
     def conditional(self, j: int) -> float:
         return (self.accepted[j] + self.prior * self.prior_weight) / (self.tried[j] + self.prior_weight)
@@ -66,14 +67,12 @@ class StepCosts:
     """Seconds per drafted step, measured at `rows` x `block_sizes`; other row counts are interpolated."""
 
     seconds: dict[tuple[int, int], float]  # (rows, block size) -> seconds
+    rows: list[int] = field(init=False)  # the measured shapes, sorted once (the policy asks every step)
+    block_sizes: list[int] = field(init=False)
 
-    @property
-    def rows(self) -> list[int]:
-        return sorted({r for r, _ in self.seconds})
-
-    @property
-    def block_sizes(self) -> list[int]:
-        return sorted({k for _, k in self.seconds})
+    def __post_init__(self) -> None:
+        self.rows = sorted({r for r, _ in self.seconds})
+        self.block_sizes = sorted({k for _, k in self.seconds})
 
     def __call__(self, rows: int, block_size: int) -> float:
         measured = self.rows
@@ -172,5 +171,4 @@ class BlockSizePolicy:
 
     def observe(self, accepted: list[int], drafted: int) -> None:
         """One drafted step: accepted draft tokens per row, `drafted` = block size - 1."""
-        for n in accepted:
-            self.acceptance.observe(n, drafted)
+        self.acceptance.observe(accepted, drafted)

@@ -5,21 +5,12 @@ oracle is right for a random number of tokens)."""
 from __future__ import annotations
 
 import pytest
-import torch
 
-from conftest import VOCAB, OracleProposer, random_prompts, tiny_drafter
+from conftest import VOCAB, OracleProposer, hf_greedy, random_prompts, tiny_drafter
 from dflash.decoding import DFlashProposer, GenerationConfig, SpeculativeEngine
 from dflash.decoding.engine import GenerationError
 
 MAX_NEW = 48
-
-
-def hf_greedy(target, prompt: list[int], max_new: int) -> list[int]:
-    """The target alone, decoded by transformers' own generate (an independent reference)."""
-    ids = torch.tensor([prompt])
-    out = target.model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_new,
-                                min_new_tokens=max_new, do_sample=False, pad_token_id=0)
-    return out[0, len(prompt):].tolist()
 
 
 @pytest.fixture

@@ -8,7 +8,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
-from conftest import OracleProposer, random_prompts, tiny_drafter
+from conftest import OracleProposer, hf_greedy, random_prompts, tiny_drafter
 from dflash.decoding import DFlashProposer, GenerationConfig, SpeculativeEngine
 from dflash.serve.block_policy import (
     AcceptanceByPosition,
@@ -17,7 +17,6 @@ from dflash.serve.block_policy import (
     candidate_block_sizes,
     candidate_rows,
 )
-from tests.decoding.test_engine import hf_greedy
 
 
 class FakeProposer:
@@ -43,7 +42,7 @@ def policy_with(accepted_per_row: int, step_costs: StepCosts, steps: int = 400) 
 def test_acceptance_by_position_learns_where_drafts_break():
     acc = AcceptanceByPosition(15)
     for _ in range(500):
-        acc.observe(3, 15)  # always 3 accepted, the 4th rejected, later positions never judged
+        acc.observe([3], 15)  # always 3 accepted, the 4th rejected, later positions never judged
     assert [acc.conditional(j) for j in range(4)] == pytest.approx([1.0, 1.0, 1.0, 0.0], abs=0.01)
     assert acc.conditional(10) == pytest.approx(0.5)  # never judged: the prior
     assert acc.expected_tokens(2) == pytest.approx(2.0, abs=0.01)
@@ -52,11 +51,11 @@ def test_acceptance_by_position_learns_where_drafts_break():
 
 def test_acceptance_follows_the_workload():
     acc = AcceptanceByPosition(15)
-    for _ in range(500):
-        acc.observe(15, 15)
+    for _ in range(250):
+        acc.observe([15, 15], 15)
     assert acc.expected_tokens(16) > 14.5
     for _ in range(1500):  # the workload changes: drafts now fail at once
-        acc.observe(0, 15)
+        acc.observe([0], 15)
     assert acc.expected_tokens(16) < 1.2
 
 
