@@ -32,6 +32,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--seed", type=int)
     parser.add_argument("--eval-fraction", type=float)
     parser.add_argument("--eval-every", type=int)
+    parser.add_argument("--eval-decoding-examples", type=int,
+                        help="held-out responses replayed to measure eval_tau_decoding, the acceptance length "
+                             "greedy decoding would get (default 64; 0 skips it)")
     parser.add_argument("--log-every", type=int)
     parser.add_argument("--checkpoint-every", type=int)
     parser.add_argument("--feature-cache", help="'memory' or a directory: reuse target features across epochs")

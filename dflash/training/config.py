@@ -39,6 +39,7 @@ class TrainConfig:
     # bookkeeping
     eval_fraction: float = 0.02
     eval_every: int = 200
+    eval_decoding_examples: int = 64  # held-out responses replayed for eval_tau_decoding (0: skip it)
     log_every: int = 10
     checkpoint_every: int = 200
     keep_checkpoints: int = 2
@@ -61,6 +62,8 @@ class TrainConfig:
             raise UserError(f"--lr must be > 0, got {self.lr}")
         if self.dtype not in ("float32", "bfloat16"):
             raise UserError(f"--dtype must be float32 or bfloat16, got {self.dtype}")
+        if self.eval_decoding_examples < 0:
+            raise UserError(f"--eval-decoding-examples must be >= 0, got {self.eval_decoding_examples}")
         if self.max_steps is None and self.epochs <= 0:
             raise UserError("set --epochs > 0 or --max-steps")
 

@@ -29,9 +29,12 @@ from dflash.model.target import TargetModel, check_compatible
 from dflash.training.config import TrainConfig
 from dflash.training.data import Batch, collate, epoch_batches, load_examples, split_examples
 from dflash.training.objective import (
+    Blocks,
     block_loss,
     build_blocks,
+    decoding_walk,
     estimated_acceptance_length,
+    leading_correct,
     loss_gamma,
     sample_anchors,
 )
@@ -241,12 +244,15 @@ class Trainer:
         anchors, anchor_valid = sample_anchors(loss_mask, c.anchors_per_sequence, generators)
         blocks = build_blocks(batch.input_ids.to(self.device), loss_mask, batch.attention_mask.to(self.device),
                               anchors, anchor_valid, c.block_size, self.drafter_config.mask_token_id, self.gamma)
-        autocast = (torch.autocast(self.device.type, dtype=torch.bfloat16) if c.dtype == "bfloat16"
+        return block_loss(self._block_logits(batch, features, blocks), blocks, c.block_size)
+
+    def _block_logits(self, batch: Batch, features: torch.Tensor, blocks: Blocks) -> torch.Tensor:
+        """(b, n*B, vocab) drafter logits for the blocks, in the configured precision."""
+        autocast = (torch.autocast(self.device.type, dtype=torch.bfloat16) if self.config.dtype == "bfloat16"
                     else nullcontext())
         with autocast:
-            logits = self.model(features, blocks.tokens, blocks.positions, batch.attention_mask.to(self.device),
-                                blocks.attn_mask)
-        return block_loss(logits, blocks, c.block_size)
+            return self.model(features, blocks.tokens, blocks.positions, batch.attention_mask.to(self.device),
+                              blocks.attn_mask)
 
     def _batch(self, split: str, indices: list[int]) -> Batch:
         examples = self.train_examples if split == "train" else self.eval_examples
@@ -301,7 +307,8 @@ class Trainer:
 
     @torch.no_grad()
     def evaluate(self) -> dict:
-        """Held-out loss, per-position accuracy and an acceptance-length estimate (fixed anchors)."""
+        """Held-out loss, per-position accuracy, and two acceptance lengths: over random anchors (fixed
+        across evaluations), and as greedy decoding would measure it (`eval_tau_decoding`)."""
         self.drafter.eval()
         totals = {"loss": 0.0, "n": 0, "accepted": 0.0, "blocks": 0.0}
         correct = counted = None
@@ -315,11 +322,39 @@ class Trainer:
             totals["blocks"] += float(out.blocks)
             correct = out.correct if correct is None else correct + out.correct
             counted = out.counted if counted is None else counted + out.counted
+        replayed = min(self.config.eval_decoding_examples, len(self.eval_examples))
+        tau_decoding = self._decoding_acceptance_length(replayed) if replayed else None
         self.drafter.train()
         accuracy = (correct[1:].float() / counted[1:].clamp_min(1)).tolist()
-        return {"eval_loss": round(totals["loss"] / totals["n"], 4),
-                "eval_tau_estimate": round(estimated_acceptance_length(totals["accepted"], totals["blocks"]), 3),
-                "eval_accuracy_per_position": [round(a, 3) for a in accuracy]}
+        out = {"eval_loss": round(totals["loss"] / totals["n"], 4),
+               "eval_tau_estimate": round(estimated_acceptance_length(totals["accepted"], totals["blocks"]), 3)}
+        if tau_decoding is not None:
+            out["eval_tau_decoding"] = round(tau_decoding, 3)
+        return {**out, "eval_accuracy_per_position": [round(a, 3) for a in accuracy]}
+
+    def _decoding_acceptance_length(self, num_examples: int, anchors_per_forward: int = 32) -> float:
+        """tau of greedy decoding on the first held-out responses: a block at every response token, then
+        `decoding_walk` replays which of them decoding would use."""
+        tokens = steps = 0
+        for i in range(num_examples):
+            batch = self._batch("eval", [i])
+            features = self._features(batch)  # (1, T, F)
+            loss_mask = batch.loss_mask.to(self.device)
+            every = (loss_mask[0, :-1] & loss_mask[0, 1:]).nonzero().flatten()  # (L-1,) all anchors
+            lengths: list[int] = []
+            for chunk in every.split(anchors_per_forward):
+                leading = self._leading_correct(batch, features, chunk[None])  # (1, n)
+                lengths.extend((1 + leading[0]).tolist())
+            walked_tokens, walked_steps = decoding_walk(lengths)
+            tokens, steps = tokens + walked_tokens, steps + walked_steps
+        return tokens / steps if steps else math.nan
+
+    def _leading_correct(self, batch: Batch, features: torch.Tensor, anchors: torch.Tensor) -> torch.Tensor:
+        c = self.config
+        ids, real = batch.input_ids.to(self.device), batch.attention_mask.to(self.device)
+        blocks = build_blocks(ids, batch.loss_mask.to(self.device), real, anchors, torch.ones_like(anchors).bool(),
+                              c.block_size, self.drafter_config.mask_token_id, self.gamma)
+        return leading_correct(self._block_logits(batch, features, blocks), blocks, c.block_size)[0]
 
     # ---- checkpoints -----------------------------------------------------------------------------------
     @property

@@ -93,3 +93,43 @@ def test_a_block_does_not_see_other_blocks(head):
     alone = logits_for(head, features, ids, real, loss_mask, torch.tensor([[10]]))
     assert torch.allclose(base[0, 0], other[0, 0], atol=1e-5)
     assert torch.allclose(base[0, 0], alone[0, 0], atol=1e-5)
+
+
+def _blocks_with_known_hits(leading_correct: list[int], B: int = 4, vocab: int = 10):
+    """One sequence, one block per entry; block j's first `leading_correct[j]` draft tokens are right."""
+    from dflash.training.objective import Blocks
+
+    n = len(leading_correct)
+    labels = torch.full((1, n, B), 7)
+    labels[:, :, 0] = -100  # the anchor has no label
+    logits = torch.zeros(1, n, B, vocab)
+    logits[..., 3] = 1.0  # wrong everywhere ...
+    for j, k in enumerate(leading_correct):
+        logits[0, j, 1: 1 + k, 7] = 2.0  # ... except the leading k draft positions
+        if 1 + k < B - 1:
+            logits[0, j, 2 + k, 7] = 2.0  # a later hit after a miss does not count
+    weights = (labels >= 0).float()
+    zeros = torch.zeros(1, n * B, dtype=torch.long)
+    blocks = Blocks(tokens=zeros, positions=zeros, labels=labels.view(1, -1), weights=weights.view(1, -1),
+                    attn_mask=torch.ones(1, n * B, n * B).bool())
+    return logits.view(1, n * B, vocab), blocks
+
+
+def test_leading_correct_stops_at_the_first_miss():
+    from dflash.training.objective import block_loss, estimated_acceptance_length, leading_correct
+
+    logits, blocks = _blocks_with_known_hits([3, 0, 1])
+    leading, has_labels = leading_correct(logits, blocks, block_size=4)
+    assert leading.tolist() == [[3, 0, 1]] and has_labels.all()
+    out = block_loss(logits, blocks, block_size=4)
+    assert int(out.accepted) == 4 and int(out.blocks) == 3
+    assert estimated_acceptance_length(float(out.accepted), float(out.blocks)) == pytest.approx(1 + 4 / 3)
+
+
+def test_decoding_walk_steps_from_each_accepted_end_and_has_no_bonus_past_the_text():
+    from dflash.training.objective import decoding_walk
+
+    # anchors 0..6 of an 8-token response; decoding visits 0 (tau 3) -> 3 (tau 1) -> 4 (tau 4, capped to 3)
+    assert decoding_walk([3, 9, 9, 1, 4, 9, 9]) == (7, 3)
+    assert decoding_walk([1] * 5) == (5, 5)
+    assert decoding_walk([]) == (0, 0)

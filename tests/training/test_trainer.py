@@ -150,3 +150,36 @@ def test_train_cli_errors_are_clear(tmp_path, tiny_pair, capsys):
     assert main(["train", "--target", str(tiny_pair[0]), "--data", str(tmp_path / "missing.jsonl"),
                  "--output", str(tmp_path / "o")]) == 2
     assert "does not exist" in capsys.readouterr().err
+
+
+@pytest.fixture(scope="module")
+def greedy_data(tmp_path_factory, tiny_pair):
+    """Responses the tiny target gave greedily, the kind of data `eval_tau_decoding` replays."""
+    plain = DFlash.from_pretrained(tiny_pair[0], no_draft=True, device="cpu")
+    path = tmp_path_factory.mktemp("greedy") / "data.jsonl"
+    rng = random.Random(1)
+    with path.open("w") as f:
+        for i in range(24):
+            prompt = [rng.randrange(4, 120) for _ in range(rng.randint(4, 10))]
+            response = plain.generate(prompt, max_new_tokens=rng.randint(16, 40), stop_token_ids=[]).output_ids
+            f.write(json.dumps({"id": i, "messages": [], "prompt_ids": prompt, "response_ids": response}) + "\n")
+    return path
+
+
+def test_eval_tau_decoding_is_what_greedy_decoding_measures(tiny_pair, greedy_data, tmp_path):
+    trainer = Trainer(config(tiny_pair, greedy_data, tmp_path / "out", max_steps=40, anchors_per_sequence=16)).setup()
+    trainer.train()
+    trainer.eval_examples = trainer.train_examples[:8]  # texts the drafter has learnt: a varied acceptance
+    result = trainer.evaluate()
+    pipe = DFlash.from_pretrained(tiny_pair[0], tmp_path / "out", device="cpu", block_size=4)
+    tokens = steps = 0
+    for example in trainer.eval_examples:
+        response = example.input_ids[example.response_start:]
+        out = pipe.generate(example.input_ids[: example.response_start], max_new_tokens=len(response),
+                            stop_token_ids=[])
+        assert out.output_ids == response  # the data is the target's own greedy text
+        tokens, steps = tokens + sum(out.stats.acceptance_lengths[1:]), steps + len(out.stats.acceptance_lengths) - 1
+    measured = tokens / steps
+    assert measured > 1.3, "the drafter must accept something for this test to tell estimates apart"
+    assert result["eval_tau_decoding"] == pytest.approx(measured, abs=1e-3)
+    assert result["eval_tau_estimate"] > measured  # uniform anchors over-weight the easy stretches
