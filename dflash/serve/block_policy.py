@@ -156,9 +156,11 @@ class BlockSizePolicy:
                  ", ".join(f"{r}x{k}: {s * 1e3:.1f} ms" for (r, k), s in shapes))
         return cls(proposer, costs, plain)
 
-    def break_even(self, rows: int, block_size: int) -> float:
-        """The acceptance length at which a drafted step of this shape yields as many tokens/s as plain steps."""
-        return self.costs(rows, block_size) / self.plain_costs(rows, 1)
+    def break_even(self, rows: int, block_size: int | None = None) -> float:
+        """The acceptance length at which a drafted step of this shape yields as many tokens/s as plain steps;
+        without a block size, at the one this policy would choose for that many rows."""
+        k = block_size if block_size is not None else self.choose(rows)
+        return self.costs(rows, k) / self.plain_costs(rows, 1)
 
     def choose(self, rows: int) -> int:
         def tokens_per_s(k: int) -> float:

@@ -177,7 +177,7 @@ class Scheduler:
                 self._cond.wait()
             if self._stopping:
                 return None
-            free = self.config.max_batch_size - sum(len(b) for b in self._running.values())
+            free = self.config.max_batch_size - self._running_rows()
             taken = []
             while self._waiting and len(taken) < free:
                 taken.append(self._waiting.popleft())
@@ -246,7 +246,9 @@ class Scheduler:
         if self.block_policy is not None:
             self.block_policy.observe(accepted, batch.proposer.block_size - 1)
             if self.fallback.config.auto:
-                self.fallback.set_threshold(self.block_policy.break_even(len(batch), batch.proposer.block_size))
+                # judged at the batch drafting would get if it came back: every running row. A probe drafts
+                # one row while the rest decode plainly, and one row breaks even far sooner than eight.
+                self.fallback.set_threshold(self.block_policy.break_even(self._running_rows()))
         by_workload: dict[str, list[int]] = {}
         for seq, tokens in zip(batch.sequences, kept):
             by_workload.setdefault(self._requests[id(seq)].workload, []).append(len(tokens))
@@ -290,8 +292,11 @@ class Scheduler:
             self.metrics.e2e.observe(time.perf_counter() - request.arrival)
         request.emit(Event(done=True, finish_reason=reason, error=error))
 
+    def _running_rows(self) -> int:
+        return sum(len(b) for b in self._running.values())
+
     def _update_running(self) -> None:
-        self.metrics.running.set(sum(len(b) for b in self._running.values()))
+        self.metrics.running.set(self._running_rows())
 
     def _shutdown(self) -> None:
         for decoder in list(self._running):

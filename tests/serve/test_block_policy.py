@@ -87,6 +87,36 @@ def test_break_even_is_the_cost_ratio_to_a_plain_step():
     policy = BlockSizePolicy(FakeProposer(16), costs(per_token_s=0.001), plain)
     assert policy.break_even(1, 4) == pytest.approx(0.014 / 0.010)
     assert policy.break_even(8, 16) == pytest.approx(0.138 / 0.020)
+    assert policy.break_even(8) == policy.break_even(8, policy.choose(8))  # at the block it would choose
+
+
+class FakeBatch:
+    def __init__(self, rows: int, block_size: int):
+        self.sequences = [object() for _ in range(rows)]
+        self.proposer = FakeProposer(block_size)
+
+    def __len__(self):
+        return len(self.sequences)
+
+
+def test_a_probe_is_judged_at_the_batch_drafting_would_get_back():
+    """One probe row drafts while seven decode plainly: the threshold is the break-even of eight drafting rows,
+    not of the probe's own one-row batch."""
+    from types import SimpleNamespace
+
+    from dflash.serve.fallback import FallbackConfig
+    from dflash.serve.scheduler import DRAFT, PLAIN, Scheduler
+
+    policy = BlockSizePolicy(FakeProposer(16), costs(per_token_s=0.001), StepCosts({(1, 1): 0.010, (8, 1): 0.020}))
+    engine = SimpleNamespace(proposer=FakeProposer(16))
+    scheduler = Scheduler(engine, fallback=FallbackConfig(auto=True), block_policy=policy)
+    probe, others = FakeBatch(1, 16), FakeBatch(7, 1)
+    for seq in probe.sequences + others.sequences:
+        scheduler._requests[id(seq)] = SimpleNamespace(workload="w")
+    scheduler._running = {DRAFT: probe, PLAIN: others}
+    scheduler._record_drafts(probe, kept=[[5, 6]])
+    assert scheduler.fallback.threshold == pytest.approx(policy.break_even(8))
+    assert policy.break_even(8) != pytest.approx(policy.break_even(1, 16))
 
 
 def test_changing_the_block_size_every_step_is_lossless(target):
