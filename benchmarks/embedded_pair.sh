@@ -9,8 +9,8 @@ mkdir -p "$out"
 # 1. where a decode step's time goes
 python benchmarks/engine_overhead.py --threads 2 > "$out/engine_overhead.json"
 
-# 2. local bench: DFlash vs plain decoding, greedy, B = 16 (math500 / mbpp need a --data-dir with them)
-dflash bench --dataset gsm8k humaneval mt-bench --max-samples 20 --max-new-tokens 256 --block-size 8,16 \
+# 2. local bench: DFlash vs plain decoding, greedy, B = 8 and 16, on the five datasets
+dflash bench --dataset all --max-samples 20 --max-new-tokens 256 --block-size 8,16 \
     --output-dir "$out/bench" --no-progress
 # the block-size sweep on gsm8k (8 and 16 above)
 dflash bench --dataset gsm8k --max-samples 20 --max-new-tokens 256 --block-size 2,4 \

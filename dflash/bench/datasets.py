@@ -6,8 +6,8 @@ answered one after another by the model itself (mt-bench has two turns; the othe
 Where a dataset comes from, first found wins:
     1. --data-file FILE.jsonl      the dataset's own records, or any records with `prompt`, `turns` or `messages`
     2. --data-dir DIR / $DFLASH_DATA_DIR   laid out like the bundled copies (gsm8k/test.jsonl, ...)
-    3. the copies bundled with the package (gsm8k, humaneval, mt-bench)
-    4. the Hugging Face Hub through `datasets` (math500, mbpp)
+    3. the copies bundled with the package (all five; see dflash/bench/data/README.md)
+    4. the Hugging Face Hub through `datasets`
 """
 
 from __future__ import annotations
@@ -85,7 +85,7 @@ DATASETS: dict[str, DatasetSpec] = {
                              ("prompt", "entry_point"), _humaneval,
                              HubSource("openai/openai_humaneval", None, "test"), id_field="task_id"),
     "mbpp": DatasetSpec("mbpp", ("mbpp/test.jsonl", "mbpp/sanitized-mbpp.jsonl"), ("test_list",), _mbpp,
-                        HubSource("google-research-datasets/mbpp", "sanitized", "test"), id_field="task_id"),
+                        HubSource("google-research-datasets/mbpp", "full", "test"), id_field="task_id"),
     "mt-bench": DatasetSpec("mt-bench", ("mt-bench/question.jsonl",), ("turns",), _mt_bench,
                             id_field="question_id"),
 }

@@ -70,8 +70,12 @@ def test_bundled_copies_are_used_without_any_source():
     gsm8k = load_samples("gsm8k", DataOptions(use_hub=False, max_samples=3))
     mt = load_samples("mt-bench", DataOptions(use_hub=False))
     humaneval = load_samples("humaneval", DataOptions(use_hub=False))
-    assert len(gsm8k) == 3 and len(mt) == 80 and len(humaneval) == 164
+    math = load_samples("math500", DataOptions(use_hub=False))
+    mbpp = load_samples("mbpp", DataOptions(use_hub=False))
+    assert len(gsm8k) == 3 and len(mt) == 80 and len(humaneval) == 164 and len(math) == 500 and len(mbpp) == 500
     assert all(len(s.turns) == 2 for s in mt)
+    assert sorted(int(s.id) for s in mbpp) == list(range(11, 511))  # the MBPP test split
+    assert all(s.turns[0].endswith(datasets.MATH_SUFFIX) for s in math)
 
 
 def test_subset_is_deterministic_and_seeded(data_dir):
