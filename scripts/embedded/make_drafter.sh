@@ -8,6 +8,7 @@ dflash datagen --target dflash/assets/target --prompts scripts/embedded/data/gsm
     --prompt-field question \
     --prompt-suffix $'\nPlease reason step by step, and put your final answer within \\boxed{}.' \
     --output runs/embedded/gsm8k_train_regenerated.jsonl --max-new-tokens 384 --batch-size 32
-dflash train --config scripts/embedded/drafter.yaml "$@"
+dflash train --config scripts/embedded/drafter.yaml "$@"          # round 1 -> runs/embedded/drafter
+dflash train --config scripts/embedded/drafter_round2.yaml "$@"   # round 2 -> runs/embedded/drafter_round2
 rm -rf dflash/assets/drafter && mkdir -p dflash/assets/drafter
-cp runs/embedded/drafter/config.json runs/embedded/drafter/model.safetensors dflash/assets/drafter/
+cp runs/embedded/drafter_round2/config.json runs/embedded/drafter_round2/model.safetensors dflash/assets/drafter/
