@@ -124,7 +124,6 @@ class LossOutput:
 def block_loss(logits: torch.Tensor, blocks: Blocks, block_size: int) -> LossOutput:
     """logits (b, n*B, vocab). Each sequence's loss is normalised by its weight sum, then averaged over
     sequences, so a batch split across processes averages to the same value."""
-    b = logits.shape[0]
     ce = F.cross_entropy(logits.float().transpose(1, 2), blocks.labels.clamp_min(0), reduction="none")  # (b, n*B)
     weighted = (ce * blocks.weights).sum(1)
     weight_sum = blocks.weights.sum(1)
@@ -133,20 +132,24 @@ def block_loss(logits: torch.Tensor, blocks: Blocks, block_size: int) -> LossOut
     loss = (per_sequence * has_labels).sum() / max(int(has_labels.sum()), 1)
 
     with torch.no_grad():
-        hit = (logits.argmax(-1) == blocks.labels).view(b, -1, block_size)
-        labelled = (blocks.labels >= 0).view(b, -1, block_size)
+        hit, labelled = block_hits(logits, blocks, block_size)
         correct = (hit & labelled).sum((0, 1))
         counted = labelled.sum((0, 1))
-        leading, has_labels = leading_correct(logits, blocks, block_size)
+        leading, has_labels = leading_correct(hit, labelled)
     return LossOutput(loss, correct, counted, leading.sum(), has_labels.sum())
 
 
-def leading_correct(logits: torch.Tensor, blocks: Blocks, block_size: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Per block, the draft tokens a greedy verify would accept on the target's own text: the leading
-    correct ones. logits (b, n*B, vocab) -> leading (b, n) and has_labels (b, n) bool."""
+def block_hits(logits: torch.Tensor, blocks: Blocks, block_size: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """logits (b, n*B, vocab) -> hit (b, n, B): greedy prediction == label, and labelled (b, n, B)."""
     b = logits.shape[0]
-    hit = (logits.argmax(-1) == blocks.labels).view(b, -1, block_size)[:, :, 1:]  # (b, n, B-1)
-    labelled = (blocks.labels >= 0).view(b, -1, block_size)[:, :, 1:]
+    hit = (logits.argmax(-1) == blocks.labels).view(b, -1, block_size)
+    return hit, (blocks.labels >= 0).view(b, -1, block_size)
+
+
+def leading_correct(hit: torch.Tensor, labelled: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per block, the draft tokens a greedy verify would accept on the target's own text: the leading
+    correct ones. hit, labelled (b, n, B) -> leading (b, n) and has_labels (b, n) bool."""
+    hit, labelled = hit[:, :, 1:], labelled[:, :, 1:]  # (b, n, B-1): the anchor is given, not drafted
     leading = ((hit | ~labelled).int().cumprod(-1) * labelled).sum(-1)  # a block ends at its last label
     return leading, labelled.any(-1)
 

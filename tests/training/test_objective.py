@@ -116,10 +116,10 @@ def _blocks_with_known_hits(leading_correct: list[int], B: int = 4, vocab: int =
 
 
 def test_leading_correct_stops_at_the_first_miss():
-    from dflash.training.objective import block_loss, estimated_acceptance_length, leading_correct
+    from dflash.training.objective import block_hits, block_loss, estimated_acceptance_length, leading_correct
 
     logits, blocks = _blocks_with_known_hits([3, 0, 1])
-    leading, has_labels = leading_correct(logits, blocks, block_size=4)
+    leading, has_labels = leading_correct(*block_hits(logits, blocks, block_size=4))
     assert leading.tolist() == [[3, 0, 1]] and has_labels.all()
     out = block_loss(logits, blocks, block_size=4)
     assert int(out.accepted) == 4 and int(out.blocks) == 3
