@@ -11,6 +11,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--config", help="YAML file of training options; flags override it")
     parser.add_argument("--target", help="target model: directory or hub id")
     parser.add_argument("--data", help="JSONL written by `dflash datagen`")
+    parser.add_argument("--extra-train-data", nargs="+", metavar="FILE",
+                        help="more JSONL files used for training only; the held-out split still comes from --data")
     parser.add_argument("--output", help="output directory (public drafter format + checkpoints/)")
     parser.add_argument("--draft-layers", type=int)
     parser.add_argument("--block-size", type=int)

@@ -14,7 +14,8 @@ from dflash.errors import UserError
 @dataclass
 class TrainConfig:
     target: str = ""  # path or hub id of the target
-    data: str = ""  # JSONL from `dflash datagen`
+    data: str = ""  # JSONL from `dflash datagen`; the held-out split is drawn from it
+    extra_train_data: list[str] | None = None  # more JSONL files, for training only (the split is unchanged)
     output: str = ""  # output directory: the public drafter format + checkpoints/
     # drafter shape
     draft_layers: int = 1
@@ -64,6 +65,8 @@ class TrainConfig:
             raise UserError(f"--dtype must be float32 or bfloat16, got {self.dtype}")
         if self.eval_decoding_examples < 0:
             raise UserError(f"--eval-decoding-examples must be >= 0, got {self.eval_decoding_examples}")
+        if isinstance(self.extra_train_data, str):
+            self.extra_train_data = [self.extra_train_data]
         if self.max_steps is None and self.epochs <= 0:
             raise UserError("set --epochs > 0 or --max-steps")
 

@@ -150,6 +150,8 @@ class Trainer:
         c = self.config
         examples = load_examples(c.data, self.tokenizer, c.max_length)
         self.train_examples, self.eval_examples = split_examples(examples, c.eval_fraction, c.seed)
+        for path in c.extra_train_data or []:
+            self.train_examples += load_examples(path, self.tokenizer, c.max_length)
         self.global_batch = c.batch_size * self.world
         if len(self.train_examples) < self.global_batch:
             raise UserError(f"only {len(self.train_examples)} training examples for a global batch of "

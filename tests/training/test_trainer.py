@@ -17,6 +17,7 @@ from dflash import DFlash
 from dflash.cli.main import main
 from dflash.model import load_drafter
 from dflash.training import Trainer, load_config
+from dflash.training.data import load_examples
 
 
 @pytest.fixture(scope="module")
@@ -134,6 +135,16 @@ def test_fine_tuning_starts_from_the_given_drafter(tiny_pair, train_data, tmp_pa
     assert all(torch.equal(start[k], v) for k, v in tuned.drafter.state_dict().items() if "rotary" not in k)
     tuned.train()
     assert all(torch.allclose(start[k], v, atol=1e-6) for k, v in weights(tmp_path / "tuned").items())
+
+
+def test_extra_train_data_trains_without_changing_the_held_out_split(tiny_pair, train_data, tmp_path):
+    extra = tmp_path / "extra.jsonl"
+    extra.write_text("".join(train_data.read_text().splitlines(True)[:5]))  # any records: training only
+    plain = Trainer(config(tiny_pair, train_data, tmp_path / "a")).setup()
+    more = Trainer(config(tiny_pair, train_data, tmp_path / "b", extra_train_data=str(extra))).setup()
+    assert [e.input_ids for e in more.eval_examples] == [e.input_ids for e in plain.eval_examples]
+    assert [e.input_ids for e in more.train_examples] == [e.input_ids for e in plain.train_examples] + [
+        e.input_ids for e in load_examples(extra, plain.tokenizer, plain.config.max_length)]
 
 
 def test_yaml_config_and_flag_override(tmp_path, tiny_pair, train_data):
