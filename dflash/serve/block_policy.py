@@ -10,6 +10,11 @@ k. Before each step the policy takes the k in 2..B with the most expected tokens
 T(rows, k) is measured once at start-up (real engine steps over dummy rows); E[tokens | k] comes from the
 acceptance counted per draft position over recent steps (old evidence fades, so it follows the workload).
 Lossless either way: a smaller block only verifies fewer draft tokens of the same drafter.
+
+The same costs give the fallback its break-even acceptance length: a drafted step's time over a plain
+step's. Under load both run slower than at start-up, and not by the same factor (the server's own threads
+and other processes add time per step, which weighs more on a cheap plain step), so every served step is
+timed too, and the break-even is corrected by how much more drafted steps slowed down than plain ones.
 """
 
 from __future__ import annotations
@@ -134,6 +139,32 @@ def candidate_rows(max_batch_size: int) -> list[int]:
     return doublings(1, max_batch_size)
 
 
+@dataclass
+class StepSlowdown:
+    """Measured over calibrated step time, a moving average per decoder (drafted or plain steps)."""
+
+    smoothing: float = 0.1  # weight of the newest step
+    fresh_for_s: float = 30.0  # a decoder not timed for this long has no say any more
+    ratio: dict[bool, float] = field(default_factory=dict)  # drafted? -> measured / calibrated
+    seen_at: dict[bool, float] = field(default_factory=dict)
+
+    def observe(self, drafted: bool, measured_s: float, calibrated_s: float, now: float) -> None:
+        ratio = measured_s / calibrated_s
+        old = self.ratio.get(drafted) if self.fresh(drafted, now) else None
+        self.ratio[drafted] = ratio if old is None else (1 - self.smoothing) * old + self.smoothing * ratio
+        self.seen_at[drafted] = now
+
+    def fresh(self, drafted: bool, now: float) -> bool:
+        return now - self.seen_at.get(drafted, float("-inf")) <= self.fresh_for_s
+
+    def relative(self, now: float) -> float:
+        """How much more drafted steps slowed down than plain ones, when both were timed lately; else 1 (the
+        calibrated ratio stands: one decoder's slowdown alone says nothing about the other's)."""
+        if not (self.fresh(True, now) and self.fresh(False, now)):
+            return 1.0
+        return self.ratio[True] / self.ratio[False]
+
+
 class BlockSizePolicy:
     """Picks each drafted step's block size from the batch's rows; used from the decode thread only."""
 
@@ -143,6 +174,7 @@ class BlockSizePolicy:
         self.max_block = max(costs.block_sizes)
         self.acceptance = AcceptanceByPosition(self.max_block - 1)
         self._proposers = {k: proposer.with_block_size(k) for k in costs.block_sizes}
+        self.slowdown = StepSlowdown()
 
     @classmethod
     def calibrate(cls, engine: SpeculativeEngine, max_batch_size: int) -> "BlockSizePolicy":
@@ -156,11 +188,19 @@ class BlockSizePolicy:
                  ", ".join(f"{r}x{k}: {s * 1e3:.1f} ms" for (r, k), s in shapes))
         return cls(proposer, costs, plain)
 
-    def break_even(self, rows: int, block_size: int | None = None) -> float:
+    def break_even(self, rows: int, block_size: int | None = None, now: float | None = None) -> float:
         """The acceptance length at which a drafted step of this shape yields as many tokens/s as plain steps;
-        without a block size, at the one this policy would choose for that many rows."""
+        without a block size, at the one this policy would choose for that many rows. Corrected by the
+        relative slowdown of the two kinds of step as served lately."""
         k = block_size if block_size is not None else self.choose(rows)
-        return self.costs(rows, k) / self.plain_costs(rows, 1)
+        now = time.monotonic() if now is None else now
+        return self.costs(rows, k) / self.plain_costs(rows, 1) * self.slowdown.relative(now)
+
+    def observe_step(self, rows: int, block_size: int, seconds: float, now: float | None = None) -> None:
+        """A served step's time; block size 1 is a plain step (the only kind whose costs lack that size)."""
+        drafted = block_size > 1
+        calibrated = self.costs(rows, block_size) if drafted else self.plain_costs(rows, 1)
+        self.slowdown.observe(drafted, seconds, calibrated, time.monotonic() if now is None else now)
 
     def choose(self, rows: int) -> int:
         def tokens_per_s(k: int) -> float:

@@ -94,6 +94,7 @@ class Scheduler:
         self.config = config or SchedulerConfig()
         self.metrics = metrics or ServerMetrics()
         self.fallback = AdaptiveFallback(fallback or FallbackConfig(), self.metrics.record_fallback)
+        self.metrics.fallback_threshold.set(self.fallback.threshold)
         self.has_drafter = not isinstance(engine.proposer, NoDraftProposer)
         self.block_policy = block_policy  # None: every drafted step uses the proposer's own block size
         self._proposers = {DRAFT: engine.proposer, PLAIN: NoDraftProposer()}
@@ -230,13 +231,21 @@ class Scheduler:
         if decoder == DRAFT and self.block_policy is not None:
             batch.proposer = self.block_policy.proposer_for(len(batch))
             self.metrics.block_size.set(batch.proposer.block_size)
+        rows, started = len(batch), time.perf_counter()
         kept = self.engine.step(batch)
+        self._time_step(decoder, rows, batch.proposer.block_size if decoder == DRAFT else 1, started)
         if decoder == DRAFT:
             self._record_drafts(batch, kept)
         for seq, tokens in zip(batch.sequences, kept):
             if tokens:
                 self._send(self._requests[id(seq)], tokens)
         self._drop_finished(decoder)
+
+    def _time_step(self, decoder: str, rows: int, block_size: int, started: float) -> None:
+        if self.block_policy is None or self.block_policy.plain_costs is None:
+            return
+        self.block_policy.observe_step(rows, block_size, time.perf_counter() - started)
+        self.metrics.step_slowdown.labels(decoder=decoder).set(self.block_policy.slowdown.ratio[decoder == DRAFT])
 
     def _record_drafts(self, batch: Batch, kept: list[list[int]]) -> None:
         # Tokens kept = accepted draft tokens + 1 (the recovered or bonus token); a row's last step may be
@@ -249,6 +258,7 @@ class Scheduler:
                 # judged at the batch drafting would get if it came back: every running row. A probe drafts
                 # one row while the rest decode plainly, and one row breaks even far sooner than eight.
                 self.fallback.set_threshold(self.block_policy.break_even(self._running_rows()))
+                self.metrics.fallback_threshold.set(self.fallback.threshold)
         by_workload: dict[str, list[int]] = {}
         for seq, tokens in zip(batch.sequences, kept):
             by_workload.setdefault(self._requests[id(seq)].workload, []).append(len(tokens))

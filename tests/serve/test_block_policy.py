@@ -90,6 +90,20 @@ def test_break_even_is_the_cost_ratio_to_a_plain_step():
     assert policy.break_even(8) == policy.break_even(8, policy.choose(8))  # at the block it would choose
 
 
+def test_break_even_follows_how_much_more_drafted_steps_slowed_down_than_plain_ones():
+    policy = BlockSizePolicy(FakeProposer(16), costs(per_token_s=0.001), StepCosts({(1, 1): 0.010, (8, 1): 0.020}))
+    calibrated = policy.break_even(8, 16, now=0.0)
+    for t in range(20):  # under load: plain steps take 3x their start-up time, drafted steps 1.5x
+        policy.observe_step(8, 1, 3 * 0.020, now=float(t))
+        policy.observe_step(8, 16, 1.5 * 0.138, now=float(t))
+    assert policy.break_even(8, 16, now=20.0) == pytest.approx(calibrated / 2)
+    policy.observe_step(8, 16, 0.138, now=21.0)  # one faster step moves the average a tenth of the way
+    assert policy.break_even(8, 16, now=21.0) == pytest.approx(calibrated * (0.9 * 1.5 + 0.1 * 1.0) / 3)
+    # plain steps not timed for a while: their old slowdown has no say, the start-up ratio stands
+    policy.observe_step(8, 16, 1.5 * 0.138, now=100.0)
+    assert policy.break_even(8, 16, now=100.0) == pytest.approx(calibrated)
+
+
 class FakeBatch:
     def __init__(self, rows: int, block_size: int):
         self.sequences = [object() for _ in range(rows)]

@@ -56,6 +56,7 @@ def test_server_falls_back_and_probes(start_server):
     m1 = server.metrics()
     assert m1[DRAFTS] > m0.get(DRAFTS, 0) and m1[ACTIVE] == 1
     assert m1['dflash:fallback_rolling_acceptance_length{workload="chat/greedy"}'] < 1.5
+    assert m1["dflash:fallback_threshold_acceptance_length"] == 1.5
     plain = [ask(), ask()]  # decode without the drafter
     m2 = server.metrics()
     assert m2[DRAFTS] == m1[DRAFTS]
@@ -92,4 +93,8 @@ def test_auto_server_measures_its_break_even(start_server):
                                        max_tokens=24, temperature=0, extra_body={"ignore_eos": True})
     fallback = server.server_state.scheduler.fallback
     assert fallback.threshold > 0
-    assert server.metrics()[ACTIVE] == 1.0
+    metrics = server.metrics()
+    assert metrics[ACTIVE] == 1.0
+    assert metrics["dflash:fallback_threshold_acceptance_length"] == pytest.approx(fallback.threshold)
+    assert metrics['dflash:step_slowdown{decoder="draft"}'] > 0  # served steps were timed
+    assert metrics['dflash:step_slowdown{decoder="plain"}'] > 0
