@@ -205,24 +205,43 @@ class SpeculativeEngine:
     @torch.inference_mode()
     def prefill(self, seq: Sequence, proposer: Proposer | None = None) -> Batch:
         """Run the prompt through the target alone; its first token becomes the first anchor."""
-        proposer = proposer or self.proposer
+        batch, logits = self._read(seq, seq.prompt_ids, proposer or self.proposer)  # logits (vocab,)
+        first = sample_target_only(logits, seq.params, seq.generator)
+        seq.record([first])
+        batch.anchors = torch.tensor([first], device=batch.anchors.device)
+        return batch
+
+    @torch.inference_mode()
+    def rejoin(self, seq: Sequence, proposer: Proposer) -> Batch:
+        """A one-row batch, with another proposer, for a sequence that is already decoding: the target reads
+        every token before its anchor (its last output token) again, so that proposer gets its context.
+        Merge it into a batch of that proposer; the output goes on exactly as it would have."""
+        if not seq.output_ids:
+            raise ValueError("rejoin needs a sequence that was prefilled")
+        batch, _ = self._read(seq, seq.prompt_ids + seq.output_ids[:-1], proposer)
+        batch.anchors = torch.tensor([seq.output_ids[-1]], device=batch.anchors.device)
+        return batch
+
+    def _read(self, seq: Sequence, tokens: list[int], proposer: Proposer) -> tuple[Batch, torch.Tensor]:
+        """The target reads `tokens` into a new cache (the proposer observes their features); a one-row batch
+        anchored right after them (its anchor token is the caller's), and the target's last logits."""
         device = self.target.device
-        ids = torch.tensor([seq.prompt_ids], device=device)  # (1, n)
+        ids = torch.tensor([tokens], device=device)  # (1, n)
         positions = torch.arange(ids.shape[1], device=device)[None]
         cache = self.target.new_cache()
         out = self.target.forward(ids, positions, cache, logits_to_keep=1,
                                   feature_layer_ids=proposer.feature_layer_ids)
-        first = sample_target_only(out.logits[0, -1], seq.params, seq.generator)
         seq.stats.target_forwards += 1
-        seq.record([first])
         state = proposer.new_state()
         valid = torch.ones_like(ids, dtype=torch.bool)
         if out.features is not None:
             proposer.observe(state, PendingContext(out.features, positions, valid))
-        return Batch(
+        batch = Batch(
             sequences=[seq], proposer=proposer, target_cache=cache, target_valid=valid, draft_state=state,
-            anchors=torch.tensor([first], device=device), anchor_positions=torch.tensor([ids.shape[1]], device=device),
+            anchors=torch.zeros(1, dtype=torch.long, device=device),
+            anchor_positions=torch.tensor([ids.shape[1]], device=device),
         )
+        return batch, out.logits[0, -1]
 
     @torch.inference_mode()
     def step(self, batch: Batch) -> list[list[int]]:

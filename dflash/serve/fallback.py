@@ -6,8 +6,9 @@ keeps the acceptance lengths of its last `window` drafted decode steps. When the
 `min_acceptance_length` (or, in auto mode, the break-even acceptance length the server measures: a drafted
 step's cost over a plain step's), new requests of that workload decode without the drafter. After
 `probe_after` such requests it probes: one request at a time drafts (the others stay plain) until a fresh
-window decides whether drafting comes back. Rows already decoding keep the proposer they started with (a row
-cannot change batch), which is why a probe drafts a single request.
+window decides whether drafting comes back. When a verdict changes, the scheduler moves the workload's rows
+that are decoding to the other decoder (`AdaptiveFallback.wants_draft`), so drafted and plain steps do not
+alternate for long: each costs a whole target forward, and together they are slower than either alone.
 """
 
 from __future__ import annotations
@@ -122,3 +123,11 @@ class AdaptiveFallback:
 
     def drafting(self, workload: str) -> bool:
         return self._get(workload).drafting if self.config.enabled else True
+
+    def wants_draft(self, workload: str, probe: bool) -> bool:
+        """Whether a request of this workload that is decoding should draft now: every one while the workload
+        drafts; only the probe request (`probe`: it drafted while the workload did not) while a probe runs."""
+        if not self.config.enabled:
+            return True
+        state = self._get(workload)
+        return state.drafting or (probe and state.probing)

@@ -61,6 +61,8 @@ class ServerMetrics:
         self.fallback_rolling = Gauge("dflash:fallback_rolling_acceptance_length",
                                       "Mean acceptance length over the workload's recent drafted steps.",
                                       ["workload"], registry=r)
+        self.decoder_moves = Counter("dflash:decoder_moves", "Decoding rows moved to the other decoder when the "
+                                     "fallback's verdict changed.", ["to"], registry=r)
         self.fallback_threshold = Gauge("dflash:fallback_threshold_acceptance_length",
                                         "Mean acceptance length below which a workload stops drafting (in auto "
                                         "mode the measured break-even with plain decoding).", registry=r)

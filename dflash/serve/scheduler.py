@@ -7,7 +7,9 @@
     cancel() (disconnect, abort)   ---->    between steps: drop finished and cancelled rows, free their slots
 
 Drafted and plain rows cannot share a batch (they run different proposers), so there is one running batch
-per decoder; each loop steps both. Which decoder a new request gets is the adaptive fallback's call.
+per decoder; each loop steps both. Which decoder a request gets is the adaptive fallback's call; when its
+verdict for a workload changes, that workload's decoding rows move to the other decoder between steps
+(the target reads each row again for the new proposer), so the two batches run side by side only briefly.
 """
 
 from __future__ import annotations
@@ -70,7 +72,8 @@ class Request:
         self.arrival = time.perf_counter()
         self.cancelled = False
         self.finished = False
-        self.decoder: str | None = None  # set at prefill
+        self.decoder: str | None = None  # set at prefill; changes when the fallback moves the row
+        self.probe = False  # drafting as the fallback's probe: its workload does not draft otherwise
         self._loop = loop
         self._scheduler = scheduler
 
@@ -165,6 +168,7 @@ class Scheduler:
                 self._prefill(new)
                 for decoder in list(self._running):
                     self._step(decoder)
+                self._move_rows()
             except Exception:  # a bug, not a client's mistake: fail what is decoding, keep serving
                 log.exception("decode loop error; failing the running requests")
                 for decoder in list(self._running):
@@ -197,6 +201,7 @@ class Scheduler:
         for request in requests:
             decoder = DRAFT if self.has_drafter and self.fallback.should_draft(request.workload) else PLAIN
             request.decoder = decoder
+            request.probe = decoder == DRAFT and not self.fallback.drafting(request.workload)
             seq = request.seq
             try:
                 batch = self.engine.prefill(seq, self._proposers[decoder])
@@ -213,10 +218,54 @@ class Scheduler:
                 continue
             self._requests[id(seq)] = request
             joined.setdefault(decoder, []).append(batch)
+        self._join(joined)
+
+    def _join(self, joined: dict[str, list[Batch]]) -> None:
         for decoder, batches in joined.items():
             running = [self._running[decoder]] if decoder in self._running else []
             self._running[decoder] = self.engine.merge(running + batches)
         self._update_running()
+
+    def _move_rows(self) -> None:
+        """Rows whose decoder the fallback no longer wants for them rejoin the other decoder's batch."""
+        if not (self.has_drafter and self.fallback.config.enabled):
+            return
+        moving: list[Request] = []
+        for decoder in list(self._running):
+            batch = self._running[decoder]
+            keep = []
+            for i, seq in enumerate(batch.sequences):
+                request = self._requests[id(seq)]
+                wanted = DRAFT if self.fallback.wants_draft(request.workload, request.probe) else PLAIN
+                if wanted == decoder:
+                    keep.append(i)
+                else:
+                    moving.append(request)
+            if len(keep) < len(batch):
+                rest = self.engine.select_rows(batch, keep)
+                if rest is None:
+                    del self._running[decoder]
+                else:
+                    self._running[decoder] = rest
+        joined: dict[str, list[Batch]] = {}
+        for request in moving:
+            decoder = PLAIN if request.decoder == DRAFT else DRAFT
+            try:
+                batch = self.engine.rejoin(request.seq, self._proposers[decoder])
+            except Exception as err:
+                log.exception("moving a row to %s decoding failed", decoder)
+                self._requests.pop(id(request.seq))
+                self._finish(request, "error", f"moving the row to {decoder} decoding failed: {type(err).__name__}")
+                continue
+            if request.decoder == DRAFT:
+                self.fallback.finished(request.workload)
+            request.decoder = decoder
+            joined.setdefault(decoder, []).append(batch)
+            self.metrics.decoder_moves.labels(to=decoder).inc()
+        if joined:
+            log.info("fallback: %s", ", ".join(f"{len(b)} decoding rows moved to {d} decoding"
+                                               for d, b in joined.items()))
+            self._join(joined)
 
     def _step(self, decoder: str) -> None:
         """Drop cancelled rows, run one draft-verify-accept step, send every row its tokens."""

@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 
 from conftest import VOCAB, OracleProposer, hf_greedy, random_prompts, tiny_drafter
-from dflash.decoding import DFlashProposer, GenerationConfig, SpeculativeEngine
+from dflash.decoding import DFlashProposer, GenerationConfig, NoDraftProposer, SpeculativeEngine
 from dflash.decoding.engine import GenerationError
 
 MAX_NEW = 48
@@ -95,6 +95,28 @@ def test_joining_a_running_batch_is_lossless(target):
         engine.step(batch)
         batch = engine.drop_finished(batch)
     assert [s.output_ids for s in seqs] == [refs[tuple(p)] for p in prompts]
+
+
+def test_moving_rows_between_plain_and_drafted_decoding_is_lossless(target):
+    """What the server's fallback does: rows leave their batch and rejoin one of the other proposer."""
+    prompts = random_prompts(3, seed=4)
+    refs = {tuple(p): hf_greedy(target, p, 40) for p in prompts}
+    drafting = OracleProposer(tiny_drafter(target), target, refs, correct=lambda rng: rng.randint(2, 7), seed=2)
+    engine = SpeculativeEngine(target, drafting)
+    config = GenerationConfig(max_new_tokens=40, stop_token_ids=[])
+    seqs = [engine.new_sequence(p, config) for p in prompts]
+    batch = engine.merge([engine.prefill(s, NoDraftProposer()) for s in seqs])
+    for proposer in (drafting, NoDraftProposer(), drafting):
+        for _ in range(3):
+            engine.step(batch)
+        batch = engine.merge([engine.rejoin(s, proposer) for s in batch.sequences])
+    while batch is not None:
+        engine.step(batch)
+        batch = engine.drop_finished(batch)
+    assert [s.output_ids for s in seqs] == [refs[tuple(p)] for p in prompts]
+    lengths = [s.stats.acceptance_lengths for s in seqs]
+    assert all(n == 1 for row in lengths for n in row[1:4] + row[7:10])  # plain steps: one token each
+    assert all(min(row[4:7]) >= 3 for row in lengths)  # drafted steps after the first move
 
 
 def test_sampling_batch_equals_batch_of_one_and_seeds_repeat(target):

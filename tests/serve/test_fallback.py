@@ -3,6 +3,8 @@ probes drafting again, and answers stay identical throughout (decoding is lossle
 
 from __future__ import annotations
 
+from concurrent.futures import ThreadPoolExecutor
+
 import pytest
 
 from dflash.serve.fallback import AdaptiveFallback, FallbackConfig
@@ -68,6 +70,31 @@ def test_server_falls_back_and_probes(start_server):
     assert first == plain[0] == plain[1] == probe
     client.completions.create(model=MODEL, prompt="How many?", max_tokens=4, temperature=0)  # another workload
     assert server.metrics()[DRAFTS] > m3[DRAFTS]
+
+
+def test_rows_decoding_move_when_the_verdict_changes(start_server, server):
+    """Concurrent requests: when the workload falls back, its drafting rows move to plain decoding at once; when
+    a probe brings drafting back, its plain rows move to drafting. Answers stay those of sequential decoding."""
+    fallback_server = start_server(fallback=FallbackConfig(min_acceptance_length=1.5, window=8, probe_after=2))
+    fallback = fallback_server.server_state.scheduler.fallback
+
+    def ask(client, i: int) -> str:
+        return client.chat.completions.create(
+            model=MODEL, messages=[{"role": "user", "content": f"How many clips, {i}?"}], max_tokens=40,
+            temperature=0, extra_body={"ignore_eos": True}).choices[0].message.content
+
+    def ask_all(n: int) -> list[str]:
+        with ThreadPoolExecutor(n) as pool:
+            return list(pool.map(lambda i: ask(fallback_server.client(), i), range(n)))
+
+    expected = [ask(server.client(), i) for i in range(6)]
+    assert ask_all(6) == expected  # all draft; ~1 token per step is below 1.5: they finish plainly
+    moves = fallback_server.metrics()
+    assert moves['dflash:decoder_moves_total{to="plain"}'] >= 1 and moves[ACTIVE] == 1
+    fallback.threshold = 0.5  # now any drafting pays: the next probe brings drafting back
+    assert ask_all(6) == expected  # 2 plain requests, then a probe while the other 3 wait plainly
+    after = fallback_server.metrics()
+    assert after['dflash:decoder_moves_total{to="draft"}'] >= 1 and after[ACTIVE] == 0
 
 
 def test_auto_threshold_follows_the_break_even():
