@@ -4,11 +4,17 @@
 set -euo pipefail
 cd "$(dirname "$0")/../.."
 mkdir -p runs/embedded
+suffix=$'\nPlease reason step by step, and put your final answer within \\boxed{}.'
 dflash datagen --target dflash/assets/target --prompts scripts/embedded/data/gsm8k_train.jsonl \
-    --prompt-field question \
-    --prompt-suffix $'\nPlease reason step by step, and put your final answer within \\boxed{}.' \
+    --prompt-field question --prompt-suffix "$suffix" \
     --output runs/embedded/gsm8k_train_regenerated.jsonl --max-new-tokens 384 --batch-size 32
 dflash train --config scripts/embedded/drafter.yaml "$@"          # round 1 -> runs/embedded/drafter
 dflash train --config scripts/embedded/drafter_round2.yaml "$@"   # round 2 -> runs/embedded/drafter_round2
+# round 3 adds the target's answers to the training questions with new numbers (held-out ones skipped)
+python scripts/embedded/perturb_questions.py --out runs/embedded/gsm8k_train_perturbed_prompts.jsonl
+dflash datagen --target dflash/assets/target --prompts runs/embedded/gsm8k_train_perturbed_prompts.jsonl \
+    --prompt-field question --prompt-suffix "$suffix" \
+    --output runs/embedded/gsm8k_train_perturbed.jsonl --max-new-tokens 384 --batch-size 32
+dflash train --config scripts/embedded/drafter_round3.yaml "$@"   # round 3 -> runs/embedded/drafter_round3
 rm -rf dflash/assets/drafter && mkdir -p dflash/assets/drafter
-cp runs/embedded/drafter_round2/config.json runs/embedded/drafter_round2/model.safetensors dflash/assets/drafter/
+cp runs/embedded/drafter_round3/config.json runs/embedded/drafter_round3/model.safetensors dflash/assets/drafter/
