@@ -7,14 +7,18 @@ k. Before each step the policy takes the k in 2..B with the most expected tokens
 
     k* = argmax_k  rows * E[tokens | k] / T(rows, k)
 
-T(rows, k) is measured once at start-up (real engine steps over dummy rows); E[tokens | k] comes from the
-acceptance counted per draft position over recent steps (old evidence fades, so it follows the workload).
-Lossless either way: a smaller block only verifies fewer draft tokens of the same drafter.
+T(rows, k) is measured once at start-up (real engine steps over dummy rows), plus the time served steps
+took beyond that lately; E[tokens | k] comes from the acceptance counted per draft position over recent
+steps (old evidence fades as new evidence comes, so it follows the workload). Lossless either way: a smaller
+block only verifies fewer draft tokens of the same drafter.
+
+Served steps take longer than at start-up: the server's own threads, its clients and other processes share
+the machine, and their cost comes per step (the same for every block size: a step runs the same kernels
+whatever k is), which weighs more on short blocks and on cheap plain steps. So every served step is timed,
+and what it took beyond its start-up time, a moving average per decoder, is added to T.
 
 The same costs give the fallback its break-even acceptance length: a drafted step's time over a plain
-step's. Under load both run slower than at start-up, and not by the same factor (the server's own threads
-and other processes add time per step, which weighs more on a cheap plain step), so every served step is
-timed too, and the break-even is corrected by how much more drafted steps slowed down than plain ones.
+step's.
 """
 
 from __future__ import annotations
@@ -32,11 +36,18 @@ log = logging.getLogger("dflash.serve")
 
 @dataclass
 class AcceptanceByPosition:
-    """c[j] = P(draft token j+1 accepted | the tokens before it were), from decayed counts and a prior."""
+    """c[j] = P(draft token j+1 accepted | the tokens before it were), from decayed counts and a prior.
+
+    A position's old evidence fades only as new evidence about it comes: a workload that lately verified
+    short blocks keeps what it learned about the later positions. A position with little evidence leans on
+    the estimate of the one before it (acceptance given the earlier tokens were accepted changes slowly along
+    a block), so a position never judged is expected to do as well as the last one judged, not worse; that
+    keeps longer blocks in the running until they are tried.
+    """
 
     num_draft_tokens: int  # B - 1
-    decay: float = 0.995  # per observed row: evidence from ~200 rows ago weighs 1/e
-    prior: float = 0.5
+    decay: float = 0.995  # per row that judged the position: evidence from ~200 such rows ago weighs 1/e
+    prior: float = 0.5  # for the first position
     prior_weight: float = 2.0
     tried: list[float] = field(init=False)
     accepted: list[float] = field(init=False)
@@ -47,22 +58,29 @@ class AcceptanceByPosition:
 
     def observe(self, accepted: list[int], drafted: int) -> None:
         """One step: `drafted` draft tokens per row, of which the first `accepted[i]` were accepted in row i."""
-        fade = self.decay ** len(accepted)  # old evidence fades by one decay per row observed
-        self.tried = [t * fade for t in self.tried]
-        self.accepted = [a * fade for a in self.accepted]
-        for n in accepted:
-            for j in range(min(n + 1, drafted)):  # positions the target judged: the accepted ones + the first miss
-                self.tried[j] += 1.0
-                self.accepted[j] += float(j < n)
+        for j in range(min(drafted, self.num_draft_tokens)):
+            judged = [n for n in accepted if n >= j]  # rows whose target judged draft token j+1
+            if not judged:
+                break
+            fade = self.decay ** len(judged)
+            self.tried[j] = self.tried[j] * fade + len(judged)
+            self.accepted[j] = self.accepted[j] * fade + sum(n > j for n in judged)
+
+    def conditionals(self) -> list[float]:
+        rates, prior = [], self.prior
+        for tried, accepted in zip(self.tried, self.accepted):
+            prior = (accepted + prior * self.prior_weight) / (tried + self.prior_weight)
+            rates.append(prior)
+        return rates
 
     def conditional(self, j: int) -> float:
-        return (self.accepted[j] + self.prior * self.prior_weight) / (self.tried[j] + self.prior_weight)
+        return self.conditionals()[j]
 
     def expected_tokens(self, block_size: int) -> float:
         """Tokens one row keeps from a step at this block size: 1 + expected accepted draft tokens."""
         total, survive = 1.0, 1.0
-        for j in range(min(block_size - 1, self.num_draft_tokens)):
-            survive *= self.conditional(j)
+        for rate in self.conditionals()[: max(block_size - 1, 0)]:
+            survive *= rate
             total += survive
         return total
 
@@ -140,29 +158,26 @@ def candidate_rows(max_batch_size: int) -> list[int]:
 
 
 @dataclass
-class StepSlowdown:
-    """Measured over calibrated step time, a moving average per decoder (drafted or plain steps)."""
+class StepOverhead:
+    """Seconds a served step took beyond its start-up time, a moving average per decoder (drafted or plain)."""
 
     smoothing: float = 0.1  # weight of the newest step
     fresh_for_s: float = 30.0  # a decoder not timed for this long has no say any more
-    ratio: dict[bool, float] = field(default_factory=dict)  # drafted? -> measured / calibrated
+    extra_s: dict[bool, float] = field(default_factory=dict)  # drafted? -> measured - calibrated seconds
     seen_at: dict[bool, float] = field(default_factory=dict)
 
     def observe(self, drafted: bool, measured_s: float, calibrated_s: float, now: float) -> None:
-        ratio = measured_s / calibrated_s
-        old = self.ratio.get(drafted) if self.fresh(drafted, now) else None
-        self.ratio[drafted] = ratio if old is None else (1 - self.smoothing) * old + self.smoothing * ratio
+        extra = measured_s - calibrated_s
+        old = self.extra_s.get(drafted) if self.fresh(drafted, now) else None
+        self.extra_s[drafted] = extra if old is None else (1 - self.smoothing) * old + self.smoothing * extra
         self.seen_at[drafted] = now
 
     def fresh(self, drafted: bool, now: float) -> bool:
         return now - self.seen_at.get(drafted, float("-inf")) <= self.fresh_for_s
 
-    def relative(self, now: float) -> float:
-        """How much more drafted steps slowed down than plain ones, when both were timed lately; else 1 (the
-        calibrated ratio stands: one decoder's slowdown alone says nothing about the other's)."""
-        if not (self.fresh(True, now) and self.fresh(False, now)):
-            return 1.0
-        return self.ratio[True] / self.ratio[False]
+    def of(self, drafted: bool, now: float) -> float:
+        """The decoder's recent extra time per step; 0 when it was not timed lately."""
+        return self.extra_s[drafted] if self.fresh(drafted, now) else 0.0
 
 
 class BlockSizePolicy:
@@ -174,7 +189,7 @@ class BlockSizePolicy:
         self.max_block = max(costs.block_sizes)
         self.acceptance = AcceptanceByPosition(self.max_block - 1)
         self._proposers = {k: proposer.with_block_size(k) for k in costs.block_sizes}
-        self.slowdown = StepSlowdown()
+        self.overhead = StepOverhead()
 
     @classmethod
     def calibrate(cls, engine: SpeculativeEngine, max_batch_size: int) -> "BlockSizePolicy":
@@ -188,23 +203,34 @@ class BlockSizePolicy:
                  ", ".join(f"{r}x{k}: {s * 1e3:.1f} ms" for (r, k), s in shapes))
         return cls(proposer, costs, plain)
 
+    def drafted_step_s(self, rows: int, block_size: int, now: float | None = None) -> float:
+        """A drafted step's expected time as served lately: start-up time + recent extra per step."""
+        now = time.monotonic() if now is None else now
+        return self.costs(rows, block_size) + self.overhead.of(True, now)
+
     def break_even(self, rows: int, block_size: int | None = None, now: float | None = None) -> float:
         """The acceptance length at which a drafted step of this shape yields as many tokens/s as plain steps;
-        without a block size, at the one this policy would choose for that many rows. Corrected by the
-        relative slowdown of the two kinds of step as served lately."""
-        k = block_size if block_size is not None else self.choose(rows)
+        without a block size, at the one this policy would choose for that many rows. With both kinds of
+        step served lately, from their served times; else from start-up times alone (one decoder's extra
+        time says little about the other's: it comes from whatever else ran then)."""
         now = time.monotonic() if now is None else now
-        return self.costs(rows, k) / self.plain_costs(rows, 1) * self.slowdown.relative(now)
+        k = block_size if block_size is not None else self.choose(rows, now)
+        drafted, plain = self.costs(rows, k), self.plain_costs(rows, 1)
+        if self.overhead.fresh(True, now) and self.overhead.fresh(False, now):
+            drafted, plain = drafted + self.overhead.of(True, now), plain + self.overhead.of(False, now)
+        return drafted / plain
 
     def observe_step(self, rows: int, block_size: int, seconds: float, now: float | None = None) -> None:
         """A served step's time; block size 1 is a plain step (the only kind whose costs lack that size)."""
         drafted = block_size > 1
         calibrated = self.costs(rows, block_size) if drafted else self.plain_costs(rows, 1)
-        self.slowdown.observe(drafted, seconds, calibrated, time.monotonic() if now is None else now)
+        self.overhead.observe(drafted, seconds, calibrated, time.monotonic() if now is None else now)
 
-    def choose(self, rows: int) -> int:
+    def choose(self, rows: int, now: float | None = None) -> int:
+        now = time.monotonic() if now is None else now
+
         def tokens_per_s(k: int) -> float:
-            return rows * self.acceptance.expected_tokens(k) / self.costs(rows, k)
+            return rows * self.acceptance.expected_tokens(k) / self.drafted_step_s(rows, k, now)
 
         return max(self._proposers, key=tokens_per_s)
 

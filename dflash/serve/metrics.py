@@ -66,8 +66,8 @@ class ServerMetrics:
         self.fallback_threshold = Gauge("dflash:fallback_threshold_acceptance_length",
                                         "Mean acceptance length below which a workload stops drafting (in auto "
                                         "mode the measured break-even with plain decoding).", registry=r)
-        self.step_slowdown = Gauge("dflash:step_slowdown",
-                                   "Served step time over the step time measured at start-up, moving average.",
+        self.step_overhead = Gauge("dflash:step_overhead_seconds",
+                                   "Served step time beyond the step time measured at start-up, moving average.",
                                    ["decoder"], registry=r)
         self._drafts = 0
         self._accepted = 0

@@ -275,26 +275,27 @@ class Scheduler:
                 seq.finish_reason = "abort"
         if not self._drop_finished(decoder):
             return
+        started = time.perf_counter()  # the step's time as served: the engine's step and the bookkeeping around it
         batch = self._running[decoder]
         self.metrics.step_rows.observe(len(batch))
         if decoder == DRAFT and self.block_policy is not None:
             batch.proposer = self.block_policy.proposer_for(len(batch))
             self.metrics.block_size.set(batch.proposer.block_size)
-        rows, started = len(batch), time.perf_counter()
+        rows, block_size = len(batch), batch.proposer.block_size if decoder == DRAFT else 1
         kept = self.engine.step(batch)
-        self._time_step(decoder, rows, batch.proposer.block_size if decoder == DRAFT else 1, started)
         if decoder == DRAFT:
             self._record_drafts(batch, kept)
         for seq, tokens in zip(batch.sequences, kept):
             if tokens:
                 self._send(self._requests[id(seq)], tokens)
         self._drop_finished(decoder)
+        self._time_step(decoder, rows, block_size, started)
 
     def _time_step(self, decoder: str, rows: int, block_size: int, started: float) -> None:
         if self.block_policy is None or self.block_policy.plain_costs is None:
             return
         self.block_policy.observe_step(rows, block_size, time.perf_counter() - started)
-        self.metrics.step_slowdown.labels(decoder=decoder).set(self.block_policy.slowdown.ratio[decoder == DRAFT])
+        self.metrics.step_overhead.labels(decoder=decoder).set(self.block_policy.overhead.extra_s[decoder == DRAFT])
 
     def _record_drafts(self, batch: Batch, kept: list[list[int]]) -> None:
         # Tokens kept = accepted draft tokens + 1 (the recovered or bonus token); a row's last step may be

@@ -13,6 +13,13 @@ from dflash.decoding.engine import GenerationError
 MAX_NEW = 48
 
 
+def decode_to_the_end(engine, batch) -> None:
+    """Step until every row has finished, dropping rows as they finish."""
+    while batch is not None:
+        engine.step(batch)
+        batch = engine.drop_finished(batch)
+
+
 @pytest.fixture
 def references(target):
     prompts = random_prompts(3, seed=1)
@@ -72,9 +79,7 @@ def test_rows_finishing_at_different_times(target):
     batch = engine.merge([engine.prefill(engine.new_sequence(p, c)) for p, c in zip(prompts, configs)])
     seqs = list(batch.sequences)
     batch = engine.drop_finished(batch)
-    while batch is not None:
-        engine.step(batch)
-        batch = engine.drop_finished(batch)
+    decode_to_the_end(engine, batch)
     assert [s.output_ids for s in seqs] == expected
     assert [len(s.output_ids) for s in seqs] == [5, 30, 17]
 
@@ -91,9 +96,7 @@ def test_joining_a_running_batch_is_lossless(target):
     for _ in range(3):
         engine.step(batch)
     batch = engine.merge([batch, engine.prefill(seqs[2])])
-    while batch is not None:
-        engine.step(batch)
-        batch = engine.drop_finished(batch)
+    decode_to_the_end(engine, batch)
     assert [s.output_ids for s in seqs] == [refs[tuple(p)] for p in prompts]
 
 
@@ -110,9 +113,7 @@ def test_moving_rows_between_plain_and_drafted_decoding_is_lossless(target):
         for _ in range(3):
             engine.step(batch)
         batch = engine.merge([engine.rejoin(s, proposer) for s in batch.sequences])
-    while batch is not None:
-        engine.step(batch)
-        batch = engine.drop_finished(batch)
+    decode_to_the_end(engine, batch)
     assert [s.output_ids for s in seqs] == [refs[tuple(p)] for p in prompts]
     lengths = [s.stats.acceptance_lengths for s in seqs]
     assert all(n == 1 for row in lengths for n in row[1:4] + row[7:10])  # plain steps: one token each

@@ -43,10 +43,34 @@ def test_acceptance_by_position_learns_where_drafts_break():
     acc = AcceptanceByPosition(15)
     for _ in range(500):
         acc.observe([3], 15)  # always 3 accepted, the 4th rejected, later positions never judged
-    assert [acc.conditional(j) for j in range(4)] == pytest.approx([1.0, 1.0, 1.0, 0.0], abs=0.01)
-    assert acc.conditional(10) == pytest.approx(0.5)  # never judged: the prior
+    assert [acc.conditional(j) for j in range(4)] == pytest.approx([1.0, 1.0, 1.0, 0.0], abs=0.02)
+    assert acc.conditional(10) == pytest.approx(acc.conditional(3))  # never judged: like the last one judged
     assert acc.expected_tokens(2) == pytest.approx(2.0, abs=0.01)
     assert acc.expected_tokens(16) == pytest.approx(4.0, abs=0.05)
+
+
+def test_positions_never_judged_are_expected_to_do_as_well_as_the_last_one_judged():
+    acc = AcceptanceByPosition(15)
+    for _ in range(300):  # block 4 only: every row accepts 2 of its 3 draft tokens, 1 in 10 all 3
+        acc.observe([2] * 9 + [3], drafted=3)
+    judged = acc.conditional(2)
+    assert judged == pytest.approx(0.1, abs=0.01)
+    assert [acc.conditional(j) for j in range(3, 15)] == pytest.approx([judged] * 12)
+    fresh = AcceptanceByPosition(15)
+    assert fresh.expected_tokens(16) == pytest.approx(2.0, abs=0.01)  # 0.5 + 0.25 + ...: the first prior
+
+
+def test_short_blocks_keep_what_was_learned_about_later_positions():
+    """Evidence fades only as new evidence about the same position comes: a spell of short blocks does not
+    wipe out what long blocks showed (which would keep the policy on short blocks for good)."""
+    acc = AcceptanceByPosition(15)
+    for _ in range(200):
+        acc.observe([15, 12, 14, 15], drafted=15)  # long blocks accepted almost whole
+    before = acc.conditional(10)
+    for _ in range(2000):
+        acc.observe([1, 1, 1, 1], drafted=1)  # block 2 for a long while: position 1 keeps being accepted
+    assert acc.conditional(10) == pytest.approx(before)
+    assert acc.expected_tokens(16) > 10
 
 
 def test_acceptance_follows_the_workload():
@@ -90,18 +114,31 @@ def test_break_even_is_the_cost_ratio_to_a_plain_step():
     assert policy.break_even(8) == policy.break_even(8, policy.choose(8))  # at the block it would choose
 
 
-def test_break_even_follows_how_much_more_drafted_steps_slowed_down_than_plain_ones():
+def test_break_even_follows_the_time_served_steps_took_beyond_their_start_up_time():
     policy = BlockSizePolicy(FakeProposer(16), costs(per_token_s=0.001), StepCosts({(1, 1): 0.010, (8, 1): 0.020}))
     calibrated = policy.break_even(8, 16, now=0.0)
-    for t in range(20):  # under load: plain steps take 3x their start-up time, drafted steps 1.5x
-        policy.observe_step(8, 1, 3 * 0.020, now=float(t))
-        policy.observe_step(8, 16, 1.5 * 0.138, now=float(t))
-    assert policy.break_even(8, 16, now=20.0) == pytest.approx(calibrated / 2)
-    policy.observe_step(8, 16, 0.138, now=21.0)  # one faster step moves the average a tenth of the way
-    assert policy.break_even(8, 16, now=21.0) == pytest.approx(calibrated * (0.9 * 1.5 + 0.1 * 1.0) / 3)
-    # plain steps not timed for a while: their old slowdown has no say, the start-up ratio stands
-    policy.observe_step(8, 16, 1.5 * 0.138, now=100.0)
+    assert calibrated == pytest.approx(0.138 / 0.020)
+    for t in range(20):  # under load every step takes 40 ms longer than at start-up
+        policy.observe_step(8, 1, 0.020 + 0.040, now=float(t))
+        policy.observe_step(8, 16, 0.138 + 0.040, now=float(t))
+    assert policy.break_even(8, 16, now=20.0) == pytest.approx(0.178 / 0.060)
+    policy.observe_step(8, 16, 0.138, now=21.0)  # one step with no extra time moves the average a tenth of the way
+    assert policy.break_even(8, 16, now=21.0) == pytest.approx((0.138 + 0.036) / 0.060)
+    # plain steps not timed for a while: their old extra time has no say, the start-up ratio stands
+    policy.observe_step(8, 16, 0.138 + 0.040, now=100.0)
     assert policy.break_even(8, 16, now=100.0) == pytest.approx(calibrated)
+
+
+def test_time_served_steps_take_beyond_start_up_favours_longer_blocks():
+    """Per-step costs that are the same for every block size (other threads and processes, bookkeeping)
+    weigh more on short blocks: with enough of them, verifying more tokens per step pays."""
+    policy = policy_with(accepted_per_row=2, step_costs=costs(per_token_s=0.002))
+    assert policy.choose(8, now=0.0) == 2
+    for t in range(30):
+        policy.observe_step(8, 2, 0.042 + 0.200, now=float(t))  # 200 ms more per step than at start-up
+    assert policy.choose(8, now=30.0) == 4  # 3 tokens per row for 0.274 s beats 2 for 0.242 s
+    assert policy.drafted_step_s(8, 4, now=30.0) == pytest.approx(0.074 + 0.200)
+    assert policy.choose(8, now=100.0) == 2  # not timed lately: the start-up costs alone
 
 
 class FakeBatch:
