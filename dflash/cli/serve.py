@@ -39,6 +39,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     fb.add_argument("--fallback-window", type=int, default=64, help="drafted steps in the rolling mean (default: 64)")
     fb.add_argument("--fallback-probe-after", type=int, default=32,
                     help="requests decoded plainly before drafting is tried again (default: 32)")
+    fb.add_argument("--fallback-probe-window", type=int, default=16,
+                    help="drafted steps of a probe request before drafting comes back or stays off (default: 16)")
     fb.add_argument("--adaptive-block-size", action=argparse.BooleanOptionalAction, default=True,
                     help="measure step costs at start-up, then choose each drafted step's block size (up to "
                     "--block-size or the drafter's) for the most tokens/s at the current batch size and "
@@ -71,7 +73,8 @@ def _check_args(args: argparse.Namespace) -> None:
     batch = args.max_batch_size if args.max_batch_size is not None else DEFAULT_MAX_BATCH_SIZE
     for flag, value, low in (("--max-batch-size", batch, 1), ("--max-queue", args.max_queue, 0),
                              ("--port", args.port, 0), ("--fallback-window", args.fallback_window, 1),
-                             ("--fallback-probe-after", args.fallback_probe_after, 1)):
+                             ("--fallback-probe-after", args.fallback_probe_after, 1),
+                             ("--fallback-probe-window", args.fallback_probe_window, 1)):
         if value < low:
             raise UserError(f"{flag} must be >= {low}, got {value}")
     if args.max_model_len is not None and args.max_model_len < 2:
@@ -137,7 +140,7 @@ def _fallback_config(args: argparse.Namespace):
 
     auto = args.fallback_min_acceptance == "auto"
     return FallbackConfig(0.0 if auto else args.fallback_min_acceptance, args.fallback_window,
-                          args.fallback_probe_after, auto=auto)
+                          args.fallback_probe_after, args.fallback_probe_window, auto=auto)
 
 
 def _warm_up(pipe) -> None:

@@ -5,8 +5,10 @@ a verify forward over the whole block. For each workload (a request kind, e.g. "
 keeps the acceptance lengths of its last `window` drafted decode steps. When their mean falls below
 `min_acceptance_length` (or, in auto mode, the break-even acceptance length the server measures: a drafted
 step's cost over a plain step's), new requests of that workload decode without the drafter. After
-`probe_after` such requests it probes: one request at a time drafts (the others stay plain) until a fresh
-window decides whether drafting comes back. When a verdict changes, the scheduler moves the workload's rows
+`probe_after` such requests it probes: one request at a time drafts (the others stay plain) until
+`probe_window` drafted steps decide whether drafting comes back (fewer than a full window: while a probe
+runs, its one drafted row and the plain rows step apart, which costs a whole target forward more per round;
+once drafting is back the full window judges it again). When a verdict changes, the scheduler moves the workload's rows
 that are decoding to the other decoder (`AdaptiveFallback.wants_draft`), so drafted and plain steps do not
 alternate for long: each costs a whole target forward, and together they are slower than either alone.
 """
@@ -26,13 +28,14 @@ class FallbackConfig:
     min_acceptance_length: float = 0.0  # tokens per verify forward; 0 disables the fallback
     window: int = 64  # drafted decode steps in the rolling mean
     probe_after: int = 32  # requests decoded without the drafter before drafting is tried again
+    probe_window: int = 16  # drafted steps of a probe before its verdict (at most `window`)
     auto: bool = False  # the threshold is the break-even acceptance length measured by the server (set_threshold)
 
     def __post_init__(self) -> None:
         if self.min_acceptance_length < 0:
             raise ValueError(f"the fallback threshold must be >= 0, got {self.min_acceptance_length}")
-        if self.window < 1 or self.probe_after < 1:
-            raise ValueError("the fallback window and probe interval must be >= 1")
+        if self.window < 1 or self.probe_after < 1 or self.probe_window < 1:
+            raise ValueError("the fallback window, probe interval and probe window must be >= 1")
 
     @property
     def enabled(self) -> bool:
@@ -106,19 +109,18 @@ class AdaptiveFallback:
         state = self._get(workload)
         state.lengths.extend(acceptance_lengths)
         rolling = state.rolling()
-        if len(state.lengths) >= self.config.window:
-            if state.probing:
-                state.probing, state.plain_requests = False, 0
-                state.drafting = rolling >= self.threshold
-                log.info("fallback: the probe of workload %r measured mean acceptance length %.2f against %.2f; %s",
-                         workload, rolling, self.threshold,
-                         "drafting again" if state.drafting else "staying without the drafter")
-            elif state.drafting and rolling < self.threshold:
-                state.drafting, state.plain_requests = False, 0
-                log.warning("fallback: workload %r has mean acceptance length %.2f < %.2f%s over its last %d "
-                            "drafted steps; new requests decode without the drafter", workload, rolling,
-                            self.threshold, " (break-even with plain decoding)" if self.config.auto else "",
-                            len(state.lengths))
+        if state.probing and len(state.lengths) >= min(self.config.probe_window, self.config.window):
+            state.probing, state.plain_requests = False, 0
+            state.drafting = rolling >= self.threshold
+            log.info("fallback: the probe of workload %r measured mean acceptance length %.2f against %.2f; %s",
+                     workload, rolling, self.threshold,
+                     "drafting again" if state.drafting else "staying without the drafter")
+        elif state.drafting and len(state.lengths) >= self.config.window and rolling < self.threshold:
+            state.drafting, state.plain_requests = False, 0
+            log.warning("fallback: workload %r has mean acceptance length %.2f < %.2f%s over its last %d "
+                        "drafted steps; new requests decode without the drafter", workload, rolling,
+                        self.threshold, " (break-even with plain decoding)" if self.config.auto else "",
+                        len(state.lengths))
         self._listener(workload, state.drafting, rolling)
 
     def drafting(self, workload: str) -> bool:

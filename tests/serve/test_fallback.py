@@ -44,6 +44,21 @@ def test_fallback_policy():
     assert disabled.should_draft("w")
 
 
+def test_a_probe_decides_after_its_own_shorter_window():
+    fb = AdaptiveFallback(FallbackConfig(min_acceptance_length=2.0, window=8, probe_after=1, probe_window=3))
+    fb.observe("w", [1] * 8)  # off after a full window
+    assert not fb.drafting("w")
+    assert [fb.should_draft("w") for _ in range(2)] == [False, True]  # one plain request, then the probe
+    fb.observe("w", [3, 3])
+    assert not fb.drafting("w")  # 2 of the probe's 3 steps: no verdict yet
+    fb.observe("w", [3])
+    assert fb.drafting("w")  # 3 steps at 3.0 >= 2.0: drafting is back
+    fb.observe("w", [1] * 4)  # back to the full window: (3 + 3 + 3 + 1 + 1 + 1 + 1) / 7 = 1.86, not judged yet
+    assert fb.drafting("w")
+    fb.observe("w", [1])  # the window of 8 is full: 14 / 8 = 1.75 < 2.0
+    assert not fb.drafting("w")
+
+
 def test_server_falls_back_and_probes(start_server):
     server = start_server(fallback=FallbackConfig(min_acceptance_length=1.5, window=8, probe_after=2))
     client = server.client()

@@ -93,6 +93,7 @@ def test_missing_engine_is_a_clear_error(tiny_pair, capsys):
 def test_flag_mistakes(tiny_pair, capsys):
     target, draft = map(str, tiny_pair)
     for args, expected in [(["--dry-run"], "--engine"), (["--max-batch-size", "0"], "--max-batch-size"),
-                           (["--max-queue", "-1"], "--max-queue"), (["--draft", draft], "--target")]:
+                           (["--max-queue", "-1"], "--max-queue"), (["--draft", draft], "--target"),
+                           (["--fallback-probe-window", "0"], "--fallback-probe-window")]:
         assert main(["serve", *args]) == 2
         assert expected in capsys.readouterr().err
