@@ -20,6 +20,16 @@ def decode_to_the_end(engine, batch) -> None:
         batch = engine.drop_finished(batch)
 
 
+def oracle_decoding(target, prompt_seed: int, correct, seed: int, max_new: int = 40):
+    """An engine whose drafter is right for `correct(rng)` tokens per block, three new sequences to decode
+    with it, and their reference outputs (transformers' greedy decoding)."""
+    prompts = random_prompts(3, seed=prompt_seed)
+    refs = {tuple(p): hf_greedy(target, p, max_new) for p in prompts}
+    engine = SpeculativeEngine(target, OracleProposer(tiny_drafter(target), target, refs, correct=correct, seed=seed))
+    config = GenerationConfig(max_new_tokens=max_new, stop_token_ids=[])
+    return engine, [engine.new_sequence(p, config) for p in prompts], [refs[tuple(p)] for p in prompts]
+
+
 @pytest.fixture
 def references(target):
     prompts = random_prompts(3, seed=1)
@@ -86,35 +96,26 @@ def test_rows_finishing_at_different_times(target):
 
 def test_joining_a_running_batch_is_lossless(target):
     """Continuous batching: a sequence prefilled later merges into a batch mid-decode."""
-    prompts = random_prompts(3, seed=9)
-    refs = {tuple(p): hf_greedy(target, p, 40) for p in prompts}
-    proposer = OracleProposer(tiny_drafter(target), target, refs, correct=lambda rng: rng.randint(0, 7), seed=1)
-    engine = SpeculativeEngine(target, proposer)
-    config = GenerationConfig(max_new_tokens=40, stop_token_ids=[])
-    seqs = [engine.new_sequence(p, config) for p in prompts]
+    engine, seqs, expected = oracle_decoding(target, prompt_seed=9, correct=lambda rng: rng.randint(0, 7), seed=1)
     batch = engine.merge([engine.prefill(seqs[0]), engine.prefill(seqs[1])])
     for _ in range(3):
         engine.step(batch)
     batch = engine.merge([batch, engine.prefill(seqs[2])])
     decode_to_the_end(engine, batch)
-    assert [s.output_ids for s in seqs] == [refs[tuple(p)] for p in prompts]
+    assert [s.output_ids for s in seqs] == expected
 
 
 def test_moving_rows_between_plain_and_drafted_decoding_is_lossless(target):
     """What the server's fallback does: rows leave their batch and rejoin one of the other proposer."""
-    prompts = random_prompts(3, seed=4)
-    refs = {tuple(p): hf_greedy(target, p, 40) for p in prompts}
-    drafting = OracleProposer(tiny_drafter(target), target, refs, correct=lambda rng: rng.randint(2, 7), seed=2)
-    engine = SpeculativeEngine(target, drafting)
-    config = GenerationConfig(max_new_tokens=40, stop_token_ids=[])
-    seqs = [engine.new_sequence(p, config) for p in prompts]
+    engine, seqs, expected = oracle_decoding(target, prompt_seed=4, correct=lambda rng: rng.randint(2, 7), seed=2)
+    drafting = engine.proposer
     batch = engine.merge([engine.prefill(s, NoDraftProposer()) for s in seqs])
     for proposer in (drafting, NoDraftProposer(), drafting):
         for _ in range(3):
             engine.step(batch)
         batch = engine.merge([engine.rejoin(s, proposer) for s in batch.sequences])
     decode_to_the_end(engine, batch)
-    assert [s.output_ids for s in seqs] == [refs[tuple(p)] for p in prompts]
+    assert [s.output_ids for s in seqs] == expected
     lengths = [s.stats.acceptance_lengths for s in seqs]
     assert all(n == 1 for row in lengths for n in row[1:4] + row[7:10])  # plain steps: one token each
     assert all(min(row[4:7]) >= 3 for row in lengths)  # drafted steps after the first move
