@@ -76,13 +76,19 @@ class AcceptanceByPosition:
     def conditional(self, j: int) -> float:
         return self.conditionals()[j]
 
-    def expected_tokens(self, block_size: int) -> float:
-        """Tokens one row keeps from a step at this block size: 1 + expected accepted draft tokens."""
-        total, survive = 1.0, 1.0
-        for rate in self.conditionals()[: max(block_size - 1, 0)]:
+    def expected_tokens_by_block(self) -> list[float]:
+        """[k - 1] = tokens one row keeps from a step at block size k (1 + expected accepted draft tokens),
+        for k = 1 .. B, from one pass over the positions."""
+        totals, total, survive = [1.0], 1.0, 1.0
+        for rate in self.conditionals():
             survive *= rate
             total += survive
-        return total
+            totals.append(total)
+        return totals
+
+    def expected_tokens(self, block_size: int) -> float:
+        totals = self.expected_tokens_by_block()
+        return totals[min(max(block_size, 1), len(totals)) - 1]
 
 
 @dataclass
@@ -234,9 +240,10 @@ class BlockSizePolicy:
 
     def choose(self, rows: int, now: float | None = None) -> int:
         now = time.monotonic() if now is None else now
+        expected = self.acceptance.expected_tokens_by_block()  # once per step, not once per candidate
 
         def tokens_per_s(k: int) -> float:
-            return rows * self.acceptance.expected_tokens(k) / self.drafted_step_s(rows, k, now)
+            return rows * expected[k - 1] / self.drafted_step_s(rows, k, now)
 
         return max(self._proposers, key=tokens_per_s)
 
