@@ -10,7 +10,9 @@ from __future__ import annotations
 import argparse
 import logging
 import os
+import signal
 import sys
+import threading
 
 from dflash.cli.common import add_model_arguments, load_pipeline
 from dflash.errors import UserError
@@ -125,13 +127,40 @@ def _serve(args: argparse.Namespace) -> int:
         scheduler=SchedulerConfig(args.max_batch_size or DEFAULT_MAX_BATCH_SIZE, args.max_queue),
         fallback=_fallback_config(args),
         adaptive_block_size=args.adaptive_block_size,
+        decode_thread=False,
     )
     app = create_app(pipe, config)
     _warm_up(pipe)
     if args.host not in ("127.0.0.1", "localhost", "::1") and not args.api_key:
         print(f"dflash serve: warning: listening on {args.host} without --api-key; anyone who can reach it can "
               "use it", file=sys.stderr)
-    uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level)
+    http = uvicorn.Server(uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level))
+    return _run(http, app.state.server.scheduler, f"{args.host}:{args.port}")
+
+
+def _run(http, scheduler, address: str) -> int:
+    """HTTP on a thread, decoding on this one: the thread that loaded, warmed up and calibrated the models (see
+    `Scheduler.run`). Ctrl-C or SIGTERM stops both; so does the HTTP side stopping on its own."""
+    def serve_http() -> None:
+        try:
+            http.run()
+        finally:
+            scheduler.stop()
+
+    thread = threading.Thread(target=serve_http, name="dflash-http", daemon=True)
+    previous = signal.signal(signal.SIGTERM, signal.default_int_handler)
+    interrupted = False
+    try:
+        scheduler.run(on_start=thread.start)
+    except KeyboardInterrupt:
+        interrupted = True
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+        http.should_exit = True
+        thread.join(timeout=30)
+    if not http.started and not interrupted:
+        raise UserError(f"the server could not listen on {address} (the log above says why); if the port is in "
+                        "use, pick another with --port")
     return 0
 
 

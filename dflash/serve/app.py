@@ -56,6 +56,7 @@ class ServeConfig:
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
     fallback: FallbackConfig = field(default_factory=FallbackConfig)
     adaptive_block_size: bool = False  # measure step costs at start-up, then pick each step's block size
+    decode_thread: bool = True  # the app starts a decode thread; False: the caller runs `scheduler.run()`
 
 
 class Server:
@@ -121,7 +122,7 @@ class Server:
         config = self.generation_config(req, len(prompt_ids), default_max)
         seq = self.engine.new_sequence(prompt_ids, config)  # GenerationError (a UserError) -> 400
         workload = f"{kind}/{'greedy' if config.temperature == 0 else 'sampled'}"
-        return self.scheduler.submit(seq, workload)
+        return self.scheduler.submit(seq, workload, stream=req.stream)
 
     # ---- answers ----------------------------------------------------------------------------------------------
     async def answer(self, http: Request, req: SamplingRequest, prompt_ids: list[int], kind: str,
@@ -191,12 +192,14 @@ async def _cancel_on_disconnect(http: Request, decoding: Decoding) -> None:
 
 
 def create_app(pipe, config: ServeConfig | None = None) -> FastAPI:
-    """The ASGI app for a loaded `DFlash` pipeline; the decode thread runs for the app's lifespan."""
+    """The ASGI app for a loaded `DFlash` pipeline; the decode loop runs for the app's lifespan, on a thread the
+    app starts, or (`decode_thread=False`) in the caller's `app.state.server.scheduler.run()`."""
     server = Server(pipe, config or ServeConfig())
 
     @asynccontextmanager
     async def lifespan(app: FastAPI):
-        server.scheduler.start()
+        if server.config.decode_thread:
+            server.scheduler.start()
         log.info("serving %r (drafter: %s), up to %d rows per batch, %d queued", server.config.served_model_name,
                  "yes" if server.scheduler.has_drafter else "no", server.config.scheduler.max_batch_size,
                  server.config.scheduler.max_queue)

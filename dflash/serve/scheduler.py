@@ -20,6 +20,7 @@ import threading
 import time
 from collections import deque
 from dataclasses import dataclass, field
+from typing import Callable
 
 from dflash.decoding.engine import Batch, Sequence, SpeculativeEngine
 from dflash.decoding.proposer import NoDraftProposer
@@ -63,11 +64,17 @@ class Event:
 
 
 class Request:
-    """A handler's handle on one sequence being decoded; events arrive on its asyncio queue."""
+    """A handler's handle on one sequence being decoded; events arrive on its asyncio queue.
 
-    def __init__(self, seq: Sequence, workload: str, loop: asyncio.AbstractEventLoop, scheduler: "Scheduler"):
+    A streamed request gets an event per step with the tokens it kept; any other gets only the final event (the
+    tokens are in `seq`), so the event loop is not woken to pass on tokens nobody reads yet.
+    """
+
+    def __init__(self, seq: Sequence, workload: str, loop: asyncio.AbstractEventLoop, scheduler: "Scheduler",
+                 stream: bool = True):
         self.seq = seq
         self.workload = workload
+        self.stream = stream
         self.events: asyncio.Queue[Event] = asyncio.Queue()
         self.arrival = time.perf_counter()
         self.cancelled = False
@@ -107,27 +114,48 @@ class Scheduler:
         self._running: dict[str, Batch] = {}  # decoder -> batch; decode thread only
         self._requests: dict[int, Request] = {}  # id(seq) -> request; decode thread only
         self._stopping = False
-        self._thread: threading.Thread | None = None
+        self._thread: threading.Thread | None = None  # the decode thread, once running
+        self._spawned: threading.Thread | None = None  # the decode thread when start() made it
 
-    # ---- the handlers' side ----------------------------------------------------------------------------
+    # ---- starting and stopping -----------------------------------------------------------------------
     def start(self) -> None:
-        self._thread = threading.Thread(target=self._run, name="dflash-decode", daemon=True)
-        self._thread.start()
+        """Decode on a thread of its own (an app embedded in tests or in another program)."""
+        self._spawned = self._thread = threading.Thread(target=self.run, name="dflash-decode", daemon=True)
+        self._spawned.start()
+
+    def run(self, on_start: Callable[[], None] | None = None) -> None:
+        """Decode in the calling thread until `stop()`; `on_start` runs once requests can be submitted.
+
+        Run this in the thread that loaded and warmed up the models when you can (`dflash serve` does): torch
+        keeps an OpenMP thread pool per thread that runs ops, and with two pools on a small CPU every op's
+        workers sleep and wake instead of spinning; measured on 2 cores, drafted decoding ran 1.5x slower.
+        """
+        self._thread = threading.current_thread()
+        try:
+            if on_start is not None:
+                on_start()
+            self._loop()
+        finally:
+            with self._cond:
+                self._stopping = True
+            self._shutdown()
 
     def stop(self, timeout: float = 10.0) -> None:
         with self._cond:
             self._stopping = True
             self._cond.notify_all()
-        if self._thread is not None:
-            self._thread.join(timeout)
+        if self._spawned is not None and self._spawned is not threading.current_thread():
+            self._spawned.join(timeout)
 
+    # ---- the handlers' side ----------------------------------------------------------------------------
     @property
     def alive(self) -> bool:
         return self._thread is not None and self._thread.is_alive() and not self._stopping
 
-    def submit(self, seq: Sequence, workload: str) -> Request:
-        """Queue a sequence (from the event loop); raises QueueFull when no slot or queue place is left."""
-        request = Request(seq, workload, asyncio.get_running_loop(), self)
+    def submit(self, seq: Sequence, workload: str, stream: bool = True) -> Request:
+        """Queue a sequence (from the event loop); raises QueueFull when no slot or queue place is left.
+        `stream=False`: no per-step token events, only the final one."""
+        request = Request(seq, workload, asyncio.get_running_loop(), self, stream)
         with self._cond:
             if not self.alive:
                 raise SchedulerClosed("the server is shutting down")
@@ -159,7 +187,7 @@ class Scheduler:
             return {"waiting": waiting, "running": self._admitted - waiting}
 
     # ---- the decode thread --------------------------------------------------------------------------------
-    def _run(self) -> None:
+    def _loop(self) -> None:
         while True:
             new = self._admit()
             if new is None:
@@ -173,7 +201,6 @@ class Scheduler:
                 log.exception("decode loop error; failing the running requests")
                 for decoder in list(self._running):
                     self._fail_batch(decoder, "internal error while decoding")
-        self._shutdown()
 
     def _admit(self) -> list[Request] | None:
         """Waiting requests that get a row now (cancelled ones are finished here); None to stop."""
@@ -339,7 +366,8 @@ class Scheduler:
 
     def _send(self, request: Request, tokens: list[int]) -> None:
         self.metrics.generation_tokens.inc(len(tokens))
-        request.emit(Event(tokens=tokens))
+        if request.stream:
+            request.emit(Event(tokens=tokens))
 
     def _finish(self, request: Request, reason: str, error: str | None = None) -> None:
         request.finished = True

@@ -63,6 +63,12 @@ def load_pipe(tiny_pair, no_draft: bool = False) -> DFlash:
     return DFlash.from_pretrained(str(target_dir), str(draft_dir), no_draft=no_draft, dtype="float32", device="cpu")
 
 
+@pytest.fixture
+def fresh_pipe(tiny_pair) -> DFlash:
+    """The tiny pair, loaded for this test alone (it may wrap the engine)."""
+    return load_pipe(tiny_pair)
+
+
 @pytest.fixture(scope="session")
 def start_server(tiny_pair):
     """start_server(**ServeConfig fields, slow_step_s=0) -> LiveServer; all are stopped at the end."""

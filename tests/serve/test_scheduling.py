@@ -4,13 +4,16 @@ still running when the test acts."""
 
 from __future__ import annotations
 
+import asyncio
+import threading
 import time
 
 import httpx
 import openai
 import pytest
 
-from dflash.serve.scheduler import SchedulerConfig
+from dflash.decoding.engine import GenerationConfig
+from dflash.serve.scheduler import Scheduler, SchedulerConfig
 
 MODEL = "tiny"  # the served model name the fixtures use
 LONG = {"model": MODEL, "messages": [{"role": "user", "content": "count"}], "max_tokens": 400, "temperature": 0,
@@ -99,3 +102,59 @@ def test_full_queue_is_429_and_cancelled_waiters_leave(slow):
     assert grew(before, after, ABORTED) == 2
     out = slow.client().chat.completions.create(model=MODEL, messages=LONG["messages"], max_tokens=3)
     assert out.usage.completion_tokens >= 1
+
+
+# ---- the decode loop itself, without HTTP ---------------------------------------------------------------------
+def decode_with_scheduler(scheduler: Scheduler, seq, stream: bool) -> list:
+    """Submit one sequence from an event loop and collect its events until done."""
+    async def ask():
+        request = scheduler.submit(seq, "chat/greedy", stream=stream)
+        events = []
+        while not events or not events[-1].done:
+            events.append(await asyncio.wait_for(request.events.get(), 30))
+        return events
+
+    return asyncio.run(ask())
+
+
+def test_the_caller_runs_the_decode_loop_in_its_own_thread_until_stopped(fresh_pipe):
+    """`dflash serve` decodes in the thread that loaded the models (one OpenMP pool): run() must step there."""
+    pipe = fresh_pipe
+    stepping_threads = set()
+    step = pipe.engine.step
+
+    def recording_step(batch):
+        stepping_threads.add(threading.current_thread())
+        return step(batch)
+
+    pipe.engine.step = recording_step
+    scheduler = Scheduler(pipe.engine, SchedulerConfig(max_batch_size=2))
+    started = threading.Event()
+    decode = threading.Thread(target=scheduler.run, kwargs={"on_start": started.set})  # plays the main thread
+    decode.start()
+    assert started.wait(10) and scheduler.alive
+    seq = pipe.engine.new_sequence([5, 6, 7], GenerationConfig(max_new_tokens=12, stop_token_ids=[]))
+    events = decode_with_scheduler(scheduler, seq, stream=False)
+    assert events[-1].finish_reason == "length" and len(seq.output_ids) == 12
+    assert stepping_threads == {decode}
+    scheduler.stop()
+    decode.join(10)
+    assert not decode.is_alive() and not scheduler.alive
+
+
+def test_only_streamed_requests_get_an_event_per_step(fresh_pipe):
+    pipe = fresh_pipe
+    scheduler = Scheduler(pipe.engine, SchedulerConfig(max_batch_size=2))
+    scheduler.start()
+    try:
+        config = GenerationConfig(max_new_tokens=24, stop_token_ids=[])
+        streamed = pipe.engine.new_sequence([5, 6, 7], config)
+        stream_events = decode_with_scheduler(scheduler, streamed, stream=True)
+        whole = pipe.engine.new_sequence([5, 6, 7], config)
+        whole_events = decode_with_scheduler(scheduler, whole, stream=False)
+    finally:
+        scheduler.stop()
+    assert len(stream_events) > 2  # the prefill's token, one event per step, then done
+    assert [t for e in stream_events for t in e.tokens] == streamed.output_ids
+    assert len(whole_events) == 1 and whole_events[0].done and whole_events[0].finish_reason == "length"
+    assert whole.output_ids == streamed.output_ids
