@@ -43,6 +43,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                     help="requests decoded plainly before drafting is tried again (default: 32)")
     fb.add_argument("--fallback-probe-window", type=int, default=16,
                     help="drafted steps of a probe request before drafting comes back or stays off (default: 16)")
+    fb.add_argument("--fallback-hysteresis", type=float, default=0.1, metavar="FRACTION",
+                    help="drafting stops below threshold x (1 - FRACTION) and comes back above threshold x "
+                    "(1 + FRACTION), so noise near break-even does not move rows back and forth (default: 0.1)")
     fb.add_argument("--adaptive-block-size", action=argparse.BooleanOptionalAction, default=True,
                     help="measure step costs at start-up, then choose each drafted step's block size (up to "
                     "--block-size or the drafter's) for the most tokens/s at the current batch size and "
@@ -79,6 +82,8 @@ def _check_args(args: argparse.Namespace) -> None:
                              ("--fallback-probe-window", args.fallback_probe_window, 1)):
         if value < low:
             raise UserError(f"{flag} must be >= {low}, got {value}")
+    if not 0 <= args.fallback_hysteresis < 1:
+        raise UserError(f"--fallback-hysteresis must be at least 0 and below 1, got {args.fallback_hysteresis}")
     if args.max_model_len is not None and args.max_model_len < 2:
         raise UserError(f"--max-model-len must be >= 2, got {args.max_model_len}")
     if args.fallback_min_acceptance != "auto" and args.fallback_min_acceptance < 0:
@@ -169,7 +174,8 @@ def _fallback_config(args: argparse.Namespace):
 
     auto = args.fallback_min_acceptance == "auto"
     return FallbackConfig(0.0 if auto else args.fallback_min_acceptance, args.fallback_window,
-                          args.fallback_probe_after, args.fallback_probe_window, auto=auto)
+                          args.fallback_probe_after, args.fallback_probe_window, auto=auto,
+                          hysteresis=args.fallback_hysteresis)
 
 
 def _warm_up(pipe) -> None:

@@ -11,6 +11,11 @@ runs, its one drafted row and the plain rows step apart, which costs a whole tar
 once drafting is back the full window judges it again). When a verdict changes, the scheduler moves the workload's rows
 that are decoding to the other decoder (`AdaptiveFallback.wants_draft`), so drafted and plain steps do not
 alternate for long: each costs a whole target forward, and together they are slower than either alone.
+
+A verdict changes only past a band around the threshold (`hysteresis`): drafting stops below
+threshold x (1 - h) and comes back above threshold x (1 + h). Near break-even either decoder is about as fast,
+but every change costs a target read of each moved row; without the band, noise flipped the verdict back and
+forth under load (measured: 8 concurrent requests at 0.78x plain speed, against 0.94x drafting throughout).
 """
 
 from __future__ import annotations
@@ -30,10 +35,13 @@ class FallbackConfig:
     probe_after: int = 32  # requests decoded without the drafter before drafting is tried again
     probe_window: int = 16  # drafted steps of a probe before its verdict (at most `window`)
     auto: bool = False  # the threshold is the break-even acceptance length measured by the server (set_threshold)
+    hysteresis: float = 0.0  # verdicts change only this fraction below (stop) or above (resume) the threshold
 
     def __post_init__(self) -> None:
         if self.min_acceptance_length < 0:
             raise ValueError(f"the fallback threshold must be >= 0, got {self.min_acceptance_length}")
+        if not 0 <= self.hysteresis < 1:
+            raise ValueError(f"the fallback hysteresis must be in [0, 1), got {self.hysteresis}")
         if self.window < 1 or self.probe_after < 1 or self.probe_window < 1:
             raise ValueError("the fallback window, probe interval and probe window must be >= 1")
 
@@ -109,18 +117,20 @@ class AdaptiveFallback:
         state = self._get(workload)
         state.lengths.extend(acceptance_lengths)
         rolling = state.rolling()
+        band = self.config.hysteresis
+        resume_at, stop_below = self.threshold * (1 + band), self.threshold * (1 - band)
         if state.probing and len(state.lengths) >= min(self.config.probe_window, self.config.window):
             state.probing, state.plain_requests = False, 0
-            state.drafting = rolling >= self.threshold
+            state.drafting = rolling >= resume_at
             log.info("fallback: the probe of workload %r measured mean acceptance length %.2f against %.2f; %s",
-                     workload, rolling, self.threshold,
+                     workload, rolling, resume_at,
                      "drafting again" if state.drafting else "staying without the drafter")
-        elif state.drafting and len(state.lengths) >= self.config.window and rolling < self.threshold:
+        elif state.drafting and len(state.lengths) >= self.config.window and rolling < stop_below:
             state.drafting, state.plain_requests = False, 0
             log.warning("fallback: workload %r has mean acceptance length %.2f < %.2f%s over its last %d "
                         "drafted steps; new requests decode without the drafter", workload, rolling,
-                        self.threshold, " (break-even with plain decoding)" if self.config.auto else "",
-                        len(state.lengths))
+                        stop_below, " (break-even with plain decoding, less the hysteresis)" if self.config.auto
+                        else "", len(state.lengths))
         self._listener(workload, state.drafting, rolling)
 
     def drafting(self, workload: str) -> bool:

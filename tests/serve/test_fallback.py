@@ -140,3 +140,20 @@ def test_auto_server_measures_its_break_even(start_server):
     assert metrics["dflash:fallback_threshold_acceptance_length"] == pytest.approx(fallback.threshold)
     assert 'dflash:step_overhead_seconds{decoder="draft"}' in metrics  # served steps were timed
     assert 'dflash:step_overhead_seconds{decoder="plain"}' in metrics
+
+
+def test_verdicts_change_only_past_the_hysteresis_band():
+    fb = AdaptiveFallback(FallbackConfig(min_acceptance_length=2.0, window=4, probe_after=1, probe_window=2,
+                                         hysteresis=0.1))
+    fb.observe("w", [2, 2, 2, 1.9])  # 1.975: below 2.0, not below 1.8
+    assert fb.drafting("w")
+    fb.observe("w", [1.5, 1.5, 1.5])  # (1.9 + 1.5 x 3) / 4 = 1.6 < 1.8: off
+    assert not fb.drafting("w")
+    assert [fb.should_draft("w") for _ in range(2)] == [False, True]  # the probe
+    fb.observe("w", [2.1, 2.1])  # above 2.0, not above 2.2: stays off
+    assert not fb.drafting("w")
+    assert [fb.should_draft("w") for _ in range(2)] == [False, True]
+    fb.observe("w", [2.3, 2.3])  # 2.3 >= 2.2: back
+    assert fb.drafting("w")
+    with pytest.raises(ValueError, match="hysteresis"):
+        FallbackConfig(min_acceptance_length=2.0, hysteresis=1.0)

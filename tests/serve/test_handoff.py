@@ -94,6 +94,7 @@ def test_flag_mistakes(tiny_pair, capsys):
     target, draft = map(str, tiny_pair)
     for args, expected in [(["--dry-run"], "--engine"), (["--max-batch-size", "0"], "--max-batch-size"),
                            (["--max-queue", "-1"], "--max-queue"), (["--draft", draft], "--target"),
-                           (["--fallback-probe-window", "0"], "--fallback-probe-window")]:
+                           (["--fallback-probe-window", "0"], "--fallback-probe-window"),
+                           (["--fallback-hysteresis", "1"], "--fallback-hysteresis")]:
         assert main(["serve", *args]) == 2
         assert expected in capsys.readouterr().err
