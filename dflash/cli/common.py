@@ -24,7 +24,8 @@ def add_model_arguments(parser: argparse.ArgumentParser, block_size_sweep: bool 
         group.add_argument("--block-size", type=int_list,
                            help="block size(s) to measure, e.g. 16 or 4,8,16 (<= the drafter's; default: its own)")
     else:
-        group.add_argument("--block-size", type=int, help="tokens per block (<= the drafter's block size)")
+        group.add_argument("--block-size", type=int,
+                           help="tokens verified per step: the anchor + draft tokens (<= the drafter's block size)")
     group.add_argument("--dtype", choices=["auto", "float32", "float16", "bfloat16"], default="auto")
     group.add_argument("--device", help="cpu, cuda, cuda:1, ... (default: cuda if available)")
 

@@ -1,0 +1,51 @@
+"""The DFlash proposer drafts over the drafter's whole trained block whatever block size is verified."""
+
+from __future__ import annotations
+
+import torch
+
+from conftest import random_prompts, tiny_drafter, tiny_target_model
+from dflash.decoding.engine import GenerationConfig, SpeculativeEngine
+from dflash.decoding.proposer import DFlashProposer, PendingContext
+from dflash.model.target import TargetModel
+
+
+def draft_after_prompt(proposer: DFlashProposer, engine: SpeculativeEngine, prompt: list[int]) -> torch.Tensor:
+    """The draft tokens (1, block_size - 1) of the first step after `prompt`, anchored on its last token."""
+    target = proposer.target
+    ids = torch.tensor([prompt])
+    positions = torch.arange(len(prompt))[None]
+    out = target.forward(ids[:, :-1], positions[:, :-1], target.new_cache(), logits_to_keep=1,
+                         feature_layer_ids=proposer.feature_layer_ids)
+    state = proposer.new_state()
+    proposer.observe(state, PendingContext(out.features, positions[:, :-1], torch.ones_like(ids[:, :-1]).bool()))
+    rows = [engine.new_sequence(prompt, GenerationConfig())]
+    return proposer.propose(state, ids[:, -1], torch.tensor([len(prompt) - 1]), rows).tokens
+
+
+def test_a_smaller_block_verifies_the_first_tokens_of_the_full_draft():
+    target = TargetModel(tiny_target_model("qwen3"))
+    drafter = tiny_drafter(target, layers=2, block_size=16)
+    full = DFlashProposer(drafter, target)
+    engine = SpeculativeEngine(target, full)
+    for prompt in random_prompts(3, seed=4):
+        wide = draft_after_prompt(full, engine, prompt)  # (1, 15)
+        assert wide.shape == (1, 15)
+        for block_size in (2, 4, 8):
+            short = draft_after_prompt(full.with_block_size(block_size), engine, prompt)
+            assert short.shape == (1, block_size - 1)
+            assert torch.equal(short, wide[:, : block_size - 1])
+
+
+def test_the_drafter_sees_its_whole_block_of_masks():
+    """Guards the test above: a block of 4 masks alone would draft other tokens than the first of 16."""
+    target = TargetModel(tiny_target_model("qwen3"))
+    drafter = tiny_drafter(target, layers=2, block_size=16)
+    engine = SpeculativeEngine(target, DFlashProposer(drafter, target))
+    differs = 0
+    for prompt in random_prompts(3, seed=4):
+        wide = draft_after_prompt(DFlashProposer(drafter, target), engine, prompt)
+        narrow = DFlashProposer(drafter, target, block_size=4)
+        narrow.draft_width = 4  # what drafting a shorter block would do
+        differs += not torch.equal(draft_after_prompt(narrow, engine, prompt), wide[:, :3])
+    assert differs > 0
