@@ -124,9 +124,13 @@ def test_break_even_follows_the_time_served_steps_took_beyond_their_start_up_tim
     assert policy.break_even(8, 16, now=20.0) == pytest.approx(0.178 / 0.060)
     policy.observe_step(8, 16, 0.138, now=21.0)  # one step with no extra time moves the average a tenth of the way
     assert policy.break_even(8, 16, now=21.0) == pytest.approx((0.138 + 0.036) / 0.060)
-    # plain steps not timed for a while: their old extra time has no say, the start-up ratio stands
-    policy.observe_step(8, 16, 0.138 + 0.040, now=100.0)
-    assert policy.break_even(8, 16, now=100.0) == pytest.approx(calibrated)
+    # plain steps not timed for a while: their old extra time has no say; they are taken to pay what
+    # drafted steps pay now (the extra comes per forward, whatever the decoder)
+    policy.observe_step(8, 16, 0.138 + 0.010, now=100.0)
+    assert policy.break_even(8, 16, now=100.0) == pytest.approx((0.138 + 0.010) / (0.020 + 0.010))
+    policy.observe_step(8, 1, 0.020 + 0.030, now=200.0)  # and the other way round
+    assert policy.break_even(8, 16, now=200.0) == pytest.approx((0.138 + 0.030) / (0.020 + 0.030))
+    assert policy.break_even(8, 16, now=300.0) == pytest.approx(calibrated)  # neither served lately
 
 
 def test_time_served_steps_take_beyond_start_up_favours_longer_blocks():
