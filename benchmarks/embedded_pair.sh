@@ -8,6 +8,8 @@ mkdir -p "$out"
 
 # 1. where a decode step's time goes
 python benchmarks/engine_overhead.py --threads 2 > "$out/engine_overhead.json"
+# why the server decodes on its main thread: the same decode there and on a second thread
+python benchmarks/decode_thread.py > "$out/decode_thread.json"
 
 # 2. local bench: DFlash vs plain decoding, greedy, B = 8 and 16, on the five datasets
 dflash bench --dataset all --max-samples 20 --max-new-tokens 256 --block-size 8,16 \
