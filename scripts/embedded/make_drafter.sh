@@ -22,5 +22,11 @@ dflash datagen --target dflash/assets/target --prompts runs/embedded/gsm8k_train
     --prompt-field question --prompt-suffix "$suffix" \
     --output runs/embedded/gsm8k_train_perturbed2.jsonl --max-new-tokens 384 --batch-size 32
 dflash train --config scripts/embedded/drafter_round4.yaml "$@"   # round 4 -> runs/embedded/drafter_round4
+# round 5 adds the answers to a third draw of new numbers
+python scripts/embedded/perturb_questions.py --seed 2 --out runs/embedded/gsm8k_train_perturbed3_prompts.jsonl
+dflash datagen --target dflash/assets/target --prompts runs/embedded/gsm8k_train_perturbed3_prompts.jsonl \
+    --prompt-field question --prompt-suffix "$suffix" \
+    --output runs/embedded/gsm8k_train_perturbed3.jsonl --max-new-tokens 384 --batch-size 32
+dflash train --config scripts/embedded/drafter_round5.yaml "$@"   # round 5 -> runs/embedded/drafter_round5
 rm -rf dflash/assets/drafter && mkdir -p dflash/assets/drafter
-cp runs/embedded/drafter_round4/config.json runs/embedded/drafter_round4/model.safetensors dflash/assets/drafter/
+cp runs/embedded/drafter_round5/config.json runs/embedded/drafter_round5/model.safetensors dflash/assets/drafter/
