@@ -170,8 +170,7 @@ class DFlashProposer:
         merged = self.new_state()
         caches = [s.cache for s in states]
         for i in range(len(merged.cache.keys)):
-            merged.cache.keys[i] = pad([c.keys[i] for c in caches], 2)
-            merged.cache.values[i] = pad([c.values[i] for c in caches], 2)
+            merged.cache.set_layer(i, pad([c.keys[i] for c in caches], 2), pad([c.values[i] for c in caches], 2))
         merged.cache.valid = pad([c.valid for c in caches], 1)
         merged.cache.positions = pad([c.positions for c in caches], 1)
         pendings = [s.pending for s in states]

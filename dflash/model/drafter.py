@@ -18,6 +18,7 @@ from torch import nn
 
 from dflash.model import hf_compat
 from dflash.model.config import DrafterConfig
+from dflash.model.slot_buffer import SlotBuffer
 
 
 class RMSNorm(nn.Module):
@@ -82,16 +83,23 @@ class DFlashAttention(nn.Module):
         q = apply_rope(self.q_norm(self._heads(self.q_proj(x), self.num_heads)), cos[:, c:], sin[:, c:])
         # one projection for the new context and the block: fewer, larger matmuls
         k, v = self.keys_values(torch.cat([context, x], dim=1), cos, sin)  # (b, kv_heads, c + q, d)
-        if cache is not None:
-            context_k, context_v = cache.update(layer_idx, k[:, :, :c], v[:, :, :c])  # every accepted token
-            k = torch.cat([context_k, k[:, :, c:]], dim=2)
-            v = torch.cat([context_v, v[:, :, c:]], dim=2)
-        groups = self.num_heads // self.num_kv_heads
-        if groups > 1:
-            k, v = k.repeat_interleave(groups, dim=1), v.repeat_interleave(groups, dim=1)
-        out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask.unsqueeze(1))  # (b, heads, q, d)
+        if cache is not None:  # every accepted token's keys, then this block's (not kept)
+            k, v = cache.update(layer_idx, k[:, :, :c], v[:, :, :c], k[:, :, c:], v[:, :, c:])
+        out = grouped_attention(q, k, v, mask.unsqueeze(1))  # (b, heads, q, d)
         b, _, t, _ = out.shape
         return self.o_proj(out.transpose(1, 2).reshape(b, t, -1))
+
+
+def grouped_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """SDPA with fewer key/value heads than query heads: q (b, heads, q, d), k/v (b, kv_heads, keys, d), mask
+    (b, 1, q, keys). SDPA reads the shared heads itself where it can (torch >= 2.5) instead of copying them."""
+    groups = q.shape[1] // k.shape[1]
+    if groups == 1:
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+    if hf_compat.sdpa_supports_gqa():
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=True)
+    k, v = k.repeat_interleave(groups, dim=1), v.repeat_interleave(groups, dim=1)
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
 
 
 class DFlashMLP(nn.Module):
@@ -120,17 +128,30 @@ class DFlashDecoderLayer(nn.Module):
 
 
 class DrafterCache:
-    """Keys/values of the injected context, per layer: only accepted tokens are ever written here.
+    """Keys/values of the injected context, per layer: only accepted tokens are ever kept here.
 
     Slots are shared across the batch; `valid` marks which slots hold a real token of that row (rows
-    accept different numbers of tokens per step), `positions` holds each slot's sequence position.
+    accept different numbers of tokens per step), `positions` holds each slot's sequence position. Keys live
+    in `SlotBuffer`s, so a forward appends its new context and lays its block after it without copying the
+    cache; `keys[i]` / `values[i]` read (b, kv_heads, slots, d) views.
     """
 
     def __init__(self, num_layers: int):
-        self.keys: list[torch.Tensor | None] = [None] * num_layers  # each (b, kv_heads, slots, d)
-        self.values: list[torch.Tensor | None] = [None] * num_layers
+        self._keys = [SlotBuffer() for _ in range(num_layers)]
+        self._values = [SlotBuffer() for _ in range(num_layers)]
         self.valid: torch.Tensor | None = None  # (b, slots) bool
         self.positions: torch.Tensor | None = None  # (b, slots) long
+
+    @property
+    def keys(self) -> list[torch.Tensor | None]:
+        return [buffer.view for buffer in self._keys]
+
+    @property
+    def values(self) -> list[torch.Tensor | None]:
+        return [buffer.view for buffer in self._values]
+
+    def set_layer(self, layer: int, keys: torch.Tensor, values: torch.Tensor) -> None:
+        self._keys[layer], self._values[layer] = SlotBuffer(keys), SlotBuffer(values)
 
     @property
     def num_slots(self) -> int:
@@ -140,17 +161,16 @@ class DrafterCache:
         self.valid = valid if self.valid is None else torch.cat([self.valid, valid], dim=1)
         self.positions = positions if self.positions is None else torch.cat([self.positions, positions], dim=1)
 
-    def update(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        if self.keys[layer] is not None:
-            k = torch.cat([self.keys[layer], k], dim=2)
-            v = torch.cat([self.values[layer], v], dim=2)
-        self.keys[layer], self.values[layer] = k, v
-        return k, v
+    def update(self, layer: int, k: torch.Tensor, v: torch.Tensor, block_k: torch.Tensor, block_v: torch.Tensor,
+               ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Keep the new context's k/v (b, kv_heads, c, d); returns [every context slot ; the block's k/v]."""
+        return self._keys[layer].append(k, scratch=block_k), self._values[layer].append(v, scratch=block_v)
 
     def map_slots(self, fn) -> None:
         """Apply `fn(tensor, slot_dim)` to every slot-indexed tensor (used to select rows, compact or merge)."""
-        self.keys = [None if k is None else fn(k, 2) for k in self.keys]
-        self.values = [None if v is None else fn(v, 2) for v in self.values]
+        for layer, (k, v) in enumerate(zip(self.keys, self.values)):
+            if k is not None:
+                self.set_layer(layer, fn(k, 2), fn(v, 2))
         if self.valid is not None:
             self.valid = fn(self.valid, 1)
             self.positions = fn(self.positions, 1)

@@ -13,6 +13,9 @@ import torch
 import transformers
 from torch import nn
 from transformers import DynamicCache
+from transformers.cache_utils import DynamicLayer
+
+from dflash.model.slot_buffer import SlotBuffer
 
 TRANSFORMERS_MAJOR = int(transformers.__version__.split(".")[0])
 
@@ -23,11 +26,64 @@ def cache_kwarg_name(model: nn.Module) -> str:
     return "cache" if "cache" in params else "past_key_values"
 
 
+class GrowingLayer(DynamicLayer):
+    """A full-attention cache layer that writes new keys/values into spare room (`SlotBuffer`) instead of
+    concatenating them onto the whole cache every forward. `keys` / `values` read as usual; assigning them
+    (selecting rows, merging batches) replaces the storage."""
+
+    def __init__(self, **kwargs):
+        self._keys, self._values = SlotBuffer(), SlotBuffer()
+        super().__init__(**kwargs)
+
+    @property
+    def keys(self) -> torch.Tensor | None:
+        return self._keys.view
+
+    @keys.setter
+    def keys(self, tensor: torch.Tensor | None) -> None:
+        self._keys = SlotBuffer(tensor)
+
+    @property
+    def values(self) -> torch.Tensor | None:
+        return self._values.view
+
+    @values.setter
+    def values(self, tensor: torch.Tensor | None) -> None:
+        self._values = SlotBuffer(tensor)
+
+    def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
+        self.device = key_states.device
+        self._keys, self._values = SlotBuffer(), SlotBuffer()
+        self.is_initialized = True
+
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
+        if not self.is_initialized:
+            self.lazy_initialization(key_states, value_states)
+        return self._keys.append(key_states), self._values.append(value_states)
+
+    def get_seq_length(self) -> int:
+        return self._keys.length
+
+    def crop(self, length_or_removed: int) -> None:
+        """transformers 5.x passes minus the number of slots to drop, 4.x the number of slots to keep."""
+        keep = self._keys.length + length_or_removed if length_or_removed <= 0 else length_or_removed
+        self._keys.truncate(keep)
+        self._values.truncate(keep)
+
+
 def new_dynamic_cache(config: Any) -> DynamicCache:
+    """A DynamicCache whose full-attention layers are `GrowingLayer`s (sliding-window and other layer kinds
+    stay transformers' own)."""
     try:
-        return DynamicCache(config=config)
+        cache = DynamicCache(config=config)
     except TypeError:  # older signatures
-        return DynamicCache()
+        cache = DynamicCache()
+    layers = getattr(cache, "layers", None)
+    if layers:
+        cache.layers = [GrowingLayer() if type(layer) is DynamicLayer else layer for layer in layers]
+    elif getattr(cache, "layer_class_to_replicate", None) is DynamicLayer:
+        cache.layer_class_to_replicate = GrowingLayer
+    return cache
 
 
 def cache_length(cache: DynamicCache) -> int:
@@ -53,6 +109,49 @@ def cache_tensors(cache: DynamicCache) -> list[tuple[torch.Tensor, torch.Tensor]
 def set_cache_tensors(cache: DynamicCache, tensors: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
     for layer, (k, v) in zip(cache.layers, tensors):
         layer.keys, layer.values = k, v
+
+
+_GQA_ATTENTION = "sdpa_shared_kv"  # no "flash" in the name: transformers takes those for flash kernels
+
+
+def _sdpa_with_gqa(module, query, key, value, attention_mask, dropout=0.0, scaling=None, is_causal=None, **kwargs):
+    """transformers' SDPA attention, except that a masked grouped-query attention on the CPU lets SDPA read the
+    shared key/value heads (`enable_gqa`) instead of first copying them once per query head (`repeat_kv`):
+    verifying a block is masked, and at 8 rows x ~400 slots those copies were a fifth of the target forward."""
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+    groups = getattr(module, "num_key_value_groups", 1)
+    plain = (groups == 1 or attention_mask is None or query.device.type != "cpu"
+             or kwargs.get("position_bias") is not None or kwargs.get("softcap") is not None)
+    if plain:
+        return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
+                                      is_causal=is_causal, **kwargs)
+    out = torch.nn.functional.scaled_dot_product_attention(  # (b, heads, q, d)
+        query, key, value, attn_mask=attention_mask, dropout_p=dropout, scale=scaling, enable_gqa=True)
+    return out.transpose(1, 2).contiguous(), None
+
+
+def sdpa_supports_gqa() -> bool:
+    """`scaled_dot_product_attention(..., enable_gqa=True)` exists from torch 2.5."""
+    major, minor = (int(part) for part in torch.__version__.split(".")[:2])
+    return (major, minor) >= (2, 5)
+
+
+def use_gqa_attention(model: nn.Module) -> bool:
+    """Switch a model that uses transformers' SDPA attention to `_sdpa_with_gqa` (same results, fewer copies on
+    a CPU); True when it was switched. Models on other attention implementations are left alone."""
+    if getattr(model.config, "_attn_implementation", None) != "sdpa" or not sdpa_supports_gqa():
+        return False
+    try:
+        from transformers import AttentionInterface
+        from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, sdpa_mask
+
+        AttentionInterface.register(_GQA_ATTENTION, _sdpa_with_gqa)
+        ALL_MASK_ATTENTION_FUNCTIONS.register(_GQA_ATTENTION, sdpa_mask)
+        model.set_attn_implementation(_GQA_ATTENTION)
+    except (ImportError, AttributeError, TypeError, ValueError):  # an older transformers: keep its SDPA
+        return False
+    return getattr(model.config, "_attn_implementation", None) == _GQA_ATTENTION
 
 
 def layer_output_tensor(output: Any) -> torch.Tensor:

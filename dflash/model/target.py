@@ -32,6 +32,7 @@ class TargetOutput:
 class TargetModel:
     def __init__(self, model: nn.Module, tokenizer=None):
         self.model = model.eval()
+        hf_compat.use_gqa_attention(model)
         self.tokenizer = tokenizer
         self.config = hf_compat.text_config(model.config)
         self.layers = hf_compat.decoder_layers(model)
