@@ -9,7 +9,7 @@ from concurrent.futures import ThreadPoolExecutor
 import pytest
 
 from conftest import OracleProposer, hf_greedy, random_prompts, tiny_drafter
-from dflash.decoding import DFlashProposer, GenerationConfig, SpeculativeEngine
+from dflash.decoding import DFlashProposer, GenerationConfig, NoDraftProposer, SpeculativeEngine
 from dflash.serve.block_policy import (
     AcceptanceByPosition,
     BlockSizePolicy,
@@ -196,8 +196,33 @@ def test_calibration_times_every_shape_on_a_real_pair(target):
     engine = SpeculativeEngine(target, DFlashProposer(tiny_drafter(target), target, block_size=8))
     policy = BlockSizePolicy.calibrate(engine, max_batch_size=3)
     assert set(policy.costs.seconds) == {(r, k) for r in (1, 2, 3) for k in (2, 4, 8)}
+    assert set(policy.plain_costs.seconds) == {(r, 1) for r in (1, 2, 3)}
     assert all(s > 0 for s in policy.costs.seconds.values())
     assert policy.choose(3) in (2, 4, 8)
+
+
+def test_calibration_keeps_each_shapes_fastest_step(target, monkeypatch):
+    """Noise only adds time: a shape's cost is its fastest step, whatever bursts hit some of its steps."""
+    import types
+
+    import dflash.serve.block_policy as bp
+
+    engine = SpeculativeEngine(target, DFlashProposer(tiny_drafter(target), target, block_size=4))
+    clock = [0.0]
+    monkeypatch.setattr(bp, "time", types.SimpleNamespace(perf_counter=lambda: clock[0]))
+    real_step, steps = engine.step, []
+
+    def step(batch):  # a step of block k takes k seconds on the fake clock; every third one 100x longer
+        steps.append(batch.proposer.block_size)
+        clock[0] += batch.proposer.block_size * (100 if len(steps) % 3 == 0 else 1)
+        return real_step(batch)
+
+    engine.step = step
+    costs = StepCosts.measure(engine, [engine.proposer, NoDraftProposer()], rows=[1], block_sizes=[2, 4],
+                              rounds=2, repeats=2)
+    assert costs.seconds == {(1, 1): 1.0, (1, 2): 2.0, (1, 4): 4.0}
+    assert steps.count(1) == steps.count(2) == steps.count(4) == 2 * 3  # rounds x (warm-up + repeats)
+    assert steps[:3] == [2, 2, 2] and 1 in steps[:12] and steps[-1] == 1  # shapes interleave round by round
 
 
 def test_adaptive_server_answers_exactly_like_the_fixed_one(start_server, server):
