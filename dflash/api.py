@@ -19,6 +19,7 @@ from dflash.decoding.detokenizer import TextDeltas
 from dflash.decoding.engine import GenerationConfig, GenerationError, GenerationOutput, SpeculativeEngine
 from dflash.decoding.proposer import DFlashProposer, NoDraftProposer
 from dflash.errors import UserError
+from dflash.model.cpu_layout import use_fast_layout
 from dflash.model.loading import load_drafter
 from dflash.model.target import TargetModel
 
@@ -40,6 +41,8 @@ class DFlash:
         self.target = target
         self.drafter = drafter
         self.tokenizer = target.tokenizer
+        if target.device.type == "cpu":
+            use_fast_layout([target.model] + ([drafter] if drafter is not None else []))
         proposer = DFlashProposer(drafter, target, block_size) if drafter is not None else NoDraftProposer()
         self.engine = SpeculativeEngine(target, proposer)
 
