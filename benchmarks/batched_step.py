@@ -5,7 +5,11 @@ holds `--context` tokens, then steps are timed (median). Prints one JSON line pe
 size 1 is a plain step (no drafter). With `--profile ROWSxBLOCK` it also prints the operators that took the
 most time in that shape (torch.profiler), which is how the KV-cache copies were found.
 
-    python benchmarks/batched_step.py --rows 1,4,8 --context 400 [--threads 2] [--profile 8x2]
+    python benchmarks/batched_step.py --rows 1,4,8 --context 400 [--threads 2] [--profile 8x2] [--keep-layout]
+
+`--keep-layout` keeps every weight row-major (what `nn.Linear` makes) instead of the layout `dflash` measures
+faster on this CPU (`dflash/model/cpu_layout.py`), to see what that choice is worth. To compare with an older
+version of the package, run this script with `PYTHONPATH` pointing at a checkout of it.
 """
 
 from __future__ import annotations
@@ -65,8 +69,13 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=15)
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--profile", help="ROWSxBLOCK, e.g. 8x2 (block 1 = plain)")
+    parser.add_argument("--keep-layout", action="store_true", help="keep row-major weights (no layout choice)")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
+    if args.keep_layout:
+        import dflash.api
+
+        dflash.api.use_fast_layout = lambda modules: 0
     pipe = DFlash.from_pretrained(args.target, args.draft)
     engine = pipe.engine
 

@@ -8,6 +8,8 @@ mkdir -p "$out"
 
 # 1. where a decode step's time goes
 python benchmarks/engine_overhead.py --threads 2 > "$out/engine_overhead.json"
+# decode-step times of a batch: plain and drafted steps at 1 and 8 rows (block sizes 2..16)
+python benchmarks/batched_step.py --rows 1,8 --context 400 > "$out/batched_step.jsonl"
 # why the server decodes on its main thread: the same decode there and on a second thread
 python benchmarks/decode_thread.py > "$out/decode_thread.json"
 

@@ -235,9 +235,10 @@ class BlockSizePolicy:
         without a block size, at the one this policy would choose for that many rows. From served times:
         start-up time + the recent extra time per step of each decoder. A decoder not served lately (the
         other one carries the whole load) is taken to have the same extra time as the one served: the extra
-        comes per forward whatever the decoder (the KV cache grows by a copy, the server's bookkeeping, its
-        clients). Measured at 8 rows on this CPU: plain steps ~6 ms over start-up, drafted ones ~7 ms; the
-        start-up ratio alone put break-even at ~3.0 where drafting already paid at an acceptance of 2.6."""
+        comes per forward whatever the decoder (the server's bookkeeping, its clients, other processes).
+        Measured at 8 rows on this CPU (while KV caches still grew by a copy every forward): plain steps ~6 ms
+        over start-up, drafted ones ~7 ms; the start-up ratio alone put break-even at ~3.0 where drafting
+        already paid at an acceptance of 2.6."""
         now = time.monotonic() if now is None else now
         k = block_size if block_size is not None else self.choose(rows, now)
         served = {d: self.overhead.of(d, now) for d in (True, False) if self.overhead.fresh(d, now)}
