@@ -171,3 +171,19 @@ def save_tiny_pair(root, family: str = "qwen3", block_size: int = 8, drafter_lay
 def tiny_pair(tmp_path_factory):
     """(target_dir, draft_dir) of a tiny Qwen3 pair with a real tokenizer and chat template."""
     return save_tiny_pair(tmp_path_factory.mktemp("tiny_pair"))
+
+
+# ---- adaptive block size: a proposer stand-in and synthetic step costs -------------------------------------
+class FakeProposer:
+    def __init__(self, block_size: int = 16):
+        self.block_size = block_size
+
+    def with_block_size(self, block_size):
+        return FakeProposer(block_size)
+
+
+def linear_step_costs(per_token_s: float, fixed_s: float = 0.01):
+    """A step costs `fixed_s` plus `per_token_s` for every verified token (rows x k)."""
+    from dflash.decoding.block_policy import StepCosts
+
+    return StepCosts({(r, k): fixed_s + per_token_s * r * k for r in (1, 2, 4, 8) for k in (2, 4, 8, 16)})

@@ -27,7 +27,7 @@ from dflash.decoding.detokenizer import TextDeltas
 from dflash.decoding.engine import GenerationConfig
 from dflash.decoding.proposer import NoDraftProposer
 from dflash.errors import UserError
-from dflash.serve.block_policy import BlockSizePolicy
+from dflash.decoding.block_policy import BlockSizePolicy
 from dflash.serve.fallback import FallbackConfig
 from dflash.serve.metrics import ServerMetrics
 from dflash.serve.protocol import (

@@ -24,7 +24,7 @@ from typing import Callable
 
 from dflash.decoding.engine import Batch, Sequence, SpeculativeEngine
 from dflash.decoding.proposer import NoDraftProposer
-from dflash.serve.block_policy import BlockSizePolicy
+from dflash.decoding.block_policy import BlockSizePolicy
 from dflash.serve.fallback import AdaptiveFallback, FallbackConfig
 from dflash.serve.metrics import ServerMetrics
 

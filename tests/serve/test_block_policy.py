@@ -1,148 +1,14 @@
-"""Adaptive block size: acceptance by position, step-cost interpolation, the choice it makes, and that changing
-the block size between steps leaves greedy output lossless."""
+"""The adaptive block size inside the server: how the fallback judges a probe, and lossless answers."""
 
 from __future__ import annotations
 
-import random
 from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
-from conftest import OracleProposer, hf_greedy, random_prompts, tiny_drafter
-from dflash.decoding import DFlashProposer, GenerationConfig, NoDraftProposer, SpeculativeEngine
-from dflash.serve.block_policy import (
-    AcceptanceByPosition,
-    BlockSizePolicy,
-    StepCosts,
-    candidate_block_sizes,
-    candidate_rows,
-)
-
-
-class FakeProposer:
-    def __init__(self, block_size: int = 16):
-        self.block_size = block_size
-
-    def with_block_size(self, block_size):
-        return FakeProposer(block_size)
-
-
-def costs(per_token_s: float, fixed_s: float = 0.01) -> StepCosts:
-    """A step costs `fixed_s` plus `per_token_s` for every verified token (rows x k)."""
-    return StepCosts({(r, k): fixed_s + per_token_s * r * k for r in (1, 2, 4, 8) for k in (2, 4, 8, 16)})
-
-
-def policy_with(accepted_per_row: int, step_costs: StepCosts, steps: int = 400) -> BlockSizePolicy:
-    policy = BlockSizePolicy(FakeProposer(16), step_costs)
-    for _ in range(steps):
-        policy.observe([accepted_per_row] * 4, drafted=15)
-    return policy
-
-
-def test_acceptance_by_position_learns_where_drafts_break():
-    acc = AcceptanceByPosition(15)
-    for _ in range(500):
-        acc.observe([3], 15)  # always 3 accepted, the 4th rejected, later positions never judged
-    assert [acc.conditional(j) for j in range(4)] == pytest.approx([1.0, 1.0, 1.0, 0.0], abs=0.02)
-    assert acc.conditional(10) == pytest.approx(acc.conditional(3))  # never judged: like the last one judged
-    assert acc.expected_tokens(2) == pytest.approx(2.0, abs=0.01)
-    assert acc.expected_tokens(16) == pytest.approx(4.0, abs=0.05)
-
-
-def test_positions_never_judged_are_expected_to_do_as_well_as_the_last_one_judged():
-    acc = AcceptanceByPosition(15)
-    for _ in range(300):  # block 4 only: every row accepts 2 of its 3 draft tokens, 1 in 10 all 3
-        acc.observe([2] * 9 + [3], drafted=3)
-    judged = acc.conditional(2)
-    assert judged == pytest.approx(0.1, abs=0.01)
-    assert [acc.conditional(j) for j in range(3, 15)] == pytest.approx([judged] * 12)
-    fresh = AcceptanceByPosition(15)
-    assert fresh.expected_tokens(16) == pytest.approx(2.0, abs=0.01)  # 0.5 + 0.25 + ...: the first prior
-
-
-def test_short_blocks_keep_what_was_learned_about_later_positions():
-    """Evidence fades only as new evidence about the same position comes: a spell of short blocks does not
-    wipe out what long blocks showed (which would keep the policy on short blocks for good)."""
-    acc = AcceptanceByPosition(15)
-    for _ in range(200):
-        acc.observe([15, 12, 14, 15], drafted=15)  # long blocks accepted almost whole
-    before = acc.conditional(10)
-    for _ in range(2000):
-        acc.observe([1, 1, 1, 1], drafted=1)  # block 2 for a long while: position 1 keeps being accepted
-    assert acc.conditional(10) == pytest.approx(before)
-    assert acc.expected_tokens(16) > 10
-
-
-def test_acceptance_follows_the_workload():
-    acc = AcceptanceByPosition(15)
-    for _ in range(250):
-        acc.observe([15, 15], 15)
-    assert acc.expected_tokens(16) > 14.5
-    for _ in range(1500):  # the workload changes: drafts now fail at once
-        acc.observe([0], 15)
-    assert acc.expected_tokens(16) < 1.2
-
-
-def test_costs_interpolate_between_measured_rows_and_extrapolate_beyond():
-    c = StepCosts({(1, 4): 1.0, (4, 4): 4.0})
-    assert c(1, 4) == 1.0 and c(4, 4) == 4.0
-    assert c(2, 4) == pytest.approx(2.0)
-    assert c(8, 4) == pytest.approx(8.0)
-    noisy = StepCosts({(1, 2): 5.0, (1, 4): 2.0, (2, 2): 3.0, (2, 4): 9.0})  # (1, 2) caught a stall
-    assert noisy.monotone().seconds == {(1, 2): 2.0, (1, 4): 2.0, (2, 2): 3.0, (2, 4): 9.0}
-    assert candidate_block_sizes(16) == [2, 4, 8, 16] and candidate_block_sizes(6) == [2, 4, 6]
-    assert candidate_rows(8) == [1, 2, 4, 8] and candidate_rows(6) == [1, 2, 4, 6] and candidate_rows(1) == [1]
-
-
-def test_flat_costs_and_good_drafts_verify_the_whole_block():
-    policy = policy_with(accepted_per_row=12, step_costs=costs(per_token_s=0.0))
-    assert policy.choose(1) == policy.choose(8) == 16
-
-
-def test_costly_tokens_and_poor_drafts_verify_short_blocks_and_shorter_when_the_batch_grows():
-    policy = policy_with(accepted_per_row=2, step_costs=costs(per_token_s=0.002))
-    assert policy.choose(1) == 4  # 3 expected tokens for 0.018 s beats 2 for 0.014 s and ~3 for 0.026 s
-    assert policy.choose(8) == 2
-    assert policy.proposer_for(8).block_size == 2
-
-
-def test_break_even_is_the_cost_ratio_to_a_plain_step():
-    plain = StepCosts({(1, 1): 0.010, (8, 1): 0.020})
-    policy = BlockSizePolicy(FakeProposer(16), costs(per_token_s=0.001), plain)
-    assert policy.break_even(1, 4) == pytest.approx(0.014 / 0.010)
-    assert policy.break_even(8, 16) == pytest.approx(0.138 / 0.020)
-    assert policy.break_even(8) == policy.break_even(8, policy.choose(8))  # at the block it would choose
-
-
-def test_break_even_follows_the_time_served_steps_took_beyond_their_start_up_time():
-    policy = BlockSizePolicy(FakeProposer(16), costs(per_token_s=0.001), StepCosts({(1, 1): 0.010, (8, 1): 0.020}))
-    calibrated = policy.break_even(8, 16, now=0.0)
-    assert calibrated == pytest.approx(0.138 / 0.020)
-    for t in range(20):  # under load every step takes 40 ms longer than at start-up
-        policy.observe_step(8, 1, 0.020 + 0.040, now=float(t))
-        policy.observe_step(8, 16, 0.138 + 0.040, now=float(t))
-    assert policy.break_even(8, 16, now=20.0) == pytest.approx(0.178 / 0.060)
-    policy.observe_step(8, 16, 0.138, now=21.0)  # one step with no extra time moves the average a tenth of the way
-    assert policy.break_even(8, 16, now=21.0) == pytest.approx((0.138 + 0.036) / 0.060)
-    # plain steps not timed for a while: their old extra time has no say; they are taken to pay what
-    # drafted steps pay now (the extra comes per forward, whatever the decoder)
-    policy.observe_step(8, 16, 0.138 + 0.010, now=100.0)
-    assert policy.break_even(8, 16, now=100.0) == pytest.approx((0.138 + 0.010) / (0.020 + 0.010))
-    policy.observe_step(8, 1, 0.020 + 0.030, now=200.0)  # and the other way round
-    assert policy.break_even(8, 16, now=200.0) == pytest.approx((0.138 + 0.030) / (0.020 + 0.030))
-    assert policy.break_even(8, 16, now=300.0) == pytest.approx(calibrated)  # neither served lately
-
-
-def test_time_served_steps_take_beyond_start_up_favours_longer_blocks():
-    """Per-step costs that are the same for every block size (other threads and processes, bookkeeping)
-    weigh more on short blocks: with enough of them, verifying more tokens per step pays."""
-    policy = policy_with(accepted_per_row=2, step_costs=costs(per_token_s=0.002))
-    assert policy.choose(8, now=0.0) == 2
-    for t in range(30):
-        policy.observe_step(8, 2, 0.042 + 0.200, now=float(t))  # 200 ms more per step than at start-up
-    assert policy.choose(8, now=30.0) == 4  # 3 tokens per row for 0.274 s beats 2 for 0.242 s
-    assert policy.drafted_step_s(8, 4, now=30.0) == pytest.approx(0.074 + 0.200)
-    assert policy.choose(8, now=100.0) == 2  # not timed lately: the start-up costs alone
+from conftest import FakeProposer
+from conftest import linear_step_costs as costs
+from dflash.decoding.block_policy import BlockSizePolicy, StepCosts
 
 
 class FakeBatch:
@@ -172,57 +38,6 @@ def test_a_probe_is_judged_at_the_batch_drafting_would_get_back():
     scheduler._record_drafts(probe, kept=[[5, 6]])
     assert scheduler.fallback.threshold == pytest.approx(policy.break_even(8))
     assert policy.break_even(8) != pytest.approx(policy.break_even(1, 16))
-
-
-def test_changing_the_block_size_every_step_is_lossless(target):
-    prompts = random_prompts(3, seed=5)
-    refs = {tuple(p): hf_greedy(target, p, 40) for p in prompts}
-    proposer = OracleProposer(tiny_drafter(target, layers=2), target, refs,
-                              correct=lambda rng: rng.randint(0, 15), seed=3)
-    engine = SpeculativeEngine(target, proposer)
-    config = GenerationConfig(max_new_tokens=40, stop_token_ids=[])
-    batch = engine.merge([engine.prefill(engine.new_sequence(p, config)) for p in prompts])
-    rng, used = random.Random(0), set()
-    while not all(seq.finished for seq in batch.sequences):
-        k = rng.choice([2, 3, 5, 8, 16])
-        used.add(k)
-        batch.proposer = proposer.with_block_size(k)
-        engine.step(batch)
-    assert len(used) > 3
-    assert [seq.output_ids[:40] for seq in batch.sequences] == [refs[tuple(p)] for p in prompts]
-
-
-def test_calibration_times_every_shape_on_a_real_pair(target):
-    engine = SpeculativeEngine(target, DFlashProposer(tiny_drafter(target), target, block_size=8))
-    policy = BlockSizePolicy.calibrate(engine, max_batch_size=3)
-    assert set(policy.costs.seconds) == {(r, k) for r in (1, 2, 3) for k in (2, 4, 8)}
-    assert set(policy.plain_costs.seconds) == {(r, 1) for r in (1, 2, 3)}
-    assert all(s > 0 for s in policy.costs.seconds.values())
-    assert policy.choose(3) in (2, 4, 8)
-
-
-def test_calibration_keeps_each_shapes_fastest_step(target, monkeypatch):
-    """Noise only adds time: a shape's cost is its fastest step, whatever bursts hit some of its steps."""
-    import types
-
-    import dflash.serve.block_policy as bp
-
-    engine = SpeculativeEngine(target, DFlashProposer(tiny_drafter(target), target, block_size=4))
-    clock = [0.0]
-    monkeypatch.setattr(bp, "time", types.SimpleNamespace(perf_counter=lambda: clock[0]))
-    real_step, steps = engine.step, []
-
-    def step(batch):  # a step of block k takes k seconds on the fake clock; every third one 100x longer
-        steps.append(batch.proposer.block_size)
-        clock[0] += batch.proposer.block_size * (100 if len(steps) % 3 == 0 else 1)
-        return real_step(batch)
-
-    engine.step = step
-    costs = StepCosts.measure(engine, [engine.proposer, NoDraftProposer()], rows=[1], block_sizes=[2, 4],
-                              rounds=2, repeats=2)
-    assert costs.seconds == {(1, 1): 1.0, (1, 2): 2.0, (1, 4): 4.0}
-    assert steps.count(1) == steps.count(2) == steps.count(4) == 2 * 3  # rounds x (warm-up + repeats)
-    assert steps[:3] == [2, 2, 2] and 1 in steps[:12] and steps[-1] == 1  # shapes interleave round by round
 
 
 def test_adaptive_server_answers_exactly_like_the_fixed_one(start_server, server):
