@@ -16,7 +16,7 @@ from typing import Any, Iterator, Union
 import torch
 
 from dflash.decoding.detokenizer import TextDeltas
-from dflash.decoding.engine import GenerationConfig, GenerationError, GenerationOutput, SpeculativeEngine
+from dflash.decoding.engine import AUTO, GenerationConfig, GenerationError, GenerationOutput, SpeculativeEngine
 from dflash.decoding.proposer import DFlashProposer, NoDraftProposer
 from dflash.errors import UserError
 from dflash.model.cpu_layout import use_fast_layout
@@ -37,13 +37,17 @@ def default_device() -> str:
 class DFlash:
     """A target, an optional DFlash drafter, their tokenizer, and the engine that decodes with them."""
 
-    def __init__(self, target: TargetModel, drafter=None, block_size: int | None = None):
+    def __init__(self, target: TargetModel, drafter=None, block_size: int | str | None = None):
+        """`block_size`: tokens verified per step (at most the drafter's), None for the drafter's own, or "auto"
+        to choose it before every step from timed step costs and the acceptance seen so far."""
         self.target = target
         self.drafter = drafter
         self.tokenizer = target.tokenizer
         if target.device.type == "cpu":
             use_fast_layout([target.model] + ([drafter] if drafter is not None else []))
-        proposer = DFlashProposer(drafter, target, block_size) if drafter is not None else NoDraftProposer()
+        self.block_size = make_config(block_size=block_size).block_size  # validated: a number, None or "auto"
+        fixed = None if block_size == AUTO else block_size
+        proposer = DFlashProposer(drafter, target, fixed) if drafter is not None else NoDraftProposer()
         self.engine = SpeculativeEngine(target, proposer)
 
     @classmethod
@@ -55,7 +59,7 @@ class DFlash:
         no_draft: bool = False,
         dtype: str | torch.dtype | None = None,
         device: str | None = None,
-        block_size: int | None = None,
+        block_size: int | str | None = None,
         mask_token_id: int | None = None,
     ) -> "DFlash":
         """Paths or hub ids. With neither given, the embedded pair; `no_draft=True` decodes plainly."""
@@ -99,13 +103,17 @@ class DFlash:
         return self.generate_batch([prompt], raw=raw, **options)[0]
 
     def generate_batch(self, prompts: list[Prompt], raw: bool = False, **options: Any) -> list[GenerationOutput]:
-        config = make_config(**options)
+        config = self._config(options)
         return self.engine.generate([self.encode(p, raw) for p in prompts], config)
 
     def stream(self, prompt: Prompt, raw: bool = False, **options: Any) -> "TextStream":
         """Iterate over text pieces as they are decoded; `.result` holds the output afterwards."""
-        config = make_config(**options)
+        config = self._config(options)
         return TextStream(self, self.engine.stream(self.encode(prompt, raw), config), config.stop_strings)
+
+    def _config(self, options: dict[str, Any]) -> GenerationConfig:
+        """The generation options, with the pipeline's block size unless they name one."""
+        return make_config(**{"block_size": self.block_size if self.block_size == AUTO else None, **options})
 
 
 class TextStream:

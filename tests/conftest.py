@@ -107,6 +107,8 @@ class OracleProposer(DFlashProposer):
         draft = super().propose(state, anchors, anchor_positions, rows)
         k = draft.tokens.shape[1]
         for r, row in enumerate(rows):
+            if tuple(row.prompt_ids) not in self.references:  # e.g. the dummy rows that time steps
+                continue
             full = row.prompt_ids + self.references[tuple(row.prompt_ids)]
             start = int(anchor_positions[r]) + 1
             truth = (full[start:start + k] + [0] * k)[:k]

@@ -25,6 +25,20 @@ def test_generate_matches_plain_decoding(tiny_pair, pipe):
     assert a.stats.drafter_forwards > 0 and b.stats.drafter_forwards == 0
 
 
+def test_auto_block_size_pipeline_matches_plain_decoding(tiny_pair):
+    auto = DFlash.from_pretrained(*tiny_pair, device="cpu", block_size="auto")
+    plain = DFlash.from_pretrained(tiny_pair[0], no_draft=True, device="cpu")
+    assert auto.block_size == "auto"
+    a = auto.generate("How many clips did Natalia sell?", max_new_tokens=20)
+    b = plain.generate("How many clips did Natalia sell?", max_new_tokens=20)
+    assert a.output_ids == b.output_ids
+    assert auto.engine._block_policy is not None  # the generation chose its block sizes
+    fixed = auto.generate("How many clips did Natalia sell?", max_new_tokens=20, block_size=4)
+    assert fixed.output_ids == b.output_ids and max(fixed.stats.acceptance_lengths) <= 4
+    with pytest.raises(UserError, match="'auto'"):
+        DFlash.from_pretrained(*tiny_pair, device="cpu", block_size="fastest")
+
+
 def test_stream_pieces_add_up_to_the_text_without_the_stop_string(pipe):
     free = pipe.generate("Weng earns", max_new_tokens=30, stop_token_ids=[])
     assert len(free.text) > 6

@@ -19,7 +19,7 @@ from dflash.bench.metrics import (
     mean_acceptance_length,
     ratio,
 )
-from dflash.decoding.engine import GenerationConfig, GenerationOutput, SpeculativeEngine
+from dflash.decoding.engine import AUTO, GenerationConfig, GenerationOutput, SpeculativeEngine
 from dflash.errors import UserError
 
 
@@ -31,7 +31,7 @@ class Engine(Protocol):
 class LocalConfig:
     max_new_tokens: int = 256
     temperature: float = 0.0
-    block_size: int | None = None  # None: the drafter's own
+    block_size: int | str | None = None  # None: the drafter's own; "auto": chosen before every step
     seed: int = 0
     warmup_tokens: int = 16  # a short generation per engine before timing (0: none)
 
@@ -55,8 +55,8 @@ class LocalBackend:
         self.baseline = baseline or SpeculativeEngine(pipe.target)  # the same target, no drafter
         self.dflash = dflash or pipe.engine
 
-    def block_size(self, requested: int | None) -> int:
-        """The block size a run uses; raises a UserError if the drafter cannot use `requested`."""
+    def block_size(self, requested: int | str | None) -> int:
+        """The (largest) block size a run uses; raises a UserError if the drafter cannot use `requested`."""
         return self.pipe.engine.proposer_for(GenerationConfig(block_size=requested)).block_size
 
     def run(self, dataset: str, samples: list[Sample], config: LocalConfig,
@@ -66,7 +66,10 @@ class LocalBackend:
         records = []
         for index, sample in enumerate(samples):
             records.extend(self.run_sample(sample, config, seed=config.seed + index, on_turn=on_turn))
-        return summarize(dataset, len(samples), records, config, block_size)
+        result = summarize(dataset, len(samples), records, config, block_size)
+        if config.block_size == AUTO:
+            result.block_size = AUTO  # the histogram spans the drafter's whole block
+        return result
 
     def warm_up(self, sample: Sample, config: LocalConfig) -> None:
         if config.warmup_tokens <= 0:

@@ -19,7 +19,7 @@ class BenchResult:
     backend: str  # "local" or "server"
     num_prompts: int  # conversations (an mt-bench conversation has two turns)
     num_requests: int  # generations: one per turn
-    block_size: int | None = None
+    block_size: int | str | None = None  # "auto": chosen before every step
     concurrency: int | None = None
     temperature: float = 0.0
     max_new_tokens: int = 0

@@ -20,7 +20,7 @@ class BenchConfig:
     datasets: list[str] = field(default_factory=lambda: ["gsm8k"])
     data: DataOptions = field(default_factory=DataOptions)
     backend: str = "local"  # "local" or "server"
-    block_sizes: list[int | None] = field(default_factory=lambda: [None])  # local; None: the drafter's own
+    block_sizes: list[int | str | None] = field(default_factory=lambda: [None])  # local; None: the drafter's own
     max_new_tokens: int = 256
     temperature: float = 0.0
     seed: int = 0
@@ -58,7 +58,7 @@ def _run_local(config: BenchConfig, data: dict[str, list[Sample]], pipe, console
                             block_size=block_size, seed=config.seed, warmup_tokens=config.warmup_tokens)
         for name, samples in data.items():
             turns = sum(len(s.turns) for s in samples)
-            label = f"{name} B={backend.block_size(block_size)}"
+            label = f"{name} B={block_size if block_size == 'auto' else backend.block_size(block_size)}"
             with _progress(config, label, turns, console) as advance:
                 results.append(backend.run(name, samples, local, on_turn=advance))
     return results

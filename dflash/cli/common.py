@@ -13,7 +13,25 @@ def int_list(text: str) -> list[int]:
         raise argparse.ArgumentTypeError(f"expected integers separated by commas, got {text!r}") from None
 
 
-def add_model_arguments(parser: argparse.ArgumentParser, block_size_sweep: bool = False) -> None:
+def block_size(text: str) -> int | str:
+    """'8' -> 8; 'auto' stays 'auto'."""
+    if text.strip().lower() == "auto":
+        return "auto"
+    try:
+        return int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a block size (a number) or 'auto', got {text!r}") from None
+
+
+def block_size_list(text: str) -> list[int | str]:
+    """'auto,8,16' -> ['auto', 8, 16]."""
+    return [block_size(x) for x in text.split(",") if x.strip()]
+
+
+def add_model_arguments(parser: argparse.ArgumentParser, block_size_sweep: bool = False,
+                        auto_block_size: bool = False) -> None:
+    """`block_size_sweep`: --block-size takes a list (bench); `auto_block_size`: it takes 'auto', the default
+    (generate); otherwise a number, default the drafter's own (serve: its adaptive block size is a flag)."""
     group = parser.add_argument_group("models (default: the embedded GSM8K pair)")
     group.add_argument("--target", help="target model: local directory or Hugging Face hub id")
     draft = group.add_mutually_exclusive_group()
@@ -21,8 +39,14 @@ def add_model_arguments(parser: argparse.ArgumentParser, block_size_sweep: bool 
     draft.add_argument("--no-draft", action="store_true", help="plain autoregressive decoding (the baseline)")
     group.add_argument("--mask-token-id", type=int, help="mask token id for legacy drafters whose config lacks it")
     if block_size_sweep:
-        group.add_argument("--block-size", type=int_list,
-                           help="block size(s) to measure, e.g. 16 or 4,8,16 (<= the drafter's; default: its own)")
+        group.add_argument("--block-size", type=block_size_list,
+                           help="block size(s) to measure, e.g. 16 or auto,4,8,16 (<= the drafter's; default: its "
+                                "own; auto: chosen before every step from timed step costs and recent acceptance)")
+    elif auto_block_size:
+        group.add_argument("--block-size", type=block_size, default="auto",
+                           help="tokens verified per step: the anchor + draft tokens, at most the drafter's block "
+                                "size; 'auto' (default) chooses it before every step from step costs timed at "
+                                "start-up and the acceptance seen so far")
     else:
         group.add_argument("--block-size", type=int,
                            help="tokens verified per step: the anchor + draft tokens (<= the drafter's block size)")

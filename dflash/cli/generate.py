@@ -12,7 +12,7 @@ from dflash.decoding.engine import SpeculativeEngine
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    add_model_arguments(parser)
+    add_model_arguments(parser, auto_block_size=True)
     parser.add_argument("--prompt", required=True, help="the prompt text (the chat template is applied)")
     parser.add_argument("--raw", action="store_true", help="send the prompt as is, without the chat template")
     parser.add_argument("--max-new-tokens", type=int, default=256)

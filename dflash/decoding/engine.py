@@ -27,6 +27,8 @@ from dflash.errors import UserError
 from dflash.model import hf_compat
 from dflash.model.target import TargetModel
 
+AUTO = "auto"  # block_size: chosen before every step from measured step costs and acceptance (`block_policy`)
+
 # Compact a ragged batch's caches once this share of slots are holes (and there are enough of them).
 _COMPACT_HOLE_SHARE = 0.5
 _COMPACT_MIN_SLOTS = 64
@@ -45,11 +47,13 @@ class GenerationConfig:
     seed: int | None = None
     stop_token_ids: list[int] | None = None  # None: the target's EOS ids
     stop_strings: list[str] = field(default_factory=list)
-    block_size: int | None = None  # None: the drafter's own block size
+    block_size: int | str | None = None  # None: the drafter's own block size; "auto": chosen every step
 
     def __post_init__(self) -> None:
         if self.max_new_tokens < 1:
             raise GenerationError(f"max_new_tokens must be >= 1, got {self.max_new_tokens}")
+        if isinstance(self.block_size, str) and self.block_size != AUTO:
+            raise GenerationError(f"block_size is a number of tokens or {AUTO!r}, not {self.block_size!r}")
         _ = self.sampling  # validates temperature / top_p / top_k
 
     @property
@@ -173,6 +177,7 @@ class SpeculativeEngine:
         self.proposer = proposer or NoDraftProposer()
         self.tokenizer = tokenizer if tokenizer is not None else target.tokenizer
         self.profile = StepProfile()
+        self._block_policy = None  # BlockSizePolicy for block_size "auto", timed on first use
 
     # ---- requests ---------------------------------------------------------------------------------------
     def new_sequence(self, prompt_ids: list[int], config: GenerationConfig) -> Sequence:
@@ -194,12 +199,38 @@ class SpeculativeEngine:
         return Sequence(prompt_ids, config, stop, self.target.device)
 
     def proposer_for(self, config: GenerationConfig) -> Proposer:
-        if config.block_size is None:
+        if config.block_size is None or config.block_size == AUTO:
             return self.proposer
         try:
             return self.proposer.with_block_size(config.block_size)
         except ValueError as err:
             raise GenerationError(str(err)) from None
+
+    def block_policy_for(self, config: GenerationConfig, rows: int):
+        """The policy choosing each step's block size when `config.block_size` is "auto" and there is a block
+        to choose (None otherwise). The first use times real steps of up to `rows` rows (about a second for
+        one row on a CPU; see `block_policy.StepCosts.measure`); what it learns about acceptance carries over
+        from one generation to the next."""
+        if config.block_size != AUTO or self.proposer.block_size <= 2:
+            return None
+        from dflash.decoding.block_policy import BlockSizePolicy
+
+        policy = self._block_policy
+        if policy is None or max(policy.costs.rows) < rows:
+            self._block_policy = policy = BlockSizePolicy.calibrate(self, rows)
+            self.profile = StepProfile()  # the timing steps are not decoding
+        return policy
+
+    def adaptive_step(self, batch: Batch, policy) -> list[list[int]]:
+        """`step`, at the block size `policy` picks for this batch (None: the batch's own), teaching the policy
+        how many draft tokens each row accepted."""
+        if policy is None:
+            return self.step(batch)
+        batch.proposer = policy.proposer_for(len(batch))
+        kept = self.step(batch)
+        # a row cut by a stop keeps fewer tokens than it accepted: that can only undercount acceptance
+        policy.observe([max(len(tokens) - 1, 0) for tokens in kept], batch.proposer.block_size - 1)
+        return kept
 
     # ---- the algorithm ------------------------------------------------------------------------------------
     @torch.inference_mode()
@@ -369,17 +400,19 @@ class SpeculativeEngine:
     ) -> list[GenerationOutput]:
         """Decode several prompts together (ragged); each output equals its batch-of-one output.
 
-        `config` is shared, or one per prompt (e.g. different seeds); the first one's block size is used.
+        `config` is shared, or one per prompt (e.g. different seeds); the first one's block size is used
+        (a number, the drafter's own, or "auto": chosen before every step for the rows still decoding).
         """
         configs = config if isinstance(config, list) else [config or GenerationConfig()] * len(prompts)
         if len(configs) != len(prompts):
             raise GenerationError(f"{len(configs)} generation configs for {len(prompts)} prompts")
         proposer = self.proposer_for(configs[0])
+        policy = self.block_policy_for(configs[0], len(prompts))  # before any request's clock starts
         sequences = [self.new_sequence(p, c) for p, c in zip(prompts, configs)]
         batch = self.merge([self.prefill(s, proposer) for s in sequences])
         batch = self.drop_finished(batch)
         while batch is not None:
-            self.step(batch)
+            self.adaptive_step(batch, policy)
             batch = self.drop_finished(batch)
         return [s.result() for s in sequences]
 
@@ -391,6 +424,7 @@ class SpeculativeEngine:
 class TokenStream:
     def __init__(self, engine: SpeculativeEngine, prompt_ids: list[int], config: GenerationConfig):
         self._engine = engine
+        self._policy = engine.block_policy_for(config, 1)
         self._seq = engine.new_sequence(prompt_ids, config)
         self._proposer = engine.proposer_for(config)
         self.result: GenerationOutput | None = None
@@ -399,7 +433,7 @@ class TokenStream:
         batch = self._engine.prefill(self._seq, self._proposer)
         yield list(self._seq.output_ids)
         while not self._seq.finished:
-            kept = self._engine.step(batch)[0]
+            kept = self._engine.adaptive_step(batch, self._policy)[0]
             if kept:
                 yield kept
         self.result = self._seq.result()

@@ -23,11 +23,11 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from dflash.decoding.block_policy import BlockSizePolicy
 from dflash.decoding.detokenizer import TextDeltas
 from dflash.decoding.engine import GenerationConfig
 from dflash.decoding.proposer import NoDraftProposer
 from dflash.errors import UserError
-from dflash.decoding.block_policy import BlockSizePolicy
 from dflash.serve.fallback import FallbackConfig
 from dflash.serve.metrics import ServerMetrics
 from dflash.serve.protocol import (

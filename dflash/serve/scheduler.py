@@ -22,9 +22,9 @@ from collections import deque
 from dataclasses import dataclass, field
 from typing import Callable
 
+from dflash.decoding.block_policy import BlockSizePolicy
 from dflash.decoding.engine import Batch, Sequence, SpeculativeEngine
 from dflash.decoding.proposer import NoDraftProposer
-from dflash.decoding.block_policy import BlockSizePolicy
 from dflash.serve.fallback import AdaptiveFallback, FallbackConfig
 from dflash.serve.metrics import ServerMetrics
 

@@ -1,5 +1,7 @@
 import json
 
+import pytest
+
 from dflash.cli.main import main
 
 
@@ -33,3 +35,18 @@ def test_user_errors_are_one_line(tiny_pair, capsys):
     assert "top_p" in capsys.readouterr().err
     assert main(["generate", "--draft", str(draft), "--prompt", "x"]) == 2
     assert "--draft needs --target" in capsys.readouterr().err
+
+
+def test_block_size_is_auto_by_default_and_named_sizes_work(tiny_pair, capsys):
+    target, draft = tiny_pair
+    for extra in ([], ["--block-size", "auto"], ["--block-size", "4"]):
+        assert main(["generate", "--target", str(target), "--draft", str(draft), "--prompt", "How many clips?",
+                     "--max-new-tokens", "10", "--json", "--compare", *extra]) == 0
+        report = json.loads(capsys.readouterr().out)
+        assert report["matches_baseline"] is True
+        if extra[-1:] == ["4"]:
+            assert max(report["acceptance_lengths"]) <= 4
+    with pytest.raises(SystemExit) as exit_info:  # argparse: usage and the reason, status 2
+        main(["generate", "--target", str(target), "--draft", str(draft), "--prompt", "x", "--block-size", "big"])
+    assert exit_info.value.code == 2
+    assert "a block size (a number) or 'auto', got 'big'" in capsys.readouterr().err

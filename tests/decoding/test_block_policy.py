@@ -181,3 +181,38 @@ def test_calibration_keeps_each_shapes_fastest_step(target, monkeypatch):
     assert costs.seconds == {(1, 1): 1.0, (1, 2): 2.0, (1, 4): 4.0}
     assert steps.count(1) == steps.count(2) == steps.count(4) == 2 * 3  # rounds x (warm-up + repeats)
     assert steps[:3] == [2, 2, 2] and 1 in steps[:12] and steps[-1] == 1  # shapes interleave round by round
+
+
+@pytest.mark.parametrize("block", [8, 16])
+def test_generate_with_auto_block_size_is_lossless_and_uses_several_sizes(target, block, monkeypatch):
+    prompts = random_prompts(3, seed=11)
+    refs = {tuple(p): hf_greedy(target, p, 30) for p in prompts}
+    proposer = OracleProposer(tiny_drafter(target, layers=2, block_size=block), target, refs,
+                              correct=lambda rng: rng.randint(0, block - 1), seed=4)
+    engine = SpeculativeEngine(target, proposer)
+    chosen = []
+    real_proposer_for = BlockSizePolicy.proposer_for
+
+    def spy(self, rows):
+        picked = real_proposer_for(self, rows)
+        chosen.append(picked.block_size)
+        return picked
+
+    monkeypatch.setattr(BlockSizePolicy, "proposer_for", spy)
+    config = GenerationConfig(max_new_tokens=30, stop_token_ids=[], block_size="auto")
+    outputs = engine.generate(prompts, config)
+    assert [o.output_ids for o in outputs] == [refs[tuple(p)] for p in prompts]
+    policy = engine._block_policy
+    assert policy is not None and set(policy.costs.block_sizes) == set(candidate_block_sizes(block))
+    assert chosen and set(chosen) <= set(candidate_block_sizes(block))
+    assert sum(policy.acceptance.tried) > 0  # it learned from the steps it chose
+    streamed = [t for piece in engine.stream(prompts[0], config) for t in piece]
+    assert streamed == refs[tuple(prompts[0])]
+    assert engine._block_policy is policy  # timed once, then reused
+
+
+def test_auto_block_size_without_a_drafter_or_with_a_bad_name():
+    from dflash.decoding.engine import GenerationError
+
+    with pytest.raises(GenerationError, match="'auto'"):
+        GenerationConfig(block_size="fast")
