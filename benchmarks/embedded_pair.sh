@@ -14,7 +14,7 @@ python benchmarks/batched_step.py --rows 1,8 --context 400 > "$out/batched_step.
 python benchmarks/decode_thread.py > "$out/decode_thread.json"
 
 # 2. local bench: DFlash vs plain decoding, greedy, B = 8 and 16, on the five datasets
-dflash bench --dataset all --max-samples 20 --max-new-tokens 256 --block-size 8,16 \
+dflash bench --dataset all --max-samples 20 --max-new-tokens 256 --block-size auto,8,16 \
     --output-dir "$out/bench" --no-progress
 # the block-size sweep on gsm8k (8 and 16 above)
 dflash bench --dataset gsm8k --max-samples 20 --max-new-tokens 256 --block-size 2,4 \
