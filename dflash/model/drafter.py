@@ -92,11 +92,12 @@ class DFlashAttention(nn.Module):
 
 def grouped_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
     """SDPA with fewer key/value heads than query heads: q (b, heads, q, d), k/v (b, kv_heads, keys, d), mask
-    (b, 1, q, keys). SDPA reads the shared heads itself where it can (torch >= 2.5) instead of copying them."""
+    (b, 1, q, keys). On a CPU, SDPA reads the shared heads itself (torch >= 2.5) instead of copying them; on a
+    GPU a masked grouped SDPA can fall back to the slow math kernel, so the heads are repeated there."""
     groups = q.shape[1] // k.shape[1]
     if groups == 1:
         return F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
-    if hf_compat.sdpa_supports_gqa():
+    if q.device.type == "cpu" and hf_compat.sdpa_supports_gqa():
         return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=True)
     k, v = k.repeat_interleave(groups, dim=1), v.repeat_interleave(groups, dim=1)
     return F.scaled_dot_product_attention(q, k, v, attn_mask=mask)

@@ -45,3 +45,17 @@ def test_attention_within_a_block_is_bidirectional(target):
     a = drafter(embeds, positions, context, ctx_positions)
     b = drafter(changed, positions, context, ctx_positions)
     assert not torch.allclose(a[0, 0], b[0, 0])  # the first position sees the last one
+
+
+def test_grouped_attention_equals_attention_over_repeated_heads():
+    import torch.nn.functional as F
+
+    from dflash.model.drafter import grouped_attention
+
+    torch.manual_seed(0)
+    q, k, v = torch.randn(2, 4, 5, 8), torch.randn(2, 2, 11, 8), torch.randn(2, 2, 11, 8)
+    mask = torch.rand(2, 1, 5, 11) > 0.4
+    mask[..., 0] = True
+    reference = F.scaled_dot_product_attention(q, k.repeat_interleave(2, 1), v.repeat_interleave(2, 1),
+                                               attn_mask=mask)
+    assert torch.allclose(grouped_attention(q, k, v, mask), reference, atol=1e-5)
