@@ -6,8 +6,8 @@ same weight stored column-major: on the 2-core Xeon this project is measured on 
 x (256 -> 768) took 167 us against 39 us, and the 4,096-token LM head 704 us against 208 us, while one row
 (plain decoding) took the same either way. Which layout wins depends on the CPU and the BLAS library, so
 it is measured, once per weight shape, when a pipeline is built: a weight is stored column-major where
-that is clearly faster for a block of rows and not slower for one row. Values, shapes and parameters stay
-the same (tied weights stay tied); only the memory order changes. GPUs are left alone.
+that is clearly faster for a block of rows and not slower for one row. Values and shapes stay the same; only
+the memory order changes (a tied LM head gets a column-major copy of its own). GPUs are left alone.
 """
 
 from __future__ import annotations
@@ -26,6 +26,7 @@ _BLOCK_ROWS = 16  # rows of a typical verify forward
 _GAIN = 0.85  # column-major must take at most this share of the row-major time for a block of rows
 _ONE_ROW_SLACK = 1.10  # ... and at most this much more for one row
 _ROUNDS = 7
+_MAX_UNTIED_BYTES = 256 * 2**20  # a tied LM head larger than this keeps its shared row-major weight
 
 
 def column_major(weight: torch.Tensor) -> torch.Tensor:
@@ -54,19 +55,32 @@ def column_major_is_faster(weight: torch.Tensor, rows: int = _BLOCK_ROWS, rounds
 
 
 def use_fast_layout(modules: Iterable[nn.Module], rows: int = _BLOCK_ROWS) -> int:
-    """Store the weights of the CPU `nn.Linear` layers in `modules` (and a tied LM head's embedding) in the
-    layout measured faster for blocks of `rows` rows; returns how many weights were changed."""
-    linears = {id(m.weight): m.weight for module in modules for m in module.modules()
-               if isinstance(m, nn.Linear) and m.weight.device.type == "cpu" and m.weight.dim() == 2}
+    """Store the weights of the CPU `nn.Linear` layers in `modules` in the layout measured faster for blocks of
+    `rows` rows; returns how many weights were changed.
+
+    A Linear whose weight is also an embedding's (a tied LM head) gets its own column-major copy instead, up to
+    `_MAX_UNTIED_BYTES`: embedding lookups keep their rows contiguous, and transformers can still save the
+    model (it cannot follow storage shared by a strided tensor)."""
+    modules = list(modules)
+    embeddings = {id(m.weight) for module in modules for m in module.modules() if isinstance(m, nn.Embedding)}
+    linears = [m for module in modules for m in module.modules()
+               if isinstance(m, nn.Linear) and m.weight.device.type == "cpu" and m.weight.dim() == 2]
     verdicts: dict[tuple, bool] = {}
     changed = 0
-    for weight in linears.values():
+    for linear in {id(m): m for m in linears}.values():
+        weight = linear.weight
         key = (tuple(weight.shape), weight.dtype)
         if key not in verdicts:
             verdicts[key] = column_major_is_faster(weight, rows)
-        if verdicts[key] and not weight.t().is_contiguous():
+        if not verdicts[key] or weight.t().is_contiguous():
+            continue
+        if id(weight) in embeddings:
+            if weight.numel() * weight.element_size() > _MAX_UNTIED_BYTES:
+                continue
+            linear.weight = nn.Parameter(column_major(weight.data), requires_grad=weight.requires_grad)
+        else:
             weight.data = column_major(weight.data)
-            changed += 1
+        changed += 1
     if changed:
         log.info("stored %d weight matrices column-major (faster for %d-row products on this CPU): %s", changed,
                  rows, ", ".join(f"{list(k[0])}" for k, v in verdicts.items() if v))
