@@ -138,9 +138,10 @@ def sdpa_supports_gqa() -> bool:
 
 
 def use_gqa_attention(model: nn.Module) -> bool:
-    """Switch a model that uses transformers' SDPA attention to `_sdpa_with_gqa` (same results, fewer copies on
-    a CPU); True when it was switched. Models on other attention implementations are left alone."""
-    if getattr(model.config, "_attn_implementation", None) != "sdpa" or not sdpa_supports_gqa():
+    """Switch a CPU model that uses transformers' SDPA attention to `_sdpa_with_gqa` (same results, fewer
+    copies); True when it was switched. GPU models and other attention implementations are left alone."""
+    on_cpu = all(p.device.type == "cpu" for p in model.parameters())
+    if not on_cpu or getattr(model.config, "_attn_implementation", None) != "sdpa" or not sdpa_supports_gqa():
         return False
     try:
         from transformers import AttentionInterface
