@@ -29,6 +29,9 @@ from dflash.model.target import TargetModel
 
 AUTO = "auto"  # block_size: chosen before every step from measured step costs and acceptance (`block_policy`)
 
+# Block size "auto" times steps of up to this many rows; costs of larger batches are extrapolated from them.
+_AUTO_TIMED_ROWS = 8
+
 # Compact a ragged batch's caches once this share of slots are holes (and there are enough of them).
 _COMPACT_HOLE_SHARE = 0.5
 _COMPACT_MIN_SLOTS = 64
@@ -208,13 +211,14 @@ class SpeculativeEngine:
 
     def block_policy_for(self, config: GenerationConfig, rows: int):
         """The policy choosing each step's block size when `config.block_size` is "auto" and there is a block
-        to choose (None otherwise). The first use times real steps of up to `rows` rows (about a second for
-        one row on a CPU; see `block_policy.StepCosts.measure`); what it learns about acceptance carries over
-        from one generation to the next."""
+        to choose (None otherwise). The first use times real steps of up to `rows` rows (at most 8; about a
+        second for one row on a CPU; see `block_policy.StepCosts.measure`); what it learns about acceptance
+        carries over from one generation to the next."""
         if config.block_size != AUTO or self.proposer.block_size <= 2:
             return None
         from dflash.decoding.block_policy import BlockSizePolicy
 
+        rows = min(rows, _AUTO_TIMED_ROWS)
         policy = self._block_policy
         if policy is None or max(policy.costs.rows) < rows:
             self._block_policy = policy = BlockSizePolicy.calibrate(self, rows)
