@@ -34,7 +34,7 @@ import torch
 from transformers import AutoTokenizer, GenerationConfig, Qwen3Config, Qwen3ForCausalLM
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from prepare_data import load_chats  # noqa: E402
+from prepare_data import load_chats, to_messages  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[2]
 ASSET_DIR = ROOT / "dflash" / "assets" / "target"
@@ -191,8 +191,10 @@ def main():
     ap.add_argument("--stop-at-step", type=int, default=0,
                     help="save a checkpoint and exit at this step (no final eval / export); the phase-1 "
                     "recipe in scripts/embedded/README.md changes the batch size at such points")
-    ap.add_argument("--init-from", default="", help="start a new phase (fresh optimizer and schedule) "
-                    "from the model weights of a checkpoint written by this script")
+    ap.add_argument("--extra-train", nargs="*", default=[],
+                    help="more training rows, GSM8K format ({question, answer}; e.g. augment_gsm8k.py output)")
+    ap.add_argument("--init-from", default="", help="start a new phase (fresh optimizer and schedule) from "
+                    "the weights of a checkpoint .pt written by this script or of an exported model directory")
     args = ap.parse_args()
 
     torch.set_num_threads(args.threads)
@@ -202,7 +204,10 @@ def main():
     ckpt_dir.mkdir(parents=True, exist_ok=True)
 
     tok = AutoTokenizer.from_pretrained(args.tokenizer)
-    train = encode_chats(tok, load_chats("train"), args.max_len)
+    chats = load_chats("train")
+    for path in args.extra_train:
+        chats += [to_messages(json.loads(line)) for line in open(path) if line.strip()]
+    train = encode_chats(tok, chats, args.max_len)
     val = encode_chats(tok, load_chats("test"), args.max_len)
     val_sub = random.Random(1).sample(val, 200)
     n_tok = sum(len(s) for s, _ in train)
@@ -221,7 +226,11 @@ def main():
     warm_time = None
     seen_tokens, train_time = 0, 0.0
     if args.init_from and not (args.resume and (ckpt_dir / "last.pt").exists()):
-        model.load_state_dict(torch.load(args.init_from, weights_only=False)["model"])
+        if Path(args.init_from).is_dir():  # an exported model (e.g. dflash/assets/target): its weights, in fp32
+            exported = Qwen3ForCausalLM.from_pretrained(args.init_from, dtype=torch.float32)
+            model.load_state_dict(exported.state_dict())
+        else:
+            model.load_state_dict(torch.load(args.init_from, weights_only=False)["model"])
         print(f"initialised weights from {args.init_from}", flush=True)
     if args.resume and (ckpt_dir / "last.pt").exists():
         st = torch.load(ckpt_dir / "last.pt", weights_only=False)
