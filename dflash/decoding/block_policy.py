@@ -125,9 +125,10 @@ class StepCosts:
         5 steps each) put a drafted step at 1.5x to 2.4x a plain one between two starts of the same server on 2
         shared cores, enough to move the fallback's break-even past the acceptance it judges."""
         vocab = engine.target.vocab_size
-        widths = {id(p): sorted({min(k, p.block_size) if p.block_size > 1 else 1 for k in block_sizes})
-                  for p in proposers}
-        steps = rounds * (repeats + 1) * sum(len(w) for w in widths.values())
+        # each proposer at every shape it is timed in: a drafting one at each block size, a plain one as it is
+        shaped = [[p] if p.block_size == 1 else [p.with_block_size(k) for k in block_sizes if k <= p.block_size]
+                  for p in proposers]
+        steps = rounds * (repeats + 1) * sum(len(variants) for variants in shaped)
         config = GenerationConfig(max_new_tokens=steps * max(block_sizes) + 1, stop_token_ids=[])
         limit = getattr(engine.target.config, "max_position_embeddings", None)
         if limit:  # leave room for the steps within the target's context
@@ -135,18 +136,19 @@ class StepCosts:
         prompt = [(7 * i + 11) % vocab for i in range(context)]  # any valid ids: only the time counts
         seconds: dict[tuple[int, int], float] = {}
         for r in rows:
-            batches = [(p, engine.merge([engine.prefill(engine.new_sequence(prompt, config), p) for _ in range(r)]))
-                       for p in proposers]
+            batches = [(variants, engine.merge([engine.prefill(engine.new_sequence(prompt, config), variants[0])
+                                                for _ in range(r)])) for variants in shaped]
             for _ in range(rounds):
-                for proposer, batch in batches:
-                    for k in widths[id(proposer)]:
-                        batch.proposer = proposer.with_block_size(k) if k > 1 else proposer
+                for variants, batch in batches:
+                    for variant in variants:
+                        batch.proposer = variant
                         engine.step(batch)  # warm-up at this shape
                         for _ in range(repeats):
                             t0 = time.perf_counter()
                             engine.step(batch)
                             elapsed = time.perf_counter() - t0
-                            seconds[r, k] = min(seconds.get((r, k), elapsed), elapsed)
+                            key = (r, variant.block_size)
+                            seconds[key] = min(seconds.get(key, elapsed), elapsed)
         return cls(seconds)
 
     def monotone(self) -> "StepCosts":

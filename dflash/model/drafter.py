@@ -92,12 +92,11 @@ class DFlashAttention(nn.Module):
 
 def grouped_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
     """SDPA with fewer key/value heads than query heads: q (b, heads, q, d), k/v (b, kv_heads, keys, d), mask
-    (b, 1, q, keys). On a CPU, SDPA reads the shared heads itself (torch >= 2.5) instead of copying them; on a
-    GPU a masked grouped SDPA can fall back to the slow math kernel, so the heads are repeated there."""
+    (b, 1, q, keys); the shared heads are read in place where `hf_compat.sdpa_reads_shared_heads` says so."""
     groups = q.shape[1] // k.shape[1]
     if groups == 1:
         return F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
-    if q.device.type == "cpu" and hf_compat.sdpa_supports_gqa():
+    if hf_compat.sdpa_reads_shared_heads(q.device):
         return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=True)
     k, v = k.repeat_interleave(groups, dim=1), v.repeat_interleave(groups, dim=1)
     return F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
