@@ -23,6 +23,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--anchors-per-sequence", type=int)
     parser.add_argument("--loss-gamma", type=float)
     parser.add_argument("--max-length", type=int)
+    parser.add_argument("--distill-weight", type=float,
+                        help="weight w of the soft labels: each position's loss is (1 - w) * cross-entropy on the "
+                             "target's token + w * KL(target's distribution || drafter's); default 0 (hard labels)")
     parser.add_argument("--epochs", type=float)
     parser.add_argument("--max-steps", type=int)
     parser.add_argument("--batch-size", type=int, help="sequences per process per step")
@@ -42,7 +45,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--feature-cache", help="'memory' or a directory: reuse target features across epochs")
     parser.add_argument("--resume", action="store_true", default=None, help="continue from the newest checkpoint")
     parser.add_argument("--init-from", help="start from this drafter (directory or hub id) instead of random weights; "
-                                            "its shape, layer ids and mask token are kept")
+                                            "its shape and mask token are kept; --target-layer-ids may add layers "
+                                            "(their fc columns start at zero, so the drafter starts unchanged)")
     parser.add_argument("--device")
 
 

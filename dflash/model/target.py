@@ -148,15 +148,21 @@ class TargetModel:
         input_ids: torch.Tensor,  # (b, T)
         attention_mask: torch.Tensor,  # (b, T) bool, real tokens
         feature_layer_ids: list[int],
+        with_final_hidden: bool = False,
     ) -> torch.Tensor:
-        """Features of whole sequences for training, (b, T, len(ids) * hidden); no cache, no LM head."""
+        """Features of whole sequences for training, (b, T, len(ids) * hidden); no cache, no LM head.
+
+        With `with_final_hidden`, the decoder's final (normed) hidden states (b, T, hidden) follow the
+        features on the last dimension: `lm_head` of them gives the target's logits (soft labels)."""
         self._ensure_hooks(list(feature_layer_ids))
         self._wanted, self._captured = set(feature_layer_ids), {}
         decoder = self.model.get_decoder() if hasattr(self.model, "get_decoder") else self.model
-        decoder(input_ids=input_ids, attention_mask=attention_mask.long(), use_cache=False)
-        features = torch.cat([self._captured[i] for i in feature_layer_ids], dim=-1)
+        out = decoder(input_ids=input_ids, attention_mask=attention_mask.long(), use_cache=False)
+        parts = [self._captured[i] for i in feature_layer_ids]
+        if with_final_hidden:
+            parts.append(out.last_hidden_state)
         self._wanted, self._captured = set(), {}
-        return features
+        return torch.cat(parts, dim=-1)
 
 
 def check_compatible(target: TargetModel, config: DrafterConfig) -> None:

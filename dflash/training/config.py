@@ -27,6 +27,7 @@ class TrainConfig:
     anchors_per_sequence: int = 64
     loss_gamma: float | None = None  # default: from block size (7 for 16)
     max_length: int = 3072
+    distill_weight: float = 0.0  # w: per position (1 - w) * CE(label) + w * KL(target's distribution || drafter's)
     # optimisation
     epochs: float = 6.0
     max_steps: int | None = None  # overrides epochs when set
@@ -61,6 +62,8 @@ class TrainConfig:
             raise UserError("--batch-size and --anchors-per-sequence must be >= 1")
         if self.lr <= 0:
             raise UserError(f"--lr must be > 0, got {self.lr}")
+        if not 0.0 <= self.distill_weight <= 1.0:
+            raise UserError(f"--distill-weight must be in 0..1 (0: hard labels only), got {self.distill_weight}")
         if self.dtype not in ("float32", "bfloat16"):
             raise UserError(f"--dtype must be float32 or bfloat16, got {self.dtype}")
         if self.eval_decoding_examples < 0:

@@ -4,7 +4,8 @@ For each sequence, anchors are sampled inside the response. Anchor a starts the 
 `[x_a, MASK x (B-1)]` at positions a..a+B-1. The block sees the target's context features of positions
 strictly before a, all of its own block (bidirectional) and no other block. Block position k (1..B-1)
 is labelled with x_{a+k} (same-position labels) and weighted by exp(-(k-1)/gamma); position 0 has no loss.
-Many blocks of one sequence are trained in a single drafter forward.
+Many blocks of one sequence are trained in a single drafter forward. Optionally (distillation) part of
+each position's loss is the KL from the target's own distribution for that token.
 """
 
 from __future__ import annotations
@@ -121,11 +122,18 @@ class LossOutput:
     blocks: torch.Tensor  # () number of blocks with at least one label
 
 
-def block_loss(logits: torch.Tensor, blocks: Blocks, block_size: int) -> LossOutput:
+def block_loss(logits: torch.Tensor, blocks: Blocks, block_size: int, soft_targets: torch.Tensor | None = None,
+               distill_weight: float = 0.0) -> LossOutput:
     """logits (b, n*B, vocab). Each sequence's loss is normalised by its weight sum, then averaged over
-    sequences, so a batch split across processes averages to the same value."""
+    sequences, so a batch split across processes averages to the same value.
+
+    soft_targets (b, n*B, vocab): the target's logits for the same positions (the distribution it drew each
+    label from); with them a position's loss is (1 - w) * CE + w * KL(target || drafter), w = distill_weight."""
     ce = F.cross_entropy(logits.float().transpose(1, 2), blocks.labels.clamp_min(0), reduction="none")  # (b, n*B)
-    weighted = (ce * blocks.weights).sum(1)
+    per_position = ce
+    if soft_targets is not None and distill_weight > 0:
+        per_position = (1 - distill_weight) * ce + distill_weight * soft_label_kl(logits, soft_targets)
+    weighted = (per_position * blocks.weights).sum(1)
     weight_sum = blocks.weights.sum(1)
     has_labels = weight_sum > 0
     per_sequence = weighted / weight_sum.clamp_min(1e-9)
@@ -137,6 +145,13 @@ def block_loss(logits: torch.Tensor, blocks: Blocks, block_size: int) -> LossOut
         counted = labelled.sum((0, 1))
         leading, has_labels = leading_correct(hit, labelled)
     return LossOutput(loss, correct, counted, leading.sum(), has_labels.sum())
+
+
+def soft_label_kl(logits: torch.Tensor, target_logits: torch.Tensor) -> torch.Tensor:
+    """KL(target || drafter) per position: logits and target_logits (b, n*B, vocab) -> (b, n*B)."""
+    target_log_probs = F.log_softmax(target_logits.float(), dim=-1)
+    log_probs = F.log_softmax(logits.float(), dim=-1)
+    return (target_log_probs.exp() * (target_log_probs - log_probs)).sum(-1)
 
 
 def block_hits(logits: torch.Tensor, blocks: Blocks, block_size: int) -> tuple[torch.Tensor, torch.Tensor]:

@@ -101,6 +101,27 @@ def drafter_config_for(target: TargetModel, config: TrainConfig, mask_token_id: 
     )
 
 
+def widen_features(drafter: DFlashDraftModel, layer_ids: list[int]) -> None:
+    """Feed the drafter more target layers: `layer_ids` must keep every current id (as often as it occurs);
+    the new ids' columns of `fc` start at zero, so the drafter's outputs are unchanged until training moves them."""
+    old_ids = drafter.config.target_layer_ids
+    slots: list[int] = []  # for each current id, its place in layer_ids
+    for i, layer in enumerate(old_ids):
+        places = [j for j, x in enumerate(layer_ids) if x == layer]
+        occurrence = old_ids[:i].count(layer)
+        if occurrence >= len(places):
+            raise UserError(f"--target-layer-ids {layer_ids} must list each of the drafter's feature layers "
+                            f"{old_ids} (it can add layers, not drop them)")
+        slots.append(places[occurrence])
+    h, old_fc = drafter.config.hidden_size, drafter.fc.weight.data  # (h, len(old_ids) * h)
+    weight = old_fc.new_zeros(old_fc.shape[0], len(layer_ids) * h)
+    for i, j in enumerate(slots):
+        weight[:, j * h: (j + 1) * h] = old_fc[:, i * h: (i + 1) * h]
+    drafter.fc = nn.Linear(weight.shape[1], weight.shape[0], bias=False, device=weight.device, dtype=weight.dtype)
+    drafter.fc.weight.data.copy_(weight)
+    drafter.config.target_layer_ids = list(layer_ids)
+
+
 _EVAL_EPOCH = 999_999  # anchors for evaluation are drawn once, the same at every evaluation
 
 
@@ -181,10 +202,15 @@ class Trainer:
         self.gamma = c.loss_gamma or loss_gamma(c.block_size)
 
     def _pretrained_drafter(self, path: str) -> DFlashDraftModel:
-        """Fine-tune an existing drafter: its own shape, layer ids and mask token; the block size may change."""
+        """Fine-tune an existing drafter: its own shape and mask token; the block size may change, and
+        --target-layer-ids may add feature layers (`widen_features`)."""
         drafter = load_drafter(path, dtype=torch.float32, device=self.device)
         check_compatible(self.target, drafter.config)
         drafter.config.block_size = self.config.block_size
+        wanted = self.config.target_layer_ids
+        if wanted is not None and list(wanted) != drafter.config.target_layer_ids:
+            widen_features(drafter, list(wanted))
+            check_compatible(self.target, drafter.config)
         return drafter
 
     def _setup_optimizer(self) -> None:
@@ -204,23 +230,33 @@ class Trainer:
 
     # ---- one step ----------------------------------------------------------------------------------------
     def _features(self, batch: Batch) -> torch.Tensor:
-        """Target features (b, T, F), cached per example when --feature-cache is set."""
+        """Target features (b, T, F), followed by the target's final hidden states (b, T, h) on the last
+        dimension when distilling; cached per example when --feature-cache is set."""
         ids, real = batch.input_ids.to(self.device), batch.attention_mask.to(self.device)
-        layer_ids = self.drafter_config.target_layer_ids
+        layer_ids, soft = self.drafter_config.target_layer_ids, self.config.distill_weight > 0
         if not self.config.feature_cache:
-            return self.target.context_features(ids, real, layer_ids).float()
-        keys = [f"{batch.split}-{i}" for i in batch.indices]
+            return self.target.context_features(ids, real, layer_ids, with_final_hidden=soft).float()
+        keys = [f"{batch.split}-{i}{'-soft' if soft else ''}" for i in batch.indices]
         missing = [r for r, key in enumerate(keys) if self._cached(key) is None]
         if missing:
-            computed = self.target.context_features(ids[missing], real[missing], layer_ids)
+            computed = self.target.context_features(ids[missing], real[missing], layer_ids, with_final_hidden=soft)
             for r, row in zip(missing, computed):
                 self._store(keys[r], row[: int(real[r].sum())])
         T = ids.shape[1]
-        out = torch.zeros(len(keys), T, self.drafter_config.num_features, device=self.device)
+        width = self.drafter_config.num_features + (self.target.hidden_size if soft else 0)
+        out = torch.zeros(len(keys), T, width, device=self.device)
         for r, key in enumerate(keys):
             cached = self._cached(key)
             out[r, : cached.shape[0]] = cached.to(self.device).float()
         return out
+
+    def _soft_targets(self, final_hidden: torch.Tensor, blocks: Blocks) -> torch.Tensor:
+        """The target's logits for each block position p: its LM head on its final hidden state at p - 1, the
+        distribution the label at p was drawn from. final_hidden (b, T, h) -> (b, n*B, vocab)."""
+        previous = (blocks.positions - 1).clamp(0, final_hidden.shape[1] - 1)  # (b, n*B)
+        hidden = final_hidden.gather(1, previous[:, :, None].expand(-1, -1, final_hidden.shape[2]))
+        with torch.no_grad():
+            return self.target.lm_head(hidden.to(self.target.dtype)).float()
 
     def _cached(self, key: str) -> torch.Tensor | None:
         if self.config.feature_cache == "memory":
@@ -242,12 +278,17 @@ class Trainer:
     def _loss(self, batch: Batch, epoch: int):
         c = self.config
         features = self._features(batch)
+        final_hidden = None
+        if c.distill_weight > 0:
+            features, final_hidden = features.split([self.drafter_config.num_features, self.target.hidden_size], -1)
         generators = [_example_generator(c.seed, epoch, i) for i in batch.indices]
         loss_mask = batch.loss_mask.to(self.device)
         anchors, anchor_valid = sample_anchors(loss_mask, c.anchors_per_sequence, generators)
         blocks = build_blocks(batch.input_ids.to(self.device), loss_mask, batch.attention_mask.to(self.device),
                               anchors, anchor_valid, c.block_size, self.drafter_config.mask_token_id, self.gamma)
-        return block_loss(self._block_logits(batch, features, blocks), blocks, c.block_size)
+        soft_targets = None if final_hidden is None else self._soft_targets(final_hidden, blocks)
+        return block_loss(self._block_logits(batch, features, blocks), blocks, c.block_size, soft_targets,
+                          c.distill_weight)
 
     def _block_logits(self, batch: Batch, features: torch.Tensor, blocks: Blocks) -> torch.Tensor:
         """(b, n*B, vocab) drafter logits for the blocks, in the configured precision."""
@@ -341,7 +382,7 @@ class Trainer:
         tokens = steps = 0
         for i in range(num_examples):
             batch = self._batch("eval", [i])
-            features = self._features(batch)  # (1, T, F)
+            features = self._features(batch)[..., : self.drafter_config.num_features]  # (1, T, F)
             ids, real, loss_mask = (t.to(self.device) for t in (batch.input_ids, batch.attention_mask, batch.loss_mask))
             every = (loss_mask[0, :-1] & loss_mask[0, 1:]).nonzero().flatten()  # (L-1,) all anchors
             lengths: list[int] = []

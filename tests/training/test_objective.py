@@ -9,7 +9,14 @@ import pytest
 import torch
 
 from conftest import MASK_TOKEN_ID, tiny_drafter
-from dflash.training.objective import build_blocks, loss_gamma, position_weights, sample_anchors
+from dflash.training.objective import (
+    block_loss,
+    build_blocks,
+    loss_gamma,
+    position_weights,
+    sample_anchors,
+    soft_label_kl,
+)
 from dflash.training.trainer import DraftingHead
 
 B = 4
@@ -51,6 +58,28 @@ def test_labels_are_same_position_and_weights_decay():
     assert loss_gamma(16) == 7 and loss_gamma(10) == 5 and loss_gamma(8) == 4
     weights16 = position_weights(16, 7.0)
     assert weights16[1] == 1.0 and math.isclose(float(weights16[8]), math.exp(-1), rel_tol=1e-6)
+
+
+def test_distillation_mixes_cross_entropy_and_kl_from_the_target_distribution():
+    ids, real, loss_mask = toy_batch()
+    anchors, valid = torch.tensor([[8, 12], [10, 15]]), torch.ones(2, 2, dtype=torch.bool)
+    blocks = build_blocks(ids, loss_mask, real, anchors, valid, B, MASK_TOKEN_ID, gamma=7.0)
+    logits = torch.randn(2, 2 * B, 100, generator=torch.Generator().manual_seed(1))
+    hard = block_loss(logits, blocks, B).loss
+    sure = torch.nn.functional.one_hot(blocks.labels.clamp_min(0), 100).float() * 50.0  # a certain target
+    assert torch.allclose(block_loss(logits, blocks, B, sure, distill_weight=1.0).loss, hard, atol=1e-4)
+    assert torch.equal(block_loss(logits, blocks, B, sure, distill_weight=0.0).loss, hard)
+    assert torch.allclose(soft_label_kl(logits, logits), torch.zeros(2, 2 * B), atol=1e-5)
+    unsure = torch.randn(2, 2 * B, 100, generator=torch.Generator().manual_seed(2))
+    kl = soft_label_kl(logits, unsure)
+    assert (kl > 0).all()
+    weights = blocks.weights
+    expected = ((0.5 * (hard_per_position(logits, blocks) + kl) * weights).sum(1) / weights.sum(1)).mean()
+    assert torch.allclose(block_loss(logits, blocks, B, unsure, distill_weight=0.5).loss, expected, atol=1e-5)
+
+
+def hard_per_position(logits, blocks):
+    return torch.nn.functional.cross_entropy(logits.transpose(1, 2), blocks.labels.clamp_min(0), reduction="none")
 
 
 @pytest.fixture

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import math
 import os
 import random
 import socket
@@ -15,9 +16,11 @@ from safetensors.torch import load_file
 
 from dflash import DFlash
 from dflash.cli.main import main
+from dflash.errors import UserError
 from dflash.model import load_drafter
 from dflash.training import Trainer, load_config
 from dflash.training.data import load_examples
+from dflash.training.objective import build_blocks
 
 
 @pytest.fixture(scope="module")
@@ -135,6 +138,48 @@ def test_fine_tuning_starts_from_the_given_drafter(tiny_pair, train_data, tmp_pa
     assert all(torch.equal(start[k], v) for k, v in tuned.drafter.state_dict().items() if "rotary" not in k)
     tuned.train()
     assert all(torch.allclose(start[k], v, atol=1e-6) for k, v in weights(tmp_path / "tuned").items())
+
+
+def test_soft_labels_are_the_target_logits_of_the_previous_position(tiny_pair, train_data, tmp_path):
+    trainer = Trainer(config(tiny_pair, train_data, tmp_path / "soft", distill_weight=0.5)).setup()
+    batch = trainer._batch("train", [0, 1])
+    features, final_hidden = trainer._features(batch).split(
+        [trainer.drafter_config.num_features, trainer.target.hidden_size], -1)
+    anchors = torch.tensor([[9, 12], [10, 14]])
+    blocks = build_blocks(batch.input_ids, batch.loss_mask, batch.attention_mask, anchors,
+                          torch.ones_like(anchors).bool(), 4, trainer.drafter_config.mask_token_id, 7.0)
+    soft = trainer._soft_targets(final_hidden, blocks)  # (2, 8, vocab)
+    for row in range(2):
+        length = int(batch.attention_mask[row].sum())
+        ids = batch.input_ids[row: row + 1, :length]
+        with torch.no_grad():
+            logits = trainer.target.model(input_ids=ids).logits[0]  # (T, vocab)
+        for slot, position in enumerate(blocks.positions[row].tolist()):
+            if blocks.labels[row, slot] >= 0:
+                assert torch.allclose(soft[row, slot], logits[position - 1], atol=1e-4), (row, slot)
+    result = trainer.train()
+    assert math.isfinite(result["eval_loss"])
+    Trainer(config(tiny_pair, train_data, tmp_path / "hard")).setup().train()
+    assert not torch.allclose(weights(tmp_path / "soft")["fc.weight"], weights(tmp_path / "hard")["fc.weight"])
+
+
+def test_fine_tuning_can_add_feature_layers_without_changing_the_drafter(tiny_pair, train_data, tmp_path):
+    Trainer(config(tiny_pair, train_data, tmp_path / "first", draft_layers=2)).setup().train()
+    first = load_drafter(tmp_path / "first", dtype="float32")
+    old_ids = first.config.target_layer_ids
+    new_ids = old_ids + [first.config.num_target_layers - 1]  # the last layer's output as well
+    wide = Trainer(config(tiny_pair, train_data, tmp_path / "wide", init_from=str(tmp_path / "first"),
+                          target_layer_ids=new_ids)).setup()
+    assert wide.drafter_config.target_layer_ids == new_ids
+    batch = wide._batch("train", [0, 1])
+    features = wide._features(batch)  # (b, T, len(new_ids) * h)
+    h = wide.target.hidden_size
+    old_features = features[..., : len(old_ids) * h]
+    with torch.no_grad():
+        assert torch.allclose(wide.drafter.project_context(features), first.project_context(old_features), atol=1e-6)
+    with pytest.raises(UserError, match="can add layers, not drop them"):
+        Trainer(config(tiny_pair, train_data, tmp_path / "narrow", init_from=str(tmp_path / "first"),
+                       target_layer_ids=new_ids[1:])).setup()  # one of the drafter's layers left out
 
 
 def test_extra_train_data_trains_without_changing_the_held_out_split(tiny_pair, train_data, tmp_path):
