@@ -163,13 +163,6 @@ def mixed_label_loss(logits: torch.Tensor, labels: torch.Tensor, target_logits: 
     return ce - weight * entropy
 
 
-def soft_label_kl(logits: torch.Tensor, target_logits: torch.Tensor) -> torch.Tensor:
-    """KL(target || drafter) per position: logits and target_logits (b, n*B, vocab) -> (b, n*B)."""
-    target_log_probs = F.log_softmax(target_logits.float(), dim=-1)
-    log_probs = F.log_softmax(logits.float(), dim=-1)
-    return (target_log_probs.exp() * (target_log_probs - log_probs)).sum(-1)
-
-
 def block_hits(logits: torch.Tensor, blocks: Blocks, block_size: int) -> tuple[torch.Tensor, torch.Tensor]:
     """logits (b, n*B, vocab) -> hit (b, n, B): greedy prediction == label, and labelled (b, n, B)."""
     b = logits.shape[0]

@@ -15,7 +15,6 @@ from dflash.training.objective import (
     loss_gamma,
     position_weights,
     sample_anchors,
-    soft_label_kl,
 )
 from dflash.training.trainer import DraftingHead
 
@@ -76,6 +75,12 @@ def test_distillation_mixes_cross_entropy_and_kl_from_the_target_distribution():
     weights = blocks.weights
     expected = ((0.5 * (hard_per_position(logits, blocks) + kl) * weights).sum(1) / weights.sum(1)).mean()
     assert torch.allclose(block_loss(logits, blocks, B, unsure, distill_weight=0.5).loss, expected, atol=1e-5)
+
+
+def soft_label_kl(logits, target_logits):
+    """The definition, written out: sum over the vocabulary of p_target * (log p_target - log p_drafter)."""
+    target_log_probs = torch.log_softmax(target_logits, -1)
+    return (target_log_probs.exp() * (target_log_probs - torch.log_softmax(logits, -1))).sum(-1)
 
 
 def hard_per_position(logits, blocks):
