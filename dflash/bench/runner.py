@@ -13,6 +13,7 @@ from dflash.bench.datasets import DataOptions, Sample, load_samples, resolve_nam
 from dflash.bench.local import LocalBackend, LocalConfig
 from dflash.bench.metrics import BenchResult, add_costs
 from dflash.bench.server import ServerBackend, ServerConfig
+from dflash.decoding.engine import AUTO
 
 
 @dataclass
@@ -58,7 +59,7 @@ def _run_local(config: BenchConfig, data: dict[str, list[Sample]], pipe, console
                             block_size=block_size, seed=config.seed, warmup_tokens=config.warmup_tokens)
         for name, samples in data.items():
             turns = sum(len(s.turns) for s in samples)
-            label = f"{name} B={block_size if block_size == 'auto' else backend.block_size(block_size)}"
+            label = f"{name} B={block_size if block_size == AUTO else backend.block_size(block_size)}"
             with _progress(config, label, turns, console) as advance:
                 results.append(backend.run(name, samples, local, on_turn=advance))
     return results

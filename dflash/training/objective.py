@@ -152,7 +152,7 @@ def mixed_label_loss(logits: torch.Tensor, labels: torch.Tensor, target_logits: 
                      ) -> torch.Tensor:
     """(1 - w) * CE(label) + w * KL(target || drafter) per position, (b, n*B), as one cross-entropy against the
     mixed distribution (1 - w) * onehot(label) + w * p_target minus w * H(p_target): the same value and
-    gradient, one softmax of the drafter's logits instead of three passes over the vocabulary."""
+    gradient, with one softmax of the drafter's logits instead of separate CE and KL passes."""
     with torch.no_grad():
         target_log_probs = F.log_softmax(target_logits.float(), dim=-1)  # (b, n*B, vocab)
         target_probs = target_log_probs.exp()

@@ -117,8 +117,7 @@ def widen_features(drafter: DFlashDraftModel, layer_ids: list[int]) -> None:
     weight = old_fc.new_zeros(old_fc.shape[0], len(layer_ids) * h)
     for i, j in enumerate(slots):
         weight[:, j * h: (j + 1) * h] = old_fc[:, i * h: (i + 1) * h]
-    drafter.fc = nn.Linear(weight.shape[1], weight.shape[0], bias=False, device=weight.device, dtype=weight.dtype)
-    drafter.fc.weight.data.copy_(weight)
+    drafter.fc.weight, drafter.fc.in_features = nn.Parameter(weight), weight.shape[1]
     drafter.config.target_layer_ids = list(layer_ids)
 
 
@@ -229,11 +228,17 @@ class Trainer:
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, schedule)
 
     # ---- one step ----------------------------------------------------------------------------------------
-    def _features(self, batch: Batch) -> torch.Tensor:
-        """Target features (b, T, F), followed by the target's final hidden states (b, T, h) on the last
-        dimension when distilling; cached per example when --feature-cache is set."""
+    def _features(self, batch: Batch) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Target features (b, T, F) and, when distilling, the target's final hidden states (b, T, h) (else None)."""
+        soft = self.config.distill_weight > 0
+        out = self._target_outputs(batch, soft)
+        f = self.drafter_config.num_features
+        return out[..., :f], (out[..., f:] if soft else None)
+
+    def _target_outputs(self, batch: Batch, soft: bool) -> torch.Tensor:
+        """(b, T, F [+ h]) from the target, cached per example when --feature-cache is set."""
         ids, real = batch.input_ids.to(self.device), batch.attention_mask.to(self.device)
-        layer_ids, soft = self.drafter_config.target_layer_ids, self.config.distill_weight > 0
+        layer_ids = self.drafter_config.target_layer_ids
         if not self.config.feature_cache:
             return self.target.context_features(ids, real, layer_ids, with_final_hidden=soft).float()
         keys = [f"{batch.split}-{i}{'-soft' if soft else ''}" for i in batch.indices]
@@ -242,9 +247,8 @@ class Trainer:
             computed = self.target.context_features(ids[missing], real[missing], layer_ids, with_final_hidden=soft)
             for r, row in zip(missing, computed):
                 self._store(keys[r], row[: int(real[r].sum())])
-        T = ids.shape[1]
         width = self.drafter_config.num_features + (self.target.hidden_size if soft else 0)
-        out = torch.zeros(len(keys), T, width, device=self.device)
+        out = torch.zeros(len(keys), ids.shape[1], width, device=self.device)
         for r, key in enumerate(keys):
             cached = self._cached(key)
             out[r, : cached.shape[0]] = cached.to(self.device).float()
@@ -277,10 +281,7 @@ class Trainer:
 
     def _loss(self, batch: Batch, epoch: int):
         c = self.config
-        features = self._features(batch)
-        final_hidden = None
-        if c.distill_weight > 0:
-            features, final_hidden = features.split([self.drafter_config.num_features, self.target.hidden_size], -1)
+        features, final_hidden = self._features(batch)
         generators = [_example_generator(c.seed, epoch, i) for i in batch.indices]
         loss_mask = batch.loss_mask.to(self.device)
         anchors, anchor_valid = sample_anchors(loss_mask, c.anchors_per_sequence, generators)
@@ -382,7 +383,7 @@ class Trainer:
         tokens = steps = 0
         for i in range(num_examples):
             batch = self._batch("eval", [i])
-            features = self._features(batch)[..., : self.drafter_config.num_features]  # (1, T, F)
+            features, _ = self._features(batch)  # (1, T, F)
             ids, real, loss_mask = (t.to(self.device) for t in (batch.input_ids, batch.attention_mask, batch.loss_mask))
             every = (loss_mask[0, :-1] & loss_mask[0, 1:]).nonzero().flatten()  # (L-1,) all anchors
             lengths: list[int] = []

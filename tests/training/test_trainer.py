@@ -143,8 +143,8 @@ def test_fine_tuning_starts_from_the_given_drafter(tiny_pair, train_data, tmp_pa
 def test_soft_labels_are_the_target_logits_of_the_previous_position(tiny_pair, train_data, tmp_path):
     trainer = Trainer(config(tiny_pair, train_data, tmp_path / "soft", distill_weight=0.5)).setup()
     batch = trainer._batch("train", [0, 1])
-    features, final_hidden = trainer._features(batch).split(
-        [trainer.drafter_config.num_features, trainer.target.hidden_size], -1)
+    features, final_hidden = trainer._features(batch)
+    assert final_hidden.shape[-1] == trainer.target.hidden_size
     anchors = torch.tensor([[9, 12], [10, 14]])
     blocks = build_blocks(batch.input_ids, batch.loss_mask, batch.attention_mask, anchors,
                           torch.ones_like(anchors).bool(), 4, trainer.drafter_config.mask_token_id, 7.0)
@@ -172,7 +172,8 @@ def test_fine_tuning_can_add_feature_layers_without_changing_the_drafter(tiny_pa
                           target_layer_ids=new_ids)).setup()
     assert wide.drafter_config.target_layer_ids == new_ids
     batch = wide._batch("train", [0, 1])
-    features = wide._features(batch)  # (b, T, len(new_ids) * h)
+    features, no_soft_labels = wide._features(batch)  # (b, T, len(new_ids) * h)
+    assert no_soft_labels is None
     h = wide.target.hidden_size
     old_features = features[..., : len(old_ids) * h]
     with torch.no_grad():
