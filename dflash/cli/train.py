@@ -19,7 +19,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--target-layer-ids", type=lambda s: [int(x) for x in s.split(",")],
                         help="comma-separated target layer ids (default: the published formula)")
     parser.add_argument("--mask-token-id", type=int)
-    parser.add_argument("--intermediate-size", type=int)
+    parser.add_argument("--intermediate-size", type=int,
+                        help="the drafter's MLP width (default: the target's); with --init-from, a larger value "
+                             "widens the drafter's MLP (new units start silent, so the drafter starts unchanged)")
     parser.add_argument("--anchors-per-sequence", type=int)
     parser.add_argument("--loss-gamma", type=float)
     parser.add_argument("--max-length", type=int)
@@ -46,7 +48,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--resume", action="store_true", default=None, help="continue from the newest checkpoint")
     parser.add_argument("--init-from", help="start from this drafter (directory or hub id) instead of random weights; "
                                             "its shape and mask token are kept; --target-layer-ids may add layers "
-                                            "(their fc columns start at zero, so the drafter starts unchanged)")
+                                            "(their fc columns start at zero, so the drafter starts unchanged) "
+                                            "and --intermediate-size widen its MLP")
     parser.add_argument("--device")
 
 

@@ -58,6 +58,8 @@ class TrainConfig:
             raise UserError(f"--block-size must be in 2..64, got {self.block_size}")
         if self.draft_layers < 1:
             raise UserError(f"--draft-layers must be >= 1, got {self.draft_layers}")
+        if self.intermediate_size is not None and self.intermediate_size < 1:
+            raise UserError(f"--intermediate-size must be >= 1, got {self.intermediate_size}")
         if self.batch_size < 1 or self.anchors_per_sequence < 1:
             raise UserError("--batch-size and --anchors-per-sequence must be >= 1")
         if self.lr <= 0:

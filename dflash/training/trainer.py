@@ -121,6 +121,27 @@ def widen_features(drafter: DFlashDraftModel, layer_ids: list[int]) -> None:
     drafter.config.target_layer_ids = list(layer_ids)
 
 
+def widen_mlp(drafter: DFlashDraftModel, intermediate_size: int, std: float = 0.02) -> None:
+    """Give every drafter layer a wider MLP: the new hidden units' gate and up rows start small and random, their
+    down_proj columns at zero, so the drafter's outputs are unchanged until training moves them."""
+    old = drafter.config.intermediate_size
+    if intermediate_size < old:
+        raise UserError(f"--intermediate-size {intermediate_size} is below the drafter's {old}: fine-tuning can "
+                        "widen its MLP, not narrow it")
+    for layer in drafter.layers:
+        mlp = layer.mlp
+        for name in ("gate_proj", "up_proj"):  # (intermediate, h): new rows
+            linear = getattr(mlp, name)
+            new_rows = linear.weight.data.new_empty(intermediate_size - old, linear.in_features).normal_(std=std)
+            linear.weight = nn.Parameter(torch.cat([linear.weight.data, new_rows], dim=0))
+            linear.out_features = intermediate_size
+        down = mlp.down_proj  # (h, intermediate): new columns
+        zeros = down.weight.data.new_zeros(down.out_features, intermediate_size - old)
+        down.weight = nn.Parameter(torch.cat([down.weight.data, zeros], dim=1))
+        down.in_features = intermediate_size
+    drafter.config.intermediate_size = intermediate_size
+
+
 _EVAL_EPOCH = 999_999  # anchors for evaluation are drawn once, the same at every evaluation
 
 
@@ -201,8 +222,9 @@ class Trainer:
         self.gamma = c.loss_gamma or loss_gamma(c.block_size)
 
     def _pretrained_drafter(self, path: str) -> DFlashDraftModel:
-        """Fine-tune an existing drafter: its own shape and mask token; the block size may change, and
-        --target-layer-ids may add feature layers (`widen_features`)."""
+        """Fine-tune an existing drafter: its own shape and mask token; the block size may change,
+        --target-layer-ids may add feature layers (`widen_features`) and --intermediate-size widen its MLP
+        (`widen_mlp`)."""
         drafter = load_drafter(path, dtype=torch.float32, device=self.device)
         check_compatible(self.target, drafter.config)
         drafter.config.block_size = self.config.block_size
@@ -210,6 +232,9 @@ class Trainer:
         if wanted is not None and list(wanted) != drafter.config.target_layer_ids:
             widen_features(drafter, list(wanted))
             check_compatible(self.target, drafter.config)
+        width = self.config.intermediate_size
+        if width is not None and width != drafter.config.intermediate_size:
+            widen_mlp(drafter, width)
         return drafter
 
     def _setup_optimizer(self) -> None:

@@ -183,6 +183,29 @@ def test_fine_tuning_can_add_feature_layers_without_changing_the_drafter(tiny_pa
                        target_layer_ids=new_ids[1:])).setup()  # one of the drafter's layers left out
 
 
+def test_fine_tuning_can_widen_the_mlp_without_changing_the_drafter(tiny_pair, train_data, tmp_path):
+    Trainer(config(tiny_pair, train_data, tmp_path / "first", draft_layers=2)).setup().train()
+    first = load_drafter(tmp_path / "first", dtype="float32")
+    width = first.config.intermediate_size * 2
+    wide = Trainer(config(tiny_pair, train_data, tmp_path / "wide", init_from=str(tmp_path / "first"),
+                          intermediate_size=width, max_steps=2)).setup()
+    assert wide.drafter_config.intermediate_size == width
+    assert wide.drafter.layers[0].mlp.gate_proj.weight.shape[0] == width
+    b, q, h = 2, 4, first.config.hidden_size
+    inputs = dict(block_embeds=torch.randn(b, q, h), block_positions=torch.arange(10, 10 + q).expand(b, q),
+                  context=torch.randn(b, 10, h), context_positions=torch.arange(10).expand(b, 10))
+    with torch.no_grad():
+        assert torch.allclose(wide.drafter(**inputs), first(**inputs), atol=1e-6)
+    wide.train()  # the new units learn, and the export loads with its new width
+    tuned = load_drafter(tmp_path / "wide", dtype="float32")
+    assert tuned.config.intermediate_size == width
+    new_columns = tuned.layers[0].mlp.down_proj.weight[:, first.config.intermediate_size:]
+    assert new_columns.abs().sum() > 0
+    with pytest.raises(UserError, match="can widen its MLP, not narrow it"):
+        Trainer(config(tiny_pair, train_data, tmp_path / "narrow", init_from=str(tmp_path / "first"),
+                       intermediate_size=width // 4)).setup()
+
+
 def test_extra_train_data_trains_without_changing_the_held_out_split(tiny_pair, train_data, tmp_path):
     extra = tmp_path / "extra.jsonl"
     extra.write_text("".join(train_data.read_text().splitlines(True)[:5]))  # any records: training only
