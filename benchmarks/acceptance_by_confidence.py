@@ -1,0 +1,113 @@
+"""Is the drafter or the target the limit? Acceptance of draft tokens against the target's own confidence.
+
+A drafter predicts the target's greedy tokens. Where the target is sure of its token (top-1 probability near 1)
+a good drafter should match it almost always; where the target hesitates between tokens, its choice hangs on
+details of its full computation that a small drafter only approximates. This script decodes a dataset's
+prompts greedily (block `--block-size`), then gives, for every draft position the target judged, the target's
+top-1 probability at that token (one extra target forward over each finished answer) and whether the draft
+token was accepted, binned by that probability:
+
+- acceptance well below 1 in the top bins: the drafter has room to learn (more data, training, capacity);
+- most judged positions in the low bins: the target's own uncertainty caps the acceptance length, whatever
+  the drafter.
+
+    python benchmarks/acceptance_by_confidence.py [--target DIR --draft DIR] [--dataset gsm8k]
+        [--max-samples 40] [--block-size 16] [--max-new-tokens 256] [--json FILE]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from dataclasses import dataclass
+
+import torch
+
+from dflash.api import DFlash
+from dflash.bench.datasets import DataOptions, load_samples
+from dflash.decoding.engine import GenerationConfig, GenerationOutput
+
+BIN_EDGES = (0.0, 0.3, 0.5, 0.7, 0.9, 1.0)
+
+
+@dataclass
+class Judged:
+    confidence: float  # the target's top-1 probability at the drafted token's position
+    accepted: bool
+    position: int  # 1 = the first draft token of its block
+
+
+def target_confidence(pipe: DFlash, prompt_ids: list[int], output_ids: list[int]) -> list[float]:
+    """[i] = the target's top-1 probability when it chose output token i (one forward over the whole answer)."""
+    ids = torch.tensor([prompt_ids + output_ids])  # (1, T)
+    positions = torch.arange(ids.shape[1])[None]
+    out = pipe.target.forward(ids, positions, pipe.target.new_cache())
+    probs = out.logits[0, len(prompt_ids) - 1: -1].softmax(-1)  # (len(output), vocab)
+    return probs.max(-1).values.tolist()
+
+
+def judged_positions(output: GenerationOutput, confidence: list[float], block_size: int) -> list[Judged]:
+    """Every draft token the target judged: in a step that kept n tokens, draft tokens 1..n-1 were accepted and
+    draft token n (if the block had one) was rejected."""
+    judged, start = [], output.stats.acceptance_lengths[0]  # the prefill's token was not drafted
+    for kept in output.stats.acceptance_lengths[1:]:
+        for j in range(min(kept, block_size - 1)):
+            if start + j < len(confidence):
+                judged.append(Judged(confidence[start + j], accepted=j < kept - 1, position=j + 1))
+        start += kept
+    return judged
+
+
+def summarize(judged: list[Judged]) -> list[dict]:
+    rows = []
+    for lo, hi in zip(BIN_EDGES, BIN_EDGES[1:]):
+        inside = [j for j in judged if lo <= j.confidence < hi or (hi == 1.0 and j.confidence == 1.0)]
+        first = [j for j in inside if j.position == 1]
+        rows.append({
+            "target_top1": f"{lo:.1f}-{hi:.1f}",
+            "share_of_judged": round(len(inside) / max(1, len(judged)), 3),
+            "accepted": round(sum(j.accepted for j in inside) / max(1, len(inside)), 3),
+            "first_position_accepted": round(sum(j.accepted for j in first) / max(1, len(first)), 3),
+        })
+    return rows
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--target")
+    parser.add_argument("--draft")
+    parser.add_argument("--dataset", default="gsm8k")
+    parser.add_argument("--max-samples", type=int, default=40)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--block-size", type=int, default=16)
+    parser.add_argument("--max-new-tokens", type=int, default=256)
+    parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--json", help="also write the table and totals here")
+    args = parser.parse_args()
+    torch.set_num_threads(args.threads)
+    pipe = DFlash.from_pretrained(args.target, args.draft)
+    samples = load_samples(args.dataset, DataOptions(max_samples=args.max_samples, seed=args.seed))
+    config = GenerationConfig(max_new_tokens=args.max_new_tokens, block_size=args.block_size)
+    judged, steps, tokens = [], 0, 0
+    for sample in samples:
+        prompt_ids = pipe.encode(list(sample.history) + [{"role": "user", "content": sample.turns[0]}])
+        output = pipe.engine.generate([prompt_ids], config)[0]
+        judged += judged_positions(output, target_confidence(pipe, prompt_ids, output.output_ids), args.block_size)
+        steps += len(output.stats.acceptance_lengths) - 1
+        tokens += sum(output.stats.acceptance_lengths[1:])
+    table = summarize(judged)
+    totals = {"dataset": args.dataset, "prompts": len(samples), "block_size": args.block_size,
+              "mean_acceptance_length": round(tokens / max(1, steps), 3), "judged_draft_tokens": len(judged),
+              "mean_target_top1_at_judged": round(sum(j.confidence for j in judged) / max(1, len(judged)), 3)}
+    print(json.dumps(totals))
+    print(f"{'target top-1':>12}  {'share':>6}  {'accepted':>8}  {'first draft token accepted':>26}")
+    for row in table:
+        print(f"{row['target_top1']:>12}  {row['share_of_judged']:6.3f}  {row['accepted']:8.3f}  "
+              f"{row['first_position_accepted']:26.3f}")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"totals": totals, "by_target_confidence": table}, f, indent=2)
+
+
+if __name__ == "__main__":
+    main()
