@@ -14,7 +14,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--extra-train-data", nargs="+", metavar="FILE",
                         help="more JSONL files used for training only; the held-out split still comes from --data")
     parser.add_argument("--output", help="output directory (public drafter format + checkpoints/)")
-    parser.add_argument("--draft-layers", type=int)
+    parser.add_argument("--draft-layers", type=int,
+                        help="drafter layers (default 1); with --init-from, more than the drafter has adds layers "
+                             "that start silent, so the drafter starts unchanged")
     parser.add_argument("--block-size", type=int)
     parser.add_argument("--target-layer-ids", type=lambda s: [int(x) for x in s.split(",")],
                         help="comma-separated target layer ids (default: the published formula)")
@@ -48,8 +50,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--resume", action="store_true", default=None, help="continue from the newest checkpoint")
     parser.add_argument("--init-from", help="start from this drafter (directory or hub id) instead of random weights; "
                                             "its shape and mask token are kept; --target-layer-ids may add layers "
-                                            "(their fc columns start at zero, so the drafter starts unchanged) "
-                                            "and --intermediate-size widen its MLP")
+                                            "(their fc columns start at zero, so the drafter starts unchanged), "
+                                            "--intermediate-size widen its MLP and --draft-layers add layers")
     parser.add_argument("--device")
 
 

@@ -18,7 +18,7 @@ class TrainConfig:
     extra_train_data: list[str] | None = None  # more JSONL files, for training only (the split is unchanged)
     output: str = ""  # output directory: the public drafter format + checkpoints/
     # drafter shape
-    draft_layers: int = 1
+    draft_layers: int | None = None  # a new drafter: 1 by default; with init_from: its own (more adds layers)
     block_size: int = 16
     target_layer_ids: list[int] | None = None  # default: the published formula
     mask_token_id: int | None = None  # default: the tokenizer's mask token, or the first unused embedding row
@@ -56,7 +56,7 @@ class TrainConfig:
                 raise UserError(f"--{name} is required (or set `{name}:` in the YAML config)")
         if not 2 <= self.block_size <= 64:
             raise UserError(f"--block-size must be in 2..64, got {self.block_size}")
-        if self.draft_layers < 1:
+        if self.draft_layers is not None and self.draft_layers < 1:
             raise UserError(f"--draft-layers must be >= 1, got {self.draft_layers}")
         if self.intermediate_size is not None and self.intermediate_size < 1:
             raise UserError(f"--intermediate-size must be >= 1, got {self.intermediate_size}")

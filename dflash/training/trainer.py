@@ -23,7 +23,7 @@ from torch import nn
 from dflash.errors import UserError
 from dflash.model import hf_compat
 from dflash.model.config import DrafterConfig, default_target_layer_ids
-from dflash.model.drafter import DFlashDraftModel
+from dflash.model.drafter import DFlashDecoderLayer, DFlashDraftModel
 from dflash.model.loading import load_drafter, save_drafter
 from dflash.model.target import TargetModel, check_compatible
 from dflash.training.config import TrainConfig
@@ -82,11 +82,12 @@ def choose_mask_token_id(config: TrainConfig, tokenizer, vocab_size: int) -> int
 def drafter_config_for(target: TargetModel, config: TrainConfig, mask_token_id: int) -> DrafterConfig:
     tc = target.config
     heads = tc.num_attention_heads
-    layer_ids = config.target_layer_ids or default_target_layer_ids(target.num_layers, config.draft_layers)
+    layers = config.draft_layers or 1
+    layer_ids = config.target_layer_ids or default_target_layer_ids(target.num_layers, layers)
     return DrafterConfig(
         hidden_size=target.hidden_size,
         intermediate_size=config.intermediate_size or getattr(tc, "intermediate_size", 4 * target.hidden_size),
-        num_hidden_layers=config.draft_layers,
+        num_hidden_layers=layers,
         num_attention_heads=heads,
         num_key_value_heads=getattr(tc, "num_key_value_heads", None) or heads,
         head_dim=getattr(tc, "head_dim", None) or target.hidden_size // heads,
@@ -140,6 +141,24 @@ def widen_mlp(drafter: DFlashDraftModel, intermediate_size: int, std: float = 0.
         down.weight = nn.Parameter(torch.cat([down.weight.data, zeros], dim=1))
         down.in_features = intermediate_size
     drafter.config.intermediate_size = intermediate_size
+
+
+def deepen(drafter: DFlashDraftModel, num_layers: int, std: float = 0.02) -> None:
+    """Append layers to the drafter, before its final norm: each new layer's `o_proj` and `down_proj` start at zero,
+    so it adds nothing to the residual stream and the drafter's outputs are unchanged until training moves them."""
+    config, old = drafter.config, len(drafter.layers)
+    if num_layers < old:
+        raise UserError(f"--draft-layers {num_layers} is below the drafter's {old}: fine-tuning can add layers, "
+                        "not remove them")
+    for _ in range(num_layers - old):
+        layer = DFlashDecoderLayer(config).to(drafter.fc.weight.device, drafter.fc.weight.dtype)
+        for linear in (m for m in layer.modules() if isinstance(m, nn.Linear)):
+            nn.init.normal_(linear.weight, std=std)
+        nn.init.zeros_(layer.self_attn.o_proj.weight)
+        nn.init.zeros_(layer.mlp.down_proj.weight)
+        drafter.layers.append(layer)
+        config.layer_types.append(config.layer_types[-1])
+    config.num_hidden_layers = num_layers
 
 
 _EVAL_EPOCH = 999_999  # anchors for evaluation are drawn once, the same at every evaluation
@@ -223,8 +242,8 @@ class Trainer:
 
     def _pretrained_drafter(self, path: str) -> DFlashDraftModel:
         """Fine-tune an existing drafter: its own shape and mask token; the block size may change,
-        --target-layer-ids may add feature layers (`widen_features`) and --intermediate-size widen its MLP
-        (`widen_mlp`)."""
+        --target-layer-ids may add feature layers (`widen_features`), --intermediate-size widen its MLP
+        (`widen_mlp`) and --draft-layers add layers (`deepen`)."""
         drafter = load_drafter(path, dtype=torch.float32, device=self.device)
         check_compatible(self.target, drafter.config)
         drafter.config.block_size = self.config.block_size
@@ -235,6 +254,9 @@ class Trainer:
         width = self.config.intermediate_size
         if width is not None and width != drafter.config.intermediate_size:
             widen_mlp(drafter, width)
+        layers = self.config.draft_layers
+        if layers is not None and layers != len(drafter.layers):
+            deepen(drafter, layers)
         return drafter
 
     def _setup_optimizer(self) -> None:

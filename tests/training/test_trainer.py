@@ -40,6 +40,8 @@ def config(tiny_pair, train_data, output, **overrides):
     values = dict(target=str(tiny_pair[0]), data=str(train_data), output=str(output), draft_layers=1, block_size=4,
                   anchors_per_sequence=6, max_steps=6, batch_size=4, lr=3e-3, eval_fraction=0.125, eval_every=0,
                   log_every=2, checkpoint_every=3, seed=0, device="cpu")
+    if "init_from" in overrides:
+        del values["draft_layers"]  # a fine-tune keeps the drafter's depth unless a test asks for more
     values.update(overrides)
     return load_config(None, values)
 
@@ -132,8 +134,8 @@ def test_two_process_ddp_matches_one_process_with_the_doubled_batch(tiny_pair, t
 def test_fine_tuning_starts_from_the_given_drafter(tiny_pair, train_data, tmp_path):
     Trainer(config(tiny_pair, train_data, tmp_path / "first", draft_layers=2)).setup().train()
     tuned = Trainer(config(tiny_pair, train_data, tmp_path / "tuned", init_from=str(tmp_path / "first"),
-                           draft_layers=1, max_steps=1, lr=1e-9)).setup()
-    assert tuned.drafter_config.num_hidden_layers == 2  # the checkpoint's shape wins over --draft-layers
+                           max_steps=1, lr=1e-9)).setup()
+    assert tuned.drafter_config.num_hidden_layers == 2  # the checkpoint's shape, not the default of 1
     start = weights(tmp_path / "first")
     assert all(torch.equal(start[k], v) for k, v in tuned.drafter.state_dict().items() if "rotary" not in k)
     tuned.train()
@@ -204,6 +206,28 @@ def test_fine_tuning_can_widen_the_mlp_without_changing_the_drafter(tiny_pair, t
     with pytest.raises(UserError, match="can widen its MLP, not narrow it"):
         Trainer(config(tiny_pair, train_data, tmp_path / "narrow", init_from=str(tmp_path / "first"),
                        intermediate_size=width // 4)).setup()
+
+
+def test_fine_tuning_can_add_drafter_layers_without_changing_the_drafter(tiny_pair, train_data, tmp_path):
+    Trainer(config(tiny_pair, train_data, tmp_path / "first", draft_layers=1)).setup().train()
+    first = load_drafter(tmp_path / "first", dtype="float32")
+    deep = Trainer(config(tiny_pair, train_data, tmp_path / "deep", init_from=str(tmp_path / "first"),
+                          draft_layers=3, max_steps=2)).setup()
+    assert len(deep.drafter.layers) == deep.drafter_config.num_hidden_layers == 3
+    b, q, h = 2, 4, first.config.hidden_size
+    inputs = dict(block_embeds=torch.randn(b, q, h), block_positions=torch.arange(10, 10 + q).expand(b, q),
+                  context=torch.randn(b, 10, h), context_positions=torch.arange(10).expand(b, 10))
+    with torch.no_grad():
+        assert torch.allclose(deep.drafter(**inputs), first(**inputs), atol=1e-6)
+    deep.train()  # the new layers learn, and the export loads with three layers
+    tuned = load_drafter(tmp_path / "deep", dtype="float32")
+    assert tuned.config.num_hidden_layers == len(tuned.config.layer_types) == 3
+    assert tuned.layers[2].self_attn.o_proj.weight.abs().sum() > 0
+    same = Trainer(config(tiny_pair, train_data, tmp_path / "same", init_from=str(tmp_path / "first"))).setup()
+    assert len(same.drafter.layers) == 1  # without --draft-layers the drafter keeps its own depth
+    with pytest.raises(UserError, match="can add layers, not remove them"):
+        Trainer(config(tiny_pair, train_data, tmp_path / "shallow", init_from=str(tmp_path / "deep"),
+                       draft_layers=2)).setup()
 
 
 def test_extra_train_data_trains_without_changing_the_held_out_split(tiny_pair, train_data, tmp_path):
