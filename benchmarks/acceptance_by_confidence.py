@@ -48,12 +48,13 @@ def target_confidence(pipe: DFlash, prompt_ids: list[int], output_ids: list[int]
 
 def judged_positions(output: GenerationOutput, confidence: list[float], block_size: int) -> list[Judged]:
     """Every draft token the target judged: in a step that kept n tokens, draft tokens 1..n-1 were accepted and
-    draft token n (if the block had one) was rejected."""
-    judged, start = [], output.stats.acceptance_lengths[0]  # the prefill's token was not drafted
-    for kept in output.stats.acceptance_lengths[1:]:
+    draft token n (if the block had one) was rejected. The last step is left out: a stop or the token limit may
+    have cut its tokens, so its n does not say where the rejection was."""
+    lengths = output.stats.acceptance_lengths
+    judged, start = [], lengths[0]  # the prefill's token was not drafted
+    for kept in lengths[1:-1]:
         for j in range(min(kept, block_size - 1)):
-            if start + j < len(confidence):
-                judged.append(Judged(confidence[start + j], accepted=j < kept - 1, position=j + 1))
+            judged.append(Judged(confidence[start + j], accepted=j < kept - 1, position=j + 1))
         start += kept
     return judged
 

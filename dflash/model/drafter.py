@@ -176,6 +176,15 @@ class DrafterCache:
             self.positions = fn(self.positions, 1)
 
 
+def init_weights(module: nn.Module, std: float = 0.02) -> None:
+    """A fresh drafter's weights for `module` and everything in it: Linear weights normal(0, std), norms ones."""
+    for m in module.modules():
+        if isinstance(m, nn.Linear):
+            nn.init.normal_(m.weight, std=std)
+        elif isinstance(m, RMSNorm):
+            nn.init.ones_(m.weight)
+
+
 class DFlashDraftModel(nn.Module):
     """Drafter modules with the public checkpoint's parameter names (no embedding, no LM head)."""
 
@@ -200,11 +209,7 @@ class DFlashDraftModel(nn.Module):
         save_drafter(self, directory)
 
     def init_weights(self, std: float = 0.02) -> None:
-        for module in self.modules():
-            if isinstance(module, nn.Linear):
-                nn.init.normal_(module.weight, std=std)
-            elif isinstance(module, RMSNorm):
-                nn.init.ones_(module.weight)
+        init_weights(self, std)
 
     def project_context(self, features: torch.Tensor) -> torch.Tensor:
         """features (b, c, len(target_layer_ids) * hidden) -> context (b, c, hidden)."""

@@ -23,7 +23,7 @@ from torch import nn
 from dflash.errors import UserError
 from dflash.model import hf_compat
 from dflash.model.config import DrafterConfig, default_target_layer_ids
-from dflash.model.drafter import DFlashDecoderLayer, DFlashDraftModel
+from dflash.model.drafter import DFlashDecoderLayer, DFlashDraftModel, init_weights
 from dflash.model.loading import load_drafter, save_drafter
 from dflash.model.target import TargetModel, check_compatible
 from dflash.training.config import TrainConfig
@@ -126,6 +126,8 @@ def widen_mlp(drafter: DFlashDraftModel, intermediate_size: int, std: float = 0.
     """Give every drafter layer a wider MLP: the new hidden units' gate and up rows start small and random, their
     down_proj columns at zero, so the drafter's outputs are unchanged until training moves them."""
     old = drafter.config.intermediate_size
+    if intermediate_size == old:
+        return
     if intermediate_size < old:
         raise UserError(f"--intermediate-size {intermediate_size} is below the drafter's {old}: fine-tuning can "
                         "widen its MLP, not narrow it")
@@ -143,7 +145,7 @@ def widen_mlp(drafter: DFlashDraftModel, intermediate_size: int, std: float = 0.
     drafter.config.intermediate_size = intermediate_size
 
 
-def deepen(drafter: DFlashDraftModel, num_layers: int, std: float = 0.02) -> None:
+def deepen(drafter: DFlashDraftModel, num_layers: int) -> None:
     """Append layers to the drafter, before its final norm: each new layer's `o_proj` and `down_proj` start at zero,
     so it adds nothing to the residual stream and the drafter's outputs are unchanged until training moves them."""
     config, old = drafter.config, len(drafter.layers)
@@ -152,8 +154,7 @@ def deepen(drafter: DFlashDraftModel, num_layers: int, std: float = 0.02) -> Non
                         "not remove them")
     for _ in range(num_layers - old):
         layer = DFlashDecoderLayer(config).to(drafter.fc.weight.device, drafter.fc.weight.dtype)
-        for linear in (m for m in layer.modules() if isinstance(m, nn.Linear)):
-            nn.init.normal_(linear.weight, std=std)
+        init_weights(layer)
         nn.init.zeros_(layer.self_attn.o_proj.weight)
         nn.init.zeros_(layer.mlp.down_proj.weight)
         drafter.layers.append(layer)
@@ -251,12 +252,10 @@ class Trainer:
         if wanted is not None and list(wanted) != drafter.config.target_layer_ids:
             widen_features(drafter, list(wanted))
             check_compatible(self.target, drafter.config)
-        width = self.config.intermediate_size
-        if width is not None and width != drafter.config.intermediate_size:
-            widen_mlp(drafter, width)
-        layers = self.config.draft_layers
-        if layers is not None and layers != len(drafter.layers):
-            deepen(drafter, layers)
+        if self.config.intermediate_size is not None:
+            widen_mlp(drafter, self.config.intermediate_size)
+        if self.config.draft_layers is not None:
+            deepen(drafter, self.config.draft_layers)
         return drafter
 
     def _setup_optimizer(self) -> None:
