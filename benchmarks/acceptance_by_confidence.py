@@ -11,14 +11,21 @@ token was accepted, binned by that probability:
 - most judged positions in the low bins: the target's own uncertainty caps the acceptance length, whatever
   the drafter.
 
+Decoding starts its blocks where the last one missed, which is where the target hesitates. With
+`--random-anchors K` the script also starts K blocks per answer at random tokens of it (the prompt plus the
+answer before that token as context, exactly as decoding would have it) and gives the same table for them.
+Lower acceptance at decoding anchors than at random ones *within the same confidence bin* says the drafter is
+weaker where decoding needs it than its training (random anchors) measures.
+
     python benchmarks/acceptance_by_confidence.py [--target DIR --draft DIR] [--dataset gsm8k]
-        [--max-samples 40] [--block-size 16] [--max-new-tokens 256] [--json FILE]
+        [--max-samples 40] [--block-size 16] [--max-new-tokens 256] [--random-anchors K] [--json FILE]
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import random
 from dataclasses import dataclass
 
 import torch
@@ -59,6 +66,42 @@ def judged_positions(output: GenerationOutput, confidence: list[float], block_si
     return judged
 
 
+def random_anchor_judged(pipe: DFlash, prompt_ids: list[int], output_ids: list[int], confidence: list[float],
+                         block_size: int, count: int, rng: random.Random) -> list[Judged]:
+    """Blocks started at `count` random tokens of the answer: the target prefills the prompt and the answer before
+    token s (its greedy next token is output token s, the anchor), then one drafted step is judged. Only anchors
+    whose whole block lies before the answer's last token count, so neither a stop nor the limit cuts the step."""
+    last_anchor = len(output_ids) - block_size - 1
+    if last_anchor < 1:
+        return []
+    judged = []
+    config = GenerationConfig(max_new_tokens=1 + block_size, block_size=block_size, stop_token_ids=[])
+    for s in rng.sample(range(1, last_anchor + 1), min(count, last_anchor)):
+        output = pipe.engine.generate([prompt_ids + output_ids[:s]], config)[0]
+        if output.output_ids[0] != output_ids[s]:  # a near-tie the full prefill broke otherwise: not this anchor
+            continue
+        kept = output.stats.acceptance_lengths[1]
+        for j in range(min(kept, block_size - 1)):
+            judged.append(Judged(confidence[s + 1 + j], accepted=j < kept - 1, position=j + 1))
+    return judged
+
+
+def totals_of(judged: list[Judged], **fields) -> dict:
+    first = [j for j in judged if j.position == 1]
+    return {**fields, "judged_draft_tokens": len(judged),
+            "mean_target_top1_at_judged": round(sum(j.confidence for j in judged) / max(1, len(judged)), 3),
+            "mean_target_top1_at_first_position": round(sum(j.confidence for j in first) / max(1, len(first)), 3)}
+
+
+def print_table(title: str, totals: dict, table: list[dict]) -> None:
+    print(title)
+    print(json.dumps(totals))
+    print(f"{'target top-1':>12}  {'share':>6}  {'accepted':>8}  {'first draft token accepted':>26}")
+    for row in table:
+        print(f"{row['target_top1']:>12}  {row['share_of_judged']:6.3f}  {row['accepted']:8.3f}  "
+              f"{row['first_position_accepted']:26.3f}")
+
+
 def summarize(judged: list[Judged]) -> list[dict]:
     rows = []
     for lo, hi in zip(BIN_EDGES, BIN_EDGES[1:]):
@@ -83,31 +126,41 @@ def main() -> None:
     parser.add_argument("--block-size", type=int, default=16)
     parser.add_argument("--max-new-tokens", type=int, default=256)
     parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--random-anchors", type=int, default=0, help="also judge K blocks per answer started at "
+                        "random tokens (0 = off)")
     parser.add_argument("--json", help="also write the table and totals here")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     pipe = DFlash.from_pretrained(args.target, args.draft)
     samples = load_samples(args.dataset, DataOptions(max_samples=args.max_samples, seed=args.seed))
     config = GenerationConfig(max_new_tokens=args.max_new_tokens, block_size=args.block_size)
-    judged, steps, tokens = [], 0, 0
+    rng = random.Random(args.seed)
+    judged, at_random, steps, tokens = [], [], 0, 0
     for sample in samples:
         prompt_ids = pipe.encode(list(sample.history) + [{"role": "user", "content": sample.turns[0]}])
         output = pipe.engine.generate([prompt_ids], config)[0]
-        judged += judged_positions(output, target_confidence(pipe, prompt_ids, output.output_ids), args.block_size)
+        confidence = target_confidence(pipe, prompt_ids, output.output_ids)
+        judged += judged_positions(output, confidence, args.block_size)
+        if args.random_anchors:
+            at_random += random_anchor_judged(pipe, prompt_ids, output.output_ids, confidence, args.block_size,
+                                              args.random_anchors, rng)
         steps += len(output.stats.acceptance_lengths) - 1
         tokens += sum(output.stats.acceptance_lengths[1:])
-    table = summarize(judged)
-    totals = {"dataset": args.dataset, "prompts": len(samples), "block_size": args.block_size,
-              "mean_acceptance_length": round(tokens / max(1, steps), 3), "judged_draft_tokens": len(judged),
-              "mean_target_top1_at_judged": round(sum(j.confidence for j in judged) / max(1, len(judged)), 3)}
-    print(json.dumps(totals))
-    print(f"{'target top-1':>12}  {'share':>6}  {'accepted':>8}  {'first draft token accepted':>26}")
-    for row in table:
-        print(f"{row['target_top1']:>12}  {row['share_of_judged']:6.3f}  {row['accepted']:8.3f}  "
-              f"{row['first_position_accepted']:26.3f}")
+    report = {"totals": totals_of(judged, dataset=args.dataset, prompts=len(samples), block_size=args.block_size,
+                                  mean_acceptance_length=round(tokens / max(1, steps), 3)),
+              "by_target_confidence": summarize(judged)}
+    print_table("at decoding anchors", report["totals"], report["by_target_confidence"])
+    if args.random_anchors:
+        blocks = sum(j.position == 1 for j in at_random)
+        tau = 1 + sum(j.accepted for j in at_random) / max(1, blocks)
+        report["random_anchors"] = {
+            "totals": totals_of(at_random, blocks=blocks, mean_acceptance_length=round(tau, 3)),
+            "by_target_confidence": summarize(at_random)}
+        print_table("at random anchors", report["random_anchors"]["totals"],
+                    report["random_anchors"]["by_target_confidence"])
     if args.json:
         with open(args.json, "w") as f:
-            json.dump({"totals": totals, "by_target_confidence": table}, f, indent=2)
+            json.dump(report, f, indent=2)
 
 
 if __name__ == "__main__":
