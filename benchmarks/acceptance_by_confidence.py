@@ -54,16 +54,21 @@ def target_confidence(pipe: DFlash, prompt_ids: list[int], output_ids: list[int]
 
 
 def judged_positions(output: GenerationOutput, confidence: list[float], block_size: int) -> list[Judged]:
-    """Every draft token the target judged: in a step that kept n tokens, draft tokens 1..n-1 were accepted and
-    draft token n (if the block had one) was rejected. The last step is left out: a stop or the token limit may
-    have cut its tokens, so its n does not say where the rejection was."""
+    """Every draft token the target judged, step by step (`judge_step`). The last step is left out: a stop or the
+    token limit may have cut its tokens, so how many it kept does not say where the rejection was."""
     lengths = output.stats.acceptance_lengths
     judged, start = [], lengths[0]  # the prefill's token was not drafted
     for kept in lengths[1:-1]:
-        for j in range(min(kept, block_size - 1)):
-            judged.append(Judged(confidence[start + j], accepted=j < kept - 1, position=j + 1))
+        judged += judge_step(confidence, start, kept, block_size)
         start += kept
     return judged
+
+
+def judge_step(confidence: list[float], first: int, kept: int, block_size: int) -> list[Judged]:
+    """A step that kept `kept` tokens, the first of them output token `first`: draft tokens 1..kept-1 were
+    accepted, draft token `kept` (if the block had one) was rejected."""
+    return [Judged(confidence[first + j], accepted=j < kept - 1, position=j + 1)
+            for j in range(min(kept, block_size - 1))]
 
 
 def random_anchor_judged(pipe: DFlash, prompt_ids: list[int], output_ids: list[int], confidence: list[float],
@@ -80,9 +85,7 @@ def random_anchor_judged(pipe: DFlash, prompt_ids: list[int], output_ids: list[i
         output = pipe.engine.generate([prompt_ids + output_ids[:s]], config)[0]
         if output.output_ids[0] != output_ids[s]:  # a near-tie the full prefill broke otherwise: not this anchor
             continue
-        kept = output.stats.acceptance_lengths[1]
-        for j in range(min(kept, block_size - 1)):
-            judged.append(Judged(confidence[s + 1 + j], accepted=j < kept - 1, position=j + 1))
+        judged += judge_step(confidence, s + 1, output.stats.acceptance_lengths[1], block_size)
     return judged
 
 

@@ -185,6 +185,15 @@ def test_fine_tuning_can_add_feature_layers_without_changing_the_drafter(tiny_pa
                        target_layer_ids=new_ids[1:])).setup()  # one of the drafter's layers left out
 
 
+def assert_same_outputs(drafter, reference) -> None:
+    """Both drafters give the same block hidden states for the same random block and context."""
+    b, q, h = 2, 4, reference.config.hidden_size
+    inputs = dict(block_embeds=torch.randn(b, q, h), block_positions=torch.arange(10, 10 + q).expand(b, q),
+                  context=torch.randn(b, 10, h), context_positions=torch.arange(10).expand(b, 10))
+    with torch.no_grad():
+        assert torch.allclose(drafter(**inputs), reference(**inputs), atol=1e-6)
+
+
 def test_fine_tuning_can_widen_the_mlp_without_changing_the_drafter(tiny_pair, train_data, tmp_path):
     Trainer(config(tiny_pair, train_data, tmp_path / "first", draft_layers=2)).setup().train()
     first = load_drafter(tmp_path / "first", dtype="float32")
@@ -193,11 +202,7 @@ def test_fine_tuning_can_widen_the_mlp_without_changing_the_drafter(tiny_pair, t
                           intermediate_size=width, max_steps=2)).setup()
     assert wide.drafter_config.intermediate_size == width
     assert wide.drafter.layers[0].mlp.gate_proj.weight.shape[0] == width
-    b, q, h = 2, 4, first.config.hidden_size
-    inputs = dict(block_embeds=torch.randn(b, q, h), block_positions=torch.arange(10, 10 + q).expand(b, q),
-                  context=torch.randn(b, 10, h), context_positions=torch.arange(10).expand(b, 10))
-    with torch.no_grad():
-        assert torch.allclose(wide.drafter(**inputs), first(**inputs), atol=1e-6)
+    assert_same_outputs(wide.drafter, first)
     wide.train()  # the new units learn, and the export loads with its new width
     tuned = load_drafter(tmp_path / "wide", dtype="float32")
     assert tuned.config.intermediate_size == width
@@ -214,11 +219,7 @@ def test_fine_tuning_can_add_drafter_layers_without_changing_the_drafter(tiny_pa
     deep = Trainer(config(tiny_pair, train_data, tmp_path / "deep", init_from=str(tmp_path / "first"),
                           draft_layers=3, max_steps=2)).setup()
     assert len(deep.drafter.layers) == deep.drafter_config.num_hidden_layers == 3
-    b, q, h = 2, 4, first.config.hidden_size
-    inputs = dict(block_embeds=torch.randn(b, q, h), block_positions=torch.arange(10, 10 + q).expand(b, q),
-                  context=torch.randn(b, 10, h), context_positions=torch.arange(10).expand(b, 10))
-    with torch.no_grad():
-        assert torch.allclose(deep.drafter(**inputs), first(**inputs), atol=1e-6)
+    assert_same_outputs(deep.drafter, first)
     deep.train()  # the new layers learn, and the export loads with three layers
     tuned = load_drafter(tmp_path / "deep", dtype="float32")
     assert tuned.config.num_hidden_layers == len(tuned.config.layer_types) == 3
