@@ -25,6 +25,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="the drafter's MLP width (default: the target's); with --init-from, a larger value "
                              "widens the drafter's MLP (new units start silent, so the drafter starts unchanged)")
     parser.add_argument("--anchors-per-sequence", type=int)
+    parser.add_argument("--anchor-policy", choices=["uniform", "decoding"],
+                        help="where blocks start: 'uniform' (default) draws anchors at random in each response; "
+                             "'decoding' first replays greedy decoding with the current drafter (one extra no-grad "
+                             "block per step of it) and trains at its anchors, where blocks follow a miss, then "
+                             "fills up with random anchors")
     parser.add_argument("--loss-gamma", type=float)
     parser.add_argument("--max-length", type=int)
     parser.add_argument("--distill-weight", type=float,

@@ -10,6 +10,8 @@ import yaml
 
 from dflash.errors import UserError
 
+ANCHOR_POLICIES = ("uniform", "decoding")
+
 
 @dataclass
 class TrainConfig:
@@ -25,6 +27,7 @@ class TrainConfig:
     intermediate_size: int | None = None  # default: the target's
     # objective
     anchors_per_sequence: int = 64
+    anchor_policy: str = "uniform"  # "decoding": greedy decoding's anchors under the current drafter first
     loss_gamma: float | None = None  # default: from block size (7 for 16)
     max_length: int = 3072
     distill_weight: float = 0.0  # w: per position (1 - w) * CE(label) + w * KL(target's distribution || drafter's)
@@ -62,6 +65,8 @@ class TrainConfig:
             raise UserError(f"--intermediate-size must be >= 1, got {self.intermediate_size}")
         if self.batch_size < 1 or self.anchors_per_sequence < 1:
             raise UserError("--batch-size and --anchors-per-sequence must be >= 1")
+        if self.anchor_policy not in ANCHOR_POLICIES:
+            raise UserError(f"--anchor-policy must be one of {', '.join(ANCHOR_POLICIES)}, got {self.anchor_policy!r}")
         if self.lr <= 0:
             raise UserError(f"--lr must be > 0, got {self.lr}")
         if not 0.0 <= self.distill_weight <= 1.0:

@@ -11,6 +11,7 @@ each position's loss is the KL from the target's own distribution for that token
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -41,24 +42,35 @@ def position_weights(block_size: int, gamma: float) -> torch.Tensor:
     return weights
 
 
+def anchor_candidates(loss_mask: torch.Tensor) -> torch.Tensor:
+    """(b, T) bool: positions inside the response whose next token is labelled, where a block may start."""
+    has_label = torch.zeros_like(loss_mask)
+    has_label[:, :-1] = loss_mask[:, 1:]
+    return loss_mask & has_label
+
+
 def sample_anchors(
     loss_mask: torch.Tensor,  # (b, T) bool: response tokens
     num_anchors: int,
     generators: list[torch.Generator],  # one per row, so a row's anchors do not depend on its batch
+    preferred: torch.Tensor | None = None,  # (b, T) bool: candidates taken before any other
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Random anchor positions inside each response, with at least one label after them.
+    """Random anchor positions inside each response, with at least one label after them. With `preferred`
+    (e.g. greedy decoding's anchors, `walk_decoding_anchors`), those are taken first (a random subset of them
+    when there are more than num_anchors) and random other candidates fill the remaining places.
 
     Returns anchors (b, n) sorted and anchor_valid (b, n) bool (rows with short responses get fewer).
     """
     b, T = loss_mask.shape
-    has_label = torch.zeros_like(loss_mask)
-    has_label[:, :-1] = loss_mask[:, 1:]
-    candidates = loss_mask & has_label  # anchor inside the response, next token labelled
+    candidates = anchor_candidates(loss_mask)
     lengths = loss_mask.long().cumsum(1).argmax(1) + 1  # up to each row's last response token
     scores = torch.full((b, T), 2.0)
     for r, g in enumerate(generators):
         scores[r, : lengths[r]] = torch.rand(int(lengths[r]), generator=g)
-    scores = scores.to(loss_mask.device).masked_fill(~candidates, 2.0)
+    scores = scores.to(loss_mask.device)
+    if preferred is not None:
+        scores = torch.where(preferred, scores - 1.0, scores)  # preferred in [-1, 0), the others in [0, 1)
+    scores = scores.masked_fill(~candidates, 2.0)
     n = min(num_anchors, T)
     chosen_scores, chosen = torch.topk(scores, n, dim=1, largest=False)  # n random candidates per row
     valid = chosen_scores < 2.0
@@ -178,23 +190,40 @@ def leading_correct(hit: torch.Tensor, labelled: torch.Tensor) -> tuple[torch.Te
     return leading, labelled.any(-1)
 
 
-def decoding_walk(acceptance_lengths: list[int]) -> tuple[int, int]:
-    """Replay greedy decoding of a response whose per-anchor acceptance lengths are known.
+def walk_decoding_anchors(
+    loss_mask: torch.Tensor,  # (b, T) bool: response tokens
+    acceptance_lengths: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Where greedy decoding of each response would start its blocks, found by drafting them in turn.
 
-    acceptance_lengths[i] is 1 + the leading correct draft tokens of a block anchored at response token i
-    (i = 0 .. len - 2; the last token is never an anchor). Decoding anchors its first step at token 0 (the
-    prefill produced it) and every next step where the last one ended, so it meets the hard stretches more
-    often than uniformly drawn anchors do; a step that reaches the last token has no bonus token. Returns
-    (tokens, steps); tokens / steps is what `dflash bench` reports as the mean acceptance length on this text.
+    Decoding anchors its first block at the first response token (the prefill produced it) and each next one
+    where the last one's accepted tokens end (its bonus token); it stops when no label follows. These anchors
+    sit after a miss, where the drafter is weaker than at uniformly drawn ones, and they are what decoding
+    measures. `acceptance_lengths(rows (r,), anchors (r,)) -> (r,)` drafts one block per row at the given
+    anchors and returns 1 + its leading correct draft tokens (`leading_correct`).
+
+    Returns walked (b, T) bool, the anchors, and tokens (b,), the accepted tokens plus bonus tokens per row:
+    tokens / walked.sum(1) is the acceptance length decoding would measure on that response.
     """
-    i = tokens = steps = 0
-    while i < len(acceptance_lengths):
-        tau = min(acceptance_lengths[i], len(acceptance_lengths) - i)
-        tokens, steps, i = tokens + tau, steps + 1, i + tau
-    return tokens, steps
+    b, T = loss_mask.shape
+    candidates = anchor_candidates(loss_mask)
+    walked = torch.zeros_like(loss_mask)
+    tokens = torch.zeros(b, dtype=torch.long, device=loss_mask.device)
+    anchor = loss_mask.long().argmax(1)  # (b,) first response token
+    last = loss_mask.long().cumsum(1).argmax(1)  # (b,) last response token
+    active = candidates.gather(1, anchor[:, None])[:, 0]
+    while bool(active.any()):
+        rows = active.nonzero().flatten()  # (r,)
+        walked[rows, anchor[rows]] = True
+        accepted = acceptance_lengths(rows, anchor[rows]).to(anchor)  # (r,) >= 1
+        accepted = torch.minimum(accepted, last[rows] - anchor[rows])  # no bonus token past the text
+        tokens[rows] += accepted
+        anchor[rows] += accepted
+        active[rows] = (anchor[rows] < T) & candidates[rows, anchor[rows].clamp(max=T - 1)]
+    return walked, tokens
 
 
 def estimated_acceptance_length(accepted: float, blocks: float) -> float:
     """tau over uniformly drawn anchors: 1 + mean leading correct draft tokens per block. Decoding measures
-    less (see `decoding_walk`)."""
+    less (see `walk_decoding_anchors`)."""
     return 1.0 + accepted / blocks if blocks else math.nan

@@ -33,11 +33,11 @@ from dflash.training.objective import (
     block_hits,
     block_loss,
     build_blocks,
-    decoding_walk,
     estimated_acceptance_length,
     leading_correct,
     loss_gamma,
     sample_anchors,
+    walk_decoding_anchors,
 )
 
 
@@ -53,10 +53,14 @@ class DraftingHead(nn.Module):
         self._target = [target]
 
     def forward(self, features, block_tokens, block_positions, context_valid, attn_mask) -> torch.Tensor:
-        target = self._target[0]
         context = self.drafter.project_context(features)  # (b, T, h)
-        T = features.shape[1]
-        context_positions = torch.arange(T, device=features.device)[None].expand(features.shape[0], T)
+        return self.draft(context, block_tokens, block_positions, context_valid, attn_mask)
+
+    def draft(self, context, block_tokens, block_positions, context_valid, attn_mask) -> torch.Tensor:
+        """The blocks' logits from an already projected context (b, T, h)."""
+        target = self._target[0]
+        b, T = context.shape[:2]
+        context_positions = torch.arange(T, device=context.device)[None].expand(b, T)
         embeds = target.embed(block_tokens).to(context.dtype)
         hidden = self.drafter(embeds, block_positions, context, context_positions, context_valid=context_valid,
                               attn_mask=attn_mask)
@@ -325,23 +329,54 @@ class Trainer:
         torch.save(features, tmp)
         os.replace(tmp, directory / f"{key}.pt")
 
-    def _loss(self, batch: Batch, epoch: int):
+    def _loss(self, batch: Batch, epoch: int, decoding_anchors: bool = False):
+        """The objective on a batch. With decoding_anchors, greedy decoding's anchors under the current drafter
+        come first (`walk_decoding_anchors`) and random ones fill up to --anchors-per-sequence; the walk's
+        acceptance length is returned as `walk_tau` (else None)."""
         c = self.config
         features, final_hidden = self._features(batch)
         generators = [_example_generator(c.seed, epoch, i) for i in batch.indices]
+        ids, real = batch.input_ids.to(self.device), batch.attention_mask.to(self.device)
         loss_mask = batch.loss_mask.to(self.device)
-        anchors, anchor_valid = sample_anchors(loss_mask, c.anchors_per_sequence, generators)
-        blocks = build_blocks(batch.input_ids.to(self.device), loss_mask, batch.attention_mask.to(self.device),
-                              anchors, anchor_valid, c.block_size, self.drafter_config.mask_token_id, self.gamma)
+        walked, walk_tau = None, None
+        if decoding_anchors:
+            walked, walk_tokens = self._walk(ids, real, loss_mask, features)
+            walk_tau = float(walk_tokens.sum()) / max(int(walked.sum()), 1)
+        anchors, anchor_valid = sample_anchors(loss_mask, c.anchors_per_sequence, generators, preferred=walked)
+        blocks = build_blocks(ids, loss_mask, real, anchors, anchor_valid, c.block_size,
+                              self.drafter_config.mask_token_id, self.gamma)
         soft_targets = None if final_hidden is None else self._soft_targets(final_hidden, blocks)
-        return block_loss(self._block_logits(batch, features, blocks), blocks, c.block_size, soft_targets,
-                          c.distill_weight)
+        out = block_loss(self._block_logits(batch, features, blocks), blocks, c.block_size, soft_targets,
+                         c.distill_weight)
+        return out, walk_tau
+
+    @torch.no_grad()
+    def _walk(self, ids: torch.Tensor, real: torch.Tensor, loss_mask: torch.Tensor, features: torch.Tensor):
+        """Greedy decoding's anchors on each response under the current drafter: one block per row at a time,
+        with the context projected once. Returns `walk_decoding_anchors`'s (walked (b, T), tokens (b,))."""
+        context = self.drafter.project_context(features)  # (b, T, h)
+        B, mask_id = self.config.block_size, self.drafter_config.mask_token_id
+
+        def acceptance_lengths(rows: torch.Tensor, anchors: torch.Tensor) -> torch.Tensor:
+            blocks = build_blocks(ids[rows], loss_mask[rows], real[rows], anchors[:, None],
+                                  torch.ones_like(anchors[:, None], dtype=torch.bool), B, mask_id, self.gamma)
+            seen = int(anchors.max())  # no block sees context at or after its anchor: drop those keys
+            mask = torch.cat([blocks.attn_mask[:, :, :seen], blocks.attn_mask[:, :, ids.shape[1]:]], dim=2)
+            with self._autocast():
+                logits = self.head.draft(context[rows, :seen], blocks.tokens, blocks.positions, real[rows, :seen],
+                                         mask)  # (r, B, vocab)
+            leading, _ = leading_correct(*block_hits(logits, blocks, B))
+            return 1 + leading[:, 0]
+
+        return walk_decoding_anchors(loss_mask, acceptance_lengths)
+
+    def _autocast(self):
+        return (torch.autocast(self.device.type, dtype=torch.bfloat16) if self.config.dtype == "bfloat16"
+                else nullcontext())
 
     def _block_logits(self, batch: Batch, features: torch.Tensor, blocks: Blocks) -> torch.Tensor:
         """(b, n*B, vocab) drafter logits for the blocks, in the configured precision."""
-        autocast = (torch.autocast(self.device.type, dtype=torch.bfloat16) if self.config.dtype == "bfloat16"
-                    else nullcontext())
-        with autocast:
+        with self._autocast():
             return self.model(features, blocks.tokens, blocks.positions, batch.attention_mask.to(self.device),
                               blocks.attn_mask)
 
@@ -352,15 +387,16 @@ class Trainer:
     def _train_step(self, global_indices: list[int], epoch: int) -> dict:
         mine = global_indices[self.rank * self.config.batch_size: (self.rank + 1) * self.config.batch_size]
         batch = self._batch("train", mine)
-        out = self._loss(batch, epoch)
+        out, walk_tau = self._loss(batch, epoch, decoding_anchors=self.config.anchor_policy == "decoding")
         self.optimizer.zero_grad(set_to_none=True)
         out.loss.backward()
         grad_norm = torch.nn.utils.clip_grad_norm_(self.drafter.parameters(), self.config.grad_clip)
         self.optimizer.step()
         self.scheduler.step()
         self.step += 1
-        return {"loss": out.loss.item(), "grad_norm": float(grad_norm), "tokens": int(batch.attention_mask.sum()),
-                "tau_estimate": estimated_acceptance_length(float(out.accepted), float(out.blocks))}
+        stats = {"loss": out.loss.item(), "grad_norm": float(grad_norm), "tokens": int(batch.attention_mask.sum()),
+                 "tau_estimate": estimated_acceptance_length(float(out.accepted), float(out.blocks))}
+        return stats if walk_tau is None else {**stats, "walk_tau": walk_tau}
 
     # ---- the loop ------------------------------------------------------------------------------------------
     def train(self) -> dict:
@@ -380,7 +416,8 @@ class Trainer:
                     self._log({"step": self.step, "epoch": round(self.step / self.batches_per_epoch, 3),
                                "loss": round(stats["loss"], 4), "grad_norm": round(stats["grad_norm"], 3),
                                "lr": self.scheduler.get_last_lr()[0], "tau_estimate": round(stats["tau_estimate"], 3),
-                               "tokens_per_s": round(window_tokens / max(elapsed, 1e-9), 1)})
+                               "tokens_per_s": round(window_tokens / max(elapsed, 1e-9), 1),
+                               **({"walk_tau": round(stats["walk_tau"], 3)} if "walk_tau" in stats else {})})
                     window_tokens, window_start = 0, time.perf_counter()
                 if self.eval_examples and c.eval_every and self.step % c.eval_every == 0:
                     self._log({"step": self.step, **self.evaluate()})
@@ -406,7 +443,7 @@ class Trainer:
         bs = self.config.batch_size
         for start in range(0, len(self.eval_examples), bs):
             indices = list(range(start, min(start + bs, len(self.eval_examples))))
-            out = self._loss(self._batch("eval", indices), epoch=_EVAL_EPOCH)
+            out, _ = self._loss(self._batch("eval", indices), epoch=_EVAL_EPOCH)  # uniform anchors, comparable
             totals["loss"] += float(out.loss) * len(indices)
             totals["n"] += len(indices)
             totals["accepted"] += float(out.accepted)
@@ -422,26 +459,15 @@ class Trainer:
         accuracy = (correct[1:].float() / counted[1:].clamp_min(1)).tolist()
         return {**out, "eval_accuracy_per_position": [round(a, 3) for a in accuracy]}
 
-    def _decoding_acceptance_length(self, num_examples: int, anchors_per_forward: int = 32) -> float:
-        """tau of greedy decoding on the first held-out responses: a block at every response token, then
-        `decoding_walk` replays which of them decoding would use."""
-        c = self.config
+    def _decoding_acceptance_length(self, num_examples: int) -> float:
+        """tau of greedy decoding on the first held-out responses, walked one response at a time (`_walk`)."""
         tokens = steps = 0
         for i in range(num_examples):
             batch = self._batch("eval", [i])
             features, _ = self._features(batch)  # (1, T, F)
-            ids, real, loss_mask = (t.to(self.device) for t in (batch.input_ids, batch.attention_mask, batch.loss_mask))
-            every = (loss_mask[0, :-1] & loss_mask[0, 1:]).nonzero().flatten()  # (L-1,) all anchors
-            lengths: list[int] = []
-            for chunk in every.split(anchors_per_forward):
-                anchors = chunk[None]  # (1, n)
-                blocks = build_blocks(ids, loss_mask, real, anchors, torch.ones_like(anchors).bool(), c.block_size,
-                                      self.drafter_config.mask_token_id, self.gamma)
-                leading, _ = leading_correct(*block_hits(self._block_logits(batch, features, blocks), blocks,
-                                                         c.block_size))
-                lengths.extend((1 + leading[0]).tolist())
-            walked_tokens, walked_steps = decoding_walk(lengths)
-            tokens, steps = tokens + walked_tokens, steps + walked_steps
+            walked, walk_tokens = self._walk(*(t.to(self.device) for t in (batch.input_ids, batch.attention_mask,
+                                                                          batch.loss_mask)), features)
+            tokens, steps = tokens + int(walk_tokens.sum()), steps + int(walked.sum())
         return tokens / steps if steps else math.nan
 
     # ---- checkpoints -----------------------------------------------------------------------------------

@@ -160,10 +160,46 @@ def test_leading_correct_stops_at_the_first_miss():
     assert estimated_acceptance_length(float(out.accepted), float(out.blocks)) == pytest.approx(1 + 4 / 3)
 
 
-def test_decoding_walk_steps_from_each_accepted_end_and_has_no_bonus_past_the_text():
-    from dflash.training.objective import decoding_walk
+def walk_with_table(loss_mask, table):
+    """walk_decoding_anchors where the block at response token i of row r is accepted table[r][i]."""
+    from dflash.training.objective import walk_decoding_anchors
 
-    # anchors 0..6 of an 8-token response; decoding visits 0 (tau 3) -> 3 (tau 1) -> 4 (tau 4, capped to 3)
-    assert decoding_walk([3, 9, 9, 1, 4, 9, 9]) == (7, 3)
-    assert decoding_walk([1] * 5) == (5, 5)
-    assert decoding_walk([]) == (0, 0)
+    starts = loss_mask.long().argmax(1)
+    asked = []
+
+    def acceptance_lengths(rows, anchors):
+        asked.extend(zip(rows.tolist(), anchors.tolist()))
+        return torch.tensor([table[r][a - int(starts[r])] for r, a in zip(rows.tolist(), anchors.tolist())])
+
+    walked, tokens = walk_decoding_anchors(loss_mask, acceptance_lengths)
+    return walked, tokens, asked
+
+
+def test_decoding_walk_steps_from_each_accepted_end_and_has_no_bonus_past_the_text():
+    loss_mask = torch.zeros(3, 14, dtype=torch.bool)
+    loss_mask[0, 2:10] = True  # an 8-token response
+    loss_mask[1, 5:10] = True  # a 5-token response (then padding)
+    loss_mask[2, 13:] = True  # a 1-token response: nothing to draft
+    # row 0: decoding visits 0 (tau 3) -> 3 (tau 1) -> 4 (tau 4, capped to 3: no bonus past the last token)
+    table = [[3, 9, 9, 1, 4, 9, 9], [1, 1, 1, 1], []]
+    walked, tokens, asked = walk_with_table(loss_mask, table)
+    assert walked[0].nonzero().flatten().tolist() == [2, 5, 6] and tokens[0] == 7
+    assert walked[1].nonzero().flatten().tolist() == [5, 6, 7, 8] and tokens[1] == 4
+    assert not walked[2].any() and tokens[2] == 0
+    assert all(loss_mask[r, a] and loss_mask[r, a + 1] for r, a in asked)  # only drafted where a label follows
+
+
+def test_preferred_anchors_come_first_and_random_ones_fill_up():
+    ids, real, loss_mask = toy_batch()
+    preferred = torch.zeros_like(loss_mask)
+    preferred[:, [3, 9, 12, 23]] = True  # 3 is in the prompt, 23 the last token of row 0 and padding in row 1
+    for seed in range(10):
+        gens = [torch.Generator().manual_seed(seed * 2 + r) for r in range(2)]
+        anchors, valid = sample_anchors(loss_mask, 6, gens, preferred=preferred)
+        for r in range(2):
+            chosen = anchors[r][valid[r]].tolist()
+            assert {9, 12} <= set(chosen) and 3 not in chosen and 23 not in chosen and len(chosen) == 6
+        many = torch.zeros_like(loss_mask)
+        many[:, 8:18] = True  # 10 preferred candidates for 6 places: a random subset of them
+        anchors, valid = sample_anchors(loss_mask, 6, gens, preferred=many)
+        assert valid.all() and all(8 <= a < 18 for a in anchors.flatten().tolist())

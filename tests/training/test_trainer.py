@@ -288,3 +288,39 @@ def test_eval_tau_decoding_is_what_greedy_decoding_measures(tiny_pair, greedy_da
     assert measured > 1.3, "the drafter must accept something for this test to tell estimates apart"
     assert result["eval_tau_decoding"] == pytest.approx(measured, abs=1e-3)
     assert result["eval_tau_estimate"] > measured  # uniform anchors over-weight the easy stretches
+
+
+def test_decoding_anchor_policy_trains_where_greedy_decoding_starts_its_blocks(tiny_pair, greedy_data, tmp_path,
+                                                                                monkeypatch):
+    import dflash.training.trainer as trainer_module
+
+    trainer = Trainer(config(tiny_pair, greedy_data, tmp_path / "out", max_steps=30, anchors_per_sequence=12,
+                             anchor_policy="decoding")).setup()
+    trainer.train()
+    logged = [r["walk_tau"] for r in trainer.history if "walk_tau" in r]
+    assert len(logged) == 15 and all(t >= 1.0 for t in logged)
+
+    built = []
+    real_build_blocks = trainer_module.build_blocks
+    monkeypatch.setattr(trainer_module, "build_blocks", lambda *a: built.append(a[3:5]) or real_build_blocks(*a))
+    batch = trainer._batch("train", list(range(8)))
+    features, _ = trainer._features(batch)
+    walked, tokens = trainer._walk(batch.input_ids, batch.attention_mask, batch.loss_mask, features)
+    built.clear()
+    _, walk_tau = trainer._loss(batch, epoch=0, decoding_anchors=True)
+    assert walk_tau == pytest.approx(float(tokens.sum()) / float(walked.sum()))
+    anchors, valid = built[-1]  # the training blocks, after the walk's one-block drafts
+    both_cases = set()
+    for r in range(8):
+        walk, chosen = set(walked[r].nonzero().flatten().tolist()), set(anchors[r][valid[r]].tolist())
+        if len(walk) <= 12:
+            assert walk <= chosen  # every decoding anchor trains, random ones fill up
+        else:
+            assert chosen <= walk and len(chosen) == 12  # a random subset of them
+        both_cases.add(len(walk) <= 12)
+    assert both_cases == {True, False}, "responses with fewer and with more decoding anchors than places"
+
+
+def test_unknown_anchor_policy_is_a_clear_error(tiny_pair, train_data, tmp_path):
+    with pytest.raises(UserError, match="--anchor-policy must be one of uniform, decoding"):
+        config(tiny_pair, train_data, tmp_path / "o", anchor_policy="random")
