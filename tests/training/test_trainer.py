@@ -110,10 +110,11 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def test_two_process_ddp_matches_one_process_with_the_doubled_batch(tiny_pair, train_data, tmp_path):
+@pytest.mark.parametrize("anchor_policy", ["uniform", "decoding"])
+def test_two_process_ddp_matches_one_process_with_the_doubled_batch(tiny_pair, train_data, tmp_path, anchor_policy):
     common = ["--target", str(tiny_pair[0]), "--data", str(train_data), "--draft-layers", "1", "--block-size", "4",
               "--anchors-per-sequence", "6", "--max-steps", "4", "--lr", "3e-3", "--eval-fraction", "0.125",
-              "--eval-every", "0", "--checkpoint-every", "0", "--device", "cpu"]
+              "--eval-every", "0", "--checkpoint-every", "0", "--device", "cpu", "--anchor-policy", anchor_policy]
     assert main(["train", *common, "--batch-size", "4", "--output", str(tmp_path / "one")]) == 0
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     proc = subprocess.run(
