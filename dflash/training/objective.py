@@ -197,9 +197,9 @@ def walk_decoding_anchors(
     """Where greedy decoding of each response would start its blocks, found by drafting them in turn.
 
     Decoding anchors its first block at the first response token (the prefill produced it) and each next one
-    where the last one's accepted tokens end (its bonus token); it stops when no label follows. These anchors
-    sit after a miss, where the drafter is weaker than at uniformly drawn ones, and they are what decoding
-    measures. `acceptance_lengths(rows (r,), anchors (r,)) -> (r,)` drafts one block per row at the given
+    where the last one's accepted tokens end (its bonus token); it stops when no label follows. Every anchor but
+    the first sits after a miss, and these are the blocks decoding's acceptance length is measured on.
+    `acceptance_lengths(rows (r,), anchors (r,)) -> (r,)` drafts one block per row at the given
     anchors and returns 1 + its leading correct draft tokens (`leading_correct`).
 
     Returns walked (b, T) bool, the anchors, and tokens (b,), the accepted tokens plus bonus tokens per row:
