@@ -30,6 +30,8 @@ from dflash.serve.metrics import ServerMetrics
 
 log = logging.getLogger("dflash.serve")
 
+IDLE_WAKE_S = 0.5  # how often an idle decode loop wakes, so Ctrl-C and SIGTERM stop it within this time
+
 DRAFT, PLAIN = "draft", "plain"
 
 
@@ -206,7 +208,9 @@ class Scheduler:
         """Waiting requests that get a row now (cancelled ones are finished here); None to stop."""
         with self._cond:
             while not self._stopping and not self._running and not self._waiting:
-                self._cond.wait()
+                # a timeout, not an endless wait: a signal the kernel hands to another thread (Ctrl-C, SIGTERM)
+                # reaches Python's handler only when this thread runs Python code again
+                self._cond.wait(timeout=IDLE_WAKE_S)
             if self._stopping:
                 return None
             free = self.config.max_batch_size - self._running_rows()

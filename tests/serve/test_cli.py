@@ -20,12 +20,18 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def ctrl_c_as_in_a_terminal() -> None:
+    """Run in the child before it starts: a shell starts background jobs with Ctrl-C ignored and children inherit
+    that, so a suite started with `&` would otherwise see servers rightly ignore SIGINT."""
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+
+
 def serve_process(tiny_pair, port: int) -> subprocess.Popen:
     target, draft = map(str, tiny_pair)
     return subprocess.Popen(
         [sys.executable, "-m", "dflash.cli.main", "serve", "--target", target, "--draft", draft, "--port", str(port),
          "--served-model-name", "tiny", "--api-key", "k", "--max-batch-size", "4", "--log-level", "warning"],
-        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, preexec_fn=ctrl_c_as_in_a_terminal,
     )
 
 
@@ -70,3 +76,32 @@ def test_dflash_serve_on_a_taken_port_says_so(tiny_pair):
             raise AssertionError("dflash serve kept running on a port another socket holds") from None
     assert proc.returncode != 0
     assert "could not listen" in err and "--port" in err and "Traceback" not in err, err
+
+
+INTERRUPTED_FROM_ANOTHER_THREAD = """
+import signal, sys, threading, time
+from dflash.api import DFlash
+from dflash.serve import ServeConfig, create_app
+
+pipe = DFlash.from_pretrained(sys.argv[1], sys.argv[2], device="cpu")
+scheduler = create_app(pipe, ServeConfig(decode_thread=False)).state.server.scheduler
+
+def interrupt_from_this_thread():
+    time.sleep(1.0)  # the decode loop is idle by now, waiting for requests
+    signal.pthread_kill(threading.get_ident(), signal.SIGINT)
+
+threading.Thread(target=interrupt_from_this_thread).start()
+try:
+    scheduler.run()
+except KeyboardInterrupt:
+    print("interrupted")
+"""
+
+
+def test_idle_decode_loop_stops_when_the_signal_lands_on_another_thread(tiny_pair):
+    """The kernel may hand Ctrl-C or SIGTERM to any thread (the HTTP thread, a torch worker): Python then runs
+    its handler in the main thread only once that thread runs Python code again, so an idle decode loop must
+    not sleep without a timeout."""
+    proc = subprocess.run([sys.executable, "-c", INTERRUPTED_FROM_ANOTHER_THREAD, *map(str, tiny_pair)],
+                          capture_output=True, text=True, timeout=30, preexec_fn=ctrl_c_as_in_a_terminal)
+    assert proc.stdout.strip() == "interrupted", proc.stderr[-2000:]
