@@ -59,15 +59,21 @@ def target_confidence(pipe: DFlash, prompt_ids: list[int], output_ids: list[int]
     return probs.max(-1).values.tolist()
 
 
-def judged_positions(output: GenerationOutput, confidence: list[float], block_size: int) -> list[Judged]:
-    """Every draft token the target judged, step by step (`judge_step`). The last step is left out: a stop or the
-    token limit may have cut its tokens, so how many it kept does not say where the rejection was."""
-    lengths = output.stats.acceptance_lengths
-    judged, start = [], lengths[0]  # the prefill's token was not drafted
+def decoding_steps(output: GenerationOutput) -> list[tuple[int, int]]:
+    """(first, kept) of every decoding step but the last: the step kept `kept` tokens, the first of them output token
+    `first` (its anchor is output token first - 1; the prefill's token was not drafted). The last step is left out:
+    a stop or the token limit may have cut its tokens, so how many it kept does not say where the rejection was."""
+    lengths, steps = output.stats.acceptance_lengths, []
+    first = lengths[0]
     for kept in lengths[1:-1]:
-        judged += judge_step(confidence, start, kept, block_size)
-        start += kept
-    return judged
+        steps.append((first, kept))
+        first += kept
+    return steps
+
+
+def judged_positions(output: GenerationOutput, confidence: list[float], block_size: int) -> list[Judged]:
+    """Every draft token the target judged, step by step (`judge_step`)."""
+    return [j for first, kept in decoding_steps(output) for j in judge_step(confidence, first, kept, block_size)]
 
 
 def judge_step(confidence: list[float], first: int, kept: int, block_size: int) -> list[Judged]:
@@ -88,15 +94,11 @@ def random_anchor_judged(pipe: DFlash, prompt_ids: list[int], output_ids: list[i
     return fresh_block_judged(pipe, prompt_ids, output_ids, confidence, block_size, anchors)
 
 
-def decoding_anchors(output: GenerationOutput, block_size: int) -> list[tuple[int, int]]:
-    """(anchor, kept) of every judged decoding step (as `judged_positions`) whose block lies before the answer's last
-    token; the anchor is an output index (0 = the prefill's token)."""
-    lengths, steps, start = output.stats.acceptance_lengths, [], output.stats.acceptance_lengths[0]
-    for kept in lengths[1:-1]:
-        if start - 1 + block_size < len(output.output_ids) - 1:
-            steps.append((start - 1, kept))
-        start += kept
-    return steps
+def blocks_before_the_end(output: GenerationOutput, block_size: int) -> list[tuple[int, int]]:
+    """The `decoding_steps` whose anchor random anchors could have drawn (`random_anchor_judged`): from output token
+    1 on, with the whole block before the answer's last token."""
+    last_anchor = len(output.output_ids) - block_size - 1
+    return [(first, kept) for first, kept in decoding_steps(output) if 1 <= first - 1 <= last_anchor]
 
 
 def fresh_block_judged(pipe: DFlash, prompt_ids: list[int], output_ids: list[int], confidence: list[float],
@@ -118,6 +120,7 @@ def fresh_block_judged(pipe: DFlash, prompt_ids: list[int], output_ids: list[int
 def totals_of(judged: list[Judged], **fields) -> dict:
     first = [j for j in judged if j.position == 1]
     return {**fields, "judged_draft_tokens": len(judged),
+            "accepted": round(sum(j.accepted for j in judged) / max(1, len(judged)), 3),
             "mean_target_top1_at_judged": round(sum(j.confidence for j in judged) / max(1, len(judged)), 3),
             "mean_target_top1_at_first_position": round(sum(j.confidence for j in first) / max(1, len(first)), 3),
             "mean_target_top1_at_anchor": round(sum(j.anchor_confidence for j in first) / max(1, len(first)), 3)}
@@ -179,7 +182,8 @@ def main() -> None:
     pipe = DFlash.from_pretrained(args.target, args.draft)
     samples = load_samples(args.dataset, DataOptions(max_samples=args.max_samples, seed=args.seed))
     config = GenerationConfig(max_new_tokens=args.max_new_tokens, block_size=args.block_size)
-    rng = random.Random(args.seed)
+    rng = random.Random(args.seed)  # random anchors
+    replay_rng = random.Random(args.seed + 1)  # which decoding steps to replay: the random anchors do not depend on it
     judged, at_random, in_decoding, replayed, steps, tokens = [], [], [], [], 0, 0
     for sample in samples:
         prompt_ids = pipe.encode(list(sample.history) + [{"role": "user", "content": sample.turns[0]}])
@@ -190,11 +194,11 @@ def main() -> None:
             at_random += random_anchor_judged(pipe, prompt_ids, output.output_ids, confidence, args.block_size,
                                               args.random_anchors, rng)
         if args.replay_decoding_anchors:
-            steps_here = rng.sample(decoding_anchors(output, args.block_size),
-                                    min(args.replay_decoding_anchors, len(decoding_anchors(output, args.block_size))))
-            in_decoding += [j for s, kept in steps_here for j in judge_step(confidence, s + 1, kept, args.block_size)]
+            candidates = blocks_before_the_end(output, args.block_size)
+            chosen = replay_rng.sample(candidates, min(args.replay_decoding_anchors, len(candidates)))
+            in_decoding += [j for first, kept in chosen for j in judge_step(confidence, first, kept, args.block_size)]
             replayed += fresh_block_judged(pipe, prompt_ids, output.output_ids, confidence, args.block_size,
-                                           [s for s, _ in steps_here])
+                                           [first - 1 for first, _ in chosen])
         steps += len(output.stats.acceptance_lengths) - 1
         tokens += sum(output.stats.acceptance_lengths[1:])
     report = {"totals": totals_of(judged, dataset=args.dataset, prompts=len(samples), block_size=args.block_size,
@@ -216,16 +220,14 @@ def main() -> None:
         print_table(f"  tokens the target is >= {SURE} sure of", None,
                     report["random_anchors"]["sure_tokens_by_anchor_confidence"], "anchor's top-1")
     if args.replay_decoding_anchors:
-        report["replayed_decoding_anchors"] = {
-            "in_decoding": totals_of(in_decoding, accepted=round(sum(j.accepted for j in in_decoding)
-                                                                 / max(1, len(in_decoding)), 3)),
-            "fresh_prefill": totals_of(replayed, accepted=round(sum(j.accepted for j in replayed)
-                                                                / max(1, len(replayed)), 3))}
-        report["replayed_decoding_anchors"]["by_target_confidence"] = summarize(in_decoding)
-        print("the same decoding anchors, judged in decoding and from a fresh prefill")
-        print(json.dumps({k: v for k, v in report["replayed_decoding_anchors"].items() if k != "by_target_confidence"}))
-        print_table(f"  {args.replay_decoding_anchors} decoding anchors per answer, sampled like --random-anchors",
-                    None, report["replayed_decoding_anchors"]["by_target_confidence"])
+        replay = report["replayed_decoding_anchors"] = {
+            "in_decoding": totals_of(in_decoding), "fresh_prefill": totals_of(replayed),
+            "by_target_confidence": summarize(in_decoding)}
+        print("the same decoding steps, judged in decoding and redrafted from a fresh prefill")
+        print(json.dumps(replay["in_decoding"]))
+        print(json.dumps(replay["fresh_prefill"]))
+        print_table(f"  {args.replay_decoding_anchors} decoding steps per answer, sampled like --random-anchors", None,
+                    replay["by_target_confidence"])
     if args.json:
         with open(args.json, "w") as f:
             json.dump(report, f, indent=2)

@@ -394,9 +394,9 @@ class Trainer:
         self.optimizer.step()
         self.scheduler.step()
         self.step += 1
-        stats = {"loss": out.loss.item(), "grad_norm": float(grad_norm), "tokens": int(batch.attention_mask.sum()),
-                 "tau_estimate": estimated_acceptance_length(float(out.accepted), float(out.blocks))}
-        return stats if walk_tau is None else {**stats, "walk_tau": walk_tau}
+        return {"loss": out.loss.item(), "grad_norm": float(grad_norm), "tokens": int(batch.attention_mask.sum()),
+                "tau_estimate": estimated_acceptance_length(float(out.accepted), float(out.blocks)),
+                "walk_tau": walk_tau}
 
     # ---- the loop ------------------------------------------------------------------------------------------
     def train(self) -> dict:
@@ -417,7 +417,7 @@ class Trainer:
                                "loss": round(stats["loss"], 4), "grad_norm": round(stats["grad_norm"], 3),
                                "lr": self.scheduler.get_last_lr()[0], "tau_estimate": round(stats["tau_estimate"], 3),
                                "tokens_per_s": round(window_tokens / max(elapsed, 1e-9), 1),
-                               **({"walk_tau": round(stats["walk_tau"], 3)} if "walk_tau" in stats else {})})
+                               **({} if stats["walk_tau"] is None else {"walk_tau": round(stats["walk_tau"], 3)})})
                     window_tokens, window_start = 0, time.perf_counter()
                 if self.eval_examples and c.eval_every and self.step % c.eval_every == 0:
                     self._log({"step": self.step, **self.evaluate()})
