@@ -12,7 +12,9 @@ Reports
       "find the total number of" recur in real solutions); the calibrated one flags 0.5% of them.
       Both rates on the references are printed too;
   (c) share of responses that end with a boxed answer ("...\\boxed{X}." then EOS), and the
-      accuracy (boxed X equals the GSM8K reference number).
+      accuracy (boxed X equals the GSM8K reference number);
+  (d) confidence: the mean probability the target gives each token of its own greedy answers, the
+      figure a drafter's acceptance follows (a drafter can only match the choices the target is sure of).
 Prints 3 sample answers.
 
 Usage: python scripts/embedded/eval_target.py [--model dflash/assets/target] [--n 100]
@@ -82,7 +84,7 @@ def main():
         flagged = sum(repeats(r, n_gram, 3) for r in refs)
         print(f"reference answers with a {n_gram}-gram 3+ times: {flagged}/{len(refs)} = {flagged/len(refs):.1%}")
     loops, why, boxed, correct, samples, n_tok = 0, Counter(), 0, 0, [], 0
-    loops10 = 0
+    loops10, top1 = 0, 0.0
     t0 = time.time()
     for row in rows:
         msgs = [{"role": "user", "content": format_question(row["question"])}]
@@ -90,8 +92,10 @@ def main():
         ids = tok(prompt, return_tensors="pt", add_special_tokens=False)
         with torch.inference_mode():
             out = model.generate(**ids, do_sample=False, max_new_tokens=args.max_new_tokens,
-                                 eos_token_id=eos, pad_token_id=tok.pad_token_id)
-        gen = out[0, ids["input_ids"].shape[1]:].tolist()
+                                 eos_token_id=eos, pad_token_id=tok.pad_token_id,
+                                 output_scores=True, return_dict_in_generate=True)
+        gen = out.sequences[0, ids["input_ids"].shape[1]:].tolist()
+        top1 += sum(float(torch.softmax(step[0].float(), -1).max()) for step in out.scores)
         n_tok += len(gen)
         loop, reason = is_loop(gen, eos)
         loops10 += is_loop(gen, eos, n=10)[0]
@@ -114,6 +118,7 @@ def main():
     print(f"(b) loop share, strict (6-gram): {loops}/{n} = {loops/n:.1%}  ({dict(why)})")
     print(f"(b) loop share, calibrated (10-gram): {loops10}/{n} = {loops10/n:.1%}")
     print(f"(c) ends with boxed answer + EOS: {boxed}/{n} = {boxed/n:.1%};  accuracy: {correct}/{n} = {correct/n:.1%}")
+    print(f"(d) confidence: mean probability of its own greedy tokens {top1 / n_tok:.3f}")
     print(f"generation: {n_tok} tokens in {dt:.0f}s ({n_tok/dt:.1f} tok/s, HF generate, batch 1)")
     for q, a, ref, loop, ok in samples:
         print("=" * 70)

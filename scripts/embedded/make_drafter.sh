@@ -1,32 +1,59 @@
 #!/usr/bin/env bash
 # Rebuild the embedded drafter: the target answers the GSM8K training questions (greedy, the chat
 # template as served), then the drafter is trained on those answers and copied into dflash/assets/drafter.
+# Rounds 1-5 ran against the phase-2 target; phase 4 of the target (trained again on its own answers) and
+# drafter round 10 for it come last, and are what dflash/assets holds (scripts/embedded/README.md).
 set -euo pipefail
 cd "$(dirname "$0")/../.."
 mkdir -p runs/embedded
+# the phase-2 target, shipped until phase 4: its weights from the repository's history, its tokenizer as now
+phase2=runs/embedded/target_phase2
+if [ ! -f "$phase2/model.safetensors" ]; then
+    mkdir -p "$phase2"
+    cp dflash/assets/target/{config.json,generation_config.json,tokenizer.json,tokenizer_config.json,chat_template.jinja} "$phase2/"
+    git show 09c9ca7:dflash/assets/target/model.safetensors > "$phase2/model.safetensors"
+fi
 suffix=$'\nPlease reason step by step, and put your final answer within \\boxed{}.'
-dflash datagen --target dflash/assets/target --prompts scripts/embedded/data/gsm8k_train.jsonl \
+dflash datagen --target "$phase2" --prompts scripts/embedded/data/gsm8k_train.jsonl \
     --prompt-field question --prompt-suffix "$suffix" \
     --output runs/embedded/gsm8k_train_regenerated.jsonl --max-new-tokens 384 --batch-size 32
-dflash train --config scripts/embedded/drafter.yaml "$@"          # round 1 -> runs/embedded/drafter
-dflash train --config scripts/embedded/drafter_round2.yaml "$@"   # round 2 -> runs/embedded/drafter_round2
+dflash train --config scripts/embedded/drafter.yaml --target "$phase2" "$@"          # round 1 -> runs/embedded/drafter
+dflash train --config scripts/embedded/drafter_round2.yaml --target "$phase2" "$@"   # round 2 -> runs/embedded/drafter_round2
 # round 3 adds the target's answers to the training questions with new numbers (held-out ones skipped)
 python scripts/embedded/perturb_questions.py --out runs/embedded/gsm8k_train_perturbed_prompts.jsonl
-dflash datagen --target dflash/assets/target --prompts runs/embedded/gsm8k_train_perturbed_prompts.jsonl \
+dflash datagen --target "$phase2" --prompts runs/embedded/gsm8k_train_perturbed_prompts.jsonl \
     --prompt-field question --prompt-suffix "$suffix" \
     --output runs/embedded/gsm8k_train_perturbed.jsonl --max-new-tokens 384 --batch-size 32
-dflash train --config scripts/embedded/drafter_round3.yaml "$@"   # round 3 -> runs/embedded/drafter_round3
+dflash train --config scripts/embedded/drafter_round3.yaml --target "$phase2" "$@"   # round 3 -> runs/embedded/drafter_round3
 # round 4 adds the answers to a second draw of new numbers
 python scripts/embedded/perturb_questions.py --seed 1 --out runs/embedded/gsm8k_train_perturbed2_prompts.jsonl
-dflash datagen --target dflash/assets/target --prompts runs/embedded/gsm8k_train_perturbed2_prompts.jsonl \
+dflash datagen --target "$phase2" --prompts runs/embedded/gsm8k_train_perturbed2_prompts.jsonl \
     --prompt-field question --prompt-suffix "$suffix" \
     --output runs/embedded/gsm8k_train_perturbed2.jsonl --max-new-tokens 384 --batch-size 32
-dflash train --config scripts/embedded/drafter_round4.yaml "$@"   # round 4 -> runs/embedded/drafter_round4
+dflash train --config scripts/embedded/drafter_round4.yaml --target "$phase2" "$@"   # round 4 -> runs/embedded/drafter_round4
 # round 5 adds the answers to a third draw of new numbers
 python scripts/embedded/perturb_questions.py --seed 2 --out runs/embedded/gsm8k_train_perturbed3_prompts.jsonl
-dflash datagen --target dflash/assets/target --prompts runs/embedded/gsm8k_train_perturbed3_prompts.jsonl \
+dflash datagen --target "$phase2" --prompts runs/embedded/gsm8k_train_perturbed3_prompts.jsonl \
     --prompt-field question --prompt-suffix "$suffix" \
     --output runs/embedded/gsm8k_train_perturbed3.jsonl --max-new-tokens 384 --batch-size 32
-dflash train --config scripts/embedded/drafter_round5.yaml "$@"   # round 5 -> runs/embedded/drafter_round5
+dflash train --config scripts/embedded/drafter_round5.yaml --target "$phase2" "$@"   # round 5 -> runs/embedded/drafter_round5
+# phase 4 of the target: the phase-2 target trained again on its own answers that stop and do not loop (to the
+# training questions, and to a fourth draw of new numbers)
+python scripts/embedded/perturb_questions.py --seed 3 --out runs/embedded/gsm8k_train_perturbed4_prompts.jsonl
+dflash datagen --target "$phase2" --prompts runs/embedded/gsm8k_train_perturbed4_prompts.jsonl \
+    --prompt-field question --prompt-suffix "$suffix" \
+    --output runs/embedded/gsm8k_train_perturbed4.jsonl --max-new-tokens 384 --batch-size 32
+python scripts/embedded/select_own_answers.py runs/embedded/gsm8k_train_regenerated.jsonl \
+    runs/embedded/gsm8k_train_perturbed4.jsonl --out runs/embedded/own_answers.jsonl
+python scripts/embedded/train_target.py --init-from "$phase2" --extra-train runs/embedded/own_answers.jsonl \
+    --no-references --asst-only --threads 2 --adaptive-threads --max-tokens 1024 --lr 3e-4 --warmup 50 \
+    --time-budget 900 --save-every 200 --eval-every 400 --ckpt-dir runs/embedded/target_phase4 \
+    --out runs/embedded/target_phase4/export
+# round 10: the round-5 drafter trained for the phase-4 target, on that target's answers
+dflash datagen --target runs/embedded/target_phase4/export --prompts scripts/embedded/data/gsm8k_train.jsonl \
+    --prompt-field question --prompt-suffix "$suffix" \
+    --output runs/embedded/gsm8k_train_phase4.jsonl --max-new-tokens 384 --batch-size 32
+dflash train --config scripts/embedded/drafter_round10.yaml --init-from runs/embedded/drafter_round5 "$@"
+cp runs/embedded/target_phase4/export/model.safetensors dflash/assets/target/
 rm -rf dflash/assets/drafter && mkdir -p dflash/assets/drafter
-cp runs/embedded/drafter_round5/config.json runs/embedded/drafter_round5/model.safetensors dflash/assets/drafter/
+cp runs/embedded/drafter_round10/config.json runs/embedded/drafter_round10/model.safetensors dflash/assets/drafter/

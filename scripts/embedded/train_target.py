@@ -192,7 +192,10 @@ def main():
                     help="save a checkpoint and exit at this step (no final eval / export); the phase-1 "
                     "recipe in scripts/embedded/README.md changes the batch size at such points")
     ap.add_argument("--extra-train", nargs="*", default=[],
-                    help="more training rows, GSM8K format ({question, answer}; e.g. augment_gsm8k.py output)")
+                    help="more training rows: GSM8K format ({question, answer}; e.g. augment_gsm8k.py output) or "
+                    "chats ({messages}; e.g. select_own_answers.py output)")
+    ap.add_argument("--no-references", action="store_true",
+                    help="train on --extra-train only, without the GSM8K reference solutions")
     ap.add_argument("--init-from", default="", help="start a new phase (fresh optimizer and schedule) from "
                     "the weights of a checkpoint .pt written by this script or of an exported model directory")
     args = ap.parse_args()
@@ -204,9 +207,12 @@ def main():
     ckpt_dir.mkdir(parents=True, exist_ok=True)
 
     tok = AutoTokenizer.from_pretrained(args.tokenizer)
-    chats = load_chats("train")
+    chats = [] if args.no_references else load_chats("train")
     for path in args.extra_train:
-        chats += [to_messages(json.loads(line)) for line in open(path) if line.strip()]
+        rows = [json.loads(line) for line in open(path) if line.strip()]
+        chats += [row["messages"] if "messages" in row else to_messages(row) for row in rows]
+    if not chats:
+        sys.exit("no training chats: give --extra-train files, or drop --no-references")
     train = encode_chats(tok, chats, args.max_len)
     val = encode_chats(tok, load_chats("test"), args.max_len)
     val_sub = random.Random(1).sample(val, 200)

@@ -1,0 +1,54 @@
+"""Keep the target's own answers that are fit to train on again (self-distillation, phase 4).
+
+Reads `dflash datagen` output (the target's greedy answers to training questions) and keeps an answer when
+it stopped on EOS, ends with a boxed answer, and no 10-gram of its tokens occurs 3+ times (the calibrated
+loop criterion of `eval_target.py`). Writes the kept rows unchanged: `train_target.py --extra-train` reads
+their `messages`.
+
+    python scripts/embedded/select_own_answers.py runs/embedded/gsm8k_train_regenerated.jsonl \
+        runs/embedded/gsm8k_train_perturbed4.jsonl --out runs/embedded/own_answers.jsonl
+"""
+import argparse
+import json
+import re
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from eval_target import repeats  # noqa: E402
+
+BOXED_END = re.compile(r"\\boxed\{[^{}]*\}\.?\s*$")
+
+
+def verdict(row: dict) -> str:
+    """'keep', or why the answer is left out."""
+    if row.get("finish_reason") != "stop":
+        return "no EOS"
+    if repeats(row["response_ids"], n=10, k=3):
+        return "a 10-gram occurs 3+ times"
+    if not BOXED_END.search(row["messages"][-1]["content"]):
+        return "no boxed answer at the end"
+    return "keep"
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("inputs", nargs="+")
+    ap.add_argument("--out", required=True)
+    args = ap.parse_args()
+    counts: dict[str, int] = {}
+    with open(args.out, "w") as out:
+        for path in args.inputs:
+            for line in open(path):
+                if not line.strip():
+                    continue
+                row = json.loads(line)
+                why = verdict(row)
+                counts[why] = counts.get(why, 0) + 1
+                if why == "keep":
+                    out.write(line if line.endswith("\n") else line + "\n")
+    print(json.dumps(counts, indent=1))
+
+
+if __name__ == "__main__":
+    main()
