@@ -53,7 +53,7 @@ python scripts/embedded/train_target.py --init-from "$phase2" --extra-train runs
 dflash datagen --target runs/embedded/target_phase4/export --prompts scripts/embedded/data/gsm8k_train.jsonl \
     --prompt-field question --prompt-suffix "$suffix" \
     --output runs/embedded/gsm8k_train_phase4.jsonl --max-new-tokens 384 --batch-size 32
-dflash train --config scripts/embedded/drafter_round10.yaml --init-from runs/embedded/drafter_round5 "$@"
+dflash train --config scripts/embedded/drafter_round10.yaml "$@"
 cp runs/embedded/target_phase4/export/model.safetensors dflash/assets/target/
 rm -rf dflash/assets/drafter && mkdir -p dflash/assets/drafter
 cp runs/embedded/drafter_round10/config.json runs/embedded/drafter_round10/model.safetensors dflash/assets/drafter/
