@@ -10,14 +10,11 @@ their `messages`.
 """
 import argparse
 import json
-import re
 import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from eval_target import repeats  # noqa: E402
-
-BOXED_END = re.compile(r"\\boxed\{[^{}]*\}\.?\s*$")
+from eval_target import BOXED_END, repeats  # noqa: E402
 
 
 def verdict(row: dict) -> str:
