@@ -2,7 +2,7 @@
 # Rebuild the embedded drafter: the target answers the GSM8K training questions (greedy, the chat
 # template as served), then the drafter is trained on those answers and copied into dflash/assets/drafter.
 # Rounds 1-5 ran against the phase-2 target; phase 4 of the target (trained again on its own answers) and
-# drafter round 10 for it come last, and are what dflash/assets holds (scripts/embedded/README.md).
+# drafter rounds 10-12 for it come last, and are what dflash/assets holds (scripts/embedded/README.md).
 set -euo pipefail
 cd "$(dirname "$0")/../.."
 mkdir -p runs/embedded
@@ -54,6 +54,17 @@ dflash datagen --target runs/embedded/target_phase4/export --prompts scripts/emb
     --prompt-field question --prompt-suffix "$suffix" \
     --output runs/embedded/gsm8k_train_phase4.jsonl --max-new-tokens 384 --batch-size 32
 dflash train --config scripts/embedded/drafter_round10.yaml "$@"
+# round 11: round 10 on the phase-4 target's answers to the fourth draw of new numbers as well
+dflash datagen --target runs/embedded/target_phase4/export --prompts runs/embedded/gsm8k_train_perturbed4_prompts.jsonl \
+    --prompt-field question --prompt-suffix "$suffix" \
+    --output runs/embedded/gsm8k_train_perturbed4_phase4.jsonl --max-new-tokens 384 --batch-size 32
+dflash train --config scripts/embedded/drafter_round11.yaml "$@"
+# round 12: round 11, longer, on a third set of answers (to a fifth draw of new numbers, seed 0)
+python scripts/embedded/perturb_questions.py --seed 0 --out runs/embedded/gsm8k_train_perturbed1_prompts.jsonl
+dflash datagen --target runs/embedded/target_phase4/export --prompts runs/embedded/gsm8k_train_perturbed1_prompts.jsonl \
+    --prompt-field question --prompt-suffix "$suffix" \
+    --output runs/embedded/gsm8k_train_perturbed1_phase4.jsonl --max-new-tokens 384 --batch-size 32
+dflash train --config scripts/embedded/drafter_round12.yaml "$@"
 cp runs/embedded/target_phase4/export/model.safetensors dflash/assets/target/
 rm -rf dflash/assets/drafter && mkdir -p dflash/assets/drafter
-cp runs/embedded/drafter_round10/config.json runs/embedded/drafter_round10/model.safetensors dflash/assets/drafter/
+cp runs/embedded/drafter_round12/config.json runs/embedded/drafter_round12/model.safetensors dflash/assets/drafter/
