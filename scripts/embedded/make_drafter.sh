@@ -13,36 +13,31 @@ if [ ! -f "$phase2/model.safetensors" ]; then
     cp dflash/assets/target/{config.json,generation_config.json,tokenizer.json,tokenizer_config.json,chat_template.jinja} "$phase2/"
     git show 09c9ca7:dflash/assets/target/model.safetensors > "$phase2/model.safetensors"
 fi
-suffix=$'\nPlease reason step by step, and put your final answer within \\boxed{}.'
-dflash datagen --target "$phase2" --prompts scripts/embedded/data/gsm8k_train.jsonl \
-    --prompt-field question --prompt-suffix "$suffix" \
-    --output runs/embedded/gsm8k_train_regenerated.jsonl --max-new-tokens 384 --batch-size 32
+# answer TARGET PROMPTS OUT: the target's greedy answers to GSM8K questions, with the chat template as served
+answer() {
+    dflash datagen --target "$1" --prompts "$2" --prompt-field question \
+        --prompt-suffix $'\nPlease reason step by step, and put your final answer within \\boxed{}.' \
+        --output "$3" --max-new-tokens 384 --batch-size 32
+}
+answer "$phase2" scripts/embedded/data/gsm8k_train.jsonl runs/embedded/gsm8k_train_regenerated.jsonl
 dflash train --config scripts/embedded/drafter.yaml --target "$phase2" "$@"          # round 1 -> runs/embedded/drafter
 dflash train --config scripts/embedded/drafter_round2.yaml --target "$phase2" "$@"   # round 2 -> runs/embedded/drafter_round2
 # round 3 adds the target's answers to the training questions with new numbers (held-out ones skipped)
 python scripts/embedded/perturb_questions.py --out runs/embedded/gsm8k_train_perturbed_prompts.jsonl
-dflash datagen --target "$phase2" --prompts runs/embedded/gsm8k_train_perturbed_prompts.jsonl \
-    --prompt-field question --prompt-suffix "$suffix" \
-    --output runs/embedded/gsm8k_train_perturbed.jsonl --max-new-tokens 384 --batch-size 32
+answer "$phase2" runs/embedded/gsm8k_train_perturbed_prompts.jsonl runs/embedded/gsm8k_train_perturbed.jsonl
 dflash train --config scripts/embedded/drafter_round3.yaml --target "$phase2" "$@"   # round 3 -> runs/embedded/drafter_round3
 # round 4 adds the answers to a second draw of new numbers
 python scripts/embedded/perturb_questions.py --seed 1 --out runs/embedded/gsm8k_train_perturbed2_prompts.jsonl
-dflash datagen --target "$phase2" --prompts runs/embedded/gsm8k_train_perturbed2_prompts.jsonl \
-    --prompt-field question --prompt-suffix "$suffix" \
-    --output runs/embedded/gsm8k_train_perturbed2.jsonl --max-new-tokens 384 --batch-size 32
+answer "$phase2" runs/embedded/gsm8k_train_perturbed2_prompts.jsonl runs/embedded/gsm8k_train_perturbed2.jsonl
 dflash train --config scripts/embedded/drafter_round4.yaml --target "$phase2" "$@"   # round 4 -> runs/embedded/drafter_round4
 # round 5 adds the answers to a third draw of new numbers
 python scripts/embedded/perturb_questions.py --seed 2 --out runs/embedded/gsm8k_train_perturbed3_prompts.jsonl
-dflash datagen --target "$phase2" --prompts runs/embedded/gsm8k_train_perturbed3_prompts.jsonl \
-    --prompt-field question --prompt-suffix "$suffix" \
-    --output runs/embedded/gsm8k_train_perturbed3.jsonl --max-new-tokens 384 --batch-size 32
+answer "$phase2" runs/embedded/gsm8k_train_perturbed3_prompts.jsonl runs/embedded/gsm8k_train_perturbed3.jsonl
 dflash train --config scripts/embedded/drafter_round5.yaml --target "$phase2" "$@"   # round 5 -> runs/embedded/drafter_round5
 # phase 4 of the target: the phase-2 target trained again on its own answers that stop and do not loop (to the
 # training questions, and to a fourth draw of new numbers)
 python scripts/embedded/perturb_questions.py --seed 3 --out runs/embedded/gsm8k_train_perturbed4_prompts.jsonl
-dflash datagen --target "$phase2" --prompts runs/embedded/gsm8k_train_perturbed4_prompts.jsonl \
-    --prompt-field question --prompt-suffix "$suffix" \
-    --output runs/embedded/gsm8k_train_perturbed4.jsonl --max-new-tokens 384 --batch-size 32
+answer "$phase2" runs/embedded/gsm8k_train_perturbed4_prompts.jsonl runs/embedded/gsm8k_train_perturbed4.jsonl
 python scripts/embedded/select_own_answers.py runs/embedded/gsm8k_train_regenerated.jsonl \
     runs/embedded/gsm8k_train_perturbed4.jsonl --out runs/embedded/own_answers.jsonl
 python scripts/embedded/train_target.py --init-from "$phase2" --extra-train runs/embedded/own_answers.jsonl \
@@ -50,21 +45,16 @@ python scripts/embedded/train_target.py --init-from "$phase2" --extra-train runs
     --time-budget 900 --save-every 200 --eval-every 400 --ckpt-dir runs/embedded/target_phase4 \
     --out runs/embedded/target_phase4/export
 # round 10: the round-5 drafter trained for the phase-4 target, on that target's answers
-dflash datagen --target runs/embedded/target_phase4/export --prompts scripts/embedded/data/gsm8k_train.jsonl \
-    --prompt-field question --prompt-suffix "$suffix" \
-    --output runs/embedded/gsm8k_train_phase4.jsonl --max-new-tokens 384 --batch-size 32
+phase4=runs/embedded/target_phase4/export
+answer "$phase4" scripts/embedded/data/gsm8k_train.jsonl runs/embedded/gsm8k_train_phase4.jsonl
 dflash train --config scripts/embedded/drafter_round10.yaml "$@"
 # round 11: round 10 on the phase-4 target's answers to the fourth draw of new numbers as well
-dflash datagen --target runs/embedded/target_phase4/export --prompts runs/embedded/gsm8k_train_perturbed4_prompts.jsonl \
-    --prompt-field question --prompt-suffix "$suffix" \
-    --output runs/embedded/gsm8k_train_perturbed4_phase4.jsonl --max-new-tokens 384 --batch-size 32
+answer "$phase4" runs/embedded/gsm8k_train_perturbed4_prompts.jsonl runs/embedded/gsm8k_train_perturbed4_phase4.jsonl
 dflash train --config scripts/embedded/drafter_round11.yaml "$@"
 # round 12: round 11, longer, on a third set of answers (to a fifth draw of new numbers, seed 0)
-python scripts/embedded/perturb_questions.py --seed 0 --out runs/embedded/gsm8k_train_perturbed1_prompts.jsonl
-dflash datagen --target runs/embedded/target_phase4/export --prompts runs/embedded/gsm8k_train_perturbed1_prompts.jsonl \
-    --prompt-field question --prompt-suffix "$suffix" \
-    --output runs/embedded/gsm8k_train_perturbed1_phase4.jsonl --max-new-tokens 384 --batch-size 32
+python scripts/embedded/perturb_questions.py --seed 0 --out runs/embedded/gsm8k_train_perturbed5_prompts.jsonl
+answer "$phase4" runs/embedded/gsm8k_train_perturbed5_prompts.jsonl runs/embedded/gsm8k_train_perturbed5_phase4.jsonl
 dflash train --config scripts/embedded/drafter_round12.yaml "$@"
-cp runs/embedded/target_phase4/export/model.safetensors dflash/assets/target/
+cp "$phase4/model.safetensors" dflash/assets/target/
 rm -rf dflash/assets/drafter && mkdir -p dflash/assets/drafter
 cp runs/embedded/drafter_round12/config.json runs/embedded/drafter_round12/model.safetensors dflash/assets/drafter/

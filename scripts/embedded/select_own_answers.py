@@ -11,6 +11,7 @@ their `messages`.
 import argparse
 import json
 import sys
+from collections import Counter
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
@@ -33,18 +34,16 @@ def main() -> None:
     ap.add_argument("inputs", nargs="+")
     ap.add_argument("--out", required=True)
     args = ap.parse_args()
-    counts: dict[str, int] = {}
+    counts: Counter[str] = Counter()
     with open(args.out, "w") as out:
         for path in args.inputs:
-            for line in open(path):
-                if not line.strip():
-                    continue
-                row = json.loads(line)
-                why = verdict(row)
-                counts[why] = counts.get(why, 0) + 1
-                if why == "keep":
-                    out.write(line if line.endswith("\n") else line + "\n")
-    print(json.dumps(counts, indent=1))
+            with open(path) as rows:
+                for line in filter(str.strip, rows):
+                    why = verdict(json.loads(line))
+                    counts[why] += 1
+                    if why == "keep":
+                        out.write(line if line.endswith("\n") else line + "\n")
+    print(json.dumps(dict(counts), indent=1))
 
 
 if __name__ == "__main__":
