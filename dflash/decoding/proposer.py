@@ -94,7 +94,8 @@ class DFlashProposer:
     positions attend to each other, so the first draft tokens of a full block of masks are better than those
     of a shorter one (`dflash bench` on the embedded pair, gsm8k, block 8: tau 2.57 drafting 8 positions,
     2.90 drafting 16; `runs/report8` and `runs/report10`, one training round apart, which alone moved block 16
-    from 2.87 to 2.95). A smaller `block_size` verifies fewer of them; only their logits are computed.
+    from 2.87 to 2.95). A smaller `block_size` verifies fewer of them; only they get the drafter's last-layer
+    queries, MLP and logits (the other positions feed keys and values).
     """
 
     def __init__(self, drafter: DFlashDraftModel, target: TargetModel, block_size: int | None = None):
@@ -137,9 +138,9 @@ class DFlashProposer:
             context_positions=pending.positions,
             context_valid=pending.valid,
             cache=state.cache,
-        )
-        verified = hidden[:, 1 : self.block_size]  # (b, k, h): the draft tokens this block verifies
-        logits = self.target.lm_head(verified.to(self.target.dtype)).float()  # (b, k, vocab)
+            outputs=slice(1, self.block_size),  # the draft tokens this block verifies
+        )  # (b, k, h)
+        logits = self.target.lm_head(hidden.to(self.target.dtype)).float()  # (b, k, vocab)
         tokens = logits.argmax(-1)
         probs: list[torch.Tensor | None] = [None] * b
         for r, row in enumerate(rows):

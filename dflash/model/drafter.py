@@ -78,14 +78,16 @@ class DFlashAttention(nn.Module):
         mask: torch.Tensor,  # (b, q, keys) bool, True = may attend; keys = cached + c + q
         cache: "DrafterCache | None" = None,
         layer_idx: int = 0,
+        queries: slice = slice(None),  # the block positions that ask (every position gives keys/values)
     ) -> torch.Tensor:
         c = context.shape[1]
-        q = apply_rope(self.q_norm(self._heads(self.q_proj(x), self.num_heads)), cos[:, c:], sin[:, c:])
+        cos_q, sin_q = cos[:, c:][:, queries], sin[:, c:][:, queries]
+        q = apply_rope(self.q_norm(self._heads(self.q_proj(x[:, queries]), self.num_heads)), cos_q, sin_q)
         # one projection for the new context and the block: fewer, larger matmuls
         k, v = self.keys_values(torch.cat([context, x], dim=1), cos, sin)  # (b, kv_heads, c + q, d)
         if cache is not None:  # every accepted token's keys, then this block's (not kept)
             k, v = cache.update(layer_idx, k[:, :, :c], v[:, :, :c], k[:, :, c:], v[:, :, c:])
-        out = grouped_attention(q, k, v, mask.unsqueeze(1))  # (b, heads, q, d)
+        out = grouped_attention(q, k, v, mask[:, queries].unsqueeze(1))  # (b, heads, asking, d)
         b, _, t, _ = out.shape
         return self.o_proj(out.transpose(1, 2).reshape(b, t, -1))
 
@@ -122,8 +124,11 @@ class DFlashDecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.mlp = DFlashMLP(config)
 
-    def forward(self, x, context, cos, sin, mask, cache=None, layer_idx: int = 0) -> torch.Tensor:
-        x = x + self.self_attn(self.input_layernorm(x), context, cos, sin, mask, cache, layer_idx)
+    def forward(self, x, context, cos, sin, mask, cache=None, layer_idx: int = 0,
+                queries: slice = slice(None)) -> torch.Tensor:
+        """x (b, q, h) -> the new hidden states of the `queries` positions, (b, asking, h)."""
+        x = x[:, queries] + self.self_attn(self.input_layernorm(x), context, cos, sin, mask, cache, layer_idx,
+                                           queries)
         return x + self.mlp(self.post_attention_layernorm(x))
 
 
@@ -224,8 +229,13 @@ class DFlashDraftModel(nn.Module):
         context_valid: torch.Tensor | None = None,  # (b, c) bool; default all valid
         cache: DrafterCache | None = None,
         attn_mask: torch.Tensor | None = None,  # (b, q, keys + q) bool; default: every valid key
+        outputs: slice = slice(None),  # the block positions whose hidden states are wanted
     ) -> torch.Tensor:
-        """Returns the final normed hidden states of the block, (b, q, h)."""
+        """Returns the final normed hidden states of the block's `outputs` positions, (b, wanted, h).
+
+        Every position feeds the keys and values of every layer, but only the wanted ones need the last
+        layer's queries, attention output and MLP: verifying k of a 16-wide draft skips them for the rest
+        (the same values as the full forward's, sliced)."""
         b, q, _ = block_embeds.shape
         if context_valid is None:
             context_valid = torch.ones(context.shape[:2], dtype=torch.bool, device=context.device)
@@ -245,6 +255,8 @@ class DFlashDraftModel(nn.Module):
 
         cos, sin = self.rotary_emb(block_embeds, torch.cat([context_positions, block_positions], dim=1))
         hidden = block_embeds
+        last = len(self.layers) - 1
         for i, layer in enumerate(self.layers):
-            hidden = layer(hidden, context, cos, sin, masks[self.config.layer_types[i]], cache, i)
+            queries = outputs if i == last else slice(None)
+            hidden = layer(hidden, context, cos, sin, masks[self.config.layer_types[i]], cache, i, queries)
         return self.norm(hidden)

@@ -59,3 +59,18 @@ def test_grouped_attention_equals_attention_over_repeated_heads():
     reference = F.scaled_dot_product_attention(q, k.repeat_interleave(2, 1), v.repeat_interleave(2, 1),
                                                attn_mask=mask)
     assert torch.allclose(grouped_attention(q, k, v, mask), reference, atol=1e-5)
+
+
+def test_asking_only_for_some_positions_gives_their_values_of_the_full_forward(target):
+    drafter = tiny_drafter(target, layers=2)
+    embeds, positions, features, ctx_positions = block_inputs(drafter, b=2)
+    context = drafter.project_context(features)
+    full = drafter(embeds, positions, context, ctx_positions)  # (2, 8, h)
+    for wanted in (slice(1, 4), slice(1, 8), slice(0, 1)):
+        part = drafter(embeds, positions, context, ctx_positions, outputs=wanted)
+        assert part.shape == full[:, wanted].shape
+        assert torch.allclose(part, full[:, wanted], atol=1e-5)
+    changed = embeds.clone()
+    changed[:, -1] += 1.0  # a position left out of the output still feeds the ones asked for
+    assert not torch.allclose(drafter(changed, positions, context, ctx_positions, outputs=slice(1, 4)),
+                              full[:, 1:4], atol=1e-5)
