@@ -25,7 +25,8 @@ class BenchResult:
     max_new_tokens: int = 0
     baseline_tokens_per_s: float | None = None  # output tokens / generation time (TTFT + decode)
     dflash_tokens_per_s: float | None = None
-    speedup: float | None = None  # dflash_tokens_per_s / baseline_tokens_per_s
+    speedup: float | None = None  # dflash_tokens_per_s / baseline_tokens_per_s; with rounds, their median
+    speedup_per_round: list[float] = field(default_factory=list)  # server backend with --rounds > 1
     mean_acceptance_length: float | None = None  # tau
     acceptance_histogram: list[int] = field(default_factory=list)  # [n] = verify steps producing n tokens, 0..B
     acceptance_rate_per_position: list[float] = field(default_factory=list)  # [i] = P(draft token i+1 accepted)

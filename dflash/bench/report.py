@@ -37,12 +37,20 @@ SERVER_COLUMNS: list[Column] = [
     ("p99 ms", lambda r: (r.dflash_latency_ms or {}).get("p99"), "{:.0f}"),
     ("errors", lambda r: r.errors, "{}"),
 ]
+ROUNDS_COLUMNS: list[Column] = [("speedup range", lambda r: _spread(r.speedup_per_round), "{}")]
+
+
+def _spread(values: list[float]) -> str | None:
+    """min-max of the rounds' speedups (the speedup column holds their median)."""
+    return f"{min(values):.2f}-{max(values):.2f}x" if values else None
 
 
 def columns_for(results: list[BenchResult]) -> list[Column]:
     columns = list(COLUMNS)
     if any(r.backend == "server" for r in results):
         columns += SERVER_COLUMNS
+    if any(r.speedup_per_round for r in results):
+        columns += ROUNDS_COLUMNS
     if any(r.dflash_cost_per_1m_tokens_usd is not None for r in results):
         columns += COST_COLUMNS
     return columns
@@ -99,7 +107,8 @@ def markdown(results: list[BenchResult], setup: dict) -> str:
     lines += ["", "| " + " | ".join(h for h, _, _ in columns) + " |",
               "|" + "|".join("---" for _ in columns) + "|"]
     lines += ["| " + " | ".join(cell(get(r), fmt) for _, get, fmt in columns) + " |" for r in results]
-    lines += ["", "tok/s: output tokens per second of generation time; speedup: DFlash tok/s / baseline tok/s; "
+    lines += ["", "tok/s: output tokens per second of generation time; speedup: DFlash tok/s / baseline tok/s "
+              "(with rounds, the median of the rounds' speedups; speedup range: their min-max); "
               "tau: mean acceptance length (tokens per verify step); mismatches: greedy outputs that differ "
               "from plain decoding (must be 0).", ""]
     return "\n".join(lines)

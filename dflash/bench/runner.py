@@ -73,7 +73,7 @@ def _run_server(config: BenchConfig, data: dict[str, list[Sample]], console: Con
     for name, samples in data.items():
         for concurrency in server.concurrency:
             total = sum(len(s.turns) for s in samples) * backend.num_prompts(samples) // len(samples)
-            total *= 2 if server.baseline_url else 1
+            total *= (2 if server.baseline_url else 1) * server.rounds
             with _progress(config, f"{name} c={concurrency}", total, console) as advance:
                 results.append(backend.run_level(name, samples, concurrency, on_request=advance))
     return results

@@ -10,13 +10,17 @@ with prefix `dflash:` (ours) or `vllm:`, each possibly with a `_total` suffix.
 Mean acceptance length = 1 + accepted / drafts.
 
 With `baseline_url` (the same target served without a drafter) the same load runs there too, for the
-speedup and, at temperature 0, a text comparison prompt by prompt.
+speedup and, at temperature 0, a text comparison prompt by prompt. With `rounds` > 1 each concurrency level
+runs that pair of loads several times, the servers taking turns to go first (DFlash, plain; plain, DFlash; ...)
+so that a machine that speeds up or slows down over the level weighs on both alike; the speedup is then the
+median of the rounds' speedups (one stalled round does not move it), and `speedup_per_round` lists them all.
 """
 
 from __future__ import annotations
 
 import asyncio
 import re
+import statistics
 import time
 from dataclasses import dataclass, field
 from typing import Callable
@@ -54,6 +58,7 @@ class ServerConfig:
     timeout_s: float = 600.0
     metrics_url: str | None = None  # None: /metrics at the server's root
     baseline_url: str | None = None
+    rounds: int = 1  # passes over each level (servers alternating who goes first); speedup = their median
 
 
 @dataclass
@@ -265,6 +270,8 @@ class ServerBackend:
             raise UserError(f"--endpoint must be 'chat' or 'completions', not {config.endpoint!r}")
         if any(c < 1 for c in config.concurrency):
             raise UserError(f"--concurrency values must be >= 1, got {config.concurrency}")
+        if config.rounds < 1:
+            raise UserError(f"--rounds must be >= 1, got {config.rounds}")
         self.config = config
         model = resolve_model(config.base_url, config)
         self.client = Client(config.base_url, config, model)
@@ -282,16 +289,36 @@ class ServerBackend:
     def run_level(self, dataset: str, samples: list[Sample], concurrency: int,
                   on_request: Callable[[], None] | None = None) -> BenchResult:
         cfg = self.config
-        before = scrape(self.metrics_url)
-        load = asyncio.run(run_load(self.client, samples, concurrency, self.num_prompts(samples),
-                                    cfg.duration_s, cfg.seed, on_request))
+
+        def load_on(client: Client) -> LoadResult:
+            return asyncio.run(run_load(client, samples, concurrency, self.num_prompts(samples), cfg.duration_s,
+                                        cfg.seed, on_request))
+
+        before = scrape(self.metrics_url)  # only the DFlash server's loads move its counters
+        loads, bases = [], []
+        for i in range(cfg.rounds):
+            if self.baseline is not None and i % 2 == 1:  # plain first in every other round
+                bases.append(load_on(self.baseline))
+                loads.append(load_on(self.client))
+            else:
+                loads.append(load_on(self.client))
+                if self.baseline is not None:
+                    bases.append(load_on(self.baseline))
         after = scrape(self.metrics_url)
         counters = after - before if before is not None and after is not None else None
-        base = None
-        if self.baseline is not None:
-            base = asyncio.run(run_load(self.baseline, samples, concurrency, self.num_prompts(samples),
-                                        cfg.duration_s, cfg.seed, on_request))
-        return summarize_load(dataset, load, base, counters, cfg, concurrency)
+        result = summarize_load(dataset, pooled(loads), pooled(bases) if bases else None, counters, cfg,
+                                concurrency)
+        if cfg.rounds > 1 and bases:
+            speedups = [ratio(_throughput(fast), _throughput(base)) for fast, base in zip(loads, bases)]
+            result.speedup_per_round = speedups
+            if all(x is not None for x in speedups):
+                result.speedup = statistics.median(speedups)
+        return result
+
+
+def pooled(loads: list[LoadResult]) -> LoadResult:
+    """Several loads as one: every request, and the time they took together."""
+    return LoadResult([r for load in loads for r in load.records], sum(load.wall_s for load in loads))
 
 
 def summarize_load(dataset: str, load: LoadResult, base: LoadResult | None, counters: SpecDecodeCounters | None,
@@ -334,16 +361,15 @@ def _latency_ms(load: LoadResult) -> dict[str, float]:
 
 
 def _compare_texts(baseline: list[RequestRecord], dflash: list[RequestRecord]) -> list[str]:
-    """Keys (sample#turn) whose first answer differs between the two servers."""
+    """Keys (sample#turn) where any DFlash answer differs from the baseline's first answer (greedy: every
+    repeat of a prompt, in every round, must give the same text)."""
     first: dict[str, str] = {}
     for r in baseline:
         if r.error is None:
             first.setdefault(f"{r.sample_id}#{r.turn}", r.text)
-    seen, differ = set(), []
+    differ: list[str] = []
     for r in dflash:
         key = f"{r.sample_id}#{r.turn}"
-        if r.error is None and key in first and key not in seen:
-            seen.add(key)
-            if r.text != first[key]:
-                differ.append(key)
+        if r.error is None and key in first and r.text != first[key] and key not in differ:
+            differ.append(key)
     return differ

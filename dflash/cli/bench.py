@@ -40,6 +40,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     server.add_argument("--duration", type=float, help="seconds of load per level instead of a prompt count")
     server.add_argument("--metrics-url", help="Prometheus metrics (default: /metrics at the server's root)")
     server.add_argument("--baseline-url", help="the same target served without a drafter, for the speedup")
+    server.add_argument("--rounds", type=int, default=1,
+                        help="with --baseline-url: run each level this many times, the servers taking turns to "
+                             "go first; the speedup is the median of the rounds' (robust on a busy machine)")
     server.add_argument("--request-timeout", type=float, default=600.0, help="seconds per request")
     out = parser.add_argument_group("output")
     out.add_argument("--output-dir", help="write results.json, results.md and plots here")
@@ -76,7 +79,7 @@ def bench_config(args: argparse.Namespace):
         server = ServerConfig(base_url=args.base_url, model=args.model, endpoint=args.endpoint,
                               api_key=args.api_key, concurrency=args.concurrency, num_prompts=args.num_prompts,
                               duration_s=args.duration, timeout_s=args.request_timeout,
-                              metrics_url=args.metrics_url, baseline_url=args.baseline_url)
+                              metrics_url=args.metrics_url, baseline_url=args.baseline_url, rounds=args.rounds)
     return BenchConfig(
         datasets=names,
         data=DataOptions(data_file=args.data_file, data_dir=args.data_dir, max_samples=args.max_samples or None,

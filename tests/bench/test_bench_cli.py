@@ -64,6 +64,20 @@ def test_server_bench_with_a_concurrency_sweep_plots_throughput(openai_server, d
     png_size(out / "acceptance_histogram.png")
 
 
+def test_server_bench_rounds_against_a_baseline(openai_server, data_dir, tmp_path):
+    dflash_server, plain_server = openai_server(), openai_server()
+    out = tmp_path / "out"
+    code = main(["bench", "--base-url", dflash_server.base_url, "--baseline-url", plain_server.base_url,
+                 "--rounds", "2", "--dataset", "gsm8k", "--data-dir", str(data_dir), "--max-samples", "1",
+                 "--max-new-tokens", "6", "--output-dir", str(out), "--no-progress"])
+    assert code == 0
+    [result] = json.loads((out / "results.json").read_text())
+    assert len(result["speedup_per_round"]) == 2 and result["mismatches"] == 0
+    assert json.loads((out / "config.json").read_text())["rounds"] == 2
+    assert "speedup range" in (out / "results.md").read_text()
+    assert len(plain_server.app.state.requests) == 2
+
+
 def test_mismatches_make_the_command_fail(tiny_pair, data_dir, monkeypatch, tmp_path):
     from dflash.bench import local
 
@@ -85,6 +99,7 @@ def test_mismatches_make_the_command_fail(tiny_pair, data_dir, monkeypatch, tmp_
     (["--block-size", "99"], "block size 99"),
     (["--no-draft"], "drop --no-draft"),
     (["--backend", "server"], "needs --base-url"),
+    (["--base-url", "http://127.0.0.1:9/v1", "--rounds", "0"], "--rounds must be >= 1"),
     (["--data-file", "x.jsonl", "--dataset", "gsm8k", "mbpp"], "--data-file holds one dataset"),
 ])
 def test_user_errors_are_one_line(tiny_pair, data_dir, capsys, argv, message):

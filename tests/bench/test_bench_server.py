@@ -64,6 +64,41 @@ def test_concurrency_sweep_num_prompts_and_baseline(openai_server):
     assert len(plain_server.app.state.requests) == 8
 
 
+class ArrivalLog(list):
+    """A server's request list that also notes, in a list shared by several servers, which one got each request."""
+
+    def __init__(self, name: str, order: list[str]):
+        super().__init__()
+        self.name, self.order = name, order
+
+    def append(self, item) -> None:
+        super().append(item)
+        self.order.append(self.name)
+
+
+def test_rounds_alternate_which_server_goes_first_and_take_the_median_speedup(openai_server):
+    from dflash.bench.report import markdown
+
+    dflash_server, plain_server = openai_server(), openai_server()
+    order: list[str] = []
+    dflash_server.app.state.requests = ArrivalLog("D", order)
+    plain_server.app.state.requests = ArrivalLog("P", order)
+    backend = ServerBackend(config(dflash_server, num_prompts=2, rounds=3, baseline_url=plain_server.base_url))
+    result = backend.run_level("gsm8k", SAMPLES[:2], 1)
+    runs = [order[0]] + [b for a, b in zip(order, order[1:]) if a != b]
+    assert runs == ["D", "P", "D", "P"] and order == list("DDPPPPDDDDPP")  # DFlash first, then plain first, ...
+    assert result.num_requests == 6 and result.baseline_output_tokens > 0 and result.mismatches == 0
+    assert len(result.speedup_per_round) == 3
+    assert result.speedup == sorted(result.speedup_per_round)[1]
+    assert sum(result.acceptance_histogram) == dflash_server.tally.drafts  # counters of all three rounds
+    assert "speedup range" in markdown([result], {})
+
+
+def test_rounds_must_be_positive(openai_server):
+    with pytest.raises(UserError, match="--rounds"):
+        ServerBackend(config(openai_server(), rounds=0))
+
+
 def test_duration_keeps_the_load_up(openai_server):
     server = openai_server(delay_s=0.02)
     result = ServerBackend(config(server, duration_s=1.0)).run_level("gsm8k", SAMPLES[:1], 1)
