@@ -41,8 +41,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     server.add_argument("--metrics-url", help="Prometheus metrics (default: /metrics at the server's root)")
     server.add_argument("--baseline-url", help="the same target served without a drafter, for the speedup")
     server.add_argument("--rounds", type=int, default=1,
-                        help="with --baseline-url: run each level this many times, the servers taking turns to "
-                             "go first; the speedup is the median of the rounds' (robust on a busy machine)")
+                        help="run each level this many times; with --baseline-url the two servers take turns to "
+                             "go first and the speedup is the median of the rounds' (robust on a busy machine)")
     server.add_argument("--request-timeout", type=float, default=600.0, help="seconds per request")
     out = parser.add_argument_group("output")
     out.add_argument("--output-dir", help="write results.json, results.md and plots here")
