@@ -18,20 +18,13 @@ import torch
 
 from dflash.api import DFlash
 from dflash.bench.datasets import DataOptions, load_samples
-from dflash.decoding.engine import GenerationConfig
+from dflash.decoding.engine import GenerationConfig, SpeculativeEngine
 from dflash.decoding.proposer import DFlashProposer
 
 
-def mean_acceptance_length(pipe: DFlash, prompts: list[list[int]], proposer: DFlashProposer,
-                           max_new_tokens: int) -> float:
-    engine, default = pipe.engine, pipe.engine.proposer
-    engine.proposer = proposer
-    try:
-        steps = [n for p in prompts
-                 for n in engine.generate([p], GenerationConfig(max_new_tokens=max_new_tokens))[0]
-                 .stats.acceptance_lengths[1:]]
-    finally:
-        engine.proposer = default
+def mean_acceptance_length(engine: SpeculativeEngine, prompts: list[list[int]], max_new_tokens: int) -> float:
+    config = GenerationConfig(max_new_tokens=max_new_tokens)
+    steps = [n for p in prompts for n in engine.generate([p], config)[0].stats.acceptance_lengths[1:]]
     return sum(steps) / len(steps)
 
 
@@ -54,7 +47,8 @@ def main() -> None:
             parser.error(f"{pair}: need 2 <= BLOCK <= WIDTH <= {pipe.drafter.config.block_size} (the trained width)")
         proposer = DFlashProposer(pipe.drafter, pipe.target, block)
         proposer.draft_width = width  # positions in the drafter's forward (the anchor + width - 1 masks)
-        tau = mean_acceptance_length(pipe, prompts, proposer, args.max_new_tokens)
+        tau = mean_acceptance_length(SpeculativeEngine(pipe.target, proposer, pipe.tokenizer), prompts,
+                                     args.max_new_tokens)
         print(json.dumps({"block_size": block, "draft_width": width, "prompts": len(prompts),
                           "mean_acceptance_length": round(tau, 3)}), flush=True)
 

@@ -294,25 +294,20 @@ class ServerBackend:
             return asyncio.run(run_load(client, samples, concurrency, self.num_prompts(samples), cfg.duration_s,
                                         cfg.seed, on_request))
 
-        before = scrape(self.metrics_url)  # only the DFlash server's loads move its counters
         loads, bases = [], []
+        servers = [(self.client, loads)] + ([(self.baseline, bases)] if self.baseline is not None else [])
+        before = scrape(self.metrics_url)  # only the DFlash server's loads move its counters
         for i in range(cfg.rounds):
-            if self.baseline is not None and i % 2 == 1:  # plain first in every other round
-                bases.append(load_on(self.baseline))
-                loads.append(load_on(self.client))
-            else:
-                loads.append(load_on(self.client))
-                if self.baseline is not None:
-                    bases.append(load_on(self.baseline))
+            for client, into in servers if i % 2 == 0 else servers[::-1]:  # plain first in every other round
+                into.append(load_on(client))
         after = scrape(self.metrics_url)
         counters = after - before if before is not None and after is not None else None
         result = summarize_load(dataset, pooled(loads), pooled(bases) if bases else None, counters, cfg,
                                 concurrency)
-        if cfg.rounds > 1 and bases:
-            speedups = [ratio(_throughput(fast), _throughput(base)) for fast, base in zip(loads, bases)]
+        speedups = [ratio(_throughput(fast), _throughput(base)) for fast, base in zip(loads, bases)]
+        if len(speedups) > 1 and None not in speedups:  # a round without baseline tokens keeps the pooled ratio
             result.speedup_per_round = speedups
-            if all(x is not None for x in speedups):
-                result.speedup = statistics.median(speedups)
+            result.speedup = statistics.median(speedups)
         return result
 
 

@@ -96,7 +96,7 @@ class DFlashProposer:
     2.90 drafting 16; `runs/report8` and `runs/report10`, one training round apart, which alone moved block 16
     from 2.87 to 2.95; with the round-12 drafter, `benchmarks/draft_width.py` on 40 gsm8k questions, block 4:
     2.38 drafting 4 positions, 2.80 drafting 16; block 8: 2.66 drafting 8, 3.21 drafting 16), while the whole
-    drafter forward and its logits take 6-8 ms of a 19-25 ms step at 8 rows (block 4-8), of which a narrower
+    drafter forward and its logits take 5-8 ms of a 19-25 ms step at 8 rows (block 4-8), of which a narrower
     draft saves a part. A smaller `block_size` verifies fewer of the draft tokens; only they get the drafter's
     last-layer queries, MLP and logits (the other positions feed keys and values).
     """

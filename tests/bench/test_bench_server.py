@@ -85,8 +85,7 @@ def test_rounds_alternate_which_server_goes_first_and_take_the_median_speedup(op
     plain_server.app.state.requests = ArrivalLog("P", order)
     backend = ServerBackend(config(dflash_server, num_prompts=2, rounds=3, baseline_url=plain_server.base_url))
     result = backend.run_level("gsm8k", SAMPLES[:2], 1)
-    runs = [order[0]] + [b for a, b in zip(order, order[1:]) if a != b]
-    assert runs == ["D", "P", "D", "P"] and order == list("DDPPPPDDDDPP")  # DFlash first, then plain first, ...
+    assert order == list("DDPPPPDDDDPP")  # DFlash first, then plain first, then DFlash first
     assert result.num_requests == 6 and result.baseline_output_tokens > 0 and result.mismatches == 0
     assert len(result.speedup_per_round) == 3
     assert result.speedup == sorted(result.speedup_per_round)[1]
