@@ -18,7 +18,7 @@ from dflash.errors import UserError
 @dataclass
 class DatagenConfig:
     target: str | None
-    prompts: str  # JSONL file, or a Hugging Face dataset name
+    prompts: str  # JSONL file, a dataset directory, or a Hugging Face dataset name ("org/name")
     output: str
     max_new_tokens: int = 512
     temperature: float = 0.0
@@ -27,6 +27,7 @@ class DatagenConfig:
     batch_size: int = 16
     limit: int | None = None
     split: str = "train"
+    subset: str | None = None  # the dataset's configuration, e.g. "main" for openai/gsm8k
     prompt_field: str | None = None  # for hub datasets: the column with the prompt (default: guess)
     prompt_suffix: str = ""  # appended to every user turn (e.g. the benchmark's answer-format sentence)
     dtype: str | None = None
@@ -50,28 +51,41 @@ def prompt_messages(record: dict, prompt_field: str | None = None) -> list[list[
 
 
 def read_prompts(config: DatagenConfig) -> list[dict]:
-    path = Path(config.prompts)
-    if path.exists():
+    path = Path(config.prompts).expanduser()
+    if path.is_file():
         from dflash.training.data import read_jsonl
 
         records = read_jsonl(path)
-    elif config.prompts.endswith((".jsonl", ".json")) or os.sep in config.prompts and not path.exists():
-        raise UserError(f"prompt file {config.prompts} does not exist")
+    elif path.is_dir() or is_hub_id(config.prompts):
+        records = _load_dataset(config, str(path) if path.is_dir() else config.prompts)
     else:
-        records = _hub_dataset(config)
+        raise UserError(f"prompt file {config.prompts} does not exist; give a JSONL file, a dataset directory or a "
+                        "Hugging Face dataset name like openai/gsm8k")
     return records[: config.limit] if config.limit else records
 
 
-def _hub_dataset(config: DatagenConfig) -> list[dict]:
+def is_hub_id(name: str) -> bool:
+    """Whether `name` reads as a hub dataset ("name" or "org/name") rather than a path to a local file."""
+    if name.startswith((".", "/", "~")) or name.endswith((".jsonl", ".json")) or "\\" in name:
+        return False
+    parts = name.split("/")
+    return len(parts) <= 2 and all(parts)
+
+
+def _load_dataset(config: DatagenConfig, source: str) -> list[dict]:
+    """Rows of a hub dataset or a local dataset directory (data files, or a `save_to_disk` copy)."""
     try:
         import datasets
     except ImportError:
-        raise UserError("reading a hub dataset needs `pip install datasets`; or pass a JSONL file") from None
+        raise UserError("reading a dataset needs `pip install datasets`; or pass a JSONL file") from None
     try:
-        return list(datasets.load_dataset(config.prompts, split=config.split))
+        return list(datasets.load_dataset(source, config.subset, split=config.split))
     except Exception as err:
-        raise UserError(f"could not load dataset {config.prompts!r} ({type(err).__name__}); offline? pass a local "
-                        "JSONL file with `prompt`, `turns` or `messages` instead") from None
+        hint = (" (does it need --subset, e.g. --subset main for openai/gsm8k?)"
+                if "config" in str(err).lower() and config.subset is None else "")
+        raise UserError(f"could not load dataset {source!r}, split {config.split!r}: {type(err).__name__}: "
+                        f"{str(err).splitlines()[0][:200] if str(err) else ''}{hint}. Offline? Pass a local JSONL "
+                        "file with `prompt`, `turns` or `messages`, or a downloaded dataset directory") from None
 
 
 def done_ids(output: Path) -> set[int]:
@@ -86,13 +100,14 @@ def done_ids(output: Path) -> set[int]:
     return {json.loads(line)["id"] for line in data.decode().splitlines() if line.strip()}
 
 
-def run_datagen(config: DatagenConfig, progress=None) -> int:
-    """Generate what is missing from `output`; returns how many records were written."""
+def run_datagen(config: DatagenConfig, progress=None, records: list[dict] | None = None) -> int:
+    """Generate what is missing from `output`; returns how many records were written. `records`: the prompts
+    when the caller has read them already (`read_prompts`)."""
     from dflash.api import DFlash
 
     output = Path(config.output)
     output.parent.mkdir(parents=True, exist_ok=True)
-    records = read_prompts(config)
+    records = read_prompts(config) if records is None else records
     done = done_ids(output)
     todo = [(i, r) for i, r in enumerate(records) if i not in done]
     if not todo:
