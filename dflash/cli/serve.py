@@ -82,6 +82,8 @@ def _check_args(args: argparse.Namespace) -> None:
                              ("--fallback-probe-window", args.fallback_probe_window, 1)):
         if value < low:
             raise UserError(f"{flag} must be >= {low}, got {value}")
+    if args.port > 65535:
+        raise UserError(f"--port must be at most 65535, got {args.port}")
     if not 0 <= args.fallback_hysteresis < 1:
         raise UserError(f"--fallback-hysteresis must be at least 0 and below 1, got {args.fallback_hysteresis}")
     if args.max_model_len is not None and args.max_model_len < 2:

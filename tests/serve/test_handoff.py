@@ -95,6 +95,7 @@ def test_flag_mistakes(tiny_pair, capsys):
     for args, expected in [(["--dry-run"], "--engine"), (["--max-batch-size", "0"], "--max-batch-size"),
                            (["--max-queue", "-1"], "--max-queue"), (["--draft", draft], "--target"),
                            (["--fallback-probe-window", "0"], "--fallback-probe-window"),
-                           (["--fallback-hysteresis", "1"], "--fallback-hysteresis")]:
+                           (["--fallback-hysteresis", "1"], "--fallback-hysteresis"),
+                           (["--port", "99999"], "at most 65535"), (["--port", "-1"], "--port")]:
         assert main(["serve", *args]) == 2
         assert expected in capsys.readouterr().err
