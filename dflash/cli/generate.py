@@ -9,6 +9,7 @@ import sys
 from dflash.api import make_config
 from dflash.cli.common import add_model_arguments, load_pipeline
 from dflash.decoding.engine import SpeculativeEngine
+from dflash.errors import UserError
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -27,6 +28,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    if not args.prompt.strip():
+        raise UserError("--prompt is empty; give the text to decode, e.g. --prompt \"What is 7 * 8?\"")
     pipe = load_pipeline(args)
     options = dict(max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_p=args.top_p,
                    top_k=args.top_k, seed=args.seed, stop_strings=args.stop)
