@@ -6,6 +6,7 @@ import json
 import math
 import os
 import random
+import re
 import socket
 import subprocess
 import sys
@@ -250,6 +251,29 @@ def test_yaml_config_and_flag_override(tmp_path, tiny_pair, train_data):
     yaml_path.write_text("bogus_option: 1\n")
     with pytest.raises(ValueError, match="unknown training option"):
         load_config(str(yaml_path), {})
+
+
+@pytest.mark.parametrize("text, message", [
+    ("lr: [0.1\n", "not valid YAML"),
+    ("lr: fast\n", "`lr: 'fast'` should be a number"),
+    ("block_size: 8.5\n", "`block_size: 8.5` should be an integer"),
+    ("target_layer_ids: 3\n", "`target_layer_ids: 3` should be a list of integers or null"),
+    ("resume: 1\n", "`resume: 1` should be true or false"),
+])
+def test_yaml_mistakes_are_user_errors_naming_the_option(tmp_path, text, message):
+    yaml_path = tmp_path / "train.yaml"
+    yaml_path.write_text(text)
+    with pytest.raises(UserError, match=re.escape(message)):
+        load_config(str(yaml_path), {})
+
+
+def test_yaml_values_of_the_right_types_load(tmp_path):
+    yaml_path = tmp_path / "train.yaml"
+    yaml_path.write_text("target: t\ndata: d.jsonl\noutput: o\nlr: 1\ntarget_layer_ids: [1, 5]\n"
+                         "extra_train_data: more.jsonl\nmax_steps: null\nresume: true\n")
+    loaded = load_config(str(yaml_path), {})
+    assert loaded.lr == 1 and loaded.target_layer_ids == [1, 5] and loaded.resume is True
+    assert loaded.extra_train_data == ["more.jsonl"]
 
 
 def test_train_cli_errors_are_clear(tmp_path, tiny_pair, capsys):
