@@ -272,6 +272,12 @@ class ServerBackend:
             raise UserError(f"--concurrency values must be >= 1, got {config.concurrency}")
         if config.rounds < 1:
             raise UserError(f"--rounds must be >= 1, got {config.rounds}")
+        if config.duration_s is not None and config.duration_s <= 0:
+            raise UserError(f"--duration must be > 0 seconds, got {config.duration_s}")
+        if config.num_prompts is not None and config.num_prompts < 1:
+            raise UserError(f"--num-prompts must be >= 1, got {config.num_prompts}")
+        if config.timeout_s <= 0:
+            raise UserError(f"--request-timeout must be > 0 seconds, got {config.timeout_s}")
         self.config = config
         model = resolve_model(config.base_url, config)
         self.client = Client(config.base_url, config, model)

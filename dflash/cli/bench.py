@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import copy
 import os
+from pathlib import Path
 
 from dflash.cli.common import add_model_arguments, int_list, load_pipeline
 from dflash.errors import UserError
@@ -72,6 +73,10 @@ def bench_config(args: argparse.Namespace):
         raise UserError(f"--max-new-tokens must be >= 1, got {args.max_new_tokens}")
     if args.max_samples is not None and args.max_samples < 0:
         raise UserError(f"--max-samples must be >= 0 (0 = all), got {args.max_samples}")
+    if args.gpu_hourly_usd is not None and args.gpu_hourly_usd <= 0:
+        raise UserError(f"--gpu-hourly-usd must be > 0, got {args.gpu_hourly_usd}")
+    if args.output_dir:
+        _check_output_dir(Path(args.output_dir))
     server = None
     if backend == "server":
         if not args.base_url:
@@ -88,6 +93,18 @@ def bench_config(args: argparse.Namespace):
         temperature=args.temperature, seed=args.seed, warmup_tokens=args.warmup_tokens, server=server,
         output_dir=args.output_dir, gpu_hourly_usd=args.gpu_hourly_usd, show_progress=not args.no_progress,
     )
+
+
+def _check_output_dir(path: Path) -> None:
+    """Before any measurement: a run must not end in an error about where its results go."""
+    if path.exists() and not path.is_dir():
+        raise UserError(f"--output-dir {path} is a file; give a directory (it is created if missing)")
+    try:
+        path.mkdir(parents=True, exist_ok=True)
+    except OSError as err:
+        raise UserError(f"cannot create --output-dir {path}: {err.strerror or err}") from None
+    if not os.access(path, os.W_OK):
+        raise UserError(f"--output-dir {path} is not writable; pick another directory")
 
 
 def _load_pair(args: argparse.Namespace):

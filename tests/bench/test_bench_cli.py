@@ -101,6 +101,9 @@ def test_mismatches_make_the_command_fail(tiny_pair, data_dir, monkeypatch, tmp_
     (["--backend", "server"], "needs --base-url"),
     (["--base-url", "http://127.0.0.1:9/v1", "--rounds", "0"], "--rounds must be >= 1"),
     (["--data-file", "x.jsonl", "--dataset", "gsm8k", "mbpp"], "--data-file holds one dataset"),
+    (["--gpu-hourly-usd", "-1"], "--gpu-hourly-usd must be > 0"),
+    (["--base-url", "http://127.0.0.1:9/v1", "--duration", "0"], "--duration must be > 0"),
+    (["--base-url", "http://127.0.0.1:9/v1", "--num-prompts", "0"], "--num-prompts must be >= 1"),
 ])
 def test_user_errors_are_one_line(tiny_pair, data_dir, capsys, argv, message):
     target, draft = tiny_pair
@@ -109,6 +112,19 @@ def test_user_errors_are_one_line(tiny_pair, data_dir, capsys, argv, message):
     assert main(base + argv) == 2
     err = capsys.readouterr().err.strip()
     assert message in err and len(err.splitlines()) == 1 and "Traceback" not in err
+
+
+def test_an_output_dir_that_cannot_be_written_fails_before_measuring(tiny_pair, data_dir, tmp_path, capsys,
+                                                                     monkeypatch):
+    from dflash.bench import runner
+
+    monkeypatch.setattr(runner, "run_bench", lambda *a, **k: pytest.fail("measured before checking --output-dir"))
+    target, draft = tiny_pair
+    taken = tmp_path / "results"
+    taken.write_text("a file")
+    assert main(["bench", "--target", str(target), "--draft", str(draft), "--data-dir", str(data_dir),
+                 "--output-dir", str(taken), "--no-progress"]) == 2
+    assert "is a file" in capsys.readouterr().err
 
 
 def test_reference_flags_map_onto_dflash_bench():
