@@ -12,6 +12,7 @@ Batches are ragged: each row accepts its own number of tokens per step (see `slo
 
 from __future__ import annotations
 
+import numbers
 import time
 from dataclasses import dataclass, field
 from typing import Iterator
@@ -53,11 +54,39 @@ class GenerationConfig:
     block_size: int | str | None = None  # None: the drafter's own block size; "auto": chosen every step
 
     def __post_init__(self) -> None:
+        if isinstance(self.stop_strings, str):  # one stop string, not its characters
+            self.stop_strings = [self.stop_strings]
+        self._check_types()
         if self.max_new_tokens < 1:
             raise GenerationError(f"max_new_tokens must be >= 1, got {self.max_new_tokens}")
         if isinstance(self.block_size, str) and self.block_size != AUTO:
             raise GenerationError(f"block_size is a number of tokens or {AUTO!r}, not {self.block_size!r}")
         _ = self.sampling  # validates temperature / top_p / top_k
+
+    def _check_types(self) -> None:
+        def is_int(v) -> bool:  # numpy and torch integers too
+            return isinstance(v, numbers.Integral) and not isinstance(v, bool)
+
+        def is_number(v) -> bool:
+            return isinstance(v, numbers.Real) and not isinstance(v, bool)
+
+        checks = [
+            ("max_new_tokens", is_int(self.max_new_tokens), "an integer"),
+            ("temperature", is_number(self.temperature), "a number"),
+            ("top_p", is_number(self.top_p), "a number"),
+            ("top_k", is_int(self.top_k), "an integer"),
+            ("seed", self.seed is None or is_int(self.seed), "an integer or None"),
+            ("stop_token_ids", self.stop_token_ids is None
+             or isinstance(self.stop_token_ids, (list, tuple)) and all(map(is_int, self.stop_token_ids)),
+             "a list of token ids or None"),
+            ("stop_strings", isinstance(self.stop_strings, (list, tuple))
+             and all(isinstance(x, str) for x in self.stop_strings), "a string or a list of strings"),
+            ("block_size", self.block_size is None or is_int(self.block_size) or isinstance(self.block_size, str),
+             f"a number of tokens, {AUTO!r} or None"),
+        ]
+        for name, ok, expected in checks:
+            if not ok:
+                raise GenerationError(f"{name} must be {expected}, got {getattr(self, name)!r}")
 
     @property
     def sampling(self) -> SamplingParams:

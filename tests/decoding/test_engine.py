@@ -165,7 +165,20 @@ def test_bad_requests_are_refused_clearly(target, bad):
         engine.generate([bad["prompt"]], bad["config"])
 
 
-@pytest.mark.parametrize("field,value", [("max_new_tokens", 0), ("temperature", -1), ("top_p", 0), ("top_k", -2)])
+@pytest.mark.parametrize("field,value", [
+    ("max_new_tokens", 0), ("temperature", -1), ("top_p", 0), ("top_k", -2),
+    ("max_new_tokens", "10"), ("max_new_tokens", 2.5), ("temperature", "0.5"), ("top_k", 1.5), ("seed", "1"),
+    ("stop_token_ids", [1, "2"]), ("stop_strings", [1]), ("block_size", 8.0), ("block_size", "big"),
+])
 def test_bad_generation_config(field, value):
-    with pytest.raises(GenerationError):
+    with pytest.raises(GenerationError, match=field):
         GenerationConfig(**{field: value})
+
+
+def test_one_stop_string_is_not_split_into_characters():
+    assert GenerationConfig(stop_strings="###").stop_strings == ["###"]
+
+
+def test_numpy_integers_are_integers():
+    np = pytest.importorskip("numpy")
+    assert GenerationConfig(max_new_tokens=np.int64(3), seed=np.int32(7), temperature=np.float32(0.5)).seed == 7
