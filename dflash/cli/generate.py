@@ -30,6 +30,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> int:
     if not args.prompt.strip():
         raise UserError("--prompt is empty; give the text to decode, e.g. --prompt \"What is 7 * 8?\"")
+    if args.compare and args.no_draft:
+        raise UserError("--compare measures DFlash against plain decoding of the same target; drop --no-draft")
     pipe = load_pipeline(args)
     options = dict(max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_p=args.top_p,
                    top_k=args.top_k, seed=args.seed, stop_strings=args.stop)
@@ -45,7 +47,7 @@ def run(args: argparse.Namespace) -> int:
         sys.stdout.write("\n")
         out = stream.result
     report = summary(out)
-    if args.compare and pipe.drafter is not None:
+    if args.compare:
         plain = SpeculativeEngine(pipe.target)  # the same target, no drafter
         plain.generate([prompt_ids], make_config(**{**options, "max_new_tokens": 2}))  # warm-up
         baseline = plain.generate([prompt_ids], make_config(**options))[0]

@@ -37,6 +37,8 @@ def test_user_errors_are_one_line(tiny_pair, capsys):
     assert "--draft needs --target" in capsys.readouterr().err
     assert main(["generate", "--target", str(target), "--draft", str(draft), "--prompt", "  "]) == 2
     assert "--prompt is empty" in capsys.readouterr().err
+    assert main(["generate", "--target", str(target), "--no-draft", "--compare", "--prompt", "x"]) == 2
+    assert "drop --no-draft" in capsys.readouterr().err
 
 
 def test_block_size_is_auto_by_default_and_named_sizes_work(tiny_pair, capsys):
