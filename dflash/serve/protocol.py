@@ -152,7 +152,8 @@ def parse_request(raw: bytes, model: type[_Strict]) -> Any:
     except ValidationError as err:
         first = err.errors()[0]
         param = ".".join(str(p) for p in first["loc"]) or None
-        raise APIError(400, f"{param}: {first['msg']}" if param else first["msg"], param=param) from None
+        message = first["msg"].removeprefix("Value error, ")  # pydantic's prefix for a validator's own message
+        raise APIError(400, f"{param}: {message}" if param else message, param=param) from None
 
 
 # ---- responses -------------------------------------------------------------------------------------------

@@ -18,6 +18,7 @@ def assert_error(response: httpx.Response, status: int, param: str | None = None
     assert response.status_code == status, response.text
     error = response.json()["error"]
     assert set(error) == {"message", "type", "param", "code"} and error["message"]
+    assert "Value error" not in error["message"]  # pydantic's wording stays out of what clients read
     if param is not None:
         assert error["param"] == param
     return error
