@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
 # Rebuild the embedded drafter: the target answers the GSM8K training questions (greedy, the chat
 # template as served), then the drafter is trained on those answers and copied into dflash/assets/drafter.
-# Rounds 1-5 ran against the phase-2 target; phase 4 of the target (trained again on its own answers) and
-# drafter rounds 10-12 for it come last, and are what dflash/assets holds (scripts/embedded/README.md).
+# Rounds 1-5 ran against the phase-2 target; then phase 4 of the target (trained again on its own answers) and
+# drafter rounds 10-12 for it; phase 5 (the same step again) and round 15 come last, and are what dflash/assets
+# holds (scripts/embedded/README.md).
 set -euo pipefail
 cd "$(dirname "$0")/../.."
 mkdir -p runs/embedded
@@ -55,6 +56,16 @@ dflash train --config scripts/embedded/drafter_round11.yaml "$@"
 python scripts/embedded/perturb_questions.py --seed 0 --out runs/embedded/gsm8k_train_perturbed5_prompts.jsonl
 answer "$phase4" runs/embedded/gsm8k_train_perturbed5_prompts.jsonl runs/embedded/gsm8k_train_perturbed5_phase4.jsonl
 dflash train --config scripts/embedded/drafter_round12.yaml "$@"
-cp "$phase4/model.safetensors" dflash/assets/target/
+# phase 5 of the target: the phase-4 target trained again on its own answers that stop and do not loop (the
+# three sets rounds 10-12 were trained on); round 15: round 12 trained for it
+python scripts/embedded/select_own_answers.py runs/embedded/gsm8k_train_phase4.jsonl \
+    runs/embedded/gsm8k_train_perturbed4_phase4.jsonl runs/embedded/gsm8k_train_perturbed5_phase4.jsonl \
+    --out runs/embedded/own_answers_phase4.jsonl
+python scripts/embedded/train_target.py --init-from "$phase4" --extra-train runs/embedded/own_answers_phase4.jsonl \
+    --no-references --asst-only --threads 2 --adaptive-threads --max-tokens 1024 --lr 3e-4 --warmup 50 \
+    --time-budget 900 --save-every 200 --eval-every 400 --ckpt-dir runs/embedded/target_phase5 \
+    --out runs/embedded/target_phase5/export
+dflash train --config scripts/embedded/drafter_round15.yaml "$@"
+cp runs/embedded/target_phase5/export/model.safetensors dflash/assets/target/
 rm -rf dflash/assets/drafter && mkdir -p dflash/assets/drafter
-cp runs/embedded/drafter_round12/config.json runs/embedded/drafter_round12/model.safetensors dflash/assets/drafter/
+cp runs/embedded/drafter_round15/config.json runs/embedded/drafter_round15/model.safetensors dflash/assets/drafter/
