@@ -15,7 +15,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "scripts" / "embedded"))
-from eval_target import repeats  # noqa: E402
+from eval_target import is_loop  # noqa: E402
 
 from dflash.api import DFlash  # noqa: E402
 from dflash.bench.datasets import DataOptions, load_samples  # noqa: E402
@@ -34,12 +34,13 @@ def main() -> None:
     counts = {}
     for target in args.targets:
         pipe = DFlash.from_pretrained(target, no_draft=True)
+        eos = pipe.tokenizer.eos_token_id
         for dataset in args.datasets:
             samples = load_samples(dataset, DataOptions(max_samples=args.max_samples))
             loops = 0
             for sample in samples:
                 out = pipe.generate(sample.turns[0], max_new_tokens=args.max_new_tokens)
-                loops += repeats(out.output_ids, n=10, k=3) or out.finish_reason != "stop"
+                loops += is_loop(out.output_ids, eos, n=10)[0]
             counts[f"{target}/{dataset}"] = loops
             print(f"{target} {dataset}: {loops} of {len(samples)} answers loop", flush=True)
     if args.json:

@@ -12,13 +12,13 @@ Batches are ragged: each row accepts its own number of tokens per step (see `slo
 
 from __future__ import annotations
 
-import numbers
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from typing import Iterator
 
 import torch
 
+from dflash.config_types import type_mismatch
 from dflash.decoding.proposer import NoDraftProposer, PendingContext, Proposer
 from dflash.decoding.sampling import SamplingParams, to_probs
 from dflash.decoding.slots import compaction_index, gather_slots, pad_and_concat
@@ -64,29 +64,11 @@ class GenerationConfig:
         _ = self.sampling  # validates temperature / top_p / top_k
 
     def _check_types(self) -> None:
-        def is_int(v) -> bool:  # numpy and torch integers too
-            return isinstance(v, numbers.Integral) and not isinstance(v, bool)
-
-        def is_number(v) -> bool:
-            return isinstance(v, numbers.Real) and not isinstance(v, bool)
-
-        checks = [
-            ("max_new_tokens", is_int(self.max_new_tokens), "an integer"),
-            ("temperature", is_number(self.temperature), "a number"),
-            ("top_p", is_number(self.top_p), "a number"),
-            ("top_k", is_int(self.top_k), "an integer"),
-            ("seed", self.seed is None or is_int(self.seed), "an integer or None"),
-            ("stop_token_ids", self.stop_token_ids is None
-             or isinstance(self.stop_token_ids, (list, tuple)) and all(map(is_int, self.stop_token_ids)),
-             "a list of token ids or None"),
-            ("stop_strings", isinstance(self.stop_strings, (list, tuple))
-             and all(isinstance(x, str) for x in self.stop_strings), "a string or a list of strings"),
-            ("block_size", self.block_size is None or is_int(self.block_size) or isinstance(self.block_size, str),
-             f"a number of tokens, {AUTO!r} or None"),
-        ]
-        for name, ok, expected in checks:
-            if not ok:
-                raise GenerationError(f"{name} must be {expected}, got {getattr(self, name)!r}")
+        for f in fields(self):
+            value = getattr(self, f.name)
+            expected = type_mismatch(GenerationConfig, f.name, value)
+            if expected:
+                raise GenerationError(f"{f.name} must be {expected}, got {value!r}")
 
     @property
     def sampling(self) -> SamplingParams:

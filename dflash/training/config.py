@@ -2,14 +2,13 @@
 
 from __future__ import annotations
 
-import types
-import typing
 from dataclasses import asdict, dataclass, fields
 from pathlib import Path
 from typing import Any
 
 import yaml
 
+from dflash.config_types import type_mismatch
 from dflash.errors import UserError
 
 ANCHOR_POLICIES = ("uniform", "decoding")
@@ -111,35 +110,9 @@ def load_config(yaml_path: str | None, overrides: dict[str, Any]) -> TrainConfig
     return config
 
 
-def _accepts(kind: Any, value: Any) -> bool:
-    """Whether a YAML value fits a field's annotation (int, float, str, bool, list[...], unions with None)."""
-    if isinstance(kind, types.UnionType) or typing.get_origin(kind) is typing.Union:
-        return any(_accepts(k, value) for k in typing.get_args(kind))
-    if kind is type(None):
-        return value is None
-    if typing.get_origin(kind) is list:
-        (item,) = typing.get_args(kind)
-        if item is str and isinstance(value, str):  # one file for a list of files
-            return True
-        return isinstance(value, list) and all(_accepts(item, v) for v in value)
-    if kind is float:
-        return isinstance(value, (int, float)) and not isinstance(value, bool)
-    if kind is int:
-        return isinstance(value, int) and not isinstance(value, bool)
-    return isinstance(value, kind)
-
 
 def _check_types(values: dict[str, Any], path: Path) -> None:
-    hints = typing.get_type_hints(TrainConfig)
     for name, value in values.items():
-        if name in hints and not _accepts(hints[name], value):
-            raise UserError(f"{path}: `{name}: {value!r}` should be {_describe(hints[name])}")
-
-
-def _describe(kind: Any) -> str:
-    names = {int: "an integer", float: "a number", str: "a string", bool: "true or false", type(None): "null"}
-    if isinstance(kind, types.UnionType) or typing.get_origin(kind) is typing.Union:
-        return " or ".join(_describe(k) for k in typing.get_args(kind))
-    if typing.get_origin(kind) is list:
-        return f"a list of {_describe(typing.get_args(kind)[0]).split(' ', 1)[-1]}s"
-    return names.get(kind, str(kind))
+        expected = type_mismatch(TrainConfig, name, value)
+        if expected:
+            raise UserError(f"{path}: `{name}: {value!r}` should be {expected}")

@@ -257,7 +257,7 @@ def test_yaml_config_and_flag_override(tmp_path, tiny_pair, train_data):
     ("lr: [0.1\n", "not valid YAML"),
     ("lr: fast\n", "`lr: 'fast'` should be a number"),
     ("block_size: 8.5\n", "`block_size: 8.5` should be an integer"),
-    ("target_layer_ids: 3\n", "`target_layer_ids: 3` should be a list of integers or null"),
+    ("target_layer_ids: 3\n", "`target_layer_ids: 3` should be a list of integers or None"),
     ("resume: 1\n", "`resume: 1` should be true or false"),
 ])
 def test_yaml_mistakes_are_user_errors_naming_the_option(tmp_path, text, message):

@@ -1,0 +1,59 @@
+"""Does a value fit a typed configuration field? One check for every dataclass config a user fills in (a YAML
+file, keyword arguments), so a wrong type is a clear error before it fails deep inside a run.
+
+Annotations understood: int, float, str, bool, list[...] (a list or tuple; a bare string for list[str], one item),
+and unions with None. Integers and numbers include numpy / torch scalars; bool is never a number.
+"""
+
+from __future__ import annotations
+
+import functools
+import numbers
+import types
+import typing
+from typing import Any
+
+_NAMES = {int: "an integer", float: "a number", str: "a string", bool: "true or false", type(None): "None"}
+
+
+@functools.cache
+def _hints(cls: type) -> dict[str, Any]:
+    return typing.get_type_hints(cls)
+
+
+def type_mismatch(cls: type, name: str, value: Any) -> str | None:
+    """What field `name` of dataclass `cls` expects, when `value` does not fit it; None when it fits (or `cls`
+    has no such field: unknown names are the caller's to report)."""
+    kind = _hints(cls).get(name)
+    if kind is None or _fits(kind, value):
+        return None
+    return _describe(kind)
+
+
+def _is_union(kind: Any) -> bool:
+    return isinstance(kind, types.UnionType) or typing.get_origin(kind) is typing.Union
+
+
+def _fits(kind: Any, value: Any) -> bool:
+    if _is_union(kind):
+        return any(_fits(k, value) for k in typing.get_args(kind))
+    if typing.get_origin(kind) is list:
+        (item,) = typing.get_args(kind)
+        if item is str and isinstance(value, str):  # one item for a list of strings
+            return True
+        return isinstance(value, (list, tuple)) and all(_fits(item, v) for v in value)
+    if isinstance(value, bool):
+        return kind is bool
+    if kind is int:
+        return isinstance(value, numbers.Integral)
+    if kind is float:
+        return isinstance(value, numbers.Real)
+    return isinstance(value, kind)
+
+
+def _describe(kind: Any) -> str:
+    if _is_union(kind):
+        return " or ".join(_describe(k) for k in typing.get_args(kind))
+    if typing.get_origin(kind) is list:
+        return f"a list of {_describe(typing.get_args(kind)[0]).split(' ', 1)[-1]}s"
+    return _NAMES.get(kind, getattr(kind, "__name__", str(kind)))
