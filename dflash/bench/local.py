@@ -118,14 +118,15 @@ def summarize(dataset: str, num_prompts: int, records: list[TurnRecord], config:
     base = [r.baseline for r in records]
     fast = [r.dflash for r in records]
     steps = [n for out in fast for n in out.stats.acceptance_lengths[1:]]  # verify steps only
+    blocks = [b for out in fast for b in out.stats.block_sizes]
     hist = acceptance_histogram(steps, block_size)
     base_tps, fast_tps = tokens_per_s(base), tokens_per_s(fast)
     greedy = config.temperature == 0
     mismatched = [f"{r.sample_id}#{r.turn}" for r in records if r.baseline.output_ids != r.dflash.output_ids]
     return BenchResult(
         dataset=dataset, backend="local", num_prompts=num_prompts, num_requests=len(records),
-        block_size=block_size, concurrency=1, temperature=config.temperature,
-        max_new_tokens=config.max_new_tokens,
+        block_size=block_size, mean_block_size=sum(blocks) / len(blocks) if blocks else None,
+        concurrency=1, temperature=config.temperature, max_new_tokens=config.max_new_tokens,
         baseline_tokens_per_s=base_tps, dflash_tokens_per_s=fast_tps, speedup=ratio(fast_tps, base_tps),
         mean_acceptance_length=mean_acceptance_length(hist), acceptance_histogram=hist,
         acceptance_rate_per_position=acceptance_rate_per_position(hist),

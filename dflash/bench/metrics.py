@@ -19,7 +19,8 @@ class BenchResult:
     backend: str  # "local" or "server"
     num_prompts: int  # conversations (an mt-bench conversation has two turns)
     num_requests: int  # generations: one per turn
-    block_size: int | str | None = None  # "auto": chosen before every step
+    block_size: int | str | None = None  # the widest block ("auto": chosen before every step); a server: its drafter's
+    mean_block_size: float | None = None  # tokens per verify forward's block (anchor + draft tokens), averaged
     concurrency: int | None = None
     temperature: float = 0.0
     max_new_tokens: int = 0

@@ -20,6 +20,7 @@ Column = tuple[str, Callable[[BenchResult], object], str]
 COLUMNS: list[Column] = [
     ("dataset", lambda r: r.dataset, "{}"),
     ("B", lambda r: r.block_size, "{}"),
+    ("mean B", lambda r: r.mean_block_size, "{:.1f}"),
     ("prompts", lambda r: r.num_prompts, "{}"),
     ("base tok/s", lambda r: r.baseline_tokens_per_s, "{:.1f}"),
     ("DFlash tok/s", lambda r: r.dflash_tokens_per_s, "{:.1f}"),

@@ -96,6 +96,11 @@ class SpecDecodeCounters:
     def mean_acceptance_length(self) -> float | None:
         return 1.0 + self.accepted_tokens / self.drafts if self.drafts > 0 else None
 
+    @property
+    def mean_block_size(self) -> float | None:
+        """Anchor + draft tokens per verified draft: below the drafter's width when the server shrinks blocks."""
+        return 1.0 + self.draft_tokens / self.drafts if self.drafts > 0 else None
+
 
 # ---- Prometheus text ----------------------------------------------------------------------------------
 _SAMPLE = re.compile(r"^([A-Za-z_:][A-Za-z0-9_:]*)(\{(.*)\})?\s+(\S+)")
@@ -347,6 +352,7 @@ def summarize_load(dataset: str, load: LoadResult, base: LoadResult | None, coun
         hist = histogram_from_counters(counters.drafts, counters.accepted_per_pos)
         result.block_size = len(hist) - 1 if counters.accepted_per_pos else None
         result.mean_acceptance_length = counters.mean_acceptance_length
+        result.mean_block_size = counters.mean_block_size
         result.acceptance_histogram = hist if counters.accepted_per_pos else []
         result.acceptance_rate_per_position = acceptance_rate_per_position(hist) if counters.accepted_per_pos else []
     return result

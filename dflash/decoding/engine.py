@@ -82,6 +82,7 @@ class GenerationConfig:
 class GenerationStats:
     prompt_tokens: int = 0
     acceptance_lengths: list[int] = field(default_factory=list)  # tokens per target forward; [0] = prefill's
+    block_sizes: list[int] = field(default_factory=list)  # tokens each verify forward checked (anchor + drafts)
     time_to_first_token_s: float = 0.0
     decode_time_s: float = 0.0  # from the first token to the last
     target_forwards: int = 0
@@ -96,6 +97,11 @@ class GenerationStats:
         """tau: mean tokens per verify forward (decode steps; the prefill's single token is left out)."""
         steps = self.acceptance_lengths[1:]
         return sum(steps) / len(steps) if steps else 0.0
+
+    @property
+    def mean_block_size(self) -> float:
+        """Mean tokens per verify forward's block (the adaptive block size varies it; 1 = a plain step)."""
+        return sum(self.block_sizes) / len(self.block_sizes) if self.block_sizes else 0.0
 
     @property
     def decode_tokens_per_s(self) -> float:
@@ -150,12 +156,15 @@ class Sequence:
     def finished(self) -> bool:
         return self.finish_reason is not None
 
-    def record(self, new_tokens: list[int]) -> list[int]:
-        """Append a forward's new tokens, cut at a stop; returns the tokens kept."""
+    def record(self, new_tokens: list[int], block_size: int | None = None) -> list[int]:
+        """Append a forward's new tokens, cut at a stop; returns the tokens kept. `block_size`: the tokens a
+        verify forward checked (None for the prefill)."""
         decision = self.stop.check(self.output_ids, new_tokens)
         kept = new_tokens[: decision.keep]
         self.output_ids.extend(kept)
         self.stats.acceptance_lengths.append(len(kept))
+        if block_size is not None:
+            self.stats.block_sizes.append(block_size)
         now = time.perf_counter()
         if len(self.stats.acceptance_lengths) == 1:
             self.stats.time_to_first_token_s = now - self.started
@@ -307,7 +316,7 @@ class SpeculativeEngine:
         t2 = time.perf_counter()
         new_tokens = self._verify(draft, out.logits, rows)
         self._commit(batch, new_tokens, out.features, positions, drafted=draft.tokens.shape[1] > 0)
-        kept = [seq.record(tokens) for seq, tokens in zip(rows, new_tokens)]
+        kept = [seq.record(tokens, block.shape[1]) for seq, tokens in zip(rows, new_tokens)]
         self.profile.steps += 1
         self.profile.draft_s += t1 - t0
         self.profile.target_s += t2 - t1

@@ -34,6 +34,7 @@ def test_chat_load_reads_throughput_latency_and_counters(openai_server):
     assert result.mean_acceptance_length == pytest.approx(1 + tally.accepted / tally.drafts)
     assert sum(result.acceptance_histogram) == tally.drafts
     assert result.block_size == len(tally.per_pos) + 1
+    assert result.mean_block_size == pytest.approx(1 + tally.draft_tokens / tally.drafts)
     assert result.acceptance_rate_per_position == pytest.approx([c / tally.drafts for c in tally.per_pos])
     # the model name came from /v1/models; the second mt-bench turn carried the first answer
     requests = server.app.state.requests
@@ -126,6 +127,7 @@ def test_prometheus_parsing_of_vllm_and_dflash_names():
     assert counters.drafts == 20 and counters.accepted_tokens == 30 and counters.draft_tokens == 60
     assert counters.accepted_per_pos == [16, 10, 4]
     assert counters.mean_acceptance_length == pytest.approx(2.5)
+    assert counters.mean_block_size == pytest.approx(4.0)  # 60 draft tokens over 20 drafts, plus the anchor
     # 4 drafts accepted nothing, 6 one token, 6 two, 4 all three -> lengths 1, 2, 3, 4
     assert histogram_from_counters(counters.drafts, counters.accepted_per_pos) == [0, 4, 6, 6, 4]
     assert spec_decode_counters("dflash:spec_decode_num_drafts 4\n").drafts == 4

@@ -205,6 +205,10 @@ def test_generate_with_auto_block_size_is_lossless_and_uses_several_sizes(target
     policy = engine._block_policy
     assert policy is not None and set(policy.costs.block_sizes) == set(candidate_block_sizes(block))
     assert chosen and set(chosen) <= set(candidate_block_sizes(block))
+    for out in outputs:  # each verify step records the block it checked
+        assert len(out.stats.block_sizes) == len(out.stats.acceptance_lengths) - 1
+        assert set(out.stats.block_sizes) <= set(chosen)
+        assert all(n <= b for n, b in zip(out.stats.acceptance_lengths[1:], out.stats.block_sizes))
     assert sum(policy.acceptance.tried) > 0  # it learned from the steps it chose
     streamed = [t for piece in engine.stream(prompts[0], config) for t in piece]
     assert streamed == refs[tuple(prompts[0])]
