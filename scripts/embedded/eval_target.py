@@ -14,7 +14,10 @@ Reports
   (c) share of responses that end with a boxed answer ("...\\boxed{X}." then EOS), and the
       accuracy (boxed X equals the GSM8K reference number);
   (d) confidence: the mean probability the target gives each token of its own greedy answers, the
-      figure a drafter's acceptance follows (a drafter can only match the choices the target is sure of).
+      figure a drafter's acceptance follows (a drafter can only match the choices the target is sure of);
+  (e) repetition by criteria no training step uses (phase 6 trains against the calibrated one, so it
+      needs a check it was not fitted to): an 8-gram 3+ times, a 15-gram twice, a line twice; each also
+      on the references.
 Prints 3 sample answers.
 
 Usage: python scripts/embedded/eval_target.py [--model dflash/assets/target] [--n 100]
@@ -30,6 +33,7 @@ import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+from loops import repeats  # noqa: E402
 from prepare_data import final_number, format_question, load_chats, load_split  # noqa: E402
 from train_target import encode_chats, eval_loss  # noqa: E402
 
@@ -43,10 +47,18 @@ def is_loop(gen_ids, eos_id, n=6, k=3):
     return repeats(gen_ids[: gen_ids.index(eos_id)], n, k), "ngram"
 
 
-def repeats(body, n, k):
-    """Whether some n-gram of `body` occurs k or more times."""
-    grams = Counter(tuple(body[i : i + n]) for i in range(len(body) - n + 1))
-    return bool(grams) and max(grams.values()) >= k
+def line_repeats(text):
+    """Whether a non-empty line occurs twice (a restated step)."""
+    lines = [line.strip() for line in text.splitlines() if line.strip()]
+    return len(set(lines)) < len(lines)
+
+
+# (e): name -> (token ids of the answer before EOS, its text) -> bool
+OTHER_CRITERIA = {
+    "an 8-gram 3+ times": lambda ids, text: repeats(ids, 8, 3),
+    "a 15-gram twice": lambda ids, text: repeats(ids, 15, 2),
+    "a line twice": lambda ids, text: line_repeats(text),
+}
 
 
 def to_num(s):
@@ -85,6 +97,7 @@ def main():
         print(f"reference answers with a {n_gram}-gram 3+ times: {flagged}/{len(refs)} = {flagged/len(refs):.1%}")
     loops, why, boxed, correct, samples, n_tok = 0, Counter(), 0, 0, [], 0
     loops10, top1 = 0, 0.0
+    other = Counter()
     t0 = time.time()
     for row in rows:
         msgs = [{"role": "user", "content": format_question(row["question"])}]
@@ -100,6 +113,8 @@ def main():
         loop, reason = is_loop(gen, eos)
         loops10 += is_loop(gen, eos, n=10)[0]
         text = tok.decode(gen, skip_special_tokens=True)
+        body = gen[: gen.index(eos)] if eos in gen else gen
+        other.update(name for name, hit in OTHER_CRITERIA.items() if hit(body, text))
         m = BOXED_END.search(text)
         has_box = m is not None and (eos in gen)
         ok = False
@@ -119,6 +134,10 @@ def main():
     print(f"(b) loop share, calibrated (10-gram): {loops10}/{n} = {loops10/n:.1%}")
     print(f"(c) ends with boxed answer + EOS: {boxed}/{n} = {boxed/n:.1%};  accuracy: {correct}/{n} = {correct/n:.1%}")
     print(f"(d) confidence: mean probability of its own greedy tokens {top1 / n_tok:.3f}")
+    ref_texts = [chat[-1]["content"] for chat in load_chats("test")]
+    for name, hit in OTHER_CRITERIA.items():
+        on_refs = sum(hit(ids, text) for ids, text in zip(refs, ref_texts))
+        print(f"(e) {name}: {other[name]}/{n} = {other[name]/n:.1%}  (references: {on_refs/len(refs):.1%})")
     print(f"generation: {n_tok} tokens in {dt:.0f}s ({n_tok/dt:.1f} tok/s, HF generate, batch 1)")
     for q, a, ref, loop, ok in samples:
         print("=" * 70)

@@ -15,7 +15,8 @@ from collections import Counter
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from eval_target import BOXED_END, repeats  # noqa: E402
+from eval_target import BOXED_END  # noqa: E402
+from loops import repeats  # noqa: E402
 
 
 def verdict(row: dict) -> str:

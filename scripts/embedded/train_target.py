@@ -34,6 +34,7 @@ import torch
 from transformers import AutoTokenizer, GenerationConfig, Qwen3Config, Qwen3ForCausalLM
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+from loops import looping_positions  # noqa: E402
 from prepare_data import load_chats, to_messages  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -118,6 +119,41 @@ def collate(examples, batch, pad_id, asst_only):
     return ids, attn, labels
 
 
+def encode_loops(rows, max_len, n=10, k=3):
+    """(ids, penalized positions) for the target's own looping answers (`dflash datagen` rows): the positions
+    of the k-th and later occurrences of a repeated n-gram, the text the loop criterion of eval_target.py
+    counts. Rows without such a repeat are left out."""
+    out = []
+    for row in rows:
+        prompt, response = row["prompt_ids"], row["response_ids"]
+        loop = [len(prompt) + i for i in looping_positions(response, n, k)]
+        ids = (prompt + response)[:max_len]
+        loop = [i for i in loop if i < len(ids)]
+        if loop:
+            out.append((ids, loop))
+    return out
+
+
+def unlikelihood_loss(model, loops, batch, pad_id):
+    """Mean of -log(1 - p(token)) over the penalized tokens of a batch of looping answers: pushes down the
+    probability of continuing a loop, in the context the target itself produced (Welleck et al., 2019)."""
+    L = max(len(loops[i][0]) for i in batch)
+    ids = torch.full((len(batch), L), pad_id, dtype=torch.long)
+    attn = torch.zeros((len(batch), L), dtype=torch.long)
+    rows, cols = [], []
+    for r, i in enumerate(batch):
+        seq, loop = loops[i]
+        ids[r, : len(seq)] = torch.tensor(seq)
+        attn[r, : len(seq)] = 1
+        rows += [r] * len(loop)
+        cols += loop
+    rows_t, cols_t = torch.tensor(rows), torch.tensor(cols)
+    logits = model(input_ids=ids, attention_mask=attn).logits  # (b, L, vocab)
+    logp = torch.log_softmax(logits[rows_t, cols_t - 1].float(), dim=-1)  # (n, vocab): predicts position col
+    p = logp.gather(1, ids[rows_t, cols_t][:, None]).squeeze(1).exp()  # (n,)
+    return -torch.log1p(-p.clamp(max=1 - 1e-5)).mean()
+
+
 @torch.no_grad()
 def eval_loss(model, examples, pad_id, max_tokens=8192):
     """Mean token loss on assistant tokens (answer + EOS)."""
@@ -196,6 +232,11 @@ def main():
                     "chats ({messages}; e.g. select_own_answers.py output)")
     ap.add_argument("--no-references", action="store_true",
                     help="train on --extra-train only, without the GSM8K reference solutions")
+    ap.add_argument("--unlikely", nargs="*", default=[],
+                    help="`dflash datagen` output of this target: its answers that loop (a 10-gram 3+ times) "
+                    "add an unlikelihood term on the looping tokens (the others are ignored)")
+    ap.add_argument("--unlikely-weight", type=float, default=1.0)
+    ap.add_argument("--unlikely-every", type=int, default=2, help="add the unlikelihood term every N steps")
     ap.add_argument("--init-from", default="", help="start a new phase (fresh optimizer and schedule) from "
                     "the weights of a checkpoint .pt written by this script or of an exported model directory")
     args = ap.parse_args()
@@ -215,6 +256,11 @@ def main():
         sys.exit("no training chats: give --extra-train files, or drop --no-references")
     train = encode_chats(tok, chats, args.max_len)
     val = encode_chats(tok, load_chats("test"), args.max_len)
+    loops = encode_loops([json.loads(line) for path in args.unlikely for line in open(path) if line.strip()],
+                         args.max_len)
+    if loops:
+        print(f"unlikelihood on {len(loops)} looping answers, {sum(len(p) for _, p in loops)} tokens", flush=True)
+    loop_batches = []
     val_sub = random.Random(1).sample(val, 200)
     n_tok = sum(len(s) for s, _ in train)
     print(f"train {len(train)} chats / {n_tok} tokens, val {len(val)}", flush=True)
@@ -262,6 +308,7 @@ def main():
     batches = []
     t_start = time.time()
     log_loss, log_n = 0.0, 0
+    log_ul, log_ul_n = 0.0, 0
     while (step < total) if args.steps else (train_time < args.time_budget):
         if not batches:
             batches = make_batches(train, args.max_tokens, rng=rng)
@@ -278,7 +325,17 @@ def main():
         t0 = time.time()
         with torch.autocast("cpu", dtype=torch.bfloat16, enabled=args.bf16):
             loss = model(input_ids=ids, attention_mask=attn, labels=labels).loss
-        loss.backward()
+            total_loss, step_tokens = loss, int(attn.sum())
+            if loops and step % args.unlikely_every == 0:
+                if not loop_batches:
+                    loop_batches = make_batches(loops, args.max_tokens, rng=rng)
+                loop_batch = loop_batches.pop()
+                step_tokens += sum(len(loops[i][0]) for i in loop_batch)
+                ul = unlikelihood_loss(model, loops, loop_batch, tok.pad_token_id)
+                log_ul += ul.item()
+                log_ul_n += 1
+                total_loss = loss + args.unlikely_weight * ul
+        total_loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         opt.step()
         opt.zero_grad(set_to_none=True)
@@ -288,7 +345,7 @@ def main():
         if args.adaptive_threads:
             # On a shared 2-core box, 2 OpenMP threads are ~1.5x faster when the other core is
             # free but many times slower when it is busy (barrier stalls). Probe and switch.
-            spt = dt / int(attn.sum())
+            spt = dt / step_tokens  # per token forwarded, the unlikelihood batch's too
             cur = torch.get_num_threads()
             prev = spt_ema.get(cur)
             if cur == 2 and spt_ema.get(1) and spt > 0.9 * spt_ema[1]:
@@ -314,8 +371,10 @@ def main():
         if step % 20 == 0:
             el = time.time() - t_start
             print(f"step {step}/{total} ep {epoch} loss {log_loss/log_n:.4f} lr {lr:.2e} "
-                  f"tok/s {seen_tokens/max(train_time,1e-9):.0f} elapsed {el:.0f}s", flush=True)
+                  f"tok/s {seen_tokens/max(train_time,1e-9):.0f} elapsed {el:.0f}s"
+                  + (f" unlikelihood {log_ul/log_ul_n:.4f}" if log_ul_n else ""), flush=True)
             log_loss, log_n = 0.0, 0
+            log_ul, log_ul_n = 0.0, 0
         if step % args.eval_every == 0:
             print(f"step {step} val_loss(asst, 200 test) {eval_loss(model, val_sub, tok.pad_token_id):.4f}", flush=True)
         if step % args.save_every == 0:
