@@ -63,6 +63,7 @@ def test_speculative_greedy_is_lossless(target, references, block_size, drafting
         assert sum(out.stats.acceptance_lengths) == len(out.output_ids) == MAX_NEW
         assert max(out.stats.acceptance_lengths) <= block_size
         assert out.stats.block_sizes == [block_size] * (len(out.stats.acceptance_lengths) - 1)
+        assert out.stats.mean_block_size == block_size
     taus = [o.stats.mean_acceptance_length for o in batch]
     if drafting == "oracle":  # whole blocks accepted, except where max_new_tokens cuts the last one
         assert all(t > block_size - 1 for t in taus), taus
