@@ -84,14 +84,16 @@ def main():
     print(f"loaded {args.model}: dtype {next(model.parameters()).dtype}, "
           f"{sum(p.numel() for p in model.parameters())/1e6:.2f}M params", flush=True)
     eos = tok.eos_token_id
+    test_chats = load_chats("test")
 
     if not args.skip_loss:
-        val = encode_chats(tok, load_chats("test"), 400)
+        val = encode_chats(tok, test_chats, 400)
         print(f"(a) val loss (assistant tokens, {len(val)} test chats): {eval_loss(model, val, tok.pad_token_id):.4f}",
               flush=True)
 
     rows = load_split("test")[: args.n]
-    refs = [tok(chat[-1]["content"], add_special_tokens=False)["input_ids"] for chat in load_chats("test")]
+    ref_texts = [chat[-1]["content"] for chat in test_chats]
+    refs = [tok(text, add_special_tokens=False)["input_ids"] for text in ref_texts]
     for n_gram in (6, 10):
         flagged = sum(repeats(r, n_gram, 3) for r in refs)
         print(f"reference answers with a {n_gram}-gram 3+ times: {flagged}/{len(refs)} = {flagged/len(refs):.1%}")
@@ -134,7 +136,6 @@ def main():
     print(f"(b) loop share, calibrated (10-gram): {loops10}/{n} = {loops10/n:.1%}")
     print(f"(c) ends with boxed answer + EOS: {boxed}/{n} = {boxed/n:.1%};  accuracy: {correct}/{n} = {correct/n:.1%}")
     print(f"(d) confidence: mean probability of its own greedy tokens {top1 / n_tok:.3f}")
-    ref_texts = [chat[-1]["content"] for chat in load_chats("test")]
     for name, hit in OTHER_CRITERIA.items():
         on_refs = sum(hit(ids, text) for ids, text in zip(refs, ref_texts))
         print(f"(e) {name}: {other[name]}/{n} = {other[name]/n:.1%}  (references: {on_refs/len(refs):.1%})")

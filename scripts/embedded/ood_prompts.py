@@ -43,7 +43,8 @@ def prompt(rng: random.Random) -> str:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--n", type=int, default=800)
+    ap.add_argument("--n", type=int, default=800, help="prompts drawn; duplicates are dropped (the templates "
+                    "make 187 distinct ones at --n 1500)")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--out", required=True)
     args = ap.parse_args()

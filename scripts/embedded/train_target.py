@@ -103,15 +103,22 @@ def make_batches(examples, max_tokens, shuffle=True, rng=None):
     return batches
 
 
-def collate(examples, batch, pad_id, asst_only):
-    L = max(len(examples[i][0]) for i in batch)
-    ids = torch.full((len(batch), L), pad_id, dtype=torch.long)
-    labels = torch.full((len(batch), L), -100, dtype=torch.long)
-    attn = torch.zeros((len(batch), L), dtype=torch.long)
-    for r, i in enumerate(batch):
-        seq, plen = examples[i]
+def pad(seqs, pad_id):
+    """Right-padded ids (b, L) and their attention mask (b, L)."""
+    L = max(len(seq) for seq in seqs)
+    ids = torch.full((len(seqs), L), pad_id, dtype=torch.long)
+    attn = torch.zeros((len(seqs), L), dtype=torch.long)
+    for r, seq in enumerate(seqs):
         ids[r, : len(seq)] = torch.tensor(seq)
         attn[r, : len(seq)] = 1
+    return ids, attn
+
+
+def collate(examples, batch, pad_id, asst_only):
+    ids, attn = pad([examples[i][0] for i in batch], pad_id)
+    labels = torch.full_like(ids, -100)
+    for r, i in enumerate(batch):
+        seq, plen = examples[i]
         lab = torch.tensor(seq)
         if asst_only:
             lab[:plen] = -100
@@ -137,16 +144,9 @@ def encode_loops(rows, max_len, n=10, k=3):
 def unlikelihood_loss(model, loops, batch, pad_id):
     """Mean of -log(1 - p(token)) over the penalized tokens of a batch of looping answers: pushes down the
     probability of continuing a loop, in the context the target itself produced (Welleck et al., 2019)."""
-    L = max(len(loops[i][0]) for i in batch)
-    ids = torch.full((len(batch), L), pad_id, dtype=torch.long)
-    attn = torch.zeros((len(batch), L), dtype=torch.long)
-    rows, cols = [], []
-    for r, i in enumerate(batch):
-        seq, loop = loops[i]
-        ids[r, : len(seq)] = torch.tensor(seq)
-        attn[r, : len(seq)] = 1
-        rows += [r] * len(loop)
-        cols += loop
+    ids, attn = pad([loops[i][0] for i in batch], pad_id)
+    rows = [r for r, i in enumerate(batch) for _ in loops[i][1]]
+    cols = [c for i in batch for c in loops[i][1]]
     rows_t, cols_t = torch.tensor(rows), torch.tensor(cols)
     logits = model(input_ids=ids, attention_mask=attn).logits  # (b, L, vocab)
     logp = torch.log_softmax(logits[rows_t, cols_t - 1].float(), dim=-1)  # (n, vocab): predicts position col
