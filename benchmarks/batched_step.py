@@ -70,13 +70,14 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--profile", help="ROWSxBLOCK, e.g. 8x2 (block 1 = plain)")
     parser.add_argument("--keep-layout", action="store_true", help="keep row-major weights (no layout choice)")
+    parser.add_argument("--dtype", default="float32", help="float32 or bfloat16 (both models)")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     if args.keep_layout:
         import dflash.api
 
         dflash.api.use_fast_layout = lambda modules: 0
-    pipe = DFlash.from_pretrained(args.target, args.draft)
+    pipe = DFlash.from_pretrained(args.target, args.draft, dtype=args.dtype)
     engine = pipe.engine
 
     def proposer_for(block: int):
@@ -92,7 +93,7 @@ def main() -> None:
         for block in blocks:
             ms = step_time_ms(engine, proposer_for(block), rows, args.context, args.repeats)
             print(json.dumps({"rows": rows, "block_size": block, "context": args.context, "step_ms": round(ms, 2),
-                              "threads": args.threads}), flush=True)
+                              "threads": args.threads, "dtype": args.dtype}), flush=True)
 
 
 if __name__ == "__main__":
