@@ -2,8 +2,8 @@
 # Rebuild the embedded drafter: the target answers the GSM8K training questions (greedy, the chat
 # template as served), then the drafter is trained on those answers and copied into dflash/assets/drafter.
 # Rounds 1-5 ran against the phase-2 target; then phase 4 of the target (trained again on its own answers) and
-# drafter rounds 10-12 for it; phase 5 (the same step again) and round 15 come last, and are what dflash/assets
-# holds (scripts/embedded/README.md).
+# drafter rounds 10-12 for it; phase 5 (the same step again) and round 15; phase 6c (against its own loops) and
+# round 17 come last, and are what dflash/assets holds (scripts/embedded/README.md).
 set -euo pipefail
 cd "$(dirname "$0")/../.."
 mkdir -p runs/embedded
@@ -66,6 +66,27 @@ python scripts/embedded/train_target.py --init-from "$phase4" --extra-train runs
     --time-budget 900 --save-every 200 --eval-every 400 --ckpt-dir runs/embedded/target_phase5 \
     --out runs/embedded/target_phase5/export
 dflash train --config scripts/embedded/drafter_round15.yaml "$@"
-cp runs/embedded/target_phase5/export/model.safetensors dflash/assets/target/
+# phase 6c of the target: phase 5 trained again on its own answers that do not loop and on its answers to template
+# prompts (code-holding ones among them), with an unlikelihood term on the looping tokens of its answers that loop;
+# round 17: round 15 trained for it on its own answers
+phase5=runs/embedded/target_phase5/export
+answer "$phase5" scripts/embedded/data/gsm8k_train.jsonl runs/embedded/gsm8k_train_phase5.jsonl
+python scripts/embedded/ood_prompts.py --n 2000 --seed 0 --out runs/embedded/ood_prompts2.jsonl
+dflash datagen --target "$phase5" --prompts runs/embedded/ood_prompts2.jsonl --output runs/embedded/ood2_phase5.jsonl \
+    --max-new-tokens 256 --batch-size 32
+python scripts/embedded/select_own_answers.py runs/embedded/gsm8k_train_phase5.jsonl --out runs/embedded/own_answers_phase5.jsonl
+python scripts/embedded/select_own_answers.py runs/embedded/ood2_phase5.jsonl --out runs/embedded/ood2_own_phase5.jsonl
+ood=runs/embedded/ood2_own_phase5.jsonl
+python scripts/embedded/train_target.py --init-from "$phase5" \
+    --extra-train runs/embedded/own_answers_phase5.jsonl "$ood" "$ood" "$ood" \
+    --unlikely runs/embedded/gsm8k_train_phase5.jsonl runs/embedded/ood2_phase5.jsonl \
+    --no-references --asst-only --threads 2 --adaptive-threads --max-tokens 1024 --lr 2e-4 --warmup 50 \
+    --time-budget 900 --save-every 200 --eval-every 400 --ckpt-dir runs/embedded/target_phase6c \
+    --out runs/embedded/target_phase6c/export
+phase6c=runs/embedded/target_phase6c/export
+answer "$phase6c" scripts/embedded/data/gsm8k_train.jsonl runs/embedded/gsm8k_train_phase6c.jsonl
+answer "$phase6c" runs/embedded/gsm8k_train_perturbed5_prompts.jsonl runs/embedded/gsm8k_train_perturbed5_phase6c.jsonl
+dflash train --config scripts/embedded/drafter_round17.yaml "$@"
+cp "$phase6c/model.safetensors" dflash/assets/target/
 rm -rf dflash/assets/drafter && mkdir -p dflash/assets/drafter
-cp runs/embedded/drafter_round15/config.json runs/embedded/drafter_round15/model.safetensors dflash/assets/drafter/
+cp runs/embedded/drafter_round17/config.json runs/embedded/drafter_round17/model.safetensors dflash/assets/drafter/
