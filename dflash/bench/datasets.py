@@ -61,15 +61,23 @@ def _math500(record: dict) -> tuple[str, ...]:
     return (record["problem"] + MATH_SUFFIX,)
 
 
+def humaneval_prompt(code: str) -> str:
+    """HumanEval's usual prompt: the function stub (signature and docstring) in a fenced block."""
+    return CODE_PREFIX + code + "\n```"
+
+
+def mbpp_prompt(task: str, tests: list[str]) -> str:
+    """MBPP's usual prompt: the task, then the assert lines the solution must pass."""
+    return (f"You are an expert Python programmer, and here is your task: {task} "
+            "Your code should pass these tests:\n\n" + "\n".join(tests))
+
+
 def _humaneval(record: dict) -> tuple[str, ...]:
-    return (CODE_PREFIX + record["prompt"] + "\n```",)
+    return (humaneval_prompt(record["prompt"]),)
 
 
 def _mbpp(record: dict) -> tuple[str, ...]:
-    task = record.get("prompt") or record.get("text")
-    tests = "\n".join(record["test_list"])
-    return (f"You are an expert Python programmer, and here is your task: {task} "
-            f"Your code should pass these tests:\n\n{tests}",)
+    return (mbpp_prompt(record.get("prompt") or record.get("text"), record["test_list"]),)
 
 
 def _mt_bench(record: dict) -> tuple[str, ...]:

@@ -2,10 +2,10 @@
 
 Phase 6 of the target (unlikelihood against its own GSM8K loops) fell into one-token loops on code prompts it
 had never been trained near; the target's own answers to these prompts, kept in its likelihood data, anchor its
-behaviour there (scripts/embedded/README.md). Three in four are short one-line requests; one in four is a long
-prompt holding code, in the two forms the bench gives code tasks (a fenced function stub with doctests, a task
-with assert lines), since the collapse followed that form. One JSON object per line with a `prompt`, for
-`dflash datagen`.
+behaviour there (scripts/embedded/README.md). A quarter of the draws are long prompts holding code, in the two
+forms the bench gives code tasks (a fenced function stub with doctests, a task with assert lines), since the
+collapse followed that form; the rest are short one-line requests, which repeat, so the code prompts are most of
+the distinct ones (541 of 724 at --n 2000). One JSON object per line with a `prompt`, for `dflash datagen`.
 
     python scripts/embedded/ood_prompts.py --n 2000 --seed 0 --out runs/embedded/ood_prompts.jsonl
 """
@@ -13,7 +13,7 @@ import argparse
 import json
 import random
 
-from dflash.bench.datasets import CODE_PREFIX
+from dflash.bench.datasets import humaneval_prompt, mbpp_prompt
 
 FUNCTIONS = ["sum", "maximum", "minimum", "average", "product", "number of even values", "second largest value",
              "sorted copy", "reverse", "number of distinct values", "running total", "median", "last element"]
@@ -61,10 +61,8 @@ def code_prompt(rng: random.Random) -> str:
         doctests = "".join(f"    >>> {name}({xs})\n    {fn(xs)}\n" for xs in cases)
         stub = (f"from typing import List\n\n\ndef {name}(numbers: List[int]):\n    \"\"\" Given a list of "
                 f"integers, {what}.\n{doctests}    \"\"\"\n")
-        return CODE_PREFIX + stub + "\n```"
-    tests = "\n".join(f"assert {name}({xs}) == {fn(xs)}" for xs in cases)
-    return (f"You are an expert Python programmer, and here is your task: Write a function to {what}. "
-            f"Your code should pass these tests:\n\n{tests}")
+        return humaneval_prompt(stub)
+    return mbpp_prompt(f"Write a function to {what}.", [f"assert {name}({xs}) == {fn(xs)}" for xs in cases])
 
 
 def prompt(rng: random.Random) -> str:
