@@ -1,5 +1,5 @@
 """How often targets loop on the code prompts (HumanEval, MBPP): the share of greedy answers in which some 10-token
-sequence occurs 3+ times or that never stop (the calibrated loop criterion of `scripts/embedded/eval_target.py`).
+sequence occurs 3+ times or that never stop (the calibrated loop criterion, `scripts/embedded/loops.py`).
 
     python benchmarks/code_prompt_loops.py --targets DIR [DIR ...] [--max-samples 20] [--max-new-tokens 256]
         [--json FILE]
@@ -15,7 +15,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "scripts" / "embedded"))
-from eval_target import is_loop  # noqa: E402
+from loops import is_loop  # noqa: E402
 
 from dflash.api import DFlash  # noqa: E402
 from dflash.bench.datasets import DataOptions, load_samples  # noqa: E402
@@ -40,7 +40,7 @@ def main() -> None:
             loops = 0
             for sample in samples:
                 out = pipe.generate(sample.turns[0], max_new_tokens=args.max_new_tokens)
-                loops += is_loop(out.output_ids, eos, n=10)[0]
+                loops += is_loop(out.output_ids, eos)[0]
             counts[f"{target}/{dataset}"] = loops
             print(f"{target} {dataset}: {loops} of {len(samples)} answers loop", flush=True)
     if args.json:

@@ -2,7 +2,7 @@
 
 Repetition is easy to draft, so a looping target can inflate tau. This script decodes GSM8K test questions
 greedily with a pair and splits the verify steps by whether their answer loops (the calibrated criterion of
-`scripts/embedded/eval_target.py`: a 10-token sequence 3+ times, or no EOS), printing the steps and tau of each
+`scripts/embedded/loops.py`: a 10-token sequence 3+ times, or no EOS), printing the steps and tau of each
 part as one JSON object.
 
     python benchmarks/tau_by_loops.py [--target DIR --draft DIR] [--max-samples 200] [--block-size 16] [--json FILE]
@@ -18,7 +18,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "scripts" / "embedded"))
-from eval_target import is_loop  # noqa: E402
+from loops import is_loop  # noqa: E402
 
 from dflash.api import DFlash  # noqa: E402
 from dflash.bench.datasets import DataOptions, load_samples  # noqa: E402
@@ -46,7 +46,7 @@ def main() -> None:
     answers = {True: 0, False: 0}
     for sample in load_samples(args.dataset, DataOptions(max_samples=args.max_samples)):
         out = pipe.generate(sample.turns[0], max_new_tokens=args.max_new_tokens, block_size=args.block_size)
-        loops = bool(is_loop(out.output_ids, eos, n=10)[0])
+        loops = bool(is_loop(out.output_ids, eos)[0])
         answers[loops] += 1
         steps[loops] += out.stats.acceptance_lengths[1:]  # entry 0 is the prefill's token, not a verify step
     result = {"dataset": args.dataset, "block_size": args.block_size,

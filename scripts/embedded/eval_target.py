@@ -33,18 +33,12 @@ import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from loops import repeats  # noqa: E402
+from loops import is_loop, repeats  # noqa: E402
 from prepare_data import final_number, format_question, load_chats, load_split  # noqa: E402
 from train_target import encode_chats, eval_loss  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[2]
 BOXED_END = re.compile(r"\\boxed\{([^{}]*)\}\.?\s*$")
-
-
-def is_loop(gen_ids, eos_id, n=6, k=3):
-    if eos_id not in gen_ids:
-        return True, "no-eos"
-    return repeats(gen_ids[: gen_ids.index(eos_id)], n, k), "ngram"
 
 
 def line_repeats(text):
@@ -112,8 +106,8 @@ def main():
         gen = out.sequences[0, ids["input_ids"].shape[1]:].tolist()
         top1 += sum(float(torch.softmax(step[0].float(), -1).max()) for step in out.scores)
         n_tok += len(gen)
-        loop, reason = is_loop(gen, eos)
-        loops10 += is_loop(gen, eos, n=10)[0]
+        loop, reason = is_loop(gen, eos, n=6)  # strict
+        loops10 += is_loop(gen, eos)[0]  # calibrated
         text = tok.decode(gen, skip_special_tokens=True)
         body = gen[: gen.index(eos)] if eos in gen else gen
         other.update(name for name, hit in OTHER_CRITERIA.items() if hit(body, text))

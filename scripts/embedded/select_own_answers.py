@@ -16,15 +16,15 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from eval_target import BOXED_END  # noqa: E402
-from loops import repeats  # noqa: E402
+from loops import K, N, repeats  # noqa: E402
 
 
 def verdict(row: dict) -> str:
     """'keep', or why the answer is left out."""
     if row.get("finish_reason") != "stop":
         return "no EOS"
-    if repeats(row["response_ids"], n=10, k=3):
-        return "a 10-gram occurs 3+ times"
+    if repeats(row["response_ids"], N, K):
+        return f"a {N}-gram occurs {K}+ times"
     if not BOXED_END.search(row["messages"][-1]["content"]):
         return "no boxed answer at the end"
     return "keep"

@@ -34,7 +34,7 @@ import torch
 from transformers import AutoTokenizer, GenerationConfig, Qwen3Config, Qwen3ForCausalLM
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from loops import looping_positions  # noqa: E402
+from loops import K, N, looping_positions  # noqa: E402
 from prepare_data import load_chats, to_messages  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -126,7 +126,7 @@ def collate(examples, batch, pad_id, asst_only):
     return ids, attn, labels
 
 
-def encode_loops(rows, max_len, n=10, k=3):
+def encode_loops(rows, max_len, n=N, k=K):
     """(ids, penalized positions) for the target's own looping answers (`dflash datagen` rows): the positions
     of the k-th and later occurrences of a repeated n-gram, the text the loop criterion of eval_target.py
     counts. Rows without such a repeat are left out."""
