@@ -20,10 +20,10 @@ import torch
 
 from dflash.config_types import type_mismatch
 from dflash.decoding.proposer import NoDraftProposer, PendingContext, Proposer
-from dflash.decoding.sampling import SamplingParams, to_probs
+from dflash.decoding.sampling import PositionNoise, SamplingParams, to_probs
 from dflash.decoding.slots import compaction_index, gather_slots, pad_and_concat
 from dflash.decoding.stopping import StopChecker
-from dflash.decoding.verify import greedy_verify, rejection_sample, sample_target_only
+from dflash.decoding.verify import greedy_verify, matching_prefix, rejection_sample, sample_target_only
 from dflash.errors import UserError
 from dflash.model import hf_compat
 from dflash.model.target import TargetModel
@@ -140,13 +140,13 @@ class Sequence:
         self.config = config
         self.params = config.sampling
         self.stop = stop
-        self.generator = None
-        if not self.params.greedy:
+        self.generator = None  # rejection sampling's, for sampling without a seed
+        self.noise = None  # with a seed: each position's own noise, so the text does not depend on drafting
+        if not self.params.greedy and config.seed is not None:
+            self.noise = PositionNoise(config.seed, device)
+        elif not self.params.greedy:
             self.generator = torch.Generator(device=device)  # on the device that samples
-            if config.seed is not None:
-                self.generator.manual_seed(config.seed)
-            else:
-                self.generator.seed()  # a fresh non-deterministic seed, leaving torch's global RNG alone
+            self.generator.seed()  # a fresh non-deterministic seed, leaving torch's global RNG alone
         self.output_ids: list[int] = []
         self.finish_reason: str | None = None
         self.stats = GenerationStats(prompt_tokens=len(prompt_ids))
@@ -261,7 +261,10 @@ class SpeculativeEngine:
     def prefill(self, seq: Sequence, proposer: Proposer | None = None) -> Batch:
         """Run the prompt through the target alone; its first token becomes the first anchor."""
         batch, logits = self._read(seq, seq.prompt_ids, proposer or self.proposer)  # logits (vocab,)
-        first = sample_target_only(logits, seq.params, seq.generator)
+        if seq.noise is not None:
+            first = int(seq.noise.choose(to_probs(logits[None], seq.params), len(seq.prompt_ids))[0])
+        else:
+            first = sample_target_only(logits, seq.params, seq.generator)
         seq.record([first])
         batch.anchors = torch.tensor([first], device=batch.anchors.device)
         return batch
@@ -314,7 +317,7 @@ class SpeculativeEngine:
         out = self.target.forward(block, positions, batch.target_cache, attention_mask=mask,
                                   feature_layer_ids=batch.proposer.feature_layer_ids)
         t2 = time.perf_counter()
-        new_tokens = self._verify(draft, out.logits, rows)
+        new_tokens = self._verify(draft, out.logits, rows, batch.anchor_positions)
         self._commit(batch, new_tokens, out.features, positions, drafted=draft.tokens.shape[1] > 0)
         kept = [seq.record(tokens, block.shape[1]) for seq, tokens in zip(rows, new_tokens)]
         self.profile.steps += 1
@@ -323,8 +326,10 @@ class SpeculativeEngine:
         self.profile.total_s += time.perf_counter() - t0
         return kept
 
-    def _verify(self, draft, target_logits: torch.Tensor, rows: list[Sequence]) -> list[list[int]]:
-        """Each row's new tokens: its accepted draft tokens plus one recovered or bonus token."""
+    def _verify(self, draft, target_logits: torch.Tensor, rows: list[Sequence],
+                anchor_positions: torch.Tensor) -> list[list[int]]:
+        """Each row's new tokens: its accepted draft tokens plus one recovered or bonus token.
+        target_logits (b, k + 1, vocab); anchor_positions (b,)."""
         if all(s.params.greedy for s in rows):
             num_accepted, target_tokens = greedy_verify(draft.tokens, target_logits)
             counts, tokens = num_accepted.tolist(), target_tokens.tolist()  # the step's one host sync
@@ -334,6 +339,11 @@ class SpeculativeEngine:
             if seq.params.greedy:
                 n, t = greedy_verify(draft.tokens[r : r + 1], target_logits[r : r + 1])
                 new_tokens.append(t[0, : int(n) + 1].tolist())
+            elif seq.noise is not None:  # the target's own tokens at these positions, then as greedy
+                p = to_probs(target_logits[r], seq.params)  # (k + 1, vocab)
+                target_tokens = seq.noise.choose(p, int(anchor_positions[r]) + 1)  # (k + 1,)
+                n = int(matching_prefix(draft.tokens[r : r + 1], target_tokens[None]))
+                new_tokens.append(target_tokens[: n + 1].tolist())
             else:
                 p = to_probs(target_logits[r], seq.params)
                 q = draft.probs[r] if draft.probs[r] is not None else p.new_zeros(0, p.shape[-1])

@@ -21,7 +21,7 @@ from dflash.model.target import TargetModel, check_compatible
 @dataclass
 class Draft:
     tokens: torch.Tensor  # (b, k) draft tokens; k = block_size - 1 (0 without a drafter)
-    probs: list[torch.Tensor | None]  # per row: (k, vocab) proposal distribution, None for greedy rows
+    probs: list[torch.Tensor | None]  # per row: (k, vocab) proposal distribution; None for greedy and seeded rows
 
 
 @dataclass
@@ -147,7 +147,11 @@ class DFlashProposer:
         tokens = logits.argmax(-1)
         probs: list[torch.Tensor | None] = [None] * b
         for r, row in enumerate(rows):
-            if not row.params.greedy:
+            if row.params.greedy:
+                continue
+            if row.noise is not None:  # the position's own noise on the drafter's distribution (no probs needed)
+                tokens[r] = row.noise.choose(to_probs(logits[r], row.params), int(anchor_positions[r]) + 1)
+            else:
                 probs[r] = to_probs(logits[r], row.params)
                 tokens[r] = sample(probs[r], row.generator)
         return Draft(tokens=tokens, probs=probs)

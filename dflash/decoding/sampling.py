@@ -51,3 +51,51 @@ def to_probs(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
 def sample(probs: torch.Tensor, generator: torch.Generator | None) -> torch.Tensor:
     """probs (n, vocab) -> token ids (n,)."""
     return torch.multinomial(probs, 1, generator=generator).squeeze(-1)
+
+
+_MASK64 = (1 << 64) - 1
+
+
+def _mix64(x: int) -> int:
+    """splitmix64's finalizer: spreads neighbouring inputs over the whole 64-bit range."""
+    x = (x ^ (x >> 30)) * 0xBF58476D1CE4E5B9 & _MASK64
+    x = (x ^ (x >> 27)) * 0x94D049BB133111EB & _MASK64
+    return x ^ (x >> 31)
+
+
+class PositionNoise:
+    """Seeded sampling that does not depend on drafting: the token at sequence position t is
+
+        argmax_x  p_t(x) / E_t(x),    E_t(x) ~ Exp(1) i.i.d., drawn from a generator keyed on (seed, t)
+
+    (the exponential race, i.e. Gumbel-max sampling), an exact draw from p_t. The noise belongs to the position,
+    not to a step, so the tokens are a function of the seed and the target alone: the same seed gives the same
+    text at any block size, in any batch, with the drafter or without it. The drafter proposes with the same
+    noise on its own distribution, argmax_x q_t(x) / E_t(x), and verification keeps the longest prefix of
+    proposals equal to the target's tokens, as in greedy decoding. Such a proposal is accepted with probability
+    at least (1 - TV(p, q)) / (1 + TV(p, q)) (Daliri, Musco and Suresh, "Coupling without communication and
+    drafter-invariant speculative decoding", 2024), against 1 - TV(p, q) for rejection sampling, which decoding
+    without a seed keeps.
+    """
+
+    def __init__(self, seed: int, device: torch.device | str = "cpu"):
+        self.seed = seed & _MASK64
+        self.generator = torch.Generator(device=device)
+        self._cache: dict[int, torch.Tensor] = {}  # position -> (vocab,) noise; the drafter and target share it
+
+    def exponentials(self, position: int, vocab: int) -> torch.Tensor:
+        """E_position, (vocab,): the same tensor every time it is asked for."""
+        noise = self._cache.get(position)
+        if noise is None or noise.shape[0] != vocab:
+            self.generator.manual_seed(_mix64(self.seed ^ _mix64(position + 1)))
+            noise = torch.empty(vocab, device=self.generator.device).exponential_(generator=self.generator)
+            self._cache[position] = noise.clamp_min_(torch.finfo(noise.dtype).tiny)
+        return noise
+
+    def choose(self, probs: torch.Tensor, first_position: int) -> torch.Tensor:
+        """probs (n, vocab), the distributions of positions first_position .. first_position + n - 1 -> (n,)."""
+        n, vocab = probs.shape
+        noise = torch.stack([self.exponentials(first_position + i, vocab) for i in range(n)])
+        for old in [p for p in self._cache if p < first_position]:  # decoding only moves forward
+            del self._cache[old]
+        return (probs.float() / noise).argmax(-1)

@@ -1,9 +1,11 @@
 """Verification: which draft tokens the target accepts, and the one token it adds.
 
 Definitions used throughout:
-- accepted tokens: the longest prefix of the draft tokens the target agrees with (greedy) or keeps
-  under rejection sampling;
-- recovered token: on the first rejection, a token drawn from normalize(max(p - q, 0)) at that position;
+- accepted tokens: the longest prefix of the draft tokens the target agrees with (greedy, and seeded
+  sampling, where the target's token at each position is fixed by the seed: `sampling.PositionNoise`) or
+  keeps under rejection sampling (sampling without a seed);
+- recovered token: on the first rejection, the target's own token there (greedy, seeded), or a token drawn
+  from normalize(max(p - q, 0)) at that position (rejection sampling);
 - bonus token: when every draft token is accepted, a token drawn from the target at the next position;
 - acceptance length: accepted + 1, the tokens one verify forward produces.
 """
@@ -23,9 +25,14 @@ def greedy_verify(draft_tokens: torch.Tensor, target_logits: torch.Tensor) -> tu
     token after them is the target's argmax there (recovered or bonus).
     """
     target_tokens = target_logits.argmax(-1)  # (b, k + 1)
+    return matching_prefix(draft_tokens, target_tokens), target_tokens
+
+
+def matching_prefix(draft_tokens: torch.Tensor, target_tokens: torch.Tensor) -> torch.Tensor:
+    """draft_tokens (b, k), target_tokens (b, k + 1): the target's own tokens at the block's positions ->
+    num_accepted (b,), the length of the prefix where both agree."""
     matches = (draft_tokens == target_tokens[:, :-1]).int()  # (b, k)
-    num_accepted = matches.cumprod(dim=1).sum(dim=1)
-    return num_accepted, target_tokens
+    return matches.cumprod(dim=1).sum(dim=1)
 
 
 def rejection_sample(

@@ -134,6 +134,60 @@ def test_sampling_batch_equals_batch_of_one_and_seeds_repeat(target):
     assert other_seed != singles[0]
 
 
+SEEDED = dict(max_new_tokens=MAX_NEW, temperature=0.9, top_p=0.9, top_k=50, seed=11, stop_token_ids=[])
+
+
+@pytest.mark.parametrize("block_size", [2, 8, 16])
+@pytest.mark.parametrize("drafting", ["random", "partial"])
+def test_seeded_sampling_is_the_target_alones_output(target, block_size, drafting):
+    """With a seed, every position's draw is fixed by the seed: drafting at any block size, in a batch or
+    alone, gives token for token what the target alone samples."""
+    prompts = random_prompts(3, seed=5)
+    config = GenerationConfig(**SEEDED, block_size=block_size)
+    plain = [o.output_ids for o in SpeculativeEngine(target).generate(prompts, GenerationConfig(**SEEDED))]
+    refs = {tuple(p): out for p, out in zip(prompts, plain)}
+    drafter = tiny_drafter(target, layers=2)
+    if drafting == "random":
+        proposer = DFlashProposer(drafter, target)
+    else:
+        proposer = OracleProposer(drafter, target, refs, correct=lambda rng: rng.randint(0, block_size - 1))
+    engine = SpeculativeEngine(target, proposer)
+    batch = engine.generate(prompts, config)
+    assert [o.output_ids for o in batch] == plain
+    assert [engine.generate([p], config)[0].output_ids for p in prompts] == plain
+    if drafting == "partial" and block_size > 2:  # draft tokens were accepted, not only bonus tokens kept
+        assert all(o.stats.mean_acceptance_length > 1.3 for o in batch)
+    other = engine.generate(prompts[:1], GenerationConfig(**{**SEEDED, "seed": 12}))[0].output_ids
+    assert other != plain[0]
+
+
+def test_seeded_sampling_survives_moving_between_plain_and_drafted_decoding(target):
+    prompts = random_prompts(2, seed=8)
+    config = GenerationConfig(**SEEDED)
+    plain = [o.output_ids for o in SpeculativeEngine(target).generate(prompts, config)]
+    refs = {tuple(p): out for p, out in zip(prompts, plain)}
+    drafting = OracleProposer(tiny_drafter(target), target, refs, correct=lambda rng: rng.randint(0, 6))
+    engine = SpeculativeEngine(target, drafting)
+    seqs = [engine.new_sequence(p, config) for p in prompts]
+    batch = engine.merge([engine.prefill(s) for s in seqs])
+    for proposer in (NoDraftProposer(), drafting.with_block_size(4), drafting):
+        for _ in range(3):
+            engine.step(batch)
+        batch = engine.merge([engine.rejoin(s, proposer) for s in batch.sequences])
+    decode_to_the_end(engine, batch)
+    assert [s.output_ids for s in seqs] == plain
+
+
+def test_sampling_without_a_seed_uses_rejection_sampling_and_varies(target):
+    prompt = random_prompts(1, seed=9)[0]
+    engine = SpeculativeEngine(target, DFlashProposer(tiny_drafter(target), target))
+    config = GenerationConfig(max_new_tokens=30, temperature=1.5, stop_token_ids=[])
+    seq = engine.new_sequence(prompt, config)
+    assert seq.noise is None and seq.generator is not None
+    first, second = (engine.generate([prompt], config)[0].output_ids for _ in range(2))
+    assert first != second
+
+
 def test_stop_tokens_strings_and_limits(target):
     prompt = random_prompts(1, seed=3)[0]
     engine = SpeculativeEngine(target, DFlashProposer(tiny_drafter(target), target))

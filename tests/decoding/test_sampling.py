@@ -1,0 +1,42 @@
+"""Seeded sampling (`PositionNoise`): an exact sampler whose draws belong to positions, not to steps."""
+
+from __future__ import annotations
+
+import torch
+from scipy.stats import chisquare
+
+from dflash.decoding.sampling import PositionNoise, SamplingParams, to_probs
+
+V = 6
+
+
+def test_position_noise_samples_the_distribution_exactly():
+    """Chi-square over many seeds: the token chosen at a position follows p, and is not the argmax."""
+    p = to_probs(torch.tensor([[2.0, 1.0, 0.5, 0.0, -1.0, -30.0]]), SamplingParams(1.0))  # (1, V)
+    counts = torch.zeros(V)
+    for seed in range(4000):
+        counts[int(PositionNoise(seed).choose(p, first_position=5)[0])] += 1
+    support = p[0] > 1e-9
+    expected = p[0][support] / p[0][support].sum() * counts.sum()
+    assert chisquare(counts[support].numpy(), expected.numpy()).pvalue > 1e-3, (counts, expected)
+    assert counts[0] < 0.7 * counts.sum()  # greedy would put every draw on token 0
+
+
+def test_a_positions_token_does_not_depend_on_how_positions_are_grouped():
+    """Drafter and target ask for a position in blocks of different lengths and starts: same noise."""
+    torch.manual_seed(0)
+    probs = to_probs(torch.randn(12, 50), SamplingParams(1.0))  # distributions of positions 20..31
+    whole = PositionNoise(3).choose(probs, first_position=20)
+    noise = PositionNoise(3)
+    pieces = torch.cat([noise.choose(probs[:5], 20), noise.choose(probs[5:6], 25), noise.choose(probs[6:], 26)])
+    assert torch.equal(whole, pieces)
+    assert torch.equal(PositionNoise(3).choose(probs[4:], 24), whole[4:])
+
+
+def test_seeds_and_positions_give_different_noise():
+    noise = PositionNoise(3)
+    first, second = noise.exponentials(7, 64).clone(), noise.exponentials(8, 64)
+    assert not torch.equal(first, second)
+    assert not torch.equal(first, PositionNoise(4).exponentials(7, 64))
+    assert torch.equal(first, PositionNoise(3 + 2**64).exponentials(7, 64))  # seeds are taken modulo 2**64
+    assert torch.equal(first, PositionNoise(3).exponentials(7, 64))
