@@ -25,7 +25,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     net = parser.add_argument_group("server")
     net.add_argument("--host", default="127.0.0.1", help="address to bind (default: 127.0.0.1, this machine only)")
     net.add_argument("--port", type=int, default=8000)
-    net.add_argument("--api-key", default=os.environ.get("DFLASH_API_KEY"),
+    net.add_argument("--api-key", default=os.environ.get("DFLASH_API_KEY") or None,  # exported but empty: none
                      help="require 'Authorization: Bearer KEY' on /v1 (default: $DFLASH_API_KEY, else none)")
     net.add_argument("--served-model-name", help="the model id clients send (default: the --target value)")
     net.add_argument("--max-model-len", type=int, help="context limit, prompt + max_tokens (default: the target's)")
@@ -33,6 +33,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                      help=f"requests decoded together (default: {DEFAULT_MAX_BATCH_SIZE}; with --engine, the engine's)")
     net.add_argument("--max-queue", type=int, default=64,
                      help="requests waiting for a batch slot; more are answered 429 (default: 64)")
+    net.add_argument("--max-request-bytes", type=int,
+                     help="larger request bodies are answered 413 (default: 4 MiB)")
     net.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
     fb = parser.add_argument_group("adaptive drafting (a fallback to plain decoding, and the block size of each step)")
     fb.add_argument("--fallback-min-acceptance", type=_threshold, default="auto", metavar="TAU|auto",
@@ -86,6 +88,8 @@ def _check_args(args: argparse.Namespace) -> None:
         raise UserError(f"--port must be at most 65535, got {args.port}")
     if not 0 <= args.fallback_hysteresis < 1:
         raise UserError(f"--fallback-hysteresis must be at least 0 and below 1, got {args.fallback_hysteresis}")
+    if args.max_request_bytes is not None and args.max_request_bytes < 1:
+        raise UserError(f"--max-request-bytes must be >= 1, got {args.max_request_bytes}")
     if args.max_model_len is not None and args.max_model_len < 2:
         raise UserError(f"--max-model-len must be >= 2, got {args.max_model_len}")
     if args.fallback_min_acceptance != "auto" and args.fallback_min_acceptance < 0:
@@ -112,17 +116,18 @@ def _hand_off(args: argparse.Namespace) -> int:
         served_model_name=args.served_model_name, max_batch_size=args.max_batch_size,
         dtype=None if args.dtype == "auto" else args.dtype,
     )
-    argv = handoff.engine_command(args.engine, target, draft, args.block_size, options)
+    command = handoff.engine_command(args.engine, target, draft, args.block_size, options)
     if args.dry_run:
-        print(handoff.format_command(argv))
+        print(command.shown())
         return 0
-    return handoff.launch(args.engine, argv)
+    return handoff.launch(args.engine, command)
 
 
 def _serve(args: argparse.Namespace) -> int:
     import uvicorn
 
     from dflash.serve.app import ServeConfig, create_app
+    from dflash.serve.limits import DEFAULT_MAX_REQUEST_BYTES
     from dflash.serve.scheduler import SchedulerConfig
 
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
@@ -131,6 +136,7 @@ def _serve(args: argparse.Namespace) -> int:
         served_model_name=args.served_model_name or args.target or "dflash",
         api_key=args.api_key,
         max_model_len=args.max_model_len,
+        max_request_bytes=args.max_request_bytes or DEFAULT_MAX_REQUEST_BYTES,
         scheduler=SchedulerConfig(args.max_batch_size or DEFAULT_MAX_BATCH_SIZE, args.max_queue),
         fallback=_fallback_config(args),
         adaptive_block_size=args.adaptive_block_size,

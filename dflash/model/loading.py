@@ -50,6 +50,20 @@ def resolve_model_dir(path_or_id: str | os.PathLike, revision: str | None = None
         ) from None
 
 
+def read_config(directory: Path, what: str = "a model checkpoint") -> dict:
+    """The checkpoint's config.json as a dict; a missing or unreadable one is a CheckpointError saying so."""
+    file = directory / "config.json"
+    if not file.is_file():
+        raise CheckpointError(f"{directory} has no config.json; is it {what} directory?")
+    try:
+        raw = json.loads(file.read_text())
+    except (ValueError, UnicodeDecodeError) as err:
+        raise CheckpointError(f"{file} is not valid JSON ({err}); fix or replace the file") from None
+    if not isinstance(raw, dict):
+        raise CheckpointError(f"{file} holds a JSON {type(raw).__name__}, not an object; fix or replace the file")
+    return raw
+
+
 def _read_state_dict(directory: Path) -> dict[str, torch.Tensor]:
     index = directory / "model.safetensors.index.json"
     if index.exists():
@@ -76,10 +90,7 @@ def load_drafter(
 ) -> DFlashDraftModel:
     """Load a drafter from a local directory or a hub id, in any of the public config forms."""
     directory = resolve_model_dir(path_or_id, revision)
-    config_path = directory / "config.json"
-    if not config_path.exists():
-        raise CheckpointError(f"{directory} has no config.json; is it a DFlash drafter checkpoint?")
-    raw = json.loads(config_path.read_text())
+    raw = read_config(directory, "a DFlash drafter checkpoint")
     config = DrafterConfig.from_dict(raw, mask_token_id=mask_token_id)
     state = _read_state_dict(directory)
     state = {k.removeprefix("model."): v for k, v in state.items()}
@@ -107,4 +118,5 @@ def save_drafter(model: DFlashDraftModel, directory: str | os.PathLike, dtype: t
     (directory / "config.json").write_text(json.dumps(config.to_dict(), indent=2) + "\n")
 
 
-__all__ = ["CheckpointError", "DrafterConfigError", "load_drafter", "save_drafter", "resolve_model_dir", "parse_dtype"]
+__all__ = ["CheckpointError", "DrafterConfigError", "load_drafter", "save_drafter", "resolve_model_dir", "parse_dtype",
+           "read_config"]

@@ -16,7 +16,7 @@ from torch import nn
 from dflash.errors import UserError
 from dflash.model import hf_compat
 from dflash.model.config import DrafterConfig
-from dflash.model.loading import parse_dtype, resolve_model_dir
+from dflash.model.loading import CheckpointError, parse_dtype, read_config, resolve_model_dir
 
 
 class IncompatibleDrafterError(UserError):
@@ -53,8 +53,14 @@ class TargetModel:
         from transformers import AutoModelForCausalLM, AutoTokenizer
 
         directory = resolve_model_dir(path_or_id, revision)
+        if "model_type" not in read_config(directory, "a Hugging Face causal LM checkpoint"):
+            raise CheckpointError(f"{directory / 'config.json'} has no model_type; is {path_or_id} a Hugging Face "
+                                  "causal LM checkpoint?")
         torch_dtype = parse_dtype(dtype) or "auto"
-        model = AutoModelForCausalLM.from_pretrained(directory, dtype=torch_dtype).to(device)
+        try:
+            model = AutoModelForCausalLM.from_pretrained(directory, dtype=torch_dtype).to(device)
+        except ValueError as err:  # transformers' word for a config it cannot build a causal LM from
+            raise CheckpointError(f"could not load {path_or_id} as a causal LM: {str(err).splitlines()[0]}") from None
         tokenizer = AutoTokenizer.from_pretrained(directory)
         return cls(model, tokenizer)
 

@@ -1,6 +1,6 @@
 """The FastAPI app: OpenAI-compatible endpoints in front of the continuous-batching scheduler.
 
-    GET  /v1/models             the one served model
+    GET  /v1/models             the one served model (GET /v1/models/{id}: that model, or 404)
     POST /v1/chat/completions   chat messages -> chat template -> decode (stream or not)
     POST /v1/completions        raw text or token ids -> decode
     GET  /health                200 while the decode thread runs (with running / waiting counts)
@@ -21,6 +21,7 @@ from dataclasses import dataclass, field
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
+from starlette.concurrency import run_in_threadpool
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from dflash.decoding.block_policy import BlockSizePolicy
@@ -29,6 +30,7 @@ from dflash.decoding.engine import GenerationConfig
 from dflash.decoding.proposer import NoDraftProposer
 from dflash.errors import UserError
 from dflash.serve.fallback import FallbackConfig
+from dflash.serve.limits import DEFAULT_MAX_REQUEST_BYTES, ContextLimit, check_max_model_len
 from dflash.serve.metrics import ServerMetrics
 from dflash.serve.protocol import (
     APIError,
@@ -36,16 +38,18 @@ from dflash.serve.protocol import (
     CompletionRequest,
     ResponseShape,
     SamplingRequest,
+    model_card,
     model_list,
     parse_request,
     sse,
 )
-from dflash.serve.scheduler import QueueFull, Scheduler, SchedulerClosed, SchedulerConfig
+from dflash.serve.scheduler import Event, QueueFull, Scheduler, SchedulerClosed, SchedulerConfig
 from dflash.serve.scheduler import Request as Decoding
 
 log = logging.getLogger("dflash.serve")
 
 COMPLETIONS_DEFAULT_MAX_TOKENS = 16  # OpenAI's default for /v1/completions; chat defaults to the context left
+RETRY_AFTER_S = 1  # what a 429 (every batch slot and queue place taken) tells the client to wait
 
 
 @dataclass
@@ -53,6 +57,7 @@ class ServeConfig:
     served_model_name: str = "dflash"
     api_key: str | None = None
     max_model_len: int | None = None  # None: the target's context
+    max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES  # larger bodies are answered 413 before they are parsed
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
     fallback: FallbackConfig = field(default_factory=FallbackConfig)
     adaptive_block_size: bool = False  # measure step costs at start-up, then pick each step's block size
@@ -66,14 +71,12 @@ class Server:
         self.pipe = pipe
         self.config = config
         self.engine = pipe.engine
-        target_limit = getattr(pipe.target.config, "max_position_embeddings", None)
-        limit = config.max_model_len or target_limit
-        if config.max_model_len and target_limit and config.max_model_len > target_limit:
-            raise UserError(f"--max-model-len {config.max_model_len} exceeds the target's context of "
-                            f"{target_limit} tokens; use at most {target_limit}")
-        if limit is None:
-            raise UserError("the target's config has no max_position_embeddings; give --max-model-len")
-        self.max_model_len = limit
+        target_context = getattr(pipe.target.config, "max_position_embeddings", None)
+        self.context = ContextLimit(check_max_model_len(config.max_model_len, target_context), target_context,
+                                    self.engine.proposer.block_size)
+        self.max_model_len = self.context.usable  # the most prompt + max_tokens may add up to
+        if self.context.usable < self.context.configured:
+            log.info("prompt + max_tokens may add up to %s", self.context.describe())
         self.metrics = ServerMetrics(num_draft_tokens=max(self.engine.proposer.block_size - 1, 0))
         drafting = not isinstance(self.engine.proposer, NoDraftProposer)
         if drafting and config.fallback.auto and not config.adaptive_block_size:
@@ -86,14 +89,32 @@ class Server:
         self.created = int(time.time())
 
     # ---- request -> sequence ----------------------------------------------------------------------------
-    def encode_chat(self, messages: list[dict[str, str]]) -> list[int]:
+    async def read_body(self, http: Request) -> bytes:
+        """The request body, refused with a 413 as soon as it is known to exceed --max-request-bytes."""
+        limit = self.config.max_request_bytes
+        declared = http.headers.get("content-length", "")
+        if declared.isdigit() and int(declared) > limit:
+            raise _too_large(limit)
+        body = bytearray()
+        async for chunk in http.stream():
+            body += chunk
+            if len(body) > limit:
+                raise _too_large(limit)
+        return bytes(body)
+
+    async def encode_chat(self, messages: list[dict[str, str]]) -> list[int]:
+        """Template and tokenise on a worker thread: a long prompt takes a while, and the event loop must go on
+        answering /health and streaming other requests meanwhile."""
         from jinja2 import TemplateError
 
         try:
-            return self.pipe.encode(messages)
+            return await run_in_threadpool(self.pipe.encode, messages)
         except TemplateError as err:  # templates refuse some conversations (roles, order) by raising
             raise APIError(400, f"the model's chat template refused these messages: {err}",
                            param="messages") from None
+
+    async def encode_text(self, prompt: str | list[int]) -> list[int]:
+        return await run_in_threadpool(self.pipe.encode, prompt, True)
 
     def check_model(self, model: str | None) -> None:
         if model is not None and model != self.config.served_model_name:
@@ -101,25 +122,35 @@ class Server:
                                 f"{self.config.served_model_name!r} (see GET /v1/models)",
                            param="model", code="model_not_found")
 
-    def generation_config(self, req: SamplingRequest, prompt_len: int, default_max: int | None) -> GenerationConfig:
-        left = self.max_model_len - prompt_len - self.engine.proposer.block_size
-        if left < 1:
-            raise APIError(400, f"the prompt ({prompt_len} tokens) fills the context of {self.max_model_len} "
-                                "tokens; shorten it", code="context_length_exceeded")
-        max_tokens = req.token_limit
-        if max_tokens is None:
-            max_tokens = min(default_max, left) if default_max else left
-        if prompt_len + max_tokens > self.max_model_len:
-            raise APIError(400, f"prompt ({prompt_len} tokens) + max_tokens ({max_tokens}) exceeds the context of "
-                                f"{self.max_model_len} tokens; shorten the prompt or lower max_tokens",
-                           param="max_tokens", code="context_length_exceeded")
+    def token_budget(self, req: SamplingRequest, prompt_len: int, kind: str, default_max: int | None) -> int:
+        """max_tokens for this request: the one asked for, or the default, within the usable context."""
+        room = self.context.usable - prompt_len
+        if room < 1:
+            raise APIError(400, f"the prompt ({prompt_len} tokens) leaves no room for new tokens in "
+                                f"{self.context.describe()}; shorten it",
+                           param="messages" if kind == "chat" else "prompt", code="context_length_exceeded")
+        field, asked = req.token_limit_field, req.token_limit
+        if asked is None and default_max is None:
+            return room
+        default = asked is None
+        asked = default_max if default else asked
+        if asked > room:
+            named = f"{field} ({asked}, the default for completions)" if default else f"{field} ({asked})"
+            raise APIError(400, f"prompt ({prompt_len} tokens) + {named} exceeds {self.context.describe()}; "
+                                f"shorten the prompt or set {field} to at most {room}",
+                           param=field, code="context_length_exceeded")
+        return asked
+
+    def generation_config(self, req: SamplingRequest, prompt_len: int, kind: str,
+                          default_max: int | None) -> GenerationConfig:
+        max_tokens = self.token_budget(req, prompt_len, kind, default_max)
         return GenerationConfig(
             max_new_tokens=max_tokens, temperature=req.temperature, top_p=req.top_p, top_k=max(req.top_k, 0),
             seed=req.seed, stop_token_ids=[] if req.ignore_eos else None, stop_strings=req.stop_strings,
         )
 
     def submit(self, req: SamplingRequest, prompt_ids: list[int], kind: str, default_max: int | None) -> Decoding:
-        config = self.generation_config(req, len(prompt_ids), default_max)
+        config = self.generation_config(req, len(prompt_ids), kind, default_max)
         seq = self.engine.new_sequence(prompt_ids, config)  # GenerationError (a UserError) -> 400
         workload = f"{kind}/{'greedy' if config.temperature == 0 else 'sampled'}"
         return self.scheduler.submit(seq, workload, stream=req.stream)
@@ -138,7 +169,7 @@ class Server:
         try:
             async for event in _events(decoding):
                 if event.done and event.error:
-                    raise APIError(500, event.error, type="server_error")
+                    raise _decode_error(event)
         finally:
             watcher.cancel()
             decoding.cancel()
@@ -158,7 +189,7 @@ class Server:
                 piece = deltas.add(event.tokens) if event.tokens else ""
                 if event.done:
                     if event.error:
-                        yield sse(APIError(500, event.error, type="server_error").body())
+                        yield sse(_decode_error(event).body())
                         break
                     result = seq.result()
                     piece += deltas.finish(result.text or "")
@@ -172,6 +203,19 @@ class Server:
             yield sse("[DONE]")
         finally:
             decoding.cancel()
+
+
+def _too_large(limit: int) -> APIError:
+    return APIError(413, f"the request body is larger than {limit} bytes, this server's limit "
+                         "(dflash serve --max-request-bytes); send a shorter prompt", code="request_too_large")
+
+
+def _decode_error(event: Event) -> APIError:
+    """A request the decoder could not finish: 503 when the server is shutting down (retry elsewhere or
+    later, as for a request arriving then), 500 for a failure of its own."""
+    if event.unavailable:
+        return APIError(503, event.error, type="server_error", code="unavailable")
+    return APIError(500, event.error, type="server_error")
 
 
 async def _events(decoding: Decoding):
@@ -212,34 +256,40 @@ def create_app(pipe, config: ServeConfig | None = None) -> FastAPI:
 
     def authorize(http: Request) -> None:
         key = server.config.api_key
-        if key is None:
-            return
-        given = http.headers.get("authorization", "")
-        if not (given.startswith("Bearer ") and secrets.compare_digest(given[7:].encode(), key.encode())):
+        if key is not None and not _bearer_matches(http.headers.get("authorization", ""), key):
             raise APIError(401, "missing or wrong API key; send the header 'Authorization: Bearer <key>'",
                            type="authentication_error", code="invalid_api_key")
+
+    def card() -> dict:
+        return model_card(server.config.served_model_name, server.created, server.max_model_len)
 
     @app.get("/v1/models")
     async def models(http: Request):
         authorize(http)
-        return model_list(server.config.served_model_name, server.created)
+        return model_list(card())
+
+    @app.get("/v1/models/{model:path}")
+    async def model(http: Request, model: str):
+        authorize(http)
+        server.check_model(model)
+        return card()
 
     @app.post("/v1/chat/completions")
     async def chat_completions(http: Request):
         authorize(http)
-        req = parse_request(await http.body(), ChatCompletionRequest)
+        req = parse_request(await server.read_body(http), ChatCompletionRequest)
         server.check_model(req.model)
         req.check_supported()
-        prompt_ids = server.encode_chat(req.chat())
+        prompt_ids = await server.encode_chat(req.chat())
         return await server.answer(http, req, prompt_ids, "chat", default_max=None)
 
     @app.post("/v1/completions")
     async def completions(http: Request):
         authorize(http)
-        req = parse_request(await http.body(), CompletionRequest)
+        req = parse_request(await server.read_body(http), CompletionRequest)
         server.check_model(req.model)
         req.check_supported()
-        prompt_ids = server.pipe.encode(req.prompt, raw=True)
+        prompt_ids = await server.encode_text(req.prompt)
         return await server.answer(http, req, prompt_ids, "completion", default_max=COMPLETIONS_DEFAULT_MAX_TOKENS)
 
     @app.get("/health")
@@ -256,9 +306,19 @@ def create_app(pipe, config: ServeConfig | None = None) -> FastAPI:
     return app
 
 
+def _bearer_matches(header: str, key: str) -> bool:
+    """`Authorization: Bearer KEY`; the scheme is case-insensitive (RFC 9110), the key compared in constant time."""
+    scheme, _, given = header.strip().partition(" ")
+    return scheme.lower() == "bearer" and secrets.compare_digest(given.strip().encode(), key.encode())
+
+
 def _add_error_handlers(app: FastAPI) -> None:
     def error(err: APIError) -> JSONResponse:
-        headers = {"WWW-Authenticate": "Bearer"} if err.status == 401 else None
+        headers = None
+        if err.status == 401:
+            headers = {"WWW-Authenticate": "Bearer"}
+        elif err.status == 429:
+            headers = {"Retry-After": str(RETRY_AFTER_S)}
         return JSONResponse(err.body(), status_code=err.status, headers=headers)
 
     @app.exception_handler(APIError)

@@ -15,14 +15,18 @@ import shlex
 import shutil
 import subprocess
 import sys
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from dflash.errors import UserError
 from dflash.model.config import DrafterConfig
+from dflash.model.loading import read_config
 from dflash.model.target import check_compatible
+from dflash.serve.limits import check_max_model_len
 
 ENGINES = ("vllm", "sglang")
+API_KEY_ENV = "DFLASH_API_KEY"  # where --dry-run's printed command reads the key, so it is never printed
+VLLM_API_KEY_ENV = "VLLM_API_KEY"  # vLLM reads its key from here too: off the command line, out of `ps`
 DRAFTER_ARCHITECTURE = "DFlashDraftModel"  # what both engines load for method "dflash" / DFLASH
 # Per-layer and top-level weights a DFlash drafter checkpoint must hold (no embedding, no LM head).
 _LAYER_KEYS = ("self_attn.q_proj.weight", "self_attn.k_proj.weight", "self_attn.v_proj.weight",
@@ -46,52 +50,67 @@ class HandoffOptions:
 
 
 @dataclass
+class EngineCommand:
+    """The engine's argv and the variables to add to its environment (only ever the API key)."""
+
+    argv: list[str]
+    env: dict[str, str] = field(default_factory=dict)
+
+    def shown(self) -> str:
+        """The command as a shell line to copy, the API key read from $DFLASH_API_KEY rather than printed."""
+        key = f'"${API_KEY_ENV}"'
+        words = [key if before == "--api-key" else shlex.quote(arg)
+                 for before, arg in zip(["", *self.argv], self.argv)]
+        return " ".join([f"{name}={key}" for name in self.env] + words)
+
+
+@dataclass
 class TargetFacts:
     """The target's shape as its config.json states it (duck-types `TargetModel` for `check_compatible`)."""
 
     hidden_size: int
     num_layers: int
     vocab_size: int
+    max_position_embeddings: int | None = None
 
 
 # ---- checking the pair ---------------------------------------------------------------------------------
-def _read_json(path_or_id: str, filename: str) -> dict:
-    """A JSON file from a local checkpoint directory or, for a hub id, just that file from the hub."""
+def _read_config(path_or_id: str, what: str) -> dict:
+    """config.json of a local checkpoint directory or, for a hub id, just that file from the hub."""
     path = Path(path_or_id).expanduser()
     if path.is_dir():
-        file = path / filename
-        if not file.exists():
-            raise UserError(f"{path} has no {filename}; is it a model checkpoint directory?")
-        return json.loads(file.read_text())
+        return read_config(path, what)
     if path.exists() or str(path_or_id).startswith((".", "/", "~")):
         raise UserError(f"{path_or_id} is not a directory; give a checkpoint directory or a hub id like org/name")
     try:
         from huggingface_hub import hf_hub_download
 
-        return json.loads(Path(hf_hub_download(str(path_or_id), filename)).read_text())
+        file = Path(hf_hub_download(str(path_or_id), "config.json"))
     except Exception as err:  # offline, private, missing: all mean "could not read it"
-        raise UserError(f"could not read {filename} of {path_or_id!r} locally or from the hub "
+        raise UserError(f"could not read config.json of {path_or_id!r} locally or from the hub "
                         f"({type(err).__name__}); check the path or id") from None
+    return read_config(file.parent, what)
 
 
 def target_facts(target: str) -> TargetFacts:
-    raw = _read_json(target, "config.json")
+    raw = _read_config(target, "a Hugging Face causal LM checkpoint")
     text = raw.get("text_config") or raw  # multimodal configs keep the language model's fields there
     missing = [k for k in ("hidden_size", "num_hidden_layers", "vocab_size") if k not in text]
     if missing:
         raise UserError(f"the target's config.json lacks {', '.join(missing)}; is {target} a causal LM checkpoint?")
-    return TargetFacts(text["hidden_size"], text["num_hidden_layers"], text["vocab_size"])
+    return TargetFacts(text["hidden_size"], text["num_hidden_layers"], text["vocab_size"],
+                       text.get("max_position_embeddings"))
 
 
 def drafter_config(draft: str) -> DrafterConfig:
-    raw = _read_json(draft, "config.json")
+    raw = _read_config(draft, "a DFlash drafter checkpoint")
     if DRAFTER_ARCHITECTURE not in (raw.get("architectures") or []):
         raise UserError(f"{draft} declares architectures {raw.get('architectures')}; vLLM and SGLang load DFlash "
                         f"drafters declared as {DRAFTER_ARCHITECTURE!r}")
     try:
         return DrafterConfig.from_dict(raw)
     except UserError as err:
-        raise UserError(f"{draft}: {err}. (vLLM and SGLang read the drafter's settings, the mask token id "
+        raise UserError(f"{draft}: {err} (vLLM and SGLang read the drafter's settings, the mask token id "
                         "included, from its config.json only: fix the file rather than pass flags)") from None
 
 
@@ -116,10 +135,10 @@ def check_drafter_weights(draft: str, config: DrafterConfig) -> None:
                         f"{' ...' if len(missing) > 5 else ''}")
 
 
-def check_pair(target: str, draft: str, block_size: int | None) -> int:
+def check_pair(target: TargetFacts, draft: str, block_size: int | None) -> int:
     """Check format and compatibility from configs and headers; returns the block size to serve with."""
     config = drafter_config(draft)
-    check_compatible(target_facts(target), config)
+    check_compatible(target, config)
     check_drafter_weights(draft, config)
     if block_size is None:
         return config.block_size
@@ -129,19 +148,20 @@ def check_pair(target: str, draft: str, block_size: int | None) -> int:
 
 
 # ---- the commands ----------------------------------------------------------------------------------------
-def vllm_command(target: str, draft: str | None, block_size: int, options: HandoffOptions) -> list[str]:
+def vllm_command(target: str, draft: str | None, block_size: int, options: HandoffOptions) -> EngineCommand:
     cmd = ["vllm", "serve", target]
     if draft is not None:
         spec = {"method": "dflash", "model": draft, "num_speculative_tokens": block_size - 1}
         cmd += ["--speculative-config", json.dumps(spec)]
     cmd += ["--host", options.host, "--port", str(options.port)]
-    cmd += _optional({"--api-key": options.api_key, "--max-model-len": options.max_model_len,
-                      "--served-model-name": options.served_model_name, "--max-num-seqs": options.max_batch_size,
-                      "--dtype": options.dtype})
-    return cmd
+    cmd += _optional({"--max-model-len": options.max_model_len, "--served-model-name": options.served_model_name,
+                      "--max-num-seqs": options.max_batch_size, "--dtype": options.dtype})
+    env = {VLLM_API_KEY_ENV: options.api_key} if options.api_key is not None else {}
+    return EngineCommand(cmd, env)
 
 
-def sglang_command(target: str, draft: str | None, block_size: int, options: HandoffOptions) -> list[str]:
+def sglang_command(target: str, draft: str | None, block_size: int, options: HandoffOptions) -> EngineCommand:
+    """SGLang takes its API key on the command line only (it reads no environment variable for it)."""
     cmd = ["python", "-m", "sglang.launch_server", "--model-path", target]
     if draft is not None:
         cmd += ["--speculative-algorithm", "DFLASH", "--speculative-draft-model-path", draft,
@@ -150,7 +170,7 @@ def sglang_command(target: str, draft: str | None, block_size: int, options: Han
     cmd += _optional({"--api-key": options.api_key, "--context-length": options.max_model_len,
                       "--served-model-name": options.served_model_name,
                       "--max-running-requests": options.max_batch_size, "--dtype": options.dtype})
-    return cmd
+    return EngineCommand(cmd)
 
 
 def _optional(flags: dict[str, object]) -> list[str]:
@@ -162,14 +182,15 @@ def _optional(flags: dict[str, object]) -> list[str]:
 
 
 def engine_command(engine: str, target: str, draft: str | None, block_size: int | None,
-                   options: HandoffOptions) -> list[str]:
-    """Check the pair, then build the engine's command line (argv)."""
+                   options: HandoffOptions) -> EngineCommand:
+    """Check the pair and --max-model-len, then build the engine's command."""
     if engine not in ENGINES:
         raise UserError(f"unknown engine {engine!r}; choose one of {', '.join(ENGINES)}")
+    facts = target_facts(target)
+    if options.max_model_len is not None:
+        check_max_model_len(options.max_model_len, facts.max_position_embeddings)
     if draft is not None:
-        block_size = check_pair(target, draft, block_size)
-    else:
-        target_facts(target)
+        block_size = check_pair(facts, draft, block_size)
     build = vllm_command if engine == "vllm" else sglang_command
     return build(target, draft, block_size or 0, options)
 
@@ -182,17 +203,15 @@ def ensure_installed(engine: str) -> None:
                         "supports, or add --dry-run to print the command and run it there")
 
 
-def launch(engine: str, argv: list[str]) -> int:
+def launch(engine: str, command: EngineCommand) -> int:
     """Run the engine in the foreground and return its exit status."""
     ensure_installed(engine)
+    argv = command.argv
     if argv[0] == "python":
         argv = [sys.executable, *argv[1:]]
-    print(f"dflash serve: launching {shlex.join(argv)}", file=sys.stderr, flush=True)
+    shown = EngineCommand(argv, command.env).shown()
+    print(f"dflash serve: launching {shown}", file=sys.stderr, flush=True)
     try:
-        return subprocess.call(argv, env=os.environ.copy())
+        return subprocess.call(argv, env={**os.environ, **command.env})
     except KeyboardInterrupt:
         return 130
-
-
-def format_command(argv: list[str]) -> str:
-    return shlex.join(argv)

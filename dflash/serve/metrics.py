@@ -3,6 +3,8 @@
 Spec-decode counters are named like vLLM's `vllm:spec_decode_*` (the exposition adds `_total` to counters):
 a draft is one row of one drafted verify step; it has `block_size - 1` draft tokens, of which the accepted
 ones are the prefix kept before the recovered/bonus token. Mean acceptance length = 1 + accepted / drafts.
+Gauges with no value yet (the mean acceptance length before the first draft, the automatic fallback threshold
+before the first drafted step) read NaN rather than a 0 that would look measured.
 """
 
 from __future__ import annotations
@@ -10,6 +12,7 @@ from __future__ import annotations
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
 
+UNKNOWN = float("nan")  # a gauge with no value yet (Prometheus shows NaN; 0 would read as a measurement)
 _LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0)
 
 
@@ -47,7 +50,9 @@ class ServerMetrics:
                                         "Draft tokens accepted, by position in the block (0 = first draft token).",
                                         ["position"], registry=r)
         self.mean_acceptance_length = Gauge("dflash:spec_decode_mean_acceptance_length",
-                                            "1 + accepted tokens / drafts, since start.", registry=r)
+                                            "1 + accepted tokens / drafts, since start (NaN before the first "
+                                            "draft).", registry=r)
+        self.mean_acceptance_length.set(UNKNOWN)
         self.block_size = Gauge("dflash:spec_decode_block_size",
                                 "Block size (anchor + draft tokens) of the latest drafted step; it moves with "
                                 "the batch under the adaptive block size.", registry=r)
@@ -65,7 +70,9 @@ class ServerMetrics:
                                      "fallback's verdict changed.", ["to"], registry=r)
         self.fallback_threshold = Gauge("dflash:fallback_threshold_acceptance_length",
                                         "Mean acceptance length below which a workload stops drafting (in auto "
-                                        "mode the measured break-even with plain decoding).", registry=r)
+                                        "mode the measured break-even with plain decoding; NaN until the first "
+                                        "drafted step measures it).", registry=r)
+        self.fallback_threshold.set(UNKNOWN)
         self.step_overhead = Gauge("dflash:step_overhead_seconds",
                                    "Served step time beyond the step time measured at start-up, moving average.",
                                    ["decoder"], registry=r)

@@ -1,8 +1,10 @@
 """The OpenAI wire format: request models for /v1/chat/completions and /v1/completions, response bodies,
 and OpenAI-style error objects `{"error": {"message", "type", "param", "code"}}`.
 
-Requests are validated strictly (a string where a number belongs is a 400, never coerced); unknown fields
-are ignored, as OpenAI clients send fields this server has no use for.
+Requests are validated strictly (a string where a number belongs is a 400, never coerced); null means the
+default, as in OpenAI's API. Unknown fields are ignored, as OpenAI clients send fields this server has no use
+for; known options it cannot honour (penalties, logit bias, tools, JSON output, n > 1, ...) are refused with a
+400 naming the field unless left at their defaults.
 """
 
 from __future__ import annotations
@@ -10,9 +12,9 @@ from __future__ import annotations
 import json
 import time
 import uuid
-from typing import Any, Literal
+from typing import Any, Callable, ClassVar, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 MAX_STOP_STRINGS = 16
 
@@ -30,8 +32,31 @@ class APIError(Exception):
 
 
 # ---- requests -------------------------------------------------------------------------------------------
+ROLES = ("system", "developer", "user", "assistant", "tool")
+
+# What a union-typed field must be, for the error when a value fits none of its forms (pydantic would list
+# one complaint per form instead).
+_UNION_FIELDS = {
+    "content": "a string, a list of text parts like {\"type\": \"text\", \"text\": \"...\"}, or null",
+    "prompt": "a string, a list of one string, or a list of token ids (integers)",
+    "stop": f"a string, a list of up to {MAX_STOP_STRINGS} strings, or null",
+    "logprobs": "a boolean, an integer or null",
+    "tool_choice": "a string, an object or null",
+}
+
+
 class _Strict(BaseModel):
+    """Strict types; unknown fields ignored; null for an optional field means its default, as in OpenAI's API."""
+
     model_config = ConfigDict(strict=True, extra="ignore")
+
+    @model_validator(mode="before")
+    @classmethod
+    def _null_is_default(cls, data):
+        if not isinstance(data, dict):
+            return data
+        optional = {name for name, f in cls.model_fields.items() if not f.is_required()}
+        return {k: v for k, v in data.items() if not (v is None and k in optional)}
 
 
 class StreamOptions(_Strict):
@@ -42,24 +67,51 @@ class ContentPart(_Strict):
     type: str
     text: str | None = None
 
+    @model_validator(mode="after")
+    def _text_only(self):
+        if self.type != "text":
+            raise ValueError(f"content parts of type {self.type!r} are not supported; this server reads text "
+                             "only: send parts like {\"type\": \"text\", \"text\": \"...\"}")
+        if self.text is None:
+            raise ValueError("a content part of type 'text' needs its text: {\"type\": \"text\", \"text\": \"...\"}")
+        return self
+
 
 class ChatMessage(_Strict):
-    role: str = Field(min_length=1)
+    role: str
     content: str | list[ContentPart] | None = None
 
+    @field_validator("role")
+    @classmethod
+    def _known_role(cls, role: str) -> str:
+        if role not in ROLES:
+            raise ValueError(f"{role!r} is not a role; use one of {', '.join(ROLES)}")
+        return role
+
     def text(self) -> str:
-        """The message's text; content parts other than text are refused."""
+        """The message's text; text parts are joined with newlines, as other OpenAI-compatible servers do."""
         if self.content is None:
             return ""
         if isinstance(self.content, str):
             return self.content
-        parts = []
-        for part in self.content:
-            if part.type != "text" or part.text is None:
-                raise APIError(400, f"content parts of type {part.type!r} are not supported; send text",
-                               param="messages")
-            parts.append(part.text)
-        return "".join(parts)
+        return "\n".join(part.text or "" for part in self.content)
+
+    def template_role(self) -> str:
+        """OpenAI's `developer` messages are what chat templates know as `system` ones."""
+        return "system" if self.role == "developer" else self.role
+
+
+class ResponseFormat(_Strict):
+    type: str
+
+
+# field -> (is the value the default?, what to send instead): options refused with a 400 rather than ignored
+Refusals = dict[str, tuple[Callable[[Any], bool], str]]
+
+
+def _unset(value: Any) -> bool:
+    """None, False, 0, "", [] and {}: an option left at its default."""
+    return not value
 
 
 class SamplingRequest(_Strict):
@@ -67,25 +119,38 @@ class SamplingRequest(_Strict):
 
     model: str | None = None
     max_tokens: int | None = Field(default=None, ge=1)
-    temperature: float = Field(default=1.0, ge=0.0, le=2.0)
-    top_p: float = Field(default=1.0, gt=0.0, le=1.0)
+    temperature: float = Field(default=1.0, ge=0.0, le=2.0, allow_inf_nan=False)
+    top_p: float = Field(default=1.0, gt=0.0, le=1.0, allow_inf_nan=False)
     top_k: int = Field(default=0, ge=-1)  # 0 or -1: no top-k
     seed: int | None = Field(default=None, ge=-(2**63), lt=2**64)  # the range torch generators take
     stop: str | list[str] | None = None
     stream: bool = False
     stream_options: StreamOptions | None = None
-    n: int = Field(default=1, ge=1, le=1)
-    logprobs: bool | int | None = None
-    echo: bool = False
     ignore_eos: bool = False
     user: str | None = None
+    # accepted at their defaults only (see `check_supported`)
+    n: int = Field(default=1, ge=1)
+    logprobs: bool | int | None = None
+    echo: bool = False
+    presence_penalty: float | None = Field(default=None, allow_inf_nan=False)
+    frequency_penalty: float | None = Field(default=None, allow_inf_nan=False)
+    logit_bias: dict[str, float] | None = None
+
+    _UNSUPPORTED: ClassVar[Refusals] = {
+        "n": (lambda v: v == 1, "this server returns one choice per request; send n=1 or leave it out"),
+        "logprobs": (_unset, "this server returns no log probabilities; leave logprobs out"),
+        "echo": (_unset, "this server does not echo the prompt; leave echo out"),
+        "presence_penalty": (_unset, "this server applies no penalties; leave presence_penalty out or send 0"),
+        "frequency_penalty": (_unset, "this server applies no penalties; leave frequency_penalty out or send 0"),
+        "logit_bias": (_unset, "this server applies no logit bias; leave logit_bias out"),
+    }
 
     def check_supported(self) -> None:
         """Refuse options this server would otherwise silently ignore."""
-        if self.logprobs not in (None, False, 0):
-            raise APIError(400, "logprobs are not supported by this server", param="logprobs")
-        if self.echo:
-            raise APIError(400, "echo is not supported by this server", param="echo")
+        for name, (at_default, advice) in self._UNSUPPORTED.items():
+            value = getattr(self, name)
+            if not at_default(value):
+                raise APIError(400, f"{name}={_show(value)} is not supported: {advice}", param=name)
 
     @field_validator("stop")
     @classmethod
@@ -104,21 +169,69 @@ class SamplingRequest(_Strict):
     def include_usage(self) -> bool:
         return bool(self.stream_options and self.stream_options.include_usage)
 
+    @property
+    def token_limit(self) -> int | None:
+        return self.max_tokens
+
+    @property
+    def token_limit_field(self) -> str:
+        """The request field that sets how many tokens to generate, for error messages."""
+        return "max_tokens"
+
+
+def _show(value: Any, width: int = 60) -> str:
+    text = json.dumps(value.model_dump() if isinstance(value, BaseModel) else value)
+    return text if len(text) <= width else text[: width - 3] + "..."
+
+
+def _no_tool_choice(choice: Any) -> bool:
+    return choice in (None, "none", "auto")  # without tools, "auto" has nothing to choose from
+
 
 class ChatCompletionRequest(SamplingRequest):
     messages: list[ChatMessage] = Field(min_length=1)
     max_completion_tokens: int | None = Field(default=None, ge=1)  # the newer name for max_tokens
+    top_logprobs: int | None = Field(default=None, ge=0)
+    response_format: ResponseFormat | None = None
+    tools: list[Any] | None = None
+    tool_choice: str | dict[str, Any] | None = None
+    functions: list[Any] | None = None  # the deprecated form of tools
+    function_call: str | dict[str, Any] | None = None
+
+    _UNSUPPORTED: ClassVar[Refusals] = {
+        **SamplingRequest._UNSUPPORTED,
+        "top_logprobs": (_unset, "this server returns no log probabilities; leave top_logprobs out"),
+        "response_format": (lambda v: v is None or v.type == "text",
+                            "this server does not constrain output to JSON; leave response_format out or send "
+                            "{\"type\": \"text\"}"),
+        "tools": (_unset, "this server does not call tools; leave tools out"),
+        "tool_choice": (_no_tool_choice, "this server does not call tools; leave tool_choice out"),
+        "functions": (_unset, "this server does not call functions; leave functions out"),
+        "function_call": (_no_tool_choice, "this server does not call functions; leave function_call out"),
+    }
 
     def chat(self) -> list[dict[str, str]]:
-        return [{"role": m.role, "content": m.text()} for m in self.messages]
+        return [{"role": m.template_role(), "content": m.text()} for m in self.messages]
 
     @property
     def token_limit(self) -> int | None:
         return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
 
+    @property
+    def token_limit_field(self) -> str:
+        return "max_completion_tokens" if self.max_completion_tokens is not None else "max_tokens"
+
 
 class CompletionRequest(SamplingRequest):
     prompt: str | list[str] | list[int]
+    best_of: int | None = Field(default=None, ge=1)
+    suffix: str | None = None
+
+    _UNSUPPORTED: ClassVar[Refusals] = {
+        **SamplingRequest._UNSUPPORTED,
+        "best_of": (lambda v: v in (None, 1), "this server returns its one sample; send best_of=1 or leave it out"),
+        "suffix": (_unset, "this server does not insert text before a suffix; leave suffix out"),
+    }
 
     @field_validator("prompt")
     @classmethod
@@ -134,10 +247,6 @@ class CompletionRequest(SamplingRequest):
             raise ValueError("the prompt is empty")
         return prompt
 
-    @property
-    def token_limit(self) -> int | None:
-        return self.max_tokens
-
 
 def parse_request(raw: bytes, model: type[_Strict]) -> Any:
     """Body bytes -> a validated request; every problem becomes a 400 naming the field."""
@@ -150,10 +259,48 @@ def parse_request(raw: bytes, model: type[_Strict]) -> Any:
     try:
         return model.model_validate(data)
     except ValidationError as err:
-        first = err.errors()[0]
-        param = ".".join(str(p) for p in first["loc"]) or None
-        message = first["msg"].removeprefix("Value error, ")  # pydantic's prefix for a validator's own message
+        param, message = _describe(err.errors())
         raise APIError(400, f"{param}: {message}" if param else message, param=param) from None
+
+
+def _describe(errors: list[dict]) -> tuple[str | None, str]:
+    """(param, message) for the first validation error, in the client's terms: the field's path without
+    pydantic's type tags, and what the value must be."""
+    loc = list(errors[0]["loc"])
+    for i, key in enumerate(loc[:-1]):
+        if key in _UNION_FIELDS and isinstance(loc[i + 1], str):  # loc[i + 1]: the tag of one of its forms
+            return _describe_union(errors, loc[: i + 1])
+    return _path(loc), _wording(errors[0])
+
+
+def _describe_union(errors: list[dict], field: list) -> tuple[str, str]:
+    """A value no form of a union field accepts fails once per form. When just one form got past the value's
+    outer shape (a list whose item is wrong), its error is the one that says what to fix."""
+    depth = len(field) + 1  # the field, then a form's tag
+    tagged = [e for e in errors if list(e["loc"][: len(field)]) == field and len(e["loc"]) >= depth]
+    deeper = [e for e in tagged if len(e["loc"]) > depth]
+    if len({e["loc"][len(field)] for e in deeper}) == 1:
+        inner = deeper[0]
+        return _path(field + list(inner["loc"][depth:])), _wording(inner)
+    return _path(field), f"must be {_UNION_FIELDS[field[-1]]}"
+
+
+def _path(loc: list) -> str:
+    return ".".join(str(p) for p in loc)
+
+
+def _wording(error: dict) -> str:
+    """Pydantic's message, said of the field ('must be ...'), without its prefixes and class names."""
+    kind, message = error["type"], error["msg"]
+    if kind == "missing":
+        return "is required"
+    if kind in ("model_type", "dict_type", "model_attributes_type"):
+        return "must be a JSON object"
+    if kind == "too_short":
+        least = error.get("ctx", {}).get("min_length", 1)
+        return f"must hold at least {least} item{'s' if least != 1 else ''}"
+    message = message.removeprefix("Value error, ")  # pydantic's prefix for a validator's own message
+    return "must be " + message.removeprefix("Input should be ") if message.startswith("Input should be ") else message
 
 
 # ---- responses -------------------------------------------------------------------------------------------
@@ -166,8 +313,13 @@ def usage(prompt_tokens: int, completion_tokens: int) -> dict:
             "total_tokens": prompt_tokens + completion_tokens}
 
 
-def model_list(name: str, created: int) -> dict:
-    return {"object": "list", "data": [{"id": name, "object": "model", "created": created, "owned_by": "dflash"}]}
+def model_card(name: str, created: int, max_model_len: int) -> dict:
+    """One model object; `max_model_len` (as vLLM reports it) is the most prompt + max_tokens may add up to."""
+    return {"id": name, "object": "model", "created": created, "owned_by": "dflash", "max_model_len": max_model_len}
+
+
+def model_list(*cards: dict) -> dict:
+    return {"object": "list", "data": list(cards)}
 
 
 class ResponseShape:

@@ -33,6 +33,7 @@ log = logging.getLogger("dflash.serve")
 IDLE_WAKE_S = 0.5  # how often an idle decode loop wakes, so Ctrl-C and SIGTERM stop it within this time
 
 DRAFT, PLAIN = "draft", "plain"
+SHUTTING_DOWN = "the server is shutting down; retry in a moment or against another replica"
 
 
 class QueueFull(Exception):
@@ -63,6 +64,7 @@ class Event:
     done: bool = False
     finish_reason: str | None = None  # stop, length, abort, error
     error: str | None = None
+    unavailable: bool = False  # the error is the server shutting down, not a failure (HTTP 503, not 500)
 
 
 class Request:
@@ -106,7 +108,8 @@ class Scheduler:
         self.config = config or SchedulerConfig()
         self.metrics = metrics or ServerMetrics()
         self.fallback = AdaptiveFallback(fallback or FallbackConfig(), self.metrics.record_fallback)
-        self.metrics.fallback_threshold.set(self.fallback.threshold)
+        if not self.fallback.config.auto:  # in auto mode it is unknown (NaN) until the first drafted step measures it
+            self.metrics.fallback_threshold.set(self.fallback.threshold)
         self.has_drafter = not isinstance(engine.proposer, NoDraftProposer)
         self.block_policy = block_policy  # None: every drafted step uses the proposer's own block size
         self._proposers = {DRAFT: engine.proposer, PLAIN: NoDraftProposer()}
@@ -160,7 +163,7 @@ class Scheduler:
         request = Request(seq, workload, asyncio.get_running_loop(), self, stream)
         with self._cond:
             if not self.alive:
-                raise SchedulerClosed("the server is shutting down")
+                raise SchedulerClosed(SHUTTING_DOWN)
             if self._admitted >= self.config.max_batch_size + self.config.max_queue:
                 self.metrics.rejected.labels(reason="queue_full").inc()
                 raise QueueFull(f"the server is at capacity ({self.config.max_batch_size} decoding, "
@@ -360,12 +363,12 @@ class Scheduler:
         self._update_running()
         return batch is not None
 
-    def _fail_batch(self, decoder: str, message: str) -> None:
+    def _fail_batch(self, decoder: str, message: str, unavailable: bool = False) -> None:
         batch = self._running.pop(decoder)
         for seq in batch.sequences:
             request = self._requests.pop(id(seq), None)
             if request is not None and not request.finished:
-                self._finish(request, "error", message)
+                self._finish(request, "error", message, unavailable)
         self._update_running()
 
     def _send(self, request: Request, tokens: list[int]) -> None:
@@ -373,7 +376,7 @@ class Scheduler:
         if request.stream:
             request.emit(Event(tokens=tokens))
 
-    def _finish(self, request: Request, reason: str, error: str | None = None) -> None:
+    def _finish(self, request: Request, reason: str, error: str | None = None, unavailable: bool = False) -> None:
         request.finished = True
         with self._cond:
             self._admitted -= 1
@@ -382,7 +385,7 @@ class Scheduler:
         self.metrics.finished.labels(finished_reason=reason).inc()
         if reason in ("stop", "length"):
             self.metrics.e2e.observe(time.perf_counter() - request.arrival)
-        request.emit(Event(done=True, finish_reason=reason, error=error))
+        request.emit(Event(done=True, finish_reason=reason, error=error, unavailable=unavailable))
 
     def _running_rows(self) -> int:
         return sum(len(b) for b in self._running.values())
@@ -392,9 +395,9 @@ class Scheduler:
 
     def _shutdown(self) -> None:
         for decoder in list(self._running):
-            self._fail_batch(decoder, "the server is shutting down")
+            self._fail_batch(decoder, SHUTTING_DOWN, unavailable=True)
         with self._cond:
             left = list(self._waiting)
             self._waiting.clear()
         for request in left:
-            self._finish(request, "error", "the server is shutting down")
+            self._finish(request, "error", SHUTTING_DOWN, unavailable=True)

@@ -3,9 +3,16 @@ and concurrent requests decode together yet answer exactly as they would alone (
 
 from __future__ import annotations
 
+import math
 from concurrent.futures import ThreadPoolExecutor
 
 import httpx
+import openai
+import pytest
+
+from dflash.serve.fallback import FallbackConfig
+from dflash.serve.metrics import ServerMetrics
+from dflash.serve.scheduler import Scheduler
 
 MODEL = "tiny"  # the served model name the fixtures use
 
@@ -43,6 +50,13 @@ def stream_text(stream) -> tuple[str, str | None, object]:
 
 def test_models_and_health(server, client):
     assert [m.id for m in client.models.list().data] == [MODEL]
+    assert client.models.retrieve(MODEL).id == MODEL
+    card = httpx.get(f"{server.url}/v1/models/{MODEL}").json()
+    assert card["max_model_len"] == server.server_state.max_model_len
+    for unknown in ("gpt-9", "org/name"):
+        with pytest.raises(openai.NotFoundError) as err:
+            client.models.retrieve(unknown)
+        assert err.value.body["code"] == "model_not_found"
     health = httpx.get(f"{server.url}/health").json()
     assert health["status"] == "ok" and health["running"] == 0
 
@@ -131,3 +145,19 @@ def test_metrics_move(server, client):
     assert per_pos == accepted
     assert after["dflash:spec_decode_mean_acceptance_length"] >= 1.0
     assert after["dflash:num_requests_running"] == 0 and after["dflash:num_requests_waiting"] == 0
+
+
+def test_gauges_with_no_value_yet_read_nan(server):
+    """Before the first draft the mean acceptance length (>= 1 by definition) is unknown, not 0; so is the
+    automatic fallback threshold before the first drafted step measures it."""
+    metrics = ServerMetrics(num_draft_tokens=7)
+    Scheduler(server.pipe.engine, metrics=metrics, fallback=FallbackConfig(auto=True))
+    gauges = {line.split(" ")[0]: float(line.split(" ")[1]) for line in metrics.exposition().decode().splitlines()
+              if line and not line.startswith("#")}
+    assert math.isnan(gauges["dflash:spec_decode_mean_acceptance_length"])
+    assert math.isnan(gauges["dflash:fallback_threshold_acceptance_length"])
+    metrics.record_drafts([2, 0], draft_tokens=7)
+    assert metrics.mean_acceptance_length._value.get() == 2.0
+    fixed = ServerMetrics()
+    Scheduler(server.pipe.engine, metrics=fixed, fallback=FallbackConfig(1.5))
+    assert fixed.fallback_threshold._value.get() == 1.5

@@ -105,3 +105,16 @@ def test_idle_decode_loop_stops_when_the_signal_lands_on_another_thread(tiny_pai
     proc = subprocess.run([sys.executable, "-c", INTERRUPTED_FROM_ANOTHER_THREAD, *map(str, tiny_pair)],
                           capture_output=True, text=True, timeout=30, preexec_fn=ctrl_c_as_in_a_terminal)
     assert proc.stdout.strip() == "interrupted", proc.stderr[-2000:]
+
+
+@pytest.mark.parametrize("config", [None, "{oops", '{"hidden_size": 64}'],
+                         ids=["no-config", "not-json", "no-model-type"])
+def test_a_target_that_is_not_a_model_is_a_clear_error(tmp_path, capsys, config):
+    """Before any model loads: one line saying what is wrong with the directory, never a traceback."""
+    from dflash.cli.main import main
+
+    if config is not None:
+        (tmp_path / "config.json").write_text(config)
+    assert main(["serve", "--target", str(tmp_path), "--no-draft", "--port", "0"]) == 2
+    err = capsys.readouterr().err
+    assert "config.json" in err and "Traceback" not in err and len(err.strip().splitlines()) == 1

@@ -1,4 +1,5 @@
-"""Every client mistake is a 4xx with an OpenAI error object, and the server keeps serving after it."""
+"""Every client mistake is a 4xx with an OpenAI error object that says what the field must be, and the server
+keeps serving after it. Options it cannot honour are refused by name, never silently ignored."""
 
 from __future__ import annotations
 
@@ -52,7 +53,8 @@ CHAT_BAD = [
     ({"model": MODEL, "messages": MESSAGES, "seed": 2**64}, "seed"),
     ({"model": MODEL, "messages": MESSAGES, "temperature": 3.0}, "temperature"),
     ({"model": MODEL, "messages": MESSAGES, "stop": ["a"] * 17}, "stop"),
-    ({"model": MODEL, "messages": [{"role": "user", "content": [{"type": "image_url"}]}]}, "messages"),
+    ({"model": MODEL, "messages": [{"role": "user", "content": [{"type": "image_url"}]}]}, "messages.0.content.0"),
+    ({"model": MODEL, "messages": [{"role": "wizard", "content": "hi"}]}, "messages.0.role"),
     ({"model": MODEL, "messages": MESSAGES, "stop": 3}, None),
     ({"model": MODEL, "messages": MESSAGES, "stream": "yes"}, "stream"),
     ({"model": MODEL, "messages": MESSAGES, "n": 2}, "n"),
@@ -64,6 +66,99 @@ CHAT_BAD = [
 @pytest.mark.parametrize("body,param", CHAT_BAD)
 def test_bad_chat_requests_are_400(server, body, param):
     assert_error(post(server, "chat/completions", json=body), 400, param)
+
+
+# body, param, what the message must say; none may show pydantic's type tags (content.str, prompt.list[int])
+MESSAGES_SAY = [
+    ({"messages": [{"role": "user", "content": 5}]}, "messages.0.content", "must be a string, a list of text parts"),
+    ({"messages": [{"role": "user", "content": [{"type": "text"}]}]}, "messages.0.content.0", "needs its text"),
+    ({"messages": [{"role": "user", "content": [{"type": "text", "text": "a"}, 7]}]}, "messages.0.content.1",
+     "must be a JSON object"),
+    ({"messages": [{"role": "wizard", "content": "hi"}]}, "messages.0.role",
+     "use one of system, developer, user, assistant, tool"),
+    ({"messages": []}, "messages", "at least 1 item"),
+    ({"messages": MESSAGES, "stop": 3}, "stop", "must be a string, a list of up to 16 strings"),
+    ({"messages": MESSAGES, "stop": ["a", None]}, "stop.1", "must be a valid string"),
+    ({"messages": MESSAGES, "logprobs": "yes"}, "logprobs", "must be a boolean, an integer or null"),
+    ({"messages": MESSAGES, "max_tokens": "ten"}, "max_tokens", "must be a valid integer"),
+]
+
+
+@pytest.mark.parametrize("body,param,says", MESSAGES_SAY)
+def test_messages_say_what_the_field_must_be(server, body, param, says):
+    message = assert_error(post(server, "chat/completions", json=body), 400, param)["message"]
+    assert says in message
+    assert not any(tag in message for tag in (".str", ".bool", ".int", "list[", "ContentPart", "Input should"))
+
+
+@pytest.mark.parametrize("body,param,says", [
+    ({"prompt": 5}, "prompt", "must be a string, a list of one string, or a list of token ids"),
+    ({"prompt": [1, "a"]}, "prompt", "must be a string, a list of one string, or a list of token ids"),
+])
+def test_completion_messages_say_what_the_prompt_must_be(server, body, param, says):
+    message = assert_error(post(server, "completions", json=body), 400, param)["message"]
+    assert says in message and "prompt.str" not in message and "list[" not in message
+
+
+def test_nan_temperature_is_not_a_range_error(server):
+    message = assert_error(post(server, "chat/completions", content=NAN_TEMPERATURE,
+                                headers={"content-type": "application/json"}), 400, "temperature")["message"]
+    assert "finite" in message and "<=" not in message and "less than" not in message
+
+
+UNSUPPORTED_CHAT = [
+    ("presence_penalty", 1.5), ("frequency_penalty", -0.5), ("logit_bias", {"50": -100}),
+    ("response_format", {"type": "json_object"}),
+    ("response_format", {"type": "json_schema", "json_schema": {"name": "x", "schema": {}}}),
+    ("tools", [{"type": "function", "function": {"name": "f", "parameters": {}}}]), ("tool_choice", "required"),
+    ("top_logprobs", 2), ("n", 2), ("logprobs", True),
+]
+
+
+@pytest.mark.parametrize("field,value", UNSUPPORTED_CHAT)
+def test_options_this_server_cannot_honour_are_refused_by_name(server, field, value):
+    error = assert_error(post(server, "chat/completions", json={"messages": MESSAGES, field: value}), 400, field)
+    assert "not supported" in error["message"]
+
+
+@pytest.mark.parametrize("field,value", [("best_of", 2), ("suffix", "return x"), ("echo", True), ("logprobs", 2)])
+def test_completion_options_this_server_cannot_honour_are_refused_by_name(server, field, value):
+    assert_error(post(server, "completions", json={"prompt": "hi", field: value}), 400, field)
+
+
+def test_defaults_and_nulls_are_accepted(server):
+    """null means the default, as in OpenAI's API; the refused options pass at their defaults."""
+    nulls = {k: None for k in ("temperature", "top_p", "n", "stream", "stop", "seed", "max_tokens", "logprobs",
+                               "presence_penalty", "frequency_penalty", "logit_bias", "response_format", "tools",
+                               "tool_choice", "top_logprobs", "stream_options", "user", "top_k", "echo")}
+    defaults = {"presence_penalty": 0, "frequency_penalty": 0, "logit_bias": {}, "response_format": {"type": "text"},
+                "tools": [], "tool_choice": "none", "top_logprobs": 0, "n": 1, "logprobs": False}
+    for extra in (nulls, defaults):
+        body = {"model": MODEL, "messages": MESSAGES, **extra, "max_completion_tokens": 2}
+        response = post(server, "chat/completions", json=body)
+        assert response.status_code == 200, response.text
+    completion = {"model": MODEL, "prompt": "hi", "max_tokens": 2, "best_of": 1, "suffix": None, "echo": None,
+                  "temperature": None, "top_p": None, "n": None, "stream": None}
+    response = post(server, "completions", json=completion)
+    assert response.status_code == 200, response.text
+
+
+def greedy(server, messages) -> dict:
+    body = {"model": MODEL, "messages": messages, "max_tokens": 4, "temperature": 0, "ignore_eos": True}
+    response = post(server, "chat/completions", json=body)
+    assert response.status_code == 200, response.text
+    return response.json()
+
+
+def test_text_parts_are_joined_with_newlines_and_developer_is_system(server):
+    parts = [{"role": "user", "content": [{"type": "text", "text": "one"}, {"type": "text", "text": "two"}]}]
+    joined = [{"role": "user", "content": "one\ntwo"}]
+    a, b = greedy(server, parts), greedy(server, joined)
+    assert a["usage"] == b["usage"] and a["choices"] == b["choices"]
+    system = [{"role": "system", "content": "be brief"}, *MESSAGES]
+    developer = [{"role": "developer", "content": "be brief"}, *MESSAGES]
+    a, b = greedy(server, developer), greedy(server, system)
+    assert a["usage"] == b["usage"] and a["choices"] == b["choices"]
 
 
 @pytest.mark.parametrize("body", [
@@ -118,6 +213,11 @@ def test_api_key(start_server):
         locked.client(api_key="wrong").models.list()
     assert_error(httpx.post(f"{locked.url}/v1/chat/completions", json={"messages": MESSAGES}), 401)
     assert_error(httpx.get(f"{locked.url}/v1/models", headers={"Authorization": "s3cret"}), 401)
+    assert_error(httpx.get(f"{locked.url}/v1/models", headers={"Authorization": "Basic s3cret"}), 401)
+    assert_error(httpx.get(f"{locked.url}/v1/models/{MODEL}"), 401)
+    for scheme in ("bearer", "BEARER", "Bearer"):  # the scheme is case-insensitive (RFC 9110)
+        response = httpx.get(f"{locked.url}/v1/models", headers={"Authorization": f"{scheme} s3cret"})
+        assert response.status_code == 200, (scheme, response.text)
     out = locked.client(api_key="s3cret").chat.completions.create(model=MODEL, messages=MESSAGES, max_tokens=3)
     assert out.usage.completion_tokens >= 1
     assert httpx.get(f"{locked.url}/health").status_code == 200  # probes need no key

@@ -9,6 +9,12 @@ import shutil
 import pytest
 
 from dflash.cli.main import main
+from dflash.serve import handoff
+
+
+@pytest.fixture(autouse=True)
+def no_key_in_the_environment(monkeypatch):
+    monkeypatch.delenv("DFLASH_API_KEY", raising=False)
 
 
 def dry_run(capsys, *args) -> list[str]:
@@ -19,13 +25,66 @@ def dry_run(capsys, *args) -> list[str]:
 def test_vllm_command(tiny_pair, capsys):
     target, draft = map(str, tiny_pair)
     argv = dry_run(capsys, "--target", target, "--draft", draft, "--engine", "vllm", "--port", "9000",
-                   "--api-key", "k", "--max-model-len", "512", "--max-batch-size", "16")
+                   "--max-model-len", "512", "--max-batch-size", "16")
     assert argv[:3] == ["vllm", "serve", target]
     spec = json.loads(argv[argv.index("--speculative-config") + 1])
     assert spec == {"method": "dflash", "model": draft, "num_speculative_tokens": 7}  # block size 8
     flags = dict(zip(argv[5::2], argv[6::2]))
-    assert flags["--port"] == "9000" and flags["--host"] == "127.0.0.1" and flags["--api-key"] == "k"
+    assert flags["--port"] == "9000" and flags["--host"] == "127.0.0.1" and "--api-key" not in flags
     assert flags["--max-model-len"] == "512" and flags["--max-num-seqs"] == "16"
+
+
+@pytest.mark.parametrize("engine", ["vllm", "sglang"])
+def test_the_api_key_is_never_printed(tiny_pair, capsys, engine):
+    """--dry-run reads the key from $DFLASH_API_KEY in the printed command; vLLM gets it from VLLM_API_KEY."""
+    target, draft = map(str, tiny_pair)
+    assert main(["serve", "--target", target, "--draft", draft, "--engine", engine, "--api-key", "s3cret",
+                 "--dry-run"]) == 0
+    line = capsys.readouterr().out.strip()
+    assert "s3cret" not in line
+    if engine == "vllm":
+        assert line.startswith('VLLM_API_KEY="$DFLASH_API_KEY" vllm serve') and "--api-key" not in line
+    else:
+        assert '--api-key "$DFLASH_API_KEY"' in line  # SGLang reads the key from its command line only
+
+
+def test_vllm_gets_the_api_key_from_its_environment(tiny_pair, monkeypatch, capsys):
+    """Launched, vLLM reads VLLM_API_KEY: the key stays off its command line (visible in ps) and the log."""
+    target, draft = map(str, tiny_pair)
+    launched = {}
+    monkeypatch.setattr(handoff, "ensure_installed", lambda engine: None)
+    monkeypatch.setattr(handoff.subprocess, "call", lambda argv, env: launched.update(argv=argv, env=env) or 0)
+    assert main(["serve", "--target", target, "--draft", draft, "--engine", "vllm", "--api-key", "s3cret"]) == 0
+    assert launched["env"]["VLLM_API_KEY"] == "s3cret" and "s3cret" not in launched["argv"]
+    assert "s3cret" not in capsys.readouterr().err
+
+
+def test_an_empty_api_key_variable_means_no_key(tiny_pair, capsys, monkeypatch):
+    target, draft = map(str, tiny_pair)
+    monkeypatch.setenv("DFLASH_API_KEY", "")
+    argv = dry_run(capsys, "--target", target, "--draft", draft, "--engine", "vllm")
+    assert "--api-key" not in argv and not argv[0].startswith("VLLM_API_KEY")
+
+
+def test_max_model_len_beyond_the_targets_context_is_refused(tiny_pair, capsys):
+    target, draft = map(str, tiny_pair)
+    code = main(["serve", "--target", target, "--draft", draft, "--engine", "vllm", "--max-model-len", "4096",
+                 "--dry-run"])
+    err = capsys.readouterr().err
+    assert code == 2 and "exceeds the target's context of 1024 tokens" in err and "Traceback" not in err
+
+
+@pytest.mark.parametrize("which", ["target", "draft"])
+def test_a_config_that_is_not_json_is_a_clear_error(tiny_pair, tmp_path, capsys, which):
+    target, draft = tiny_pair
+    broken = tmp_path / which
+    shutil.copytree(target if which == "target" else draft, broken)
+    (broken / "config.json").write_text("{oops")
+    pair = {"target": target, "draft": draft, which: broken}
+    code = main(["serve", "--target", str(pair["target"]), "--draft", str(pair["draft"]), "--engine", "vllm",
+                 "--dry-run"])
+    err = capsys.readouterr().err
+    assert code == 2 and "config.json is not valid JSON" in err and "Traceback" not in err
 
 
 def test_sglang_command(tiny_pair, capsys):
@@ -59,6 +118,7 @@ def broken_copy(tmp_path, draft, edit=None, drop_weights=False):
     ("no_weights", "safetensors"),
     ("block_too_big", "block size"),
     ("target_as_draft", "architectures"),
+    ("no_hidden_size", "hidden_size"),
 ])
 def test_bad_pairs_are_refused(tiny_pair, tmp_path, capsys, case, expected):
     target, draft = tiny_pair
@@ -73,13 +133,15 @@ def test_bad_pairs_are_refused(tiny_pair, tmp_path, capsys, case, expected):
         draft = broken_copy(tmp_path, draft, lambda c: (c.pop("dflash_config"), c.pop("mask_token_id", None)))
     elif case == "no_weights":
         draft = broken_copy(tmp_path, draft, drop_weights=True)
+    elif case == "no_hidden_size":
+        draft = broken_copy(tmp_path, draft, lambda c: c.pop("hidden_size"))
     elif case == "block_too_big":
         extra = ["--block-size", "32"]
     else:
         draft = target
     code = main(["serve", "--target", str(target), "--draft", str(draft), "--engine", "vllm", "--dry-run", *extra])
     err = capsys.readouterr().err
-    assert code == 2 and expected in err and "Traceback" not in err
+    assert code == 2 and expected in err and "Traceback" not in err and "?." not in err
 
 
 @pytest.mark.skipif(shutil.which("vllm") is not None, reason="vLLM is installed here")
@@ -96,6 +158,7 @@ def test_flag_mistakes(tiny_pair, capsys):
                            (["--max-queue", "-1"], "--max-queue"), (["--draft", draft], "--target"),
                            (["--fallback-probe-window", "0"], "--fallback-probe-window"),
                            (["--fallback-hysteresis", "1"], "--fallback-hysteresis"),
-                           (["--port", "99999"], "at most 65535"), (["--port", "-1"], "--port")]:
+                           (["--port", "99999"], "at most 65535"), (["--port", "-1"], "--port"),
+                           (["--max-request-bytes", "0"], "--max-request-bytes")]:
         assert main(["serve", *args]) == 2
         assert expected in capsys.readouterr().err

@@ -90,6 +90,7 @@ def test_full_queue_is_429_and_cancelled_waiters_leave(slow):
                 with pytest.raises(openai.RateLimitError) as err:
                     slow.client().chat.completions.create(**{k: v for k, v in LONG.items() if k != "ignore_eos"})
                 assert err.value.status_code == 429 and err.value.body["code"] == "queue_full"
+                assert err.value.response.headers["retry-after"] == "1"
             # the queued client left: its place is free at once, the running row is untouched
             deadline = time.monotonic() + 2
             while health(slow)["waiting"] and time.monotonic() < deadline:
@@ -102,6 +103,35 @@ def test_full_queue_is_429_and_cancelled_waiters_leave(slow):
     assert grew(before, after, ABORTED) == 2
     out = slow.client().chat.completions.create(model=MODEL, messages=LONG["messages"], max_tokens=3)
     assert out.usage.completion_tokens >= 1
+
+
+def test_requests_in_flight_at_shutdown_get_503(start_server):
+    """Ctrl-C or SIGTERM stops the decode loop: requests still decoding are told to retry (503), as new ones
+    are, not that the server failed (500)."""
+    server = start_server(slow_step_s=0.02, scheduler=SchedulerConfig(max_batch_size=2, max_queue=1))
+    url = f"{server.url}/v1/chat/completions"
+    answers = {}
+
+    def ask_whole():
+        answers["whole"] = httpx.post(url, json=LONG, timeout=30)
+
+    asking = threading.Thread(target=ask_whole)
+    with httpx.Client(timeout=30) as client, client.stream("POST", url, json={**LONG, "stream": True}) as streamed:
+        lines = first_content(streamed)
+        asking.start()
+        deadline = time.monotonic() + 5
+        while health(server)["running"] < 2:
+            assert time.monotonic() < deadline, health(server)
+            time.sleep(0.02)
+        server.server_state.scheduler.stop()
+        rest = list(lines)
+    asking.join(30)
+    whole = answers["whole"]
+    assert whole.status_code == 503, whole.text
+    assert whole.json()["error"]["code"] == "unavailable" and "shutting down" in whole.json()["error"]["message"]
+    errors = [line for line in rest if '"error"' in line]
+    assert errors and '"code":"unavailable"' in errors[0]
+    assert httpx.post(url, json=LONG, timeout=30).status_code == 503  # as a request arriving now
 
 
 # ---- the decode loop itself, without HTTP ---------------------------------------------------------------------
