@@ -10,6 +10,7 @@ import httpx
 import openai
 import pytest
 
+from dflash.api import DFlash
 from dflash.serve.fallback import FallbackConfig
 from dflash.serve.metrics import ServerMetrics
 from dflash.serve.scheduler import Scheduler
@@ -100,10 +101,19 @@ def test_completions(server, client):
     assert default.usage.completion_tokens == 16  # OpenAI's default max_tokens for completions
 
 
-def test_seeded_sampling_repeats(client):
-    a, b = (client.completions.create(model=MODEL, prompt=PROMPTS[1], max_tokens=16, temperature=0.9, top_p=0.9,
-                                      seed=7).choices[0].text for _ in range(2))
-    assert a == b
+def test_seeded_sampling_repeats_alone_in_a_batch_and_without_the_drafter(client, tiny_pair):
+    """A seed fixes the text: the same alone or decoded with other requests, and the same as the target alone."""
+    def ask(i: int) -> str:
+        return client.completions.create(model=MODEL, prompt=PROMPTS[i], max_tokens=16, temperature=0.9, top_p=0.9,
+                                          seed=7, extra_body={"ignore_eos": True}).choices[0].text
+
+    alone = [ask(i) for i in range(len(PROMPTS))]
+    assert ask(1) == alone[1]
+    with ThreadPoolExecutor(len(PROMPTS)) as pool:
+        assert list(pool.map(ask, range(len(PROMPTS)))) == alone
+    plain = DFlash.from_pretrained(*map(str, tiny_pair), no_draft=True, dtype="float32", device="cpu")
+    assert [plain.generate(p, raw=True, max_new_tokens=16, temperature=0.9, top_p=0.9, seed=7, stop_token_ids=[]).text
+            for p in PROMPTS] == alone
 
 
 def test_parallel_equals_sequential(server, client):
