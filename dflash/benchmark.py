@@ -2,10 +2,12 @@
 
     python -m dflash.benchmark --backend transformers --model TARGET --draft-model DRAFT \\
         --dataset gsm8k --max-samples 50 --block-size 16 --max-new-tokens 2048 --temperature 0
-    python -m dflash.benchmark --backend vllm --base-url http://127.0.0.1:8000/v1 --model NAME \\
+    python -m dflash.benchmark --backend vllm --base-url http://127.0.0.1:8000 --model NAME \\
         --dataset gsm8k --num-prompts 64 --concurrency 1,8,32
 
-Any other `dflash bench` flag (--output-dir, --gpu-hourly-usd, ...) passes through unchanged.
+As in the reference, --base-url is the server's root (/v1 is added), --num-prompts with the in-process
+backend is the number of samples (--max-samples), and --timeout-s is the per-request timeout. Any other
+`dflash bench` flag (--output-dir, --gpu-hourly-usd, ...) passes through unchanged.
 """
 
 from __future__ import annotations
@@ -13,37 +15,44 @@ from __future__ import annotations
 import argparse
 import sys
 
+PROG = "python -m dflash.benchmark"
 LOCAL_BACKENDS = {"local", "transformers", "hf", "huggingface", "torch"}
 SERVER_BACKENDS = {"server", "vllm", "sglang", "openai", "dflash"}
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="python -m dflash.benchmark",
-                                     description="DFlash benchmark (reference-compatible flags; see `dflash bench -h`)")
+    parser = argparse.ArgumentParser(prog=PROG, description="DFlash benchmark (reference-compatible flags; see "
+                                                            "`dflash bench -h` for the rest)")
     parser.add_argument("--backend", default="transformers",
                         help=f"{', '.join(sorted(LOCAL_BACKENDS))} (in process) or "
                              f"{', '.join(sorted(SERVER_BACKENDS))} (an OpenAI-compatible server)")
     parser.add_argument("--dataset", nargs="+", default=["gsm8k"])
     parser.add_argument("--max-samples", type=int)
-    parser.add_argument("--num-prompts", type=int)
+    parser.add_argument("--num-prompts", type=int, help="server: conversations per level; in process: samples")
     parser.add_argument("--concurrency")
-    parser.add_argument("--base-url")
+    parser.add_argument("--base-url", help="the server's root or its /v1")
     parser.add_argument("--model", "--model-name-or-path", dest="model",
                         help="local: the target model; server: the model name the server knows")
-    parser.add_argument("--draft-model", "--draft-name-or-path", dest="draft_model", help="local: the drafter")
+    parser.add_argument("--draft-model", "--draft-name-or-path", dest="draft_model",
+                        help="local: the drafter (a server uses its own)")
     parser.add_argument("--block-size")
     parser.add_argument("--max-new-tokens", type=int)
     parser.add_argument("--temperature", type=float)
+    parser.add_argument("--top-p", type=float)
+    parser.add_argument("--top-k", type=int)
+    parser.add_argument("--timeout-s", type=float, help="server: seconds per request")
+    parser.add_argument("--enable-thinking", action="store_true",
+                        help="accepted: the chat template is applied with its own default, thinking for Qwen3")
     return parser
 
 
 def to_bench_argv(argv: list[str]) -> list[str]:
     """Translate reference flags into `dflash bench` arguments (unknown flags pass through)."""
+    from dflash.errors import UserError
+
     args, rest = build_parser().parse_known_args(argv)
     backend = args.backend.lower()
     if backend not in LOCAL_BACKENDS | SERVER_BACKENDS:
-        from dflash.errors import UserError
-
         raise UserError(f"unknown --backend {args.backend!r}; use one of "
                         f"{', '.join(sorted(LOCAL_BACKENDS | SERVER_BACKENDS))}")
     server = backend in SERVER_BACKENDS
@@ -52,25 +61,42 @@ def to_bench_argv(argv: list[str]) -> list[str]:
         out += ["--model" if server else "--target", args.model]
     if args.draft_model and not server:
         out += ["--draft", args.draft_model]
-    for flag, value in (("--max-samples", args.max_samples), ("--num-prompts", args.num_prompts),
+    max_samples, num_prompts = args.max_samples, args.num_prompts
+    if not server and num_prompts is not None:  # in process, the reference's prompt count is the sample count
+        if max_samples is not None and max_samples != num_prompts:
+            raise UserError(f"--num-prompts {num_prompts} and --max-samples {max_samples} both set the number of "
+                            "samples with an in-process backend; give one")
+        max_samples, num_prompts = num_prompts, None
+    if args.timeout_s is not None and not server:
+        raise UserError("--timeout-s is the per-request timeout of a server backend (--backend vllm or sglang); "
+                        "drop it for an in-process run")
+    for flag, value in (("--max-samples", max_samples), ("--num-prompts", num_prompts),
                         ("--concurrency", args.concurrency), ("--base-url", args.base_url),
                         ("--block-size", args.block_size), ("--max-new-tokens", args.max_new_tokens),
-                        ("--temperature", args.temperature)):
+                        ("--temperature", args.temperature), ("--top-p", args.top_p), ("--top-k", args.top_k),
+                        ("--request-timeout", args.timeout_s)):
         if value is not None:
             out += [flag, str(value)]
     return out + rest
 
 
 def main(argv: list[str] | None = None) -> int:
-    from dflash.cli.main import main as dflash_main
+    from dflash.cli import bench
+    from dflash.cli.main import run_command
     from dflash.errors import UserError
 
     try:
         bench_argv = to_bench_argv(sys.argv[1:] if argv is None else argv)
     except UserError as err:
-        print(f"python -m dflash.benchmark: error: {err}", file=sys.stderr)
+        print(f"{PROG}: error: {err}", file=sys.stderr)
         return 2
-    return dflash_main(["bench", *bench_argv])
+    # `dflash bench` itself, its errors under this name
+    parser = argparse.ArgumentParser(prog=PROG, usage="%(prog)s [reference flags: see --help] [dflash bench flags: "
+                                                      "see `dflash bench --help`]")
+    bench.add_arguments(parser)
+    args = parser.parse_args(bench_argv)
+    args.module, args.command = "dflash.cli.bench", "bench"
+    return run_command(args, PROG)
 
 
 if __name__ == "__main__":

@@ -16,6 +16,7 @@ import gzip
 import json
 import os
 import random
+import zlib
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable, Iterable
@@ -37,6 +38,16 @@ class Sample:
 
 
 @dataclass(frozen=True)
+class Record:
+    fields: dict
+    where: str  # "FILE:LINE" or "HUB_ID row N": named in every error about this record
+
+
+class BadRecord(ValueError):
+    """What is wrong with one record; `_to_sample` says where it is."""
+
+
+@dataclass(frozen=True)
 class HubSource:
     path: str
     config: str | None
@@ -48,17 +59,17 @@ class DatasetSpec:
     name: str
     files: tuple[str, ...]  # candidate paths inside a data directory, first found is used
     native_fields: tuple[str, ...]  # a record with all of these is in the dataset's own format
-    format: Callable[[dict], tuple[str, ...]]  # native record -> user turns
+    format: Callable[[dict], tuple[str, ...]]  # native record -> user turns (raises BadRecord)
     hub: HubSource | None = None
     id_field: str | None = None
 
 
 def _gsm8k(record: dict) -> tuple[str, ...]:
-    return (record["question"] + MATH_SUFFIX,)
+    return (text_field(record, "question") + MATH_SUFFIX,)
 
 
 def _math500(record: dict) -> tuple[str, ...]:
-    return (record["problem"] + MATH_SUFFIX,)
+    return (text_field(record, "problem") + MATH_SUFFIX,)
 
 
 def humaneval_prompt(code: str) -> str:
@@ -73,15 +84,38 @@ def mbpp_prompt(task: str, tests: list[str]) -> str:
 
 
 def _humaneval(record: dict) -> tuple[str, ...]:
-    return (humaneval_prompt(record["prompt"]),)
+    return (humaneval_prompt(text_field(record, "prompt")),)
 
 
 def _mbpp(record: dict) -> tuple[str, ...]:
-    return (mbpp_prompt(record.get("prompt") or record.get("text"), record["test_list"]),)
+    tests = list(texts_field(record, "test_list", allow_empty=True))
+    if "prompt" not in record and "text" not in record:
+        raise BadRecord("an mbpp record needs the task in 'prompt' (sanitized MBPP) or 'text' (full MBPP)")
+    return (mbpp_prompt(text_field(record, "prompt" if "prompt" in record else "text"), tests),)
 
 
 def _mt_bench(record: dict) -> tuple[str, ...]:
-    return tuple(record["turns"])
+    return texts_field(record, "turns")
+
+
+def text_field(record: dict, name: str) -> str:
+    value = record.get(name)
+    if not isinstance(value, str) or not value:
+        raise BadRecord(f"{name!r} must be a non-empty string, got {_shown(value)}")
+    return value
+
+
+def texts_field(record: dict, name: str, allow_empty: bool = False) -> tuple[str, ...]:
+    """A list of non-empty strings: a bare string here is an error, never split into characters."""
+    value = record.get(name)
+    if (not isinstance(value, list) or not (value or allow_empty)
+            or not all(isinstance(t, str) and t for t in value)):
+        raise BadRecord(f"{name!r} must be a list of non-empty strings, got {_shown(value)}")
+    return tuple(value)
+
+
+def _shown(value) -> str:
+    return f"{type(value).__name__} {value!r:.60}" if value is not None else "null"
 
 
 DATASETS: dict[str, DatasetSpec] = {
@@ -123,17 +157,24 @@ def resolve_names(names: Iterable[str]) -> list[str]:
             if name not in DATASETS:
                 raise UserError(f"unknown dataset {name!r}; choose from {', '.join(DATASETS)} or 'all'")
             out.append(name)
+    if not out:
+        raise UserError(f"no dataset given: pass --dataset with one of {', '.join(DATASETS)}, or 'all'")
     return list(dict.fromkeys(out))
 
 
 def load_samples(name: str, options: DataOptions) -> list[Sample]:
     """The samples of one dataset, from the first source that has it, subset by max_samples/seed."""
     spec = DATASETS[resolve_names([name])[0]]
-    records = _records(spec, options)
-    samples = [_to_sample(spec, r, i) for i, r in enumerate(records)]
+    source = find_source(spec, options)
+    samples = [_to_sample(spec, record, i) for i, record in enumerate(_read(source, spec))]
     if not samples:
-        raise UserError(f"{spec.name}: the data source has no records; check the file")
+        raise UserError(f"{spec.name}: {describe(source)} has no records; give a file with one JSON object per line")
     return subset(samples, options.max_samples, options.seed)
+
+
+def data_source(name: str, options: DataOptions) -> str:
+    """Where `load_samples` reads a dataset from: a file path, or the hub dataset's id."""
+    return describe(find_source(DATASETS[resolve_names([name])[0]], options))
 
 
 def subset(samples: list[Sample], max_samples: int | None, seed: int) -> list[Sample]:
@@ -145,17 +186,27 @@ def subset(samples: list[Sample], max_samples: int | None, seed: int) -> list[Sa
 
 
 # ---- sources ----------------------------------------------------------------------------------------
-def _records(spec: DatasetSpec, options: DataOptions) -> list[dict]:
+def find_source(spec: DatasetSpec, options: DataOptions) -> Path | HubSource:
     if options.data_file:
-        return read_jsonl(Path(options.data_file))
+        return Path(options.data_file)
     for directory in _data_dirs(options):
         for relative in spec.files:
             path = directory / relative
             if path.is_file():
-                return read_jsonl(path)
+                return path
     if spec.hub is not None and options.use_hub:
-        return load_from_hub(spec)
+        return spec.hub
     raise UserError(_missing_message(spec, options))
+
+
+def describe(source: Path | HubSource) -> str:
+    return f"{source.path} (Hugging Face Hub)" if isinstance(source, HubSource) else str(source)
+
+
+def _read(source: Path | HubSource, spec: DatasetSpec) -> list[Record]:
+    if isinstance(source, HubSource):
+        return [Record(r, f"{source.path} row {i}") for i, r in enumerate(load_from_hub(spec))]
+    return read_jsonl(source)
 
 
 def _data_dirs(options: DataOptions) -> list[Path]:
@@ -168,24 +219,40 @@ def _data_dirs(options: DataOptions) -> list[Path]:
     return dirs + list(options.extra_dirs)
 
 
-def read_jsonl(path: Path) -> list[dict]:
+def read_jsonl(path: Path) -> list[Record]:
+    """One record per non-blank line; every problem with the file is a UserError naming its line."""
     if not path.is_file():
         raise UserError(f"data file {path} does not exist; pass an existing JSONL file to --data-file")
     opener = gzip.open if path.suffix == ".gz" else open
     records = []
-    with opener(path, "rt", encoding="utf-8") as f:
-        for number, line in enumerate(f, 1):
-            if not line.strip():
-                continue
-            try:
-                record = json.loads(line)
-            except json.JSONDecodeError as err:
-                raise UserError(f"{path}:{number} is not valid JSON ({err.msg}); the file must be JSONL, "
-                                "one JSON object per line") from None
-            if not isinstance(record, dict):
-                raise UserError(f"{path}:{number} is not a JSON object; each line must be an object")
-            records.append(record)
+    try:
+        with opener(path, "rb") as f:
+            for number, raw in enumerate(f, 1):
+                records += _parse_line(raw, path, number)
+    except (gzip.BadGzipFile, EOFError, zlib.error) as err:
+        raise UserError(f"{path} is not a readable gzip file ({err}); name an uncompressed file *.jsonl, "
+                        "or compress it with gzip") from None
+    except OSError as err:
+        raise UserError(f"cannot read {path}: {err.strerror or err}") from None
     return records
+
+
+def _parse_line(raw: bytes, path: Path, number: int) -> list[Record]:
+    try:
+        line = raw.decode("utf-8-sig")
+    except UnicodeDecodeError as err:
+        raise UserError(f"{path}:{number} is not UTF-8 text (byte {raw[err.start]:#04x} at column {err.start + 1}); "
+                        "save the file as UTF-8") from None
+    if not line.strip():
+        return []
+    try:
+        record = json.loads(line)
+    except json.JSONDecodeError as err:
+        raise UserError(f"{path}:{number} is not valid JSON ({err.msg}); the file must be JSONL, "
+                        "one JSON object per line") from None
+    if not isinstance(record, dict):
+        raise UserError(f"{path}:{number} is not a JSON object; each line must be an object")
+    return [Record(record, f"{path}:{number}")]
 
 
 def load_from_hub(spec: DatasetSpec) -> list[dict]:
@@ -208,35 +275,41 @@ def _missing_message(spec: DatasetSpec, options: DataOptions | None) -> str:
 
 
 # ---- records -> samples -----------------------------------------------------------------------------
-def _to_sample(spec: DatasetSpec, record: dict, index: int) -> Sample:
-    sample_id = str(record.get(spec.id_field or "", record.get("id", index)))
-    if all(f in record for f in spec.native_fields):
-        return Sample(sample_id, _check_turns(spec.format(record), spec.name, index))
-    if "messages" in record:
-        history, turn = _split_messages(record["messages"], spec.name, index)
+def _to_sample(spec: DatasetSpec, record: Record, index: int) -> Sample:
+    try:
+        return _sample(spec, record.fields, index)
+    except BadRecord as err:
+        raise UserError(f"{record.where}: {err}") from None
+
+
+def _sample(spec: DatasetSpec, fields: dict, index: int) -> Sample:
+    sample_id = str(fields.get(spec.id_field or "", fields.get("id", index)))
+    if all(f in fields for f in spec.native_fields):
+        return Sample(sample_id, spec.format(fields))
+    if "messages" in fields:
+        history, turn = _split_messages(fields["messages"])
         return Sample(sample_id, (turn,), history)
-    if "turns" in record:
-        return Sample(sample_id, _check_turns(tuple(record["turns"]), spec.name, index))
-    if "prompt" in record:
-        return Sample(sample_id, _check_turns((record["prompt"],), spec.name, index))
-    raise UserError(f"{spec.name} record {index} has none of the fields "
-                    f"{list(spec.native_fields)}, 'prompt', 'turns' or 'messages' (it has {sorted(record)[:8]})")
+    if "turns" in fields:
+        return Sample(sample_id, texts_field(fields, "turns"))
+    if "prompt" in fields:
+        return Sample(sample_id, (text_field(fields, "prompt"),))
+    raise BadRecord(f"a {spec.name} record needs the field(s) {'/'.join(repr(f) for f in spec.native_fields)}, "
+                    f"or 'prompt', 'turns' or 'messages'; it has none of the fields (it has {sorted(fields)[:8]})")
 
 
-def _check_turns(turns: tuple, name: str, index: int) -> tuple[str, ...]:
-    if not turns or not all(isinstance(t, str) and t for t in turns):
-        raise UserError(f"{name} record {index}: every turn must be a non-empty string, got {turns!r:.120}")
-    return turns
-
-
-def _split_messages(messages, name: str, index: int) -> tuple[tuple[dict, ...], str]:
+def _split_messages(messages) -> tuple[tuple[dict, ...], str]:
     """Fixed history and the last user turn; trailing assistant messages (reference answers) are dropped."""
     if not isinstance(messages, list) or not all(isinstance(m, dict) and "role" in m and "content" in m
                                                  for m in messages):
-        raise UserError(f"{name} record {index}: 'messages' must be a list of {{'role', 'content'}} objects")
+        raise BadRecord("'messages' must be a list of {'role', 'content'} objects")
+    for i, m in enumerate(messages):
+        if not isinstance(m["content"], str):
+            raise BadRecord(f"'messages'[{i}]['content'] must be a string (join the text of content parts), "
+                            f"got {_shown(m['content'])}")
     messages = list(messages)
     while messages and messages[-1]["role"] == "assistant":
         messages.pop()
-    if not messages or messages[-1]["role"] != "user":
-        raise UserError(f"{name} record {index}: 'messages' must contain a user message to answer")
+    if not messages or messages[-1]["role"] != "user" or not messages[-1]["content"]:
+        raise BadRecord("'messages' must end with a non-empty user message to answer (assistant messages after "
+                        "it are dropped)")
     return tuple({"role": m["role"], "content": m["content"]} for m in messages[:-1]), messages[-1]["content"]

@@ -1,14 +1,20 @@
 """The local backend: the same target decodes every prompt twice in one process, plainly (the baseline)
-and with DFlash, after a warm-up. At temperature 0 the two outputs must be identical token for token;
-every difference is counted in `mismatches`.
+and with DFlash, after a warm-up. The two outputs must be identical token for token, at any temperature:
+greedy decoding is lossless, and every prompt is sampled with its own seed (`--seed` + its index), which fixes
+each position's draw whatever the drafting (`dflash.decoding.sampling.PositionNoise`). Every difference is
+counted in `mismatches`.
 
 For multi-turn samples (mt-bench) each next turn follows the model's own previous answer: the baseline's,
 so both methods see exactly the same prompt at every turn.
+
+Every first turn must fit the target's context with max_new_tokens to spare (`check_context`, before any
+decoding); a later turn that would not (it grows with the answers) ends its conversation there, and the
+turns left out are listed in `skipped_turns`.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Callable, Protocol
 
 from dflash.bench.datasets import Sample
@@ -34,6 +40,8 @@ class LocalConfig:
     block_size: int | str | None = None  # None: the drafter's own; "auto": chosen before every step
     seed: int = 0
     warmup_tokens: int = 16  # a short generation per engine before timing (0: none)
+    top_p: float = 1.0
+    top_k: int = 0  # 0: off
 
 
 @dataclass
@@ -42,6 +50,12 @@ class TurnRecord:
     turn: int
     baseline: GenerationOutput
     dflash: GenerationOutput
+
+
+@dataclass
+class Conversation:
+    records: list[TurnRecord]
+    skipped_turns: list[str] = field(default_factory=list)  # "id#turn": later turns past the context
 
 
 class LocalBackend:
@@ -59,14 +73,46 @@ class LocalBackend:
         """The (largest) block size a run uses; raises a UserError if the drafter cannot use `requested`."""
         return self.pipe.engine.proposer_for(GenerationConfig(block_size=requested)).block_size
 
+    def prompt_room(self, config: LocalConfig) -> int | None:
+        """The most prompt tokens that fit the target's context with max_new_tokens and one block to spare
+        (the engine's own limit); None when the target states no context length."""
+        limit = self.context_length()
+        return limit - config.max_new_tokens - self.block_size(config.block_size) if limit else None
+
+    def context_length(self) -> int | None:
+        return getattr(self.pipe.target.config, "max_position_embeddings", None)
+
+    def check_context(self, data: dict[str, list[Sample]], config: LocalConfig) -> None:
+        """Before any decoding: every first turn must fit, or the run would stop on it after hours of work."""
+        room = self.prompt_room(config)
+        if room is None:
+            return
+        too_long = [(f"{name} sample {s.id}", n) for name, samples in data.items() for s in samples
+                    if (n := len(self.encode(first_turn(s)))) > room]
+        if too_long:
+            raise UserError(self._too_long_message(too_long, config))
+
+    def _too_long_message(self, too_long: list[tuple[str, int]], config: LocalConfig) -> str:
+        limit, block = self.context_length(), self.block_size(config.block_size)
+        most_new_tokens = limit - max(n for _, n in too_long) - block
+        fix = (f"lower --max-new-tokens to {most_new_tokens} or less, or leave them out of the data (--data-file)"
+               if most_new_tokens >= 1 else "leave them out of the data (--data-file)")
+        shown = ", ".join(f"{key} ({n} tokens)" for key, n in too_long[:10])
+        return (f"{len(too_long)} prompt(s) do not fit the target's context of {limit} tokens with --max-new-tokens "
+                f"{config.max_new_tokens} and a block of {block}: {shown}{' ...' if len(too_long) > 10 else ''}; "
+                f"{fix}")
+
     def run(self, dataset: str, samples: list[Sample], config: LocalConfig,
             on_turn: Callable[[], None] | None = None) -> BenchResult:
         block_size = self.block_size(config.block_size)
         self.warm_up(samples[0], config)
-        records = []
+        records, skipped = [], []
         for index, sample in enumerate(samples):
-            records.extend(self.run_sample(sample, config, seed=config.seed + index, on_turn=on_turn))
+            conversation = self.run_sample(sample, config, seed=config.seed + index, on_turn=on_turn)
+            records.extend(conversation.records)
+            skipped.extend(conversation.skipped_turns)
         result = summarize(dataset, len(samples), records, config, block_size)
+        result.skipped_turns = skipped
         if config.block_size == AUTO:
             result.block_size = AUTO  # the histogram spans the drafter's whole block
         return result
@@ -74,27 +120,31 @@ class LocalBackend:
     def warm_up(self, sample: Sample, config: LocalConfig) -> None:
         if config.warmup_tokens <= 0:
             return
-        ids = self.encode(list(sample.history) + [{"role": "user", "content": sample.turns[0]}])
+        ids = self.encode(first_turn(sample))
         short = min(config.warmup_tokens, config.max_new_tokens)
         self.baseline.generate([ids], self.generation_config(config, short, baseline=True))
         self.dflash.generate([ids], self.generation_config(config, short, baseline=False))
 
     def run_sample(self, sample: Sample, config: LocalConfig, seed: int,
-                   on_turn: Callable[[], None] | None = None) -> list[TurnRecord]:
+                   on_turn: Callable[[], None] | None = None) -> Conversation:
         messages = list(sample.history)
-        records = []
+        room = self.prompt_room(config)
+        conversation = Conversation([])
         for turn, text in enumerate(sample.turns):
             messages.append({"role": "user", "content": text})
             ids = self.encode(messages)
+            if room is not None and len(ids) > room:  # the answers so far left no room for this turn
+                conversation.skipped_turns = [f"{sample.id}#{t}" for t in range(turn, len(sample.turns))]
+                break
             base_cfg = self.generation_config(config, config.max_new_tokens, baseline=True, seed=seed + turn)
             dflash_cfg = self.generation_config(config, config.max_new_tokens, baseline=False, seed=seed + turn)
             baseline = self.baseline.generate([ids], base_cfg)[0]
             dflash = self.dflash.generate([ids], dflash_cfg)[0]
-            records.append(TurnRecord(sample.id, turn, baseline, dflash))
+            conversation.records.append(TurnRecord(sample.id, turn, baseline, dflash))
             messages.append({"role": "assistant", "content": self.answer_text(baseline)})
             if on_turn is not None:
                 on_turn()
-        return records
+        return conversation
 
     def encode(self, messages: list[dict]) -> list[int]:
         return self.pipe.encode(messages)
@@ -108,8 +158,12 @@ class LocalBackend:
     def generation_config(config: LocalConfig, max_new_tokens: int, baseline: bool,
                           seed: int | None = None) -> GenerationConfig:
         return GenerationConfig(max_new_tokens=max_new_tokens, temperature=config.temperature,
-                                seed=seed if seed is not None else config.seed,
+                                top_p=config.top_p, top_k=config.top_k, seed=seed if seed is not None else config.seed,
                                 block_size=None if baseline else config.block_size)
+
+
+def first_turn(sample: Sample) -> list[dict]:
+    return list(sample.history) + [{"role": "user", "content": sample.turns[0]}]
 
 
 def summarize(dataset: str, num_prompts: int, records: list[TurnRecord], config: LocalConfig,
@@ -121,7 +175,6 @@ def summarize(dataset: str, num_prompts: int, records: list[TurnRecord], config:
     blocks = [b for out in fast for b in out.stats.block_sizes]
     hist = acceptance_histogram(steps, block_size)
     base_tps, fast_tps = tokens_per_s(base), tokens_per_s(fast)
-    greedy = config.temperature == 0
     mismatched = [f"{r.sample_id}#{r.turn}" for r in records if r.baseline.output_ids != r.dflash.output_ids]
     return BenchResult(
         dataset=dataset, backend="local", num_prompts=num_prompts, num_requests=len(records),
@@ -130,7 +183,7 @@ def summarize(dataset: str, num_prompts: int, records: list[TurnRecord], config:
         baseline_tokens_per_s=base_tps, dflash_tokens_per_s=fast_tps, speedup=ratio(fast_tps, base_tps),
         mean_acceptance_length=mean_acceptance_length(hist), acceptance_histogram=hist,
         acceptance_rate_per_position=acceptance_rate_per_position(hist),
-        mismatches=len(mismatched) if greedy else None, mismatched_prompts=mismatched if greedy else [],
+        mismatches=len(mismatched), mismatched_prompts=mismatched,
         baseline_output_tokens=sum(o.stats.num_output_tokens for o in base),
         dflash_output_tokens=sum(o.stats.num_output_tokens for o in fast),
         baseline_ttft_ms=_mean_ms([o.stats.time_to_first_token_s for o in base]),

@@ -33,6 +33,7 @@ class BenchResult:
     acceptance_rate_per_position: list[float] = field(default_factory=list)  # [i] = P(draft token i+1 accepted)
     mismatches: int | None = None  # greedy requests whose DFlash output differs from the baseline's; None: not checked
     mismatched_prompts: list[str] = field(default_factory=list)
+    skipped_turns: list[str] = field(default_factory=list)  # local: later turns past the target's context (id#turn)
     baseline_output_tokens: int = 0
     dflash_output_tokens: int = 0
     baseline_ttft_ms: float | None = None  # mean time to first token
@@ -42,7 +43,8 @@ class BenchResult:
     baseline_latency_ms: dict[str, float] | None = None  # request latency mean/p50/p90/p99
     dflash_latency_ms: dict[str, float] | None = None
     requests_per_s: float | None = None
-    errors: int = 0
+    errors: int = 0  # failed requests, on either server
+    first_error: str | None = None
     baseline_cost_per_1m_tokens_usd: float | None = None
     dflash_cost_per_1m_tokens_usd: float | None = None
 

@@ -1,15 +1,23 @@
-"""One benchmark run: every dataset, at every block size (local) or concurrency (server)."""
+"""One benchmark run: every dataset, at every block size (local) or concurrency (server).
+
+Everything that can be checked is checked before the first measurement (block sizes, prompt lengths,
+both servers). The output directory is written when the run starts and again after every finished
+(dataset, setting), so it always describes this run alone and an interrupt or a later failure keeps
+every finished measurement.
+"""
 
 from __future__ import annotations
 
+import os
 import platform
 from contextlib import nullcontext
 from dataclasses import asdict, dataclass, field
+from typing import Iterator
 
 from rich.console import Console
 
 from dflash.bench import report
-from dflash.bench.datasets import DataOptions, Sample, load_samples, resolve_names
+from dflash.bench.datasets import DATA_DIR_ENV, DataOptions, Sample, data_source, load_samples, resolve_names
 from dflash.bench.local import LocalBackend, LocalConfig
 from dflash.bench.metrics import BenchResult, add_costs
 from dflash.bench.server import ServerBackend, ServerConfig
@@ -24,6 +32,8 @@ class BenchConfig:
     block_sizes: list[int | str | None] = field(default_factory=lambda: [None])  # local; None: the drafter's own
     max_new_tokens: int = 256
     temperature: float = 0.0
+    top_p: float = 1.0
+    top_k: int = 0  # 0: off
     seed: int = 0
     warmup_tokens: int = 16
     server: ServerConfig | None = None  # required for the server backend
@@ -32,51 +42,104 @@ class BenchConfig:
     show_progress: bool = True
 
 
-def run_bench(config: BenchConfig, pipe=None, console: Console | None = None) -> list[BenchResult]:
-    """Run, print the table, write the output directory; `pipe` (a `DFlash`) for the local backend."""
+def run_bench(config: BenchConfig, pipe=None, console: Console | None = None,
+              stdout: Console | None = None) -> list[BenchResult]:
+    """Run, print the table (to `stdout`; progress and warnings to `console`, stderr), write the output
+    directory; `pipe` (a `DFlash`) for the local backend."""
     console = console or Console(stderr=True)
-    names = resolve_names(config.datasets)
-    data = {name: load_samples(name, config.data) for name in names}  # every dataset checked before any run
+    stdout = stdout or Console()
+    data = {name: load_samples(name, config.data) for name in resolve_names(config.datasets)}
     if config.backend == "server":
-        results = _run_server(config, data, console)
+        runs = _server_runs(config, _server_backend(config, console), data, console)
     else:
-        results = _run_local(config, data, pipe, console)
-    add_costs(results, config.gpu_hourly_usd)
-    report.print_table(results, console)
+        runs = _local_runs(config, _local_backend(config, data, pipe), data, console)
+    info = setup(config, pipe, data)
     if config.output_dir:
-        written = report.write_outputs(results, config.output_dir, setup(config, pipe))
-        console.print(f"wrote {', '.join(p.name for p in written)} to {config.output_dir}")
+        report.write_outputs([], config.output_dir, info)  # this run's config; no stale results or plots
+    results: list[BenchResult] = []
+    try:
+        for result in runs:
+            add_costs([result], config.gpu_hourly_usd)
+            results.append(result)
+            if config.output_dir:
+                report.write_outputs(results, config.output_dir, info)
+    except (Exception, KeyboardInterrupt) as err:
+        _show_partial(results, config, err, console, stdout)
+        raise
+    report.print_table(results, stdout)
+    report.print_warnings(results, console)
+    if config.output_dir:
+        console.print(f"wrote results.json, results.md, config.json and plots to {config.output_dir}",
+                      soft_wrap=True, highlight=False)
     return results
 
 
-def _run_local(config: BenchConfig, data: dict[str, list[Sample]], pipe, console: Console) -> list[BenchResult]:
+def planned_runs(config: BenchConfig) -> int:
+    settings = config.server.concurrency if config.backend == "server" and config.server else config.block_sizes
+    return len(resolve_names(config.datasets)) * len(settings)
+
+
+def _show_partial(results: list[BenchResult], config: BenchConfig, err: BaseException, console: Console,
+                  stdout: Console) -> None:
+    """What a stopped run had measured, and where it is; the CLI then names the interrupt or the error."""
+    if not results:
+        return
+    report.print_table(results, stdout)
+    report.print_warnings(results, console)
+    stopped = "interrupted" if isinstance(err, KeyboardInterrupt) else "stopped by the error below"
+    where = (f"saved in {config.output_dir} (results.json, results.md, plots)" if config.output_dir
+             else "in the table above (--output-dir saves them as they finish)")
+    console.print(f"{stopped} after {len(results)} of {planned_runs(config)} runs; the finished ones are {where}",
+                  style="bold yellow", highlight=False, soft_wrap=True)
+
+
+# ---- local ----------------------------------------------------------------------------------------------
+def _local_config(config: BenchConfig, block_size: int | str | None) -> LocalConfig:
+    return LocalConfig(max_new_tokens=config.max_new_tokens, temperature=config.temperature, block_size=block_size,
+                       seed=config.seed, warmup_tokens=config.warmup_tokens, top_p=config.top_p, top_k=config.top_k)
+
+
+def _local_backend(config: BenchConfig, data: dict[str, list[Sample]], pipe) -> LocalBackend:
+    """The pair, with every block size and every first turn checked before any decoding."""
     backend = LocalBackend(pipe)
+    widest = max(config.block_sizes, key=backend.block_size)  # raises for a size the drafter cannot use
+    backend.check_context(data, _local_config(config, widest))
+    return backend
+
+
+def _local_runs(config: BenchConfig, backend: LocalBackend, data: dict[str, list[Sample]],
+                console: Console) -> Iterator[BenchResult]:
     for block_size in config.block_sizes:
-        backend.block_size(block_size)  # every size checked before any run
-    results = []
-    for block_size in config.block_sizes:
-        local = LocalConfig(max_new_tokens=config.max_new_tokens, temperature=config.temperature,
-                            block_size=block_size, seed=config.seed, warmup_tokens=config.warmup_tokens)
+        local = _local_config(config, block_size)
         for name, samples in data.items():
             turns = sum(len(s.turns) for s in samples)
             label = f"{name} B={block_size if block_size == AUTO else backend.block_size(block_size)}"
             with _progress(config, label, turns, console) as advance:
-                results.append(backend.run(name, samples, local, on_turn=advance))
-    return results
+                result = backend.run(name, samples, local, on_turn=advance)
+            yield result
 
 
-def _run_server(config: BenchConfig, data: dict[str, list[Sample]], console: Console) -> list[BenchResult]:
+# ---- server ---------------------------------------------------------------------------------------------
+def _server_backend(config: BenchConfig, console: Console) -> ServerBackend:
     server = config.server
     server.max_new_tokens, server.temperature, server.seed = config.max_new_tokens, config.temperature, config.seed
-    backend = ServerBackend(server)
-    results = []
+    server.top_p, server.top_k = config.top_p, config.top_k
+    backend = ServerBackend(server)  # both servers answer and serve the model, or a UserError
+    for warning in backend.warnings:
+        console.print(f"warning: {warning}", style="yellow", highlight=False, soft_wrap=True)
+    return backend
+
+
+def _server_runs(config: BenchConfig, backend: ServerBackend, data: dict[str, list[Sample]],
+                 console: Console) -> Iterator[BenchResult]:
+    server = config.server
     for name, samples in data.items():
         for concurrency in server.concurrency:
             total = sum(len(s.turns) for s in samples) * backend.num_prompts(samples) // len(samples)
             total *= (2 if server.baseline_url else 1) * server.rounds
             with _progress(config, f"{name} c={concurrency}", total, console) as advance:
-                results.append(backend.run_level(name, samples, concurrency, on_request=advance))
-    return results
+                result = backend.run_level(name, samples, concurrency, on_request=advance)
+            yield result
 
 
 def _progress(config: BenchConfig, label: str, total: int, console: Console):
@@ -85,26 +148,35 @@ def _progress(config: BenchConfig, label: str, total: int, console: Console):
     return nullcontext(lambda: None)
 
 
-def setup(config: BenchConfig, pipe=None) -> dict:
-    """What was measured, on what: saved next to the results."""
+# ---- what was measured --------------------------------------------------------------------------------
+def setup(config: BenchConfig, pipe=None, data: dict[str, list[Sample]] | None = None) -> dict:
+    """What was measured, on what, from which data: saved next to the results."""
     import torch
 
     info = {
         "backend": config.backend,
         "datasets": resolve_names(config.datasets),
+        "data_file": config.data.data_file,
+        "data_dir": config.data.data_dir or os.environ.get(DATA_DIR_ENV),
+        "data_sources": {name: data_source(name, config.data) for name in resolve_names(config.datasets)},
         "max_samples": config.data.max_samples,
         "seed": config.seed,
         "max_new_tokens": config.max_new_tokens,
         "temperature": config.temperature,
+        "top_p": config.top_p if config.top_p != 1.0 else None,
+        "top_k": config.top_k or None,
         "gpu_hourly_usd": config.gpu_hourly_usd,
         "machine": platform.platform(),
         "torch": torch.__version__,
     }
     if config.backend == "server" and config.server is not None:
-        info.update({k: v for k, v in asdict(config.server).items() if k != "api_key"})
+        info.update({k: v for k, v in asdict(config.server).items() if k != "api_key" and k not in info})
     if pipe is not None:
         info["target"] = str(getattr(pipe.target.model.config, "_name_or_path", "") or "")
         info["device"] = str(pipe.target.device)
         info["dtype"] = str(pipe.target.dtype)
         info["block_sizes"] = [b or pipe.engine.proposer.block_size for b in config.block_sizes]
+        info["warmup_tokens"] = config.warmup_tokens
+    if data is not None:
+        info["sample_ids"] = {name: [s.id for s in samples] for name, samples in data.items()}
     return info

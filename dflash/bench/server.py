@@ -19,6 +19,7 @@ median of the rounds' speedups (one stalled round does not move it), and `speedu
 from __future__ import annotations
 
 import asyncio
+import math
 import re
 import statistics
 import time
@@ -45,7 +46,7 @@ PER_POSITION = "num_accepted_tokens_per_pos"
 
 @dataclass
 class ServerConfig:
-    base_url: str  # e.g. http://127.0.0.1:8000/v1
+    base_url: str  # e.g. http://127.0.0.1:8000/v1; a bare http://host:port gets /v1
     model: str | None = None  # None: the first model the server lists
     endpoint: str = "chat"  # "chat" (/chat/completions) or "completions" (/completions)
     api_key: str | None = None
@@ -54,11 +55,20 @@ class ServerConfig:
     duration_s: float | None = None  # keep the load up this long instead (prompts cycle)
     max_new_tokens: int = 256
     temperature: float = 0.0
+    top_p: float = 1.0
+    top_k: int = 0  # 0: off (not sent)
     seed: int = 0
     timeout_s: float = 600.0
     metrics_url: str | None = None  # None: /metrics at the server's root
     baseline_url: str | None = None
     rounds: int = 1  # passes over each level (servers alternating who goes first); speedup = their median
+
+    def __post_init__(self) -> None:
+        self.base_url = api_base_url(self.base_url, "--base-url")
+        if self.baseline_url:
+            self.baseline_url = api_base_url(self.baseline_url, "--baseline-url")
+        if self.metrics_url:
+            _check_http(self.metrics_url, "--metrics-url", "http://127.0.0.1:8000/metrics")
 
 
 @dataclass
@@ -147,6 +157,21 @@ def spec_decode_counters(text: str) -> SpecDecodeCounters | None:
     return None
 
 
+def api_base_url(url: str, flag: str) -> str:
+    """The OpenAI API root: http://host:port -> http://host:port/v1 (what vLLM, SGLang and `dflash serve`
+    serve); a URL with a path is taken as given (a proxy may mount the API anywhere)."""
+    parts = _check_http(url, flag, "http://127.0.0.1:8000/v1")
+    path = parts.path.rstrip("/") or "/v1"
+    return urlunsplit((parts.scheme, parts.netloc, path, parts.query, ""))
+
+
+def _check_http(url: str, flag: str, example: str):
+    parts = urlsplit(url.strip())
+    if parts.scheme not in ("http", "https") or not parts.netloc:
+        raise UserError(f"{flag} must be an http:// or https:// URL like {example}, got {url!r}")
+    return parts
+
+
 def default_metrics_url(base_url: str) -> str:
     """http://host:port/v1 -> http://host:port/metrics"""
     parts = urlsplit(base_url)
@@ -157,24 +182,33 @@ def default_metrics_url(base_url: str) -> str:
 
 
 def scrape(url: str, timeout_s: float = 10.0) -> SpecDecodeCounters | None:
+    return fetch_metrics(url, timeout_s)[0]
+
+
+def fetch_metrics(url: str, timeout_s: float = 10.0) -> tuple[SpecDecodeCounters | None, str | None]:
+    """(counters, None), or (None, what went wrong)."""
     try:
         response = httpx.get(url, timeout=timeout_s)
-    except httpx.HTTPError:
-        return None
+    except httpx.HTTPError as err:
+        return None, f"cannot read {url} ({type(err).__name__})"
     if response.status_code != 200:
-        return None
-    return spec_decode_counters(response.text)
+        return None, f"{url} answered HTTP {response.status_code}"
+    counters = spec_decode_counters(response.text)
+    if counters is None:
+        return None, f"{url} has no spec_decode counters (dflash: or vllm:); is the server running a drafter?"
+    return counters, None
 
 
 # ---- the client ---------------------------------------------------------------------------------------
 class Client:
     """One OpenAI-compatible endpoint: a conversation's turns, each answered before the next is sent."""
 
-    def __init__(self, base_url: str, config: ServerConfig, model: str):
+    def __init__(self, base_url: str, config: ServerConfig, model: str, flag: str = "--base-url"):
         self.base_url = base_url.rstrip("/")
         self.config = config
         self.model = model
-        self.headers = {"Authorization": f"Bearer {config.api_key}"} if config.api_key else {}
+        self.flag = flag  # named in errors: which of the two servers failed
+        self.headers = _headers(config)
 
     async def conversation(self, http: httpx.AsyncClient, sample: Sample, seed: int) -> list[RequestRecord]:
         messages = list(sample.history)
@@ -199,8 +233,9 @@ class Client:
                 error = f"HTTP {response.status_code}: {response.text[:200]}"
                 return RequestRecord(sample_id, turn, latency, 0, "", error)
             data = response.json()
-        except httpx.ConnectError:
-            raise UserError(f"cannot connect to {url}: is the server running? check --base-url") from None
+        except httpx.ConnectError:  # it answered before the run (ServerBackend checks): it went away since
+            raise UserError(f"lost the connection to {url} ({self.flag}) during the run: did the server "
+                            "stop?") from None
         except (httpx.HTTPError, ValueError) as err:
             return RequestRecord(sample_id, turn, time.perf_counter() - start, 0, "", f"{type(err).__name__}: {err}")
         text = _choice_text(data, self.config.endpoint)
@@ -210,6 +245,10 @@ class Client:
     def payload(self, messages: list[dict], seed: int) -> tuple[str, dict]:
         body = {"model": self.model, "max_tokens": self.config.max_new_tokens,
                 "temperature": self.config.temperature, "seed": seed}
+        if self.config.top_p != 1.0:
+            body["top_p"] = self.config.top_p
+        if self.config.top_k > 0:  # not an OpenAI field: sent only when asked for (vLLM and SGLang take it)
+            body["top_k"] = self.config.top_k
         if self.config.endpoint == "chat":
             return f"{self.base_url}/chat/completions", {**body, "messages": messages}
         return f"{self.base_url}/completions", {**body, "prompt": "\n\n".join(m["content"] for m in messages)}
@@ -222,18 +261,46 @@ def _choice_text(data: dict, endpoint: str) -> str:
     return choice.get("text") or ""
 
 
-def resolve_model(base_url: str, config: ServerConfig) -> str:
-    if config.model:
-        return config.model
+def _headers(config: ServerConfig) -> dict[str, str]:
+    return {"Authorization": f"Bearer {config.api_key}"} if config.api_key else {}
+
+
+def list_models(base_url: str, config: ServerConfig, flag: str) -> list[str] | None:
+    """The model names a server lists at /models; None when it answers but lists none readable.
+    An unreachable server is a UserError naming `flag`, before any load is sent."""
     url = base_url.rstrip("/") + "/models"
     try:
-        headers = {"Authorization": f"Bearer {config.api_key}"} if config.api_key else {}
-        response = httpx.get(url, timeout=30, headers=headers)
-        return response.json()["data"][0]["id"]
-    except httpx.ConnectError:
-        raise UserError(f"cannot connect to {url}: is the server running? check --base-url") from None
-    except (httpx.HTTPError, ValueError, KeyError, IndexError, TypeError):
-        raise UserError(f"could not read the model name from {url}; pass --model NAME") from None
+        response = httpx.get(url, timeout=30, headers=_headers(config))
+    except httpx.HTTPError as err:
+        raise UserError(f"cannot connect to {url} ({type(err).__name__}): is the server running? "
+                        f"check {flag}") from None
+    if response.status_code in (401, 403):
+        raise UserError(f"{url} answered HTTP {response.status_code}: the server wants an API key; pass --api-key "
+                        "(or set $OPENAI_API_KEY)")
+    try:
+        return [str(m["id"]) for m in response.json()["data"]] if response.status_code == 200 else None
+    except (ValueError, KeyError, TypeError):
+        return None
+
+
+def resolve_model(base_url: str, config: ServerConfig) -> str:
+    """--model, checked against what the server lists; or the first model it lists."""
+    listed = list_models(base_url, config, "--base-url")
+    if config.model:
+        if listed and config.model not in listed:
+            raise UserError(f"{base_url} serves {listed}, not {config.model!r}; fix --model")
+        return config.model
+    if not listed:
+        raise UserError(f"could not read the model name from {base_url}/models; pass --model NAME")
+    return listed[0]
+
+
+def check_baseline(baseline_url: str, config: ServerConfig, model: str) -> None:
+    """The plain server must answer and serve the same model name, before any load is sent."""
+    listed = list_models(baseline_url, config, "--baseline-url")
+    if listed and model not in listed:
+        raise UserError(f"the baseline server {baseline_url} serves {listed}, not {model!r} (the model on "
+                        "--base-url): serve the same target there under the same name (vLLM: --served-model-name)")
 
 
 async def run_load(client: Client, samples: list[Sample], concurrency: int, num_prompts: int,
@@ -270,24 +337,23 @@ async def run_load(client: Client, samples: list[Sample], concurrency: int, num_
 
 
 class ServerBackend:
+    """Checks both servers (reachable, same model) and the metrics endpoint before any load is sent;
+    what is worth knowing but not fatal (no counters to read) is left in `warnings`."""
+
     def __init__(self, config: ServerConfig):
-        if config.endpoint not in ("chat", "completions"):
-            raise UserError(f"--endpoint must be 'chat' or 'completions', not {config.endpoint!r}")
-        if any(c < 1 for c in config.concurrency):
-            raise UserError(f"--concurrency values must be >= 1, got {config.concurrency}")
-        if config.rounds < 1:
-            raise UserError(f"--rounds must be >= 1, got {config.rounds}")
-        if config.duration_s is not None and config.duration_s <= 0:
-            raise UserError(f"--duration must be > 0 seconds, got {config.duration_s}")
-        if config.num_prompts is not None and config.num_prompts < 1:
-            raise UserError(f"--num-prompts must be >= 1, got {config.num_prompts}")
-        if config.timeout_s <= 0:
-            raise UserError(f"--request-timeout must be > 0 seconds, got {config.timeout_s}")
+        _check_config(config)
         self.config = config
         model = resolve_model(config.base_url, config)
+        if config.baseline_url:
+            check_baseline(config.baseline_url, config, model)
         self.client = Client(config.base_url, config, model)
-        self.baseline = Client(config.baseline_url, config, model) if config.baseline_url else None
+        self.baseline = Client(config.baseline_url, config, model, "--baseline-url") if config.baseline_url else None
         self.metrics_url = config.metrics_url or default_metrics_url(config.base_url)
+        self.warnings: list[str] = []
+        problem = fetch_metrics(self.metrics_url)[1]
+        if problem:
+            self.warnings.append(f"{problem}: tau and the acceptance histogram will be missing"
+                                 + ("" if config.metrics_url else "; point --metrics-url at the server's metrics"))
 
     def num_prompts(self, samples: list[Sample]) -> int:
         return self.config.num_prompts or len(samples)
@@ -322,6 +388,21 @@ class ServerBackend:
         return result
 
 
+def _check_config(config: ServerConfig) -> None:
+    if config.endpoint not in ("chat", "completions"):
+        raise UserError(f"--endpoint must be 'chat' or 'completions', not {config.endpoint!r}")
+    if not config.concurrency or any(c < 1 for c in config.concurrency):
+        raise UserError(f"--concurrency takes values >= 1, like 1 or 1,4,8; got {config.concurrency}")
+    if config.rounds < 1:
+        raise UserError(f"--rounds must be >= 1, got {config.rounds}")
+    if config.duration_s is not None and not (math.isfinite(config.duration_s) and config.duration_s > 0):
+        raise UserError(f"--duration must be a finite number of seconds > 0, got {config.duration_s}")
+    if config.num_prompts is not None and config.num_prompts < 1:
+        raise UserError(f"--num-prompts must be >= 1, got {config.num_prompts}")
+    if not (math.isfinite(config.timeout_s) and config.timeout_s > 0):
+        raise UserError(f"--request-timeout must be a finite number of seconds > 0, got {config.timeout_s}")
+
+
 def pooled(loads: list[LoadResult]) -> LoadResult:
     """Several loads as one: every request, and the time they took together."""
     return LoadResult([r for load in loads for r in load.records], sum(load.wall_s for load in loads))
@@ -330,8 +411,10 @@ def pooled(loads: list[LoadResult]) -> LoadResult:
 def summarize_load(dataset: str, load: LoadResult, base: LoadResult | None, counters: SpecDecodeCounters | None,
                    config: ServerConfig, concurrency: int) -> BenchResult:
     ok = [r for r in load.records if r.error is None]
-    if load.records and not ok:
-        raise UserError(f"every request to {config.base_url} failed; the first: {load.records[0].error}")
+    _check_some_answered(load, config.base_url, "--base-url")
+    if base is not None:
+        _check_some_answered(base, config.baseline_url, "--baseline-url")
+    failed = [r for r in load.records + (base.records if base is not None else []) if r.error is not None]
     fast_tps = _throughput(load)
     base_tps = _throughput(base) if base is not None else None
     result = BenchResult(
@@ -340,7 +423,7 @@ def summarize_load(dataset: str, load: LoadResult, base: LoadResult | None, coun
         max_new_tokens=config.max_new_tokens, dflash_tokens_per_s=fast_tps, baseline_tokens_per_s=base_tps,
         speedup=ratio(fast_tps, base_tps), dflash_output_tokens=sum(r.output_tokens for r in ok),
         dflash_latency_ms=_latency_ms(load), requests_per_s=len(ok) / load.wall_s if load.wall_s > 0 else None,
-        errors=len(load.records) - len(ok),
+        errors=len(failed), first_error=failed[0].error if failed else None,
     )
     if base is not None:
         result.baseline_output_tokens = sum(r.output_tokens for r in base.records if r.error is None)
@@ -356,6 +439,11 @@ def summarize_load(dataset: str, load: LoadResult, base: LoadResult | None, coun
         result.acceptance_histogram = hist if counters.accepted_per_pos else []
         result.acceptance_rate_per_position = acceptance_rate_per_position(hist) if counters.accepted_per_pos else []
     return result
+
+
+def _check_some_answered(load: LoadResult, url: str, flag: str) -> None:
+    if load.records and all(r.error is not None for r in load.records):
+        raise UserError(f"every request to {url} ({flag}) failed; the first: {load.records[0].error}")
 
 
 def _throughput(load: LoadResult) -> float | None:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import copy
+import math
 import os
 from pathlib import Path
 
@@ -11,6 +12,14 @@ from dflash.cli.common import add_model_arguments, int_list, load_pipeline
 from dflash.errors import UserError
 
 DATASET_HELP = "gsm8k, math500, humaneval, mbpp, mt-bench, or all (several: space or comma separated)"
+
+# flags that only one backend reads: giving one to the other backend is an error, never silently ignored
+SERVER_FLAGS = {"model": "--model", "endpoint": "--endpoint", "concurrency": "--concurrency",
+                "num_prompts": "--num-prompts", "duration": "--duration", "metrics_url": "--metrics-url",
+                "baseline_url": "--baseline-url", "rounds": "--rounds", "request_timeout": "--request-timeout"}
+LOCAL_FLAGS = {"target": "--target", "draft": "--draft", "no_draft": "--no-draft", "mask_token_id": "--mask-token-id",
+               "block_size": "--block-size", "device": "--device", "warmup_tokens": "--warmup-tokens"}
+LOCAL_INSTEAD = {"--model": "--target names the model", "--num-prompts": "--max-samples sets how many samples"}
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -26,27 +35,33 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     data.add_argument("--seed", type=int, default=0, help="picks the subset; seeds sampling at temperature > 0")
     gen = parser.add_argument_group("generation")
     gen.add_argument("--max-new-tokens", type=int, default=256)
-    gen.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (outputs must match)")
-    gen.add_argument("--warmup-tokens", type=int, default=16, help="tokens of the warm-up generation (local)")
+    gen.add_argument("--temperature", type=float, default=0.0, help="0 = greedy; outputs must match at any temperature "
+                     "(each prompt is sampled with its own seed)")
+    gen.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling at temperature > 0 (1 = off)")
+    gen.add_argument("--top-k", type=int, default=0, help="top-k sampling at temperature > 0 (0 = off)")
+    gen.add_argument("--warmup-tokens", type=int, help="tokens of the warm-up generation (local; default 16)")
     server = parser.add_argument_group("server backend (any OpenAI-compatible server)")
     server.add_argument("--backend", choices=["local", "server"],
                         help="local: decode in this process (default); server: send requests to --base-url")
-    server.add_argument("--base-url", help="e.g. http://127.0.0.1:8000/v1 (implies --backend server)")
+    server.add_argument("--base-url", help="e.g. http://127.0.0.1:8000/v1; /v1 is added to a bare "
+                                           "http://host:port (implies --backend server)")
     server.add_argument("--model", help="model name sent to the server (default: the first it lists)")
-    server.add_argument("--endpoint", choices=["chat", "completions"], default="chat")
+    server.add_argument("--endpoint", choices=["chat", "completions"], help="default: chat")
     server.add_argument("--api-key", default=os.environ.get("OPENAI_API_KEY"), help="default: $OPENAI_API_KEY")
-    server.add_argument("--concurrency", type=int_list, default=[1], help="one value or a sweep like 1,4,8")
+    server.add_argument("--concurrency", type=int_list, help="one value or a sweep like 1,4,8 (default 1)")
     server.add_argument("--num-prompts", type=int,
                         help="conversations per concurrency level (default: each sample once)")
     server.add_argument("--duration", type=float, help="seconds of load per level instead of a prompt count")
     server.add_argument("--metrics-url", help="Prometheus metrics (default: /metrics at the server's root)")
     server.add_argument("--baseline-url", help="the same target served without a drafter, for the speedup")
-    server.add_argument("--rounds", type=int, default=1,
-                        help="run each level this many times; with --baseline-url the two servers take turns to "
-                             "go first and the speedup is the median of the rounds' (robust on a busy machine)")
-    server.add_argument("--request-timeout", type=float, default=600.0, help="seconds per request")
+    server.add_argument("--rounds", type=int,
+                        help="run each level this many times (default 1); with --baseline-url the two servers take "
+                             "turns to go first and the speedup is the median of the rounds' (robust on a busy "
+                             "machine)")
+    server.add_argument("--request-timeout", type=float, help="seconds per request (default 600)")
     out = parser.add_argument_group("output")
-    out.add_argument("--output-dir", help="write results.json, results.md and plots here")
+    out.add_argument("--output-dir", help="write results.json, results.md and plots here, updated after every "
+                                          "dataset and setting")
     out.add_argument("--gpu-hourly-usd", type=float, help="machine price per hour: adds the cost of 1M output tokens")
     out.add_argument("--no-progress", action="store_true", help="no progress bars")
 
@@ -57,42 +72,82 @@ def run(args: argparse.Namespace) -> int:
     config = bench_config(args)
     pipe = None if config.backend == "server" else _load_pair(args)
     results = run_bench(config, pipe)
-    return 1 if any(r.mismatches for r in results) else 0
+    return 1 if any(r.mismatches or r.errors for r in results) else 0
 
 
 def bench_config(args: argparse.Namespace):
+    """Every flag checked before anything is loaded or sent."""
     from dflash.bench.datasets import DataOptions, resolve_names
     from dflash.bench.runner import BenchConfig
     from dflash.bench.server import ServerConfig
 
     backend = args.backend or ("server" if args.base_url else "local")
+    if backend == "server" and not args.base_url:
+        raise UserError("the server backend needs --base-url, e.g. http://127.0.0.1:8000/v1")
+    _check_backend_flags(args, backend)
+    _check_numbers(args)
     names = resolve_names(args.dataset)
     if args.data_file and len(names) > 1:
         raise UserError(f"--data-file holds one dataset, but {len(names)} were asked for; pass one --dataset")
-    if args.max_new_tokens < 1:
-        raise UserError(f"--max-new-tokens must be >= 1, got {args.max_new_tokens}")
-    if args.max_samples is not None and args.max_samples < 0:
-        raise UserError(f"--max-samples must be >= 0 (0 = all), got {args.max_samples}")
-    if args.gpu_hourly_usd is not None and args.gpu_hourly_usd <= 0:
-        raise UserError(f"--gpu-hourly-usd must be > 0, got {args.gpu_hourly_usd}")
     if args.output_dir:
         _check_output_dir(Path(args.output_dir))
     server = None
     if backend == "server":
-        if not args.base_url:
-            raise UserError("the server backend needs --base-url, e.g. http://127.0.0.1:8000/v1")
-        server = ServerConfig(base_url=args.base_url, model=args.model, endpoint=args.endpoint,
-                              api_key=args.api_key, concurrency=args.concurrency, num_prompts=args.num_prompts,
-                              duration_s=args.duration, timeout_s=args.request_timeout,
-                              metrics_url=args.metrics_url, baseline_url=args.baseline_url, rounds=args.rounds)
+        server = ServerConfig(base_url=args.base_url, model=args.model, endpoint=args.endpoint or "chat",
+                              api_key=args.api_key, concurrency=args.concurrency or [1], num_prompts=args.num_prompts,
+                              duration_s=args.duration, timeout_s=_or(args.request_timeout, 600.0),
+                              metrics_url=args.metrics_url, baseline_url=args.baseline_url,
+                              rounds=_or(args.rounds, 1))
     return BenchConfig(
         datasets=names,
         data=DataOptions(data_file=args.data_file, data_dir=args.data_dir, max_samples=args.max_samples or None,
                          seed=args.seed),
         backend=backend, block_sizes=args.block_size or [None], max_new_tokens=args.max_new_tokens,
-        temperature=args.temperature, seed=args.seed, warmup_tokens=args.warmup_tokens, server=server,
-        output_dir=args.output_dir, gpu_hourly_usd=args.gpu_hourly_usd, show_progress=not args.no_progress,
+        temperature=args.temperature, top_p=args.top_p, top_k=args.top_k, seed=args.seed,
+        warmup_tokens=_or(args.warmup_tokens, 16), server=server, output_dir=args.output_dir,
+        gpu_hourly_usd=args.gpu_hourly_usd, show_progress=not args.no_progress,
     )
+
+
+def _or(value, default):
+    return default if value is None else value
+
+
+def _check_backend_flags(args: argparse.Namespace, backend: str) -> None:
+    """A flag the chosen backend would not read is a mistake to point out, not to ignore."""
+    wrong = SERVER_FLAGS if backend == "local" else LOCAL_FLAGS
+    given = [flag for name, flag in wrong.items() if getattr(args, name, None) not in (None, False)]
+    if not given:
+        return
+    applies = "applies" if len(given) == 1 else "apply"
+    if backend == "local":
+        hints = "".join(f"; locally, {LOCAL_INSTEAD[f]}" for f in given if f in LOCAL_INSTEAD)
+        raise UserError(f"{', '.join(given)} only {applies} to a server benchmark (--base-url URL); the local "
+                        f"backend decodes one prompt at a time in this process{hints}")
+    raise UserError(f"{', '.join(given)} only {applies} to the local backend; a server decodes with its own model "
+                    "and block size (set them when starting it, e.g. `dflash serve --block-size`): drop "
+                    f"{'it' if len(given) == 1 else 'them'}")
+
+
+def _check_numbers(args: argparse.Namespace) -> None:
+    if args.max_new_tokens < 1:
+        raise UserError(f"--max-new-tokens must be >= 1, got {args.max_new_tokens}")
+    if args.max_samples is not None and args.max_samples < 0:
+        raise UserError(f"--max-samples must be >= 0 (0 = all), got {args.max_samples}")
+    if not (math.isfinite(args.temperature) and args.temperature >= 0):
+        raise UserError(f"--temperature must be a finite number >= 0 (0 = greedy), got {args.temperature}")
+    if not (math.isfinite(args.top_p) and 0 < args.top_p <= 1):
+        raise UserError(f"--top-p must be in (0, 1] (1 = off), got {args.top_p}")
+    if args.top_k < 0:
+        raise UserError(f"--top-k must be >= 0 (0 = off), got {args.top_k}")
+    if args.warmup_tokens is not None and args.warmup_tokens < 0:
+        raise UserError(f"--warmup-tokens must be >= 0 (0 = no warm-up), got {args.warmup_tokens}")
+    if args.gpu_hourly_usd is not None and not (math.isfinite(args.gpu_hourly_usd) and args.gpu_hourly_usd > 0):
+        raise UserError(f"--gpu-hourly-usd must be a finite price > 0, got {args.gpu_hourly_usd}")
+    for flag, values, example in (("--block-size", args.block_size, "16 or auto,8,16"),
+                                  ("--concurrency", args.concurrency, "1 or 1,4,8")):
+        if values == []:
+            raise UserError(f"{flag} was given no value; pass one or a comma-separated list, like {example}")
 
 
 def _check_output_dir(path: Path) -> None:

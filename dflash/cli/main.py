@@ -27,20 +27,25 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    return run_command(args, f"dflash {args.command}")
+
+
+def run_command(args: argparse.Namespace, prog: str) -> int:
+    """Run `args.module`; a user's mistake is one line under `prog`, never a traceback."""
     from dflash.errors import UserError
 
-    args = build_parser().parse_args(argv)
     _quiet_libraries()
     try:
         return importlib.import_module(args.module).run(args) or 0
     except UserError as err:
-        print(f"dflash {args.command}: error: {err}", file=sys.stderr)
+        print(f"{prog}: error: {err}", file=sys.stderr)
         return 2
     except (FileNotFoundError, OSError) as err:
-        print(f"dflash {args.command}: error: {err}", file=sys.stderr)
+        print(f"{prog}: error: {err}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:
-        print(f"dflash {args.command}: interrupted", file=sys.stderr)
+        print(f"{prog}: interrupted", file=sys.stderr)
         return 130
 
 

@@ -11,6 +11,7 @@ from dflash.bench.metrics import BenchResult, cost_per_million_tokens, percentil
 from dflash.bench.report import markdown, write_outputs
 from dflash.benchmark import to_bench_argv
 from dflash.cli.main import main
+from dflash.errors import UserError
 
 REQUIRED = ("dataset", "num_prompts", "baseline_tokens_per_s", "dflash_tokens_per_s", "speedup",
             "mean_acceptance_length", "acceptance_histogram", "mismatches", "acceptance_rate_per_position",
@@ -46,7 +47,8 @@ def test_local_bench_writes_json_markdown_and_plots(tiny_pair, data_dir, tmp_pat
         width, height = png_size(out / name)
         assert width > 200 and height > 200
     assert not (out / "throughput_vs_concurrency.png").exists()  # no concurrency sweep
-    assert "dflash bench" in capsys.readouterr().err  # the table
+    captured = capsys.readouterr()
+    assert "dflash bench" in captured.out and "dflash bench" not in captured.err  # the table, on stdout
 
 
 def test_server_bench_with_a_concurrency_sweep_plots_throughput(openai_server, data_dir, tmp_path):
@@ -94,21 +96,48 @@ def test_mismatches_make_the_command_fail(tiny_pair, data_dir, monkeypatch, tmp_
                  "--max-samples", "1", "--max-new-tokens", "4", "--no-progress"]) == 1
 
 
+SERVER = ["--base-url", "http://127.0.0.1:9/v1"]  # nothing listens there: every check below comes first
+
+
 @pytest.mark.parametrize("argv, message", [
     (["--dataset", "gsmk"], "unknown dataset 'gsmk'"),
+    (["--dataset", ","], "no dataset given"),
+    (["--dataset", ""], "no dataset given"),
     (["--block-size", "99"], "block size 99"),
+    (["--block-size", ","], "--block-size was given no value"),
     (["--no-draft"], "drop --no-draft"),
     (["--backend", "server"], "needs --base-url"),
-    (["--base-url", "http://127.0.0.1:9/v1", "--rounds", "0"], "--rounds must be >= 1"),
+    (SERVER + ["--rounds", "0"], "--rounds must be >= 1"),
+    (SERVER + ["--concurrency", ","], "--concurrency was given no value"),
+    (SERVER + ["--concurrency", "0"], "--concurrency takes values >= 1"),
     (["--data-file", "x.jsonl", "--dataset", "gsm8k", "mbpp"], "--data-file holds one dataset"),
-    (["--gpu-hourly-usd", "-1"], "--gpu-hourly-usd must be > 0"),
-    (["--base-url", "http://127.0.0.1:9/v1", "--duration", "0"], "--duration must be > 0"),
-    (["--base-url", "http://127.0.0.1:9/v1", "--num-prompts", "0"], "--num-prompts must be >= 1"),
+    (["--gpu-hourly-usd", "-1"], "--gpu-hourly-usd must be a finite price > 0"),
+    (["--gpu-hourly-usd", "nan"], "--gpu-hourly-usd must be a finite price > 0"),
+    (["--temperature", "nan"], "--temperature must be a finite number >= 0"),
+    (["--temperature", "inf"], "--temperature must be a finite number >= 0"),
+    (["--temperature", "-0.5"], "--temperature must be a finite number >= 0"),
+    (["--top-p", "0"], "--top-p must be in (0, 1]"),
+    (["--top-k", "-1"], "--top-k must be >= 0"),
+    (["--warmup-tokens", "-3"], "--warmup-tokens must be >= 0"),
+    (SERVER + ["--duration", "0"], "--duration must be a finite number of seconds > 0"),
+    (SERVER + ["--duration", "inf"], "--duration must be a finite number of seconds > 0"),
+    (SERVER + ["--request-timeout", "nan"], "--request-timeout must be a finite number of seconds > 0"),
+    (SERVER + ["--num-prompts", "0"], "--num-prompts must be >= 1"),
+    (["--base-url", "127.0.0.1:8000"], "--base-url must be an http:// or https:// URL"),
+    # flags the chosen backend would not read
+    (["--num-prompts", "4"], "--num-prompts only applies to a server benchmark"),
+    (["--concurrency", "1,4", "--rounds", "3"], "--concurrency, --rounds only apply to a server benchmark"),
+    (["--duration", "10"], "--duration only applies to a server benchmark"),
+    (["--baseline-url", "http://127.0.0.1:9/v1"], "--baseline-url only applies to a server benchmark"),
+    (["--model", "m"], "locally, --target names the model"),
+    (SERVER + ["--block-size", "8"], "--block-size only applies to the local backend"),
+    (SERVER + ["--warmup-tokens", "8"], "--warmup-tokens only applies to the local backend"),
 ])
 def test_user_errors_are_one_line(tiny_pair, data_dir, capsys, argv, message):
     target, draft = tiny_pair
-    base = ["bench", "--target", str(target), "--data-dir", str(data_dir), "--max-new-tokens", "4", "--no-progress"]
-    base += [] if "--no-draft" in argv else ["--draft", str(draft)]
+    base = ["bench", "--data-dir", str(data_dir), "--max-new-tokens", "4", "--no-progress"]
+    local = not any(flag in argv for flag in ("--base-url", "--backend"))
+    base += ["--target", str(target)] + ([] if "--no-draft" in argv else ["--draft", str(draft)]) if local else []
     assert main(base + argv) == 2
     err = capsys.readouterr().err.strip()
     assert message in err and len(err.splitlines()) == 1 and "Traceback" not in err
@@ -167,3 +196,42 @@ def test_missing_embedded_pair_is_a_clear_error(monkeypatch, tmp_path, capsys):
     monkeypatch.setattr(dflash.api, "DEFAULT_TARGET", tmp_path / "target")
     assert main(["bench", "--max-samples", "1"]) == 2
     assert "embedded pair is not installed" in capsys.readouterr().err
+
+
+def test_reference_num_prompts_timeout_and_sampling_flags():
+    assert to_bench_argv(["--model", "T", "--num-prompts", "8"]) == [
+        "--backend", "local", "--dataset", "gsm8k", "--target", "T", "--max-samples", "8"]
+    assert to_bench_argv(["--num-prompts", "8", "--max-samples", "8"])[-2:] == ["--max-samples", "8"]
+    assert to_bench_argv(["--backend", "sglang", "--base-url", "http://h:30000", "--timeout-s", "30", "--top-p",
+                          "0.9", "--top-k", "20", "--temperature", "0.6", "--enable-thinking"]) == [
+        "--backend", "server", "--dataset", "gsm8k", "--base-url", "http://h:30000", "--temperature", "0.6",
+        "--top-p", "0.9", "--top-k", "20", "--request-timeout", "30.0"]
+    with pytest.raises(UserError, match="--num-prompts 8 and --max-samples 5 both set the number of samples"):
+        to_bench_argv(["--num-prompts", "8", "--max-samples", "5"])
+    with pytest.raises(UserError, match="--timeout-s is the per-request timeout of a server backend"):
+        to_bench_argv(["--timeout-s", "30"])
+
+
+def test_python_m_dflash_benchmark_against_a_server_root(openai_server, data_dir, tmp_path):
+    from dflash.benchmark import main as benchmark_main
+
+    server = openai_server()
+    root = server.base_url.removesuffix("/v1")  # the reference takes the server's root
+    assert benchmark_main(["--backend", "vllm", "--base-url", root, "--model", "tiny-dflash", "--num-prompts", "2",
+                           "--max-new-tokens", "4", "--timeout-s", "60", "--data-dir", str(data_dir),
+                           "--output-dir", str(tmp_path), "--no-progress"]) == 0
+    [result] = json.loads((tmp_path / "results.json").read_text())
+    assert result["num_requests"] == 2 and result["errors"] == 0
+    assert json.loads((tmp_path / "config.json").read_text())["base_url"] == server.base_url
+
+
+def test_python_m_dflash_benchmark_errors_are_under_its_own_name(tiny_pair, capsys):
+    from dflash.benchmark import main as benchmark_main
+
+    target, draft = tiny_pair
+    assert benchmark_main(["--model", str(target), "--draft-model", str(draft), "--concurrency", "4"]) == 2
+    assert capsys.readouterr().err.startswith("python -m dflash.benchmark: error: --concurrency only applies to a "
+                                              "server benchmark")
+    with pytest.raises(SystemExit):
+        benchmark_main(["--model", str(target), "--frobnicate"])
+    assert "python -m dflash.benchmark: error: unrecognized arguments: --frobnicate" in capsys.readouterr().err

@@ -130,3 +130,55 @@ def test_bad_files_are_user_errors(tmp_path):
         load_samples("gsm8k", DataOptions(data_file=str(odd)))
     with pytest.raises(UserError, match="does not exist"):
         load_samples("gsm8k", DataOptions(data_file=str(tmp_path / "missing.jsonl")))
+
+
+@pytest.mark.parametrize("name, line, message", [
+    ("gsm8k", {"turns": "hello"}, "'turns' must be a list of non-empty strings, got str 'hello'"),
+    ("mt-bench", {"question_id": 1, "turns": "Tell me a joke"}, "'turns' must be a list of non-empty strings"),
+    ("gsm8k", {"turns": ["first", 2]}, "'turns' must be a list of non-empty strings"),
+    ("gsm8k", {"question": 5}, "'question' must be a non-empty string, got int 5"),
+    ("math500", {"problem": ["x"]}, "'problem' must be a non-empty string, got list"),
+    ("humaneval", {"prompt": None, "entry_point": "f"}, "'prompt' must be a non-empty string, got null"),
+    ("mbpp", {"test_list": 5}, "'test_list' must be a list of non-empty strings, got int 5"),
+    ("mbpp", {"test_list": ["assert f()"]}, "an mbpp record needs the task in 'prompt'"),
+    ("gsm8k", {"prompt": 7}, "'prompt' must be a non-empty string, got int 7"),
+    ("gsm8k", {"messages": [{"role": "user", "content": None}]}, "'messages'[0]['content'] must be a string"),
+    ("gsm8k", {"messages": [{"role": "assistant", "content": "a"}]}, "must end with a non-empty user message"),
+])
+def test_bad_fields_name_the_file_line_and_field(tmp_path, name, line, message):
+    path = tmp_path / "data.jsonl"
+    write_jsonl(path, [{"prompt": "a fine first record"}, line])
+    with pytest.raises(UserError) as err:
+        load_samples(name, DataOptions(data_file=str(path), use_hub=False))
+    assert str(err.value).startswith(f"{path}:2: ") and message in str(err.value)
+
+
+def test_unreadable_files_are_user_errors(tmp_path):
+    latin = tmp_path / "latin.jsonl"
+    latin.write_bytes(b'{"prompt": "ok"}\n{"prompt": "caf\xe9"}\n')
+    with pytest.raises(UserError, match=r"latin.jsonl:2 is not UTF-8 text \(byte 0xe9 .*save the file as UTF-8"):
+        load_samples("gsm8k", DataOptions(data_file=str(latin)))
+    not_gzip = tmp_path / "plain.jsonl.gz"
+    not_gzip.write_text('{"prompt": "x"}\n')
+    with pytest.raises(UserError, match="plain.jsonl.gz is not a readable gzip file"):
+        load_samples("gsm8k", DataOptions(data_file=str(not_gzip)))
+    with_bom = tmp_path / "bom.jsonl"
+    with_bom.write_bytes(b'\xef\xbb\xbf{"prompt": "saved by a Windows editor"}\n')
+    assert load_samples("gsm8k", DataOptions(data_file=str(with_bom)))[0].turns == ("saved by a Windows editor",)
+    empty = tmp_path / "empty.jsonl"
+    empty.write_text("\n")
+    with pytest.raises(UserError, match="empty.jsonl has no records"):
+        load_samples("gsm8k", DataOptions(data_file=str(empty)))
+
+
+def test_no_dataset_name_is_an_error():
+    for names in ([","], [""], []):
+        with pytest.raises(UserError, match="no dataset given"):
+            resolve_names(names)
+
+
+def test_data_source_names_the_file_used(data_dir):
+    assert datasets.data_source("gsm8k", only(data_dir)) == str(data_dir / "gsm8k" / "test.jsonl")
+    assert datasets.data_source("gsm8k", DataOptions(use_hub=False)) == str(datasets.BUNDLED_DIR / "gsm8k" /
+                                                                            "test.jsonl")
+    assert datasets.data_source("gsm8k", DataOptions(extra_dirs=[])) == "openai/gsm8k (Hugging Face Hub)"

@@ -68,7 +68,7 @@ def test_second_turn_follows_the_models_own_first_answer(pipe):
     recorder = RecordingEngine(SpeculativeEngine(pipe.target))
     backend = LocalBackend(pipe, baseline=recorder)
     sample = Sample("81", ("Write about clips.", "Now shorter."))
-    [first, second] = backend.run_sample(sample, FAST, seed=0)
+    [first, second] = backend.run_sample(sample, FAST, seed=0).records
     answer = pipe.tokenizer.decode(first.baseline.output_ids, skip_special_tokens=True)
     expected = pipe.encode([{"role": "user", "content": "Write about clips."},
                             {"role": "assistant", "content": answer},
@@ -103,10 +103,11 @@ def test_oracle_drafts_give_full_blocks(pipe):
     assert result.acceptance_rate_per_position == [1.0] * (block - 1)
 
 
-def test_sampling_runs_without_a_mismatch_check(pipe):
-    result = LocalBackend(pipe).run("gsm8k", SAMPLES[:1], LocalConfig(max_new_tokens=8, temperature=0.8,
-                                                                        warmup_tokens=0))
-    assert result.mismatches is None and result.temperature == 0.8
+def test_sampled_outputs_are_compared_too(pipe):
+    """Each prompt is sampled with its own seed, which fixes the text whatever the drafting: 0 mismatches."""
+    config = LocalConfig(max_new_tokens=16, temperature=0.8, warmup_tokens=0)
+    result = LocalBackend(pipe).run("gsm8k", SAMPLES[:2], config)
+    assert result.mismatches == 0 and result.temperature == 0.8
     assert result.dflash_output_tokens > 0
 
 
@@ -115,3 +116,33 @@ def test_block_size_is_checked_against_the_drafter(pipe):
     assert backend.block_size(4) == 4
     with pytest.raises(UserError, match="block size 99"):
         backend.block_size(99)
+
+
+def test_first_turns_past_the_context_fail_before_any_decoding(pipe):
+    recorder = RecordingEngine(SpeculativeEngine(pipe.target))
+    backend = LocalBackend(pipe, baseline=recorder)
+    long = Sample("long-one", ("count the words " * 60,))
+    data = {"gsm8k": [SAMPLES[0], long], "mt-bench": [Sample("81", ("Hi.", "More."))]}
+    config = LocalConfig(max_new_tokens=256)
+    with pytest.raises(UserError) as err:
+        backend.check_context(data, config)
+    message, block = str(err.value), pipe.engine.proposer.block_size
+    n = len(pipe.encode([{"role": "user", "content": long.turns[0]}]))
+    assert message.startswith(f"1 prompt(s) do not fit the target's context of 1024 tokens with --max-new-tokens "
+                              f"256 and a block of {block}: gsm8k sample long-one ({n} tokens); lower --max-new-tokens "
+                              f"to {1024 - n - block} or less")
+    assert recorder.prompts == []  # nothing decoded
+    backend.check_context(data, LocalConfig(max_new_tokens=1024 - n - block))  # the advice is right
+
+
+def test_a_later_turn_past_the_context_ends_its_conversation(pipe, monkeypatch):
+    sample = Sample("81", ("Write about clips.", "Now write much more: " + "clips and pens " * 60))
+    first = len(pipe.encode([{"role": "user", "content": sample.turns[0]}]))
+    config = LocalConfig(max_new_tokens=8, warmup_tokens=0)
+    room = first + 8 + pipe.engine.proposer.block_size + 8  # the first turn fits, the second cannot
+    monkeypatch.setattr(pipe.target.config, "max_position_embeddings", room)
+    backend = LocalBackend(pipe)
+    backend.check_context({"mt-bench": [sample]}, config)
+    result = backend.run("mt-bench", [sample, Sample("82", ("Hi.",))], config)
+    assert result.skipped_turns == ["81#1"]
+    assert result.num_prompts == 2 and result.num_requests == 2 and result.mismatches == 0

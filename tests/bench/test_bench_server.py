@@ -138,3 +138,76 @@ def test_metrics_url_is_at_the_server_root():
     assert default_metrics_url("http://h:8000/v1") == "http://h:8000/metrics"
     assert default_metrics_url("http://h:8000/v1/") == "http://h:8000/metrics"
     assert default_metrics_url("http://h/proxy/v1") == "http://h/proxy/metrics"
+
+
+def test_a_bare_server_root_gets_v1(openai_server):
+    from dflash.bench.server import api_base_url
+
+    assert api_base_url("http://h:8000", "--base-url") == "http://h:8000/v1"
+    assert api_base_url("http://h:8000/", "--base-url") == "http://h:8000/v1"
+    assert api_base_url("http://h:8000/v1/", "--base-url") == "http://h:8000/v1"
+    assert api_base_url("https://h/proxy/openai", "--base-url") == "https://h/proxy/openai"  # a path: as given
+    for bad in ("127.0.0.1:8000", "h:8000/v1", "ftp://h/v1", "http://"):
+        with pytest.raises(UserError, match="--base-url must be an http:// or https:// URL"):
+            api_base_url(bad, "--base-url")
+    server = openai_server()
+    root = server.base_url.removesuffix("/v1")
+    result = ServerBackend(ServerConfig(base_url=root, max_new_tokens=4)).run_level("gsm8k", SAMPLES[:1], 1)
+    assert result.errors == 0 and result.num_requests == 1 and result.mean_acceptance_length is not None
+
+
+def test_an_unreachable_baseline_fails_before_any_load(openai_server):
+    server = openai_server()
+    with pytest.raises(UserError) as err:
+        ServerBackend(config(server, baseline_url="http://127.0.0.1:9/v1"))
+    assert "cannot connect to http://127.0.0.1:9/v1/models" in str(err.value)
+    assert "check --baseline-url" in str(err.value)
+    assert server.app.state.requests == []
+
+
+def test_a_baseline_serving_another_model_fails_before_any_load(openai_server):
+    server, plain = openai_server(), openai_server()
+    plain.app.router.routes = [r for r in plain.app.router.routes if getattr(r, "path", "") != "/v1/models"]
+
+    @plain.app.get("/v1/models")
+    def other_models():
+        return {"object": "list", "data": [{"id": "some-other-model"}]}
+
+    with pytest.raises(UserError, match=r"the baseline server .* serves \['some-other-model'\], not 'tiny-dflash'"):
+        ServerBackend(config(server, baseline_url=plain.base_url))
+    with pytest.raises(UserError, match=r"serves \['tiny-dflash'\], not 'typo'; fix --model"):
+        ServerBackend(config(server, model="typo"))
+    assert server.app.state.requests == [] and plain.app.state.requests == []
+
+
+def test_missing_metrics_are_a_warning_up_front(openai_server):
+    server = openai_server()
+    backend = ServerBackend(config(server, metrics_url=server.base_url.removesuffix("/v1") + "/nothing-here"))
+    [warning] = backend.warnings
+    assert "/nothing-here answered HTTP 404: tau and the acceptance histogram will be missing" in warning
+    assert ServerBackend(config(server)).warnings == []
+    unreachable = ServerBackend(config(server, metrics_url="http://127.0.0.1:9/metrics"))
+    assert "cannot read http://127.0.0.1:9/metrics (ConnectError)" in unreachable.warnings[0]
+
+
+def test_a_server_that_stops_mid_run_is_named(openai_server):
+    server = openai_server()
+    backend = ServerBackend(config(server))
+    server.__exit__(None, None, None)
+    with pytest.raises(UserError, match=r"lost the connection to .*/chat/completions \(--base-url\) during the run"):
+        backend.run_level("gsm8k", SAMPLES[:1], 1)
+
+
+def test_failed_requests_are_counted_with_the_first_error(openai_server, monkeypatch):
+    from dflash.bench import server as server_module
+
+    real = server_module.Client.request
+
+    async def flaky(self, http, messages, sample_id, turn, seed):
+        if sample_id == "b":
+            return server_module.RequestRecord(sample_id, turn, 0.0, 0, "", "HTTP 500: out of memory")
+        return await real(self, http, messages, sample_id, turn, seed)
+
+    monkeypatch.setattr(server_module.Client, "request", flaky)
+    result = ServerBackend(config(openai_server())).run_level("gsm8k", SAMPLES[:2], 1)
+    assert result.errors == 1 and result.first_error == "HTTP 500: out of memory" and result.num_requests == 2

@@ -1,0 +1,108 @@
+"""A run that stops early keeps what it measured; the output directory describes this run alone."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from dflash.bench import local, server
+from dflash.cli.main import main
+
+from .conftest import write_jsonl
+
+
+def local_argv(tiny_pair, data_dir, out, *extra) -> list[str]:
+    target, draft = tiny_pair
+    return ["bench", "--target", str(target), "--draft", str(draft), "--data-dir", str(data_dir), "--max-samples",
+            "1", "--max-new-tokens", "4", "--warmup-tokens", "0", "--output-dir", str(out), "--no-progress", *extra]
+
+
+def test_ctrl_c_keeps_the_finished_datasets(tiny_pair, data_dir, tmp_path, monkeypatch, capsys):
+    real, calls = local.LocalBackend.run, []
+
+    def interrupted_on_the_second(self, *args, **kwargs):
+        calls.append(args[0])
+        if len(calls) == 2:
+            raise KeyboardInterrupt
+        return real(self, *args, **kwargs)
+
+    monkeypatch.setattr(local.LocalBackend, "run", interrupted_on_the_second)
+    out = tmp_path / "out"
+    assert main(local_argv(tiny_pair, data_dir, out, "--dataset", "gsm8k,humaneval,math500")) == 130
+    assert [r["dataset"] for r in json.loads((out / "results.json").read_text())] == ["gsm8k"]
+    assert "| gsm8k |" in (out / "results.md").read_text() and (out / "acceptance_histogram.png").exists()
+    captured = capsys.readouterr()
+    assert "gsm8k" in captured.out  # the table of what was finished
+    assert f"interrupted after 1 of 3 runs; the finished ones are saved in {out}" in captured.err
+    assert captured.err.rstrip().endswith("dflash bench: interrupted")
+
+
+def test_a_server_lost_midway_keeps_the_finished_levels(openai_server, data_dir, tmp_path, monkeypatch, capsys):
+    running = openai_server()
+    real = server.ServerBackend.run_level
+
+    def stop_after_the_first(self, *args, **kwargs):
+        result = real(self, *args, **kwargs)
+        running.__exit__(None, None, None)
+        return result
+
+    monkeypatch.setattr(server.ServerBackend, "run_level", stop_after_the_first)
+    out = tmp_path / "out"
+    code = main(["bench", "--base-url", running.base_url, "--data-dir", str(data_dir), "--max-samples", "1",
+                 "--max-new-tokens", "4", "--concurrency", "1,2", "--output-dir", str(out), "--no-progress"])
+    assert code == 2
+    assert [r["concurrency"] for r in json.loads((out / "results.json").read_text())] == [1]
+    err = capsys.readouterr().err
+    assert f"stopped by the error below after 1 of 2 runs; the finished ones are saved in {out}" in err
+    assert "dflash bench: error: lost the connection to" in err and "(--base-url) during the run" in err
+
+
+def test_failed_requests_make_the_command_fail(openai_server, data_dir, monkeypatch, capsys):
+    real = server.Client.request
+
+    async def refused_for_one_sample(self, http, messages, sample_id, turn, seed):
+        if sample_id == "1":
+            return server.RequestRecord(sample_id, turn, 0.0, 0, "", "HTTP 503: overloaded")
+        return await real(self, http, messages, sample_id, turn, seed)
+
+    monkeypatch.setattr(server.Client, "request", refused_for_one_sample)
+    code = main(["bench", "--base-url", openai_server().base_url, "--data-dir", str(data_dir), "--max-samples", "0",
+                 "--max-new-tokens", "4", "--no-progress"])
+    assert code == 1
+    assert "1 request(s) failed; the first: HTTP 503: overloaded" in capsys.readouterr().err
+
+
+def test_a_prompt_past_the_context_fails_before_decoding_and_names_it(tiny_pair, data_dir, tmp_path, monkeypatch,
+                                                                      capsys):
+    monkeypatch.setattr(local.LocalBackend, "run", lambda *a, **k: pytest.fail("decoded before checking lengths"))
+    data = tmp_path / "long.jsonl"
+    write_jsonl(data, [{"prompt": "short"}, {"id": "huge", "prompt": "count the words " * 60}])
+    out = tmp_path / "out"
+    argv = local_argv(tiny_pair, data_dir, out, "--data-file", str(data), "--max-samples", "0", "--max-new-tokens",
+                      "256")
+    assert main(argv) == 2
+    err = capsys.readouterr().err
+    assert "1 prompt(s) do not fit the target's context of 1024 tokens with --max-new-tokens 256" in err
+    assert "gsm8k sample huge (" in err and "lower --max-new-tokens to" in err and "Traceback" not in err
+    assert not (out / "results.json").exists()
+
+
+def test_the_output_dir_records_the_data_and_drops_stale_files(tiny_pair, data_dir, tmp_path):
+    out = tmp_path / "out"
+    out.mkdir()
+    for stale in ("throughput_vs_concurrency.png", "speedup.png"):
+        (out / stale).write_bytes(b"an earlier run's plot")
+    (out / "notes.txt").write_text("mine")
+    data = tmp_path / "mine.jsonl"
+    write_jsonl(data, [{"id": "q1", "prompt": "What is 2+2?"}, {"id": "q2", "prompt": "Name a color."}])
+    assert main(local_argv(tiny_pair, data_dir, out, "--data-file", str(data), "--max-samples", "0")) == 0
+    config = json.loads((out / "config.json").read_text())
+    assert config["data_file"] == str(data) and config["data_dir"] == str(data_dir)
+    assert config["data_sources"] == {"gsm8k": str(data)} and config["sample_ids"] == {"gsm8k": ["q1", "q2"]}
+    md = (out / "results.md").read_text()
+    assert f"- data_file: {data}" in md and "- sample ids, gsm8k (2): q1, q2" in md
+    assert not (out / "throughput_vs_concurrency.png").exists()  # not measured in this run
+    assert (out / "speedup.png").read_bytes()[:4] == b"\x89PNG"  # this run's, not the stale one
+    assert (out / "notes.txt").read_text() == "mine"  # not a file this tool names
+    assert not list(out.glob(".*partial"))
