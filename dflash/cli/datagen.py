@@ -3,9 +3,8 @@
 from __future__ import annotations
 
 import argparse
-from pathlib import Path
 
-from dflash.training.datagen import DatagenConfig, done_ids, read_prompts, run_datagen
+from dflash.training.datagen import DatagenConfig, read_prompts, run_datagen
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -13,8 +12,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--prompts", required=True,
                         help="JSONL with `prompt`, `turns` or `messages` per line, a dataset directory, or a "
                         "Hugging Face dataset name (org/name)")
-    parser.add_argument("--output", required=True, help="output JSONL (re-running resumes it)")
-    parser.add_argument("--max-new-tokens", type=int, default=512)
+    parser.add_argument("--output", required=True,
+                        help="output JSONL; re-running the same command resumes it (the generation settings are "
+                             "kept next to it in OUTPUT.datagen.json, and a rerun with others is refused)")
+    parser.add_argument("--max-new-tokens", type=int, default=512,
+                        help="answer length limit; answers also stop at the end of the target's context")
     parser.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
     parser.add_argument("--top-p", type=float, default=1.0)
     parser.add_argument("--seed", type=int, default=0)
@@ -32,11 +34,12 @@ def run(args: argparse.Namespace) -> int:
     from rich.progress import Progress
 
     config = DatagenConfig(**{k: v for k, v in vars(args).items() if k in DatagenConfig.__dataclass_fields__})
-    records = read_prompts(config)  # once: a hub dataset is not fetched twice
-    total = len(records)
+    config.validate()
+    prompts = read_prompts(config)  # once, and every record checked before the target loads
     with Progress(transient=False) as progress:
-        task = progress.add_task("datagen", total=total)
-        progress.update(task, completed=len(done_ids(Path(config.output))))
-        written = run_datagen(config, progress=lambda n: progress.advance(task, n), records=records)
-    print(f"wrote {written} new records to {config.output} ({total} prompts in all)")
+        task = progress.add_task("datagen", total=len(prompts))
+        result = run_datagen(config, progress=lambda n: progress.advance(task, n), prompts=prompts)
+    skipped = (f"; {len(result.skipped)} skipped: too long for the target's context (named above; a rerun skips "
+               "them again)" if result.skipped else "")
+    print(f"wrote {result.written} new records to {config.output} ({len(prompts)} prompts in all{skipped})")
     return 0

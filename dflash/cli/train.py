@@ -1,4 +1,5 @@
-"""`dflash train`: train a DFlash drafter for a target (run under torchrun for several processes)."""
+"""`dflash train`: train a DFlash drafter for a target. For several processes, run it under torchrun as a module
+(`torchrun --nproc_per_node N -m dflash.cli.main train ...`) or with `torchrun --no-python ... dflash train ...`."""
 
 from __future__ import annotations
 
@@ -20,7 +21,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--block-size", type=int)
     parser.add_argument("--target-layer-ids", type=lambda s: [int(x) for x in s.split(",")],
                         help="comma-separated target layer ids (default: the published formula)")
-    parser.add_argument("--mask-token-id", type=int)
+    parser.add_argument("--mask-token-id", type=int,
+                        help="the id blocks are filled with: one that never occurs in text, not pad or eos (default: "
+                             "the tokenizer's mask token, <|mask|>, or the first unused embedding row)")
     parser.add_argument("--intermediate-size", type=int,
                         help="the drafter's MLP width (default: the target's); with --init-from, a larger value "
                              "widens the drafter's MLP (new units start silent, so the drafter starts unchanged)")
@@ -41,7 +44,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--lr", type=float)
     parser.add_argument("--weight-decay", type=float)
     parser.add_argument("--warmup-ratio", type=float)
-    parser.add_argument("--grad-clip", type=float)
+    parser.add_argument("--grad-clip", type=float, help="largest gradient norm kept (default 1.0; 0: no clipping)")
     parser.add_argument("--dtype", choices=["float32", "bfloat16"])
     parser.add_argument("--seed", type=int)
     parser.add_argument("--eval-fraction", type=float)
@@ -51,13 +54,19 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "greedy decoding would get (default 64; 0 skips it)")
     parser.add_argument("--log-every", type=int)
     parser.add_argument("--checkpoint-every", type=int)
-    parser.add_argument("--feature-cache", help="'memory' or a directory: reuse target features across epochs")
-    parser.add_argument("--resume", action="store_true", default=None, help="continue from the newest checkpoint")
+    parser.add_argument("--feature-cache",
+                        help="'memory' or a directory: reuse target features across epochs (a directory keeps a "
+                             "manifest of the target, examples and feature layers, and refuses a run with others)")
+    parser.add_argument("--resume", action="store_true", default=None,
+                        help="continue from the newest checkpoint in OUTPUT/checkpoints (same data and batch size)")
+    parser.add_argument("--overwrite", action="store_true", default=None,
+                        help="start afresh in an --output that holds an earlier run's checkpoints: delete them and "
+                             "its train_log.jsonl first (without it such a run is refused)")
     parser.add_argument("--init-from", help="start from this drafter (directory or hub id) instead of random weights; "
                                             "its shape and mask token are kept; --target-layer-ids may add layers "
                                             "(their fc columns start at zero, so the drafter starts unchanged), "
                                             "--intermediate-size widen its MLP and --draft-layers add layers")
-    parser.add_argument("--device")
+    parser.add_argument("--device", help="cpu, cuda or cuda:N (default: this process's GPU when there is one)")
 
 
 def run(args: argparse.Namespace) -> int:

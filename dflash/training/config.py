@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import typing
 from dataclasses import asdict, dataclass, fields
 from pathlib import Path
 from typing import Any
@@ -39,7 +40,7 @@ class TrainConfig:
     lr: float = 6e-4
     weight_decay: float = 0.0
     warmup_ratio: float = 0.04
-    grad_clip: float = 1.0
+    grad_clip: float = 1.0  # max gradient norm; 0: no clipping
     dtype: str = "float32"  # float32 or bfloat16 (autocast; master weights stay fp32)
     seed: int = 0
     # bookkeeping
@@ -51,6 +52,7 @@ class TrainConfig:
     keep_checkpoints: int = 2
     feature_cache: str | None = None  # "memory" or a directory: keep target features across epochs
     resume: bool = False
+    overwrite: bool = False  # a fresh run into an output holding an earlier run's checkpoints: delete them first
     init_from: str | None = None  # a drafter checkpoint (public format) to start from instead of random weights
     device: str | None = None
 
@@ -58,28 +60,53 @@ class TrainConfig:
         for name in ("target", "data", "output"):
             if not getattr(self, name):
                 raise UserError(f"--{name} is required (or set `{name}:` in the YAML config)")
-        if not 2 <= self.block_size <= 64:
-            raise UserError(f"--block-size must be in 2..64, got {self.block_size}")
-        if self.draft_layers is not None and self.draft_layers < 1:
-            raise UserError(f"--draft-layers must be >= 1, got {self.draft_layers}")
-        if self.intermediate_size is not None and self.intermediate_size < 1:
-            raise UserError(f"--intermediate-size must be >= 1, got {self.intermediate_size}")
-        if self.batch_size < 1 or self.anchors_per_sequence < 1:
-            raise UserError("--batch-size and --anchors-per-sequence must be >= 1")
-        if self.anchor_policy not in ANCHOR_POLICIES:
-            raise UserError(f"--anchor-policy must be one of {', '.join(ANCHOR_POLICIES)}, got {self.anchor_policy!r}")
-        if self.lr <= 0:
-            raise UserError(f"--lr must be > 0, got {self.lr}")
-        if not 0.0 <= self.distill_weight <= 1.0:
-            raise UserError(f"--distill-weight must be in 0..1 (0: hard labels only), got {self.distill_weight}")
-        if self.dtype not in ("float32", "bfloat16"):
-            raise UserError(f"--dtype must be float32 or bfloat16, got {self.dtype}")
-        if self.eval_decoding_examples < 0:
-            raise UserError(f"--eval-decoding-examples must be >= 0, got {self.eval_decoding_examples}")
         if isinstance(self.extra_train_data, str):
             self.extra_train_data = [self.extra_train_data]
-        if self.max_steps is None and self.epochs <= 0:
-            raise UserError("set --epochs > 0 or --max-steps")
+        problems = self._problems()
+        if problems:
+            raise UserError("; ".join(problems))
+
+    def _problems(self) -> list[str]:
+        """Every out-of-range option, as the message that names it and its range."""
+        checks = [
+            (2 <= self.block_size <= 64, f"--block-size must be in 2..64, got {self.block_size}"),
+            (self.draft_layers is None or self.draft_layers >= 1,
+             f"--draft-layers must be >= 1, got {self.draft_layers}"),
+            (self.intermediate_size is None or self.intermediate_size >= 1,
+             f"--intermediate-size must be >= 1, got {self.intermediate_size}"),
+            (self.batch_size >= 1, f"--batch-size must be >= 1, got {self.batch_size}"),
+            (self.anchors_per_sequence >= 1, f"--anchors-per-sequence must be >= 1, got {self.anchors_per_sequence}"),
+            (self.anchor_policy in ANCHOR_POLICIES,
+             f"--anchor-policy must be one of {', '.join(ANCHOR_POLICIES)}, got {self.anchor_policy!r}"),
+            (self.loss_gamma is None or self.loss_gamma > 0, f"--loss-gamma must be > 0, got {self.loss_gamma}"),
+            (self.max_length >= 2, f"--max-length must be >= 2 (a prompt token and a response token), got "
+                                   f"{self.max_length}"),
+            (self.lr > 0, f"--lr must be > 0, got {self.lr}"),
+            (self.weight_decay >= 0, f"--weight-decay must be >= 0, got {self.weight_decay}"),
+            (0.0 <= self.warmup_ratio < 1.0,
+             f"--warmup-ratio is the share of the steps spent warming up, in [0, 1), got {self.warmup_ratio}"),
+            (self.grad_clip >= 0, f"--grad-clip is the largest gradient norm kept, >= 0 (0: no clipping), got "
+                                  f"{self.grad_clip}"),
+            (0.0 <= self.distill_weight <= 1.0,
+             f"--distill-weight must be in 0..1 (0: hard labels only), got {self.distill_weight}"),
+            (self.dtype in ("float32", "bfloat16"), f"--dtype must be float32 or bfloat16, got {self.dtype}"),
+            (self.max_steps is None or self.max_steps >= 1,
+             f"--max-steps must be >= 1, got {self.max_steps}; leave it out to train for --epochs"),
+            (self.max_steps is not None or self.epochs > 0, f"--epochs must be > 0 (or set --max-steps), got "
+                                                            f"{self.epochs}"),
+            (0.0 <= self.eval_fraction < 1.0, f"--eval-fraction is the share of --data held out for evaluation, in "
+                                              f"[0, 1) (0: no evaluation), got {self.eval_fraction}"),
+            (self.eval_every >= 0, f"--eval-every must be >= 0 (0: evaluate only at the end), got {self.eval_every}"),
+            (self.eval_decoding_examples >= 0,
+             f"--eval-decoding-examples must be >= 0, got {self.eval_decoding_examples}"),
+            (self.log_every >= 1, f"--log-every must be >= 1, got {self.log_every}"),
+            (self.checkpoint_every >= 0,
+             f"--checkpoint-every must be >= 0 (0: only at the end), got {self.checkpoint_every}"),
+            (self.keep_checkpoints >= 1, f"--keep-checkpoints must be >= 1, got {self.keep_checkpoints}"),
+            (not (self.resume and self.overwrite), "--resume continues the checkpoints that --overwrite would delete; "
+                                                   "pass one of them"),
+        ]
+        return [message for ok, message in checks if not ok]
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -99,6 +126,7 @@ def load_config(yaml_path: str | None, overrides: dict[str, Any]) -> TrainConfig
         if not isinstance(loaded, dict):
             raise UserError(f"{path} must be a YAML mapping of training options")
         values.update({str(k).replace("-", "_"): v for k, v in loaded.items()})
+        _read_numbers(values)
         _check_types(values, path)
     values.update({k: v for k, v in overrides.items() if v is not None})
     known = {f.name for f in fields(TrainConfig)}
@@ -109,6 +137,20 @@ def load_config(yaml_path: str | None, overrides: dict[str, Any]) -> TrainConfig
     config.validate()
     return config
 
+
+def _read_numbers(values: dict[str, Any]) -> None:
+    """YAML 1.1 reads `6e-4` (no dot) as a string: a numeric string is a number where the option is one."""
+    hints = typing.get_type_hints(TrainConfig)
+    for name, value in values.items():
+        if isinstance(value, str) and float in _types(hints.get(name)):
+            try:
+                values[name] = float(value)
+            except ValueError:
+                pass  # not a number: _check_types names it
+
+
+def _types(kind: Any) -> tuple:
+    return typing.get_args(kind) if typing.get_args(kind) else (kind,)
 
 
 def _check_types(values: dict[str, Any], path: Path) -> None:

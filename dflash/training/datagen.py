@@ -1,18 +1,32 @@
 """Regenerate responses with the target (REFERENCE section 4: the drafter learns the target's own text).
 
 Each output line is one finished conversation, written whole and flushed; a rerun skips the prompts
-already done and drops a half-written last line, so interrupted runs resume without duplicates.
+already done and drops a half-written last line, so interrupted runs resume without duplicates. A rerun
+must continue the same job: every record keeps a hash of its prompt and `OUTPUT.datagen.json` the
+generation settings, and a rerun with another prompt file, order or settings is refused, never mixed in.
+
+A prompt too long for the target's context is skipped with a warning that names it. It is not recorded:
+whether a prompt fits depends only on the prompt and the target, both pinned by the checks above, so a
+rerun skips it again, at the cost of tokenizing it. Answers stop at the end of the target's context
+(finish_reason "length").
 """
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
-from dataclasses import dataclass
+import sys
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Iterator
 
 from dflash.errors import UserError
+from dflash.training.data import check_messages, check_turns, read_jsonl, text_field
+
+PROMPT_FIELDS = ("prompt", "question", "instruction", "text")  # looked for in this order without --prompt-field
+RECORD_START = b'{"id": '  # how every output line starts: a half-written last line is recognised by it
+MAX_WARNINGS = 20  # skipped prompts named one by one; the rest are counted
 
 
 @dataclass
@@ -33,35 +47,117 @@ class DatagenConfig:
     dtype: str | None = None
     device: str | None = None
 
+    def validate(self) -> None:
+        from dflash.api import make_config
+
+        if self.batch_size < 1:
+            raise UserError(f"--batch-size is the number of prompts decoded together, >= 1; got {self.batch_size}")
+        if self.limit is not None and self.limit < 1:
+            raise UserError(f"--limit must be >= 1 (leave it out for every prompt), got {self.limit}")
+        if self.max_new_tokens < 1:
+            raise UserError(f"--max-new-tokens must be >= 1, got {self.max_new_tokens}")
+        make_config(temperature=self.temperature, top_p=self.top_p)  # their ranges, named
+        output = Path(self.output).expanduser()
+        if output.is_dir():
+            raise UserError(f"--output {self.output} is a directory; give the path of a .jsonl file")
+        if output.exists() and output.resolve() == Path(self.prompts).expanduser().resolve():
+            raise UserError(f"--output {self.output} is the --prompts file; give another path to write the answers to")
+
+    def settings(self) -> dict:
+        """What decides the answers: a rerun that resumes an output must repeat these."""
+        return {"target": target_name(self.target), "max_new_tokens": self.max_new_tokens,
+                "temperature": self.temperature, "top_p": self.top_p, "seed": self.seed,
+                "prompt_suffix": self.prompt_suffix}
+
+
+def target_name(target: str | None) -> str:
+    """The target as a rerun can compare it: a local directory's absolute path, else the hub id."""
+    if target is None:
+        from dflash.api import DEFAULT_TARGET
+
+        return str(DEFAULT_TARGET.resolve())
+    path = Path(target).expanduser()
+    return str(path.resolve()) if path.exists() else str(target)
+
+
+@dataclass
+class Prompt:
+    id: int  # its place among the prompts: the output record's id
+    where: str  # "prompts.jsonl:12" or "openai/gsm8k row 11": where a message sends the user
+    turns: list[list[dict]]  # the messages added before each answer, one entry per user turn
+
+    @property
+    def hash(self) -> str:
+        text = json.dumps(self.turns, sort_keys=True, ensure_ascii=False)
+        return hashlib.sha256(text.encode()).hexdigest()[:16]
+
+
+@dataclass
+class DatagenResult:
+    written: int = 0  # new records in the output
+    skipped: list[str] = field(default_factory=list)  # prompts too long for the target's context: why, each
+
 
 def prompt_messages(record: dict, prompt_field: str | None = None) -> list[list[dict]]:
-    """User turns of a record, as the successive conversations to answer (one per turn)."""
+    """The user turns of a record, as the messages to add before each answer. System (and other non-user)
+    messages go with the user message after them; the record's own assistant messages are dropped (the target
+    writes every answer itself)."""
     if "messages" in record:
-        messages = [m for m in record["messages"] if m.get("role") != "assistant"]
-        if not messages:
-            raise UserError("a `messages` record has no user turn")
-        return [[m] for m in messages] if all(m.get("role") == "user" for m in messages) else [messages]
+        return _message_turns(check_messages(record["messages"]))
     if "turns" in record:
-        return [[{"role": "user", "content": t}] for t in record["turns"]]
-    for field in ([prompt_field] if prompt_field else ["prompt", "question", "instruction", "text"]):
-        if field in record and isinstance(record[field], str):
-            return [[{"role": "user", "content": record[field]}]]
+        return [[{"role": "user", "content": t}] for t in check_turns(record["turns"])]
+    for name in [prompt_field] if prompt_field else PROMPT_FIELDS:
+        if name in record:
+            return [[{"role": "user", "content": text_field(record, name)}]]
     raise UserError(f"cannot find a prompt in record with fields {sorted(record)}; use `prompt`, `turns` or "
                     "`messages` (or --prompt-field for a dataset column)")
 
 
-def read_prompts(config: DatagenConfig) -> list[dict]:
+def _message_turns(messages: list[dict]) -> list[list[dict]]:
+    turns, pending = [], []
+    for m in messages:
+        if m["role"] == "assistant":
+            continue
+        pending.append(dict(m))
+        if m["role"] == "user":
+            turns.append(pending)
+            pending = []
+    if not turns:
+        raise UserError("`messages` has no user message to answer")
+    if pending:
+        raise UserError(f"`messages` has a {pending[-1]['role']} message after its last user message; end with the "
+                        "user message to answer")
+    return turns
+
+
+def read_prompts(config: DatagenConfig) -> list[Prompt]:
+    """Every prompt (up to --limit), checked before anything is generated; the bad records are named."""
+    rows = _read_rows(config)
+    prompts, problems = [], []
+    for i, (where, record) in enumerate(rows):
+        try:
+            prompts.append(Prompt(i, where, prompt_messages(record, config.prompt_field)))
+        except UserError as err:
+            problems.append(f"{where}: {err}")
+    if len(problems) == 1:
+        raise UserError(problems[0])
+    if problems:
+        more = f"\n  ... and {len(problems) - 5} more" if len(problems) > 5 else ""
+        raise UserError(f"{len(problems)} prompt records cannot be used; fix or remove them:\n  "
+                        + "\n  ".join(problems[:5]) + more)
+    return prompts
+
+
+def _read_rows(config: DatagenConfig) -> list[tuple[str, dict]]:
     path = Path(config.prompts).expanduser()
     if path.is_file():
-        from dflash.training.data import read_jsonl
-
-        records = read_jsonl(path)
-    elif path.is_dir() or is_hub_id(config.prompts):
-        records = _load_dataset(config, str(path) if path.is_dir() else config.prompts)
-    else:
-        raise UserError(f"prompt file {config.prompts} does not exist; give a JSONL file, a dataset directory or a "
-                        "Hugging Face dataset name like openai/gsm8k")
-    return records[: config.limit] if config.limit else records
+        return [(f"{path}:{n}", record) for n, record in read_jsonl(path, config.limit)]
+    if path.is_dir() or is_hub_id(config.prompts):
+        source = str(path) if path.is_dir() else config.prompts
+        rows = _load_dataset(config, source)[: config.limit]
+        return [(f"{source} row {i}", dict(row)) for i, row in enumerate(rows)]
+    raise UserError(f"prompt file {config.prompts} does not exist; give a JSONL file, a dataset directory or a "
+                    "Hugging Face dataset name like openai/gsm8k")
 
 
 def is_hub_id(name: str) -> bool:
@@ -88,42 +184,127 @@ def _load_dataset(config: DatagenConfig, source: str) -> list[dict]:
                         "file with `prompt`, `turns` or `messages`, or a downloaded dataset directory") from None
 
 
-def done_ids(output: Path) -> set[int]:
-    """Ids already written; a half-written last line (interrupted run) is cut off first."""
+# ---- the output: what is done, and whether a rerun continues the same job --------------------------------------
+def settings_path(output: Path) -> Path:
+    return output.with_name(output.name + ".datagen.json")
+
+
+def done_ids(output: Path) -> dict[int, str | None]:
+    """The ids already written, with their prompt hashes (None in records of older versions). A file that is not
+    datagen output, or is broken before its last line, is refused; a half-written last line (an interrupted run)
+    is cut off."""
     if not output.exists():
-        return set()
+        return {}
     data = output.read_bytes()
-    if data and not data.endswith(b"\n"):
-        with output.open("r+b") as f:
-            f.truncate(data.rfind(b"\n") + 1)
-        data = data[: data.rfind(b"\n") + 1]
-    return {json.loads(line)["id"] for line in data.decode().splitlines() if line.strip()}
+    lines = data.split(b"\n")
+    tail = lines.pop()  # b"" when the file ends with a newline
+    parsed = [(n, line, _output_record(line)) for n, line in enumerate(lines, 1) if line.strip()]
+    ours = any(record is not None for _, _, record in parsed)
+    for n, line, record in parsed:
+        if record is None and ours and line.startswith(RECORD_START):
+            raise UserError(f"{output}:{n} is a broken record; only the last line can be half-written (by an "
+                            f"interrupted run). Remove line {n} (its prompt is then generated again) and rerun")
+        if record is None:
+            raise UserError(f"{output} is not dflash datagen output (line {n} is not a record); pass another "
+                            "--output (a rerun of dflash datagen appends to its own output)")
+    if tail.strip():
+        if not tail.startswith(RECORD_START):
+            raise UserError(f"{output} is not dflash datagen output (line {len(lines) + 1} is not a record); pass "
+                            "another --output")
+        with output.open("r+b") as f:  # the interrupted write of a record: it is generated again
+            f.truncate(len(data) - len(tail))
+    return {record["id"]: record.get("prompt_hash") for _, _, record in parsed}
 
 
-def run_datagen(config: DatagenConfig, progress=None, records: list[dict] | None = None) -> int:
-    """Generate what is missing from `output`; returns how many records were written. `records`: the prompts
-    when the caller has read them already (`read_prompts`)."""
+def _output_record(line: bytes) -> dict | None:
+    """An output line as a record, or None when it is not one."""
+    try:
+        record = json.loads(line.decode("utf-8"))
+    except (UnicodeDecodeError, json.JSONDecodeError):
+        return None
+    if isinstance(record, dict) and isinstance(record.get("id"), int) and "response_ids" in record:
+        return record
+    return None
+
+
+def check_rerun(config: DatagenConfig, prompts: list[Prompt], done: dict[int, str | None]) -> None:
+    """Refuse to add to an output made from other prompts or with other settings; record the settings of a new
+    output (`OUTPUT.datagen.json`)."""
+    output = Path(config.output)
+    _check_prompts(output, prompts, done, limited=config.limit is not None)
+    path, settings = settings_path(output), config.settings()
+    if done and path.exists():
+        saved = _read_settings(path)
+        changed = [f"{k} {saved.get(k)!r}, now {v!r}" for k, v in settings.items() if saved.get(k) != v]
+        if changed:
+            raise UserError(f"{output} was generated with other settings ({'; '.join(changed)}); rerun with the "
+                            "same ones to resume it, or pass another --output")
+        return
+    if done:
+        _warn(f"{output} has no {path.name} (written by an older dflash): this run's settings cannot be checked "
+              "against the records it holds; writing them there now")
+    output.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(json.dumps(settings, indent=1) + "\n")
+    os.replace(tmp, path)
+
+
+def _check_prompts(output: Path, prompts: list[Prompt], done: dict[int, str | None], limited: bool) -> None:
+    by_id = {p.id: p for p in prompts}
+    for i, prompt_hash in sorted(done.items()):
+        prompt = by_id.get(i)
+        if prompt is None and not limited:
+            raise UserError(f"{output} holds an answer to prompt {i}, but there are only {len(prompts)} prompts: it "
+                            "was made from another prompt file; pass another --output")
+        if prompt is not None and prompt_hash is not None and prompt_hash != prompt.hash:
+            raise UserError(f"{output} holds an answer (id {i}) to another prompt than {prompt.where}: the prompts "
+                            "changed since it was written (another file, order or --prompt-field); rerun with the "
+                            "prompts it was made from, or pass another --output")
+
+
+def _read_settings(path: Path) -> dict:
+    try:
+        saved = json.loads(path.read_text())
+    except (UnicodeDecodeError, json.JSONDecodeError):
+        saved = None
+    if not isinstance(saved, dict):
+        raise UserError(f"{path} is not a dflash datagen settings file; delete it (the output's settings are then "
+                        "not checked) or pass another --output")
+    return saved
+
+
+# ---- generation ----------------------------------------------------------------------------------------------
+def run_datagen(config: DatagenConfig, progress=None, prompts: list[Prompt] | None = None) -> DatagenResult:
+    """Generate what is missing from `output`. `progress(n)`: n more prompts are accounted for (done before,
+    skipped or answered now); `prompts`: when the caller has read them already (`read_prompts`)."""
     from dflash.api import DFlash
 
+    config.validate()
     output = Path(config.output)
-    output.parent.mkdir(parents=True, exist_ok=True)
-    records = read_prompts(config) if records is None else records
+    prompts = read_prompts(config) if prompts is None else prompts
     done = done_ids(output)
-    todo = [(i, r) for i, r in enumerate(records) if i not in done]
+    check_rerun(config, prompts, done)
+    todo = [p for p in prompts if p.id not in done]
+    if progress:
+        progress(len(prompts) - len(todo))
+    result = DatagenResult()
     if not todo:
-        return 0
+        return result
     pipe = DFlash.from_pretrained(config.target, no_draft=True, dtype=config.dtype, device=config.device)
-    written = 0
+    generator = _Generator(pipe, config)
+    first_ids = generator.first_turns(todo, result)
+    if progress:
+        progress(len(todo) - len(first_ids))
     with output.open("a") as f:
-        for chunk in _chunks(todo, config.batch_size):
-            for record in _generate_chunk(pipe, chunk, config):
+        for chunk in _chunks([p for p in todo if p.id in first_ids], config.batch_size):
+            for record in generator.answer(chunk, first_ids):
                 f.write(json.dumps(record) + "\n")
                 f.flush()
-                written += 1
+                result.written += 1
             if progress:
                 progress(len(chunk))
         os.fsync(f.fileno())
-    return written
+    return result
 
 
 def _chunks(items: list, size: int) -> Iterator[list]:
@@ -131,29 +312,95 @@ def _chunks(items: list, size: int) -> Iterator[list]:
         yield items[start: start + size]
 
 
-def _generate_chunk(pipe, chunk: list[tuple[int, dict]], config: DatagenConfig) -> list[dict]:
-    """Answer every turn of every record in the chunk; a turn sees the target's own earlier answers."""
-    conversations = {i: [] for i, _ in chunk}
-    turns = {i: prompt_messages(r, config.prompt_field) for i, r in chunk}
-    last: dict[int, tuple[list[int], list[int], str]] = {}
-    for turn in range(max(len(t) for t in turns.values())):
-        active = [i for i in conversations if turn < len(turns[i])]
-        for i in active:
-            new = [dict(m) for m in turns[i][turn]]
-            if config.prompt_suffix and new[-1]["role"] == "user":
-                new[-1]["content"] += config.prompt_suffix
-            conversations[i].extend(new)
-        prompt_ids = [pipe.encode(conversations[i]) for i in active]
-        outputs = pipe.engine.generate(prompt_ids, [_config(config, seed=config.seed + i) for i in active])
-        for i, ids, out in zip(active, prompt_ids, outputs):
-            conversations[i].append({"role": "assistant", "content": out.text})
-            last[i] = (ids, out.output_ids, out.finish_reason)
-    return [{"id": i, "messages": conversations[i], "prompt_ids": last[i][0], "response_ids": last[i][1],
-             "finish_reason": last[i][2]} for i, _ in chunk]
+class _Generator:
+    """The target answering prompts: their tokens (the chat template, or plain text for a target without one) and
+    every turn's answer within the target's context."""
+
+    def __init__(self, pipe, config: DatagenConfig):
+        self.pipe, self.config = pipe, config
+        self.context = getattr(pipe.target.config, "max_position_embeddings", None)
+        self.reserved = pipe.engine.proposer.block_size  # positions a step needs beyond the answer
+        self.raw = pipe.tokenizer is not None and not getattr(pipe.tokenizer, "chat_template", None)
+        if self.raw:
+            _warn("the target's tokenizer has no chat template: prompts are sent as plain text, as `dflash "
+                  "generate` does (a conversation's turns and answers joined by blank lines)")
+
+    def encode(self, conversation: list[dict]) -> list[int]:
+        if self.raw:
+            return self.pipe.encode("\n\n".join(m["content"] for m in conversation), raw=True)
+        return self.pipe.encode(conversation)
+
+    def room(self, prompt_ids: list[int]) -> int:
+        """How many tokens an answer to this prompt can have: --max-new-tokens, or less at the context's end."""
+        if not self.context:
+            return self.config.max_new_tokens
+        return min(self.config.max_new_tokens, self.context - len(prompt_ids) - self.reserved)
+
+    def first_turns(self, prompts: list[Prompt], result: DatagenResult) -> dict[int, list[int]]:
+        """The first turn's tokens of every prompt that leaves room for an answer; the others are skipped (named
+        in a warning, counted in `result.skipped`)."""
+        ids = {}
+        for p in prompts:
+            try:
+                prompt_ids = self.encode(self._with_suffix(p.turns[0]))
+            except Exception as err:  # the template's own checks (e.g. roles it does not take) raise anything
+                raise UserError(f"{p.where}: the target's chat template cannot render this prompt: "
+                                f"{type(err).__name__}: {err}") from None
+            if self.room(prompt_ids) >= 1:
+                ids[p.id] = prompt_ids
+                continue
+            result.skipped.append(f"{p.where} (id {p.id}): its prompt of {len(prompt_ids)} tokens leaves no room for "
+                                  f"an answer in the target's context of {self.context} tokens")
+            if len(result.skipped) <= MAX_WARNINGS:
+                _warn(f"skipped {result.skipped[-1]}")
+            elif len(result.skipped) == MAX_WARNINGS + 1:
+                _warn("more prompts are too long for the target's context: the summary counts them")
+        return ids
+
+    def answer(self, chunk: list[Prompt], first_ids: dict[int, list[int]]) -> list[dict]:
+        """Answer every turn of every prompt in the chunk; a turn sees the target's own earlier answers. A turn
+        that no longer fits in the target's context ends its conversation there (a warning says so)."""
+        conversations: dict[int, list[dict]] = {p.id: [] for p in chunk}
+        last: dict[int, tuple[list[int], list[int], str]] = {}
+        ended: set[int] = set()  # conversations whose next turn does not fit
+        for turn in range(max(len(p.turns) for p in chunk)):
+            asked, prompt_ids = [], []
+            for p in chunk:
+                if turn >= len(p.turns) or p.id in ended:
+                    continue
+                messages = conversations[p.id] + self._with_suffix(p.turns[turn])
+                ids = first_ids.pop(p.id) if turn == 0 else self.encode(messages)
+                if self.room(ids) < 1:
+                    _warn(f"{p.where} (id {p.id}): turn {turn + 1} of {len(p.turns)} ({len(ids)} tokens) leaves no "
+                          f"room for an answer in the target's context of {self.context} tokens; its record keeps "
+                          f"the first {turn}")
+                    ended.add(p.id)
+                    continue
+                conversations[p.id] = messages
+                asked.append(p)
+                prompt_ids.append(ids)
+            if not asked:
+                break
+            configs = [self._generation_config(p, ids) for p, ids in zip(asked, prompt_ids)]
+            for p, ids, out in zip(asked, prompt_ids, self.pipe.engine.generate(prompt_ids, configs)):
+                conversations[p.id].append({"role": "assistant", "content": out.text})
+                last[p.id] = (ids, out.output_ids, out.finish_reason)
+        return [{"id": p.id, "prompt_hash": p.hash, "messages": conversations[p.id], "prompt_ids": last[p.id][0],
+                 "response_ids": last[p.id][1], "finish_reason": last[p.id][2]} for p in chunk]
+
+    def _with_suffix(self, messages: list[dict]) -> list[dict]:
+        new = [dict(m) for m in messages]
+        if self.config.prompt_suffix and new[-1]["role"] == "user":
+            new[-1]["content"] += self.config.prompt_suffix
+        return new
+
+    def _generation_config(self, prompt: Prompt, prompt_ids: list[int]):
+        from dflash.api import make_config
+
+        c = self.config
+        return make_config(max_new_tokens=self.room(prompt_ids), temperature=c.temperature, top_p=c.top_p,
+                           seed=c.seed + prompt.id)
 
 
-def _config(config: DatagenConfig, seed: int):
-    from dflash.api import make_config
-
-    return make_config(max_new_tokens=config.max_new_tokens, temperature=config.temperature, top_p=config.top_p,
-                       seed=seed)
+def _warn(message: str) -> None:
+    print(f"dflash datagen: warning: {message}", file=sys.stderr, flush=True)

@@ -11,6 +11,9 @@ import json
 import math
 import os
 import shutil
+import signal
+import sys
+import threading
 import time
 from contextlib import nullcontext
 from pathlib import Path
@@ -24,10 +27,10 @@ from dflash.errors import UserError
 from dflash.model import hf_compat
 from dflash.model.config import DrafterConfig, default_target_layer_ids
 from dflash.model.drafter import DFlashDecoderLayer, DFlashDraftModel, init_weights
-from dflash.model.loading import load_drafter, save_drafter
+from dflash.model.loading import load_drafter, resolve_model_dir, save_drafter
 from dflash.model.target import TargetModel, check_compatible
 from dflash.training.config import TrainConfig
-from dflash.training.data import Batch, collate, epoch_batches, load_examples, split_examples
+from dflash.training.data import Batch, Example, collate, epoch_batches, fingerprint, load_examples, split_examples
 from dflash.training.objective import (
     Blocks,
     block_hits,
@@ -81,6 +84,35 @@ def choose_mask_token_id(config: TrainConfig, tokenizer, vocab_size: int) -> int
             return len(tokenizer)
     raise UserError("cannot pick a mask token: the tokenizer has none and the embedding has no unused row; "
                     "pass --mask-token-id with an id that never occurs in text (not pad or eos)")
+
+
+def mask_token_problem(mask_id: int, target: TargetModel) -> str | None:
+    """Why `mask_id` cannot be the mask token, or None. A mask that aliases a real token (pad, eos, a token of
+    text) trains a drafter that scores well and drafts badly (REFERENCE section 4)."""
+    if not 0 <= mask_id < target.vocab_size:
+        return f"it is outside the target's vocabulary (0..{target.vocab_size - 1})"
+    if mask_id in target.eos_token_ids():
+        return "it is an end-of-sequence token"
+    tokenizer = target.tokenizer
+    if tokenizer is not None:
+        if mask_id == tokenizer.pad_token_id:
+            return "it is the padding token"
+        added = getattr(tokenizer, "added_tokens_decoder", {})
+        if mask_id < len(tokenizer) and not (mask_id in added and added[mask_id].special):
+            return f"it is {tokenizer.convert_ids_to_tokens(mask_id)!r}, a token of ordinary text"
+    return None
+
+
+def mask_token_uses(mask_id: int, examples: list[Example]) -> int:
+    """How often the mask token is a response token of the data, where blocks start and are labelled."""
+    return sum(e.input_ids[e.response_start:].count(mask_id) for e in examples)
+
+
+def mask_token_advice(tokenizer, vocab_size: int) -> str:
+    unused = (f"; rows {len(tokenizer)}..{vocab_size - 1} of the embedding are unused by the tokenizer, and the "
+              "first of them is a safe choice" if tokenizer is not None and len(tokenizer) < vocab_size else "")
+    return ("the mask token must never occur in text: use the tokenizer's mask token or a special token the data "
+            f"never holds (not pad or eos){unused}")
 
 
 def drafter_config_for(target: TargetModel, config: TrainConfig, mask_token_id: int) -> DrafterConfig:
@@ -166,6 +198,34 @@ def deepen(drafter: DFlashDraftModel, num_layers: int) -> None:
     config.num_hidden_layers = num_layers
 
 
+class StopRequest:
+    """Ctrl-C (SIGINT) or SIGTERM while training asks the loop to stop after the current step, so it can save a
+    checkpoint of a consistent state; a second signal acts at once. Only the main thread can take signals."""
+
+    SIGNALS = (signal.SIGINT, signal.SIGTERM)
+
+    def __init__(self, announce: bool):
+        self.requested = False
+        self._announce = announce
+        self._previous: dict[int, object] = {}
+
+    def __enter__(self) -> "StopRequest":
+        if threading.current_thread() is threading.main_thread():
+            self._previous = {sig: signal.signal(sig, self._handle) for sig in self.SIGNALS}
+        return self
+
+    def __exit__(self, *exc) -> None:
+        for sig, handler in self._previous.items():
+            signal.signal(sig, handler)
+
+    def _handle(self, signum, frame) -> None:
+        self.requested = True
+        signal.signal(signum, self._previous[signum])  # the next one acts at once
+        if self._announce:
+            print("dflash train: stopping after this step to save a checkpoint (again to stop at once, losing the "
+                  "steps since the last checkpoint)", file=sys.stderr, flush=True)
+
+
 _EVAL_EPOCH = 999_999  # anchors for evaluation are drawn once, the same at every evaluation
 
 
@@ -184,26 +244,59 @@ class Trainer:
     # ---- setup ----------------------------------------------------------------------------------------
     def setup(self) -> "Trainer":
         self._setup_distributed()
+        self._setup_output()
         self._setup_target()
         self._setup_data()
         self._setup_drafter()
         self._setup_optimizer()
+        self._setup_feature_cache()
         if self.config.resume:
             self._load_latest_checkpoint()
         return self
 
     def _setup_distributed(self) -> None:
+        self.device = self._device()
         if int(os.environ.get("WORLD_SIZE", "1")) > 1 and not dist.is_initialized():
-            backend = "nccl" if torch.cuda.is_available() else "gloo"
-            dist.init_process_group(backend)
+            dist.init_process_group("nccl" if self.device.type == "cuda" else "gloo")
         if dist.is_initialized():
             self.rank, self.world = dist.get_rank(), dist.get_world_size()
-        if self.config.device:
-            self.device = torch.device(self.config.device)
-        elif torch.cuda.is_available():
-            self.device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
-        else:
-            self.device = torch.device("cpu")
+
+    def _device(self) -> torch.device:
+        """--device, checked; by default this process's GPU when there is one (LOCAL_RANK under torchrun)."""
+        local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+        name = self.config.device
+        if not name:
+            return torch.device("cuda", local_rank) if torch.cuda.is_available() else torch.device("cpu")
+        try:
+            device = torch.device(name)
+        except RuntimeError:
+            raise UserError(f"--device {name!r} is not a device; use cpu, cuda or cuda:N (default: cuda when "
+                            "there is a GPU)") from None
+        if device.type == "cuda":
+            if not torch.cuda.is_available():
+                raise UserError(f"--device {name}, but torch sees no CUDA GPU here; pass --device cpu, or leave "
+                                "--device out to use a GPU when there is one")
+            device = torch.device("cuda", local_rank if device.index is None else device.index)
+            if device.index >= torch.cuda.device_count():
+                raise UserError(f"--device {device} does not exist: torch sees {torch.cuda.device_count()} GPU(s)")
+        return device
+
+    def _setup_output(self) -> None:
+        """A fresh run never shares its output with an earlier run's checkpoints: pruning would delete the new ones
+        and --resume would continue the old run. --overwrite deletes them (and the old log) first."""
+        c = self.config
+        found = sorted(self.checkpoint_dir.glob("step-*"))
+        self._barrier()  # every process has looked before any deletes
+        if c.resume or not found:
+            return
+        if not c.overwrite:
+            raise UserError(f"{self.checkpoint_dir} holds checkpoints of an earlier run (newest: {found[-1].name}); "
+                            "pass --resume to continue that run, --overwrite to delete them and start afresh, or "
+                            "another --output")
+        if self.rank == 0:
+            shutil.rmtree(self.checkpoint_dir)
+            (Path(c.output) / "train_log.jsonl").unlink(missing_ok=True)
+        self._barrier()
 
     def _setup_target(self) -> None:
         self.target = TargetModel.from_pretrained(self.config.target, dtype="auto", device=self.device)
@@ -213,10 +306,17 @@ class Trainer:
 
     def _setup_data(self) -> None:
         c = self.config
-        examples = load_examples(c.data, self.tokenizer, c.max_length)
+        self.context = getattr(self.target.config, "max_position_embeddings", None)
+        if self.context and c.max_length > self.context:
+            self._note(f"--max-length {c.max_length} is beyond the target's context of {self.context} tokens; "
+                       f"sequences are cut at {self.context}")
+            c.max_length = self.context
+        vocab = self.target.vocab_size
+        examples = load_examples(c.data, self.tokenizer, c.max_length, vocab)
         self.train_examples, self.eval_examples = split_examples(examples, c.eval_fraction, c.seed)
         for path in c.extra_train_data or []:
-            self.train_examples += load_examples(path, self.tokenizer, c.max_length)
+            self.train_examples += load_examples(path, self.tokenizer, c.max_length, vocab)
+        self.data_fingerprint = {"train": fingerprint(self.train_examples), "eval": fingerprint(self.eval_examples)}
         self.global_batch = c.batch_size * self.world
         if len(self.train_examples) < self.global_batch:
             raise UserError(f"only {len(self.train_examples)} training examples for a global batch of "
@@ -234,6 +334,7 @@ class Trainer:
             self.drafter_config = self.drafter.config
         else:
             mask_id = choose_mask_token_id(c, self.tokenizer, self.target.vocab_size)
+            self._check_mask_token(mask_id)
             self.drafter_config = drafter_config_for(self.target, c, mask_id)
             self.drafter = DFlashDraftModel(self.drafter_config)
             self.drafter.init_weights()
@@ -244,6 +345,22 @@ class Trainer:
             ids = [self.device.index] if self.device.type == "cuda" else None
             self.model = nn.parallel.DistributedDataParallel(self.head, device_ids=ids)
         self.gamma = c.loss_gamma or loss_gamma(c.block_size)
+
+    def _check_mask_token(self, mask_id: int) -> None:
+        """Refuse a mask token that aliases pad, eos or text; warn when the responses hold it."""
+        problem = mask_token_problem(mask_id, self.target)
+        if problem:
+            chosen = "--mask-token-id" if self.config.mask_token_id is not None else "the tokenizer's mask token"
+            raise UserError(f"{chosen} ({mask_id}) cannot be the mask token: {problem}; "
+                            f"{mask_token_advice(self.tokenizer, self.target.vocab_size)}")
+        self._warn_mask_token_uses(mask_id)
+
+    def _warn_mask_token_uses(self, mask_id: int) -> None:
+        uses = mask_token_uses(mask_id, self.train_examples + self.eval_examples)
+        if uses:
+            self._warn(f"the mask token ({mask_id}) occurs {uses} times in the responses: blocks that start at it "
+                       "or are labelled with it teach the drafter to confuse a mask with a token; "
+                       f"{mask_token_advice(self.tokenizer, self.target.vocab_size)}")
 
     def _pretrained_drafter(self, path: str) -> DFlashDraftModel:
         """Fine-tune an existing drafter: its own shape and mask token; the block size may change,
@@ -260,6 +377,11 @@ class Trainer:
             widen_mlp(drafter, self.config.intermediate_size)
         if self.config.draft_layers is not None:
             deepen(drafter, self.config.draft_layers)
+        problem = mask_token_problem(drafter.config.mask_token_id, self.target)
+        if problem:  # the drafter learnt with this mask token: a warning, it cannot change now
+            self._warn(f"the drafter's mask token ({drafter.config.mask_token_id}) aliases a real token: {problem}; "
+                       "its blocks cannot tell a mask from that token, which lowers acceptance")
+        self._warn_mask_token_uses(drafter.config.mask_token_id)
         return drafter
 
     def _setup_optimizer(self) -> None:
@@ -276,6 +398,37 @@ class Trainer:
             return 0.5 * (1 + math.cos(math.pi * min(progress, 1.0)))
 
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, schedule)
+
+    def _setup_feature_cache(self) -> None:
+        """A --feature-cache directory holds the features of one target, one set of examples and one choice of
+        feature layers, named in its manifest.json: features of another setup would train silently wrong, so a
+        run that differs is refused."""
+        c = self.config
+        if c.feature_cache in (None, "memory"):
+            return
+        directory = Path(c.feature_cache)
+        manifest, path = self._feature_manifest(), directory / "manifest.json"
+        if path.exists():
+            changed = _manifest_changes(_read_json(path, "a feature cache manifest"), manifest)
+            if changed:
+                raise UserError(f"--feature-cache {directory} holds the features of another setup "
+                                f"({'; '.join(changed)}); pass another directory, or delete this one to compute "
+                                "them again")
+        elif any(directory.glob("*.pt")):
+            raise UserError(f"--feature-cache {directory} holds features but no manifest.json (an older dflash wrote "
+                            "them): what they were computed from is unknown; delete it or pass another directory")
+        self._barrier()  # every process has checked before the manifest is written
+        if self.rank == 0 and not path.exists():
+            directory.mkdir(parents=True, exist_ok=True)
+            tmp = directory / ".manifest.json.tmp"
+            tmp.write_text(json.dumps(manifest, indent=1) + "\n")
+            os.replace(tmp, path)
+        self._barrier()
+
+    def _feature_manifest(self) -> dict:
+        return {"target": self.config.target, "target_files": _model_files(self.config.target),
+                "target_dtype": str(self.target.dtype).removeprefix("torch."),
+                "feature_layer_ids": list(self.drafter_config.target_layer_ids), "examples": self.data_fingerprint}
 
     # ---- one step ----------------------------------------------------------------------------------------
     def _features(self, batch: Batch) -> tuple[torch.Tensor, torch.Tensor | None]:
@@ -390,41 +543,56 @@ class Trainer:
         out, walk_tau = self._loss(batch, epoch, decoding_anchors=self.config.anchor_policy == "decoding")
         self.optimizer.zero_grad(set_to_none=True)
         out.loss.backward()
-        grad_norm = torch.nn.utils.clip_grad_norm_(self.drafter.parameters(), self.config.grad_clip)
+        max_norm = self.config.grad_clip or math.inf  # 0: no clipping (the norm is still measured)
+        grad_norm = torch.nn.utils.clip_grad_norm_(self.drafter.parameters(), max_norm)
         self.optimizer.step()
         self.scheduler.step()
         self.step += 1
         return {"loss": out.loss.item(), "grad_norm": float(grad_norm), "tokens": int(batch.attention_mask.sum()),
-                "tau_estimate": estimated_acceptance_length(float(out.accepted), float(out.blocks)),
-                "walk_tau": walk_tau}
+                "accepted": float(out.accepted), "blocks": float(out.blocks), "walk_tau": walk_tau}
+
+    def _train_record(self, stats: dict, window_tokens: int, elapsed: float) -> dict:
+        """The log line of a step: loss, tau and walk_tau averaged over every process, tokens/s of them all."""
+        walk = stats["walk_tau"]
+        loss, tokens, accepted, blocks, walk_sum = self._sum_over_processes(
+            [stats["loss"], window_tokens, stats["accepted"], stats["blocks"], walk or 0.0])
+        record = {"step": self.step, "epoch": round(self.step / self.batches_per_epoch, 3),
+                  "loss": round(loss / self.world, 4), "grad_norm": round(stats["grad_norm"], 3),
+                  "lr": self.scheduler.get_last_lr()[0],
+                  "tau_estimate": round(estimated_acceptance_length(accepted, blocks), 3),
+                  "tokens_per_s": round(tokens / max(elapsed, 1e-9), 1)}
+        if walk is not None:
+            record["walk_tau"] = round(walk_sum / self.world, 3)
+        return record
 
     # ---- the loop ------------------------------------------------------------------------------------------
     def train(self) -> dict:
+        """Train to the last step, then evaluate, checkpoint and export. Ctrl-C (or SIGTERM) stops after the
+        current step with a checkpoint to --resume from, and raises KeyboardInterrupt."""
         c = self.config
         self._log({"event": "start", "steps": self.total_steps, "train_examples": len(self.train_examples),
                    "eval_examples": len(self.eval_examples), "world_size": self.world,
                    "drafter": self.drafter_config.to_dict()})
         window_tokens, window_start = 0, time.perf_counter()
         start = time.perf_counter()
-        while self.step < self.total_steps:
-            epoch, offset = divmod(self.step, self.batches_per_epoch)
-            for indices in epoch_batches(len(self.train_examples), self.global_batch, epoch, c.seed)[offset:]:
-                stats = self._train_step(indices, epoch)
-                window_tokens += stats["tokens"] * self.world
-                if self.step % c.log_every == 0 or self.step == self.total_steps:
-                    elapsed = time.perf_counter() - window_start
-                    self._log({"step": self.step, "epoch": round(self.step / self.batches_per_epoch, 3),
-                               "loss": round(stats["loss"], 4), "grad_norm": round(stats["grad_norm"], 3),
-                               "lr": self.scheduler.get_last_lr()[0], "tau_estimate": round(stats["tau_estimate"], 3),
-                               "tokens_per_s": round(window_tokens / max(elapsed, 1e-9), 1),
-                               **({} if stats["walk_tau"] is None else {"walk_tau": round(stats["walk_tau"], 3)})})
-                    window_tokens, window_start = 0, time.perf_counter()
-                if self.eval_examples and c.eval_every and self.step % c.eval_every == 0:
-                    self._log({"step": self.step, **self.evaluate()})
-                if c.checkpoint_every and self.step % c.checkpoint_every == 0 and self.step < self.total_steps:
-                    self.save_checkpoint()
-                if self.step >= self.total_steps:
-                    break
+        with StopRequest(announce=self.rank == 0) as stop:
+            while self.step < self.total_steps:
+                epoch, offset = divmod(self.step, self.batches_per_epoch)
+                for indices in epoch_batches(len(self.train_examples), self.global_batch, epoch, c.seed)[offset:]:
+                    stats = self._train_step(indices, epoch)
+                    window_tokens += stats["tokens"]
+                    if self.step % c.log_every == 0 or self.step == self.total_steps:
+                        self._log(self._train_record(stats, window_tokens, time.perf_counter() - window_start))
+                        window_tokens, window_start = 0, time.perf_counter()
+                    if self.eval_examples and c.eval_every and self.step % c.eval_every == 0:
+                        self._log({"step": self.step, **self.evaluate()})
+                    saved = c.checkpoint_every and self.step % c.checkpoint_every == 0 and self.step < self.total_steps
+                    if saved:
+                        self.save_checkpoint()
+                    if self._stop_requested(stop):
+                        self._stop(saved)
+                    if self.step >= self.total_steps:
+                        break
         final = {"step": self.step, "train_time_s": round(time.perf_counter() - start, 1)}
         if self.eval_examples:
             final.update(self.evaluate())
@@ -432,6 +600,22 @@ class Trainer:
         self.export()
         self._log({"event": "done", **final})
         return final
+
+    def _stop_requested(self, stop: StopRequest) -> bool:
+        """Whether any process was asked to stop (all of them must stop after the same step)."""
+        if self.world == 1:
+            return stop.requested
+        return self._sum_over_processes([float(stop.requested)])[0] > 0
+
+    def _stop(self, saved: bool) -> None:
+        if not saved:
+            self.save_checkpoint()
+        checkpoint = self.checkpoint_dir / f"step-{self.step:08d}"
+        self._log({"event": "interrupted", "step": self.step, "checkpoint": str(checkpoint)})
+        if self.rank == 0:
+            print(f"dflash train: stopped at step {self.step} and saved {checkpoint}; run the same command with "
+                  "--resume to continue", file=sys.stderr, flush=True)
+        raise KeyboardInterrupt
 
     @torch.no_grad()
     def evaluate(self) -> dict:
@@ -491,6 +675,8 @@ class Trainer:
             "scheduler": self.scheduler.state_dict(),
             "config": self.config.to_dict(),
             "drafter_config": self.drafter_config.to_dict(),
+            "data": self.data_fingerprint,  # a resume must see the same examples in the same order
+            "world_size": self.world,
         }, tmp / "training_state.pt")
         shutil.rmtree(final, ignore_errors=True)
         os.replace(tmp, final)
@@ -504,15 +690,61 @@ class Trainer:
             self._log({"event": "resume", "note": "no checkpoint found; starting from scratch"})
             return
         state = torch.load(checkpoints[-1] / "training_state.pt", map_location=self.device, weights_only=False)
-        saved = DrafterConfig.from_dict(state["drafter_config"])
-        if saved.to_dict() != self.drafter_config.to_dict():
-            raise UserError(f"{checkpoints[-1]} was trained with a different drafter shape; use another --output "
-                            "or drop --resume")
+        self._check_resumable(state, checkpoints[-1])
         self.drafter.load_state_dict(state["drafter"])
         self.optimizer.load_state_dict(state["optimizer"])
         self.scheduler.load_state_dict(state["scheduler"])
+        self._continue_with_given_settings(state["config"])
         self.step = state["step"]
         self._log({"event": "resume", "step": self.step, "checkpoint": str(checkpoints[-1])})
+        if self.step > self.total_steps:
+            self._warn(f"the newest checkpoint is at step {self.step}, past the last step of this run "
+                       f"({self.total_steps}, from --max-steps or --epochs): nothing is trained, and step {self.step} "
+                       "is evaluated and exported as it is")
+        elif self.step == self.total_steps:
+            self._note(f"the newest checkpoint is at the last step ({self.step}): it is evaluated and exported")
+
+    def _check_resumable(self, state: dict, checkpoint: Path) -> None:
+        """Refuse a resume that would not continue the same training: another drafter shape, other examples or
+        another order of them (data, split, seed, global batch)."""
+        fresh = "pass another --output, or --overwrite to delete its checkpoints and train from scratch"
+        saved = DrafterConfig.from_dict(state["drafter_config"]).to_dict()
+        shape = [f"{k} {saved.get(k)!r}, now {v!r}" for k, v in self.drafter_config.to_dict().items()
+                 if saved.get(k) != v]
+        if shape:
+            raise UserError(f"{checkpoint} holds a drafter of another shape ({'; '.join(shape)}); resume with the "
+                            f"options it was trained with, or {fresh}")
+        old = state["config"]
+        order = []
+        if "data" in state and state["data"] != self.data_fingerprint:
+            order.append("the training or held-out examples differ (--data, --extra-train-data, --max-length, "
+                         "--eval-fraction, or the files themselves)")
+        if "data" not in state:  # a checkpoint of an older version: compare the options
+            then = {**old, "max_length": min(old.get("max_length", 0), self.context or math.inf)}  # it was not capped
+            order += [f"{k} {then.get(k)!r}, now {getattr(self.config, k)!r}"
+                      for k in ("data", "extra_train_data", "eval_fraction", "max_length")
+                      if then.get(k) != getattr(self.config, k)]
+        if old.get("seed") != self.config.seed:
+            order.append(f"seed {old.get('seed')}, now {self.config.seed}")
+        old_global = old.get("batch_size", 0) * state.get("world_size", self.world)
+        if old_global != self.global_batch:
+            order.append(f"global batch {old_global}, now {self.global_batch} (--batch-size x processes)")
+        if order:
+            raise UserError(f"{checkpoint} cannot be resumed with this data order: {'; '.join(order)}. Resume with "
+                            f"the data and options it was trained with, or {fresh}")
+
+    def _continue_with_given_settings(self, old: dict) -> None:
+        """Settings that may change on resume take the values given now (lr and weight decay too, which the loaded
+        optimizer state would otherwise keep); a warning names every change."""
+        c = self.config
+        changed = [f"{k} {old.get(k)!r} -> {getattr(c, k)!r}" for k in RESUMABLE_CHANGES if old.get(k) != getattr(c, k)]
+        if changed:
+            self._warn(f"resuming with other settings than the checkpoint's: {'; '.join(changed)}; the run continues "
+                       "with the new values")
+        self.scheduler.base_lrs = [c.lr for _ in self.optimizer.param_groups]
+        for group in self.optimizer.param_groups:
+            group["initial_lr"], group["weight_decay"] = c.lr, c.weight_decay
+            group["lr"] = c.lr * self.scheduler.lr_lambdas[0](self.scheduler.last_epoch)
 
     def export(self) -> None:
         """The output directory in the public format (what this package, vLLM and SGLang load)."""
@@ -530,6 +762,14 @@ class Trainer:
         if dist.is_initialized():
             dist.barrier()
 
+    def _sum_over_processes(self, values: list[float]) -> list[float]:
+        """The sums of `values` over every process (one all-reduce); the values themselves in one process."""
+        if self.world == 1:
+            return [float(v) for v in values]
+        summed = torch.tensor(values, dtype=torch.float64, device=self.device)
+        dist.all_reduce(summed)
+        return summed.tolist()
+
     def _log(self, record: dict) -> None:
         self.history.append(record)
         if self.rank != 0:
@@ -539,3 +779,42 @@ class Trainer:
             f.write(json.dumps(record) + "\n")
         if "drafter" not in record:
             print(json.dumps(record), flush=True)
+
+    def _note(self, message: str) -> None:
+        self._log({"event": "note", "message": message})
+
+    def _warn(self, message: str) -> None:
+        self._log({"event": "warning", "message": message})
+        if self.rank == 0:
+            print(f"dflash train: warning: {message}", file=sys.stderr, flush=True)
+
+
+RESUMABLE_CHANGES = ("lr", "weight_decay", "warmup_ratio", "grad_clip", "anchors_per_sequence", "anchor_policy",
+                     "loss_gamma", "distill_weight", "dtype")
+
+
+def _model_files(name: str) -> dict[str, list[int]]:
+    """(size, modification time) of a model's config and weight files: they change when the model does."""
+    directory = resolve_model_dir(name)
+    return {p.name: [p.stat().st_size, p.stat().st_mtime_ns] for p in sorted(directory.iterdir())
+            if p.name == "config.json" or p.suffix in (".safetensors", ".bin")}
+
+
+def _manifest_changes(saved: dict, now: dict) -> list[str]:
+    what = {"target_files": lambda: f"target {saved.get('target')!r}, now {now['target']!r} (its files differ)",
+            "target_dtype": lambda: f"target dtype {saved.get('target_dtype')}, now {now['target_dtype']}",
+            "feature_layer_ids": lambda: f"feature layers {saved.get('feature_layer_ids')}, now "
+                                         f"{now['feature_layer_ids']}",
+            "examples": lambda: "the examples differ (another --data, --extra-train-data, --max-length, "
+                                "--eval-fraction or --seed, or the files changed)"}
+    return [describe() for key, describe in what.items() if saved.get(key) != now[key]]
+
+
+def _read_json(path: Path, what: str) -> dict:
+    try:
+        value = json.loads(path.read_text())
+    except (UnicodeDecodeError, json.JSONDecodeError):
+        value = None
+    if not isinstance(value, dict):
+        raise UserError(f"{path} is not {what}; delete it or pass another directory")
+    return value

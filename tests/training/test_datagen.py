@@ -1,18 +1,49 @@
 import json
+import re
+import shutil
 
 import pytest
 
+from dflash.cli.main import main
 from dflash.errors import UserError
-from dflash.training.datagen import DatagenConfig, is_hub_id, prompt_messages, read_prompts, run_datagen
+from dflash.training.datagen import (
+    DatagenConfig,
+    done_ids,
+    is_hub_id,
+    prompt_messages,
+    read_prompts,
+    run_datagen,
+    settings_path,
+)
+
+SYSTEM_CHAT = {"messages": [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Weng earns"},
+                            {"role": "assistant", "content": "old answer"}, {"role": "user", "content": "And then?"}]}
+
+
+def write_jsonl(path, rows):
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return path
 
 
 @pytest.fixture
 def prompts(tmp_path):
-    path = tmp_path / "prompts.jsonl"
-    rows = [{"prompt": "How many clips?"}, {"turns": ["Weng earns", "And then?"]},
-            {"messages": [{"role": "user", "content": "Natalia sold"}]}, {"question": "How much did she earn?"}]
-    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
-    return path
+    return write_jsonl(tmp_path / "prompts.jsonl", [
+        {"prompt": "How many clips?"}, {"turns": ["Weng earns", "And then?"]},
+        {"messages": [{"role": "user", "content": "Natalia sold"}]}, {"question": "How much did she earn?"},
+        SYSTEM_CHAT])
+
+
+def variant(tiny_pair, tmp_path, context: int | None = None, chat_template: bool = True):
+    """A copy of the tiny target with a shorter context, or without a chat template (a base model)."""
+    target = tmp_path / "variant"
+    shutil.copytree(tiny_pair[0], target)
+    if context is not None:
+        config = json.loads((target / "config.json").read_text())
+        config["max_position_embeddings"] = context
+        (target / "config.json").write_text(json.dumps(config))
+    if not chat_template:
+        (target / "chat_template.jinja").unlink()
+    return str(target)
 
 
 def read(path):
@@ -23,27 +54,176 @@ def test_generates_all_turns_with_the_target_own_answers(tiny_pair, prompts, tmp
     out = tmp_path / "data.jsonl"
     config = DatagenConfig(target=str(tiny_pair[0]), prompts=str(prompts), output=str(out), max_new_tokens=8,
                            batch_size=3, device="cpu")
-    assert run_datagen(config) == 4
-    records = read(out)
-    assert sorted(r["id"] for r in records) == [0, 1, 2, 3]
-    two_turns = next(r for r in records if r["id"] == 1)
-    assert [m["role"] for m in two_turns["messages"]] == ["user", "assistant", "user", "assistant"]
-    for r in records:
-        assert 1 <= len(r["response_ids"]) <= 8 and r["prompt_ids"]
+    assert run_datagen(config).written == 5
+    records = {r["id"]: r for r in read(out)}
+    assert sorted(records) == [0, 1, 2, 3, 4]
+    assert [m["role"] for m in records[1]["messages"]] == ["user", "assistant", "user", "assistant"]
+    # a system message stays in front, and each user turn gets its own answer (the record's own answer is dropped)
+    assert [m["role"] for m in records[4]["messages"]] == ["system", "user", "assistant", "user", "assistant"]
+    assert records[4]["messages"][0]["content"] == "Be brief." and "old answer" not in json.dumps(records[4])
+    for r in records.values():
+        assert 1 <= len(r["response_ids"]) <= 8 and r["prompt_ids"] and r["prompt_hash"]
+    assert json.loads(settings_path(out).read_text())["max_new_tokens"] == 8
 
 
 def test_rerun_resumes_without_duplicates_after_a_half_written_line(tiny_pair, prompts, tmp_path):
     out = tmp_path / "data.jsonl"
     config = DatagenConfig(target=str(tiny_pair[0]), prompts=str(prompts), output=str(out), max_new_tokens=6,
                            batch_size=2, limit=2, device="cpu")
-    assert run_datagen(config) == 2
+    assert run_datagen(config).written == 2
     with out.open("a") as f:
         f.write('{"id": 2, "messages": [')  # interrupted mid-line
     config.limit = None
-    assert run_datagen(config) == 2
+    assert run_datagen(config).written == 3
     ids = [r["id"] for r in read(out)]
-    assert sorted(ids) == [0, 1, 2, 3] and len(ids) == len(set(ids))
-    assert run_datagen(config) == 0
+    assert sorted(ids) == [0, 1, 2, 3, 4] and len(ids) == len(set(ids))
+    assert run_datagen(config).written == 0
+
+
+def test_system_message_goes_with_the_first_user_turn_and_every_user_turn_is_answered():
+    system, first, second = SYSTEM_CHAT["messages"][0], SYSTEM_CHAT["messages"][1], SYSTEM_CHAT["messages"][3]
+    assert prompt_messages(SYSTEM_CHAT) == [[system, first], [second]]
+    user_only = {"messages": [first, second]}
+    assert prompt_messages(user_only) == [[first], [second]]
+
+
+@pytest.mark.parametrize("line, message", [
+    ("5", "is 5, not a JSON object"),
+    ('{"messages": "hello"}', "`messages` must be a non-empty list"),
+    ('{"messages": [{"role": "user"}]}', 'each message needs a string "role" and "content"'),
+    ('{"messages": [{"role": "system", "content": "x"}]}', "has no user message to answer"),
+    ('{"turns": []}', "`turns` must be a non-empty list of non-empty strings"),
+    ('{"turns": "a string"}', "`turns` must be a list of strings (one per user turn)"),
+    ('{"prompt": "ok", "turns": 3}', "`turns` must be a non-empty list"),
+    ('{"prompt": 5}', "`prompt` must be a non-empty string"),
+    ('{"answer": "42"}', "cannot find a prompt"),
+    ('{"prompt": ', "is not valid JSON"),
+])
+def test_bad_prompt_records_are_named_with_their_line_before_anything_runs(tmp_path, line, message):
+    path = tmp_path / "prompts.jsonl"
+    path.write_text('{"prompt": "fine"}\n\n' + line + "\n")
+    with pytest.raises(UserError, match=f"prompts.jsonl:3.*{re.escape(message)}"):
+        read_prompts(config_for(str(path)))
+
+
+def test_every_bad_prompt_record_is_listed_at_once(tmp_path):
+    path = write_jsonl(tmp_path / "prompts.jsonl", [{"turns": "a"}, {"prompt": "fine"}, {"turns": []}])
+    with pytest.raises(UserError, match=r"(?s)2 prompt records cannot be used.*prompts.jsonl:1: .*prompts.jsonl:3: "):
+        read_prompts(config_for(str(path)))
+
+
+def test_a_file_that_is_not_utf8_is_named(tmp_path):
+    path = tmp_path / "prompts.jsonl"
+    path.write_bytes('{"prompt": "caf\u00e9"}\n'.encode("latin-1"))
+    with pytest.raises(UserError, match="prompts.jsonl:1 is not UTF-8"):
+        read_prompts(config_for(str(path)))
+
+
+def test_prompts_too_long_for_the_context_are_skipped_by_name_and_answers_stop_at_its_end(tiny_pair, tmp_path,
+                                                                                         capsys):
+    target = variant(tiny_pair, tmp_path, context=48)
+    prompts = write_jsonl(tmp_path / "prompts.jsonl", [
+        {"prompt": "How many clips?"}, {"prompt": "Natalia sold clips to 48 of her friends in April " * 4},
+        {"turns": ["Weng earns", "And then?", "More?"]}])
+    out = tmp_path / "data.jsonl"
+    config = DatagenConfig(target=target, prompts=str(prompts), output=str(out), max_new_tokens=500, device="cpu")
+    result = run_datagen(config)
+    assert result.written == 2 and len(result.skipped) == 1
+    err = capsys.readouterr().err
+    assert "prompts.jsonl:2 (id 1)" in err and "context of 48 tokens" in err
+    assert "prompts.jsonl:3 (id 2): turn 2 of 3" in err  # a later turn that no longer fits ends the conversation
+    records = {r["id"]: r for r in read(out)}
+    for r in records.values():
+        assert len(r["prompt_ids"]) + len(r["response_ids"]) <= 47  # one position left for the last step
+        assert r["finish_reason"] == "length" or len(r["response_ids"]) < 500
+    assert [m["role"] for m in records[2]["messages"]] == ["user", "assistant"]
+    assert run_datagen(config).written == 0  # the rerun skips it again and generates nothing
+    assert "prompts.jsonl:2 (id 1)" in capsys.readouterr().err
+
+
+def test_a_target_without_chat_template_gets_plain_text(tiny_pair, tmp_path, capsys):
+    target = variant(tiny_pair, tmp_path, chat_template=False)
+    prompts = write_jsonl(tmp_path / "prompts.jsonl", [{"prompt": "How many clips?"}])
+    out = tmp_path / "data.jsonl"
+    run_datagen(DatagenConfig(target=target, prompts=str(prompts), output=str(out), max_new_tokens=4, device="cpu"))
+    assert "no chat template: prompts are sent as plain text" in capsys.readouterr().err
+    from transformers import AutoTokenizer
+
+    plain = AutoTokenizer.from_pretrained(target)("How many clips?")["input_ids"]
+    assert read(out)[0]["prompt_ids"] == plain
+
+
+@pytest.fixture
+def answered(tiny_pair, prompts, tmp_path):
+    """An output with the first two prompts answered, and the config that made it."""
+    out = tmp_path / "data.jsonl"
+    config = DatagenConfig(target=str(tiny_pair[0]), prompts=str(prompts), output=str(out), max_new_tokens=4,
+                           limit=2, device="cpu")
+    run_datagen(config)
+    return config
+
+
+def test_a_rerun_with_other_prompts_or_settings_is_refused(answered, prompts, tmp_path):
+    rows = read(prompts)
+    reordered = write_jsonl(tmp_path / "reordered.jsonl", [rows[1], rows[0]] + rows[2:])
+    before = (tmp_path / "data.jsonl").read_bytes()
+    with pytest.raises(UserError, match="answer \\(id 0\\) to another prompt than .*reordered.jsonl:1"):
+        run_datagen(DatagenConfig(**{**vars(answered), "prompts": str(reordered)}))
+    with pytest.raises(UserError, match="other settings \\(temperature 0.0, now 0.7; seed 0, now 3\\)"):
+        run_datagen(DatagenConfig(**{**vars(answered), "temperature": 0.7, "seed": 3}))
+    with pytest.raises(UserError, match="answer to prompt 1, but there are only 1 prompts"):
+        run_datagen(DatagenConfig(**{**vars(answered), "prompts": str(write_jsonl(tmp_path / "one.jsonl", rows[:1])),
+                                     "limit": None}))
+    assert (tmp_path / "data.jsonl").read_bytes() == before
+
+
+def test_an_output_of_an_older_version_resumes_with_a_warning(answered, capsys, tmp_path):
+    out = tmp_path / "data.jsonl"
+    old = [{k: v for k, v in r.items() if k != "prompt_hash"} for r in read(out)]
+    write_jsonl(out, old)
+    settings_path(out).unlink()
+    assert run_datagen(DatagenConfig(**{**vars(answered), "limit": 3})).written == 1
+    assert "has no data.jsonl.datagen.json" in capsys.readouterr().err
+    assert settings_path(out).exists()
+
+
+@pytest.mark.parametrize("content", [b'{"prompt": "mine"}\n', b'{"prompt": "mine, no newline"}', b"notes\n",
+                                     b"\xff\xfe\n"])
+def test_an_output_that_is_not_datagen_output_is_refused_and_left_alone(tiny_pair, prompts, tmp_path, content):
+    out = tmp_path / "notes.jsonl"
+    out.write_bytes(content)
+    config = DatagenConfig(target=str(tiny_pair[0]), prompts=str(prompts), output=str(out), device="cpu")
+    with pytest.raises(UserError, match="is not dflash datagen output"):
+        run_datagen(config)
+    assert out.read_bytes() == content
+
+
+def test_a_broken_line_before_the_last_is_an_error_naming_it(answered, tmp_path):
+    out = tmp_path / "data.jsonl"
+    lines = out.read_text().splitlines(True)
+    out.write_text(lines[0][:30] + "\n" + lines[1])
+    with pytest.raises(UserError, match="data.jsonl:1 is a broken record; only the last line can be half-written"):
+        done_ids(out)
+    assert out.read_text() == lines[0][:30] + "\n" + lines[1]
+
+
+@pytest.mark.parametrize("flags, message", [
+    (["--batch-size", "0"], "--batch-size is the number of prompts decoded together, >= 1; got 0"),
+    (["--batch-size", "-1"], "got -1"),
+    (["--limit", "0"], "--limit must be >= 1 (leave it out for every prompt), got 0"),
+    (["--limit", "-2"], "got -2"),
+    (["--max-new-tokens", "0"], "--max-new-tokens must be >= 1"),
+    (["--temperature", "-1"], "temperature must be >= 0"),
+])
+def test_datagen_cli_refuses_bad_numbers_without_a_traceback(prompts, tmp_path, capsys, flags, message):
+    assert main(["datagen", "--prompts", str(prompts), "--output", str(tmp_path / "o.jsonl"), *flags]) == 2
+    assert message in capsys.readouterr().err
+    assert not (tmp_path / "o.jsonl").exists()
+
+
+def test_datagen_cli_refuses_writing_over_its_prompts(prompts, capsys):
+    assert main(["datagen", "--prompts", str(prompts), "--output", str(prompts)]) == 2
+    assert "is the --prompts file" in capsys.readouterr().err
 
 
 def test_records_without_a_prompt_are_refused():
@@ -66,15 +246,16 @@ def test_hub_names_go_to_the_hub_with_their_subset_and_split(monkeypatch):
     monkeypatch.setattr(datasets, "load_dataset", fake_load)
     rows = read_prompts(config_for("openai/gsm8k", subset="main", split="test", limit=2))
     assert calls == [("openai/gsm8k", "main", "test")]
-    assert rows == [{"question": "q1"}, {"question": "q2"}]
+    assert [p.turns for p in rows] == [[[{"role": "user", "content": q}]] for q in ("q1", "q2")]
+    assert rows[1].where == "openai/gsm8k row 1"
 
 
 def test_a_local_dataset_directory_is_read_with_datasets(tmp_path):
     pytest.importorskip("datasets")
     (tmp_path / "train.jsonl").write_text('{"question": "a?"}\n{"question": "b?"}\n')
     (tmp_path / "test.jsonl").write_text('{"question": "t?"}\n')
-    assert [r["question"] for r in read_prompts(config_for(str(tmp_path), split="test"))] == ["t?"]
-    assert [r["question"] for r in read_prompts(config_for(str(tmp_path)))] == ["a?", "b?"]
+    assert [p.turns[0][0]["content"] for p in read_prompts(config_for(str(tmp_path), split="test"))] == ["t?"]
+    assert [p.turns[0][0]["content"] for p in read_prompts(config_for(str(tmp_path)))] == ["a?", "b?"]
 
 
 @pytest.mark.parametrize("missing", ["prompts.jsonl", "./prompts", "data/2024/prompts", "~/nowhere.json"])

@@ -7,6 +7,7 @@ import math
 import os
 import random
 import re
+import signal
 import socket
 import subprocess
 import sys
@@ -125,12 +126,18 @@ def test_two_process_ddp_matches_one_process_with_the_doubled_batch(tiny_pair, t
     )
     assert proc.returncode == 0, proc.stderr[-3000:]
     log = [json.loads(line) for line in (tmp_path / "two" / "train_log.jsonl").read_text().splitlines()]
-    assert log[0]["world_size"] == 2
+    assert next(r for r in log if r.get("event") == "start")["world_size"] == 2
     a, b = weights(tmp_path / "one"), weights(tmp_path / "two")
     for key in a:
         assert torch.allclose(a[key], b[key], atol=2e-5), (key, (a[key] - b[key]).abs().max())
     changed = weights(tmp_path / "one")["fc.weight"]
     assert changed.abs().sum() > 0
+    # the logged loss and tau are those of the whole global batch, not of rank 0's half
+    one_log = [json.loads(line) for line in (tmp_path / "one" / "train_log.jsonl").read_text().splitlines()]
+    last_one, last_two = [[r for r in log if "loss" in r][-1] for log in (one_log, log)]
+    assert last_one["step"] == last_two["step"] == 4
+    assert last_two["loss"] == pytest.approx(last_one["loss"], abs=2e-4)
+    assert last_two["tau_estimate"] == pytest.approx(last_one["tau_estimate"], abs=1e-3)
 
 
 def test_fine_tuning_starts_from_the_given_drafter(tiny_pair, train_data, tmp_path):
@@ -349,3 +356,163 @@ def test_decoding_anchor_policy_trains_where_greedy_decoding_starts_its_blocks(t
 def test_unknown_anchor_policy_is_a_clear_error(tiny_pair, train_data, tmp_path):
     with pytest.raises(UserError, match="--anchor-policy must be one of uniform, decoding"):
         config(tiny_pair, train_data, tmp_path / "o", anchor_policy="random")
+
+
+# ---- runs that must not lose or mix work ---------------------------------------------------------------------
+def checkpoint_names(output) -> list[str]:
+    return sorted(p.name for p in (output / "checkpoints").iterdir())
+
+
+def test_a_fresh_run_into_an_earlier_runs_output_is_refused_unless_told_to_overwrite(tiny_pair, train_data,
+                                                                                       tmp_path):
+    out = tmp_path / "out"
+    Trainer(config(tiny_pair, train_data, out)).setup().train()
+    before = checkpoint_names(out)
+    with pytest.raises(UserError, match="holds checkpoints of an earlier run .newest: step-00000006.; pass --resume "
+                                        "to continue that run, --overwrite to delete them and start afresh, or "
+                                        "another --output"):
+        Trainer(config(tiny_pair, train_data, out, seed=1)).setup()
+    assert checkpoint_names(out) == before
+    with pytest.raises(UserError, match="another shape .block_size 4, now 8.*or --overwrite to delete its "
+                                        "checkpoints"):  # the advice leads to a clean start, not into the above
+        Trainer(config(tiny_pair, train_data, out, block_size=8, resume=True)).setup()
+    Trainer(config(tiny_pair, train_data, out, seed=1, max_steps=3, overwrite=True)).setup().train()
+    assert checkpoint_names(out) == ["step-00000003"]  # the earlier run's step 6 is gone, not kept as the newest
+    log = [json.loads(line) for line in (out / "train_log.jsonl").read_text().splitlines()]
+    assert [r["event"] for r in log if r.get("event") == "start"] == ["start"]  # a fresh log
+    resumed = Trainer(config(tiny_pair, train_data, out, seed=1, max_steps=3, resume=True)).setup()
+    assert resumed.step == 3
+
+
+def test_ctrl_c_saves_a_checkpoint_that_resumes_exactly(tiny_pair, train_data, tmp_path, capsys):
+    Trainer(config(tiny_pair, train_data, tmp_path / "straight", checkpoint_every=0)).setup().train()
+    stopped = Trainer(config(tiny_pair, train_data, tmp_path / "stopped", checkpoint_every=0)).setup()
+    original = stopped._train_step
+
+    def step_then_ctrl_c(indices, epoch):
+        stats = original(indices, epoch)
+        if stopped.step == 4:
+            os.kill(os.getpid(), signal.SIGINT)  # Ctrl-C in the middle of step 4: the step finishes first
+        return stats
+
+    stopped._train_step = step_then_ctrl_c
+    with pytest.raises(KeyboardInterrupt):
+        stopped.train()
+    assert "stopped at step 4 and saved" in capsys.readouterr().err
+    assert checkpoint_names(tmp_path / "stopped") == ["step-00000004"]
+    resumed = Trainer(config(tiny_pair, train_data, tmp_path / "stopped", checkpoint_every=0, resume=True)).setup()
+    assert resumed.step == 4
+    resumed.train()
+    a, b = weights(tmp_path / "straight"), weights(tmp_path / "stopped")
+    assert all(torch.equal(a[k], b[k]) for k in a)
+
+
+def test_resume_refuses_another_data_order_and_names_changed_settings(tiny_pair, train_data, tmp_path, capsys):
+    out = tmp_path / "out"
+    Trainer(config(tiny_pair, train_data, out)).setup().train()
+    with pytest.raises(UserError, match="cannot be resumed with this data order: global batch 4, now 2"):
+        Trainer(config(tiny_pair, train_data, out, resume=True, batch_size=2)).setup()
+    shuffled = tmp_path / "shuffled.jsonl"
+    shuffled.write_text("".join(train_data.read_text().splitlines(True)[::-1]))
+    with pytest.raises(UserError, match="the training or held-out examples differ"):
+        Trainer(config(tiny_pair, shuffled, out, resume=True)).setup()
+    longer = Trainer(config(tiny_pair, train_data, out, resume=True, lr=1e-3, max_steps=8)).setup()
+    assert "lr 0.003 -> 0.001" in capsys.readouterr().err
+    assert longer.scheduler.base_lrs == [1e-3]  # the new value, not the one in the optimizer state
+    assert all(g["initial_lr"] == 1e-3 for g in longer.optimizer.param_groups)
+    Trainer(config(tiny_pair, train_data, out, resume=True, max_steps=3)).setup()
+    assert "newest checkpoint is at step 6, past the last step of this run (3" in capsys.readouterr().err
+
+
+def test_a_checkpoint_of_an_older_version_is_checked_by_its_options(tiny_pair, train_data, tmp_path):
+    out = tmp_path / "out"
+    Trainer(config(tiny_pair, train_data, out)).setup().train()
+    path = out / "checkpoints" / "step-00000006" / "training_state.pt"
+    state = torch.load(path, weights_only=False)
+    del state["data"], state["world_size"]
+    state["config"]["max_length"] = 3072  # the default, not yet capped at the target's context
+    torch.save(state, path)
+    assert Trainer(config(tiny_pair, train_data, out, resume=True, max_steps=8)).setup().step == 6
+    with pytest.raises(UserError, match="eval_fraction 0.125, now 0.25"):
+        Trainer(config(tiny_pair, train_data, out, resume=True, eval_fraction=0.25)).setup()
+
+
+def test_a_feature_cache_directory_serves_only_the_setup_it_was_made_for(tiny_pair, train_data, tmp_path):
+    cache = tmp_path / "features"
+    Trainer(config(tiny_pair, train_data, tmp_path / "a", feature_cache=str(cache), max_steps=2)).setup().train()
+    assert json.loads((cache / "manifest.json").read_text())["examples"]
+    same = Trainer(config(tiny_pair, train_data, tmp_path / "b", feature_cache=str(cache))).setup()
+    same.target.context_features = lambda *a, **k: pytest.fail("cached features were computed again")
+    same._features(same._batch("eval", [0, 1]))  # the final evaluation of the first run cached these
+    with pytest.raises(UserError, match=r"holds the features of another setup \(feature layers \[.*\], now \[0, 3\]"):
+        Trainer(config(tiny_pair, train_data, tmp_path / "c", feature_cache=str(cache),
+                       target_layer_ids=[0, 3])).setup()
+    with pytest.raises(UserError, match="the examples differ"):
+        Trainer(config(tiny_pair, train_data, tmp_path / "d", feature_cache=str(cache), max_length=20)).setup()
+    legacy = tmp_path / "legacy"
+    legacy.mkdir()
+    torch.save(torch.zeros(3, 64), legacy / "train-0.pt")
+    with pytest.raises(UserError, match="holds features but no manifest.json"):
+        Trainer(config(tiny_pair, train_data, tmp_path / "e", feature_cache=str(legacy))).setup()
+
+
+def test_grad_clip_zero_means_no_clipping(tiny_pair, train_data, tmp_path):
+    Trainer(config(tiny_pair, train_data, tmp_path / "zero", grad_clip=0.0)).setup().train()
+    Trainer(config(tiny_pair, train_data, tmp_path / "huge", grad_clip=1e9)).setup().train()
+    first = Trainer(config(tiny_pair, train_data, tmp_path / "none", max_steps=1)).setup()
+    zero, huge = weights(tmp_path / "zero"), weights(tmp_path / "huge")
+    assert all(torch.allclose(zero[k], huge[k]) for k in zero)
+    assert not torch.allclose(zero["fc.weight"], first.drafter.fc.weight.detach())  # it learnt
+
+
+def test_max_length_is_capped_at_the_target_context(tiny_pair, train_data, tmp_path):
+    trainer = Trainer(config(tiny_pair, train_data, tmp_path / "o", max_length=3072)).setup()
+    assert trainer.config.max_length == 1024
+    assert any("beyond the target's context of 1024" in r.get("message", "") for r in trainer.history)
+
+
+@pytest.fixture(scope="module")
+def tokens(tiny_pair):
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(tiny_pair[0])
+
+
+@pytest.mark.parametrize("choice, message", [
+    (lambda t: 99999, "(99999) cannot be the mask token: it is outside the target's vocabulary (0..127)"),
+    (lambda t: t.eos_token_id, "cannot be the mask token: it is an end-of-sequence token"),
+    (lambda t: t.pad_token_id, "cannot be the mask token: it is the padding token"),
+    (lambda t: t.convert_tokens_to_ids("▁clips"), "cannot be the mask token: it is '▁clips', a token of ordinary "
+                                                   "text"),
+])
+def test_a_mask_token_that_aliases_a_real_token_is_refused(tiny_pair, train_data, tmp_path, tokens, choice, message):
+    with pytest.raises(UserError, match=re.escape(message) + ".*never occur in text"):
+        Trainer(config(tiny_pair, train_data, tmp_path / "o", mask_token_id=choice(tokens))).setup()
+
+
+def test_a_mask_token_in_the_responses_is_a_loud_warning(tiny_pair, tmp_path, tokens, capsys):
+    mask = tokens.convert_tokens_to_ids("<|mask|>")
+    data = tmp_path / "data.jsonl"
+    data.write_text("".join(json.dumps({"prompt_ids": [5, 6, 7], "response_ids": [8, 9, mask, 10, 11]}) + "\n"
+                            for _ in range(8)))
+    Trainer(config(tiny_pair, data, tmp_path / "o", batch_size=2)).setup()
+    assert f"the mask token ({mask}) occurs 8 times in the responses" in capsys.readouterr().err
+
+
+def test_bad_devices_are_clear_errors(tiny_pair, train_data, tmp_path):
+    with pytest.raises(UserError, match="--device 'foo' is not a device; use cpu, cuda or cuda:N"):
+        Trainer(config(tiny_pair, train_data, tmp_path / "o", device="foo")).setup()
+    if not torch.cuda.is_available():
+        with pytest.raises(UserError, match="--device cuda, but torch sees no CUDA GPU here"):
+            Trainer(config(tiny_pair, train_data, tmp_path / "o", device="cuda")).setup()
+
+
+@pytest.mark.parametrize("flags, message", [
+    (["--mask-token-id", "99999"], "outside the target's vocabulary"),
+    (["--max-steps", "-3"], "--max-steps must be >= 1, got -3"),
+    (["--device", "foo"], "is not a device"),
+])
+def test_train_cli_refuses_mistakes_without_a_traceback(tiny_pair, train_data, tmp_path, capsys, flags, message):
+    assert main(["train", "--target", str(tiny_pair[0]), "--data", str(train_data), "--output", str(tmp_path / "o"),
+                 "--device", "cpu", *flags]) == 2
+    assert message in capsys.readouterr().err

@@ -1,0 +1,52 @@
+"""Training options: out-of-range values are refused with the option's name and range."""
+
+from __future__ import annotations
+
+import re
+
+import pytest
+
+from dflash.errors import UserError
+from dflash.training import load_config
+
+REQUIRED = {"target": "t", "data": "d.jsonl", "output": "o"}
+
+
+@pytest.mark.parametrize("option, value, message", [
+    ("max_steps", -3, "--max-steps must be >= 1, got -3; leave it out to train for --epochs"),
+    ("max_steps", 0, "--max-steps must be >= 1, got 0"),
+    ("warmup_ratio", 2.0, "--warmup-ratio is the share of the steps spent warming up, in [0, 1), got 2.0"),
+    ("eval_fraction", 1.5, "--eval-fraction is the share of --data held out for evaluation, in [0, 1)"),
+    ("eval_fraction", -0.1, "--eval-fraction is the share"),
+    ("grad_clip", -1.0, "--grad-clip is the largest gradient norm kept, >= 0 (0: no clipping), got -1.0"),
+    ("epochs", 0.0, "--epochs must be > 0 (or set --max-steps), got 0.0"),
+    ("log_every", 0, "--log-every must be >= 1, got 0"),
+    ("checkpoint_every", -1, "--checkpoint-every must be >= 0"),
+    ("keep_checkpoints", 0, "--keep-checkpoints must be >= 1"),
+    ("weight_decay", -0.1, "--weight-decay must be >= 0"),
+    ("loss_gamma", 0.0, "--loss-gamma must be > 0"),
+    ("max_length", 1, "--max-length must be >= 2"),
+    ("batch_size", 0, "--batch-size must be >= 1, got 0"),
+    ("overwrite", True, "--resume continues the checkpoints that --overwrite would delete; pass one of them"),
+])
+def test_out_of_range_options_are_refused_by_name(option, value, message):
+    values = {**REQUIRED, option: value}
+    if option == "overwrite":
+        values["resume"] = True
+    with pytest.raises(UserError, match=re.escape(message)):
+        load_config(None, values)
+
+
+def test_grad_clip_zero_is_allowed():
+    assert load_config(None, {**REQUIRED, "grad_clip": 0.0}).grad_clip == 0.0
+
+
+def test_yaml_numbers_without_a_dot_are_numbers(tmp_path):
+    """YAML 1.1 reads `6e-4` as a string; it is the number the user meant."""
+    path = tmp_path / "train.yaml"
+    path.write_text("target: t\ndata: d.jsonl\noutput: o\nlr: 6e-4\nwarmup_ratio: 4e-2\nweight_decay: 1e-2\n")
+    loaded = load_config(str(path), {})
+    assert loaded.lr == 6e-4 and loaded.warmup_ratio == 0.04 and loaded.weight_decay == 0.01
+    path.write_text("target: t\ndata: d.jsonl\noutput: o\nblock_size: 1e1\n")
+    with pytest.raises(UserError, match="`block_size: '1e1'` should be an integer"):  # only float options read them
+        load_config(str(path), {})
