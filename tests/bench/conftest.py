@@ -197,3 +197,17 @@ def _no_data_dir_from_the_environment(monkeypatch):
     from dflash.bench.datasets import DATA_DIR_ENV
 
     monkeypatch.delenv(DATA_DIR_ENV, raising=False)
+
+
+def fail_requests_of(monkeypatch, sample_id: str, error: str) -> None:
+    """Every request of sample `sample_id` comes back failed with `error`; the others reach the server."""
+    from dflash.bench import server
+
+    real = server.Client.request
+
+    async def request(self, http, messages, sample, turn, seed):
+        if sample == sample_id:
+            return server.RequestRecord(sample, turn, 0.0, 0, "", error)
+        return await real(self, http, messages, sample, turn, seed)
+
+    monkeypatch.setattr(server.Client, "request", request)

@@ -9,7 +9,7 @@ import pytest
 from dflash.bench import local, server
 from dflash.cli.main import main
 
-from .conftest import write_jsonl
+from .conftest import fail_requests_of, write_jsonl
 
 
 def local_argv(tiny_pair, data_dir, out, *extra) -> list[str]:
@@ -59,14 +59,7 @@ def test_a_server_lost_midway_keeps_the_finished_levels(openai_server, data_dir,
 
 
 def test_failed_requests_make_the_command_fail(openai_server, data_dir, monkeypatch, capsys):
-    real = server.Client.request
-
-    async def refused_for_one_sample(self, http, messages, sample_id, turn, seed):
-        if sample_id == "1":
-            return server.RequestRecord(sample_id, turn, 0.0, 0, "", "HTTP 503: overloaded")
-        return await real(self, http, messages, sample_id, turn, seed)
-
-    monkeypatch.setattr(server.Client, "request", refused_for_one_sample)
+    fail_requests_of(monkeypatch, "1", "HTTP 503: overloaded")
     code = main(["bench", "--base-url", openai_server().base_url, "--data-dir", str(data_dir), "--max-samples", "0",
                  "--max-new-tokens", "4", "--no-progress"])
     assert code == 1

@@ -14,6 +14,8 @@ from dflash.bench.server import (
 )
 from dflash.errors import UserError
 
+from .conftest import fail_requests_of
+
 SAMPLES = [Sample("a", ("How many clips?",)), Sample("b", ("Weng earns",)),
            Sample("81", ("Write about clips.", "Now shorter."))]
 
@@ -199,15 +201,6 @@ def test_a_server_that_stops_mid_run_is_named(openai_server):
 
 
 def test_failed_requests_are_counted_with_the_first_error(openai_server, monkeypatch):
-    from dflash.bench import server as server_module
-
-    real = server_module.Client.request
-
-    async def flaky(self, http, messages, sample_id, turn, seed):
-        if sample_id == "b":
-            return server_module.RequestRecord(sample_id, turn, 0.0, 0, "", "HTTP 500: out of memory")
-        return await real(self, http, messages, sample_id, turn, seed)
-
-    monkeypatch.setattr(server_module.Client, "request", flaky)
+    fail_requests_of(monkeypatch, "b", "HTTP 500: out of memory")
     result = ServerBackend(config(openai_server())).run_level("gsm8k", SAMPLES[:2], 1)
     assert result.errors == 1 and result.first_error == "HTTP 500: out of memory" and result.num_requests == 2
