@@ -37,10 +37,14 @@ def default_device() -> str:
 class DFlash:
     """A target, an optional DFlash drafter, their tokenizer, and the engine that decodes with them."""
 
-    def __init__(self, target: TargetModel, drafter=None, block_size: int | str | None = None):
+    def __init__(self, target: TargetModel, drafter=None, block_size: int | str | None = None,
+                 chat_template_kwargs: dict[str, Any] | None = None):
         """`block_size`: tokens verified per step (at most the drafter's), None for the drafter's own, or "auto"
-        to choose it before every step from timed step costs and the acceptance seen so far."""
+        to choose it before every step from timed step costs and the acceptance seen so far.
+        `chat_template_kwargs`: variables for the chat template on every chat prompt, e.g.
+        `{"enable_thinking": False}` for Qwen3 (default: the template's own defaults)."""
         self.target = target
+        self.chat_template_kwargs = check_template_kwargs(chat_template_kwargs)
         self.drafter = drafter
         self.tokenizer = target.tokenizer
         if target.device.type == "cpu":
@@ -61,6 +65,7 @@ class DFlash:
         device: str | None = None,
         block_size: int | str | None = None,
         mask_token_id: int | None = None,
+        chat_template_kwargs: dict[str, Any] | None = None,
     ) -> "DFlash":
         """Paths or hub ids. With neither given, the embedded pair; `no_draft=True` decodes plainly."""
         device = device or default_device()
@@ -75,11 +80,13 @@ class DFlash:
         drafter = None
         if draft is not None and not no_draft:
             drafter = load_drafter(draft, mask_token_id=mask_token_id, dtype=target_model.dtype, device=device)
-        return cls(target_model, drafter, block_size)
+        return cls(target_model, drafter, block_size, chat_template_kwargs)
 
     # ---- prompts ------------------------------------------------------------------------------------
-    def encode(self, prompt: Prompt, raw: bool = False) -> list[int]:
-        """Token ids for a prompt: ids as given; chat messages and (unless raw) text via the chat template."""
+    def encode(self, prompt: Prompt, raw: bool = False,
+               chat_template_kwargs: dict[str, Any] | None = None) -> list[int]:
+        """Token ids for a prompt: ids as given; chat messages and (unless raw) text via the chat template, with
+        the pipeline's template variables updated by `chat_template_kwargs`."""
         if isinstance(prompt, list) and all(isinstance(t, int) for t in prompt) and prompt:
             return list(prompt)
         if self.tokenizer is None:
@@ -89,12 +96,14 @@ class DFlash:
             _check_messages(prompt)
             if not has_template:
                 raise GenerationError("the tokenizer has no chat template; send plain text with raw=True")
-            return _as_ids(self.tokenizer.apply_chat_template(prompt, add_generation_prompt=True, tokenize=True))
+            variables = {**self.chat_template_kwargs, **check_template_kwargs(chat_template_kwargs)}
+            return _as_ids(self.tokenizer.apply_chat_template(prompt, add_generation_prompt=True, tokenize=True,
+                                                              **variables))
         if not isinstance(prompt, str):
             raise GenerationError("a prompt is text, a list of chat messages or a list of token ids, "
                                   f"not {type(prompt).__name__}")
         if has_template and not raw:
-            return self.encode([{"role": "user", "content": prompt}])
+            return self.encode([{"role": "user", "content": prompt}], chat_template_kwargs=chat_template_kwargs)
         return self.tokenizer(prompt, add_special_tokens=True)["input_ids"]
 
     # ---- generation -----------------------------------------------------------------------------------
@@ -155,3 +164,21 @@ def _as_ids(encoded) -> list[int]:
     if hasattr(encoded, "keys") and "input_ids" in encoded:
         encoded = encoded["input_ids"]
     return list(encoded)
+
+
+# variables a caller may not set: apply_chat_template's own arguments, which the engine decides
+_RESERVED_TEMPLATE_VARIABLES = {"add_generation_prompt", "tokenize", "conversation", "messages", "return_dict",
+                                "return_tensors", "continue_final_message", "chat_template", "tools", "documents"}
+
+
+def check_template_kwargs(kwargs: dict[str, Any] | None) -> dict[str, Any]:
+    """Chat template variables, checked: a mapping of names (e.g. enable_thinking) to values."""
+    if kwargs is None:
+        return {}
+    if not isinstance(kwargs, dict) or not all(isinstance(k, str) for k in kwargs):
+        raise GenerationError("chat_template_kwargs must be a JSON object of template variables, e.g. "
+                              '{"enable_thinking": false}')
+    reserved = sorted(set(kwargs) & _RESERVED_TEMPLATE_VARIABLES)
+    if reserved:
+        raise GenerationError(f"chat_template_kwargs may not set {', '.join(reserved)}: dflash sets them itself")
+    return dict(kwargs)

@@ -6,7 +6,8 @@
         --dataset gsm8k --num-prompts 64 --concurrency 1,8,32
 
 As in the reference, --base-url is the server's root (/v1 is added), --num-prompts with the in-process
-backend is the number of samples (--max-samples), and --timeout-s is the per-request timeout. Any other
+backend is the number of samples (--max-samples), --timeout-s is the per-request timeout, and chat prompts
+are rendered with thinking off unless --enable-thinking is given. Any other
 `dflash bench` flag (--output-dir, --gpu-hourly-usd, ...) passes through unchanged.
 """
 
@@ -42,7 +43,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--top-k", type=int)
     parser.add_argument("--timeout-s", type=float, help="server: seconds per request")
     parser.add_argument("--enable-thinking", action="store_true",
-                        help="accepted: the chat template is applied with its own default, thinking for Qwen3")
+                        help="thinking on in the chat template (as in the reference, it is off by default)")
     return parser
 
 
@@ -77,6 +78,10 @@ def to_bench_argv(argv: list[str]) -> list[str]:
                         ("--request-timeout", args.timeout_s)):
         if value is not None:
             out += [flag, str(value)]
+    completions = "--endpoint=completions" in rest or any(
+        a == "--endpoint" and b == "completions" for a, b in zip(rest, rest[1:]))
+    if not completions:  # the reference renders chat prompts with thinking off
+        out.append("--enable-thinking" if args.enable_thinking else "--no-enable-thinking")
     return out + rest
 
 

@@ -56,3 +56,25 @@ def test_bad_prompts_and_options(pipe):
         pipe.generate([{"content": "hi"}])
     with pytest.raises(UserError, match="unknown generation option"):
         pipe.generate("hi", max_tokens=3)
+
+
+THINKING_TEMPLATE = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
+                     "{% if add_generation_prompt %}<|im_start|>assistant\n"
+                     "{% if enable_thinking is defined and not enable_thinking %}<think></think>{% endif %}{% endif %}")
+
+
+def test_chat_template_variables(tiny_pair):
+    pipe = DFlash.from_pretrained(tiny_pair[0], no_draft=True, device="cpu")
+    pipe.tokenizer.chat_template = THINKING_TEMPLATE
+    default = pipe.encode("How many clips?")
+    off = pipe.encode("How many clips?", chat_template_kwargs={"enable_thinking": False})
+    assert len(off) > len(default) and off[: len(default)] == default
+    quiet = DFlash.from_pretrained(tiny_pair[0], no_draft=True, device="cpu",
+                                   chat_template_kwargs={"enable_thinking": False})
+    quiet.tokenizer.chat_template = THINKING_TEMPLATE
+    assert quiet.encode("How many clips?") == off
+    assert quiet.encode("How many clips?", chat_template_kwargs={"enable_thinking": True}) == default
+    assert quiet.encode("How many clips?", raw=True) == pipe.encode("How many clips?", raw=True)  # no template
+    for bad in ({"add_generation_prompt": False}, ["enable_thinking"], {1: True}):
+        with pytest.raises(UserError, match="chat_template_kwargs"):
+            pipe.encode("hi", chat_template_kwargs=bad)

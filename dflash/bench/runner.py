@@ -177,6 +177,7 @@ def setup(config: BenchConfig, pipe=None, data: dict[str, list[Sample]] | None =
         info["dtype"] = str(pipe.target.dtype)
         info["block_sizes"] = [b or pipe.engine.proposer.block_size for b in config.block_sizes]
         info["warmup_tokens"] = config.warmup_tokens
+        info["chat_template_kwargs"] = pipe.chat_template_kwargs or None
     if data is not None:
         info["sample_ids"] = {name: [s.id for s in samples] for name, samples in data.items()}
     return info

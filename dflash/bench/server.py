@@ -62,6 +62,7 @@ class ServerConfig:
     metrics_url: str | None = None  # None: /metrics at the server's root
     baseline_url: str | None = None
     rounds: int = 1  # passes over each level (servers alternating who goes first); speedup = their median
+    chat_template_kwargs: dict | None = None  # sent with chat requests (vLLM, SGLang and dflash serve read it)
 
     def __post_init__(self) -> None:
         self.base_url = api_base_url(self.base_url, "--base-url")
@@ -250,6 +251,8 @@ class Client:
         if self.config.top_k > 0:  # not an OpenAI field: sent only when asked for (vLLM and SGLang take it)
             body["top_k"] = self.config.top_k
         if self.config.endpoint == "chat":
+            if self.config.chat_template_kwargs:
+                body["chat_template_kwargs"] = self.config.chat_template_kwargs
             return f"{self.base_url}/chat/completions", {**body, "messages": messages}
         return f"{self.base_url}/completions", {**body, "prompt": "\n\n".join(m["content"] for m in messages)}
 

@@ -8,7 +8,7 @@ import math
 import os
 from pathlib import Path
 
-from dflash.cli.common import add_model_arguments, int_list, load_pipeline
+from dflash.cli.common import add_model_arguments, chat_template_kwargs, int_list, load_pipeline
 from dflash.errors import UserError
 
 DATASET_HELP = "gsm8k, math500, humaneval, mbpp, mt-bench, or all (several: space or comma separated)"
@@ -92,12 +92,15 @@ def bench_config(args: argparse.Namespace):
     if args.output_dir:
         _check_output_dir(Path(args.output_dir))
     server = None
+    if backend == "server" and args.endpoint == "completions" and args.enable_thinking is not None:
+        raise UserError("--enable-thinking sets a chat template variable, and --endpoint completions sends raw "
+                        "text: drop one of them")
     if backend == "server":
         server = ServerConfig(base_url=args.base_url, model=args.model, endpoint=args.endpoint or "chat",
                               api_key=args.api_key, concurrency=args.concurrency or [1], num_prompts=args.num_prompts,
                               duration_s=args.duration, timeout_s=_or(args.request_timeout, 600.0),
                               metrics_url=args.metrics_url, baseline_url=args.baseline_url,
-                              rounds=_or(args.rounds, 1))
+                              rounds=_or(args.rounds, 1), chat_template_kwargs=chat_template_kwargs(args))
     return BenchConfig(
         datasets=names,
         data=DataOptions(data_file=args.data_file, data_dir=args.data_dir, max_samples=args.max_samples or None,

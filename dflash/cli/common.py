@@ -52,6 +52,19 @@ def add_model_arguments(parser: argparse.ArgumentParser, block_size_sweep: bool 
                            help="tokens verified per step: the anchor + draft tokens (<= the drafter's block size)")
     group.add_argument("--dtype", choices=["auto", "float32", "float16", "bfloat16"], default="auto")
     group.add_argument("--device", help="cpu, cuda, cuda:1, ... (default: cuda if available)")
+    add_thinking_argument(group)
+
+
+def add_thinking_argument(parser) -> None:
+    parser.add_argument("--enable-thinking", action=argparse.BooleanOptionalAction, default=None,
+                        help="set the chat template's enable_thinking (Qwen3 and others: thinking on or off); "
+                             "default: the template's own")
+
+
+def chat_template_kwargs(args: argparse.Namespace) -> dict | None:
+    """The chat template variables the flags ask for (None: the template's defaults)."""
+    thinking = getattr(args, "enable_thinking", None)
+    return None if thinking is None else {"enable_thinking": thinking}
 
 
 def load_pipeline(args: argparse.Namespace):
@@ -62,5 +75,5 @@ def load_pipeline(args: argparse.Namespace):
         raise UserError("--draft needs --target (the drafter must be paired with the target it was trained for)")
     return DFlash.from_pretrained(
         args.target, args.draft, no_draft=args.no_draft, dtype=args.dtype, device=args.device,
-        block_size=args.block_size, mask_token_id=args.mask_token_id,
+        block_size=args.block_size, mask_token_id=args.mask_token_id, chat_template_kwargs=chat_template_kwargs(args),
     )

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 
+from dflash.cli.common import add_thinking_argument
 from dflash.training.datagen import DatagenConfig, read_prompts, run_datagen
 
 
@@ -26,6 +27,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--subset", help="dataset configuration, e.g. main for openai/gsm8k (datasets)")
     parser.add_argument("--prompt-field", help="dataset column holding the prompt")
     parser.add_argument("--prompt-suffix", default="", help="text appended to every user turn")
+    add_thinking_argument(parser)
     parser.add_argument("--dtype", choices=["auto", "float32", "float16", "bfloat16"], default="auto")
     parser.add_argument("--device")
 

@@ -14,7 +14,7 @@ import signal
 import sys
 import threading
 
-from dflash.cli.common import add_model_arguments, load_pipeline
+from dflash.cli.common import add_model_arguments, chat_template_kwargs, load_pipeline
 from dflash.errors import UserError
 
 DEFAULT_MAX_BATCH_SIZE = 8
@@ -114,7 +114,7 @@ def _hand_off(args: argparse.Namespace) -> int:
     options = handoff.HandoffOptions(
         host=args.host, port=args.port, api_key=args.api_key, max_model_len=args.max_model_len,
         served_model_name=args.served_model_name, max_batch_size=args.max_batch_size,
-        dtype=None if args.dtype == "auto" else args.dtype,
+        dtype=None if args.dtype == "auto" else args.dtype, chat_template_kwargs=chat_template_kwargs(args),
     )
     command = handoff.engine_command(args.engine, target, draft, args.block_size, options)
     if args.dry_run:

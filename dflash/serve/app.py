@@ -24,6 +24,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.concurrency import run_in_threadpool
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from dflash.api import check_template_kwargs
 from dflash.decoding.block_policy import BlockSizePolicy
 from dflash.decoding.detokenizer import TextDeltas
 from dflash.decoding.engine import GenerationConfig
@@ -102,13 +103,18 @@ class Server:
                 raise _too_large(limit)
         return bytes(body)
 
-    async def encode_chat(self, messages: list[dict[str, str]]) -> list[int]:
+    async def encode_chat(self, messages: list[dict[str, str]], template_kwargs: dict | None = None) -> list[int]:
         """Template and tokenise on a worker thread: a long prompt takes a while, and the event loop must go on
-        answering /health and streaming other requests meanwhile."""
+        answering /health and streaming other requests meanwhile. `template_kwargs` update the server's own
+        (`--enable-thinking`)."""
         from jinja2 import TemplateError
 
         try:
-            return await run_in_threadpool(self.pipe.encode, messages)
+            check_template_kwargs(template_kwargs)
+        except UserError as err:
+            raise APIError(400, str(err), param="chat_template_kwargs") from None
+        try:
+            return await run_in_threadpool(self.pipe.encode, messages, False, template_kwargs)
         except TemplateError as err:  # templates refuse some conversations (roles, order) by raising
             raise APIError(400, f"the model's chat template refused these messages: {err}",
                            param="messages") from None
@@ -280,7 +286,7 @@ def create_app(pipe, config: ServeConfig | None = None) -> FastAPI:
         req = parse_request(await server.read_body(http), ChatCompletionRequest)
         server.check_model(req.model)
         req.check_supported()
-        prompt_ids = await server.encode_chat(req.chat())
+        prompt_ids = await server.encode_chat(req.chat(), req.chat_template_kwargs)
         return await server.answer(http, req, prompt_ids, "chat", default_max=None)
 
     @app.post("/v1/completions")

@@ -47,6 +47,7 @@ class HandoffOptions:
     served_model_name: str | None = None
     max_batch_size: int | None = None
     dtype: str | None = None
+    chat_template_kwargs: dict | None = None  # --enable-thinking: the default for requests that send none
 
 
 @dataclass
@@ -156,12 +157,17 @@ def vllm_command(target: str, draft: str | None, block_size: int, options: Hando
     cmd += ["--host", options.host, "--port", str(options.port)]
     cmd += _optional({"--max-model-len": options.max_model_len, "--served-model-name": options.served_model_name,
                       "--max-num-seqs": options.max_batch_size, "--dtype": options.dtype})
+    if options.chat_template_kwargs:
+        cmd += ["--default-chat-template-kwargs", json.dumps(options.chat_template_kwargs)]
     env = {VLLM_API_KEY_ENV: options.api_key} if options.api_key is not None else {}
     return EngineCommand(cmd, env)
 
 
 def sglang_command(target: str, draft: str | None, block_size: int, options: HandoffOptions) -> EngineCommand:
     """SGLang takes its API key on the command line only (it reads no environment variable for it)."""
+    if options.chat_template_kwargs:
+        raise UserError("--enable-thinking has no SGLang server flag here: drop it, and send "
+                        "\"chat_template_kwargs\": {\"enable_thinking\": ...} with each chat request instead")
     cmd = ["python", "-m", "sglang.launch_server", "--model-path", target]
     if draft is not None:
         cmd += ["--speculative-algorithm", "DFLASH", "--speculative-draft-model-path", draft,

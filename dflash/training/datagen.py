@@ -44,6 +44,7 @@ class DatagenConfig:
     subset: str | None = None  # the dataset's configuration, e.g. "main" for openai/gsm8k
     prompt_field: str | None = None  # for hub datasets: the column with the prompt (default: guess)
     prompt_suffix: str = ""  # appended to every user turn (e.g. the benchmark's answer-format sentence)
+    enable_thinking: bool | None = None  # the chat template's enable_thinking, as it will be served; None: its own
     dtype: str | None = None
     device: str | None = None
 
@@ -67,7 +68,12 @@ class DatagenConfig:
         """What decides the answers: a rerun that resumes an output must repeat these."""
         return {"target": target_name(self.target), "max_new_tokens": self.max_new_tokens,
                 "temperature": self.temperature, "top_p": self.top_p, "seed": self.seed,
-                "prompt_suffix": self.prompt_suffix}
+                "prompt_suffix": self.prompt_suffix, "chat_template_kwargs": self.chat_template_kwargs()}
+
+    def chat_template_kwargs(self) -> dict | None:
+        """The chat template variables set; None (the template's defaults) reads the same as a settings file from
+        before the flag, which lacks the entry."""
+        return None if self.enable_thinking is None else {"enable_thinking": self.enable_thinking}
 
 
 def target_name(target: str | None) -> str:
@@ -290,7 +296,8 @@ def run_datagen(config: DatagenConfig, progress=None, prompts: list[Prompt] | No
     result = DatagenResult()
     if not todo:
         return result
-    pipe = DFlash.from_pretrained(config.target, no_draft=True, dtype=config.dtype, device=config.device)
+    pipe = DFlash.from_pretrained(config.target, no_draft=True, dtype=config.dtype, device=config.device,
+                                  chat_template_kwargs=config.chat_template_kwargs())
     generator = _Generator(pipe, config)
     first_ids = generator.first_turns(todo, result)
     if progress:

@@ -161,11 +161,30 @@ def test_reference_flags_map_onto_dflash_bench():
                           "math500", "--max-samples", "5", "--block-size", "16", "--max-new-tokens", "64",
                           "--temperature", "0.0", "--output-dir", "o"]) == [
         "--backend", "local", "--dataset", "gsm8k", "math500", "--target", "T", "--draft", "D", "--max-samples",
-        "5", "--block-size", "16", "--max-new-tokens", "64", "--temperature", "0.0", "--output-dir", "o"]
+        "5", "--block-size", "16", "--max-new-tokens", "64", "--temperature", "0.0", "--no-enable-thinking",
+        "--output-dir", "o"]
     assert to_bench_argv(["--backend", "vllm", "--base-url", "http://h/v1", "--model", "M", "--draft-model", "D",
-                          "--num-prompts", "8", "--concurrency", "1,8"]) == [
+                          "--num-prompts", "8", "--concurrency", "1,8", "--enable-thinking"]) == [
         "--backend", "server", "--dataset", "gsm8k", "--model", "M", "--num-prompts", "8", "--concurrency", "1,8",
-        "--base-url", "http://h/v1"]
+        "--base-url", "http://h/v1", "--enable-thinking"]
+    # as in the reference, thinking is off unless asked for; raw completions have no chat template to tell
+    assert "--no-enable-thinking" not in to_bench_argv(["--backend", "vllm", "--endpoint", "completions"])
+
+
+def test_thinking_goes_with_chat_requests_only():
+    from dflash.bench.server import Client, ServerConfig
+
+    config = ServerConfig(base_url="http://h/v1", chat_template_kwargs={"enable_thinking": False})
+    _, body = Client("http://h/v1", config, "m").payload([{"role": "user", "content": "hi"}], seed=0)
+    assert body["chat_template_kwargs"] == {"enable_thinking": False}
+    _, body = Client("http://h/v1", ServerConfig(base_url="http://h/v1"), "m").payload([], seed=0)
+    assert "chat_template_kwargs" not in body  # the template's own default unless asked
+
+
+def test_thinking_with_raw_completions_is_refused(capsys):
+    assert main(["bench", "--base-url", "http://127.0.0.1:9/v1", "--endpoint", "completions",
+                 "--no-enable-thinking"]) == 2
+    assert "--enable-thinking sets a chat template variable" in capsys.readouterr().err
 
 
 def test_python_m_dflash_benchmark_runs(tiny_pair, data_dir, tmp_path, capsys):
@@ -200,12 +219,12 @@ def test_missing_embedded_pair_is_a_clear_error(monkeypatch, tmp_path, capsys):
 
 def test_reference_num_prompts_timeout_and_sampling_flags():
     assert to_bench_argv(["--model", "T", "--num-prompts", "8"]) == [
-        "--backend", "local", "--dataset", "gsm8k", "--target", "T", "--max-samples", "8"]
-    assert to_bench_argv(["--num-prompts", "8", "--max-samples", "8"])[-2:] == ["--max-samples", "8"]
+        "--backend", "local", "--dataset", "gsm8k", "--target", "T", "--max-samples", "8", "--no-enable-thinking"]
+    assert to_bench_argv(["--num-prompts", "8", "--max-samples", "8"])[-3:-1] == ["--max-samples", "8"]
     assert to_bench_argv(["--backend", "sglang", "--base-url", "http://h:30000", "--timeout-s", "30", "--top-p",
                           "0.9", "--top-k", "20", "--temperature", "0.6", "--enable-thinking"]) == [
         "--backend", "server", "--dataset", "gsm8k", "--base-url", "http://h:30000", "--temperature", "0.6",
-        "--top-p", "0.9", "--top-k", "20", "--request-timeout", "30.0"]
+        "--top-p", "0.9", "--top-k", "20", "--request-timeout", "30.0", "--enable-thinking"]
     with pytest.raises(UserError, match="--num-prompts 8 and --max-samples 5 both set the number of samples"):
         to_bench_argv(["--num-prompts", "8", "--max-samples", "5"])
     with pytest.raises(UserError, match="--timeout-s is the per-request timeout of a server backend"):

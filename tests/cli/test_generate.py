@@ -56,3 +56,15 @@ def test_block_size_is_auto_by_default_and_named_sizes_work(tiny_pair, capsys):
         main(["generate", "--target", str(target), "--draft", str(draft), "--prompt", "x", "--block-size", "big"])
     assert exit_info.value.code == 2
     assert "a block size (a number) or 'auto', got 'big'" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("command", ["generate", "serve", "bench"])
+def test_enable_thinking_flag(command):
+    from dflash.cli.common import chat_template_kwargs
+    from dflash.cli.main import build_parser
+
+    extra = ["--prompt", "x"] if command == "generate" else []
+    parse = build_parser().parse_args
+    assert chat_template_kwargs(parse([command, *extra])) is None  # the template's own default
+    assert chat_template_kwargs(parse([command, *extra, "--no-enable-thinking"])) == {"enable_thinking": False}
+    assert chat_template_kwargs(parse([command, *extra, "--enable-thinking"])) == {"enable_thinking": True}

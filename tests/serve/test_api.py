@@ -171,3 +171,22 @@ def test_gauges_with_no_value_yet_read_nan(server):
     fixed = ServerMetrics()
     Scheduler(server.pipe.engine, metrics=fixed, fallback=FallbackConfig(1.5))
     assert fixed.fallback_threshold._value.get() == 1.5
+
+
+def test_chat_template_kwargs_reach_the_template(start_server):
+    """vLLM's request field: template variables, over the server's own (--enable-thinking)."""
+    live = start_server()
+    live.pipe.tokenizer.chat_template = (
+        "{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}"
+        "{% if add_generation_prompt %}assistant:{% if enable_thinking is defined and not enable_thinking %}"
+        " <think></think>{% endif %}{% endif %}")
+    client = live.client()
+
+    def prompt_tokens(**extra) -> int:
+        return client.chat.completions.create(model=MODEL, messages=QUESTION, max_tokens=1, temperature=0,
+                                              extra_body=extra).usage.prompt_tokens
+
+    assert prompt_tokens(chat_template_kwargs={"enable_thinking": False}) > prompt_tokens()
+    assert prompt_tokens(chat_template_kwargs={"enable_thinking": True}) == prompt_tokens()
+    with pytest.raises(openai.BadRequestError, match="chat_template_kwargs may not set add_generation_prompt"):
+        prompt_tokens(chat_template_kwargs={"add_generation_prompt": False})

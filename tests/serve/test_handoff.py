@@ -162,3 +162,14 @@ def test_flag_mistakes(tiny_pair, capsys):
                            (["--max-request-bytes", "0"], "--max-request-bytes")]:
         assert main(["serve", *args]) == 2
         assert expected in capsys.readouterr().err
+
+
+def test_thinking_carries_over_to_vllm_and_is_refused_for_sglang(tiny_pair, capsys):
+    target, draft = map(str, tiny_pair)
+    argv = dry_run(capsys, "--target", target, "--draft", draft, "--engine", "vllm", "--no-enable-thinking")
+    assert json.loads(argv[argv.index("--default-chat-template-kwargs") + 1]) == {"enable_thinking": False}
+    assert "--default-chat-template-kwargs" not in dry_run(capsys, "--target", target, "--draft", draft,
+                                                           "--engine", "vllm")
+    assert main(["serve", "--target", target, "--draft", draft, "--engine", "sglang", "--enable-thinking",
+                 "--dry-run"]) == 2
+    assert "chat_template_kwargs" in capsys.readouterr().err

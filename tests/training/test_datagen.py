@@ -171,6 +171,8 @@ def test_a_rerun_with_other_prompts_or_settings_is_refused(answered, prompts, tm
         run_datagen(DatagenConfig(**{**vars(answered), "prompts": str(reordered)}))
     with pytest.raises(UserError, match="other settings \\(temperature 0.0, now 0.7; seed 0, now 3\\)"):
         run_datagen(DatagenConfig(**{**vars(answered), "temperature": 0.7, "seed": 3}))
+    with pytest.raises(UserError, match="other settings \\(chat_template_kwargs None, now \\{'enable_thinking': False"):
+        run_datagen(DatagenConfig(**{**vars(answered), "enable_thinking": False}))
     with pytest.raises(UserError, match="answer to prompt 1, but there are only 1 prompts"):
         run_datagen(DatagenConfig(**{**vars(answered), "prompts": str(write_jsonl(tmp_path / "one.jsonl", rows[:1])),
                                      "limit": None}))
@@ -277,3 +279,22 @@ def test_an_unreachable_hub_dataset_says_what_to_pass_instead(monkeypatch):
     monkeypatch.setattr(datasets, "load_dataset", offline)
     with pytest.raises(UserError, match="could not load dataset 'openai/gsm8k'.*Offline"):
         read_prompts(config_for("openai/gsm8k"))
+
+
+def test_thinking_off_reaches_the_chat_template(tiny_pair, tmp_path):
+    from transformers import AutoTokenizer
+
+    target = variant(tiny_pair, tmp_path)
+    tokenizer = AutoTokenizer.from_pretrained(target)
+    tokenizer.chat_template = ("{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}"
+                               "{% if add_generation_prompt %}assistant:{% if enable_thinking is defined and not "
+                               "enable_thinking %} <think></think>{% endif %}{% endif %}")
+    tokenizer.save_pretrained(target)
+    prompts = write_jsonl(tmp_path / "prompts.jsonl", [{"prompt": "How many clips?"}])
+    lengths = {}
+    for thinking in (None, False):
+        out = tmp_path / f"data_{thinking}.jsonl"
+        run_datagen(DatagenConfig(target=target, prompts=str(prompts), output=str(out), max_new_tokens=2,
+                                  device="cpu", enable_thinking=thinking))
+        lengths[thinking] = len(read(out)[0]["prompt_ids"])
+    assert lengths[False] > lengths[None]
