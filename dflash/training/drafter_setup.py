@@ -1,0 +1,144 @@
+"""A drafter to train: a new one shaped for the target (its mask token chosen and checked), or an existing one
+grown in place (more feature layers, a wider MLP, more layers), each growth starting out as the same function.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from dflash.errors import UserError
+from dflash.model import hf_compat
+from dflash.model.config import DrafterConfig, default_target_layer_ids
+from dflash.model.drafter import DFlashDecoderLayer, DFlashDraftModel, init_weights
+from dflash.model.target import TargetModel
+from dflash.training.config import TrainConfig
+from dflash.training.data import Example
+
+
+def choose_mask_token_id(config: TrainConfig, tokenizer, vocab_size: int) -> int:
+    """An id that is no real token: the tokenizer's mask token, `<|mask|>`, or the first unused embedding row."""
+    if config.mask_token_id is not None:
+        return config.mask_token_id
+    if tokenizer is not None:
+        if getattr(tokenizer, "mask_token_id", None) is not None:
+            return tokenizer.mask_token_id
+        vocab = tokenizer.get_vocab()
+        if "<|mask|>" in vocab:
+            return vocab["<|mask|>"]
+        if len(tokenizer) < vocab_size:
+            return len(tokenizer)
+    raise UserError("cannot pick a mask token: the tokenizer has none and the embedding has no unused row; "
+                    "pass --mask-token-id with an id that never occurs in text (not pad or eos)")
+
+
+def mask_token_problem(mask_id: int, target: TargetModel) -> str | None:
+    """Why `mask_id` cannot be the mask token, or None. A mask that aliases a real token (pad, eos, a token of
+    text) trains a drafter that scores well and drafts badly (REFERENCE section 4)."""
+    if not 0 <= mask_id < target.vocab_size:
+        return f"it is outside the target's vocabulary (0..{target.vocab_size - 1})"
+    if mask_id in target.eos_token_ids():
+        return "it is an end-of-sequence token"
+    tokenizer = target.tokenizer
+    if tokenizer is not None:
+        if mask_id == tokenizer.pad_token_id:
+            return "it is the padding token"
+        added = getattr(tokenizer, "added_tokens_decoder", {})
+        if mask_id < len(tokenizer) and not (mask_id in added and added[mask_id].special):
+            return f"it is {tokenizer.convert_ids_to_tokens(mask_id)!r}, a token of ordinary text"
+    return None
+
+
+def mask_token_uses(mask_id: int, examples: list[Example]) -> int:
+    """How often the mask token is a response token of the data, where blocks start and are labelled."""
+    return sum(e.input_ids[e.response_start:].count(mask_id) for e in examples)
+
+
+def mask_token_advice(tokenizer, vocab_size: int) -> str:
+    unused = (f"; rows {len(tokenizer)}..{vocab_size - 1} of the embedding are unused by the tokenizer, and the "
+              "first of them is a safe choice" if tokenizer is not None and len(tokenizer) < vocab_size else "")
+    return ("the mask token must never occur in text: use the tokenizer's mask token or a special token the data "
+            f"never holds (not pad or eos){unused}")
+
+
+def drafter_config_for(target: TargetModel, config: TrainConfig, mask_token_id: int) -> DrafterConfig:
+    tc = target.config
+    heads = tc.num_attention_heads
+    layers = config.draft_layers or 1
+    layer_ids = config.target_layer_ids or default_target_layer_ids(target.num_layers, layers)
+    return DrafterConfig(
+        hidden_size=target.hidden_size,
+        intermediate_size=config.intermediate_size or getattr(tc, "intermediate_size", 4 * target.hidden_size),
+        num_hidden_layers=layers,
+        num_attention_heads=heads,
+        num_key_value_heads=getattr(tc, "num_key_value_heads", None) or heads,
+        head_dim=getattr(tc, "head_dim", None) or target.hidden_size // heads,
+        vocab_size=target.vocab_size,
+        num_target_layers=target.num_layers,
+        target_layer_ids=list(layer_ids),
+        mask_token_id=mask_token_id,
+        block_size=config.block_size,
+        rms_norm_eps=getattr(tc, "rms_norm_eps", 1e-6),
+        max_position_embeddings=getattr(tc, "max_position_embeddings", 32768),
+        rope=hf_compat.rope_fields(tc),
+    )
+
+
+def widen_features(drafter: DFlashDraftModel, layer_ids: list[int]) -> None:
+    """Feed the drafter more target layers: `layer_ids` must keep every current id (as often as it occurs);
+    the new ids' columns of `fc` start at zero, so the drafter's outputs are unchanged until training moves them."""
+    old_ids = drafter.config.target_layer_ids
+    slots: list[int] = []  # for each current id, its place in layer_ids
+    for i, layer in enumerate(old_ids):
+        places = [j for j, x in enumerate(layer_ids) if x == layer]
+        occurrence = old_ids[:i].count(layer)
+        if occurrence >= len(places):
+            raise UserError(f"--target-layer-ids {layer_ids} must list each of the drafter's feature layers "
+                            f"{old_ids} (it can add layers, not drop them)")
+        slots.append(places[occurrence])
+    h, old_fc = drafter.config.hidden_size, drafter.fc.weight.data  # (h, len(old_ids) * h)
+    weight = old_fc.new_zeros(old_fc.shape[0], len(layer_ids) * h)
+    for i, j in enumerate(slots):
+        weight[:, j * h: (j + 1) * h] = old_fc[:, i * h: (i + 1) * h]
+    drafter.fc.weight, drafter.fc.in_features = nn.Parameter(weight), weight.shape[1]
+    drafter.config.target_layer_ids = list(layer_ids)
+
+
+def widen_mlp(drafter: DFlashDraftModel, intermediate_size: int, std: float = 0.02) -> None:
+    """Give every drafter layer a wider MLP: the new hidden units' gate and up rows start small and random, their
+    down_proj columns at zero, so the drafter's outputs are unchanged until training moves them."""
+    old = drafter.config.intermediate_size
+    if intermediate_size == old:
+        return
+    if intermediate_size < old:
+        raise UserError(f"--intermediate-size {intermediate_size} is below the drafter's {old}: fine-tuning can "
+                        "widen its MLP, not narrow it")
+    for layer in drafter.layers:
+        mlp = layer.mlp
+        for name in ("gate_proj", "up_proj"):  # (intermediate, h): new rows
+            linear = getattr(mlp, name)
+            new_rows = linear.weight.data.new_empty(intermediate_size - old, linear.in_features).normal_(std=std)
+            linear.weight = nn.Parameter(torch.cat([linear.weight.data, new_rows], dim=0))
+            linear.out_features = intermediate_size
+        down = mlp.down_proj  # (h, intermediate): new columns
+        zeros = down.weight.data.new_zeros(down.out_features, intermediate_size - old)
+        down.weight = nn.Parameter(torch.cat([down.weight.data, zeros], dim=1))
+        down.in_features = intermediate_size
+    drafter.config.intermediate_size = intermediate_size
+
+
+def deepen(drafter: DFlashDraftModel, num_layers: int) -> None:
+    """Append layers to the drafter, before its final norm: each new layer's `o_proj` and `down_proj` start at zero,
+    so it adds nothing to the residual stream and the drafter's outputs are unchanged until training moves them."""
+    config, old = drafter.config, len(drafter.layers)
+    if num_layers < old:
+        raise UserError(f"--draft-layers {num_layers} is below the drafter's {old}: fine-tuning can add layers, "
+                        "not remove them")
+    for _ in range(num_layers - old):
+        layer = DFlashDecoderLayer(config).to(drafter.fc.weight.device, drafter.fc.weight.dtype)
+        init_weights(layer)
+        nn.init.zeros_(layer.self_attn.o_proj.weight)
+        nn.init.zeros_(layer.mlp.down_proj.weight)
+        drafter.layers.append(layer)
+        config.layer_types.append(config.layer_types[-1])
+    config.num_hidden_layers = num_layers
