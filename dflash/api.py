@@ -180,5 +180,6 @@ def check_template_kwargs(kwargs: dict[str, Any] | None) -> dict[str, Any]:
                               '{"enable_thinking": false}')
     reserved = sorted(set(kwargs) & _RESERVED_TEMPLATE_VARIABLES)
     if reserved:
-        raise GenerationError(f"chat_template_kwargs may not set {', '.join(reserved)}: dflash sets them itself")
+        raise GenerationError(f"chat_template_kwargs may not set {', '.join(reserved)}: dflash sets "
+                              f"{'it' if len(reserved) == 1 else 'them'} itself")
     return dict(kwargs)

@@ -62,6 +62,7 @@ def run_bench(config: BenchConfig, pipe=None, console: Console | None = None,
             add_costs([result], config.gpu_hourly_usd)
             results.append(result)
             if config.output_dir:
+                info["runs_finished"] = f"{len(results)} of {planned_runs(config)}"  # a stopped run says so
                 report.write_outputs(results, config.output_dir, info)
     except (Exception, KeyboardInterrupt) as err:
         _show_partial(results, config, err, console, stdout)

@@ -166,7 +166,8 @@ def vllm_command(target: str, draft: str | None, block_size: int, options: Hando
 def sglang_command(target: str, draft: str | None, block_size: int, options: HandoffOptions) -> EngineCommand:
     """SGLang takes its API key on the command line only (it reads no environment variable for it)."""
     if options.chat_template_kwargs:
-        raise UserError("--enable-thinking has no SGLang server flag here: drop it, and send "
+        raise UserError("--enable-thinking / --no-enable-thinking have no SGLang server flag here: drop it, and "
+                        "send "
                         "\"chat_template_kwargs\": {\"enable_thinking\": ...} with each chat request instead")
     cmd = ["python", "-m", "sglang.launch_server", "--model-path", target]
     if draft is not None:

@@ -356,8 +356,8 @@ class _Generator:
             if self.room(prompt_ids) >= 1:
                 ids[p.id] = prompt_ids
                 continue
-            result.skipped.append(f"{p.where} (id {p.id}): its prompt of {len(prompt_ids)} tokens leaves no room for "
-                                  f"an answer in the target's context of {self.context} tokens")
+            result.skipped.append(f"{p.where} (output id {p.id}): its prompt of {len(prompt_ids)} tokens leaves no "
+                                  f"room for an answer in the target's context of {self.context} tokens")
             if len(result.skipped) <= MAX_WARNINGS:
                 _warn(f"skipped {result.skipped[-1]}")
             elif len(result.skipped) == MAX_WARNINGS + 1:
@@ -378,9 +378,9 @@ class _Generator:
                 messages = conversations[p.id] + self._with_suffix(p.turns[turn])
                 ids = first_ids.pop(p.id) if turn == 0 else self.encode(messages)
                 if self.room(ids) < 1:
-                    _warn(f"{p.where} (id {p.id}): turn {turn + 1} of {len(p.turns)} ({len(ids)} tokens) leaves no "
-                          f"room for an answer in the target's context of {self.context} tokens; its record keeps "
-                          f"the first {turn}")
+                    _warn(f"{p.where} (output id {p.id}): turn {turn + 1} of {len(p.turns)} ({len(ids)} tokens) "
+                          f"leaves no room for an answer in the target's context of {self.context} tokens; its "
+                          f"record keeps the first {turn}")
                     ended.add(p.id)
                     continue
                 conversations[p.id] = messages

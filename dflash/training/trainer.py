@@ -121,6 +121,7 @@ class Trainer:
         self.rank, self.world = 0, 1
         self._feature_cache: dict[str, torch.Tensor] = {}
         self.history: list[dict] = []
+        self.trained_with: dict | None = None  # a resume with no step left: the checkpoint's settings, exported
 
     # ---- setup ----------------------------------------------------------------------------------------
     def setup(self) -> "Trainer":
@@ -584,6 +585,8 @@ class Trainer:
                        "is evaluated and exported as it is")
         elif self.step == self.total_steps:
             self._note(f"the newest checkpoint is at the last step ({self.step}): it is evaluated and exported")
+        if self.step >= self.total_steps:  # no step runs with the settings given now: export what trained it
+            self.trained_with = state["config"]
 
     def _check_resumable(self, state: dict, checkpoint: Path) -> None:
         """Refuse a resume that would not continue the same training: another drafter shape, other examples or
@@ -631,7 +634,8 @@ class Trainer:
         """The output directory in the public format (what this package, vLLM and SGLang load)."""
         if self.rank == 0:
             save_drafter(self.drafter, self.config.output)
-            (Path(self.config.output) / "training_config.yaml").write_text(yaml.safe_dump(self.config.to_dict()))
+            trained_with = self.trained_with or self.config.to_dict()
+            (Path(self.config.output) / "training_config.yaml").write_text(yaml.safe_dump(trained_with))
         self._barrier()
 
     def cleanup(self) -> None:

@@ -120,6 +120,21 @@ def test_break_even_follows_the_time_served_steps_took_beyond_their_start_up_tim
     assert policy.break_even(8, 16, now=300.0) == pytest.approx(calibrated)  # neither served lately
 
 
+def test_break_even_stays_within_the_block_when_served_steps_beat_start_up():
+    """A start-up slowed by other work times plain steps too dear; served ones then come in far under it. The
+    break-even must stay reachable (at most the block size) and finite, not run away with a tiny denominator."""
+    policy = BlockSizePolicy(FakeProposer(16), costs(per_token_s=0.001), StepCosts({(1, 1): 0.010, (8, 1): 0.020}))
+    for t in range(30):
+        policy.observe_step(8, 1, 0.001, now=float(t))  # served plain steps at a twentieth of start-up's time
+    # both decoders are taken 19 ms under start-up; the plain step's time is floored at half of its 20 ms
+    assert policy.break_even(8, 4, now=30.0) == pytest.approx((0.042 - 0.019) / 0.010)
+    assert policy.break_even(8, 16, now=30.0) == pytest.approx((0.138 - 0.019) / 0.010)  # not 0.119 / 0.001
+    for t in range(31, 61):  # drafted steps a second slower than at start-up, plain ones as timed
+        policy.observe_step(8, 16, 0.138 + 1.0, now=float(t))
+        policy.observe_step(8, 1, 0.020, now=float(t))
+    assert policy.break_even(8, 16, now=61.0) == 16.0  # 57x a plain step: never pays, and no more than that
+
+
 def test_time_served_steps_take_beyond_start_up_favours_longer_blocks():
     """Per-step costs that are the same for every block size (other threads and processes, bookkeeping)
     weigh more on short blocks: with enough of them, verifying more tokens per step pays."""

@@ -130,15 +130,15 @@ def test_prompts_too_long_for_the_context_are_skipped_by_name_and_answers_stop_a
     result = run_datagen(config)
     assert result.written == 2 and len(result.skipped) == 1
     err = capsys.readouterr().err
-    assert "prompts.jsonl:2 (id 1)" in err and "context of 48 tokens" in err
-    assert "prompts.jsonl:3 (id 2): turn 2 of 3" in err  # a later turn that no longer fits ends the conversation
+    assert "prompts.jsonl:2 (output id 1)" in err and "context of 48 tokens" in err
+    assert "prompts.jsonl:3 (output id 2): turn 2 of 3" in err  # a later turn that no longer fits ends the conversation
     records = {r["id"]: r for r in read(out)}
     for r in records.values():
         assert len(r["prompt_ids"]) + len(r["response_ids"]) <= 47  # one position left for the last step
         assert r["finish_reason"] == "length" or len(r["response_ids"]) < 500
     assert [m["role"] for m in records[2]["messages"]] == ["user", "assistant"]
     assert run_datagen(config).written == 0  # the rerun skips it again and generates nothing
-    assert "prompts.jsonl:2 (id 1)" in capsys.readouterr().err
+    assert "prompts.jsonl:2 (output id 1)" in capsys.readouterr().err
 
 
 def test_a_target_without_chat_template_gets_plain_text(tiny_pair, tmp_path, capsys):

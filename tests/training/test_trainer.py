@@ -14,6 +14,7 @@ import sys
 
 import pytest
 import torch
+import yaml
 from safetensors.torch import load_file
 
 from dflash import DFlash
@@ -422,6 +423,10 @@ def test_resume_refuses_another_data_order_and_names_changed_settings(tiny_pair,
     assert all(g["initial_lr"] == 1e-3 for g in longer.optimizer.param_groups)
     Trainer(config(tiny_pair, train_data, out, resume=True, max_steps=3)).setup()
     assert "newest checkpoint is at step 6, past the last step of this run (3" in capsys.readouterr().err
+    done = Trainer(config(tiny_pair, train_data, out, resume=True, lr=1e-3)).setup()  # step 6 of 6: nothing to run
+    assert "lr 0.003 -> 0.001" in capsys.readouterr().err
+    done.train()
+    assert yaml.safe_load((out / "training_config.yaml").read_text())["lr"] == 3e-3  # what trained the export
 
 
 def test_a_checkpoint_of_an_older_version_is_checked_by_its_options(tiny_pair, train_data, tmp_path):
