@@ -247,11 +247,14 @@ class SpeculativeEngine:
 
     def adaptive_step(self, batch: Batch, policy) -> list[list[int]]:
         """`step`, at the block size `policy` picks for this batch (None: the batch's own), teaching the policy
-        how many draft tokens each row accepted."""
+        how many draft tokens each row accepted and how long the step took beyond its start-up time (a start-up
+        timed on a quieter or busier machine than the decoding would otherwise choose from stale costs)."""
         if policy is None:
             return self.step(batch)
         batch.proposer = policy.proposer_for(len(batch))
+        started = time.perf_counter()
         kept = self.step(batch)
+        policy.observe_step(len(batch), batch.proposer.block_size, time.perf_counter() - started)
         # a row cut by a stop keeps fewer tokens than it accepted: that can only undercount acceptance
         policy.observe([max(len(tokens) - 1, 0) for tokens in kept], batch.proposer.block_size - 1)
         return kept

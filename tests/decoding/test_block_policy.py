@@ -165,6 +165,28 @@ def test_changing_the_block_size_every_step_is_lossless(target):
     assert [seq.output_ids[:40] for seq in batch.sequences] == [refs[tuple(p)] for p in prompts]
 
 
+def test_local_decoding_teaches_the_policy_what_its_steps_take(target, monkeypatch):
+    """`generate` at block size auto times its steps as the server does: steps 60 ms slower than start-up's
+    costs are seen (and move the policy to longer blocks, as `test_time_served_steps_take_beyond_start_up_...`
+    shows)."""
+    import time
+
+    engine = SpeculativeEngine(target, DFlashProposer(tiny_drafter(target), target))
+    policy = BlockSizePolicy(engine.proposer, costs(per_token_s=0.002))
+    engine._block_policy = policy
+    real_step = engine.step
+
+    def slow_step(batch):
+        time.sleep(0.060)
+        return real_step(batch)
+
+    monkeypatch.setattr(engine, "step", slow_step)
+    engine.generate(random_prompts(1, seed=2), GenerationConfig(max_new_tokens=12, block_size="auto",
+                                                                stop_token_ids=[]))
+    # start-up costs put a one-row step at 0.042 s at most (block 16): each step took at least 0.018 s more
+    assert policy.overhead.extra_s[True] > 0.018
+
+
 def test_calibration_times_every_shape_on_a_real_pair(target):
     engine = SpeculativeEngine(target, DFlashProposer(tiny_drafter(target), target, block_size=8))
     policy = BlockSizePolicy.calibrate(engine, max_batch_size=3)
