@@ -246,13 +246,12 @@ class BlockSizePolicy:
         served = {d: self.overhead.of(d, now) for d in (True, False) if self.overhead.fresh(d, now)}
         extra_drafted = served.get(True, served.get(False, 0.0))
         extra_plain = served.get(False, served.get(True, 0.0))
-        drafted = self.costs(rows, k) + extra_drafted
-        plain = self.plain_costs(rows, 1)
+        drafted, plain = self.costs(rows, k), self.plain_costs(rows, 1)
         # Served steps may run faster than start-up timed them (a start-up slowed by other work), but a step
         # never costs nothing: a plain step taken at under half its start-up time would make the ratio run away
         # (a break-even of 23 was seen at block 16 on a shared machine). Nor can any acceptance length
         # exceed the block size, so a break-even above it means the same as the block size: never pays.
-        ratio = max(drafted, 0.5 * self.costs(rows, k)) / max(plain + extra_plain, 0.5 * plain)
+        ratio = max(drafted + extra_drafted, 0.5 * drafted) / max(plain + extra_plain, 0.5 * plain)
         return min(ratio, float(k))
 
     def observe_step(self, rows: int, block_size: int, seconds: float, now: float | None = None) -> None:

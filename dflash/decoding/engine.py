@@ -156,6 +156,11 @@ class Sequence:
     def finished(self) -> bool:
         return self.finish_reason is not None
 
+    @property
+    def next_position(self) -> int:
+        """The sequence position of the next token to draw: the one after the anchor (its last token)."""
+        return len(self.prompt_ids) + len(self.output_ids)
+
     def record(self, new_tokens: list[int], block_size: int | None = None) -> list[int]:
         """Append a forward's new tokens, cut at a stop; returns the tokens kept. `block_size`: the tokens a
         verify forward checked (None for the prefill)."""
@@ -265,7 +270,7 @@ class SpeculativeEngine:
         """Run the prompt through the target alone; its first token becomes the first anchor."""
         batch, logits = self._read(seq, seq.prompt_ids, proposer or self.proposer)  # logits (vocab,)
         if seq.noise is not None:
-            first = int(seq.noise.choose(to_probs(logits[None], seq.params), len(seq.prompt_ids))[0])
+            first = int(seq.noise.choose(to_probs(logits[None], seq.params), seq.next_position)[0])
         else:
             first = sample_target_only(logits, seq.params, seq.generator)
         seq.record([first])
@@ -320,7 +325,7 @@ class SpeculativeEngine:
         out = self.target.forward(block, positions, batch.target_cache, attention_mask=mask,
                                   feature_layer_ids=batch.proposer.feature_layer_ids)
         t2 = time.perf_counter()
-        new_tokens = self._verify(draft, out.logits, rows, batch.anchor_positions)
+        new_tokens = self._verify(draft, out.logits, rows)
         self._commit(batch, new_tokens, out.features, positions, drafted=draft.tokens.shape[1] > 0)
         kept = [seq.record(tokens, block.shape[1]) for seq, tokens in zip(rows, new_tokens)]
         self.profile.steps += 1
@@ -329,10 +334,9 @@ class SpeculativeEngine:
         self.profile.total_s += time.perf_counter() - t0
         return kept
 
-    def _verify(self, draft, target_logits: torch.Tensor, rows: list[Sequence],
-                anchor_positions: torch.Tensor) -> list[list[int]]:
+    def _verify(self, draft, target_logits: torch.Tensor, rows: list[Sequence]) -> list[list[int]]:
         """Each row's new tokens: its accepted draft tokens plus one recovered or bonus token.
-        target_logits (b, k + 1, vocab); anchor_positions (b,)."""
+        target_logits (b, k + 1, vocab)."""
         if all(s.params.greedy for s in rows):
             num_accepted, target_tokens = greedy_verify(draft.tokens, target_logits)
             counts, tokens = num_accepted.tolist(), target_tokens.tolist()  # the step's one host sync
@@ -344,7 +348,7 @@ class SpeculativeEngine:
                 new_tokens.append(t[0, : int(n) + 1].tolist())
             elif seq.noise is not None:  # the target's own tokens at these positions, then as greedy
                 p = to_probs(target_logits[r], seq.params)  # (k + 1, vocab)
-                target_tokens = seq.noise.choose(p, int(anchor_positions[r]) + 1)  # (k + 1,)
+                target_tokens = seq.noise.choose(p, seq.next_position)  # (k + 1,)
                 n = int(matching_prefix(draft.tokens[r : r + 1], target_tokens[None]))
                 new_tokens.append(target_tokens[: n + 1].tolist())
             else:

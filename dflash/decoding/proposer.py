@@ -150,7 +150,7 @@ class DFlashProposer:
             if row.params.greedy:
                 continue
             if row.noise is not None:  # the position's own noise on the drafter's distribution (no probs needed)
-                tokens[r] = row.noise.choose(to_probs(logits[r], row.params), int(anchor_positions[r]) + 1)
+                tokens[r] = row.noise.choose(to_probs(logits[r], row.params), row.next_position)
             else:
                 probs[r] = to_probs(logits[r], row.params)
                 tokens[r] = sample(probs[r], row.generator)
