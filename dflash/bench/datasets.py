@@ -12,16 +12,14 @@ Where a dataset comes from, first found wins:
 
 from __future__ import annotations
 
-import gzip
-import json
 import os
 import random
-import zlib
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable, Iterable
 
 from dflash.errors import UserError
+from dflash.records import RecordError, messages_field, read_jsonl, text_field, texts_field
 
 BUNDLED_DIR = Path(__file__).parent / "data"
 DATA_DIR_ENV = "DFLASH_DATA_DIR"
@@ -43,10 +41,6 @@ class Record:
     where: str  # "FILE:LINE" or "HUB_ID row N": named in every error about this record
 
 
-class BadRecord(ValueError):
-    """What is wrong with one record; `_to_sample` says where it is."""
-
-
 @dataclass(frozen=True)
 class HubSource:
     path: str
@@ -59,7 +53,7 @@ class DatasetSpec:
     name: str
     files: tuple[str, ...]  # candidate paths inside a data directory, first found is used
     native_fields: tuple[str, ...]  # a record with all of these is in the dataset's own format
-    format: Callable[[dict], tuple[str, ...]]  # native record -> user turns (raises BadRecord)
+    format: Callable[[dict], tuple[str, ...]]  # native record -> user turns (raises RecordError)
     hub: HubSource | None = None
     id_field: str | None = None
 
@@ -90,32 +84,12 @@ def _humaneval(record: dict) -> tuple[str, ...]:
 def _mbpp(record: dict) -> tuple[str, ...]:
     tests = list(texts_field(record, "test_list", allow_empty=True))
     if "prompt" not in record and "text" not in record:
-        raise BadRecord("an mbpp record needs the task in 'prompt' (sanitized MBPP) or 'text' (full MBPP)")
+        raise RecordError("an mbpp record needs the task in 'prompt' (sanitized MBPP) or 'text' (full MBPP)")
     return (mbpp_prompt(text_field(record, "prompt" if "prompt" in record else "text"), tests),)
 
 
 def _mt_bench(record: dict) -> tuple[str, ...]:
-    return texts_field(record, "turns")
-
-
-def text_field(record: dict, name: str) -> str:
-    value = record.get(name)
-    if not isinstance(value, str) or not value:
-        raise BadRecord(f"{name!r} must be a non-empty string, got {_shown(value)}")
-    return value
-
-
-def texts_field(record: dict, name: str, allow_empty: bool = False) -> tuple[str, ...]:
-    """A list of non-empty strings: a bare string here is an error, never split into characters."""
-    value = record.get(name)
-    if (not isinstance(value, list) or not (value or allow_empty)
-            or not all(isinstance(t, str) and t for t in value)):
-        raise BadRecord(f"{name!r} must be a list of non-empty strings, got {_shown(value)}")
-    return tuple(value)
-
-
-def _shown(value) -> str:
-    return f"{type(value).__name__} {value!r:.60}" if value is not None else "null"
+    return tuple(texts_field(record, "turns"))
 
 
 DATASETS: dict[str, DatasetSpec] = {
@@ -206,7 +180,8 @@ def describe(source: Path | HubSource) -> str:
 def _read(source: Path | HubSource, spec: DatasetSpec) -> list[Record]:
     if isinstance(source, HubSource):
         return [Record(r, f"{source.path} row {i}") for i, r in enumerate(load_from_hub(spec))]
-    return read_jsonl(source)
+    rows = read_jsonl(source, missing="pass an existing JSONL file to --data-file")
+    return [Record(fields, f"{source}:{number}") for number, fields in rows]
 
 
 def _data_dirs(options: DataOptions) -> list[Path]:
@@ -217,42 +192,6 @@ def _data_dirs(options: DataOptions) -> list[Path]:
             raise UserError(f"data directory {given} does not exist; fix --data-dir or ${DATA_DIR_ENV}")
         dirs.append(Path(given))
     return dirs + list(options.extra_dirs)
-
-
-def read_jsonl(path: Path) -> list[Record]:
-    """One record per non-blank line; every problem with the file is a UserError naming its line."""
-    if not path.is_file():
-        raise UserError(f"data file {path} does not exist; pass an existing JSONL file to --data-file")
-    opener = gzip.open if path.suffix == ".gz" else open
-    records = []
-    try:
-        with opener(path, "rb") as f:
-            for number, raw in enumerate(f, 1):
-                records += _parse_line(raw, path, number)
-    except (gzip.BadGzipFile, EOFError, zlib.error) as err:
-        raise UserError(f"{path} is not a readable gzip file ({err}); name an uncompressed file *.jsonl, "
-                        "or compress it with gzip") from None
-    except OSError as err:
-        raise UserError(f"cannot read {path}: {err.strerror or err}") from None
-    return records
-
-
-def _parse_line(raw: bytes, path: Path, number: int) -> list[Record]:
-    try:
-        line = raw.decode("utf-8-sig")
-    except UnicodeDecodeError as err:
-        raise UserError(f"{path}:{number} is not UTF-8 text (byte {raw[err.start]:#04x} at column {err.start + 1}); "
-                        "save the file as UTF-8") from None
-    if not line.strip():
-        return []
-    try:
-        record = json.loads(line)
-    except json.JSONDecodeError as err:
-        raise UserError(f"{path}:{number} is not valid JSON ({err.msg}); the file must be JSONL, "
-                        "one JSON object per line") from None
-    if not isinstance(record, dict):
-        raise UserError(f"{path}:{number} is not a JSON object; each line must be an object")
-    return [Record(record, f"{path}:{number}")]
 
 
 def load_from_hub(spec: DatasetSpec) -> list[dict]:
@@ -278,7 +217,7 @@ def _missing_message(spec: DatasetSpec, options: DataOptions | None) -> str:
 def _to_sample(spec: DatasetSpec, record: Record, index: int) -> Sample:
     try:
         return _sample(spec, record.fields, index)
-    except BadRecord as err:
+    except RecordError as err:
         raise UserError(f"{record.where}: {err}") from None
 
 
@@ -287,29 +226,22 @@ def _sample(spec: DatasetSpec, fields: dict, index: int) -> Sample:
     if all(f in fields for f in spec.native_fields):
         return Sample(sample_id, spec.format(fields))
     if "messages" in fields:
-        history, turn = _split_messages(fields["messages"])
+        history, turn = _split_messages(fields)
         return Sample(sample_id, (turn,), history)
     if "turns" in fields:
-        return Sample(sample_id, texts_field(fields, "turns"))
+        return Sample(sample_id, tuple(texts_field(fields, "turns")))
     if "prompt" in fields:
         return Sample(sample_id, (text_field(fields, "prompt"),))
-    raise BadRecord(f"a {spec.name} record needs the field(s) {'/'.join(repr(f) for f in spec.native_fields)}, "
+    raise RecordError(f"a {spec.name} record needs the field(s) {'/'.join(repr(f) for f in spec.native_fields)}, "
                     f"or 'prompt', 'turns' or 'messages'; it has none of the fields (it has {sorted(fields)[:8]})")
 
 
-def _split_messages(messages) -> tuple[tuple[dict, ...], str]:
+def _split_messages(fields: dict) -> tuple[tuple[dict, ...], str]:
     """Fixed history and the last user turn; trailing assistant messages (reference answers) are dropped."""
-    if not isinstance(messages, list) or not all(isinstance(m, dict) and "role" in m and "content" in m
-                                                 for m in messages):
-        raise BadRecord("'messages' must be a list of {'role', 'content'} objects")
-    for i, m in enumerate(messages):
-        if not isinstance(m["content"], str):
-            raise BadRecord(f"'messages'[{i}]['content'] must be a string (join the text of content parts), "
-                            f"got {_shown(m['content'])}")
-    messages = list(messages)
+    messages = list(messages_field(fields))
     while messages and messages[-1]["role"] == "assistant":
         messages.pop()
     if not messages or messages[-1]["role"] != "user" or not messages[-1]["content"]:
-        raise BadRecord("'messages' must end with a non-empty user message to answer (assistant messages after "
-                        "it are dropped)")
+        raise RecordError("`messages` must end with a non-empty user message to answer (assistant messages after "
+                          "it are dropped)")
     return tuple({"role": m["role"], "content": m["content"]} for m in messages[:-1]), messages[-1]["content"]

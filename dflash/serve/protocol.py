@@ -16,6 +16,8 @@ from typing import Any, Callable, ClassVar, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
+from dflash.records import shown
+
 MAX_STOP_STRINGS = 16
 
 
@@ -179,9 +181,8 @@ class SamplingRequest(_Strict):
         return "max_tokens"
 
 
-def _show(value: Any, width: int = 60) -> str:
-    text = json.dumps(value.model_dump() if isinstance(value, BaseModel) else value)
-    return text if len(text) <= width else text[: width - 3] + "..."
+def _show(value: Any) -> str:
+    return shown(value.model_dump() if isinstance(value, BaseModel) else value)
 
 
 def _no_tool_choice(choice: Any) -> bool:

@@ -8,7 +8,6 @@ the exact tokens the target produced; those are used as they are.
 from __future__ import annotations
 
 import hashlib
-import json
 import random
 import struct
 from array import array
@@ -18,6 +17,7 @@ from pathlib import Path
 import torch
 
 from dflash.errors import UserError
+from dflash.records import RecordError, messages_field, read_jsonl, shown, text_field, texts_field
 
 
 @dataclass
@@ -29,89 +29,20 @@ class Example:
         return len(self.input_ids)
 
 
-def read_jsonl(path: str | Path, limit: int | None = None) -> list[tuple[int, dict]]:
-    """(line number, record) of every non-blank line, each a JSON object; `limit`: stop after that many."""
-    path = Path(path)
-    if not path.exists():
-        raise UserError(f"data file {path} does not exist; create it with `dflash datagen` or pass another --data")
-    if path.is_dir():
-        raise UserError(f"{path} is a directory; give a JSONL file")
-    records: list[tuple[int, dict]] = []
-    with path.open("rb") as f:
-        for n, raw in enumerate(f, 1):
-            if limit is not None and len(records) >= limit:
-                break
-            record = _json_line(raw, path, n)
-            if record is not None:
-                records.append((n, record))
-    if not records:
-        raise UserError(f"{path} has no records")
-    return records
-
-
-def _json_line(raw: bytes, path: Path, n: int) -> dict | None:
-    """One JSONL line as an object (None when blank); a line that is not one is an error naming it."""
-    try:
-        line = raw.decode("utf-8-sig" if n == 1 else "utf-8")
-    except UnicodeDecodeError:
-        raise UserError(f"{path}:{n} is not UTF-8 text; save the file as UTF-8") from None
-    if not line.strip():
-        return None
-    try:
-        record = json.loads(line)
-    except json.JSONDecodeError as err:
-        raise UserError(f"{path}:{n} is not valid JSON ({err.msg}); fix or remove that line") from None
-    if not isinstance(record, dict):
-        raise UserError(f"{path}:{n} is {_show(record, 40)}, not a JSON object; each line must be one object "
-                        'such as {"prompt": ...}')
-    return record
-
-
-def _show(value, width: int) -> str:
-    """A value as a message quotes it: JSON, cut to `width` characters."""
-    return json.dumps(value, default=str)[:width]
-
-
 def record_messages(record: dict) -> list[dict]:
     """The conversation of a record, response last."""
     if "messages" in record:
-        return check_messages(record["messages"])
+        return messages_field(record)
     if "response" not in record:
         raise UserError("a training record needs `messages` (ending with the assistant turn) or a `response`")
     response = text_field(record, "response")
     if "prompt" in record:
         user = [{"role": "user", "content": text_field(record, "prompt")}]
     elif "turns" in record:
-        user = [{"role": "user", "content": t} for t in check_turns(record["turns"])[:1]]
+        user = [{"role": "user", "content": t} for t in texts_field(record, "turns")[:1]]
     else:
         raise UserError("a training record needs `messages`, `prompt` or `turns`")
     return user + [{"role": "assistant", "content": response}]
-
-
-def text_field(record: dict, name: str) -> str:
-    value = record[name]
-    if not isinstance(value, str) or not value.strip():
-        raise UserError(f"`{name}` must be a non-empty string, got {_show(value, 40)}")
-    return value
-
-
-def check_turns(turns) -> list[str]:
-    if isinstance(turns, str):
-        raise UserError('`turns` must be a list of strings (one per user turn), e.g. ["first", "second"]; for one '
-                        "turn use `prompt`")
-    if not isinstance(turns, list) or not turns or not all(isinstance(t, str) and t.strip() for t in turns):
-        raise UserError(f"`turns` must be a non-empty list of non-empty strings, got {_show(turns, 60)}")
-    return turns
-
-
-def check_messages(messages) -> list[dict]:
-    if not isinstance(messages, list) or not messages:
-        raise UserError('`messages` must be a non-empty list of {"role": ..., "content": ...} objects, got '
-                        f"{_show(messages, 60)}")
-    for m in messages:
-        if not isinstance(m, dict) or not isinstance(m.get("role"), str) or not isinstance(m.get("content"), str):
-            raise UserError(f'each message needs a string "role" and "content", got {_show(m, 60)}')
-    return messages
 
 
 def tokenize_record(record: dict, tokenizer, max_length: int, vocab_size: int | None = None) -> Example | None:
@@ -130,7 +61,7 @@ def tokenize_record(record: dict, tokenizer, max_length: int, vocab_size: int | 
 def token_ids(record: dict, name: str, vocab_size: int | None) -> list[int]:
     ids = record[name]
     if not isinstance(ids, list) or not all(isinstance(t, int) and not isinstance(t, bool) for t in ids):
-        raise UserError(f"`{name}` must be a list of token ids (integers), got {_show(ids, 40)}")
+        raise RecordError(f"`{name}` must be a list of token ids (integers), got {shown(ids)}")
     bad = [t for t in ids if t < 0 or (vocab_size is not None and t >= vocab_size)]
     if bad:
         raise UserError(f"`{name}` holds ids outside the target's vocabulary of {vocab_size or '?'} (e.g. "
@@ -164,7 +95,8 @@ def _ids(encoded) -> list[int]:
 def load_examples(path: str | Path, tokenizer, max_length: int, vocab_size: int | None = None) -> list[Example]:
     """Every record of a JSONL file as an example; a bad record is an error naming its line."""
     examples = []
-    for n, record in read_jsonl(path):
+    rows = read_jsonl(path, missing="create it with `dflash datagen` or pass another --data")
+    for n, record in rows:
         try:
             examples.append(tokenize_record(record, tokenizer, max_length, vocab_size))
         except UserError as err:

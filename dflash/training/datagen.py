@@ -22,7 +22,7 @@ from pathlib import Path
 from typing import Iterator
 
 from dflash.errors import UserError
-from dflash.training.data import check_messages, check_turns, read_jsonl, text_field
+from dflash.records import messages_field, read_jsonl, text_field, texts_field
 
 PROMPT_FIELDS = ("prompt", "question", "instruction", "text")  # looked for in this order without --prompt-field
 RECORD_START = b'{"id": '  # how every output line starts: a half-written last line is recognised by it
@@ -109,9 +109,9 @@ def prompt_messages(record: dict, prompt_field: str | None = None) -> list[list[
     messages go with the user message after them; the record's own assistant messages are dropped (the target
     writes every answer itself)."""
     if "messages" in record:
-        return _message_turns(check_messages(record["messages"]))
+        return _message_turns(messages_field(record))
     if "turns" in record:
-        return [[{"role": "user", "content": t}] for t in check_turns(record["turns"])]
+        return [[{"role": "user", "content": t}] for t in texts_field(record, "turns")]
     for name in [prompt_field] if prompt_field else PROMPT_FIELDS:
         if name in record:
             return [[{"role": "user", "content": text_field(record, name)}]]
@@ -157,7 +157,9 @@ def read_prompts(config: DatagenConfig) -> list[Prompt]:
 def _read_rows(config: DatagenConfig) -> list[tuple[str, dict]]:
     path = Path(config.prompts).expanduser()
     if path.is_file():
-        return [(f"{path}:{n}", record) for n, record in read_jsonl(path, config.limit)]
+        rows = read_jsonl(path, missing="give a JSONL file, a dataset directory or a Hugging Face dataset name",
+                          limit=config.limit)
+        return [(f"{path}:{n}", record) for n, record in rows]
     if path.is_dir() or is_hub_id(config.prompts):
         source = str(path) if path.is_dir() else config.prompts
         rows = _load_dataset(config, source)[: config.limit]

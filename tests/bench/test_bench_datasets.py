@@ -133,16 +133,16 @@ def test_bad_files_are_user_errors(tmp_path):
 
 
 @pytest.mark.parametrize("name, line, message", [
-    ("gsm8k", {"turns": "hello"}, "'turns' must be a list of non-empty strings, got str 'hello'"),
-    ("mt-bench", {"question_id": 1, "turns": "Tell me a joke"}, "'turns' must be a list of non-empty strings"),
-    ("gsm8k", {"turns": ["first", 2]}, "'turns' must be a list of non-empty strings"),
-    ("gsm8k", {"question": 5}, "'question' must be a non-empty string, got int 5"),
-    ("math500", {"problem": ["x"]}, "'problem' must be a non-empty string, got list"),
-    ("humaneval", {"prompt": None, "entry_point": "f"}, "'prompt' must be a non-empty string, got null"),
-    ("mbpp", {"test_list": 5}, "'test_list' must be a list of non-empty strings, got int 5"),
+    ("gsm8k", {"turns": "hello"}, '`turns` must be a list of strings, e.g. ["first", "second"], not one string'),
+    ("mt-bench", {"question_id": 1, "turns": "Tell me a joke"}, "`turns` must be a list of strings"),
+    ("gsm8k", {"turns": ["first", 2]}, "`turns` must be a non-empty list of non-empty strings, got [\"first\", 2]"),
+    ("gsm8k", {"question": 5}, "`question` must be a non-empty string, got 5"),
+    ("math500", {"problem": ["x"]}, '`problem` must be a non-empty string, got ["x"]'),
+    ("humaneval", {"prompt": None, "entry_point": "f"}, "`prompt` must be a non-empty string, got null"),
+    ("mbpp", {"test_list": 5}, "`test_list` must be a list of non-empty strings, got 5"),
     ("mbpp", {"test_list": ["assert f()"]}, "an mbpp record needs the task in 'prompt'"),
-    ("gsm8k", {"prompt": 7}, "'prompt' must be a non-empty string, got int 7"),
-    ("gsm8k", {"messages": [{"role": "user", "content": None}]}, "'messages'[0]['content'] must be a string"),
+    ("gsm8k", {"prompt": 7}, "`prompt` must be a non-empty string, got 7"),
+    ("gsm8k", {"messages": [{"role": "user", "content": None}]}, '`messages`[0] needs a string "role" and a string'),
     ("gsm8k", {"messages": [{"role": "assistant", "content": "a"}]}, "must end with a non-empty user message"),
 ])
 def test_bad_fields_name_the_file_line_and_field(tmp_path, name, line, message):

@@ -90,10 +90,10 @@ def test_system_message_goes_with_the_first_user_turn_and_every_user_turn_is_ans
 @pytest.mark.parametrize("line, message", [
     ("5", "is 5, not a JSON object"),
     ('{"messages": "hello"}', "`messages` must be a non-empty list"),
-    ('{"messages": [{"role": "user"}]}', 'each message needs a string "role" and "content"'),
+    ('{"messages": [{"role": "user"}]}', '`messages`[0] needs a string "role" and a string "content"'),
     ('{"messages": [{"role": "system", "content": "x"}]}', "has no user message to answer"),
     ('{"turns": []}', "`turns` must be a non-empty list of non-empty strings"),
-    ('{"turns": "a string"}', "`turns` must be a list of strings (one per user turn)"),
+    ('{"turns": "a string"}', "`turns` must be a list of strings, e.g."),
     ('{"prompt": "ok", "turns": 3}', "`turns` must be a non-empty list"),
     ('{"prompt": 5}', "`prompt` must be a non-empty string"),
     ('{"answer": "42"}', "cannot find a prompt"),

@@ -1,0 +1,106 @@
+"""JSONL files of records, and the checks of their fields, shared by `dflash bench`, `datagen` and `train`.
+
+Every problem is a `UserError`. One with the file is named by its line ("data.jsonl:12 is not valid JSON");
+one with a field (`RecordError`) says what the field must be, and the caller, who knows where the record came
+from, puts that in front ("data.jsonl:12: `turns` must be a list of ...").
+"""
+
+from __future__ import annotations
+
+import gzip
+import json
+import zlib
+from pathlib import Path
+
+from dflash.errors import UserError
+
+
+class RecordError(UserError):
+    """What is wrong with one record's fields; the caller adds where the record is."""
+
+
+def read_jsonl(path: str | Path, missing: str, limit: int | None = None) -> list[tuple[int, dict]]:
+    """(line number, record) of every non-blank line of a JSONL file (gzipped when named *.gz), each a JSON
+    object; `limit`: stop after that many. `missing` tells a user whose file does not exist what to pass."""
+    path = Path(path)
+    if not path.exists():
+        raise UserError(f"{path} does not exist; {missing}")
+    if path.is_dir():
+        raise UserError(f"{path} is a directory; give a JSONL file (one JSON object per line)")
+    opener = gzip.open if path.suffix == ".gz" else open
+    records: list[tuple[int, dict]] = []
+    try:
+        with opener(path, "rb") as f:
+            for number, raw in enumerate(f, 1):
+                if limit is not None and len(records) >= limit:
+                    break
+                record = _json_line(raw, path, number)
+                if record is not None:
+                    records.append((number, record))
+    except (gzip.BadGzipFile, EOFError, zlib.error) as err:
+        raise UserError(f"{path} is not a readable gzip file ({err}); name an uncompressed file *.jsonl, "
+                        "or compress it with gzip") from None
+    except OSError as err:
+        raise UserError(f"cannot read {path}: {err.strerror or err}") from None
+    if not records:
+        raise UserError(f"{path} has no records; give a file with one JSON object per line")
+    return records
+
+
+def _json_line(raw: bytes, path: Path, number: int) -> dict | None:
+    """One line as an object (None when blank); a line that is not one is an error naming it."""
+    try:
+        line = raw.decode("utf-8-sig" if number == 1 else "utf-8")
+    except UnicodeDecodeError as err:
+        raise UserError(f"{path}:{number} is not UTF-8 text (byte {raw[err.start]:#04x} at column "
+                        f"{err.start + 1}); save the file as UTF-8") from None
+    if not line.strip():
+        return None
+    try:
+        record = json.loads(line)
+    except json.JSONDecodeError as err:
+        raise UserError(f"{path}:{number} is not valid JSON ({err.msg}); the file must be JSONL, one JSON object "
+                        "per line") from None
+    if not isinstance(record, dict):
+        raise UserError(f"{path}:{number} is {shown(record)}, not a JSON object; each line must be one object "
+                        'such as {"prompt": ...}')
+    return record
+
+
+def shown(value, width: int = 60) -> str:
+    """A value as a message quotes it: JSON, cut to `width` characters."""
+    text = json.dumps(value, default=str)
+    return text if len(text) <= width else text[: width - 3] + "..."
+
+
+def text_field(record: dict, name: str) -> str:
+    value = record.get(name)
+    if not isinstance(value, str) or not value.strip():
+        raise RecordError(f"`{name}` must be a non-empty string, got {shown(value)}")
+    return value
+
+
+def texts_field(record: dict, name: str, allow_empty: bool = False) -> list[str]:
+    """A list of non-empty strings; a bare string is an error here, never split into characters."""
+    value = record.get(name)
+    if isinstance(value, str):
+        raise RecordError(f'`{name}` must be a list of strings, e.g. ["first", "second"], not one string; got '
+                          f"{shown(value)}")
+    if (not isinstance(value, list) or not (value or allow_empty)
+            or not all(isinstance(t, str) and t.strip() for t in value)):
+        raise RecordError(f"`{name}` must be a {'' if allow_empty else 'non-empty '}list of non-empty strings, "
+                          f"got {shown(value)}")
+    return value
+
+
+def messages_field(record: dict, name: str = "messages") -> list[dict]:
+    """A non-empty chat list of {"role": str, "content": str} objects."""
+    value = record.get(name)
+    if not isinstance(value, list) or not value:
+        raise RecordError(f'`{name}` must be a non-empty list of {{"role": ..., "content": ...}} objects, got '
+                          f"{shown(value)}")
+    for i, m in enumerate(value):
+        if not isinstance(m, dict) or not isinstance(m.get("role"), str) or not isinstance(m.get("content"), str):
+            raise RecordError(f'`{name}`[{i}] needs a string "role" and a string "content" (join the text of '
+                              f"content parts), got {shown(m)}")
+    return value
