@@ -73,28 +73,23 @@ class LocalBackend:
         """The (largest) block size a run uses; raises a UserError if the drafter cannot use `requested`."""
         return self.pipe.engine.proposer_for(GenerationConfig(block_size=requested)).block_size
 
-    def prompt_room(self, config: LocalConfig) -> int | None:
-        """The most prompt tokens that fit the target's context with max_new_tokens and one block to spare
-        (the engine's own limit); None when the target states no context length."""
-        limit = self.context_length()
-        return limit - config.max_new_tokens - self.block_size(config.block_size) if limit else None
-
-    def context_length(self) -> int | None:
-        return getattr(self.pipe.target.config, "max_position_embeddings", None)
+    def fits(self, prompt_len: int, config: LocalConfig) -> bool:
+        """Whether a prompt this long leaves max_new_tokens of room (`SpeculativeEngine.room`: the drafting
+        engine's, which keeps a block more than plain decoding needs)."""
+        room = self.pipe.engine.room(prompt_len)
+        return room is None or config.max_new_tokens <= room
 
     def check_context(self, data: dict[str, list[Sample]], config: LocalConfig) -> None:
         """Before any decoding: every first turn must fit, or the run would stop on it after hours of work."""
-        room = self.prompt_room(config)
-        if room is None:
-            return
         too_long = [(f"{name} sample {s.id}", n) for name, samples in data.items() for s in samples
-                    if (n := len(self.encode(first_turn(s)))) > room]
+                    if not self.fits(n := len(self.encode(first_turn(s))), config)]
         if too_long:
             raise UserError(self._too_long_message(too_long, config))
 
     def _too_long_message(self, too_long: list[tuple[str, int]], config: LocalConfig) -> str:
-        limit, block = self.context_length(), self.block_size(config.block_size)
-        most_new_tokens = limit - max(n for _, n in too_long) - block
+        engine = self.pipe.engine
+        limit, block = engine.context_length, engine.proposer.block_size
+        most_new_tokens = engine.room(max(n for _, n in too_long))
         fix = (f"lower --max-new-tokens to {most_new_tokens} or less, or leave them out of the data (--data-file)"
                if most_new_tokens >= 1 else "leave them out of the data (--data-file)")
         shown = ", ".join(f"{key} ({n} tokens)" for key, n in too_long[:10])
@@ -128,12 +123,11 @@ class LocalBackend:
     def run_sample(self, sample: Sample, config: LocalConfig, seed: int,
                    on_turn: Callable[[], None] | None = None) -> Conversation:
         messages = list(sample.history)
-        room = self.prompt_room(config)
         conversation = Conversation([])
         for turn, text in enumerate(sample.turns):
             messages.append({"role": "user", "content": text})
             ids = self.encode(messages)
-            if room is not None and len(ids) > room:  # the answers so far left no room for this turn
+            if not self.fits(len(ids), config):  # the answers so far left no room for this turn
                 conversation.skipped_turns = [f"{sample.id}#{t}" for t in range(turn, len(sample.turns))]
                 break
             base_cfg = self.generation_config(config, config.max_new_tokens, baseline=True, seed=seed + turn)

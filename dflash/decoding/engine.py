@@ -208,6 +208,18 @@ class SpeculativeEngine:
         self._block_policy = None  # BlockSizePolicy for block_size "auto", timed on first use
 
     # ---- requests ---------------------------------------------------------------------------------------
+    @property
+    def context_length(self) -> int | None:
+        """The target's context (max_position_embeddings); None when its config states none."""
+        return getattr(self.target.config, "max_position_embeddings", None)
+
+    def room(self, prompt_len: int) -> int | None:
+        """The most new tokens a prompt of `prompt_len` tokens may ask for: every position a decode step writes
+        (the anchor and the proposer's draft tokens, a block past the last token) stays within the target's
+        context. None when the target states no context."""
+        limit = self.context_length
+        return limit - prompt_len - self.proposer.block_size if limit else None
+
     def new_sequence(self, prompt_ids: list[int], config: GenerationConfig) -> Sequence:
         if not prompt_ids:
             raise GenerationError("the prompt is empty; give at least one token")
@@ -215,12 +227,11 @@ class SpeculativeEngine:
         if bad:
             raise GenerationError(f"prompt token ids {bad[:5]} are outside the vocabulary "
                                   f"(0..{self.target.vocab_size - 1})")
-        limit = getattr(self.target.config, "max_position_embeddings", None)
-        needed = len(prompt_ids) + config.max_new_tokens + self.proposer.block_size
-        if limit and needed > limit:
+        room = self.room(len(prompt_ids))
+        if room is not None and config.max_new_tokens > room:
             raise GenerationError(
                 f"prompt ({len(prompt_ids)} tokens) + max_new_tokens ({config.max_new_tokens}) exceeds the target's "
-                f"context of {limit} tokens; shorten the prompt or lower max_new_tokens"
+                f"context of {self.context_length} tokens; shorten the prompt or lower max_new_tokens"
             )
         stop_ids = config.stop_token_ids if config.stop_token_ids is not None else self.target.eos_token_ids()
         stop = StopChecker(stop_ids, config.stop_strings, config.max_new_tokens, self.tokenizer)

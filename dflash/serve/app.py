@@ -72,9 +72,9 @@ class Server:
         self.pipe = pipe
         self.config = config
         self.engine = pipe.engine
-        target_context = getattr(pipe.target.config, "max_position_embeddings", None)
+        target_context = self.engine.context_length
         self.context = ContextLimit(check_max_model_len(config.max_model_len, target_context), target_context,
-                                    self.engine.proposer.block_size)
+                                    self.engine.room(0))
         self.max_model_len = self.context.usable  # the most prompt + max_tokens may add up to
         if self.context.usable < self.context.configured:
             log.info("prompt + max_tokens may add up to %s", self.context.describe())

@@ -31,19 +31,20 @@ def check_max_model_len(max_model_len: int | None, target_context: int | None) -
 class ContextLimit:
     configured: int  # --max-model-len, or the target's context
     target_context: int | None  # the target's max_position_embeddings
-    block_size: int  # positions a verify step writes from a row's last token on (1 without a drafter)
+    engine_room: int | None  # the most prompt + new tokens the engine decodes (`SpeculativeEngine.room(0)`)
 
     @property
     def usable(self) -> int:
         """The most tokens prompt + max_tokens may add up to."""
-        if self.target_context is None:
+        if self.engine_room is None:
             return self.configured
-        return max(min(self.configured, self.target_context - self.block_size), 0)
+        return max(min(self.configured, self.engine_room), 0)
 
     def describe(self) -> str:
-        """'the context of N tokens', saying why when a verify step's room makes it less than configured."""
+        """'the context of N tokens', saying why when a decode step's room makes it less than configured."""
         if self.usable == self.configured:
             return f"the context of {self.usable} tokens"
-        positions = f"{self.block_size} position{'s' if self.block_size != 1 else ''}"
+        kept = self.target_context - self.engine_room
+        positions = f"{kept} position{'s' if kept != 1 else ''}"
         return (f"the usable context of {self.usable} tokens (the target's {self.target_context}, less the "
                 f"{positions} a decode step writes past a sequence's last token)")

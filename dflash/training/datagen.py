@@ -327,8 +327,7 @@ class _Generator:
 
     def __init__(self, pipe, config: DatagenConfig):
         self.pipe, self.config = pipe, config
-        self.context = getattr(pipe.target.config, "max_position_embeddings", None)
-        self.reserved = pipe.engine.proposer.block_size  # positions a step needs beyond the answer
+        self.context = pipe.engine.context_length
         self.raw = pipe.tokenizer is not None and not getattr(pipe.tokenizer, "chat_template", None)
         if self.raw:
             _warn("the target's tokenizer has no chat template: prompts are sent as plain text, as `dflash "
@@ -341,9 +340,8 @@ class _Generator:
 
     def room(self, prompt_ids: list[int]) -> int:
         """How many tokens an answer to this prompt can have: --max-new-tokens, or less at the context's end."""
-        if not self.context:
-            return self.config.max_new_tokens
-        return min(self.config.max_new_tokens, self.context - len(prompt_ids) - self.reserved)
+        room = self.pipe.engine.room(len(prompt_ids))
+        return self.config.max_new_tokens if room is None else min(self.config.max_new_tokens, room)
 
     def first_turns(self, prompts: list[Prompt], result: DatagenResult) -> dict[int, list[int]]:
         """The first turn's tokens of every prompt that leaves room for an answer; the others are skipped (named

@@ -72,12 +72,12 @@ def test_the_usable_context_says_why_it_is_less_than_the_targets(server):
 
 
 def test_context_limit_rule():
-    assert ContextLimit(64, 1024, 16).usable == 64
-    assert ContextLimit(1024, 1024, 16).usable == 1008
-    assert ContextLimit(1020, 1024, 16).usable == 1008
-    assert ContextLimit(1020, None, 16).usable == 1020
-    assert ContextLimit(1024, 1024, 1).describe().endswith("less the 1 position a decode step writes past a "
-                                                         "sequence's last token)")
+    assert ContextLimit(64, 1024, 1008).usable == 64  # the engine's room: the context less a block of 16
+    assert ContextLimit(1024, 1024, 1008).usable == 1008
+    assert ContextLimit(1020, 1024, 1008).usable == 1008
+    assert ContextLimit(1020, None, None).usable == 1020
+    assert ContextLimit(1024, 1024, 1023).describe().endswith("less the 1 position a decode step writes past a "
+                                                            "sequence's last token)")
     assert check_max_model_len(None, 1024) == 1024
     with pytest.raises(UserError, match="exceeds the target's context of 1024"):
         check_max_model_len(2048, 1024)
