@@ -104,3 +104,15 @@ def messages_field(record: dict, name: str = "messages") -> list[dict]:
             raise RecordError(f'`{name}`[{i}] needs a string "role" and a string "content" (join the text of '
                               f"content parts), got {shown(m)}")
     return value
+
+
+def read_json_object(path: Path, what: str, fix: str) -> dict:
+    """A JSON file holding one object (a manifest, a settings file); anything else is an error saying it is not
+    `what`, and `fix`."""
+    try:
+        value = json.loads(Path(path).read_text())
+    except (UnicodeDecodeError, json.JSONDecodeError):
+        value = None
+    if not isinstance(value, dict):
+        raise UserError(f"{path} is not {what}; {fix}")
+    return value

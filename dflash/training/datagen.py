@@ -22,7 +22,7 @@ from pathlib import Path
 from typing import Iterator
 
 from dflash.errors import UserError
-from dflash.records import messages_field, read_jsonl, text_field, texts_field
+from dflash.records import messages_field, read_json_object, read_jsonl, text_field, texts_field
 
 PROMPT_FIELDS = ("prompt", "question", "instruction", "text")  # looked for in this order without --prompt-field
 RECORD_START = b'{"id": '  # how every output line starts: a half-written last line is recognised by it
@@ -242,7 +242,8 @@ def check_rerun(config: DatagenConfig, prompts: list[Prompt], done: dict[int, st
     _check_prompts(output, prompts, done, limited=config.limit is not None)
     path, settings = settings_path(output), config.settings()
     if done and path.exists():
-        saved = _read_settings(path)
+        saved = read_json_object(path, "a dflash datagen settings file", "delete it (the output's settings are "
+                                 "then not checked) or pass another --output")
         changed = [f"{k} {saved.get(k)!r}, now {v!r}" for k, v in settings.items() if saved.get(k) != v]
         if changed:
             raise UserError(f"{output} was generated with other settings ({'; '.join(changed)}); rerun with the "
@@ -268,17 +269,6 @@ def _check_prompts(output: Path, prompts: list[Prompt], done: dict[int, str | No
             raise UserError(f"{output} holds an answer (id {i}) to another prompt than {prompt.where}: the prompts "
                             "changed since it was written (another file, order or --prompt-field); rerun with the "
                             "prompts it was made from, or pass another --output")
-
-
-def _read_settings(path: Path) -> dict:
-    try:
-        saved = json.loads(path.read_text())
-    except (UnicodeDecodeError, json.JSONDecodeError):
-        saved = None
-    if not isinstance(saved, dict):
-        raise UserError(f"{path} is not a dflash datagen settings file; delete it (the output's settings are then "
-                        "not checked) or pass another --output")
-    return saved
 
 
 # ---- generation ----------------------------------------------------------------------------------------------

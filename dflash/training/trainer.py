@@ -28,6 +28,7 @@ from dflash.model.config import DrafterConfig
 from dflash.model.drafter import DFlashDraftModel
 from dflash.model.loading import load_drafter, resolve_model_dir, save_drafter
 from dflash.model.target import TargetModel, check_compatible
+from dflash.records import read_json_object
 from dflash.training.config import TrainConfig
 from dflash.training.data import Batch, collate, epoch_batches, fingerprint, load_examples, split_examples
 from dflash.training.drafter_setup import (
@@ -291,7 +292,8 @@ class Trainer:
         directory = Path(c.feature_cache)
         manifest, path = self._feature_manifest(), directory / "manifest.json"
         if path.exists():
-            changed = _manifest_changes(_read_json(path, "a feature cache manifest"), manifest)
+            saved = read_json_object(path, "a feature cache manifest", "delete it or pass another directory")
+            changed = _manifest_changes(saved, manifest)
             if changed:
                 raise UserError(f"--feature-cache {directory} holds the features of another setup "
                                 f"({'; '.join(changed)}); pass another directory, or delete this one to compute "
@@ -693,13 +695,3 @@ def _manifest_changes(saved: dict, now: dict) -> list[str]:
             "examples": lambda: "the examples differ (another --data, --extra-train-data, --max-length, "
                                 "--eval-fraction or --seed, or the files changed)"}
     return [describe() for key, describe in what.items() if saved.get(key) != now[key]]
-
-
-def _read_json(path: Path, what: str) -> dict:
-    try:
-        value = json.loads(path.read_text())
-    except (UnicodeDecodeError, json.JSONDecodeError):
-        value = None
-    if not isinstance(value, dict):
-        raise UserError(f"{path} is not {what}; delete it or pass another directory")
-    return value
