@@ -23,6 +23,7 @@ from dflash.bench.metrics import (
     acceptance_histogram,
     acceptance_rate_per_position,
     mean_acceptance_length,
+    mean_ms,
     ratio,
 )
 from dflash.decoding.engine import AUTO, GenerationConfig, GenerationOutput, SpeculativeEngine
@@ -180,10 +181,10 @@ def summarize(dataset: str, num_prompts: int, records: list[TurnRecord], config:
         mismatches=len(mismatched), mismatched_prompts=mismatched,
         baseline_output_tokens=sum(o.stats.num_output_tokens for o in base),
         dflash_output_tokens=sum(o.stats.num_output_tokens for o in fast),
-        baseline_ttft_ms=_mean_ms([o.stats.time_to_first_token_s for o in base]),
-        dflash_ttft_ms=_mean_ms([o.stats.time_to_first_token_s for o in fast]),
-        baseline_tpot_ms=_mean_ms([_tpot(o) for o in base if o.stats.num_output_tokens > 1]),
-        dflash_tpot_ms=_mean_ms([_tpot(o) for o in fast if o.stats.num_output_tokens > 1]),
+        baseline_ttft_ms=mean_ms([o.stats.time_to_first_token_s for o in base]),
+        dflash_ttft_ms=mean_ms([o.stats.time_to_first_token_s for o in fast]),
+        baseline_tpot_ms=mean_ms([_tpot(o) for o in base if o.stats.num_output_tokens > 1]),
+        dflash_tpot_ms=mean_ms([_tpot(o) for o in fast if o.stats.num_output_tokens > 1]),
     )
 
 
@@ -196,7 +197,3 @@ def tokens_per_s(outputs: list[GenerationOutput]) -> float | None:
 
 def _tpot(output: GenerationOutput) -> float:
     return output.stats.decode_time_s / (output.stats.num_output_tokens - 1)
-
-
-def _mean_ms(values: list[float]) -> float | None:
-    return 1000.0 * sum(values) / len(values) if values else None

@@ -105,6 +105,12 @@ def percentiles(values: list[float], qs: tuple[int, ...] = (50, 90, 99)) -> dict
     return out
 
 
+def mean_ms(seconds: list[float | None]) -> float | None:
+    """The mean of the known values, in milliseconds (None: none known)."""
+    known = [v for v in seconds if v is not None]
+    return 1000.0 * sum(known) / len(known) if known else None
+
+
 def ratio(numerator: float | None, denominator: float | None) -> float | None:
     if numerator is None or not denominator:
         return None

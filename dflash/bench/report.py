@@ -43,6 +43,11 @@ COLUMNS: list[Column] = [
     Column("tau", lambda r: r.mean_acceptance_length, "{:.2f}", key=True),
     Column("mismatch", lambda r: r.mismatches, key=True),
 ]
+TIMING_COLUMNS: list[Column] = [  # when measured: local decoding, or streamed server requests
+    Column("TTFT ms", lambda r: r.dflash_ttft_ms, "{:.1f}"),
+    Column("base TPOT ms", lambda r: r.baseline_tpot_ms, "{:.2f}"),
+    Column("TPOT ms", lambda r: r.dflash_tpot_ms, "{:.2f}"),
+]
 COST_COLUMNS: list[Column] = [
     Column("base $/1M", lambda r: r.baseline_cost_per_1m_tokens_usd, "{:.2f}"),
     Column("DFlash $/1M", lambda r: r.dflash_cost_per_1m_tokens_usd, "{:.2f}"),
@@ -55,7 +60,8 @@ SERVER_COLUMNS: list[Column] = [
 ]
 ROUNDS_COLUMNS: list[Column] = [Column("speedup range", lambda r: _spread(r.speedup_per_round))]
 # a narrow terminal drops these first (results.md keeps every column)
-DROP_ORDER = ("DFlash $/1M", "base $/1M", "speedup range", "p99 ms", "p50 ms", "mean B", "prompts", "base tok/s",
+DROP_ORDER = ("DFlash $/1M", "base $/1M", "base TPOT ms", "TPOT ms", "TTFT ms", "speedup range",
+              "p99 ms", "p50 ms", "mean B", "prompts", "base tok/s",
               "DFlash tok/s")
 
 
@@ -69,6 +75,8 @@ def columns_for(results: list[BenchResult]) -> list[Column]:
     if any(r.backend == "server" for r in results):
         columns.insert(2, CONCURRENCY)
         columns += SERVER_COLUMNS
+    if any(r.dflash_ttft_ms is not None for r in results):
+        columns += TIMING_COLUMNS
     if any(r.speedup_per_round for r in results):
         columns += ROUNDS_COLUMNS
     if any(r.dflash_cost_per_1m_tokens_usd is not None for r in results):
@@ -193,7 +201,8 @@ def markdown(results: list[BenchResult], setup: dict) -> str:
     lines += ["| " + " | ".join(cell(c.get(r), c.fmt) for c in columns) + " |" for r in results]
     lines += ["", "tok/s: output tokens per second of generation time; speedup: DFlash tok/s / baseline tok/s "
               "(with rounds, the median of the rounds' speedups; speedup range: their min-max); "
-              "tau: mean acceptance length (tokens per verify step); mismatches: outputs (greedy, or sampled "
+              "tau: mean acceptance length (tokens per verify step); TTFT: mean time to the first token (DFlash); "
+              "TPOT: mean time per output token after the first; mismatches: outputs (greedy, or sampled "
               "with the same seed) that differ "
               "from plain decoding (must be 0).", ""]
     notes = warnings(results)

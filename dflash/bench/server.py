@@ -19,6 +19,8 @@ median of the rounds' speedups (one stalled round does not move it), and `speedu
 from __future__ import annotations
 
 import asyncio
+import dataclasses
+import json
 import math
 import re
 import statistics
@@ -34,6 +36,7 @@ from dflash.bench.metrics import (
     BenchResult,
     acceptance_rate_per_position,
     histogram_from_counters,
+    mean_ms,
     percentiles,
     ratio,
 )
@@ -63,6 +66,8 @@ class ServerConfig:
     baseline_url: str | None = None
     rounds: int = 1  # passes over each level (servers alternating who goes first); speedup = their median
     chat_template_kwargs: dict | None = None  # sent with chat requests (vLLM, SGLang and dflash serve read it)
+    stream: bool = True  # server-sent events: time to first token and per output token, as vLLM's bench reads them
+    warmup_tokens: int = 16  # one untimed request of this many tokens to each server first (0: none)
 
     def __post_init__(self) -> None:
         self.base_url = api_base_url(self.base_url, "--base-url")
@@ -80,6 +85,14 @@ class RequestRecord:
     output_tokens: int
     text: str
     error: str | None = None
+    ttft_s: float | None = None  # streamed requests: until the first chunk holding text
+
+    @property
+    def tpot_s(self) -> float | None:
+        """Time per output token after the first (streamed requests with 2+ tokens)."""
+        if self.ttft_s is None or self.output_tokens < 2:
+            return None
+        return (self.latency_s - self.ttft_s) / (self.output_tokens - 1)
 
 
 @dataclass
@@ -228,11 +241,12 @@ class Client:
         url, body = self.payload(messages, seed)
         start = time.perf_counter()
         try:
+            if self.config.stream:
+                return await self._streamed(http, url, body, sample_id, turn, start)
             response = await http.post(url, json=body, headers=self.headers, timeout=self.config.timeout_s)
             latency = time.perf_counter() - start
             if response.status_code != 200:
-                error = f"HTTP {response.status_code}: {response.text[:200]}"
-                return RequestRecord(sample_id, turn, latency, 0, "", error)
+                return RequestRecord(sample_id, turn, latency, 0, "", _http_error(response.status_code, response.text))
             data = response.json()
         except httpx.ConnectError:  # it answered before the run (ServerBackend checks): it went away since
             raise UserError(f"lost the connection to {url} ({self.flag}) during the run: did the server "
@@ -242,6 +256,31 @@ class Client:
         text = _choice_text(data, self.config.endpoint)
         tokens = int((data.get("usage") or {}).get("completion_tokens") or 0)
         return RequestRecord(sample_id, turn, latency, tokens, text)
+
+    async def _streamed(self, http: httpx.AsyncClient, url: str, body: dict, sample_id: str, turn: int,
+                        start: float) -> RequestRecord:
+        """One request as server-sent events; the token count comes from the usage chunk the stream ends with."""
+        body = {**body, "stream": True, "stream_options": {"include_usage": True}}
+        pieces: list[str] = []
+        ttft = usage = None
+        async with http.stream("POST", url, json=body, headers=self.headers, timeout=self.config.timeout_s) as response:
+            if response.status_code != 200:
+                text = (await response.aread()).decode("utf-8", "replace")
+                return RequestRecord(sample_id, turn, time.perf_counter() - start, 0, "",
+                                     _http_error(response.status_code, text))
+            async for chunk in _sse_chunks(response):
+                if "error" in chunk:
+                    return RequestRecord(sample_id, turn, time.perf_counter() - start, 0, "".join(pieces),
+                                         f"error event in the stream: {str(chunk['error'])[:200]}")
+                piece = _chunk_text(chunk, self.config.endpoint)
+                if piece and ttft is None:
+                    ttft = time.perf_counter() - start
+                pieces.append(piece)
+                usage = chunk.get("usage") or usage
+        latency = time.perf_counter() - start
+        if not usage or "completion_tokens" not in usage:
+            return RequestRecord(sample_id, turn, latency, 0, "".join(pieces), NO_STREAM_USAGE)
+        return RequestRecord(sample_id, turn, latency, int(usage["completion_tokens"]), "".join(pieces), ttft_s=ttft)
 
     def payload(self, messages: list[dict], seed: int) -> tuple[str, dict]:
         body = {"model": self.model, "max_tokens": self.config.max_new_tokens,
@@ -262,6 +301,33 @@ def _choice_text(data: dict, endpoint: str) -> str:
     if endpoint == "chat":
         return (choice.get("message") or {}).get("content") or ""
     return choice.get("text") or ""
+
+
+def _chunk_text(chunk: dict, endpoint: str) -> str:
+    """The text a streamed chunk adds (the usage chunk at the end has no choices)."""
+    choice = (chunk.get("choices") or [{}])[0]
+    if endpoint == "chat":
+        return (choice.get("delta") or {}).get("content") or ""
+    return choice.get("text") or ""
+
+
+async def _sse_chunks(response: httpx.Response):
+    """The JSON objects of a server-sent event stream, up to `data: [DONE]`."""
+    async for line in response.aiter_lines():
+        if not line.startswith("data:"):
+            continue  # blank separators, comments and keep-alives
+        data = line[len("data:"):].strip()
+        if data == "[DONE]":
+            return
+        yield json.loads(data)  # a ValueError is the request's error, as for a broken non-streamed body
+
+
+def _http_error(status: int, text: str) -> str:
+    return f"HTTP {status}: {text[:200]}"
+
+
+NO_STREAM_USAGE = ("the stream carried no usage chunk, so its output tokens are unknown: the server does not honour "
+                   "stream_options.include_usage; run the benchmark with --no-stream")
 
 
 def _headers(config: ServerConfig) -> dict[str, str]:
@@ -353,6 +419,7 @@ class ServerBackend:
         self.baseline = Client(config.baseline_url, config, model, "--baseline-url") if config.baseline_url else None
         self.metrics_url = config.metrics_url or default_metrics_url(config.base_url)
         self.warnings: list[str] = []
+        self.warmed_up = config.warmup_tokens == 0
         problem = fetch_metrics(self.metrics_url)[1]
         if problem:
             self.warnings.append(f"{problem}: tau and the acceptance histogram will be missing"
@@ -369,6 +436,8 @@ class ServerBackend:
     def run_level(self, dataset: str, samples: list[Sample], concurrency: int,
                   on_request: Callable[[], None] | None = None) -> BenchResult:
         cfg = self.config
+        if not self.warmed_up:
+            self.warm_up(samples[0])
 
         def load_on(client: Client) -> LoadResult:
             return asyncio.run(run_load(client, samples, concurrency, self.num_prompts(samples), cfg.duration_s,
@@ -391,6 +460,26 @@ class ServerBackend:
         return result
 
 
+    def warm_up(self, sample: Sample) -> None:
+        """One short untimed request to each server before the first load, so that what a server does once
+        (allocating its caches, compiling kernels, timing its block sizes) is not billed to the first level."""
+        config = dataclasses.replace(self.config, max_new_tokens=self.config.warmup_tokens)
+        for client in (self.client, self.baseline):
+            if client is None:
+                continue
+            warm = Client(client.base_url, config, client.model, client.flag)
+            record = asyncio.run(_one_request(warm, sample))
+            if record.error is not None:
+                raise UserError(f"the warm-up request to {client.base_url} ({client.flag}) failed: {record.error}")
+        self.warmed_up = True
+
+
+async def _one_request(client: Client, sample: Sample) -> RequestRecord:
+    messages = list(sample.history) + [{"role": "user", "content": sample.turns[0]}]
+    async with httpx.AsyncClient(timeout=client.config.timeout_s) as http:
+        return await client.request(http, messages, f"{sample.id} (warm-up)", 0, client.config.seed)
+
+
 def _check_config(config: ServerConfig) -> None:
     if config.endpoint not in ("chat", "completions"):
         raise UserError(f"--endpoint must be 'chat' or 'completions', not {config.endpoint!r}")
@@ -404,6 +493,8 @@ def _check_config(config: ServerConfig) -> None:
         raise UserError(f"--num-prompts must be >= 1, got {config.num_prompts}")
     if not (math.isfinite(config.timeout_s) and config.timeout_s > 0):
         raise UserError(f"--request-timeout must be a finite number of seconds > 0, got {config.timeout_s}")
+    if config.warmup_tokens < 0:
+        raise UserError(f"--warmup-tokens must be >= 0 (0 = no warm-up), got {config.warmup_tokens}")
 
 
 def pooled(loads: list[LoadResult]) -> LoadResult:
@@ -426,11 +517,15 @@ def summarize_load(dataset: str, load: LoadResult, base: LoadResult | None, coun
         max_new_tokens=config.max_new_tokens, dflash_tokens_per_s=fast_tps, baseline_tokens_per_s=base_tps,
         speedup=ratio(fast_tps, base_tps), dflash_output_tokens=sum(r.output_tokens for r in ok),
         dflash_latency_ms=_latency_ms(load), requests_per_s=len(ok) / load.wall_s if load.wall_s > 0 else None,
+        dflash_ttft_ms=mean_ms([r.ttft_s for r in ok]), dflash_tpot_ms=mean_ms([r.tpot_s for r in ok]),
         errors=len(failed), first_error=failed[0].error if failed else None,
     )
     if base is not None:
-        result.baseline_output_tokens = sum(r.output_tokens for r in base.records if r.error is None)
+        answered = [r for r in base.records if r.error is None]
+        result.baseline_output_tokens = sum(r.output_tokens for r in answered)
         result.baseline_latency_ms = _latency_ms(base)
+        result.baseline_ttft_ms = mean_ms([r.ttft_s for r in answered])
+        result.baseline_tpot_ms = mean_ms([r.tpot_s for r in answered])
         if config.temperature == 0:
             result.mismatched_prompts = _compare_texts(base.records, load.records)
             result.mismatches = len(result.mismatched_prompts)

@@ -16,9 +16,10 @@ DATASET_HELP = "gsm8k, math500, humaneval, mbpp, mt-bench, or all (several: spac
 # flags that only one backend reads: giving one to the other backend is an error, never silently ignored
 SERVER_FLAGS = {"model": "--model", "endpoint": "--endpoint", "concurrency": "--concurrency",
                 "num_prompts": "--num-prompts", "duration": "--duration", "metrics_url": "--metrics-url",
-                "baseline_url": "--baseline-url", "rounds": "--rounds", "request_timeout": "--request-timeout"}
+                "baseline_url": "--baseline-url", "rounds": "--rounds", "request_timeout": "--request-timeout",
+                "no_stream": "--no-stream"}
 LOCAL_FLAGS = {"target": "--target", "draft": "--draft", "no_draft": "--no-draft", "mask_token_id": "--mask-token-id",
-               "block_size": "--block-size", "device": "--device", "warmup_tokens": "--warmup-tokens"}
+               "block_size": "--block-size", "device": "--device"}
 LOCAL_INSTEAD = {"--model": "--target names the model", "--num-prompts": "--max-samples sets how many samples"}
 
 
@@ -39,7 +40,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                      "(each prompt is sampled with its own seed)")
     gen.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling at temperature > 0 (1 = off)")
     gen.add_argument("--top-k", type=int, default=0, help="top-k sampling at temperature > 0 (0 = off)")
-    gen.add_argument("--warmup-tokens", type=int, help="tokens of the warm-up generation (local; default 16)")
+    gen.add_argument("--warmup-tokens", type=int, help="tokens of the untimed warm-up generation (a server: one "
+                     "request to each server; default 16, 0 = none)")
     server = parser.add_argument_group("server backend (any OpenAI-compatible server)")
     server.add_argument("--backend", choices=["local", "server"],
                         help="local: decode in this process (default); server: send requests to --base-url")
@@ -59,6 +61,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "turns to go first and the speedup is the median of the rounds' (robust on a busy "
                              "machine)")
     server.add_argument("--request-timeout", type=float, help="seconds per request (default 600)")
+    server.add_argument("--no-stream", action="store_true",
+                        help="plain JSON answers instead of server-sent events (no time to first token then); for "
+                             "servers that do not send usage in a stream (stream_options.include_usage)")
     out = parser.add_argument_group("output")
     out.add_argument("--output-dir", help="write results.json, results.md and plots here, updated after every "
                                           "dataset and setting")
@@ -100,7 +105,8 @@ def bench_config(args: argparse.Namespace):
                               api_key=args.api_key, concurrency=args.concurrency or [1], num_prompts=args.num_prompts,
                               duration_s=args.duration, timeout_s=_or(args.request_timeout, 600.0),
                               metrics_url=args.metrics_url, baseline_url=args.baseline_url,
-                              rounds=_or(args.rounds, 1), chat_template_kwargs=chat_template_kwargs(args))
+                              rounds=_or(args.rounds, 1), chat_template_kwargs=chat_template_kwargs(args),
+                              stream=not args.no_stream, warmup_tokens=_or(args.warmup_tokens, 16))
     return BenchConfig(
         datasets=names,
         data=DataOptions(data_file=args.data_file, data_dir=args.data_dir, max_samples=args.max_samples or None,

@@ -93,9 +93,10 @@ class SpecDecodeTally:
         return "\n".join(lines) + "\n"
 
 
-def make_app(pipe, tally: SpecDecodeTally, prefix: str, suffix: str, delay_s: float = 0.0):
+def make_app(pipe, tally: SpecDecodeTally, prefix: str, suffix: str, delay_s: float = 0.0,
+             stream_usage: bool = True):
     from fastapi import FastAPI
-    from fastapi.responses import PlainTextResponse
+    from fastapi.responses import PlainTextResponse, StreamingResponse
 
     app = FastAPI()
     model_lock = threading.Lock()
@@ -112,10 +113,22 @@ def make_app(pipe, tally: SpecDecodeTally, prefix: str, suffix: str, delay_s: fl
     def models():
         return {"object": "list", "data": [{"id": "tiny-dflash", "object": "model"}]}
 
+    def streamed(result: dict, body: dict, piece) -> StreamingResponse:
+        """The text in three chunks, then the usage chunk when asked for (and `stream_usage`), then [DONE]."""
+        text, cut = result["text"], len(result["text"]) // 3
+        chunks = [piece(part) for part in (text[:cut], text[cut:2 * cut], text[2 * cut:])]
+        if stream_usage and (body.get("stream_options") or {}).get("include_usage"):
+            chunks.append({"choices": [], "usage": {"prompt_tokens": result["prompt"],
+                                                    "completion_tokens": result["tokens"]}})
+        events = [f"data: {json.dumps(c)}\n\n" for c in chunks] + [": keep-alive\n\n", "data: [DONE]\n\n"]
+        return StreamingResponse(iter(events), media_type="text/event-stream")
+
     @app.post("/v1/chat/completions")
     def chat(body: dict):  # sync endpoints run in a thread pool: concurrent requests really overlap
         app.state.requests.append(body)
         result = decode(pipe.encode(body["messages"]), body)
+        if body.get("stream"):
+            return streamed(result, body, lambda part: {"choices": [{"index": 0, "delta": {"content": part}}]})
         return {"object": "chat.completion", "model": body["model"],
                 "choices": [{"index": 0, "message": {"role": "assistant", "content": result["text"]},
                              "finish_reason": "stop"}],
@@ -125,6 +138,8 @@ def make_app(pipe, tally: SpecDecodeTally, prefix: str, suffix: str, delay_s: fl
     def completions(body: dict):
         app.state.requests.append(body)
         result = decode(pipe.encode(body["prompt"], raw=True), body)
+        if body.get("stream"):
+            return streamed(result, body, lambda part: {"choices": [{"index": 0, "text": part}]})
         return {"object": "text_completion", "model": body["model"],
                 "choices": [{"index": 0, "text": result["text"], "finish_reason": "stop"}],
                 "usage": {"prompt_tokens": result["prompt"], "completion_tokens": result["tokens"]}}
@@ -178,12 +193,13 @@ class RunningServer:
 
 @pytest.fixture
 def openai_server(pipe):
-    """Start a server; call with (prefix='dflash:', suffix='_total', delay_s=0.0)."""
+    """Start a server; call with (prefix='dflash:', suffix='_total', delay_s=0.0, stream_usage=True)."""
     running = []
 
-    def start(prefix: str = "dflash:", suffix: str = "_total", delay_s: float = 0.0) -> RunningServer:
+    def start(prefix: str = "dflash:", suffix: str = "_total", delay_s: float = 0.0,
+              stream_usage: bool = True) -> RunningServer:
         tally = SpecDecodeTally(pipe.engine.proposer.block_size)
-        server = RunningServer(make_app(pipe, tally, prefix, suffix, delay_s), tally).__enter__()
+        server = RunningServer(make_app(pipe, tally, prefix, suffix, delay_s, stream_usage), tally).__enter__()
         running.append(server)
         return server
 

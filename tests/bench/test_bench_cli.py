@@ -77,7 +77,8 @@ def test_server_bench_rounds_against_a_baseline(openai_server, data_dir, tmp_pat
     assert len(result["speedup_per_round"]) == 2 and result["mismatches"] == 0
     assert json.loads((out / "config.json").read_text())["rounds"] == 2
     assert "speedup range" in (out / "results.md").read_text()
-    assert len(plain_server.app.state.requests) == 2
+    warm_up, *load = plain_server.app.state.requests  # a 16-token warm-up, then one request per round
+    assert warm_up["max_tokens"] == 16 and [r["max_tokens"] for r in load] == [6, 6]
 
 
 def test_mismatches_make_the_command_fail(tiny_pair, data_dir, monkeypatch, tmp_path):
@@ -131,7 +132,8 @@ SERVER = ["--base-url", "http://127.0.0.1:9/v1"]  # nothing listens there: every
     (["--baseline-url", "http://127.0.0.1:9/v1"], "--baseline-url only applies to a server benchmark"),
     (["--model", "m"], "locally, --target names the model"),
     (SERVER + ["--block-size", "8"], "--block-size only applies to the local backend"),
-    (SERVER + ["--warmup-tokens", "8"], "--warmup-tokens only applies to the local backend"),
+    (SERVER + ["--warmup-tokens", "-1"], "--warmup-tokens must be >= 0"),
+    (["--no-stream"], "--no-stream only applies to a server benchmark"),
 ])
 def test_user_errors_are_one_line(tiny_pair, data_dir, capsys, argv, message):
     target, draft = tiny_pair

@@ -16,7 +16,8 @@ def local(dataset: str, block_size: int = 16, speedup: float = 2.5, tau: float =
     fields = dict(dataset=dataset, backend="local", num_prompts=20, num_requests=20, block_size=block_size,
                   mean_block_size=float(block_size), baseline_tokens_per_s=123.4, dflash_tokens_per_s=308.5,
                   speedup=speedup, mean_acceptance_length=tau, acceptance_histogram=hist, mismatches=0,
-                  baseline_cost_per_1m_tokens_usd=8.1, dflash_cost_per_1m_tokens_usd=3.24)
+                  baseline_cost_per_1m_tokens_usd=8.1, dflash_cost_per_1m_tokens_usd=3.24, dflash_ttft_ms=12.5,
+                  baseline_tpot_ms=3.61, dflash_tpot_ms=1.95)
     return BenchResult(**{**fields, **kw})
 
 
@@ -52,6 +53,15 @@ def test_a_file_or_pipe_gets_every_column():
     out = io.StringIO()
     print_table([local("gsm8k"), server("gsm8k", 4)], Console(file=out, width=80))  # not a terminal
     assert "DFlash $/1M" in out.getvalue() and "speedup range" in out.getvalue() and "…" not in out.getvalue()
+
+
+def test_time_to_first_token_and_per_output_token_are_shown_when_measured():
+    wide = rendered([local("gsm8k")], 250)
+    header = next(line for line in wide.splitlines() if "dataset" in line)
+    assert "TTFT ms" in header and "base TPOT ms" in header and "| 12.5 |" in markdown([local("gsm8k")], {})
+    assert "3.61" in wide and "1.95" in wide
+    unstreamed = server("gsm8k", 1)  # a server benchmark run with --no-stream measures neither
+    assert "TTFT" not in markdown([unstreamed], {}).split("tok/s: output tokens")[0]
 
 
 def test_a_speedup_above_tau_is_flagged_as_noise():

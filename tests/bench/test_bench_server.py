@@ -21,7 +21,8 @@ SAMPLES = [Sample("a", ("How many clips?",)), Sample("b", ("Weng earns",)),
 
 
 def config(server, **kw) -> ServerConfig:
-    return ServerConfig(base_url=server.base_url, max_new_tokens=10, **{"concurrency": [1], **kw})
+    """No warm-up unless asked for: the tests below count every request a server got."""
+    return ServerConfig(base_url=server.base_url, max_new_tokens=10, **{"concurrency": [1], "warmup_tokens": 0, **kw})
 
 
 def test_chat_load_reads_throughput_latency_and_counters(openai_server):
@@ -43,6 +44,50 @@ def test_chat_load_reads_throughput_latency_and_counters(openai_server):
     assert {r["model"] for r in requests} == {"tiny-dflash"}
     two_turn = [r for r in requests if len(r["messages"]) == 3]
     assert len(two_turn) == 1 and two_turn[0]["messages"][1]["role"] == "assistant"
+
+
+def test_streamed_requests_time_the_first_token_and_match_plain_answers(openai_server):
+    server = openai_server(delay_s=0.01)
+    streamed = ServerBackend(config(server, num_prompts=2)).run_level("gsm8k", SAMPLES[:2], 1)
+    plain = ServerBackend(config(server, num_prompts=2, stream=False)).run_level("gsm8k", SAMPLES[:2], 1)
+    requests = server.app.state.requests
+    assert [r.get("stream", False) for r in requests] == [True, True, False, False]
+    assert requests[0]["stream_options"] == {"include_usage": True}
+    assert streamed.errors == 0 and streamed.dflash_output_tokens == plain.dflash_output_tokens > 0
+    assert 0 < streamed.dflash_ttft_ms <= streamed.dflash_latency_ms["p99"]
+    assert streamed.dflash_tpot_ms > 0
+    assert plain.dflash_ttft_ms is None and plain.dflash_tpot_ms is None  # a JSON answer has no first token time
+
+
+def test_streamed_text_is_compared_with_the_baseline(openai_server):
+    dflash_server, plain_server = openai_server(), openai_server()
+    result = ServerBackend(config(dflash_server, baseline_url=plain_server.base_url)).run_level("gsm8k", SAMPLES, 1)
+    assert result.mismatches == 0 and result.baseline_ttft_ms > 0 and result.dflash_ttft_ms > 0
+    assert result.num_requests == 4
+
+
+def test_a_stream_without_usage_says_to_use_no_stream(openai_server):
+    server = openai_server(stream_usage=False)
+    with pytest.raises(UserError, match="--no-stream"):
+        ServerBackend(config(server)).run_level("gsm8k", SAMPLES[:1], 1)
+
+
+def test_warm_up_sends_one_short_untimed_request_to_each_server(openai_server):
+    dflash_server, plain_server = openai_server(), openai_server()
+    backend = ServerBackend(config(dflash_server, warmup_tokens=3, baseline_url=plain_server.base_url))
+    result = backend.run_level("gsm8k", SAMPLES[:1], 1)
+    backend.run_level("gsm8k", SAMPLES[:1], 1)  # once per run, not per level
+    for server in (dflash_server, plain_server):
+        assert [r["max_tokens"] for r in server.app.state.requests] == [3, 10, 10]
+    assert sum(result.acceptance_histogram) < dflash_server.tally.drafts  # its drafts are not the load's
+
+
+def test_a_failing_warm_up_is_a_user_error_before_any_load(openai_server, monkeypatch):
+    server = openai_server()
+    fail_requests_of(monkeypatch, "a (warm-up)", "HTTP 500: boom")
+    with pytest.raises(UserError, match=r"warm-up request .* failed: HTTP 500: boom"):
+        ServerBackend(config(server, warmup_tokens=4)).run_level("gsm8k", SAMPLES, 1)
+    assert server.app.state.requests == []
 
 
 def test_counters_are_per_load_not_since_server_start(openai_server):
