@@ -18,25 +18,64 @@ VOCAB = 128
 HIDDEN = 64
 LAYERS = 4
 MASK_TOKEN_ID = VOCAB - 1
-FAMILIES = ("qwen3", "llama", "qwen3_moe")
+FAMILIES = ("qwen3", "llama", "qwen3_moe")  # the whole losslessness suite runs on each
+# More families, each checked once for losslessness (tests/decoding/test_families.py): sliding windows narrower
+# than the test sequences (alone, and alternating with full layers), soft-capping, absolute positions, partial
+# rotary, NoPE layers, logit and residual scaling.
+MORE_FAMILIES = ("mistral", "qwen2", "gemma2", "gemma3_text", "phi3", "olmo2", "gpt2", "gpt_neox", "granite",
+                 "smollm3", "cohere2", "falcon")
+# Families DFlash refuses up front: their layer state cannot be rolled back to the accepted tokens.
+REFUSED_FAMILIES = ("qwen3_next", "lfm2", "llama4_text")
+SLIDING_WINDOW = 8  # tokens; the test prompts and outputs are longer
+_ALTERNATING = ["sliding_attention", "full_attention"]
+
+
+def _family_fields(family: str, layers: int) -> dict:
+    """Config fields of a tiny `family` model (transformers' model_type), on top of the shared ones."""
+    window = dict(sliding_window=SLIDING_WINDOW)
+    alternating = dict(layer_types=(_ALTERNATING * layers)[:layers], **window)
+    return {
+        "qwen3": {}, "llama": {}, "olmo2": {},
+        "qwen3_moe": dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=64, decoder_sparse_step=1,
+                          mlp_only_layers=[]),
+        "mistral": window,  # every layer slides
+        "phi3": window,
+        "qwen2": dict(use_sliding_window=True, max_window_layers=1, **window),  # full, then sliding layers
+        "gemma2": dict(attn_logit_softcapping=50.0, final_logit_softcapping=30.0, query_pre_attn_scalar=16,
+                       **alternating),
+        "gemma3_text": dict(final_logit_softcapping=30.0, query_pre_attn_scalar=16, **alternating),
+        "cohere2": dict(logit_scale=0.5, **alternating),
+        "gpt2": dict(n_inner=128),  # the shared fields reach its own names (n_embd, n_layer, ...)
+        "gpt_neox": dict(rotary_pct=0.25),
+        "granite": dict(embedding_multiplier=12.0, logits_scaling=0.5, residual_multiplier=0.22,
+                        attention_multiplier=0.0625),
+        "smollm3": dict(no_rope_layers=[int(i % 2 == 0) for i in range(layers)]),
+        "falcon": dict(new_decoder_architecture=True, num_kv_heads=2),
+        "qwen3_next": {},  # linear-attention layers
+        "lfm2": dict(layer_types=(["conv", "full_attention"] * layers)[:layers]),
+        "llama4_text": dict(attention_chunk_size=8, intermediate_size_mlp=128, num_local_experts=2,
+                            layer_types=(["chunked_attention", "full_attention"] * layers)[:layers]),
+    }[family]
+
+
+def tiny_target_config(family: str = "qwen3", layers: int = LAYERS):
+    """The config of a tiny random `family` model (transformers' model_type)."""
+    from transformers import AutoConfig
+
+    fields = dict(vocab_size=VOCAB, hidden_size=HIDDEN, intermediate_size=128, num_hidden_layers=layers,
+                  num_attention_heads=4, num_key_value_heads=2, head_dim=16, max_position_embeddings=1024,
+                  tie_word_embeddings=False, eos_token_id=None, bos_token_id=None, pad_token_id=None)
+    if family == "falcon":  # head_dim is derived
+        del fields["head_dim"]
+    fields.update(_family_fields(family, layers))
+    return AutoConfig.for_model(family, **fields)
 
 
 def tiny_target_model(family: str = "qwen3", seed: int = 0, layers: int = LAYERS):
     """A random causal LM with peaky logits (so float noise never flips an argmax)."""
-    from transformers import AutoModelForCausalLM, LlamaConfig, Qwen3Config, Qwen3MoeConfig
+    from transformers import AutoModelForCausalLM
 
-    common = dict(vocab_size=VOCAB, hidden_size=HIDDEN, intermediate_size=128, num_hidden_layers=layers,
-                  num_attention_heads=4, num_key_value_heads=2, head_dim=16, max_position_embeddings=1024,
-                  tie_word_embeddings=False, eos_token_id=None, bos_token_id=None, pad_token_id=None)
-    if family == "qwen3":
-        config = Qwen3Config(**common)
-    elif family == "llama":
-        config = LlamaConfig(**common)
-    elif family == "qwen3_moe":
-        config = Qwen3MoeConfig(**common, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=64,
-                                decoder_sparse_step=1, mlp_only_layers=[])
-    else:
-        raise ValueError(family)
+    config = tiny_target_config(family, layers)
     torch.manual_seed(seed)
     model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
     with torch.no_grad():

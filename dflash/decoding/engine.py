@@ -201,6 +201,7 @@ class Batch:
 
 class SpeculativeEngine:
     def __init__(self, target: TargetModel, proposer: Proposer | None = None, tokenizer=None):
+        target.check_decodable()
         self.target = target
         self.proposer = proposer or NoDraftProposer()
         self.tokenizer = tokenizer if tokenizer is not None else target.tokenizer

@@ -1,7 +1,9 @@
 """The one seam between DFlash and transformers internals.
 
 Everything that changed between transformers 4.57 and 5.x (the cache keyword, `DynamicCache.crop`'s
-argument, decoder-layer outputs, rotary embeddings) is handled here and nowhere else.
+argument, decoder-layer outputs, rotary embeddings) is handled here and nowhere else, and so is what the
+families differ in: which attention each layer has (full, sliding-window, or a state that cannot be rolled
+back) and the attention masks a ragged batch needs for sliding-window layers.
 """
 
 from __future__ import annotations
@@ -13,7 +15,7 @@ import torch
 import transformers
 from torch import nn
 from transformers import DynamicCache
-from transformers.cache_utils import DynamicLayer
+from transformers.cache_utils import DynamicLayer, DynamicSlidingWindowLayer
 
 from dflash.model.slot_buffer import SlotBuffer
 
@@ -71,19 +73,140 @@ class GrowingLayer(DynamicLayer):
         self._values.truncate(keep)
 
 
+class SlidingGrowingLayer(GrowingLayer):
+    """A sliding-window layer that keeps every slot, as a full-attention `GrowingLayer` does.
+
+    transformers' own sliding layer drops the keys that fell out of its window, so once a sequence is longer
+    than the window it can no longer be cropped back to the accepted tokens, and its slots would not line up
+    with the other layers' when a ragged batch is compacted or merged. Keeping them costs full-attention memory
+    for these layers; the window itself is applied by the attention mask (see `ragged_attention_mask`)."""
+
+    is_sliding = True
+
+    def __init__(self, sliding_window: int, **kwargs):
+        super().__init__(**kwargs)
+        self.sliding_window = sliding_window
+
+
+# The layer kinds whose cache is keys and values per token, which a rejected draft can be cropped from.
+ROLLBACK_LAYER_KINDS = ("full_attention", "sliding_attention")
+
+# Why the other kinds cannot be rolled back to the accepted tokens, row by row.
+_NO_ROLLBACK = {
+    "linear_attention": "their recurrent (linear-attention or state-space) state takes in every draft token, and "
+                        "a rejected one cannot be taken out again",
+    "hybrid": "their recurrent state takes in every draft token, and a rejected one cannot be taken out again",
+    "hybrid_sliding": "their recurrent state takes in every draft token, and a rejected one cannot be taken out again",
+    "conv": "their convolution state takes in every draft token, and a ragged batch cannot take a rejected one out",
+    "chunked_attention": "their attention chunks are drawn by cache slot, and the holes a rejected draft leaves in "
+                         "a ragged batch move the chunk borders",
+    "dummy": "they keep no cache of their own (they reuse other layers' keys and values, or have no attention), "
+             "which DFlash's cache handling does not follow",
+    "indexed_attention": "their sparse-attention indexer cache is not moved with the keys and values when rows are "
+                         "cropped, selected or merged",
+}
+
+
+def layer_kinds(config: Any) -> list[str]:
+    """The attention kind of every decoder layer, as transformers' cache names it: "full_attention",
+    "sliding_attention", "chunked_attention", "linear_attention", "conv", "hybrid", "dummy" (no cache) ..."""
+    text = config.get_text_config(decoder=True) if hasattr(config, "get_text_config") else config
+    try:
+        from transformers.cache_utils import get_layer_types_and_kwargs
+    except ImportError:  # older transformers: only full and sliding layers are told apart
+        kind = "sliding_attention" if getattr(text, "sliding_window", None) is not None else "full_attention"
+        return list(getattr(text, "layer_types", None) or [kind] * text.num_hidden_layers)
+    return list(get_layer_types_and_kwargs(text)[0])
+
+
+def rollback_problem(config: Any) -> str | None:
+    """Why speculative decoding cannot put this target's cache back to the accepted tokens (None: it can).
+
+    A rejected draft token must leave no trace, row by row: keys and values per token (full and
+    sliding-window attention) can be cropped or masked; other kinds of layer state cannot (see `_NO_ROLLBACK`)."""
+    kinds = layer_kinds(config)
+    problems = []
+    for kind in dict.fromkeys(k for k in kinds if k not in ROLLBACK_LAYER_KINDS):
+        layers = [i for i, k in enumerate(kinds) if k == kind]
+        reason = _NO_ROLLBACK.get(kind, "DFlash cannot roll their cache back to the accepted tokens")
+        problems.append(f"layers {layers} are {kind!r} layers: {reason}")
+    return "; ".join(problems) or None
+
+
+def _rollback_layer(layer: Any) -> Any:
+    """Our slot-keeping replacement of a transformers cache layer (the layer itself if it has none)."""
+    if type(layer) is DynamicLayer:
+        return GrowingLayer()
+    if type(layer) is DynamicSlidingWindowLayer:
+        return SlidingGrowingLayer(layer.sliding_window)
+    return layer
+
+
 def new_dynamic_cache(config: Any) -> DynamicCache:
-    """A DynamicCache whose full-attention layers are `GrowingLayer`s (sliding-window and other layer kinds
-    stay transformers' own)."""
+    """A DynamicCache whose full-attention and sliding-window layers are `GrowingLayer`s and
+    `SlidingGrowingLayer`s: every layer keeps every slot, so crops, row selection and compaction treat all
+    layers alike (other layer kinds stay transformers' own; `rollback_problem` names them)."""
     try:
         cache = DynamicCache(config=config)
     except TypeError:  # older signatures
         cache = DynamicCache()
     layers = getattr(cache, "layers", None)
     if layers:
-        cache.layers = [GrowingLayer() if type(layer) is DynamicLayer else layer for layer in layers]
+        cache.layers = [_rollback_layer(layer) for layer in layers]
     elif getattr(cache, "layer_class_to_replicate", None) is DynamicLayer:
         cache.layer_class_to_replicate = GrowingLayer
     return cache
+
+
+def has_sliding_layers(config: Any) -> bool:
+    return "sliding_attention" in layer_kinds(config)
+
+
+def _causal_by_position(slot_positions: torch.Tensor, window: int | None):
+    """A transformers mask function, index-based: the query slot sees the key slot when the key's sequence
+    position is not after the query's and, with a `window`, less than `window` before it.
+    slot_positions (b, slots)."""
+
+    def inner(batch_idx, head_idx, q_idx, kv_idx):
+        q_pos, kv_pos = slot_positions[batch_idx, q_idx], slot_positions[batch_idx, kv_idx]
+        seen = kv_pos <= q_pos
+        return seen if window is None else seen & (q_pos - kv_pos < window)
+
+    return inner
+
+
+def ragged_attention_mask(model: nn.Module, attention_mask: torch.Tensor, q_length: int) -> Any:
+    """The attention masks of a forward over a ragged batch, for a target with sliding-window layers.
+
+    attention_mask (b, cache slots + q): 1 = a real token, 0 = a hole (a rejected draft token's slot, or left
+    padding). transformers draws a sliding window by slot: with holes inside a row, a window of slots covers
+    fewer than `window` tokens, so a sliding layer would miss keys it must see. Here each slot gets its
+    sequence position (a row's real tokens fill positions 0, 1, ... in slot order) and windows are drawn by
+    position. The masks take the form transformers' own `generate` hands a model (`create_masks_for_generate`):
+    one per layer kind when the config lists `layer_types`, else one sliding mask; each made by the attention
+    implementation's mask maker (boolean for SDPA, additive for eager, the padding mask for flash).
+    """
+    from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS
+
+    config = model.config.get_text_config(decoder=True)
+    make_mask = ALL_MASK_ATTENTION_FUNCTIONS.get(config._attn_implementation)
+    if make_mask is None:  # a kernel that builds no mask (e.g. paged): it reads the padding mask itself
+        return attention_mask
+    valid = attention_mask.bool()  # (b, slots)
+    slot_positions = valid.long().cumsum(-1) - 1  # (b, slots); a hole repeats its predecessor's (masked anyway)
+    batch_size, slots = valid.shape
+
+    def mask(window: int | None):
+        return make_mask(
+            batch_size=batch_size, q_length=q_length, kv_length=slots, q_offset=slots - q_length, kv_offset=0,
+            mask_function=_causal_by_position(slot_positions, window), attention_mask=valid, local_size=window,
+            allow_is_causal_skip=False, use_vmap=False, dtype=model.dtype, config=config, device=valid.device,
+        )
+
+    kinds = getattr(config, "layer_types", None)
+    if kinds is None:  # no layer kinds: every layer slides
+        return mask(config.sliding_window)
+    return {kind: mask(config.sliding_window if kind == "sliding_attention" else None) for kind in set(kinds)}
 
 
 def cache_length(cache: DynamicCache) -> int:

@@ -23,6 +23,10 @@ class IncompatibleDrafterError(UserError):
     """The drafter was not built for this target; the message names every mismatch."""
 
 
+class UnsupportedTargetError(UserError):
+    """The target's architecture cannot be decoded speculatively without changing its output."""
+
+
 @dataclass
 class TargetOutput:
     logits: torch.Tensor  # (b, q, vocab) float32
@@ -36,6 +40,8 @@ class TargetModel:
         self.tokenizer = tokenizer
         self.config = hf_compat.text_config(model.config)
         self.layers = hf_compat.decoder_layers(model)
+        self.rollback_problem = hf_compat.rollback_problem(model.config)  # None: every layer's cache can be cropped
+        self._sliding = self.rollback_problem is None and hf_compat.has_sliding_layers(model.config)
         self._cache_kwarg = hf_compat.cache_kwarg_name(model)
         self._takes_logits_to_keep = "logits_to_keep" in inspect.signature(model.forward).parameters
         self._captured: dict[int, torch.Tensor] = {}
@@ -95,6 +101,16 @@ class TargetModel:
             ids.add(self.tokenizer.eos_token_id)
         return sorted(ids)
 
+    def check_decodable(self) -> None:
+        """Refuse, before any decoding, a target whose cache cannot be put back to the accepted tokens."""
+        if self.rollback_problem is not None:
+            name = type(self.model).__name__
+            raise UnsupportedTargetError(
+                f"{name} cannot be decoded by DFlash without changing its output: {self.rollback_problem}. DFlash "
+                f"decodes targets whose every layer is full or sliding-window attention; decode {name} without "
+                "DFlash (e.g. transformers' generate), or pick such a target."
+            )
+
     # ---- feature capture ----------------------------------------------------------------------------
     def _ensure_hooks(self, layer_ids: list[int]) -> None:
         """Hooks are added once per layer and capture only while that layer's output is wanted."""
@@ -134,6 +150,8 @@ class TargetModel:
     ) -> TargetOutput:
         self._ensure_hooks(list(feature_layer_ids))
         self._wanted, self._captured = set(feature_layer_ids), {}
+        if attention_mask is not None and self._sliding:  # holes: sliding windows drawn by position, not by slot
+            attention_mask = hf_compat.ragged_attention_mask(self.model, attention_mask, input_ids.shape[1])
         kwargs = {self._cache_kwarg: cache, "use_cache": True}
         if self._takes_logits_to_keep:
             kwargs["logits_to_keep"] = logits_to_keep

@@ -3,7 +3,7 @@ import copy
 import pytest
 import torch
 
-from conftest import tiny_target_model
+from conftest import FAMILIES, MORE_FAMILIES, REFUSED_FAMILIES, tiny_target_config, tiny_target_model
 from dflash.model import hf_compat
 from dflash.model.target import TargetModel
 
@@ -56,3 +56,51 @@ def test_growing_cache_layers_follow_appends_crops_and_row_selection():
     nxt = target.forward(torch.tensor([[3]]), torch.tensor([[12]]), cache).logits
     ref = target.forward(torch.cat([ids[1:], torch.tensor([[3]])], 1), torch.arange(13)[None], target.new_cache())
     assert torch.allclose(nxt[0, -1], ref.logits[0, -1], atol=1e-4)
+
+
+@pytest.mark.parametrize("family", FAMILIES + MORE_FAMILIES + REFUSED_FAMILIES)
+def test_rollback_problem_names_the_layers_that_cannot_be_rolled_back(family):
+    problem = hf_compat.rollback_problem(tiny_target_config(family, layers=2))
+    if family in REFUSED_FAMILIES:
+        assert problem is not None and problem.startswith("layers [0")
+    else:
+        assert problem is None
+
+
+def test_sliding_layers_keep_every_slot_so_a_crop_past_the_window_rolls_back():
+    target = TargetModel(tiny_target_model("qwen2", layers=2))  # a full, then a sliding layer
+    cache = target.new_cache()
+    assert [type(layer) for layer in cache.layers] == [hf_compat.GrowingLayer, hf_compat.SlidingGrowingLayer]
+    ids = torch.randint(0, 100, (1, 30))
+    positions = torch.arange(30)[None]
+    target.forward(ids[:, :24], positions[:, :24], cache)  # 24 slots: three windows
+    hf_compat.crop_cache(cache, 13)  # a rejected draft of 11 tokens
+    out = target.forward(ids[:, 13:30], positions[:, 13:30], cache)
+    full = target.forward(ids, positions, target.new_cache())
+    assert torch.allclose(out.logits, full.logits[:, 13:], atol=1e-4)
+
+
+@pytest.mark.parametrize("family", ["mistral", "gemma2", "gemma3_text"])  # all sliding; eager + alternating; sdpa
+def test_sliding_windows_are_drawn_by_position_across_holes(family):
+    """Row 0 has 4 slots of a rejected draft before its next block, row 1 left padding and 3 such slots: every
+    query still sees the last `window` tokens of its own row (counted by position, not by slot)."""
+    target = TargetModel(tiny_target_model(family, layers=2))
+    torch.manual_seed(0)
+    real = torch.randint(0, 100, (2, 20))  # each row's tokens; row 1 has only 17
+    junk = torch.randint(0, 100, (2, 4))
+    # slots before the block: row 0 = 15 tokens + 4 rejected; row 1 = 4 padding + 12 tokens + 3 rejected
+    slots = torch.stack([torch.cat([real[0, :15], junk[0]]), torch.cat([junk[1], real[1, :12], junk[1, :3]])])
+    slot_positions = torch.tensor([list(range(19)), [0] * 4 + list(range(15))])
+    valid = torch.ones(2, 19, dtype=torch.long)
+    valid[0, 15:] = 0
+    valid[1, :4] = valid[1, 16:] = 0
+    cache = target.new_cache()
+    prefill_mask = valid.clone()
+    prefill_mask[:, 15:] = 1  # the rejected draft tokens were being verified when they were written
+    target.forward(slots, slot_positions, cache, attention_mask=prefill_mask)
+    block = torch.stack([real[0, 15:20], real[1, 12:17]])  # (2, 5)
+    block_positions = torch.stack([torch.arange(15, 20), torch.arange(12, 17)])
+    out = target.forward(block, block_positions, cache, attention_mask=torch.cat([valid, torch.ones(2, 5).long()], 1))
+    for row, length in ((0, 20), (1, 17)):
+        alone = target.forward(real[row : row + 1, :length], torch.arange(length)[None], target.new_cache())
+        assert torch.allclose(out.logits[row], alone.logits[0, -5:], atol=1e-4), row

@@ -1,19 +1,32 @@
+import pytest
 import torch
 
+from conftest import MORE_FAMILIES, tiny_target_model
 from dflash.model.hf_compat import cache_length, crop_cache
+from dflash.model.target import TargetModel
+
+
+def assert_features_are_layer_outputs(target, layer_ids: list[int]) -> None:
+    ids = torch.tensor([[5, 9, 3, 44, 2, 7]])
+    positions = torch.arange(6)[None]
+    reference = target.model(ids, output_hidden_states=True)
+    out = target.forward(ids, positions, target.new_cache(), feature_layer_ids=layer_ids)
+    expected = torch.cat([reference.hidden_states[i + 1] for i in layer_ids], dim=-1)
+    assert out.features.shape == (1, 6, len(layer_ids) * target.hidden_size)
+    assert torch.allclose(out.features, expected, atol=1e-5)
+    assert torch.allclose(out.logits, reference.logits, atol=1e-4)
 
 
 def test_features_are_the_outputs_of_the_chosen_layers(target):
     """Layer id l means the output of decoder layer l, i.e. transformers' hidden_states[l + 1] (except for
     the last layer, whose hidden_states entry has the final norm applied; DFlash never reads that one)."""
-    ids = torch.tensor([[5, 9, 3, 44, 2, 7]])
-    positions = torch.arange(6)[None]
-    reference = target.model(ids, output_hidden_states=True)
-    out = target.forward(ids, positions, target.new_cache(), feature_layer_ids=[2, 0, 1])
-    expected = torch.cat([reference.hidden_states[i + 1] for i in (2, 0, 1)], dim=-1)
-    assert out.features.shape == (1, 6, 3 * target.hidden_size)
-    assert torch.allclose(out.features, expected, atol=1e-5)
-    assert torch.allclose(out.logits, reference.logits, atol=1e-4)
+    assert_features_are_layer_outputs(target, [2, 0, 1])
+
+
+@pytest.mark.parametrize("family", MORE_FAMILIES)
+def test_features_of_more_families(family):
+    """Whatever a family calls its decoder layers (`layers`, `h`) and whatever they return."""
+    assert_features_are_layer_outputs(TargetModel(tiny_target_model(family, layers=3)), [1, 0])
 
 
 def test_no_features_unless_asked_and_hooks_capture_only_when_asked(target):

@@ -1,0 +1,80 @@
+"""Losslessness on more model families than the three the whole suite runs on (conftest.FAMILIES), one
+compact check each, and the up-front refusal of families whose layer state cannot be rolled back."""
+
+from __future__ import annotations
+
+import pytest
+
+from conftest import (
+    MORE_FAMILIES,
+    REFUSED_FAMILIES,
+    OracleProposer,
+    hf_greedy,
+    random_prompts,
+    tiny_drafter,
+    tiny_target_model,
+)
+from dflash.decoding import GenerationConfig, NoDraftProposer, SpeculativeEngine
+from dflash.model.target import TargetModel, UnsupportedTargetError
+
+MAX_NEW = 32  # with prompts of 3-20 tokens, sequences run well past the sliding window (conftest.SLIDING_WINDOW)
+SEEDED = dict(max_new_tokens=MAX_NEW, temperature=0.9, top_p=0.9, top_k=50, seed=11, stop_token_ids=[])
+
+
+def partial_oracle(target, references, block_size: int) -> OracleProposer:
+    """A drafter right for a random number of tokens per block: rows accept different numbers (ragged)."""
+    return OracleProposer(tiny_drafter(target), target, references,
+                          correct=lambda rng: rng.randint(0, block_size - 1), seed=block_size)
+
+
+@pytest.mark.parametrize("family", MORE_FAMILIES)
+def test_speculative_decoding_is_lossless(family):
+    """Greedy at block sizes 2, 8 and 16 in a ragged batch gives transformers' own greedy output; seeded
+    sampling gives what the target alone samples."""
+    target = TargetModel(tiny_target_model(family, layers=2))
+    prompts = random_prompts(3, seed=1)
+    greedy = [hf_greedy(target, p, MAX_NEW) for p in prompts]
+    for block_size in (2, 8, 16):
+        engine = SpeculativeEngine(target, partial_oracle(target, dict(zip(map(tuple, prompts), greedy)), block_size))
+        config = GenerationConfig(max_new_tokens=MAX_NEW, block_size=block_size, stop_token_ids=[])
+        outs = engine.generate(prompts, config)
+        assert [o.output_ids for o in outs] == greedy, f"block size {block_size}"
+        if block_size > 2:  # draft tokens were accepted, and rows accepted different numbers
+            assert len({tuple(o.stats.acceptance_lengths) for o in outs}) > 1
+            assert all(o.stats.mean_acceptance_length > 1.3 for o in outs)
+    sampled = [o.output_ids for o in SpeculativeEngine(target).generate(prompts, GenerationConfig(**SEEDED))]
+    engine = SpeculativeEngine(target, partial_oracle(target, dict(zip(map(tuple, prompts), sampled)), 8))
+    outs = engine.generate(prompts, GenerationConfig(**SEEDED, block_size=8))
+    assert [o.output_ids for o in outs] == sampled
+
+
+@pytest.mark.parametrize("family", ["mistral", "gemma2"])
+def test_sliding_window_survives_compaction_and_joining(family):
+    """Rows join a running batch (left padding) and holes pile up until the cache is compacted; sliding
+    windows still see exactly the last `window` tokens of each row."""
+    target = TargetModel(tiny_target_model(family, layers=2))
+    prompts = random_prompts(3, seed=5, low=2, high=30)
+    refs = {tuple(p): hf_greedy(target, p, 80) for p in prompts}
+    proposer = OracleProposer(tiny_drafter(target), target, refs, correct=lambda rng: rng.choice([0, 0, 15]), seed=3)
+    engine = SpeculativeEngine(target, proposer)
+    seqs = [engine.new_sequence(p, GenerationConfig(max_new_tokens=80, stop_token_ids=[])) for p in prompts]
+    batch = engine.merge([engine.prefill(seqs[0]), engine.prefill(seqs[1])])
+    for _ in range(3):
+        engine.step(batch)
+    batch = engine.merge([batch, engine.prefill(seqs[2])])
+    compacted = False
+    while batch is not None:
+        holes = int((~batch.target_valid).sum())
+        engine.step(batch)
+        compacted = compacted or int((~batch.target_valid).sum()) < holes  # a step alone only adds holes
+        batch = engine.drop_finished(batch)
+    assert compacted
+    assert [s.output_ids for s in seqs] == [refs[tuple(p)] for p in prompts]
+
+
+@pytest.mark.parametrize("family", REFUSED_FAMILIES)
+def test_targets_whose_state_cannot_be_rolled_back_are_refused_up_front(family):
+    target = TargetModel(tiny_target_model(family, layers=2))
+    for proposer in (None, NoDraftProposer()):
+        with pytest.raises(UnsupportedTargetError, match=r"layers \[0(, 1)?\] are '\w+' layers: .+full or sliding"):
+            SpeculativeEngine(target, proposer)
