@@ -3,8 +3,9 @@
 __version__ = "0.1.0"
 
 from dflash.api import DFlash
-from dflash.decoding import GenerationConfig, GenerationOutput, SpeculativeEngine
-from dflash.model import DFlashDraftModel, TargetModel, load_drafter
+from dflash.decoding import GenerationConfig, GenerationError, GenerationOutput, SpeculativeEngine
+from dflash.errors import UserError
+from dflash.model import CheckpointError, DFlashDraftModel, TargetModel, load_drafter
 
-__all__ = ["DFlash", "DFlashDraftModel", "GenerationConfig", "GenerationOutput", "SpeculativeEngine",
-           "TargetModel", "load_drafter"]
+__all__ = ["CheckpointError", "DFlash", "DFlashDraftModel", "GenerationConfig", "GenerationError", "GenerationOutput",
+           "SpeculativeEngine", "TargetModel", "UserError", "load_drafter"]

@@ -4,45 +4,62 @@
     pipe = DFlash.from_pretrained()                       # the embedded pair
     out = pipe.generate("What is 12 * 7?", max_new_tokens=64)
     print(out.text, out.stats.mean_acceptance_length)
+
+Every mistake a caller can make (a bad path, option or prompt) raises a `dflash.UserError` whose message says
+what was wrong and how to fix it: `CheckpointError` for models that cannot be found or loaded, `GenerationError`
+for prompts and options.
 """
 
 from __future__ import annotations
 
+import math
+import numbers
 import os
 from dataclasses import fields
 from pathlib import Path
 from typing import Any, Iterator, Union
 
 import torch
+from safetensors import SafetensorError
 
 from dflash.decoding.detokenizer import TextDeltas
 from dflash.decoding.engine import AUTO, GenerationConfig, GenerationError, GenerationOutput, SpeculativeEngine
 from dflash.decoding.proposer import DFlashProposer, NoDraftProposer
 from dflash.errors import UserError
 from dflash.model.cpu_layout import use_fast_layout
-from dflash.model.loading import load_drafter
+from dflash.model.drafter import DFlashDraftModel
+from dflash.model.loading import (
+    check_target_dir,
+    load_drafter,
+    load_failure,
+    parse_dtype,
+    resolve_device,
+    resolve_model_dir,
+)
 from dflash.model.target import TargetModel
 
 ASSETS = Path(__file__).parent / "assets"
 DEFAULT_TARGET = ASSETS / "target"
 DEFAULT_DRAFT = ASSETS / "drafter"
 
+# text (the chat template is applied unless raw), chat messages, or token ids as they are
 Prompt = Union[str, list[dict[str, str]], list[int]]
 
-
-def default_device() -> str:
-    return "cuda" if torch.cuda.is_available() else "cpu"
+_PROMPT_KINDS = "text, a list of chat messages [{'role': 'user', 'content': ...}] or a list of token ids"
 
 
 class DFlash:
     """A target, an optional DFlash drafter, their tokenizer, and the engine that decodes with them."""
 
-    def __init__(self, target: TargetModel, drafter=None, block_size: int | str | None = None,
-                 chat_template_kwargs: dict[str, Any] | None = None):
-        """`block_size`: tokens verified per step (at most the drafter's), None for the drafter's own, or "auto"
+    def __init__(self, target: TargetModel, drafter: DFlashDraftModel | None = None,
+                 block_size: int | str | None = None, chat_template_kwargs: dict[str, Any] | None = None):
+        """`target`: a `TargetModel`; `drafter`: a `DFlashDraftModel` trained for it, or None to decode plainly
+        (use `from_pretrained` to load both from paths or hub ids).
+        `block_size`: tokens verified per step (at most the drafter's), None for the drafter's own, or "auto"
         to choose it before every step from timed step costs and the acceptance seen so far.
         `chat_template_kwargs`: variables for the chat template on every chat prompt, e.g.
         `{"enable_thinking": False}` for Qwen3 (default: the template's own defaults)."""
+        _check_models(target, drafter)
         self.target = target
         self.chat_template_kwargs = check_template_kwargs(chat_template_kwargs)
         self.drafter = drafter
@@ -62,61 +79,75 @@ class DFlash:
         *,
         no_draft: bool = False,
         dtype: str | torch.dtype | None = None,
-        device: str | None = None,
+        device: str | torch.device | None = None,
         block_size: int | str | None = None,
         mask_token_id: int | None = None,
         chat_template_kwargs: dict[str, Any] | None = None,
     ) -> "DFlash":
-        """Paths or hub ids. With neither given, the embedded pair; `no_draft=True` decodes plainly."""
-        device = device or default_device()
-        if target is None:
-            target = DEFAULT_TARGET
-            draft = draft if draft is not None else (None if no_draft else DEFAULT_DRAFT)
-            missing = [p for p in (target, draft) if p is not None and not (Path(p) / "config.json").exists()]
-            if missing:
-                raise UserError(f"the embedded model pair is missing ({', '.join(map(str, missing))}); reinstall "
-                                "dflash from a full checkout, or pass --target/--draft")
-        target_model = TargetModel.from_pretrained(target, dtype=dtype, device=device)
+        """Load a target and its drafter from local directories or Hugging Face hub ids.
+
+        Neither given: the embedded pair. `target` needs `draft` (the drafter trained for it), or `no_draft=True`
+        to decode with the target alone (whatever `draft` says). `dtype`: "auto" (the checkpoint's own),
+        "float32", "float16" or "bfloat16"; `device`: "cpu", "cuda", "cuda:N", ... (default: cuda when a GPU is
+        visible, else cpu). A hub id is looked up once with a timeout (HF_HUB_ETAG_TIMEOUT, 10 s); when the hub
+        cannot be reached, or HF_HUB_OFFLINE=1, only the local cache serves.
+        """
+        target, draft = _pair_paths(target, draft, no_draft)
+        # the cheap checks first: a typo should not wait for a model to load
+        torch_device = resolve_device(device)
+        parse_dtype(dtype)
+        make_config(block_size=block_size)
+        check_template_kwargs(chat_template_kwargs)
+        target_model = load_target(target, dtype, torch_device)
         drafter = None
-        if draft is not None and not no_draft:
-            drafter = load_drafter(draft, mask_token_id=mask_token_id, dtype=target_model.dtype, device=device)
+        if draft is not None:
+            drafter = load_drafter(draft, mask_token_id=mask_token_id, dtype=target_model.dtype, device=torch_device)
         return cls(target_model, drafter, block_size, chat_template_kwargs)
 
     # ---- prompts ------------------------------------------------------------------------------------
     def encode(self, prompt: Prompt, raw: bool = False,
                chat_template_kwargs: dict[str, Any] | None = None) -> list[int]:
         """Token ids for a prompt: ids as given; chat messages and (unless raw) text via the chat template, with
-        the pipeline's template variables updated by `chat_template_kwargs`."""
-        if isinstance(prompt, list) and all(isinstance(t, int) for t in prompt) and prompt:
-            return list(prompt)
+        the pipeline's template variables updated by `chat_template_kwargs`. A tokenizer without a chat template
+        gets text as it is."""
+        if not isinstance(raw, bool):
+            raise GenerationError(f"raw is True or False, got {raw!r}")
+        kind = _prompt_kind(prompt)
+        if kind == "token ids":
+            return [int(t) for t in prompt]
         if self.tokenizer is None:
             raise GenerationError("this target has no tokenizer; pass token ids instead of text")
         has_template = bool(getattr(self.tokenizer, "chat_template", None))
-        if isinstance(prompt, list):
+        if kind == "messages":
             _check_messages(prompt)
             if not has_template:
                 raise GenerationError("the tokenizer has no chat template; send plain text with raw=True")
             variables = {**self.chat_template_kwargs, **check_template_kwargs(chat_template_kwargs)}
-            return _as_ids(self.tokenizer.apply_chat_template(prompt, add_generation_prompt=True, tokenize=True,
-                                                              **variables))
-        if not isinstance(prompt, str):
-            raise GenerationError("a prompt is text, a list of chat messages or a list of token ids, "
-                                  f"not {type(prompt).__name__}")
+            return _as_ids(self.tokenizer.apply_chat_template(list(prompt), add_generation_prompt=True,
+                                                              tokenize=True, **variables))
+        check_text(prompt)
         if has_template and not raw:
             return self.encode([{"role": "user", "content": prompt}], chat_template_kwargs=chat_template_kwargs)
         return self.tokenizer(prompt, add_special_tokens=True)["input_ids"]
 
     # ---- generation -----------------------------------------------------------------------------------
     def generate(self, prompt: Prompt, raw: bool = False, **options: Any) -> GenerationOutput:
-        """Options are `GenerationConfig` fields: max_new_tokens, temperature, top_p, top_k, seed, ..."""
+        """Decode one prompt. Options are `GenerationConfig` fields: max_new_tokens, temperature, top_p, top_k,
+        seed, stop_token_ids, stop_strings, block_size. Returns a `GenerationOutput`: `output_ids` (the new
+        tokens), `text`, `finish_reason` ("stop" or "length") and `stats`."""
         return self.generate_batch([prompt], raw=raw, **options)[0]
 
     def generate_batch(self, prompts: list[Prompt], raw: bool = False, **options: Any) -> list[GenerationOutput]:
+        """Decode several prompts together (a ragged batch): one `GenerationOutput` per prompt, in order, each
+        the same as `generate` gives for that prompt alone."""
+        _check_batch(prompts)
         config = self._config(options)
-        return self.engine.generate([self.encode(p, raw) for p in prompts], config)
+        ids = [self.encode(p, raw) for p in prompts]
+        return self.engine.generate(ids, config) if ids else []
 
     def stream(self, prompt: Prompt, raw: bool = False, **options: Any) -> "TextStream":
-        """Iterate over text pieces as they are decoded; `.result` holds the output afterwards."""
+        """Decode one prompt, yielding text pieces as they are decoded (iterate once); `.result` holds the
+        `GenerationOutput` once the iteration ends."""
         config = self._config(options)
         return TextStream(self, self.engine.stream(self.encode(prompt, raw), config), config.stop_strings)
 
@@ -131,9 +162,14 @@ class TextStream:
     def __init__(self, pipe: DFlash, tokens, stop_strings: list[str]):
         self._tokens = tokens
         self._deltas = TextDeltas(pipe.tokenizer, stop_strings)
-        self.result: GenerationOutput | None = None
+        self._started = False
+        self.result: GenerationOutput | None = None  # set when the iteration ends
 
     def __iter__(self) -> Iterator[str]:
+        if self._started:
+            raise GenerationError("a stream is iterated once; read its .result, or call stream(...) again for a "
+                                  "new generation")
+        self._started = True
         for new in self._tokens:
             piece = self._deltas.add(new)
             if piece:
@@ -145,19 +181,123 @@ class TextStream:
 
 
 def make_config(**options: Any) -> GenerationConfig:
+    """A `GenerationConfig` from keyword options; an unknown option or a bad value is a GenerationError."""
     known = {f.name for f in fields(GenerationConfig)}
     unknown = sorted(set(options) - known)
     if unknown:
         raise GenerationError(f"unknown generation option(s) {unknown}; known: {sorted(known)}")
-    return GenerationConfig(**options)
+    config = GenerationConfig(**options)
+    if not math.isfinite(config.temperature):  # nan passes `< 0`, and inf turns every distribution uniform
+        raise GenerationError(f"temperature must be a finite number >= 0 (0 is greedy), got {config.temperature}")
+    return config
 
 
-def _check_messages(messages: list) -> None:
-    if not messages:
-        raise GenerationError("messages is empty; send at least one {'role': 'user', 'content': ...}")
+def load_target(path_or_id: str | os.PathLike, dtype: str | torch.dtype | None = None,
+                device: str | torch.device = "cpu") -> TargetModel:
+    """A target and its tokenizer from a directory or hub id; a checkpoint that is not one, or whose files cannot
+    be read, is a CheckpointError naming the directory."""
+    directory = resolve_model_dir(path_or_id)
+    check_target_dir(directory)
+    try:
+        return TargetModel.from_pretrained(directory, dtype=dtype, device=device)
+    except UserError:
+        raise
+    except (OSError, ValueError, RuntimeError, SafetensorError) as err:  # transformers' and torch's load failures
+        raise load_failure("the target", directory, err) from None
+
+
+def _pair_paths(target, draft, no_draft: bool) -> tuple[str | os.PathLike, str | os.PathLike | None]:
+    """The target and drafter to load (the drafter None to decode plainly: `no_draft` overrides `draft`), or a
+    UserError for a pair that cannot be meant."""
+    if no_draft:
+        draft = None
+    if target is None:
+        if draft is not None:
+            raise UserError("a draft model needs its target: pass target= too (a drafter only fits the target it "
+                            "was trained for)")
+        target, draft = DEFAULT_TARGET, (None if no_draft else DEFAULT_DRAFT)
+        missing = [p for p in (target, draft) if p is not None and not (Path(p) / "config.json").exists()]
+        if missing:
+            raise UserError(f"the embedded model pair is missing ({', '.join(map(str, missing))}); reinstall "
+                            "dflash from a full checkout, or pass --target/--draft")
+    elif draft is None and not no_draft:
+        raise UserError("a target needs draft= (the DFlash drafter trained for it), or no_draft=True to decode with "
+                        "the target alone")
+    return target, draft
+
+
+def _check_models(target: Any, drafter: Any) -> None:
+    if not isinstance(target, TargetModel):
+        raise UserError(f"DFlash(target, drafter) takes a dflash.TargetModel, not {type(target).__name__}; to load "
+                        "from directories or hub ids use DFlash.from_pretrained(target, draft)")
+    if drafter is not None and not isinstance(drafter, DFlashDraftModel):
+        raise UserError(f"the drafter is a dflash.DFlashDraftModel (dflash.load_drafter(path)) or None, not "
+                        f"{type(drafter).__name__}")
+
+
+def _is_token_id(value: Any) -> bool:
+    return isinstance(value, numbers.Integral) and not isinstance(value, bool)
+
+
+def _prompt_kind(prompt: Any) -> str:
+    """"text", "messages" or "token ids"; anything else (an empty list, a list of strings, a tensor) is a
+    GenerationError saying what a prompt is."""
+    if isinstance(prompt, str):
+        return "text"
+    if isinstance(prompt, (list, tuple)):
+        if not prompt:
+            raise GenerationError(f"the prompt is empty; a prompt is {_PROMPT_KINDS} (at least one)")
+        if _is_token_id(prompt[0]):
+            bad = next((t for t in prompt if not _is_token_id(t)), None)
+            if bad is not None:
+                raise GenerationError(f"token ids are integers, but this prompt of token ids also holds {bad!r}")
+            return "token ids"
+        if isinstance(prompt[0], dict):
+            return "messages"
+        if isinstance(prompt[0], str):
+            raise GenerationError("a list of strings is several prompts: pass them to generate_batch, or one "
+                                  "string to generate")
+        raise GenerationError(f"a prompt's list holds token ids (integers) or chat messages (dicts), not "
+                              f"{type(prompt[0]).__name__} like {prompt[0]!r}")
+    if isinstance(prompt, dict):
+        raise GenerationError("a chat prompt is a list of messages: wrap the message in a list, [{'role': ..., "
+                              "'content': ...}]")
+    if hasattr(prompt, "tolist"):
+        raise GenerationError(f"token ids are a list of integers; convert the {type(prompt).__name__} with "
+                              ".tolist() (one prompt's ids, not a batch)")
+    raise GenerationError(f"a prompt is {_PROMPT_KINDS}, not {type(prompt).__name__}")
+
+
+def check_text(text: str, what: str = "the prompt") -> None:
+    """Refuse empty text, and text that is not Unicode (see `_check_unicode`)."""
+    if not text:
+        raise GenerationError(f"{what} is empty; give the text to decode")
+    _check_unicode(text, what)
+
+
+def _check_unicode(text: str, what: str) -> None:
+    """Refuse lone surrogates: Python's stand-ins for bytes that were not UTF-8 (e.g. in a command line)."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as err:
+        raise GenerationError(f"{what} is not valid text: character {err.start} ({text[err.start]!r}) stands for a "
+                              "byte that was not UTF-8; pass UTF-8 text") from None
+
+
+def _check_messages(messages: list | tuple) -> None:
     for m in messages:
         if not isinstance(m, dict) or not isinstance(m.get("role"), str) or not isinstance(m.get("content"), str):
             raise GenerationError(f"each message needs string 'role' and 'content', got {m!r}")
+        _check_unicode(m["content"], "a message's content")
+
+
+def _check_batch(prompts: Any) -> None:
+    if not isinstance(prompts, (list, tuple)):
+        raise GenerationError(f"generate_batch takes a list of prompts, not {type(prompts).__name__}; for one "
+                              "prompt call generate")
+    if prompts and all(_is_token_id(p) for p in prompts):
+        raise GenerationError("generate_batch takes a list of prompts, and this is one prompt's token ids: call "
+                              "generate(ids), or generate_batch([ids])")
 
 
 def _as_ids(encoded) -> list[int]:

@@ -2,4 +2,8 @@
 
 
 class UserError(ValueError):
-    """Something the user or client gave was wrong; the message says what and how to fix it."""
+    """Something the user or client gave was wrong; the message says what and how to fix it.
+
+    Its kinds: `CheckpointError` (a model that cannot be found or read), `DrafterConfigError` (a drafter config
+    that cannot be used), `IncompatibleDrafterError` (a drafter trained for another target), `GenerationError`
+    (a prompt or generation option the engine cannot serve)."""

@@ -1,6 +1,11 @@
-import pytest
+import math
+import shutil
 
-from dflash import DFlash
+import numpy as np
+import pytest
+import torch
+
+from dflash import CheckpointError, DFlash, GenerationError
 from dflash.errors import UserError
 
 
@@ -50,12 +55,111 @@ def test_stream_pieces_add_up_to_the_text_without_the_stop_string(pipe):
 
 
 def test_bad_prompts_and_options(pipe):
-    with pytest.raises(UserError, match="messages is empty"):
-        pipe.generate([])
     with pytest.raises(UserError, match="role"):
         pipe.generate([{"content": "hi"}])
     with pytest.raises(UserError, match="unknown generation option"):
         pipe.generate("hi", max_tokens=3)
+
+
+@pytest.mark.parametrize("prompt, message", [
+    ([], "the prompt is empty"),
+    ("", "the prompt is empty"),
+    (["first", "second"], "several prompts: pass them to generate_batch"),
+    ({"role": "user", "content": "hi"}, "wrap the message in a list"),
+    ([1, "a"], "also holds 'a'"),
+    ([True, False], "not bool"),
+    ([1.0, 2.0], "not float"),
+    (torch.tensor([1, 2]), r"\.tolist\(\)"),
+    (b"hi", "not bytes"),
+    ("caf\udce9", "not UTF-8"),  # a byte that was not UTF-8, as Python decodes a command line
+    ([{"role": "user", "content": "\udcff"}], "not UTF-8"),
+])
+def test_a_prompt_that_is_none_of_the_three_kinds_says_what_a_prompt_is(pipe, prompt, message):
+    with pytest.raises(GenerationError, match=message):
+        pipe.generate(prompt, max_new_tokens=2)
+
+
+def test_token_ids_may_be_a_tuple_or_numpy_integers(pipe):
+    ids = pipe.encode("How many clips?")
+    assert pipe.encode(tuple(ids)) == pipe.encode([np.int64(t) for t in ids]) == ids
+    assert all(type(t) is int for t in pipe.encode([np.int64(t) for t in ids]))
+
+
+def test_batches_and_streams_are_used_as_documented(pipe):
+    assert pipe.generate_batch([], max_new_tokens=2) == []
+    with pytest.raises(GenerationError, match="for one prompt call generate"):
+        pipe.generate_batch("How many clips?", max_new_tokens=2)  # not five prompts of one character
+    with pytest.raises(GenerationError, match="one prompt's token ids"):
+        pipe.generate_batch([5, 6, 7], max_new_tokens=2)
+    with pytest.raises(GenerationError, match="raw is True or False"):
+        pipe.generate("hi", raw="yes")
+    stream = pipe.stream("Weng earns", max_new_tokens=4)
+    text = "".join(stream)
+    assert text == stream.result.text
+    with pytest.raises(GenerationError, match="iterated once"):
+        list(stream)
+
+
+@pytest.mark.parametrize("temperature", [math.nan, math.inf])
+def test_temperature_must_be_finite(pipe, temperature):
+    with pytest.raises(GenerationError, match="temperature must be a finite number"):
+        pipe.generate("hi", max_new_tokens=2, temperature=temperature)
+    with pytest.raises(GenerationError, match="temperature must be a finite number"):
+        pipe.stream("hi", max_new_tokens=2, temperature=temperature)
+
+
+def test_pairs_that_cannot_be_meant_are_refused_before_loading(tiny_pair, pipe):
+    target_dir, draft_dir = tiny_pair
+    with pytest.raises(UserError, match="needs its target"):
+        DFlash.from_pretrained(draft=draft_dir)  # would pair it with the embedded target
+    with pytest.raises(UserError, match="needs draft="):
+        DFlash.from_pretrained(target_dir)  # silently plain decoding before
+    with pytest.raises(UserError, match="takes a dflash.TargetModel"):
+        DFlash(str(target_dir))
+    with pytest.raises(UserError, match="DFlashDraftModel"):
+        DFlash(pipe.target, str(draft_dir))
+
+
+@pytest.mark.parametrize("device, message", [("bogus", "unknown device"), ("meta", "holds no data"),
+                                             (0, "must be a string")])
+def test_a_device_this_machine_lacks_is_a_clear_error(tiny_pair, device, message):
+    with pytest.raises(UserError, match=message):
+        DFlash.from_pretrained(*tiny_pair, device=device)
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="needs a machine without CUDA")
+def test_cuda_on_a_machine_without_it(tiny_pair):
+    with pytest.raises(UserError, match="'cuda' is not available"):
+        DFlash.from_pretrained(*tiny_pair, device="cuda")
+
+
+def _copy_target(tiny_pair, tmp_path, drop=()):
+    target = tmp_path / "target"
+    shutil.copytree(tiny_pair[0], target, ignore=shutil.ignore_patterns(*drop))
+    return target
+
+
+def test_a_target_without_a_tokenizer_or_that_is_a_drafter_is_refused(tiny_pair, tmp_path):
+    bare = _copy_target(tiny_pair, tmp_path, drop=("tokenizer*", "special_tokens_map.json", "chat_template*"))
+    with pytest.raises(CheckpointError, match="has no tokenizer"):
+        DFlash.from_pretrained(bare, no_draft=True)
+    with pytest.raises(CheckpointError, match="is a DFlash drafter, not a target"):
+        DFlash.from_pretrained(tiny_pair[1], no_draft=True)
+
+
+@pytest.mark.parametrize("damaged", ["model.safetensors", "tokenizer.json"])
+def test_a_damaged_target_file_is_named_not_a_traceback(tiny_pair, tmp_path, damaged):
+    target = _copy_target(tiny_pair, tmp_path)
+    (target / damaged).write_bytes((target / damaged).read_bytes()[:100])
+    with pytest.raises(CheckpointError, match="damaged or incomplete"):
+        DFlash.from_pretrained(target, no_draft=True, device="cpu")
+
+
+def test_error_types_are_exported():
+    import dflash
+
+    assert issubclass(dflash.CheckpointError, dflash.UserError)
+    assert issubclass(dflash.GenerationError, dflash.UserError)
 
 
 THINKING_TEMPLATE = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"

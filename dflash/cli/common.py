@@ -50,8 +50,9 @@ def add_model_arguments(parser: argparse.ArgumentParser, block_size_sweep: bool 
     else:
         group.add_argument("--block-size", type=int,
                            help="tokens verified per step: the anchor + draft tokens (<= the drafter's block size)")
-    group.add_argument("--dtype", choices=["auto", "float32", "float16", "bfloat16"], default="auto")
-    group.add_argument("--device", help="cpu, cuda, cuda:1, ... (default: cuda if available)")
+    group.add_argument("--dtype", choices=["auto", "float32", "float16", "bfloat16"], default="auto",
+                       help="weights' dtype (default: auto, the checkpoint's own)")
+    group.add_argument("--device", help="cpu, cuda, cuda:1, ... (default: cuda if a GPU is visible, else cpu)")
     add_thinking_argument(group)
 
 
@@ -73,6 +74,9 @@ def load_pipeline(args: argparse.Namespace):
 
     if args.draft and not args.target:
         raise UserError("--draft needs --target (the drafter must be paired with the target it was trained for)")
+    if args.target and not args.draft and not args.no_draft:
+        raise UserError("--target needs --draft, the DFlash drafter trained for it (or --no-draft to decode with "
+                        "the target alone)")
     return DFlash.from_pretrained(
         args.target, args.draft, no_draft=args.no_draft, dtype=args.dtype, device=args.device,
         block_size=args.block_size, mask_token_id=args.mask_token_id, chat_template_kwargs=chat_template_kwargs(args),

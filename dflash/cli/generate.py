@@ -4,61 +4,127 @@ from __future__ import annotations
 
 import argparse
 import json
+import re
 import sys
 
-from dflash.api import make_config
+from dflash.api import check_text, make_config
 from dflash.cli.common import add_model_arguments, load_pipeline
 from dflash.decoding.engine import SpeculativeEngine
 from dflash.errors import UserError
 
+_ESCAPES = {"\\n": "\n", "\\t": "\t", "\\r": "\r", "\\\\": "\\"}
+
+
+class _GivenOnce(argparse.Action):
+    """A flag that may appear once: a second --prompt would otherwise silently replace the first."""
+
+    def __call__(self, parser, namespace, values, option_string=None):
+        if getattr(namespace, self.dest, None) is not None:
+            raise argparse.ArgumentError(self, "given more than once; dflash generate decodes one prompt (decode "
+                                               "several with `dflash bench` or the Python API's generate_batch)")
+        setattr(namespace, self.dest, values)
+
+
+def stop_string(text: str) -> str:
+    """A --stop value with \\n, \\t, \\r and \\\\ read as the characters they name (as the shell passes them)."""
+    if not text:
+        raise argparse.ArgumentTypeError("a stop string cannot be empty")
+    return re.sub(r"\\[ntr\\]", lambda m: _ESCAPES[m.group()], text)
+
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     add_model_arguments(parser, auto_block_size=True)
-    parser.add_argument("--prompt", required=True, help="the prompt text (the chat template is applied)")
-    parser.add_argument("--raw", action="store_true", help="send the prompt as is, without the chat template")
-    parser.add_argument("--max-new-tokens", type=int, default=256)
-    parser.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
-    parser.add_argument("--top-p", type=float, default=1.0)
-    parser.add_argument("--top-k", type=int, default=0, help="0 = no top-k")
-    parser.add_argument("--seed", type=int)
-    parser.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
-    parser.add_argument("--compare", action="store_true",
-                        help="also decode plainly with the same target and report the speedup")
-    parser.add_argument("--json", action="store_true", help="print one JSON object instead of streaming")
+    group = parser.add_argument_group("prompt and decoding")
+    group.add_argument("--prompt", required=True, action=_GivenOnce,
+                       help="the prompt text; the chat template is applied unless --raw")
+    group.add_argument("--raw", action="store_true", help="send the prompt as is, without the chat template")
+    group.add_argument("--max-new-tokens", type=int, default=256,
+                       help="the most tokens to generate (default 256); the prompt and these must fit the target's "
+                            "context")
+    group.add_argument("--temperature", type=float, default=0.0, help="0 (default) decodes greedily; > 0 samples")
+    group.add_argument("--top-p", type=float, default=1.0,
+                       help="sample from the most likely tokens that make up this probability, in (0, 1] "
+                            "(default 1: all)")
+    group.add_argument("--top-k", type=int, default=0, help="sample from the k most likely tokens (default 0: all)")
+    group.add_argument("--seed", type=int,
+                       help="when sampling: the same seed gives the same text, at any block size, with or without "
+                            "the drafter")
+    group.add_argument("--stop", action="append", default=[], type=stop_string,
+                       help=r"stop before this text (repeatable; \n and \t stand for newline and tab)")
+    group.add_argument("--compare", action="store_true",
+                       help="also decode plainly with the same target and report the speedup")
+    group.add_argument("--json", action="store_true", help="print one JSON object instead of streaming")
 
 
 def run(args: argparse.Namespace) -> int:
+    options = _check_arguments(args)
+    pipe = load_pipeline(args)
+    prompt_ids = pipe.encode(args.prompt, raw=args.raw)
+    _check_room(pipe.engine, len(prompt_ids), args.max_new_tokens)  # before the warm-up asks for fewer tokens
+    pipe.generate(prompt_ids, **{**options, "max_new_tokens": 2})  # warm-up, so timings are steady-state
+    out = pipe.generate(prompt_ids, **options) if args.json else _stream(pipe, prompt_ids, options)
+    report = summary(out)
+    try:
+        if args.compare:
+            report.update(compare_with_plain(pipe, prompt_ids, options, out))
+    finally:  # Ctrl-C during the plain decode still reports the DFlash one
+        if args.json:
+            print(json.dumps(report))
+        else:
+            print(stats_line(report), file=sys.stderr)
+    return 0
+
+
+def _check_arguments(args: argparse.Namespace) -> dict:
+    """The generation options, checked before any model loads: a typo should not wait for a model."""
     if not args.prompt.strip():
         raise UserError("--prompt is empty; give the text to decode, e.g. --prompt \"What is 7 * 8?\"")
+    check_text(args.prompt, "--prompt")
     if args.compare and args.no_draft:
         raise UserError("--compare measures DFlash against plain decoding of the same target; drop --no-draft")
-    pipe = load_pipeline(args)
     options = dict(max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_p=args.top_p,
                    top_k=args.top_k, seed=args.seed, stop_strings=args.stop)
-    prompt_ids = pipe.encode(args.prompt, raw=args.raw)
-    pipe.generate(prompt_ids, **{**options, "max_new_tokens": 2})  # warm-up, so timings are steady-state
-    if args.json:
-        out = pipe.generate(prompt_ids, **options)
-    else:
-        stream = pipe.stream(prompt_ids, **options)
+    make_config(**options)
+    return options
+
+
+def _check_room(engine: SpeculativeEngine, prompt_tokens: int, max_new_tokens: int) -> None:
+    """Refuse a prompt + --max-new-tokens that the target's context cannot hold, saying how many tokens fit."""
+    room = engine.room(prompt_tokens)
+    if room is None or max_new_tokens <= room:
+        return
+    why = f"(a decode step writes a block of {engine.proposer.block_size} tokens past the last one)"
+    if room < 1:
+        raise UserError(f"the prompt ({prompt_tokens} tokens) leaves no room for an answer in the target's context "
+                        f"of {engine.context_length} tokens {why}; shorten the prompt")
+    raise UserError(f"the prompt ({prompt_tokens} tokens) leaves room for at most {room} new tokens in the target's "
+                    f"context of {engine.context_length} {why}; lower --max-new-tokens to {room} or shorten the prompt")
+
+
+def _stream(pipe, prompt_ids: list[int], options: dict):
+    """Write the text as it is decoded; the GenerationOutput afterwards."""
+    stream = pipe.stream(prompt_ids, **options)
+    try:
         for piece in stream:
             sys.stdout.write(piece)
             sys.stdout.flush()
+    finally:  # end the line (also on Ctrl-C), and before the stats line on stderr
         sys.stdout.write("\n")
-        out = stream.result
-    report = summary(out)
-    if args.compare:
-        plain = SpeculativeEngine(pipe.target)  # the same target, no drafter
-        plain.generate([prompt_ids], make_config(**{**options, "max_new_tokens": 2}))  # warm-up
-        baseline = plain.generate([prompt_ids], make_config(**options))[0]
-        report["baseline_decode_tokens_per_s"] = round(baseline.stats.decode_tokens_per_s, 2)
-        report["speedup"] = round(out.stats.decode_tokens_per_s / max(baseline.stats.decode_tokens_per_s, 1e-9), 2)
-        report["matches_baseline"] = baseline.output_ids == out.output_ids
-    if args.json:
-        print(json.dumps(report))
-    else:
-        print(stats_line(report), file=sys.stderr)
-    return 0
+        sys.stdout.flush()
+    return stream.result
+
+
+def compare_with_plain(pipe, prompt_ids: list[int], options: dict, out) -> dict:
+    """Decode the same prompt with the target alone: its speed, the speedup, and whether the output is the same."""
+    plain = SpeculativeEngine(pipe.target)  # the same target, no drafter
+    plain.generate([prompt_ids], make_config(**{**options, "max_new_tokens": 2}))  # warm-up
+    baseline = plain.generate([prompt_ids], make_config(**options))[0]
+    ours, theirs = out.stats.decode_tokens_per_s, baseline.stats.decode_tokens_per_s
+    return {
+        "baseline_decode_tokens_per_s": round(theirs, 2),
+        "speedup": round(ours / theirs, 2) if ours > 0 and theirs > 0 else None,  # None: no decode step to time
+        "matches_baseline": baseline.output_ids == out.output_ids,
+    }
 
 
 def summary(out) -> dict:
@@ -79,10 +145,19 @@ def summary(out) -> dict:
 
 
 def stats_line(report: dict) -> str:
-    line = (f"[{report['num_output_tokens']} tokens | acceptance length {report['mean_acceptance_length']:.2f} | "
-            f"{report['decode_tokens_per_s']:.1f} tok/s | TTFT {report['time_to_first_token_s'] * 1000:.0f} ms")
-    if "speedup" in report:
+    n = report["num_output_tokens"]
+    parts = [f"{n} token{'' if n == 1 else 's'}"]
+    if len(report["acceptance_lengths"]) > 1:
+        parts += [f"acceptance length {report['mean_acceptance_length']:.2f}",
+                  f"{report['decode_tokens_per_s']:.1f} tok/s"]
+    else:  # the prefill's token only
+        parts.append("no decode step to measure")
+    parts.append(f"TTFT {report['time_to_first_token_s'] * 1000:.0f} ms")
+    if "matches_baseline" in report:
         same = "identical output" if report["matches_baseline"] else "OUTPUT DIFFERS"
-        baseline = report["baseline_decode_tokens_per_s"]
-        line += f" | plain decoding {baseline:.1f} tok/s -> {report['speedup']:.2f}x, {same}"
-    return line + "]"
+        if report["speedup"] is None:
+            parts.append(f"plain decoding: {same}")
+        else:
+            baseline = report["baseline_decode_tokens_per_s"]
+            parts.append(f"plain decoding {baseline:.1f} tok/s -> {report['speedup']:.2f}x, {same}")
+    return "[" + " | ".join(parts) + "]"

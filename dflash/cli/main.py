@@ -17,7 +17,10 @@ COMMANDS = {
 
 
 def build_parser() -> argparse.ArgumentParser:
+    from dflash import __version__
+
     parser = argparse.ArgumentParser(prog="dflash", description="Lossless block-diffusion speculative decoding.")
+    parser.add_argument("--version", action="version", version=f"dflash {__version__}")
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     for name, (module, help_text) in COMMANDS.items():
         command = sub.add_parser(name, help=help_text, description=help_text)
@@ -41,12 +44,25 @@ def run_command(args: argparse.Namespace, prog: str) -> int:
     except UserError as err:
         print(f"{prog}: error: {err}", file=sys.stderr)
         return 2
+    except BrokenPipeError:  # whoever read our output stopped (e.g. `| head`): stop quietly, as other tools do
+        _drop_stdout()
+        return 141  # 128 + SIGPIPE, what a shell reports for a command stopped by a closed pipe
     except (FileNotFoundError, OSError) as err:
         print(f"{prog}: error: {err}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:
         print(f"{prog}: interrupted", file=sys.stderr)
         return 130
+
+
+def _drop_stdout() -> None:
+    """Point stdout at /dev/null, so that Python's flush at exit does not fail on the closed pipe again."""
+    import os
+
+    try:
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+    except (OSError, ValueError, AttributeError):  # no file descriptor (e.g. a test's captured stdout)
+        pass
 
 
 def _quiet_libraries() -> None:

@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import numbers
 from dataclasses import dataclass, field
 from typing import Any
 
+from dflash.config_types import type_mismatch
 from dflash.errors import UserError
 
 # Fields this dataclass owns; everything else in a config.json is kept in `extra` and written back.
@@ -19,6 +21,26 @@ _OWNED = {
 
 class DrafterConfigError(UserError):
     """A drafter config.json that cannot be used; the message says what to change."""
+
+
+# The drafter's shape: whole numbers >= 1, checked before anything is built from them.
+_SIZES = ("hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads",
+          "head_dim", "vocab_size", "num_target_layers", "max_position_embeddings")
+
+
+def check_sizes(values: dict[str, Any]) -> None:
+    """Refuse a size in `values` (name -> value; the names of `_SIZES` present) that is not a whole number >= 1."""
+    bad = [f"{name} {value!r}" for name, value in values.items() if name in _SIZES and value is not None
+           and (not isinstance(value, numbers.Integral) or isinstance(value, bool) or value < 1)]
+    if bad:
+        raise DrafterConfigError(f"drafter config: {', '.join(bad)}; each must be a whole number >= 1")
+
+
+def check_layer_ids(layer_ids: Any) -> None:
+    if (not isinstance(layer_ids, (list, tuple)) or not layer_ids
+            or not all(isinstance(i, numbers.Integral) and not isinstance(i, bool) for i in layer_ids)):
+        raise DrafterConfigError(f"drafter config: target_layer_ids must be a non-empty list of target layer "
+                                 f"indices, got {layer_ids!r}")
 
 
 def default_target_layer_ids(num_target_layers: int, num_draft_layers: int) -> list[int]:
@@ -58,6 +80,15 @@ class DrafterConfig:
     extra: dict[str, Any] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
+        check_sizes({name: getattr(self, name) for name in _SIZES})
+        check_layer_ids(self.target_layer_ids)
+        for name in ("mask_token_id", "block_size", "rms_norm_eps", "sliding_window"):
+            expected = type_mismatch(DrafterConfig, name, getattr(self, name))
+            if expected:
+                raise DrafterConfigError(f"drafter config: {name} must be {expected}, got {getattr(self, name)!r}")
+        if self.num_attention_heads % self.num_key_value_heads:
+            raise DrafterConfigError(f"drafter config: num_attention_heads {self.num_attention_heads} is not a "
+                                     f"multiple of num_key_value_heads {self.num_key_value_heads}")
         if not self.layer_types:
             self.layer_types = ["full_attention"] * self.num_hidden_layers
         if len(self.layer_types) != self.num_hidden_layers:
@@ -78,6 +109,8 @@ class DrafterConfig:
     def from_dict(cls, raw: dict[str, Any], mask_token_id: int | None = None) -> "DrafterConfig":
         """Parse the public format: `dflash_config` (new), top-level fields, or the legacy form without either."""
         dflash = raw.get("dflash_config") or {}
+        if not isinstance(dflash, dict):
+            raise DrafterConfigError(f"drafter config: dflash_config must be an object, got {dflash!r}")
         architectures = raw.get("architectures") or []
         if architectures and not any("DFlash" in a for a in architectures):
             raise DrafterConfigError(
@@ -87,6 +120,7 @@ class DrafterConfig:
         missing = [k for k in ("hidden_size", "num_hidden_layers", "num_attention_heads", "vocab_size") if k not in raw]
         if missing:
             raise DrafterConfigError(f"drafter config.json lacks {', '.join(missing)}; is this a DFlash drafter?")
+        check_sizes({**dflash, **raw})  # before any arithmetic on them below
         mask = mask_token_id if mask_token_id is not None else dflash.get("mask_token_id", raw.get("mask_token_id"))
         if mask is None:
             raise DrafterConfigError(
@@ -102,6 +136,7 @@ class DrafterConfig:
                     "config.json has neither target_layer_ids nor num_target_layers; add one of them"
                 )
             layer_ids = default_target_layer_ids(n_target, n_layers)
+        check_layer_ids(layer_ids)
         heads = raw["num_attention_heads"]
         rope = {k: raw[k] for k in ("rope_theta", "rope_scaling", "rope_parameters") if raw.get(k) is not None}
         return cls(
@@ -114,7 +149,7 @@ class DrafterConfig:
             vocab_size=raw["vocab_size"],
             num_target_layers=n_target if n_target is not None else max(layer_ids) + 1,
             target_layer_ids=list(layer_ids),
-            mask_token_id=int(mask),
+            mask_token_id=mask,
             block_size=dflash.get("block_size", raw.get("block_size", 16)),
             rms_norm_eps=raw.get("rms_norm_eps", 1e-6),
             max_position_embeddings=raw.get("max_position_embeddings", 32768),

@@ -1,4 +1,5 @@
-"""Read and write drafters in the public DFlash checkpoint format (config.json + safetensors)."""
+"""Read and write drafters in the public DFlash checkpoint format (config.json + safetensors); find checkpoints
+on disk or on the Hugging Face hub, and the device to load them on."""
 
 from __future__ import annotations
 
@@ -7,6 +8,7 @@ import os
 from pathlib import Path
 
 import torch
+from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 
 from dflash.errors import UserError
@@ -15,6 +17,17 @@ from dflash.model.drafter import DFlashDraftModel
 
 _DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16,
            "fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
+
+# What a hub download fetches: configs, weights, tokenizer files and chat templates.
+_HUB_PATTERNS = ["*.json", "*.safetensors", "*.txt", "*.model", "*.jinja", "*.tiktoken"]
+
+# Any of these makes a directory hold a tokenizer that AutoTokenizer can load.
+_TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json", "vocab.txt",
+                    "spiece.model", "sentencepiece.bpe.model")
+
+# Why the hub could not be reached, once it could not: later look-ups in this process go to the local cache at
+# once instead of waiting for the network again.
+_hub_unreachable: str | None = None
 
 
 class CheckpointError(UserError):
@@ -31,23 +44,139 @@ def parse_dtype(dtype: str | torch.dtype | None) -> torch.dtype | None:
     return _DTYPES[dtype]
 
 
+def resolve_device(device: str | torch.device | None) -> torch.device:
+    """The device to load on: None is cuda when a GPU is visible, else cpu. A device this machine does not have is
+    a UserError naming what it has, before any weights are read."""
+    if device is None:
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if not isinstance(device, (str, torch.device)):
+        raise UserError(f"device must be a string such as 'cpu' or 'cuda:0', got {device!r}")
+    try:
+        parsed = torch.device(device)
+    except RuntimeError:
+        raise UserError(f"unknown device {device!r}; use cpu, cuda, cuda:N (a GPU's index) or mps") from None
+    problem = _device_problem(parsed)
+    if problem:
+        raise UserError(f"device {str(parsed)!r} {problem}")
+    return parsed
+
+
+def _device_problem(device: torch.device) -> str | None:
+    """Why this machine cannot load on `device`; None when it can."""
+    if device.type == "cpu":
+        return None
+    if device.type == "meta":
+        return "holds no data (meta tensors); use cpu or cuda"
+    if device.type == "cuda":
+        if not torch.cuda.is_available():
+            why = ("this torch was built without CUDA" if torch.version.cuda is None
+                   else "no CUDA GPU is visible (check CUDA_VISIBLE_DEVICES and the driver)")
+            return f"is not available: {why} ({torch.__version__}); use cpu"
+        count = torch.cuda.device_count()
+        if device.index is not None and device.index >= count:
+            return f"does not exist: this machine has {count} CUDA GPU(s), cuda:0..cuda:{count - 1}"
+        return None
+    backend = getattr(torch, device.type, None) or getattr(torch.backends, device.type, None)
+    available = getattr(backend, "is_available", None)
+    if available is None:
+        return "is not supported by dflash; use cpu or cuda"
+    return None if available() else "is not available on this machine; use cpu"
+
+
 def resolve_model_dir(path_or_id: str | os.PathLike, revision: str | None = None) -> Path:
-    """A local directory as is; anything else is treated as a Hugging Face hub repo id and downloaded."""
+    """A local directory as is; anything else that reads as a Hugging Face hub repo id is fetched from the hub (or
+    its local cache). The hub is asked once with a timeout (HF_HUB_ETAG_TIMEOUT, 10 s by default); when it cannot
+    be reached, or HF_HUB_OFFLINE is set, only the local cache serves."""
+    if not isinstance(path_or_id, (str, os.PathLike)):
+        raise CheckpointError(f"a model is a directory path or a hub id like org/name, not {type(path_or_id).__name__}"
+                              f" {path_or_id!r}")
     path = Path(path_or_id).expanduser()
     if path.is_dir():
         return path
-    if path.exists() or str(path_or_id).startswith((".", "/", "~")) or str(path_or_id).count("/") > 1:
-        raise CheckpointError(f"{path_or_id} is not a directory; give a checkpoint directory or a hub id like org/name")
-    from huggingface_hub import snapshot_download
+    if path.exists():
+        raise CheckpointError(f"{path_or_id} is a file; give the checkpoint directory that holds its config.json "
+                              "and weights")
+    if not _is_hub_id(str(path_or_id)):
+        raise CheckpointError(f"{path_or_id} does not exist; give a checkpoint directory or a hub id like org/name")
+    return _from_hub(str(path_or_id), revision)
+
+
+def _is_hub_id(text: str) -> bool:
+    from huggingface_hub.utils import HFValidationError, validate_repo_id
+
+    if text.startswith((".", "/", "~")) or text.count("/") > 1:
+        return False
+    try:
+        validate_repo_id(text)
+    except HFValidationError:
+        return False
+    return True
+
+
+def _from_hub(repo_id: str, revision: str | None) -> Path:
+    """The snapshot directory of `repo_id`: downloaded when the hub answers, else from the local cache."""
+    from huggingface_hub import constants, snapshot_download
+    from huggingface_hub.utils import LocalEntryNotFoundError
+
+    offline = bool(constants.HF_HUB_OFFLINE)
+    unreachable = None if offline else _probe_hub(repo_id, revision, float(constants.HF_HUB_ETAG_TIMEOUT))
+    try:
+        return Path(snapshot_download(repo_id, revision=revision, allow_patterns=_HUB_PATTERNS,
+                                      local_files_only=offline or unreachable is not None))
+    except LocalEntryNotFoundError as err:
+        if not offline and unreachable is None:
+            raise _download_failure(repo_id, err) from None
+        why = ("HF_HUB_OFFLINE is set" if offline
+               else f"the Hugging Face hub is not reachable ({unreachable})")
+        raise CheckpointError(
+            f"{repo_id} is not a local directory, and it cannot be downloaded: {why}, and the local cache "
+            f"({constants.HF_HUB_CACHE}) has no copy of it. Pass a local checkpoint directory instead, or download "
+            f"it first where the hub is reachable (`hf download {repo_id}`; then HF_HUB_OFFLINE=1 skips the hub)"
+        ) from None
+    except Exception as err:  # a download that broke off, a full disk, a denied file: all mean "could not get it"
+        raise _download_failure(repo_id, err) from None
+
+
+def _download_failure(repo_id: str, err: BaseException) -> CheckpointError:
+    return CheckpointError(f"could not download {repo_id} from the Hugging Face hub ({_first_line(err)}); check the "
+                           "id and your connection, or pass a local directory")
+
+
+def _probe_hub(repo_id: str, revision: str | None, timeout_s: float) -> str | None:
+    """None when the hub answers for `repo_id`; why not when it cannot be reached in `timeout_s`. A repository
+    the hub does not have (or hides) is a CheckpointError saying so.
+
+    `snapshot_download` asks the hub without a timeout, so a network that swallows packets would hang it for
+    minutes; this look-up is bounded."""
+    global _hub_unreachable
+    if _hub_unreachable is not None:
+        return _hub_unreachable
+    from huggingface_hub import HfApi
+    from huggingface_hub.utils import GatedRepoError, HfHubHTTPError, RepositoryNotFoundError, RevisionNotFoundError
 
     try:
-        return Path(snapshot_download(str(path_or_id), revision=revision,
-                                      allow_patterns=["*.json", "*.safetensors", "*.txt", "*.model", "*.jinja"]))
-    except Exception as err:  # network, auth, missing repo: all mean "could not get it"
-        raise CheckpointError(
-            f"could not find {path_or_id!r} locally or download it from the Hugging Face hub ({type(err).__name__}: "
-            f"{str(err).splitlines()[0] if str(err) else ''}); check the path or id, or download it first"
-        ) from None
+        HfApi().repo_info(repo_id, revision=revision, timeout=timeout_s)
+        return None
+    except GatedRepoError:
+        raise CheckpointError(f"{repo_id} is a gated repository on the Hugging Face hub: accept its terms on its "
+                              "page and log in (`hf auth login`), or pass a local directory") from None
+    except RepositoryNotFoundError:
+        raise CheckpointError(f"{repo_id} is neither a local directory nor a repository on the Hugging Face hub (a "
+                              "private one needs `hf auth login`); check the path or id") from None
+    except RevisionNotFoundError:
+        raise CheckpointError(f"{repo_id} has no revision {revision!r} on the Hugging Face hub") from None
+    except HfHubHTTPError as err:  # the hub answered with an error of its own (e.g. 5xx): the cache may serve
+        return _first_line(err)
+    except Exception as err:  # no network, DNS, refused, timed out (the HTTP client's own error types)
+        timed_out = "Timeout" in type(err).__name__
+        _hub_unreachable = (f"no answer in {timeout_s:g} s; HF_HUB_ETAG_TIMEOUT sets the wait" if timed_out
+                            else _first_line(err))
+        return _hub_unreachable
+
+
+def _first_line(err: BaseException) -> str:
+    text = str(err).strip().splitlines()
+    return f"{type(err).__name__}: {text[0]}" if text else type(err).__name__
 
 
 def read_config(directory: Path, what: str = "a model checkpoint") -> dict:
@@ -64,21 +193,49 @@ def read_config(directory: Path, what: str = "a model checkpoint") -> dict:
     return raw
 
 
+def check_target_dir(directory: Path) -> None:
+    """Refuse, before any weights load, a target directory that is not a causal LM with a tokenizer."""
+    raw = read_config(directory, "a Hugging Face causal LM checkpoint")
+    if any("DFlash" in str(a) for a in raw.get("architectures") or []):
+        raise CheckpointError(f"{directory} is a DFlash drafter, not a target model; pass it as the draft model "
+                              "(--draft) and the model it drafts for as the target (--target)")
+    if not any((directory / name).is_file() for name in _TOKENIZER_FILES):
+        raise CheckpointError(f"{directory} has no tokenizer (none of {', '.join(_TOKENIZER_FILES[:3])}, ...); copy "
+                              "the tokenizer files of the model it was made from into it")
+
+
+def load_failure(what: str, directory: Path, err: BaseException) -> CheckpointError:
+    """A CheckpointError for weights or files that were found but could not be loaded."""
+    damaged = isinstance(err, (SafetensorError, json.JSONDecodeError, UnicodeDecodeError))
+    advice = "; its files are damaged or incomplete: copy or download them again" if damaged else ""
+    return CheckpointError(f"could not load {what} from {directory} ({_first_line(err)}){advice}")
+
+
 def _read_state_dict(directory: Path) -> dict[str, torch.Tensor]:
     index = directory / "model.safetensors.index.json"
     if index.exists():
-        shards = sorted(set(json.loads(index.read_text())["weight_map"].values()))
-        state: dict[str, torch.Tensor] = {}
-        for shard in shards:
-            state.update(load_file(directory / shard))
-        return state
-    files = sorted(directory.glob("*.safetensors"))
+        try:
+            files = [directory / shard for shard in sorted(set(json.loads(index.read_text())["weight_map"].values()))]
+        except (ValueError, KeyError, TypeError, AttributeError, UnicodeDecodeError) as err:
+            raise load_failure("the drafter's weight index", directory, err) from None
+    else:
+        files = sorted(directory.glob("*.safetensors"))
     if not files:
         raise CheckpointError(f"no *.safetensors weights in {directory}")
-    state = {}
+    state: dict[str, torch.Tensor] = {}
     for f in files:
-        state.update(load_file(f))
+        try:
+            state.update(load_file(f))
+        except (SafetensorError, OSError) as err:
+            raise load_failure("the drafter's weights", directory, err) from None
     return state
+
+
+def _shape_mismatches(model: torch.nn.Module, state: dict[str, torch.Tensor]) -> list[str]:
+    """Weights whose shape differs from what config.json builds, as 'name: file [..], config [..]'."""
+    expected = model.state_dict()
+    return [f"{k}: file {list(v.shape)}, config {list(expected[k].shape)}" for k, v in state.items()
+            if k in expected and tuple(v.shape) != tuple(expected[k].shape)]
 
 
 def load_drafter(
@@ -89,12 +246,21 @@ def load_drafter(
     revision: str | None = None,
 ) -> DFlashDraftModel:
     """Load a drafter from a local directory or a hub id, in any of the public config forms."""
+    device = resolve_device(device)
     directory = resolve_model_dir(path_or_id, revision)
     raw = read_config(directory, "a DFlash drafter checkpoint")
-    config = DrafterConfig.from_dict(raw, mask_token_id=mask_token_id)
+    try:
+        config = DrafterConfig.from_dict(raw, mask_token_id=mask_token_id)
+    except DrafterConfigError as err:
+        raise DrafterConfigError(f"cannot use the drafter in {directory}: {err}") from None
     state = _read_state_dict(directory)
     state = {k.removeprefix("model."): v for k, v in state.items()}
     model = DFlashDraftModel(config)
+    wrong_shapes = _shape_mismatches(model, state)
+    if wrong_shapes:
+        raise CheckpointError(f"the weights in {directory} do not have the shapes its config.json describes: "
+                              f"{'; '.join(wrong_shapes[:4])}{' ...' if len(wrong_shapes) > 4 else ''}; fix "
+                              "config.json or use the weights it was saved with")
     missing, unexpected = model.load_state_dict(state, strict=False)
     missing = [k for k in missing if "rotary_emb" not in k]
     if missing or unexpected:
@@ -119,4 +285,4 @@ def save_drafter(model: DFlashDraftModel, directory: str | os.PathLike, dtype: t
 
 
 __all__ = ["CheckpointError", "DrafterConfigError", "load_drafter", "save_drafter", "resolve_model_dir", "parse_dtype",
-           "read_config"]
+           "read_config", "resolve_device", "check_target_dir", "load_failure"]

@@ -1,8 +1,11 @@
 import json
+import re
 
 import pytest
+import torch
 
-from dflash.cli.main import main
+from dflash.cli import generate
+from dflash.cli.main import build_parser, main
 
 
 def test_json_output_has_the_documented_fields(tiny_pair, capsys):
@@ -68,3 +71,120 @@ def test_enable_thinking_flag(command):
     assert chat_template_kwargs(parse([command, *extra])) is None  # the template's own default
     assert chat_template_kwargs(parse([command, *extra, "--no-enable-thinking"])) == {"enable_thinking": False}
     assert chat_template_kwargs(parse([command, *extra, "--enable-thinking"])) == {"enable_thinking": True}
+
+
+def _args(tiny_pair, *extra) -> list[str]:
+    return ["generate", "--target", str(tiny_pair[0]), "--draft", str(tiny_pair[1]), *extra]
+
+
+def test_a_second_prompt_is_refused_not_silently_used(tiny_pair, capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        main(_args(tiny_pair, "--prompt", "first", "--prompt", "second"))
+    assert exit_info.value.code == 2
+    assert "--prompt: given more than once" in capsys.readouterr().err
+
+
+def test_stop_strings_read_escapes_as_the_readme_writes_them(capsys):
+    args = build_parser().parse_args(["generate", "--prompt", "x", "--stop", r"\n\n", "--stop", r"a\tb\\n"])
+    assert args.stop == ["\n\n", "a\tb\\n"]
+    with pytest.raises(SystemExit):
+        build_parser().parse_args(["generate", "--prompt", "x", "--stop", ""])
+    assert "a stop string cannot be empty" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("flags, message", [
+    (["--temperature", "nan"], "temperature must be a finite number"),
+    (["--temperature", "inf"], "temperature must be a finite number"),
+    (["--top-p", "0"], "top_p"),
+    (["--max-new-tokens", "0"], "max_new_tokens must be >= 1"),
+    (["--device", "bogus"], "unknown device 'bogus'"),
+])
+def test_bad_options_are_refused_before_any_model_loads(flags, message, capsys):
+    """The target does not exist: the option is named first, without waiting for a model to load."""
+    assert main(["generate", "--target", "/nonexistent/target", "--no-draft", "--prompt", "x", *flags]) == 2
+    err = capsys.readouterr().err
+    assert message in err and "Traceback" not in err
+
+
+def test_a_prompt_that_is_not_utf8_and_a_target_without_a_drafter(tiny_pair, capsys):
+    assert main(_args(tiny_pair, "--prompt", "caf\udce9")) == 2  # what Python makes of a Latin-1 byte in argv
+    assert "--prompt is not valid text" in capsys.readouterr().err
+    assert main(["generate", "--target", str(tiny_pair[0]), "--prompt", "x"]) == 2  # was: plain decoding
+    assert "--target needs --draft" in capsys.readouterr().err
+
+
+def test_a_prompt_and_answer_beyond_the_context_say_how_many_tokens_fit(tiny_pair, capsys):
+    """Before: the engine's sum, which the warm-up's 2 tokens replaced the asked-for number in."""
+    assert main(_args(tiny_pair, "--prompt", "How many clips?", "--max-new-tokens", "5000")) == 2
+    err = capsys.readouterr().err
+    assert re.search(r"leaves room for at most \d+ new tokens in the target's context of 1024 .*--max-new-tokens", err)
+    assert main(_args(tiny_pair, "--prompt", "Natalia sold clips " * 400)) == 2
+    assert "leaves no room for an answer in the target's context of 1024 tokens" in capsys.readouterr().err
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="needs a machine without CUDA")
+def test_device_cuda_without_cuda(tiny_pair, capsys):
+    assert main(_args(tiny_pair, "--prompt", "x", "--device", "cuda")) == 2
+    assert "'cuda' is not available" in capsys.readouterr().err
+
+
+def test_one_token_has_no_decode_step_to_measure(tiny_pair, capsys):
+    assert main(_args(tiny_pair, "--prompt", "How many clips?", "--max-new-tokens", "1", "--compare")) == 0
+    err = capsys.readouterr().err
+    assert "[1 token | no decode step to measure |" in err and "0.00x" not in err
+    assert main(_args(tiny_pair, "--prompt", "How many clips?", "--max-new-tokens", "1", "--compare", "--json")) == 0
+    report = json.loads(capsys.readouterr().out)
+    assert report["speedup"] is None and report["matches_baseline"] is True
+
+
+class _Interrupted:
+    """A stream that yields one piece, then the user presses Ctrl-C."""
+
+    result = None
+
+    def __iter__(self):
+        yield "The answer"
+        raise KeyboardInterrupt
+
+
+def test_ctrl_c_while_streaming_ends_the_line(tiny_pair, capsys, monkeypatch):
+    from dflash.api import DFlash
+
+    monkeypatch.setattr(DFlash, "stream", lambda self, *args, **kwargs: _Interrupted())
+    assert main(_args(tiny_pair, "--prompt", "x", "--max-new-tokens", "4")) == 130
+    captured = capsys.readouterr()
+    assert captured.out == "The answer\n" and captured.err.strip() == "dflash generate: interrupted"
+
+
+def test_ctrl_c_during_the_plain_decode_still_reports_dflash(tiny_pair, capsys, monkeypatch):
+    def interrupted(*args):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(generate, "compare_with_plain", interrupted)
+    assert main(_args(tiny_pair, "--prompt", "x", "--max-new-tokens", "4", "--compare")) == 130
+    err = capsys.readouterr().err
+    assert "acceptance length" in err and err.strip().endswith("dflash generate: interrupted")
+
+
+def test_a_closed_output_pipe_stops_quietly(tiny_pair, capsys, monkeypatch):
+    def closed_pipe(args):
+        raise BrokenPipeError(32, "Broken pipe")
+
+    monkeypatch.setattr(generate, "run", closed_pipe)
+    assert main(_args(tiny_pair, "--prompt", "x")) == 141
+    assert capsys.readouterr().err == ""
+
+
+def test_every_option_says_what_it_does():
+    parser = build_parser()
+    sub = next(a for a in parser._actions if a.dest == "command").choices["generate"]
+    undocumented = [a.option_strings[0] for a in sub._actions if a.option_strings and not a.help]
+    assert undocumented == []
+
+
+def test_stats_line_reads_well():
+    report = {"num_output_tokens": 40, "acceptance_lengths": [1, 4, 3], "mean_acceptance_length": 3.5,
+              "decode_tokens_per_s": 378.4, "time_to_first_token_s": 0.008, "baseline_decode_tokens_per_s": 256.5,
+              "speedup": 1.48, "matches_baseline": True}
+    assert generate.stats_line(report) == ("[40 tokens | acceptance length 3.50 | 378.4 tok/s | TTFT 8 ms | plain "
+                                           "decoding 256.5 tok/s -> 1.48x, identical output]")

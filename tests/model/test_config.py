@@ -51,3 +51,24 @@ def test_sliding_layers_need_a_window():
     with pytest.raises(DrafterConfigError, match="sliding_window"):
         DrafterConfig.from_dict(raw)
     assert DrafterConfig.from_dict({**raw, "sliding_window": 4}).sliding_window == 4
+
+
+GOOD = {**BASE, "num_target_layers": 8, "dflash_config": {"mask_token_id": 1, "target_layer_ids": [1, 5]}}
+
+
+@pytest.mark.parametrize("change, message", [
+    ({"hidden_size": "64"}, "hidden_size '64'; each must be a whole number >= 1"),
+    ({"num_attention_heads": 0}, "num_attention_heads 0"),
+    ({"num_hidden_layers": 1.5}, "num_hidden_layers 1.5"),
+    ({"num_key_value_heads": 3}, "not a multiple of num_key_value_heads 3"),
+    ({"block_size": "16"}, "block_size must be an integer, got '16'"),
+    ({"dflash_config": {"mask_token_id": "1", "target_layer_ids": [1, 5]}}, "mask_token_id must be an integer"),
+    ({"dflash_config": {"mask_token_id": 1, "target_layer_ids": 5}}, "target_layer_ids must be a non-empty list"),
+    ({"dflash_config": {"mask_token_id": 1, "target_layer_ids": []}}, "target_layer_ids must be a non-empty list"),
+    ({"dflash_config": "mask 1"}, "dflash_config must be an object"),
+])
+def test_a_value_of_the_wrong_kind_is_named(change, message):
+    """Before: a TypeError, ZeroDivisionError or a wall of size mismatches from deep inside the model."""
+    with pytest.raises(DrafterConfigError, match=message):
+        DrafterConfig.from_dict({**GOOD, **change})
+    assert DrafterConfig.from_dict(GOOD).target_layer_ids == [1, 5]

@@ -3,8 +3,11 @@
 from __future__ import annotations
 
 import json
+import socket
 import subprocess
 import sys
+import threading
+import time
 
 import pytest
 import torch
@@ -12,7 +15,8 @@ from safetensors.torch import save_file
 
 from conftest import tiny_drafter
 from dflash.errors import UserError
-from dflash.model import CheckpointError, IncompatibleDrafterError, load_drafter
+from dflash.model import CheckpointError, IncompatibleDrafterError, load_drafter, loading
+from dflash.model.loading import check_target_dir, resolve_device, resolve_model_dir
 from dflash.model.target import check_compatible
 
 H, INTER, HEADS, KV, D, V = 64, 128, 4, 2, 16, 128
@@ -150,5 +154,122 @@ def test_cli_refuses_a_mismatched_drafter_without_traceback(tmp_path, tiny_pair)
 
 
 def test_missing_local_path_is_a_clear_error(tmp_path):
-    with pytest.raises(CheckpointError, match="not a directory|could not find"):
+    with pytest.raises(CheckpointError, match="does not exist"):
         load_drafter(tmp_path / "nowhere" / "x")
+    (tmp_path / "model.safetensors").write_bytes(b"")
+    with pytest.raises(CheckpointError, match="is a file; give the checkpoint directory"):
+        resolve_model_dir(tmp_path / "model.safetensors")
+    with pytest.raises(CheckpointError, match="does not exist"):
+        resolve_model_dir("not a hub id!")  # neither a path nor an id: the hub is not asked
+    with pytest.raises(CheckpointError, match="not int"):
+        resolve_model_dir(7)
+
+
+def test_weights_of_another_shape_than_config_json_says_are_named(tmp_path):
+    write_checkpoint(tmp_path / "d", public_config(intermediate_size=96), public_state_dict(2, 2 * H))
+    with pytest.raises(CheckpointError, match=r"mlp.down_proj.weight: file \[64, 128\], config \[64, 96\]"):
+        load_drafter(tmp_path / "d")
+
+
+def test_damaged_weights_are_named_not_a_traceback(tmp_path):
+    write_checkpoint(tmp_path / "d", public_config(), public_state_dict(2, 2 * H))
+    weights = tmp_path / "d" / "model.safetensors"
+    weights.write_bytes(weights.read_bytes()[:200])
+    with pytest.raises(CheckpointError, match="damaged or incomplete"):
+        load_drafter(tmp_path / "d")
+
+
+def test_a_bad_config_value_names_the_drafter_directory(tmp_path):
+    write_checkpoint(tmp_path / "d", public_config(hidden_size="64"), public_state_dict(2, 2 * H))
+    with pytest.raises(UserError, match=f"drafter in {tmp_path / 'd'}: .*hidden_size '64'"):
+        load_drafter(tmp_path / "d")
+
+
+def test_a_target_directory_needs_a_tokenizer_and_must_not_be_a_drafter(tmp_path):
+    write_checkpoint(tmp_path / "d", public_config(), public_state_dict(2, 2 * H))
+    with pytest.raises(CheckpointError, match="is a DFlash drafter, not a target model"):
+        check_target_dir(tmp_path / "d")
+    (tmp_path / "t").mkdir()
+    (tmp_path / "t" / "config.json").write_text(json.dumps({"model_type": "qwen3"}))
+    with pytest.raises(CheckpointError, match="has no tokenizer"):
+        check_target_dir(tmp_path / "t")
+    (tmp_path / "t" / "tokenizer.json").write_text("{}")
+    check_target_dir(tmp_path / "t")
+
+
+@pytest.mark.parametrize("device, message", [
+    ("bogus", "unknown device 'bogus'"), ("meta", "holds no data"), (3, "must be a string"),
+    pytest.param("cuda", "'cuda' is not available", marks=pytest.mark.skipif(torch.cuda.is_available(),
+                                                                            reason="a machine without CUDA")),
+])
+def test_devices_this_machine_lacks(device, message):
+    with pytest.raises(UserError, match=message):
+        resolve_device(device)
+    assert resolve_device("cpu") == torch.device("cpu")
+
+
+def _accept_and_stay_silent(server: socket.socket) -> None:
+    held = []
+    try:
+        while True:
+            held.append(server.accept())
+    except OSError:  # the test closed the socket
+        pass
+
+
+@pytest.fixture
+def silent_hub(monkeypatch, tmp_path):
+    """A hub endpoint that accepts connections and never answers (a network that swallows requests), an empty
+    cache, and a short wait."""
+    from huggingface_hub import constants
+
+    server = socket.socket()
+    server.bind(("127.0.0.1", 0))
+    server.listen(8)
+    threading.Thread(target=_accept_and_stay_silent, args=(server,), daemon=True).start()
+    monkeypatch.setattr(constants, "ENDPOINT", f"http://127.0.0.1:{server.getsockname()[1]}")
+    monkeypatch.setattr(constants, "HF_HUB_CACHE", str(tmp_path / "hub-cache"))
+    monkeypatch.setattr(constants, "HF_HUB_ETAG_TIMEOUT", 0.5)
+    monkeypatch.setattr(constants, "HF_HUB_OFFLINE", False)
+    monkeypatch.setattr(constants, "HF_HUB_DISABLE_TELEMETRY", True)  # its own 3 s wait for the same endpoint
+    monkeypatch.setattr(loading, "_hub_unreachable", None)
+    yield
+    server.close()
+
+
+def _within(seconds: float, fn):
+    """fn's exception, or a failure when it has not returned after `seconds` (instead of hanging the suite)."""
+    outcome = []
+
+    def call():
+        try:
+            fn()
+            outcome.append(None)
+        except Exception as err:
+            outcome.append(err)
+
+    worker = threading.Thread(target=call, daemon=True)
+    worker.start()
+    worker.join(seconds)
+    assert outcome, f"still waiting for the hub after {seconds} s"
+    return outcome[0]
+
+
+def test_a_hub_id_when_the_hub_does_not_answer_is_a_clear_error_in_seconds(silent_hub):
+    start = time.monotonic()
+    err = _within(20, lambda: resolve_model_dir("Qwen/Qwen3-8B"))
+    assert isinstance(err, CheckpointError), err
+    message = str(err)
+    assert "hub is not reachable (no answer in 0.5 s" in message
+    assert "local checkpoint directory" in message and "HF_HUB_OFFLINE=1" in message
+    start = time.monotonic()
+    err = _within(20, lambda: resolve_model_dir("z-lab/Qwen3-8B-DFlash-b16"))  # the drafter: no second wait
+    assert isinstance(err, CheckpointError) and time.monotonic() - start < 0.5
+
+
+def test_a_hub_id_with_hf_hub_offline_goes_to_the_cache_only(silent_hub, monkeypatch):
+    from huggingface_hub import constants
+
+    monkeypatch.setattr(constants, "HF_HUB_OFFLINE", True)
+    with pytest.raises(CheckpointError, match="HF_HUB_OFFLINE is set, and the local cache"):
+        resolve_model_dir("Qwen/Qwen3-8B")
