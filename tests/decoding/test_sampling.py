@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import pytest
 import torch
 from scipy.stats import chisquare
 
@@ -40,3 +41,9 @@ def test_seeds_and_positions_give_different_noise():
     assert not torch.equal(first, PositionNoise(4).exponentials(7, 64))
     assert torch.equal(first, PositionNoise(3 + 2**64).exponentials(7, 64))  # seeds are taken modulo 2**64
     assert torch.equal(first, PositionNoise(3).exponentials(7, 64))
+
+
+@pytest.mark.parametrize("temperature", [float("nan"), float("inf"), -0.5])
+def test_a_temperature_that_is_no_finite_number_above_zero_is_refused(temperature):
+    with pytest.raises(ValueError, match="finite number >= 0"):
+        SamplingParams(temperature)
