@@ -231,8 +231,10 @@ class SpeculativeEngine:
         room = self.room(len(prompt_ids))
         if room is not None and config.max_new_tokens > room:
             raise GenerationError(
-                f"prompt ({len(prompt_ids)} tokens) + max_new_tokens ({config.max_new_tokens}) exceeds the target's "
-                f"context of {self.context_length} tokens; shorten the prompt or lower max_new_tokens"
+                f"a prompt of {len(prompt_ids)} tokens leaves room for at most {max(room, 0)} new tokens, not "
+                f"max_new_tokens={config.max_new_tokens}: the target's context is {self.context_length} tokens, and "
+                f"decoding keeps one block ({self.proposer.block_size} tokens) free past the last one; shorten the "
+                "prompt or lower max_new_tokens"
             )
         stop_ids = config.stop_token_ids if config.stop_token_ids is not None else self.target.eos_token_ids()
         stop = StopChecker(stop_ids, config.stop_strings, config.max_new_tokens, self.tokenizer)

@@ -221,6 +221,13 @@ def test_bad_requests_are_refused_clearly(target, bad):
         engine.generate([bad["prompt"]], bad["config"])
 
 
+def test_a_request_beyond_the_context_is_told_how_many_tokens_fit(target):
+    engine = SpeculativeEngine(target, DFlashProposer(tiny_drafter(target), target))  # block 16, context 1024
+    with pytest.raises(GenerationError, match=r"a prompt of 2 tokens leaves room for at most 1006 new tokens, not "
+                                              r"max_new_tokens=5000: .* one block \(16 tokens\)"):
+        engine.generate([[1, 2]], GenerationConfig(max_new_tokens=5000))
+
+
 @pytest.mark.parametrize("field,value", [
     ("max_new_tokens", 0), ("temperature", -1), ("top_p", 0), ("top_k", -2),
     ("max_new_tokens", "10"), ("max_new_tokens", 2.5), ("temperature", "0.5"), ("top_k", 1.5), ("seed", "1"),
