@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from dflash.decoding.proposer import DFlashProposer, Draft
-from dflash.model.config import DrafterConfig, default_target_layer_ids
+from dflash.model.config import DFlash2Options, DrafterConfig, default_target_layer_ids
 from dflash.model.drafter import DFlashDraftModel
 from dflash.model.target import TargetModel
 
@@ -228,3 +228,22 @@ def linear_step_costs(per_token_s: float, fixed_s: float = 0.01):
     from dflash.decoding.block_policy import StepCosts
 
     return StepCosts({(r, k): fixed_s + per_token_s * r * k for r in (1, 2, 4, 8) for k in (2, 4, 8, 16)})
+
+
+# ---- DFlash2 ------------------------------------------------------------------------------------------------
+DFLASH2_OPTIONS = DFlash2Options(selector_rank=8, selector_top_k=4)
+
+
+def dflash2_drafter(target, layers: int = 2, block_size: int = 16, seed: int = 0, scale: float = 0.3):
+    """A DFlash2 drafter whose convolutions and selector are far from their identity start."""
+    from dflash.training.drafter_setup import to_dflash2
+
+    drafter = tiny_drafter(target, layers=layers, block_size=block_size, seed=seed)
+    to_dflash2(drafter, DFLASH2_OPTIONS)
+    generator = torch.Generator().manual_seed(seed + 1)
+    with torch.no_grad():
+        for name, param in drafter.named_parameters():
+            if "conv" in name or "candidate_selector" in name:
+                param.add_(torch.randn(param.shape, generator=generator) * scale)
+        drafter.candidate_selector.predecessor_codebook.mul_(20)  # pair scores that overrule the top-1
+    return drafter.eval()

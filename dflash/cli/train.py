@@ -27,6 +27,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--intermediate-size", type=int,
                         help="the drafter's MLP width (default: the target's); with --init-from, a larger value "
                              "widens the drafter's MLP (new units start silent, so the drafter starts unchanged)")
+    parser.add_argument("--dflash2", action="store_true", default=None,
+                        help="train a DFlash2 drafter: an in-block convolution around every sublayer and a candidate "
+                             "selector (architecture DFlash2DraftModel); with --init-from a DFlash drafter, both are "
+                             "added in a form that starts by drafting as it did")
+    parser.add_argument("--selector-rank", type=int, help="DFlash2: width of the selector's codebooks (default 256)")
+    parser.add_argument("--selector-top-k", type=int, help="DFlash2: candidates per draft position (default 16)")
+    parser.add_argument("--selector-loss-weight", type=float,
+                        help="DFlash2: weight of the selector's cross-entropy next to the block loss (default 1)")
     parser.add_argument("--anchors-per-sequence", type=int)
     parser.add_argument("--anchor-policy", choices=["uniform", "decoding"],
                         help="where blocks start: 'uniform' (default) draws anchors at random in each response; "

@@ -14,6 +14,7 @@ import torch
 from dflash.decoding.sampling import sample, to_probs
 from dflash.decoding.slots import compaction_index, gather_slots, pad_and_concat
 from dflash.errors import UserError
+from dflash.model.dflash2 import Lattice, walk
 from dflash.model.drafter import DFlashDraftModel, DrafterCache
 from dflash.model.target import TargetModel, check_compatible
 
@@ -51,6 +52,54 @@ class Proposer(Protocol):
     def compact(self, state: object) -> None: ...
 
     def merge(self, states: list[object], batch_sizes: list[int]) -> object: ...
+
+
+def draft_per_position(logits: torch.Tensor, rows: list) -> Draft:
+    """DFlash: each position's token on its own, from logits (b, k, vocab): the argmax (greedy rows), the row's
+    noise on the drafter's distribution (seeded rows), or a draw from it (the rest, whose probs are kept)."""
+    tokens = logits.argmax(-1)
+    probs: list[torch.Tensor | None] = [None] * len(rows)
+    for r, row in enumerate(rows):
+        if row.params.greedy:
+            continue
+        if row.noise is not None:  # the position's own noise on the drafter's distribution (no probs needed)
+            tokens[r] = row.noise.choose(to_probs(logits[r], row.params), row.next_position)
+        else:
+            probs[r] = to_probs(logits[r], row.params)
+            tokens[r] = sample(probs[r], row.generator)
+    return Draft(tokens=tokens, probs=probs)
+
+
+def draft_along_path(lattice: Lattice, rows: list, vocab_size: int) -> Draft:
+    """DFlash2: one path through the positions' candidates, each position's token chosen after the one before:
+    the best-scoring candidate (greedy rows), or from the distribution the scores give the candidates after the
+    row's temperature, top-k and top-p (seeded rows with their noise; the rest by a draw, whose probs are kept)."""
+    tokens, _ = walk(lattice)  # (b, k)
+    probs: list[torch.Tensor | None] = [None] * len(rows)
+    for r, row in enumerate(rows):
+        if not row.params.greedy:
+            tokens[r], probs[r] = _sample_path(lattice, r, row, vocab_size)
+            if row.noise is not None:
+                probs[r] = None  # verification matches the target's own draws; no proposal probabilities needed
+    return Draft(tokens=tokens, probs=probs)
+
+
+def _sample_path(lattice: Lattice, r: int, row, vocab_size: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Row r's path, one position at a time: tokens (k,) and each position's proposal distribution (k, vocab)."""
+    k = lattice.candidates.shape[1]
+    tokens = lattice.candidates.new_zeros(k)
+    probs = lattice.scores.new_zeros(k, vocab_size)
+    previous = 0  # any predecessor row at t = 0 holds the anchor's scores
+    for t in range(k):
+        candidates, scores = lattice.candidates[r, t], lattice.scores[r, t, previous]  # (K,), (K,)
+        logits = scores.new_full((vocab_size,), float("-inf")).scatter(0, candidates, scores)
+        probs[t] = to_probs(logits, row.params)
+        if row.noise is not None:
+            tokens[t] = row.noise.choose(probs[t][None], row.next_position + t)[0]
+        else:
+            tokens[t] = sample(probs[t][None], row.generator)[0]
+        previous = int((candidates == tokens[t]).nonzero()[0, 0])
+    return tokens, probs
 
 
 class NoDraftProposer:
@@ -144,17 +193,9 @@ class DFlashProposer:
             outputs=slice(1, self.block_size),  # the draft tokens this block verifies
         )  # (b, k, h)
         logits = self.target.lm_head(hidden.to(self.target.dtype)).float()  # (b, k, vocab)
-        tokens = logits.argmax(-1)
-        probs: list[torch.Tensor | None] = [None] * b
-        for r, row in enumerate(rows):
-            if row.params.greedy:
-                continue
-            if row.noise is not None:  # the position's own noise on the drafter's distribution (no probs needed)
-                tokens[r] = row.noise.choose(to_probs(logits[r], row.params), row.next_position)
-            else:
-                probs[r] = to_probs(logits[r], row.params)
-                tokens[r] = sample(probs[r], row.generator)
-        return Draft(tokens=tokens, probs=probs)
+        if self.drafter.selector is not None:
+            return draft_along_path(self.drafter.selector.lattice(logits, hidden, anchors), rows, logits.shape[-1])
+        return draft_per_position(logits, rows)
 
     def select_rows(self, state: DFlashState, rows: torch.Tensor) -> None:
         state.cache.map_slots(lambda t, dim: t[rows])

@@ -43,6 +43,43 @@ def check_layer_ids(layer_ids: Any) -> None:
                                  f"indices, got {layer_ids!r}")
 
 
+@dataclass(frozen=True)
+class DFlash2Options:
+    """What DFlash2 adds to a drafter (REFERENCE section 3): a grouped dynamic depthwise convolution over the
+    block around every attention and MLP sublayer, and a candidate selector that walks one path through each
+    draft position's top candidates. In `dflash_config` of a `DFlash2DraftModel` checkpoint."""
+
+    conv_kernel_size: int = 2  # taps: position t reads t, t-1, ... within its own block
+    conv_group_size: int = 16  # channels sharing one dynamic kernel correction
+    selector_top_k: int = 16  # candidates per draft position
+    selector_rank: int = 256  # width of the predecessor / successor codebooks
+
+    FIELDS = ("conv_kernel_size", "conv_group_size", "selector_top_k", "selector_rank")
+
+    def check(self, hidden_size: int, vocab_size: int) -> None:
+        for name in self.FIELDS:
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                raise DrafterConfigError(f"dflash_config.{name} must be a whole number >= 1, got {value!r}")
+        if hidden_size % self.conv_group_size:
+            raise DrafterConfigError(f"dflash_config.conv_group_size {self.conv_group_size} must divide hidden_size "
+                                     f"{hidden_size}")
+        if self.selector_top_k > vocab_size:
+            raise DrafterConfigError(f"dflash_config.selector_top_k {self.selector_top_k} exceeds the vocabulary "
+                                     f"({vocab_size} tokens)")
+
+    @classmethod
+    def from_dflash_config(cls, dflash: dict[str, Any]) -> "DFlash2Options":
+        return cls(**{name: dflash[name] for name in cls.FIELDS if dflash.get(name) is not None})
+
+    def to_dict(self) -> dict[str, int]:
+        return {name: getattr(self, name) for name in self.FIELDS}
+
+
+def is_dflash2(architectures: list[str]) -> bool:
+    return "DFlash2DraftModel" in architectures
+
+
 def default_target_layer_ids(num_target_layers: int, num_draft_layers: int) -> list[int]:
     """Which target layers feed the drafter when a checkpoint does not say (REFERENCE section 1).
 
@@ -77,6 +114,7 @@ class DrafterConfig:
     sliding_window: int | None = None
     rope: dict[str, Any] = field(default_factory=lambda: {"rope_theta": 1_000_000.0})
     dtype: str | None = None
+    dflash2: DFlash2Options | None = None  # None: a DFlash drafter
     extra: dict[str, Any] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
@@ -99,6 +137,12 @@ class DrafterConfig:
             raise DrafterConfigError("layer_types uses 'sliding_attention' but sliding_window is not set")
         if self.block_size < 2:
             raise DrafterConfigError(f"block_size must be >= 2 (one anchor + draft tokens), got {self.block_size}")
+        if self.dflash2 is not None:
+            self.dflash2.check(self.hidden_size, self.vocab_size)
+
+    @property
+    def architecture(self) -> str:
+        return "DFlash2DraftModel" if self.dflash2 is not None else "DFlashDraftModel"
 
     @property
     def num_features(self) -> int:
@@ -157,6 +201,7 @@ class DrafterConfig:
             sliding_window=raw.get("sliding_window"),
             rope=rope or {"rope_theta": 1_000_000.0},
             dtype=raw.get("dtype") or raw.get("torch_dtype"),
+            dflash2=DFlash2Options.from_dflash_config(dflash) if is_dflash2(architectures) else None,
             extra={k: v for k, v in raw.items() if k not in _OWNED},
         )
 
@@ -164,7 +209,7 @@ class DrafterConfig:
         """The public config.json (Qwen3 fields + DFlash fields) that vLLM, SGLang and this package read."""
         out: dict[str, Any] = dict(self.extra)
         out.update(
-            architectures=["DFlashDraftModel"],
+            architectures=[self.architecture],
             model_type="qwen3",
             hidden_size=self.hidden_size,
             intermediate_size=self.intermediate_size,
@@ -186,6 +231,7 @@ class DrafterConfig:
                 "mask_token_id": self.mask_token_id,
                 "target_layer_ids": self.target_layer_ids,
                 "block_size": self.block_size,
+                **(self.dflash2.to_dict() if self.dflash2 is not None else {}),
             },
             **self.rope,
         )

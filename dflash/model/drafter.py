@@ -18,6 +18,7 @@ from torch import nn
 
 from dflash.model import hf_compat
 from dflash.model.config import DrafterConfig
+from dflash.model.dflash2 import CandidateSelector, GroupedDynamicConv, block_conv
 from dflash.model.slot_buffer import SlotBuffer
 
 
@@ -123,13 +124,31 @@ class DFlashDecoderLayer(nn.Module):
         self.self_attn = DFlashAttention(config)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.mlp = DFlashMLP(config)
+        if config.dflash2 is not None:  # DFlash2: an in-block convolution around each sublayer
+            self.attention_conv = GroupedDynamicConv(config.hidden_size, config.dflash2)
+            self.mlp_conv = GroupedDynamicConv(config.hidden_size, config.dflash2)
 
     def forward(self, x, context, cos, sin, mask, cache=None, layer_idx: int = 0,
-                queries: slice = slice(None)) -> torch.Tensor:
-        """x (b, q, h) -> the new hidden states of the `queries` positions, (b, asking, h)."""
+                queries: slice = slice(None), block_width: int | None = None) -> torch.Tensor:
+        """x (b, q, h) -> the new hidden states of the `queries` positions, (b, asking, h). `block_width`: the
+        positions per block (DFlash2's convolution stays inside one; default q, one block)."""
+        if hasattr(self, "attention_conv"):
+            return self._forward_dflash2(x, context, cos, sin, mask, cache, layer_idx, block_width or x.shape[1])[
+                :, queries]
         x = x[:, queries] + self.self_attn(self.input_layernorm(x), context, cos, sin, mask, cache, layer_idx,
                                            queries)
         return x + self.mlp(self.post_attention_layernorm(x))
+
+    def _forward_dflash2(self, x, context, cos, sin, mask, cache, layer_idx: int, width: int) -> torch.Tensor:
+        """Every position asks (a position's output convolution reads the one before it)."""
+        normed = self.input_layernorm(x)
+        kernels = self.attention_conv.kernels(normed)  # (b, q, 2, taps, h)
+        attended = self.self_attn(block_conv(normed, kernels[:, :, 0], width), context, cos, sin, mask, cache,
+                                  layer_idx)
+        x = x + block_conv(attended, kernels[:, :, 1], width)
+        normed = self.post_attention_layernorm(x)
+        kernels = self.mlp_conv.kernels(normed)
+        return x + block_conv(self.mlp(block_conv(normed, kernels[:, :, 0], width)), kernels[:, :, 1], width)
 
 
 class DrafterCache:
@@ -182,12 +201,18 @@ class DrafterCache:
 
 
 def init_weights(module: nn.Module, std: float = 0.02) -> None:
-    """A fresh drafter's weights for `module` and everything in it: Linear weights normal(0, std), norms ones."""
+    """A fresh drafter's weights for `module` and everything in it: Linear weights normal(0, std), norms ones;
+    DFlash2's convolutions the identity and its selector the top-1 walk."""
     for m in module.modules():
         if isinstance(m, nn.Linear):
             nn.init.normal_(m.weight, std=std)
         elif isinstance(m, RMSNorm):
             nn.init.ones_(m.weight)
+    for m in module.modules():
+        if isinstance(m, GroupedDynamicConv):
+            m.reset_to_identity()
+        elif isinstance(m, CandidateSelector):
+            m.init_weights(std)
 
 
 class DFlashDraftModel(nn.Module):
@@ -201,6 +226,13 @@ class DFlashDraftModel(nn.Module):
         self.hidden_norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.rotary_emb = hf_compat.rotary_embedding(config.qwen3_fields())
+        if config.dflash2 is not None:
+            self.candidate_selector = CandidateSelector(config.hidden_size, config.vocab_size, config.dflash2)
+
+    @property
+    def selector(self) -> CandidateSelector | None:
+        """DFlash2's candidate selector; None for a DFlash drafter (each position's top-1 is its draft)."""
+        return getattr(self, "candidate_selector", None)
 
     @classmethod
     def from_pretrained(cls, path_or_id: str, **kwargs) -> "DFlashDraftModel":
@@ -230,6 +262,7 @@ class DFlashDraftModel(nn.Module):
         cache: DrafterCache | None = None,
         attn_mask: torch.Tensor | None = None,  # (b, q, keys + q) bool; default: every valid key
         outputs: slice = slice(None),  # the block positions whose hidden states are wanted
+        block_width: int | None = None,  # positions per block when q holds several (training); default q
     ) -> torch.Tensor:
         """Returns the final normed hidden states of the block's `outputs` positions, (b, wanted, h).
 
@@ -258,5 +291,6 @@ class DFlashDraftModel(nn.Module):
         last = len(self.layers) - 1
         for i, layer in enumerate(self.layers):
             queries = outputs if i == last else slice(None)
-            hidden = layer(hidden, context, cos, sin, masks[self.config.layer_types[i]], cache, i, queries)
+            hidden = layer(hidden, context, cos, sin, masks[self.config.layer_types[i]], cache, i, queries,
+                           block_width)
         return self.norm(hidden)

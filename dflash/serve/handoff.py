@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from dflash.errors import UserError
-from dflash.model.config import DrafterConfig
+from dflash.model.config import DrafterConfig, is_dflash2
 from dflash.model.loading import read_config
 from dflash.model.target import check_compatible
 from dflash.serve.limits import check_max_model_len
@@ -105,6 +105,11 @@ def target_facts(target: str) -> TargetFacts:
 
 def drafter_config(draft: str) -> DrafterConfig:
     raw = _read_config(draft, "a DFlash drafter checkpoint")
+    if is_dflash2(raw.get("architectures") or []):
+        raise UserError(f"{draft} is a DFlash2 drafter (DFlash2DraftModel): the hand-off starts vLLM and SGLang with "
+                        "their DFlash method, which has no place for DFlash2's convolutions and candidate selector; "
+                        "serve it with `dflash serve` (without --engine), or train a DFlash drafter (dflash train "
+                        "without --dflash2) for the engines")
     if DRAFTER_ARCHITECTURE not in (raw.get("architectures") or []):
         raise UserError(f"{draft} declares architectures {raw.get('architectures')}; vLLM and SGLang load DFlash "
                         f"drafters declared as {DRAFTER_ARCHITECTURE!r}")

@@ -27,6 +27,10 @@ class TrainConfig:
     target_layer_ids: list[int] | None = None  # default: the published formula
     mask_token_id: int | None = None  # default: the tokenizer's mask token, or the first unused embedding row
     intermediate_size: int | None = None  # default: the target's
+    dflash2: bool = False  # a DFlash2 drafter (in-block convolutions + candidate selector)
+    selector_rank: int = 256  # DFlash2: codebook width
+    selector_top_k: int = 16  # DFlash2: candidates per draft position
+    selector_loss_weight: float = 1.0  # DFlash2: the selector's cross-entropy next to the block loss
     # objective
     anchors_per_sequence: int = 64
     anchor_policy: str = "uniform"  # "decoding": greedy decoding's anchors under the current drafter first
@@ -74,6 +78,9 @@ class TrainConfig:
              f"--draft-layers must be >= 1, got {self.draft_layers}"),
             (self.intermediate_size is None or self.intermediate_size >= 1,
              f"--intermediate-size must be >= 1, got {self.intermediate_size}"),
+            (self.selector_rank >= 1, f"--selector-rank must be >= 1, got {self.selector_rank}"),
+            (self.selector_top_k >= 1, f"--selector-top-k must be >= 1, got {self.selector_top_k}"),
+            (self.selector_loss_weight >= 0, f"--selector-loss-weight must be >= 0, got {self.selector_loss_weight}"),
             (self.batch_size >= 1, f"--batch-size must be >= 1, got {self.batch_size}"),
             (self.anchors_per_sequence >= 1, f"--anchors-per-sequence must be >= 1, got {self.anchors_per_sequence}"),
             (self.anchor_policy in ANCHOR_POLICIES,

@@ -1,5 +1,6 @@
 """A drafter to train: a new one shaped for the target (its mask token chosen and checked), or an existing one
-grown in place (more feature layers, a wider MLP, more layers), each growth starting out as the same function.
+grown in place (more feature layers, a wider MLP, more layers, DFlash2's modules), each growth starting out as the
+same function.
 """
 
 from __future__ import annotations
@@ -9,7 +10,8 @@ from torch import nn
 
 from dflash.errors import UserError
 from dflash.model import hf_compat
-from dflash.model.config import DrafterConfig, default_target_layer_ids
+from dflash.model.config import DFlash2Options, DrafterConfig, default_target_layer_ids
+from dflash.model.dflash2 import CandidateSelector, GroupedDynamicConv
 from dflash.model.drafter import DFlashDecoderLayer, DFlashDraftModel, init_weights
 from dflash.model.target import TargetModel
 from dflash.training.config import TrainConfig
@@ -81,7 +83,25 @@ def drafter_config_for(target: TargetModel, config: TrainConfig, mask_token_id: 
         rms_norm_eps=getattr(tc, "rms_norm_eps", 1e-6),
         max_position_embeddings=getattr(tc, "max_position_embeddings", 32768),
         rope=hf_compat.rope_fields(tc),
+        dflash2=dflash2_options(config) if config.dflash2 else None,
     )
+
+
+def dflash2_options(config: TrainConfig) -> DFlash2Options:
+    return DFlash2Options(selector_rank=config.selector_rank, selector_top_k=config.selector_top_k)
+
+
+def to_dflash2(drafter: DFlashDraftModel, options: DFlash2Options) -> None:
+    """Give a DFlash drafter DFlash2's modules: identity convolutions and a selector whose path is each position's
+    top-1, so it drafts exactly as before until training moves them."""
+    drafter.config.dflash2 = options
+    drafter.config.__post_init__()  # checks the options against the drafter's shape
+    device, dtype = drafter.fc.weight.device, drafter.fc.weight.dtype
+    for layer in drafter.layers:
+        layer.attention_conv = GroupedDynamicConv(drafter.config.hidden_size, options).to(device, dtype)
+        layer.mlp_conv = GroupedDynamicConv(drafter.config.hidden_size, options).to(device, dtype)
+    drafter.candidate_selector = CandidateSelector(drafter.config.hidden_size, drafter.config.vocab_size,
+                                                   options).to(device, dtype)
 
 
 def widen_features(drafter: DFlashDraftModel, layer_ids: list[int]) -> None:

@@ -6,6 +6,10 @@ strictly before a, all of its own block (bidirectional) and no other block. Bloc
 is labelled with x_{a+k} (same-position labels) and weighted by exp(-(k-1)/gamma); position 0 has no loss.
 Many blocks of one sequence are trained in a single drafter forward. Optionally (distillation) part of
 each position's loss is the KL from the target's own distribution for that token.
+
+A DFlash2 drafter adds a second term for its candidate selector (`selector_loss`): at each labelled position, a
+cross-entropy over the position's top candidates, scored after the true previous token, towards the label
+when it is among them; the same decay weights.
 """
 
 from __future__ import annotations
@@ -132,15 +136,17 @@ class LossOutput:
     counted: torch.Tensor  # (B,) labelled predictions per block position
     accepted: torch.Tensor  # () sum over blocks of leading correct draft tokens
     blocks: torch.Tensor  # () number of blocks with at least one label
+    selector_recall: float | None = None  # DFlash2: share of labelled positions whose label is a candidate
 
 
 def block_loss(logits: torch.Tensor, blocks: Blocks, block_size: int, soft_targets: torch.Tensor | None = None,
-               distill_weight: float = 0.0) -> LossOutput:
+               distill_weight: float = 0.0, drafted: torch.Tensor | None = None) -> LossOutput:
     """logits (b, n*B, vocab). Each sequence's loss is normalised by its weight sum, then averaged over
     sequences, so a batch split across processes averages to the same value.
 
     soft_targets (b, n*B, vocab): the target's logits for the same positions (the distribution it drew each
-    label from); with them a position's loss is (1 - w) * CE + w * KL(target || drafter), w = distill_weight."""
+    label from); with them a position's loss is (1 - w) * CE + w * KL(target || drafter), w = distill_weight.
+    drafted (b, n*B): the draft tokens the counts judge (DFlash2: the selector's path); default each argmax."""
     labels = blocks.labels.clamp_min(0)
     if soft_targets is not None and distill_weight > 0:
         per_position = mixed_label_loss(logits, labels, soft_targets, distill_weight)
@@ -153,7 +159,7 @@ def block_loss(logits: torch.Tensor, blocks: Blocks, block_size: int, soft_targe
     loss = (per_sequence * has_labels).sum() / max(int(has_labels.sum()), 1)
 
     with torch.no_grad():
-        hit, labelled = block_hits(logits, blocks, block_size)
+        hit, labelled = block_hits(logits, blocks, block_size, drafted)
         correct = (hit & labelled).sum((0, 1))
         counted = labelled.sum((0, 1))
         leading, has_labels = leading_correct(hit, labelled)
@@ -175,11 +181,47 @@ def mixed_label_loss(logits: torch.Tensor, labels: torch.Tensor, target_logits: 
     return ce - weight * entropy
 
 
-def block_hits(logits: torch.Tensor, blocks: Blocks, block_size: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """logits (b, n*B, vocab) -> hit (b, n, B): greedy prediction == label, and labelled (b, n, B)."""
+def block_hits(logits: torch.Tensor, blocks: Blocks, block_size: int, drafted: torch.Tensor | None = None,
+               ) -> tuple[torch.Tensor, torch.Tensor]:
+    """logits (b, n*B, vocab) -> hit (b, n, B): draft token == label, and labelled (b, n, B). The draft tokens
+    are `drafted` (b, n*B) when given, else the greedy prediction of each position."""
     b = logits.shape[0]
-    hit = (logits.argmax(-1) == blocks.labels).view(b, -1, block_size)
+    drafted = logits.argmax(-1) if drafted is None else drafted
+    hit = (drafted == blocks.labels).view(b, -1, block_size)
     return hit, (blocks.labels >= 0).view(b, -1, block_size)
+
+
+def true_predecessors(blocks: Blocks, block_size: int) -> torch.Tensor:
+    """(b, n*B): the token before each block position had every earlier draft token been right: the anchor
+    before position 1, the label of t-1 before t >= 2 (0 before the anchor and where there is no label)."""
+    b = blocks.tokens.shape[0]
+    tokens = blocks.tokens.view(b, -1, block_size)
+    labels = blocks.labels.view(b, -1, block_size).clamp_min(0)
+    previous = torch.zeros_like(tokens)
+    previous[:, :, 1] = tokens[:, :, 0]
+    previous[:, :, 2:] = labels[:, :, 1:-1]
+    return previous.view(b, -1)
+
+
+@dataclass
+class SelectorLoss:
+    loss: torch.Tensor  # scalar: per sequence the decay-weighted CE over candidates, averaged over sequences
+    recall: torch.Tensor  # () labelled positions whose label is among the candidates (summed)
+    labelled: torch.Tensor  # () labelled positions
+
+
+def selector_loss(scores: torch.Tensor, candidates: torch.Tensor, blocks: Blocks) -> SelectorLoss:
+    """scores, candidates (b, n*B, K): the selector's score of each candidate after the true previous token.
+    A position whose label is not a candidate has nothing to select and no loss."""
+    target = candidates == blocks.labels[..., None]  # (b, n*B, K); unlabelled (-100) positions match nothing
+    found = target.any(-1)  # (b, n*B)
+    ce = F.cross_entropy(scores.float().transpose(1, 2), target.float().argmax(-1), reduction="none")  # (b, n*B)
+    weights = blocks.weights * found
+    weight_sum = weights.sum(1)
+    has_labels = weight_sum > 0
+    per_sequence = (ce * weights).sum(1) / weight_sum.clamp_min(1e-9)
+    loss = (per_sequence * has_labels).sum() / max(int(has_labels.sum()), 1)
+    return SelectorLoss(loss, found.sum().detach(), (blocks.labels >= 0).sum())
 
 
 def leading_correct(hit: torch.Tensor, labelled: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

@@ -25,6 +25,7 @@ from torch import nn
 
 from dflash.errors import UserError
 from dflash.model.config import DrafterConfig
+from dflash.model.dflash2 import GroupedDynamicConv
 from dflash.model.drafter import DFlashDraftModel
 from dflash.model.loading import load_drafter, resolve_model_dir, save_drafter
 from dflash.model.target import TargetModel, check_compatible
@@ -34,13 +35,16 @@ from dflash.training.data import Batch, collate, epoch_batches, fingerprint, loa
 from dflash.training.drafter_setup import (
     choose_mask_token_id,
     deepen,
+    dflash2_options,
     drafter_config_for,
     mask_token_advice,
     mask_token_problem,
     mask_token_uses,
+    to_dflash2,
     widen_features,
     widen_mlp,
 )
+from dflash.training.drafting_head import DraftingHead, DraftOutput
 from dflash.training.objective import (
     Blocks,
     block_hits,
@@ -50,34 +54,21 @@ from dflash.training.objective import (
     leading_correct,
     loss_gamma,
     sample_anchors,
+    selector_loss,
+    true_predecessors,
     walk_decoding_anchors,
 )
 
 
-class DraftingHead(nn.Module):
-    """The trainable drafter plus the target's frozen embedding and LM head: features + blocks -> logits.
-
-    The frozen pieces are held outside the module tree so DDP neither syncs nor saves them.
-    """
-
-    def __init__(self, drafter: DFlashDraftModel, target: TargetModel):
-        super().__init__()
-        self.drafter = drafter
-        self._target = [target]
-
-    def forward(self, features, block_tokens, block_positions, context_valid, attn_mask) -> torch.Tensor:
-        context = self.drafter.project_context(features)  # (b, T, h)
-        return self.draft(context, block_tokens, block_positions, context_valid, attn_mask)
-
-    def draft(self, context, block_tokens, block_positions, context_valid, attn_mask) -> torch.Tensor:
-        """The blocks' logits from an already projected context (b, T, h)."""
-        target = self._target[0]
-        b, T = context.shape[:2]
-        context_positions = torch.arange(T, device=context.device)[None].expand(b, T)
-        embeds = target.embed(block_tokens).to(context.dtype)
-        hidden = self.drafter(embeds, block_positions, context, context_positions, context_valid=context_valid,
-                              attn_mask=attn_mask)
-        return target.lm_head(hidden.to(target.dtype))  # (b, n*B, vocab)
+def parameter_groups(drafter: DFlashDraftModel, lr: float) -> list[dict]:
+    """Every parameter at `lr`, except DFlash2's kernel projections, at their `projection_lr_scale` of it."""
+    convs = [m for m in drafter.modules() if isinstance(m, GroupedDynamicConv)]
+    scaled = [p for conv in convs for p in conv.kernel_projection.parameters()]
+    ids = {id(p) for p in scaled}
+    groups = [{"params": [p for p in drafter.parameters() if id(p) not in ids], "lr": lr}]
+    if scaled:
+        groups.append({"params": scaled, "lr": lr * GroupedDynamicConv.projection_lr_scale})
+    return groups
 
 
 class StopRequest:
@@ -260,6 +251,8 @@ class Trainer:
             widen_mlp(drafter, self.config.intermediate_size)
         if self.config.draft_layers is not None:
             deepen(drafter, self.config.draft_layers)
+        if self.config.dflash2 and drafter.config.dflash2 is None:
+            to_dflash2(drafter, dflash2_options(self.config))
         problem = mask_token_problem(drafter.config.mask_token_id, self.target)
         if problem:  # the drafter learnt with this mask token: a warning, it cannot change now
             self._warn(f"the drafter's mask token ({drafter.config.mask_token_id}) aliases a real token: {problem}; "
@@ -269,8 +262,8 @@ class Trainer:
 
     def _setup_optimizer(self) -> None:
         c = self.config
-        self.optimizer = torch.optim.AdamW(self.drafter.parameters(), lr=c.lr, weight_decay=c.weight_decay,
-                                           betas=(0.9, 0.95))
+        self.optimizer = torch.optim.AdamW(parameter_groups(self.drafter, c.lr), lr=c.lr,
+                                           weight_decay=c.weight_decay, betas=(0.9, 0.95))
         warmup = max(1, int(c.warmup_ratio * self.total_steps))
         total = self.total_steps
 
@@ -383,8 +376,13 @@ class Trainer:
         blocks = build_blocks(ids, loss_mask, real, anchors, anchor_valid, c.block_size,
                               self.drafter_config.mask_token_id, self.gamma)
         soft_targets = None if final_hidden is None else self._soft_targets(final_hidden, blocks)
-        out = block_loss(self._block_logits(batch, features, blocks), blocks, c.block_size, soft_targets,
-                         c.distill_weight)
+        draft = self._draft(batch, features, blocks)
+        out = block_loss(draft.logits, blocks, c.block_size, soft_targets, c.distill_weight,
+                         self.head.drafted_tokens(draft, blocks.tokens))
+        if draft.selector_scores is not None:  # DFlash2: + its selector's term
+            selected = selector_loss(draft.selector_scores, draft.candidates, blocks)
+            out.loss = out.loss + c.selector_loss_weight * selected.loss
+            out.selector_recall = float(selected.recall) / max(int(selected.labelled), 1)
         return out, walk_tau
 
     @torch.no_grad()
@@ -400,9 +398,10 @@ class Trainer:
             seen = int(anchors.max())  # no block sees context at or after its anchor: drop those keys
             mask = torch.cat([blocks.attn_mask[:, :, :seen], blocks.attn_mask[:, :, ids.shape[1]:]], dim=2)
             with self._autocast():
-                logits = self.head.draft(context[rows, :seen], blocks.tokens, blocks.positions, real[rows, :seen],
-                                         mask)  # (r, B, vocab)
-            leading, _ = leading_correct(*block_hits(logits, blocks, B))
+                draft = self.head.draft(context[rows, :seen], blocks.tokens, blocks.positions, real[rows, :seen],
+                                        mask)  # (r, B, vocab) logits
+            drafted = self.head.drafted_tokens(draft, blocks.tokens)
+            leading, _ = leading_correct(*block_hits(draft.logits, blocks, B, drafted))
             return 1 + leading[:, 0]
 
         return walk_decoding_anchors(loss_mask, acceptance_lengths)
@@ -411,11 +410,12 @@ class Trainer:
         return (torch.autocast(self.device.type, dtype=torch.bfloat16) if self.config.dtype == "bfloat16"
                 else nullcontext())
 
-    def _block_logits(self, batch: Batch, features: torch.Tensor, blocks: Blocks) -> torch.Tensor:
-        """(b, n*B, vocab) drafter logits for the blocks, in the configured precision."""
+    def _draft(self, batch: Batch, features: torch.Tensor, blocks: Blocks) -> DraftOutput:
+        """The drafter's outputs for the blocks ((b, n*B, vocab) logits, ...), in the configured precision."""
+        previous = true_predecessors(blocks, self.config.block_size) if self.drafter.selector is not None else None
         with self._autocast():
             return self.model(features, blocks.tokens, blocks.positions, batch.attention_mask.to(self.device),
-                              blocks.attn_mask)
+                              blocks.attn_mask, previous)
 
     def _batch(self, split: str, indices: list[int]) -> Batch:
         examples = self.train_examples if split == "train" else self.eval_examples
@@ -507,6 +507,7 @@ class Trainer:
         across evaluations), and as greedy decoding would measure it (`eval_tau_decoding`)."""
         self.drafter.eval()
         totals = {"loss": 0.0, "n": 0, "accepted": 0.0, "blocks": 0.0}
+        recalls: list[float] = []  # DFlash2: how often the label is among a position's candidates
         correct = counted = None
         bs = self.config.batch_size
         for start in range(0, len(self.eval_examples), bs):
@@ -516,10 +517,14 @@ class Trainer:
             totals["n"] += len(indices)
             totals["accepted"] += float(out.accepted)
             totals["blocks"] += float(out.blocks)
+            if out.selector_recall is not None:
+                recalls.append(out.selector_recall)
             correct = out.correct if correct is None else correct + out.correct
             counted = out.counted if counted is None else counted + out.counted
         out = {"eval_loss": round(totals["loss"] / totals["n"], 4),
                "eval_tau_estimate": round(estimated_acceptance_length(totals["accepted"], totals["blocks"]), 3)}
+        if recalls:
+            out["eval_candidate_recall"] = round(sum(recalls) / len(recalls), 4)
         replayed = min(self.config.eval_decoding_examples, len(self.eval_examples))
         if replayed:
             out["eval_tau_decoding"] = round(self._decoding_acceptance_length(replayed), 3)

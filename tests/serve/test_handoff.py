@@ -119,6 +119,7 @@ def broken_copy(tmp_path, draft, edit=None, drop_weights=False):
     ("block_too_big", "block size"),
     ("target_as_draft", "architectures"),
     ("no_hidden_size", "hidden_size"),
+    ("dflash2", "serve it with `dflash serve`"),
 ])
 def test_bad_pairs_are_refused(tiny_pair, tmp_path, capsys, case, expected):
     target, draft = tiny_pair
@@ -135,6 +136,8 @@ def test_bad_pairs_are_refused(tiny_pair, tmp_path, capsys, case, expected):
         draft = broken_copy(tmp_path, draft, drop_weights=True)
     elif case == "no_hidden_size":
         draft = broken_copy(tmp_path, draft, lambda c: c.pop("hidden_size"))
+    elif case == "dflash2":
+        draft = broken_copy(tmp_path, draft, lambda c: c.update(architectures=["DFlash2DraftModel"]))
     elif case == "block_too_big":
         extra = ["--block-size", "32"]
     else:

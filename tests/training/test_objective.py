@@ -8,7 +8,8 @@ import math
 import pytest
 import torch
 
-from conftest import MASK_TOKEN_ID, tiny_drafter
+from conftest import MASK_TOKEN_ID, dflash2_drafter, tiny_drafter
+from dflash.training.drafting_head import DraftingHead
 from dflash.training.objective import (
     block_loss,
     build_blocks,
@@ -16,7 +17,6 @@ from dflash.training.objective import (
     position_weights,
     sample_anchors,
 )
-from dflash.training.trainer import DraftingHead
 
 B = 4
 
@@ -87,9 +87,13 @@ def hard_per_position(logits, blocks):
     return torch.nn.functional.cross_entropy(logits.transpose(1, 2), blocks.labels.clamp_min(0), reduction="none")
 
 
-@pytest.fixture
-def head(target):
-    drafter = tiny_drafter(target, layers=2, block_size=B)
+@pytest.fixture(params=["dflash", "dflash2"])
+def head(target, request):
+    """DFlash2's in-block convolution must not open a path around the block mask either."""
+    if request.param == "dflash2":
+        drafter = dflash2_drafter(target, block_size=B)
+    else:
+        drafter = tiny_drafter(target, layers=2, block_size=B)
     return DraftingHead(drafter, target), drafter
 
 
@@ -98,7 +102,8 @@ def logits_for(head_and_drafter, features, ids, real, loss_mask, anchors):
     valid = torch.ones_like(anchors, dtype=torch.bool)
     blocks = build_blocks(ids, loss_mask, real, anchors, valid, B, MASK_TOKEN_ID, 7.0)
     with torch.no_grad():
-        return head(features, blocks.tokens, blocks.positions, real, blocks.attn_mask).view(ids.shape[0], -1, B, 128)
+        logits = head(features, blocks.tokens, blocks.positions, real, blocks.attn_mask).logits
+    return logits.view(ids.shape[0], -1, B, 128)
 
 
 def test_no_context_leak_features_at_or_after_the_anchor_are_invisible(head):
