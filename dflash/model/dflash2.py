@@ -25,6 +25,7 @@ and the selector's zero-initialised projection are this package's reading of the
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 import torch
@@ -67,12 +68,18 @@ def block_conv(x: torch.Tensor, kernel: torch.Tensor, block_width: int) -> torch
     """x (b, q, h), kernel (b, q, taps, h) -> (b, q, h): out_t = sum_j kernel[t, j] * x_{t-j}, within blocks of
     `block_width` consecutive positions (q is a whole number of blocks)."""
     out = kernel[:, :, 0] * x
-    offset = torch.arange(x.shape[1], device=x.device) % block_width  # (q,) position within its block
     for j in range(1, kernel.shape[2]):
         earlier = F.pad(x, (0, 0, j, 0))[:, : x.shape[1]]  # x_{t-j}, zero before the sequence
-        inside = (offset >= j).to(x.dtype)[None, :, None]  # zero where t-j lies in the previous block
-        out = out + kernel[:, :, j] * earlier * inside
+        out = out + kernel[:, :, j] * earlier * _inside(x.shape[1], block_width, j, x.device, x.dtype)
     return out
+
+
+@functools.lru_cache(maxsize=64)
+def _inside(q: int, block_width: int, j: int, device: torch.device, dtype: torch.dtype) -> torch.Tensor:
+    """(1, q, 1): 1 where position t - j lies in t's own block, else 0 (made once per shape: a decode step
+    applies four convolutions per layer to the same block)."""
+    offset = torch.arange(q, device=device) % block_width  # position within its block
+    return (offset >= j).to(dtype)[None, :, None]
 
 
 @dataclass
@@ -118,12 +125,18 @@ class CandidateSelector(nn.Module):
 
 def walk(lattice: Lattice) -> tuple[torch.Tensor, torch.Tensor]:
     """The greedy path: at each position the best candidate after the one chosen before.
-    Returns tokens (b, k) and the chosen candidate indices (b, k)."""
-    b, k, top_k = lattice.candidates.shape
-    rows = torch.arange(b, device=lattice.scores.device)
-    chosen = torch.zeros(b, k, dtype=torch.long, device=lattice.scores.device)
-    previous = torch.zeros(b, dtype=torch.long, device=lattice.scores.device)  # any row of t = 0: the anchor
-    for t in range(k):
-        previous = lattice.scores[rows, t, previous].argmax(-1)  # (b,)
-        chosen[:, t] = previous
+    Returns tokens (b, k) and the chosen candidate indices (b, k).
+
+    The best successor of every (position, predecessor) is found in one argmax; the walk then only follows
+    pointers, on the host (b x k x K small integers), instead of k dependent device operations."""
+    best = lattice.scores.argmax(-1).tolist()  # [b][t][a]: the best candidate at t after candidate a at t-1
+    chosen_rows = []
+    for row in best:
+        previous, chosen = 0, []  # any predecessor row at t = 0 holds the anchor's scores
+        for after in row:
+            previous = after[previous]
+            chosen.append(previous)
+        chosen_rows.append(chosen)
+    chosen = torch.tensor(chosen_rows, dtype=torch.long, device=lattice.candidates.device).view(
+        lattice.candidates.shape[:2])
     return lattice.candidates.gather(2, chosen[..., None])[..., 0], chosen

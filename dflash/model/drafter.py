@@ -133,22 +133,26 @@ class DFlashDecoderLayer(nn.Module):
         """x (b, q, h) -> the new hidden states of the `queries` positions, (b, asking, h). `block_width`: the
         positions per block (DFlash2's convolution stays inside one; default q, one block)."""
         if hasattr(self, "attention_conv"):
-            return self._forward_dflash2(x, context, cos, sin, mask, cache, layer_idx, block_width or x.shape[1])[
-                :, queries]
+            return self._forward_dflash2(x, context, cos, sin, mask, cache, layer_idx, block_width or x.shape[1],
+                                         queries)
         x = x[:, queries] + self.self_attn(self.input_layernorm(x), context, cos, sin, mask, cache, layer_idx,
                                            queries)
         return x + self.mlp(self.post_attention_layernorm(x))
 
-    def _forward_dflash2(self, x, context, cos, sin, mask, cache, layer_idx: int, width: int) -> torch.Tensor:
-        """Every position asks (a position's output convolution reads the one before it)."""
+    def _forward_dflash2(self, x, context, cos, sin, mask, cache, layer_idx: int, width: int,
+                         queries: slice) -> torch.Tensor:
+        """The block's first positions up to the last one asked for compute their outputs (a position's output
+        convolution reads the positions before it, never after)."""
+        asked = slice(0, queries.stop)
         normed = self.input_layernorm(x)
         kernels = self.attention_conv.kernels(normed)  # (b, q, 2, taps, h)
         attended = self.self_attn(block_conv(normed, kernels[:, :, 0], width), context, cos, sin, mask, cache,
-                                  layer_idx)
-        x = x + block_conv(attended, kernels[:, :, 1], width)
+                                  layer_idx, asked)  # (b, asked, h)
+        x = x[:, asked] + block_conv(attended, kernels[:, asked, 1], width)
         normed = self.post_attention_layernorm(x)
         kernels = self.mlp_conv.kernels(normed)
-        return x + block_conv(self.mlp(block_conv(normed, kernels[:, :, 0], width)), kernels[:, :, 1], width)
+        x = x + block_conv(self.mlp(block_conv(normed, kernels[:, :, 0], width)), kernels[:, :, 1], width)
+        return x[:, queries]
 
 
 class DrafterCache:

@@ -117,3 +117,14 @@ def test_impossible_dflash2_options_are_clear_errors(target, field, value, messa
     raw["dflash_config"][field] = value
     with pytest.raises(DrafterConfigError, match=message):
         DrafterConfig.from_dict(raw)
+
+
+@torch.no_grad()
+def test_asking_for_some_positions_gives_their_values_of_the_full_forward(target):
+    drafter = dflash2_drafter(target, block_size=8)
+    block = target.embed(torch.tensor(random_prompts(2, seed=6, low=8, high=8)))  # (2, 8, h)
+    args = (block, torch.arange(5, 13).expand(2, 8), torch.randn(2, 5, target.hidden_size),
+            torch.arange(5).expand(2, 5))
+    full = drafter(*args)
+    for wanted in (slice(1, 4), slice(1, 8), slice(0, 1), slice(3, 5)):
+        assert torch.allclose(drafter(*args, outputs=wanted), full[:, wanted], atol=1e-5), wanted
