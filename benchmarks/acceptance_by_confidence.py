@@ -35,7 +35,7 @@ from dataclasses import dataclass
 
 import torch
 
-from dflash.api import DFlash
+from dflash.api import ASSETS, DFlash
 from dflash.bench.datasets import DataOptions, load_samples
 from dflash.decoding.engine import GenerationConfig, GenerationOutput
 
@@ -162,7 +162,7 @@ def by_anchor_confidence(judged: list[Judged]) -> list[dict]:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--target")
+    parser.add_argument("--target", help="default: the embedded target (with or without --draft)")
     parser.add_argument("--draft")
     parser.add_argument("--dataset", default="gsm8k")
     parser.add_argument("--max-samples", type=int, default=40)
@@ -179,7 +179,7 @@ def main() -> None:
     parser.add_argument("--json", help="also write the table and totals here")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
-    pipe = DFlash.from_pretrained(args.target, args.draft)
+    pipe = DFlash.from_pretrained(args.target or (ASSETS / "target" if args.draft else None), args.draft)
     samples = load_samples(args.dataset, DataOptions(max_samples=args.max_samples, seed=args.seed))
     config = GenerationConfig(max_new_tokens=args.max_new_tokens, block_size=args.block_size)
     rng = random.Random(args.seed)  # random anchors

@@ -21,7 +21,7 @@ import time
 
 import torch
 
-from dflash.api import DFlash
+from dflash.api import ASSETS, DFlash
 from dflash.decoding.engine import GenerationConfig
 from dflash.decoding.proposer import NoDraftProposer
 
@@ -61,7 +61,7 @@ def profile(engine, proposer, rows: int, context: int, top: int = 12) -> None:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--target")
+    parser.add_argument("--target", help="default: the embedded target (with or without --draft)")
     parser.add_argument("--draft")
     parser.add_argument("--rows", default="1,4,8", help="row counts, comma-separated")
     parser.add_argument("--block-sizes", default="2,4,8,16")
@@ -77,7 +77,8 @@ def main() -> None:
         import dflash.api
 
         dflash.api.use_fast_layout = lambda modules: 0
-    pipe = DFlash.from_pretrained(args.target, args.draft, dtype=args.dtype)
+    target = args.target or (ASSETS / "target" if args.draft else None)
+    pipe = DFlash.from_pretrained(target, args.draft, dtype=args.dtype)
     engine = pipe.engine
 
     def proposer_for(block: int):

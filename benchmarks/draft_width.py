@@ -16,7 +16,7 @@ import json
 
 import torch
 
-from dflash.api import DFlash
+from dflash.api import ASSETS, DFlash
 from dflash.bench.datasets import DataOptions, load_samples
 from dflash.decoding.engine import GenerationConfig, SpeculativeEngine
 from dflash.decoding.proposer import DFlashProposer
@@ -30,7 +30,7 @@ def mean_acceptance_length(engine: SpeculativeEngine, prompts: list[list[int]], 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--target")
+    parser.add_argument("--target", help="default: the embedded target (with or without --draft)")
     parser.add_argument("--draft")
     parser.add_argument("--max-samples", type=int, default=40)
     parser.add_argument("--max-new-tokens", type=int, default=256)
@@ -38,7 +38,7 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=2)
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
-    pipe = DFlash.from_pretrained(args.target, args.draft)
+    pipe = DFlash.from_pretrained(args.target or (ASSETS / "target" if args.draft else None), args.draft)
     samples = load_samples("gsm8k", DataOptions(max_samples=args.max_samples))
     prompts = [pipe.encode(s.turns[0]) for s in samples]
     for pair in args.pairs.split(","):

@@ -17,7 +17,7 @@ import time
 
 import torch
 
-from dflash.api import DFlash
+from dflash.api import ASSETS, DFlash
 from dflash.model.drafter import DrafterCache
 
 
@@ -50,7 +50,7 @@ def best_ms(pipe: DFlash, rows: int, block: int, context: int, repeats: int) -> 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--target")
+    parser.add_argument("--target", help="default: the embedded target (with or without --draft)")
     parser.add_argument("--draft")
     parser.add_argument("--rows", default="1,8")
     parser.add_argument("--blocks", default="2,4,8,16")
@@ -59,7 +59,7 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=2)
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
-    pipe = DFlash.from_pretrained(args.target, args.draft)
+    pipe = DFlash.from_pretrained(args.target or (ASSETS / "target" if args.draft else None), args.draft)
     for rows in (int(r) for r in args.rows.split(",")):
         for block in (int(k) for k in args.blocks.split(",")):
             print(json.dumps({"rows": rows, "block_size": block, "context": args.context,

@@ -19,7 +19,7 @@ import time
 
 import torch
 
-from dflash.api import DFlash
+from dflash.api import ASSETS, DFlash
 from dflash.decoding.engine import GenerationConfig
 
 
@@ -102,7 +102,7 @@ def engine_profile(pipe: DFlash, prompt_ids: list[int], max_new_tokens: int) -> 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--target")
+    parser.add_argument("--target", help="default: the embedded target (with or without --draft)")
     parser.add_argument("--draft")
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--context", type=int, default=200)
@@ -113,7 +113,7 @@ def main() -> None:
                         "Please reason step by step, and put your final answer within \\boxed{}.")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
-    pipe = DFlash.from_pretrained(args.target, args.draft, device="cpu")
+    pipe = DFlash.from_pretrained(args.target or (ASSETS / "target" if args.draft else None), args.draft, device="cpu")
     block = pipe.engine.proposer.block_size
     report = {"threads": args.threads, "target_layers": pipe.target.num_layers,
               "hidden_size": pipe.target.hidden_size, "drafter_layers": len(pipe.drafter.layers), "block_size": block}

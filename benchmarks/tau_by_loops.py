@@ -20,7 +20,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "scripts" / "embedded"))
 from loops import is_loop  # noqa: E402
 
-from dflash.api import DFlash  # noqa: E402
+from dflash.api import ASSETS, DFlash  # noqa: E402
 from dflash.bench.datasets import DataOptions, load_samples  # noqa: E402
 
 
@@ -30,7 +30,7 @@ def part(answers: int, steps: list[int]) -> dict:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--target")
+    parser.add_argument("--target", help="default: the embedded target (with or without --draft)")
     parser.add_argument("--draft")
     parser.add_argument("--dataset", default="gsm8k")
     parser.add_argument("--max-samples", type=int, default=200)
@@ -40,7 +40,7 @@ def main() -> None:
     parser.add_argument("--json", help="also write the result here")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
-    pipe = DFlash.from_pretrained(args.target, args.draft)
+    pipe = DFlash.from_pretrained(args.target or (ASSETS / "target" if args.draft else None), args.draft)
     eos = pipe.tokenizer.eos_token_id
     steps: dict[bool, list[int]] = {True: [], False: []}
     answers = {True: 0, False: 0}
