@@ -90,3 +90,7 @@ dflash train --config scripts/embedded/drafter_round17.yaml "$@"
 cp "$phase6c/model.safetensors" dflash/assets/target/
 rm -rf dflash/assets/drafter && mkdir -p dflash/assets/drafter
 cp runs/embedded/drafter_round17/config.json runs/embedded/drafter_round17/model.safetensors dflash/assets/drafter/
+# round 19 (shipped): round 17 grown into a DFlash2 drafter, on the phase-6c target's answers to one more draw
+answer "$phase6c" runs/embedded/gsm8k_train_perturbed2_prompts.jsonl runs/embedded/gsm8k_train_perturbed2_phase6c.jsonl
+dflash train --config scripts/embedded/drafter_round19.yaml "$@"
+cp runs/embedded/drafter_round19/config.json runs/embedded/drafter_round19/model.safetensors dflash/assets/drafter/
