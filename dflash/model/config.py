@@ -28,10 +28,15 @@ _SIZES = ("hidden_size", "intermediate_size", "num_hidden_layers", "num_attentio
           "head_dim", "vocab_size", "num_target_layers", "max_position_embeddings")
 
 
+def is_whole_number(value: Any) -> bool:
+    """A whole number >= 1 (not a bool, a float or a string)."""
+    return isinstance(value, numbers.Integral) and not isinstance(value, bool) and value >= 1
+
+
 def check_sizes(values: dict[str, Any]) -> None:
     """Refuse a size in `values` (name -> value; the names of `_SIZES` present) that is not a whole number >= 1."""
-    bad = [f"{name} {value!r}" for name, value in values.items() if name in _SIZES and value is not None
-           and (not isinstance(value, numbers.Integral) or isinstance(value, bool) or value < 1)]
+    bad = [f"{name} {value!r}" for name, value in values.items()
+           if name in _SIZES and value is not None and not is_whole_number(value)]
     if bad:
         raise DrafterConfigError(f"drafter config: {', '.join(bad)}; each must be a whole number >= 1")
 
@@ -57,10 +62,9 @@ class DFlash2Options:
     FIELDS = ("conv_kernel_size", "conv_group_size", "selector_top_k", "selector_rank")
 
     def check(self, hidden_size: int, vocab_size: int) -> None:
-        for name in self.FIELDS:
-            value = getattr(self, name)
-            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-                raise DrafterConfigError(f"dflash_config.{name} must be a whole number >= 1, got {value!r}")
+        bad = [f"{name} {getattr(self, name)!r}" for name in self.FIELDS if not is_whole_number(getattr(self, name))]
+        if bad:
+            raise DrafterConfigError(f"dflash_config: {', '.join(bad)}; each must be a whole number >= 1")
         if hidden_size % self.conv_group_size:
             raise DrafterConfigError(f"dflash_config.conv_group_size {self.conv_group_size} must divide hidden_size "
                                      f"{hidden_size}")

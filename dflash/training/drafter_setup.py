@@ -94,8 +94,8 @@ def dflash2_options(config: TrainConfig) -> DFlash2Options:
 def to_dflash2(drafter: DFlashDraftModel, options: DFlash2Options) -> None:
     """Give a DFlash drafter DFlash2's modules: identity convolutions and a selector whose path is each position's
     top-1, so it drafts exactly as before until training moves them."""
+    options.check(drafter.config.hidden_size, drafter.config.vocab_size)
     drafter.config.dflash2 = options
-    drafter.config.__post_init__()  # checks the options against the drafter's shape
     device, dtype = drafter.fc.weight.device, drafter.fc.weight.dtype
     for layer in drafter.layers:
         layer.attention_conv = GroupedDynamicConv(drafter.config.hidden_size, options).to(device, dtype)

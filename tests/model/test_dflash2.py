@@ -110,7 +110,7 @@ def test_a_dflash2_checkpoint_round_trips(target, tmp_path):
 @pytest.mark.parametrize("field, value, message", [
     ("conv_group_size", 24, "must divide hidden_size"),
     ("selector_top_k", 10_000, "exceeds the vocabulary"),
-    ("selector_rank", 0, "whole number >= 1"),
+    ("selector_rank", 0, "selector_rank 0; each must be a whole number >= 1"),
 ])
 def test_impossible_dflash2_options_are_clear_errors(target, field, value, message):
     raw = dflash2_drafter(target).config.to_dict()

@@ -8,12 +8,11 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from dflash import DFlash
 from dflash.model import load_drafter
 from dflash.training import Trainer
 from dflash.training.objective import Blocks, selector_loss, true_predecessors
 
-from .test_trainer import assert_same_outputs, config, train_data  # noqa: F401  (a fixture)
+from .test_trainer import assert_decodes_as_the_target_alone, assert_same_outputs, config, train_data  # noqa: F401
 
 
 def blocks_of(tokens, labels, weights) -> Blocks:
@@ -44,12 +43,7 @@ def test_a_dflash2_drafter_trains_exports_and_decodes_losslessly(tiny_pair, trai
     assert loaded.config.architecture == "DFlash2DraftModel" and loaded.config.dflash2.selector_rank == 8
     assert loaded.candidate_selector.hidden_projection.weight.abs().sum() > 0  # the selector learnt
     assert loaded.layers[0].mlp_conv.kernel_projection.weight.abs().sum() > 0  # and the convolutions
-    pipe = DFlash.from_pretrained(tiny_pair[0], tmp_path / "d2", device="cpu")
-    plain = DFlash.from_pretrained(tiny_pair[0], no_draft=True, device="cpu")
-    for prompt in ("How many clips", "Weng earns 12 dollars"):
-        out = pipe.generate(prompt, max_new_tokens=24, stop_token_ids=[])
-        assert out.output_ids == plain.generate(prompt, max_new_tokens=24, stop_token_ids=[]).output_ids
-        assert out.stats.drafter_forwards > 0
+    assert_decodes_as_the_target_alone(tiny_pair[0], tmp_path / "d2")
 
 
 def test_a_dflash_drafter_grown_into_dflash2_starts_unchanged(tiny_pair, train_data, tmp_path):  # noqa: F811

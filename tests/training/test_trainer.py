@@ -62,12 +62,17 @@ def test_export_loads_with_the_same_outputs_and_decodes_losslessly(tiny_pair, tr
         if "rotary" not in key:
             assert torch.equal(loaded.state_dict()[key], value), key
     assert loaded.config.to_dict() == trainer.drafter_config.to_dict()
-    pipe = DFlash.from_pretrained(tiny_pair[0], tmp_path / "out", device="cpu")
-    plain = DFlash.from_pretrained(tiny_pair[0], no_draft=True, device="cpu")
+    assert_decodes_as_the_target_alone(tiny_pair[0], tmp_path / "out")
+
+
+def assert_decodes_as_the_target_alone(target_dir, draft_dir) -> None:
+    """The exported drafter loads in the engine, drafts, and the output is the target's own."""
+    pipe = DFlash.from_pretrained(target_dir, draft_dir, device="cpu")
+    plain = DFlash.from_pretrained(target_dir, no_draft=True, device="cpu")
     for prompt in ("How many clips", "Weng earns 12 dollars"):
-        a = pipe.generate(prompt, max_new_tokens=24, stop_token_ids=[])
-        assert a.output_ids == plain.generate(prompt, max_new_tokens=24, stop_token_ids=[]).output_ids
-        assert a.stats.drafter_forwards > 0
+        out = pipe.generate(prompt, max_new_tokens=24, stop_token_ids=[])
+        assert out.output_ids == plain.generate(prompt, max_new_tokens=24, stop_token_ids=[]).output_ids
+        assert out.stats.drafter_forwards > 0
 
 
 def test_feature_cache_gives_the_same_training(tiny_pair, train_data, tmp_path):
