@@ -10,7 +10,7 @@ from dflash.training.config import load_config
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--config", help="YAML file of training options; flags override it")
-    parser.add_argument("--target", help="target model: directory or hub id")
+    parser.add_argument("--target", help="target model: directory or hub id (default: the embedded target)")
     parser.add_argument("--data", help="JSONL written by `dflash datagen`")
     parser.add_argument("--extra-train-data", nargs="+", metavar="FILE",
                         help="more JSONL files used for training only; the held-out split still comes from --data")

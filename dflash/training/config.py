@@ -61,7 +61,11 @@ class TrainConfig:
     device: str | None = None
 
     def validate(self) -> None:
-        for name in ("target", "data", "output"):
+        if not self.target:  # like every command that takes a model: the embedded target
+            from dflash.api import DEFAULT_TARGET
+
+            self.target = str(DEFAULT_TARGET)
+        for name in ("data", "output"):
             if not getattr(self, name):
                 raise UserError(f"--{name} is required (or set `{name}:` in the YAML config)")
         if isinstance(self.extra_train_data, str):

@@ -50,3 +50,13 @@ def test_yaml_numbers_without_a_dot_are_numbers(tmp_path):
     path.write_text("target: t\ndata: d.jsonl\noutput: o\nblock_size: 1e1\n")
     with pytest.raises(UserError, match="`block_size: '1e1'` should be an integer"):  # only float options read them
         load_config(str(path), {})
+
+
+def test_the_target_defaults_to_the_embedded_one_and_data_is_required():
+    from dflash.api import DEFAULT_TARGET
+
+    loaded = load_config(None, {"data": "d.jsonl", "output": "o"})
+    assert loaded.target == str(DEFAULT_TARGET)
+    assert load_config(None, REQUIRED).target == "t"
+    with pytest.raises(UserError, match=re.escape("--data is required (or set `data:` in the YAML config)")):
+        load_config(None, {"output": "o"})
