@@ -40,7 +40,8 @@ from dflash.model.target import TargetModel
 
 ASSETS = Path(__file__).parent / "assets"
 DEFAULT_TARGET = ASSETS / "target"
-DEFAULT_DRAFT = ASSETS / "drafter"
+DEFAULT_DRAFT = ASSETS / "drafter"  # DFlash2: what dflash generate, bench and serve draft with
+HANDOFF_DRAFT = ASSETS / "drafter-dflash"  # DFlash, the format vLLM and SGLang read: what --engine hands over
 
 # text (the chat template is applied unless raw), chat messages, or token ids as they are
 Prompt = Union[str, list[dict[str, str]], list[int]]

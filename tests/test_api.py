@@ -182,3 +182,16 @@ def test_chat_template_variables(tiny_pair):
     for bad in ({"add_generation_prompt": False}, ["enable_thinking"], {1: True}):
         with pytest.raises(UserError, match="chat_template_kwargs"):
             pipe.encode("hi", chat_template_kwargs=bad)
+
+
+@pytest.mark.parametrize("which", ["DEFAULT_DRAFT", "HANDOFF_DRAFT"])
+def test_both_embedded_drafters_decode_as_the_embedded_target_alone(which):
+    """The shipped DFlash2 drafter, and the DFlash one the hand-off to vLLM / SGLang defaults to."""
+    import dflash.api
+
+    question = "Natalia sold clips to 48 of her friends in April, and then half as many in May. How many in all?"
+    drafted = DFlash.from_pretrained(dflash.api.DEFAULT_TARGET, getattr(dflash.api, which))
+    plain = DFlash.from_pretrained(no_draft=True)
+    a, b = drafted.generate(question, max_new_tokens=48), plain.generate(question, max_new_tokens=48)
+    assert a.output_ids == b.output_ids and len(a.output_ids) > 8
+    assert a.stats.mean_acceptance_length > 1.5  # a trained drafter: many of its tokens are accepted

@@ -101,11 +101,11 @@ def _check_args(args: argparse.Namespace) -> None:
 
 
 def _hand_off(args: argparse.Namespace) -> int:
-    from dflash.api import DEFAULT_DRAFT, DEFAULT_TARGET
+    from dflash.api import DEFAULT_TARGET, HANDOFF_DRAFT
     from dflash.serve import handoff
 
     target = args.target or str(DEFAULT_TARGET)
-    draft = None if args.no_draft else (args.draft or (None if args.target else str(DEFAULT_DRAFT)))
+    draft = None if args.no_draft else (args.draft or (None if args.target else str(HANDOFF_DRAFT)))
     if args.target and not args.draft and not args.no_draft:
         raise UserError("--target needs --draft (or --no-draft to serve the target alone)")
     if args.mask_token_id is not None:

@@ -103,13 +103,22 @@ def target_facts(target: str) -> TargetFacts:
                        text.get("max_position_embeddings"))
 
 
+def _embedded_hint(draft: str) -> str:
+    """For the embedded DFlash2 drafter: where its DFlash sibling, trained for the same target, lies."""
+    from dflash.api import DEFAULT_DRAFT, HANDOFF_DRAFT
+
+    if Path(draft).resolve() != DEFAULT_DRAFT.resolve():
+        return ""
+    return f"; the embedded target's DFlash drafter is {HANDOFF_DRAFT} (the default of --engine without --draft)"
+
+
 def drafter_config(draft: str) -> DrafterConfig:
     raw = _read_config(draft, "a DFlash drafter checkpoint")
     if is_dflash2(raw.get("architectures") or []):
         raise UserError(f"{draft} is a DFlash2 drafter (DFlash2DraftModel): the hand-off starts vLLM and SGLang with "
                         "their DFlash method, which has no place for DFlash2's convolutions and candidate selector; "
                         "serve it with `dflash serve` (without --engine), or train a DFlash drafter (dflash train "
-                        "without --dflash2) for the engines")
+                        f"without --dflash2) for the engines{_embedded_hint(draft)}")
     if DRAFTER_ARCHITECTURE not in (raw.get("architectures") or []):
         raise UserError(f"{draft} declares architectures {raw.get('architectures')}; vLLM and SGLang load DFlash "
                         f"drafters declared as {DRAFTER_ARCHITECTURE!r}")

@@ -88,8 +88,10 @@ answer "$phase6c" scripts/embedded/data/gsm8k_train.jsonl runs/embedded/gsm8k_tr
 answer "$phase6c" runs/embedded/gsm8k_train_perturbed5_prompts.jsonl runs/embedded/gsm8k_train_perturbed5_phase6c.jsonl
 dflash train --config scripts/embedded/drafter_round17.yaml "$@"
 cp "$phase6c/model.safetensors" dflash/assets/target/
-rm -rf dflash/assets/drafter && mkdir -p dflash/assets/drafter
+rm -rf dflash/assets/drafter && mkdir -p dflash/assets/drafter dflash/assets/drafter-dflash
 cp runs/embedded/drafter_round17/config.json runs/embedded/drafter_round17/model.safetensors dflash/assets/drafter/
+# round 17 also stays shipped as the DFlash drafter the hand-off to vLLM / SGLang uses (they cannot load DFlash2)
+cp runs/embedded/drafter_round17/config.json runs/embedded/drafter_round17/model.safetensors dflash/assets/drafter-dflash/
 # round 19 (shipped): round 17 grown into a DFlash2 drafter, on the phase-6c target's answers to one more draw
 answer "$phase6c" runs/embedded/gsm8k_train_perturbed2_prompts.jsonl runs/embedded/gsm8k_train_perturbed2_phase6c.jsonl
 dflash train --config scripts/embedded/drafter_round19.yaml "$@"

@@ -176,3 +176,25 @@ def test_thinking_carries_over_to_vllm_and_is_refused_for_sglang(tiny_pair, caps
     assert main(["serve", "--target", target, "--draft", draft, "--engine", "sglang", "--enable-thinking",
                  "--dry-run"]) == 2
     assert "chat_template_kwargs" in capsys.readouterr().err
+
+
+def test_the_default_hand_off_is_the_embedded_pair_with_its_dflash_drafter(capsys):
+    """The embedded drafter is DFlash2, which the engines' DFlash method cannot load: --engine without --target
+    and --draft hands over the embedded target with the DFlash drafter trained for it."""
+    from dflash.api import DEFAULT_TARGET, HANDOFF_DRAFT
+
+    argv = dry_run(capsys, "--engine", "vllm")
+    spec = json.loads(argv[argv.index("--speculative-config") + 1])
+    assert argv[2] == str(DEFAULT_TARGET)
+    assert spec == {"method": "dflash", "model": str(HANDOFF_DRAFT), "num_speculative_tokens": 15}
+    argv = dry_run(capsys, "--engine", "sglang")
+    assert argv[argv.index("--speculative-draft-model-path") + 1] == str(HANDOFF_DRAFT)
+
+
+def test_the_embedded_dflash2_drafter_is_refused_with_the_way_to_its_sibling(capsys):
+    from dflash.api import DEFAULT_DRAFT, DEFAULT_TARGET, HANDOFF_DRAFT
+
+    code = main(["serve", "--target", str(DEFAULT_TARGET), "--draft", str(DEFAULT_DRAFT), "--engine", "vllm",
+                 "--dry-run"])
+    err = capsys.readouterr().err
+    assert code == 2 and f"DFlash drafter is {HANDOFF_DRAFT}" in err and "Traceback" not in err
