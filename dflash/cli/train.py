@@ -48,7 +48,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "target's token + w * KL(target's distribution || drafter's); default 0 (hard labels)")
     parser.add_argument("--epochs", type=float)
     parser.add_argument("--max-steps", type=int)
-    parser.add_argument("--batch-size", type=int, help="sequences per process per step")
+    parser.add_argument("--batch-size", type=int, help="sequences per process per forward (default 4)")
+    parser.add_argument("--grad-accum", type=int,
+                        help="forwards whose gradients add up before each optimizer step (default 1): a step then "
+                             "trains --batch-size x --grad-accum x processes sequences, with the memory of one forward")
     parser.add_argument("--lr", type=float)
     parser.add_argument("--weight-decay", type=float)
     parser.add_argument("--warmup-ratio", type=float)

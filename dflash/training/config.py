@@ -40,7 +40,8 @@ class TrainConfig:
     # optimisation
     epochs: float = 6.0
     max_steps: int | None = None  # overrides epochs when set
-    batch_size: int = 4  # sequences per process per step
+    batch_size: int = 4  # sequences per process per forward
+    grad_accum: int = 1  # forwards per process per optimizer step: a step trains batch_size x grad_accum x processes
     lr: float = 6e-4
     weight_decay: float = 0.0
     warmup_ratio: float = 0.04
@@ -86,6 +87,7 @@ class TrainConfig:
             (self.selector_top_k >= 1, f"--selector-top-k must be >= 1, got {self.selector_top_k}"),
             (self.selector_loss_weight >= 0, f"--selector-loss-weight must be >= 0, got {self.selector_loss_weight}"),
             (self.batch_size >= 1, f"--batch-size must be >= 1, got {self.batch_size}"),
+            (self.grad_accum >= 1, f"--grad-accum must be >= 1 (1: no accumulation), got {self.grad_accum}"),
             (self.anchors_per_sequence >= 1, f"--anchors-per-sequence must be >= 1, got {self.anchors_per_sequence}"),
             (self.anchor_policy in ANCHOR_POLICIES,
              f"--anchor-policy must be one of {', '.join(ANCHOR_POLICIES)}, got {self.anchor_policy!r}"),

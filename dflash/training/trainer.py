@@ -191,10 +191,11 @@ class Trainer:
         for path in c.extra_train_data or []:
             self.train_examples += load_examples(path, self.tokenizer, c.max_length, vocab)
         self.data_fingerprint = {"train": fingerprint(self.train_examples), "eval": fingerprint(self.eval_examples)}
-        self.global_batch = c.batch_size * self.world
+        self.global_batch = c.batch_size * c.grad_accum * self.world
         if len(self.train_examples) < self.global_batch:
             raise UserError(f"only {len(self.train_examples)} training examples for a global batch of "
-                            f"{self.global_batch}; lower --batch-size or add data")
+                            f"{self.global_batch} (--batch-size x --grad-accum x processes); lower --batch-size or "
+                            "--grad-accum, or add data")
         self.batches_per_epoch = len(self.train_examples) // self.global_batch
         self.total_steps = c.max_steps or max(1, math.ceil(c.epochs * self.batches_per_epoch))
         pad = self.tokenizer.pad_token_id if self.tokenizer is not None else None
@@ -422,18 +423,33 @@ class Trainer:
         return collate([examples[i] for i in indices], indices, self.pad_id, split)
 
     def _train_step(self, global_indices: list[int], epoch: int) -> dict:
-        mine = global_indices[self.rank * self.config.batch_size: (self.rank + 1) * self.config.batch_size]
-        batch = self._batch("train", mine)
-        out, walk_tau = self._loss(batch, epoch, decoding_anchors=self.config.anchor_policy == "decoding")
+        """One optimizer step: this process's share of the global batch, in --grad-accum forwards whose gradients
+        add up (each loss divided by their number, as DDP averages over processes), synchronised once."""
+        c = self.config
+        share = c.batch_size * c.grad_accum
+        mine = global_indices[self.rank * share: (self.rank + 1) * share]
         self.optimizer.zero_grad(set_to_none=True)
-        out.loss.backward()
-        max_norm = self.config.grad_clip or math.inf  # 0: no clipping (the norm is still measured)
+        stats = {"loss": 0.0, "tokens": 0, "accepted": 0.0, "blocks": 0.0}
+        walk_taus = []
+        for start in range(0, share, c.batch_size):
+            batch = self._batch("train", mine[start: start + c.batch_size])
+            last = start + c.batch_size == share
+            with nullcontext() if last or self.world == 1 else self.model.no_sync():  # DDP: all-reduce once
+                out, walk_tau = self._loss(batch, epoch, decoding_anchors=c.anchor_policy == "decoding")
+                (out.loss / c.grad_accum).backward()
+            stats["loss"] += out.loss.item() / c.grad_accum
+            stats["tokens"] += int(batch.attention_mask.sum())
+            stats["accepted"] += float(out.accepted)
+            stats["blocks"] += float(out.blocks)
+            if walk_tau is not None:
+                walk_taus.append(walk_tau)
+        max_norm = c.grad_clip or math.inf  # 0: no clipping (the norm is still measured)
         grad_norm = torch.nn.utils.clip_grad_norm_(self.drafter.parameters(), max_norm)
         self.optimizer.step()
         self.scheduler.step()
         self.step += 1
-        return {"loss": out.loss.item(), "grad_norm": float(grad_norm), "tokens": int(batch.attention_mask.sum()),
-                "accepted": float(out.accepted), "blocks": float(out.blocks), "walk_tau": walk_tau}
+        walk = sum(walk_taus) / len(walk_taus) if walk_taus else None
+        return {**stats, "grad_norm": float(grad_norm), "walk_tau": walk}
 
     def _train_record(self, stats: dict, window_tokens: int, elapsed: float) -> dict:
         """The log line of a step: loss, tau and walk_tau averaged over every process, tokens/s of them all."""
@@ -617,9 +633,10 @@ class Trainer:
                       if then.get(k) != getattr(self.config, k)]
         if old.get("seed") != self.config.seed:
             order.append(f"seed {old.get('seed')}, now {self.config.seed}")
-        old_global = old.get("batch_size", 0) * state.get("world_size", self.world)
+        old_global = old.get("batch_size", 0) * old.get("grad_accum", 1) * state.get("world_size", self.world)
         if old_global != self.global_batch:
-            order.append(f"global batch {old_global}, now {self.global_batch} (--batch-size x processes)")
+            order.append(f"global batch {old_global}, now {self.global_batch} (--batch-size x --grad-accum x "
+                         "processes)")
         if order:
             raise UserError(f"{checkpoint} cannot be resumed with this data order: {'; '.join(order)}. Resume with "
                             f"the data and options it was trained with, or {fresh}")

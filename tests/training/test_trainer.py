@@ -118,8 +118,12 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-@pytest.mark.parametrize("anchor_policy", ["uniform", "decoding"])
-def test_two_process_ddp_matches_one_process_with_the_doubled_batch(tiny_pair, train_data, tmp_path, anchor_policy):
+@pytest.mark.parametrize("anchor_policy, per_process", [("uniform", ["--batch-size", "2"]),
+                                                        ("decoding", ["--batch-size", "2"]),
+                                                        ("uniform", ["--batch-size", "1", "--grad-accum", "2"])])
+def test_two_process_ddp_matches_one_process_with_the_doubled_batch(tiny_pair, train_data, tmp_path, anchor_policy,
+                                                                    per_process):
+    """Also with gradient accumulation, whose first forward of each step skips DDP's all-reduce (no_sync)."""
     common = ["--target", str(tiny_pair[0]), "--data", str(train_data), "--draft-layers", "1", "--block-size", "4",
               "--anchors-per-sequence", "6", "--max-steps", "4", "--lr", "3e-3", "--eval-fraction", "0.125",
               "--eval-every", "0", "--checkpoint-every", "0", "--device", "cpu", "--anchor-policy", anchor_policy]
@@ -127,7 +131,7 @@ def test_two_process_ddp_matches_one_process_with_the_doubled_batch(tiny_pair, t
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     proc = subprocess.run(
         [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", str(free_port()),
-         "-m", "dflash.cli.main", "train", *common, "--batch-size", "2", "--output", str(tmp_path / "two")],
+         "-m", "dflash.cli.main", "train", *common, *per_process, "--output", str(tmp_path / "two")],
         capture_output=True, text=True, env=env, timeout=300,
     )
     assert proc.returncode == 0, proc.stderr[-3000:]
@@ -144,6 +148,44 @@ def test_two_process_ddp_matches_one_process_with_the_doubled_batch(tiny_pair, t
     assert last_one["step"] == last_two["step"] == 4
     assert last_two["loss"] == pytest.approx(last_one["loss"], abs=2e-4)
     assert last_two["tau_estimate"] == pytest.approx(last_one["tau_estimate"], abs=1e-3)
+
+
+@pytest.mark.parametrize("anchor_policy", ["uniform", "decoding"])
+def test_gradient_accumulation_matches_one_forward_of_the_whole_batch(tiny_pair, train_data, tmp_path, anchor_policy):
+    """--grad-accum 2 --batch-size 2 trains the same steps as --batch-size 4: the same sequences, the same
+    anchors, the gradients of two halves averaged; the log reports the whole step."""
+    whole = Trainer(config(tiny_pair, train_data, tmp_path / "whole", anchor_policy=anchor_policy)).setup()
+    whole_result = whole.train()
+    halves = Trainer(config(tiny_pair, train_data, tmp_path / "halves", batch_size=2, grad_accum=2,
+                            anchor_policy=anchor_policy)).setup()
+    halves_result = halves.train()
+    a, b = weights(tmp_path / "whole"), weights(tmp_path / "halves")
+    for key in a:
+        assert torch.allclose(a[key], b[key], atol=2e-5), (key, (a[key] - b[key]).abs().max())
+    assert halves_result["eval_loss"] == pytest.approx(whole_result["eval_loss"], abs=1e-4)
+    logs = [[json.loads(line) for line in (tmp_path / name / "train_log.jsonl").read_text().splitlines()]
+            for name in ("whole", "halves")]
+    last_whole, last_halves = [[r for r in log if "loss" in r and "step" in r][-1] for log in logs]
+    assert last_halves["step"] == last_whole["step"] == 6
+    assert last_halves["loss"] == pytest.approx(last_whole["loss"], abs=2e-4)
+    assert last_halves["tau_estimate"] == pytest.approx(last_whole["tau_estimate"], abs=1e-3)
+    assert last_halves["grad_norm"] == pytest.approx(last_whole["grad_norm"], rel=1e-3)  # (AdamW hides a scale)
+    if anchor_policy == "decoding":
+        assert last_halves["walk_tau"] == pytest.approx(last_whole["walk_tau"], abs=0.2)
+    # and a step of one forward is not what two steps of the halves give
+    two_steps = Trainer(config(tiny_pair, train_data, tmp_path / "two", batch_size=2, max_steps=12)).setup()
+    two_steps.train()
+    assert not torch.allclose(weights(tmp_path / "two")["fc.weight"], a["fc.weight"], atol=2e-5)
+
+
+def test_a_resume_may_trade_batch_size_for_accumulation(tiny_pair, train_data, tmp_path, capsys):
+    """The data order depends on the global batch only; a resume that changes it is refused by name."""
+    Trainer(config(tiny_pair, train_data, tmp_path / "out", max_steps=3)).setup().train()
+    resumed = Trainer(config(tiny_pair, train_data, tmp_path / "out", batch_size=2, grad_accum=2, resume=True))
+    resumed.setup().train()
+    assert resumed.step == 6
+    with pytest.raises(UserError, match=re.escape("global batch 4, now 8 (--batch-size x --grad-accum x processes)")):
+        Trainer(config(tiny_pair, train_data, tmp_path / "out", grad_accum=2, max_steps=9, resume=True)).setup()
 
 
 def test_fine_tuning_starts_from_the_given_drafter(tiny_pair, train_data, tmp_path):
