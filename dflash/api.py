@@ -23,6 +23,7 @@ import torch
 from safetensors import SafetensorError
 
 from dflash.decoding.detokenizer import TextDeltas
+from dflash.decoding.draft_model import DraftModelProposer
 from dflash.decoding.engine import AUTO, GenerationConfig, GenerationError, GenerationOutput, SpeculativeEngine
 from dflash.decoding.proposer import DFlashProposer, NoDraftProposer
 from dflash.errors import UserError
@@ -33,6 +34,7 @@ from dflash.model.loading import (
     load_drafter,
     load_failure,
     parse_dtype,
+    read_config,
     resolve_device,
     resolve_model_dir,
 )
@@ -52,11 +54,13 @@ _PROMPT_KINDS = "text, a list of chat messages [{'role': 'user', 'content': ...}
 class DFlash:
     """A target, an optional DFlash drafter, their tokenizer, and the engine that decodes with them."""
 
-    def __init__(self, target: TargetModel, drafter: DFlashDraftModel | None = None,
+    def __init__(self, target: TargetModel, drafter: DFlashDraftModel | TargetModel | None = None,
                  block_size: int | str | None = None, chat_template_kwargs: dict[str, Any] | None = None):
-        """`target`: a `TargetModel`; `drafter`: a `DFlashDraftModel` trained for it, or None to decode plainly
-        (use `from_pretrained` to load both from paths or hub ids).
-        `block_size`: tokens verified per step (at most the drafter's), None for the drafter's own, or "auto"
+        """`target`: a `TargetModel`; `drafter`: a `DFlashDraftModel` trained for it, a small causal LM of its
+        family as a `TargetModel` (classic speculative decoding, one draft forward per draft token), or None to
+        decode plainly (use `from_pretrained` to load them from paths or hub ids).
+        `block_size`: tokens verified per step (at most a DFlash drafter's; a draft model's default is 5), None
+        for the drafter's own, or "auto"
         to choose it before every step from timed step costs and the acceptance seen so far.
         `chat_template_kwargs`: variables for the chat template on every chat prompt, e.g.
         `{"enable_thinking": False}` for Qwen3 (default: the template's own defaults)."""
@@ -66,11 +70,11 @@ class DFlash:
         self.drafter = drafter
         self.tokenizer = target.tokenizer
         if target.device.type == "cpu":
-            use_fast_layout([target.model] + ([drafter] if drafter is not None else []))
+            drafters = [] if drafter is None else [drafter.model if isinstance(drafter, TargetModel) else drafter]
+            use_fast_layout([target.model] + drafters)
         self.block_size = make_config(block_size=block_size).block_size  # validated: a number, None or "auto"
         fixed = None if block_size == AUTO else block_size
-        proposer = DFlashProposer(drafter, target, fixed) if drafter is not None else NoDraftProposer()
-        self.engine = SpeculativeEngine(target, proposer)
+        self.engine = SpeculativeEngine(target, _proposer(target, drafter, fixed))
 
     @classmethod
     def from_pretrained(
@@ -102,6 +106,12 @@ class DFlash:
         target_model = load_target(target, dtype, torch_device)
         drafter = None
         if draft is not None:
+            draft = resolve_model_dir(draft)  # once: a hub id is looked up over the network
+        if draft is not None and is_draft_model(draft):
+            if mask_token_id is not None:
+                raise UserError(f"{draft} is a causal LM, which drafts without a mask token: leave mask_token_id out")
+            drafter = load_target(draft, dtype=target_model.dtype, device=torch_device, what="the draft model")
+        elif draft is not None:
             drafter = load_drafter(draft, mask_token_id=mask_token_id, dtype=target_model.dtype, device=torch_device)
         return cls(target_model, drafter, block_size, chat_template_kwargs)
 
@@ -194,9 +204,9 @@ def make_config(**options: Any) -> GenerationConfig:
 
 
 def load_target(path_or_id: str | os.PathLike, dtype: str | torch.dtype | None = None,
-                device: str | torch.device = "cpu") -> TargetModel:
-    """A target and its tokenizer from a directory or hub id; a checkpoint that is not one, or whose files cannot
-    be read, is a CheckpointError naming the directory."""
+                device: str | torch.device = "cpu", what: str = "the target") -> TargetModel:
+    """A causal LM and its tokenizer (the target, or a draft model) from a directory or hub id; a checkpoint that
+    is not one, or whose files cannot be read, is a CheckpointError naming the directory."""
     directory = resolve_model_dir(path_or_id)
     check_target_dir(directory)
     try:
@@ -204,7 +214,25 @@ def load_target(path_or_id: str | os.PathLike, dtype: str | torch.dtype | None =
     except UserError:
         raise
     except (OSError, ValueError, RuntimeError, SafetensorError) as err:  # transformers' and torch's load failures
-        raise load_failure("the target", directory, err) from None
+        raise load_failure(what, directory, err) from None
+
+
+def is_draft_model(path_or_id: str | os.PathLike) -> bool:
+    """Whether the checkpoint directory `path_or_id` is a plain causal LM (a draft model for classic speculative
+    decoding) rather than a DFlash drafter, by its config.json: a DFlash drafter declares a DFlash architecture
+    or a `dflash_config`."""
+    raw = read_config(Path(path_or_id), "a DFlash drafter or a causal LM checkpoint")
+    architectures = raw.get("architectures") or []
+    dflash = "dflash_config" in raw or any("DFlash" in name for name in architectures)
+    return not dflash and any(name.endswith("ForCausalLM") for name in architectures)
+
+
+def _proposer(target: TargetModel, drafter: DFlashDraftModel | TargetModel | None, block_size: int | None):
+    if drafter is None:
+        return NoDraftProposer()
+    if isinstance(drafter, TargetModel):
+        return DraftModelProposer(drafter, target, block_size)
+    return DFlashProposer(drafter, target, block_size)
 
 
 def _pair_paths(target, draft, no_draft: bool) -> tuple[str | os.PathLike, str | os.PathLike | None]:
@@ -231,9 +259,9 @@ def _check_models(target: Any, drafter: Any) -> None:
     if not isinstance(target, TargetModel):
         raise UserError(f"DFlash(target, drafter) takes a dflash.TargetModel, not {type(target).__name__}; to load "
                         "from directories or hub ids use DFlash.from_pretrained(target, draft)")
-    if drafter is not None and not isinstance(drafter, DFlashDraftModel):
-        raise UserError(f"the drafter is a dflash.DFlashDraftModel (dflash.load_drafter(path)) or None, not "
-                        f"{type(drafter).__name__}")
+    if drafter is not None and not isinstance(drafter, (DFlashDraftModel, TargetModel)):
+        raise UserError(f"the drafter is a dflash.DFlashDraftModel (dflash.load_drafter(path)), a draft model as a "
+                        f"dflash.TargetModel, or None, not {type(drafter).__name__}")
 
 
 def _is_token_id(value: Any) -> bool:

@@ -35,7 +35,9 @@ def add_model_arguments(parser: argparse.ArgumentParser, block_size_sweep: bool 
     group = parser.add_argument_group("models (default: the embedded GSM8K pair)")
     group.add_argument("--target", help="target model: local directory or Hugging Face hub id")
     draft = group.add_mutually_exclusive_group()
-    draft.add_argument("--draft", help="DFlash drafter: local directory or hub id")
+    draft.add_argument("--draft", help="DFlash drafter: local directory or hub id; or a small causal LM with the "
+                                       "target's tokenizer, for classic speculative decoding to compare with (a draft "
+                                       "model's block size defaults to 5)")
     draft.add_argument("--no-draft", action="store_true", help="plain autoregressive decoding (the baseline)")
     group.add_argument("--mask-token-id", type=int, help="mask token id for legacy drafters whose config lacks it")
     if block_size_sweep:

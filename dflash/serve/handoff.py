@@ -119,6 +119,11 @@ def drafter_config(draft: str) -> DrafterConfig:
                         "their DFlash method, which has no place for DFlash2's convolutions and candidate selector; "
                         "serve it with `dflash serve` (without --engine), or train a DFlash drafter (dflash train "
                         f"without --dflash2) for the engines{_embedded_hint(draft)}")
+    if any(name.endswith("ForCausalLM") for name in raw.get("architectures") or []):
+        raise UserError(f"{draft} is a causal LM, a draft model for classic speculative decoding: the hand-off starts "
+                        "vLLM and SGLang with their DFlash method, which needs a DFlash drafter; serve it with "
+                        "`dflash serve` (without --engine), or give the engine the draft model by its own "
+                        "draft-model method")
     if DRAFTER_ARCHITECTURE not in (raw.get("architectures") or []):
         raise UserError(f"{draft} declares architectures {raw.get('architectures')}; vLLM and SGLang load DFlash "
                         f"drafters declared as {DRAFTER_ARCHITECTURE!r}")

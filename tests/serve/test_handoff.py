@@ -113,11 +113,12 @@ def broken_copy(tmp_path, draft, edit=None, drop_weights=False):
 @pytest.mark.parametrize("case,expected", [
     ("wrong_hidden", "hidden size"),
     ("wrong_layers", "number of target layers"),
-    ("not_a_drafter", "architectures"),
+    ("not_a_drafter", "a draft model for classic speculative decoding"),
+    ("unknown_architecture", "architectures"),
     ("no_mask", "mask token"),
     ("no_weights", "safetensors"),
     ("block_too_big", "block size"),
-    ("target_as_draft", "architectures"),
+    ("target_as_draft", "a draft model for classic speculative decoding"),
     ("no_hidden_size", "hidden_size"),
     ("dflash2", "serve it with `dflash serve`"),
 ])
@@ -130,6 +131,8 @@ def test_bad_pairs_are_refused(tiny_pair, tmp_path, capsys, case, expected):
         draft = broken_copy(tmp_path, draft, lambda c: c.update(num_target_layers=36))
     elif case == "not_a_drafter":
         draft = broken_copy(tmp_path, draft, lambda c: c.update(architectures=["Qwen3ForCausalLM"]))
+    elif case == "unknown_architecture":
+        draft = broken_copy(tmp_path, draft, lambda c: c.update(architectures=["SomethingElse"]))
     elif case == "no_mask":
         draft = broken_copy(tmp_path, draft, lambda c: (c.pop("dflash_config"), c.pop("mask_token_id", None)))
     elif case == "no_weights":

@@ -1,0 +1,156 @@
+"""Classic speculative decoding with a small causal LM as the drafter: lossless like DFlash, on every family."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+
+from conftest import hf_greedy, random_prompts, save_tiny_pair, tiny_target_model
+from dflash import DFlash
+from dflash.cli.main import main
+from dflash.decoding import GenerationConfig, SpeculativeEngine
+from dflash.decoding.draft_model import DraftModelProposer, fit_vocabulary
+from dflash.decoding.sampling import SamplingParams, to_probs
+from dflash.errors import UserError
+from dflash.model.target import IncompatibleDrafterError, TargetModel
+
+MAX_NEW = 40
+
+
+def perturbed_copy(target: TargetModel, scale: float, seed: int = 0) -> TargetModel:
+    """The target with noise on every weight: a draft model that agrees with it often, not always."""
+    model = copy.deepcopy(target.model)
+    generator = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(torch.randn(p.shape, generator=generator) * scale * p.std().nan_to_num(0.02))
+    return TargetModel(model, target.tokenizer)
+
+
+def draft_models(target: TargetModel) -> dict[str, TargetModel]:
+    return {
+        "itself": target,  # drafts exactly what the target says: every draft token accepted
+        "perturbed": perturbed_copy(target, 0.5),  # some accepted
+        "another family": TargetModel(tiny_target_model("llama", seed=3, layers=1)),  # few accepted
+    }
+
+
+@pytest.mark.parametrize("block_size", [2, 4, 8])
+def test_greedy_with_a_draft_model_is_lossless(target, block_size):
+    prompts = random_prompts(3, seed=31)
+    expected = [hf_greedy(target, p, MAX_NEW) for p in prompts]
+    config = GenerationConfig(max_new_tokens=MAX_NEW, block_size=block_size, stop_token_ids=[])
+    taus = {}
+    for name, draft in draft_models(target).items():
+        engine = SpeculativeEngine(target, DraftModelProposer(draft, target, block_size))
+        together = engine.generate(prompts, config)  # a ragged batch: rows catch up on different tokens
+        assert [o.output_ids for o in together] == expected, name
+        assert engine.generate(prompts[:1], config)[0].output_ids == expected[0], name
+        steps = [n for o in together for n in o.stats.acceptance_lengths[1:]]
+        taus[name] = sum(steps) / len(steps)
+    assert taus["itself"] == pytest.approx(block_size, abs=0.35)  # whole blocks, but for each answer's last step
+    assert taus["itself"] > taus["perturbed"] and taus["another family"] < block_size / 2 + 0.5
+
+
+def test_seeded_sampling_with_a_draft_model_is_the_target_alone(target):
+    prompts = random_prompts(2, seed=32)
+    config = GenerationConfig(max_new_tokens=MAX_NEW, temperature=0.9, top_p=0.9, top_k=50, seed=5,
+                              stop_token_ids=[], block_size=4)
+    plain = [o.output_ids for o in SpeculativeEngine(target).generate(prompts, config)]
+    for draft in draft_models(target).values():
+        engine = SpeculativeEngine(target, DraftModelProposer(draft, target, 4))
+        assert [o.output_ids for o in engine.generate(prompts, config)] == plain
+
+
+@torch.no_grad()
+def test_a_sampled_draft_reports_the_distribution_each_token_was_drawn_from(target):
+    """Rejection sampling is exact only if verification gets each draft token's own proposal distribution: the
+    draft model's, after the prompt, the anchor and the draft tokens drawn before it."""
+    draft = perturbed_copy(target, 0.5)
+    engine = SpeculativeEngine(target, DraftModelProposer(draft, target, 6))
+    config = GenerationConfig(max_new_tokens=MAX_NEW, temperature=1.0, stop_token_ids=[])
+    seq = engine.new_sequence(random_prompts(1, seed=33)[0], config)
+    batch = engine.prefill(seq)
+    engine.step(batch)  # the draft cache now holds rejected tokens to cut back
+    proposal = batch.proposer.propose(batch.draft_state, batch.anchors, batch.anchor_positions, [seq])
+    tokens, probs = proposal.tokens[0].tolist(), proposal.probs[0]  # (5,), (5, vocab)
+    history = seq.prompt_ids + seq.output_ids
+    logits = draft.model(torch.tensor([history + tokens])).logits[0, len(history) - 1:-1]  # (5, vocab)
+    expected = to_probs(fit_vocabulary(logits, target.vocab_size), SamplingParams(temperature=1.0))
+    assert torch.allclose(probs, expected, atol=1e-5)
+    assert all(float(probs[t, token]) > 0 for t, token in enumerate(tokens))
+
+
+def test_unseeded_sampling_runs_and_keeps_the_length(target):
+    engine = SpeculativeEngine(target, DraftModelProposer(perturbed_copy(target, 0.5), target, 4))
+    outs = engine.generate(random_prompts(3, seed=34),
+                           GenerationConfig(max_new_tokens=MAX_NEW, temperature=0.8, stop_token_ids=[]))
+    assert all(len(o.output_ids) == MAX_NEW and o.stats.drafter_forwards > 0 for o in outs)
+
+
+def test_a_smaller_draft_vocabulary_never_drafts_the_missing_ids():
+    logits = torch.tensor([[1.0, 3.0, 2.0]])
+    widened = fit_vocabulary(logits, 5)
+    assert widened.shape == (1, 5) and widened.argmax().item() == 1 and torch.isinf(widened[0, 3:]).all()
+    assert fit_vocabulary(torch.zeros(2, 7), 5).shape == (2, 5)
+
+
+def test_draft_models_that_cannot_draft_for_the_target_are_refused(target):
+    short = TargetModel(tiny_target_model("llama", seed=3, layers=1))
+    short.model.config.max_position_embeddings = 16
+    with pytest.raises(IncompatibleDrafterError, match="its context is 16 tokens"):
+        DraftModelProposer(short, target)
+    with pytest.raises(UserError, match="choose 2..32"):
+        DraftModelProposer(target, target, 1)
+
+
+@pytest.fixture(scope="module")
+def pair_and_draft_model(tmp_path_factory):
+    """The tiny text pair on disk, and a draft model for its target: the target with noise, same tokenizer."""
+    root = tmp_path_factory.mktemp("draft_model")
+    target_dir, draft_dir = save_tiny_pair(root)
+    target = TargetModel.from_pretrained(target_dir)
+    draft = perturbed_copy(target, 0.3)
+    draft.model.save_pretrained(root / "draft_model")
+    target.tokenizer.save_pretrained(root / "draft_model")
+    return target_dir, root / "draft_model"
+
+
+def test_from_pretrained_takes_a_causal_lm_as_the_draft(pair_and_draft_model):
+    target_dir, draft_dir = pair_and_draft_model
+    pipe = DFlash.from_pretrained(target_dir, draft_dir)
+    plain = DFlash.from_pretrained(target_dir, no_draft=True)
+    assert isinstance(pipe.engine.proposer, DraftModelProposer) and pipe.engine.proposer.block_size == 5
+    a, b = pipe.generate("How many clips?", max_new_tokens=24), plain.generate("How many clips?", max_new_tokens=24)
+    assert a.output_ids == b.output_ids and a.stats.drafter_forwards > 0
+    assert DFlash.from_pretrained(target_dir, draft_dir, block_size=3).engine.proposer.block_size == 3
+    with pytest.raises(UserError, match="drafts without a mask token"):
+        DFlash.from_pretrained(target_dir, draft_dir, mask_token_id=3)
+
+
+def test_a_draft_model_with_another_tokenizer_is_refused(pair_and_draft_model, tmp_path):
+    target_dir, draft_dir = pair_and_draft_model
+    other = tmp_path / "other"
+    tokenizer = TargetModel.from_pretrained(draft_dir).tokenizer
+    vocab = tokenizer.get_vocab()
+    first, second = sorted(vocab, key=vocab.get)[10:12]  # swap two tokens' ids
+    state = tokenizer.backend_tokenizer.to_str().replace(f'"{first}":', '"@@":').replace(f'"{second}":', f'"{first}":')
+    state = state.replace('"@@":', f'"{second}":')
+    from tokenizers import Tokenizer
+    from transformers import PreTrainedTokenizerFast
+
+    swapped = PreTrainedTokenizerFast(tokenizer_object=Tokenizer.from_str(state), eos_token="<|im_end|>")
+    TargetModel.from_pretrained(draft_dir).model.save_pretrained(other)
+    swapped.save_pretrained(other)
+    with pytest.raises(IncompatibleDrafterError, match="its tokenizer gives"):
+        DFlash.from_pretrained(target_dir, other)
+
+
+def test_generate_cli_with_a_draft_model(pair_and_draft_model, capsys):
+    target_dir, draft_dir = pair_and_draft_model
+    assert main(["generate", "--target", str(target_dir), "--draft", str(draft_dir), "--prompt", "How many clips?",
+                 "--max-new-tokens", "16", "--compare"]) == 0
+    captured = capsys.readouterr()
+    assert "identical output" in captured.err and "DIFFERS" not in captured.err, captured.err
