@@ -111,7 +111,7 @@ class DraftModelProposer:
     def _choose(self, logits: torch.Tensor, seq, position: int) -> tuple[int, torch.Tensor | None]:
         """The draft token at `position`: the argmax (greedy rows), the row's noise on the draft distribution
         (seeded rows: verification compares with the target's own draw), or a draw whose distribution is kept."""
-        if seq.params.greedy:
+        if seq.params.greedy:  # a host sync per draft token: the next draft forward takes it as input anyway
             return int(logits.argmax()), None
         dist = to_probs(logits[None], seq.params)  # (1, vocab)
         if seq.noise is not None:
