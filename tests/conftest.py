@@ -247,3 +247,28 @@ def dflash2_drafter(target, layers: int = 2, block_size: int = 16, seed: int = 0
                 param.add_(torch.randn(param.shape, generator=generator) * scale)
         drafter.candidate_selector.predecessor_codebook.mul_(20)  # pair scores that overrule the top-1
     return drafter.eval()
+
+
+def perturbed_copy(target: TargetModel, scale: float, seed: int = 0) -> TargetModel:
+    """The target with noise on every weight: a draft model that agrees with it often, not always."""
+    import copy
+
+    model = copy.deepcopy(target.model)
+    generator = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(torch.randn(p.shape, generator=generator) * scale * p.std().nan_to_num(0.02))
+    return TargetModel(model, target.tokenizer)
+
+
+@pytest.fixture(scope="session")
+def draft_model_pair(tmp_path_factory):
+    """(target_dir, draft_model_dir): the tiny text pair's target, and a causal LM that drafts for it (the
+    target with noise, the same tokenizer), for classic speculative decoding."""
+    root = tmp_path_factory.mktemp("draft_model")
+    target_dir, _ = save_tiny_pair(root)
+    target = TargetModel.from_pretrained(target_dir)
+    draft = perturbed_copy(target, 0.3)
+    draft.model.save_pretrained(root / "draft_model")
+    target.tokenizer.save_pretrained(root / "draft_model")
+    return target_dir, root / "draft_model"

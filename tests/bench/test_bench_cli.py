@@ -51,6 +51,18 @@ def test_local_bench_writes_json_markdown_and_plots(tiny_pair, data_dir, tmp_pat
     assert "dflash bench" in captured.out and "dflash bench" not in captured.err  # the table, on stdout
 
 
+def test_local_bench_with_a_draft_model(draft_model_pair, data_dir, tmp_path):
+    """Classic speculative decoding measured like DFlash: the same table and JSON, no mismatches."""
+    target, draft = draft_model_pair
+    out = tmp_path / "out"
+    assert main(["bench", "--target", str(target), "--draft", str(draft), "--dataset", "gsm8k", "--data-dir",
+                 str(data_dir), "--max-samples", "2", "--max-new-tokens", "12", "--warmup-tokens", "2",
+                 "--block-size", "3", "--output-dir", str(out), "--no-progress"]) == 0
+    [result] = json.loads((out / "results.json").read_text())
+    assert result["mismatches"] == 0 and result["block_size"] == 3 and len(result["acceptance_histogram"]) == 4
+    assert result["mean_acceptance_length"] > 1.0  # the noisy copy agrees with the target now and then
+
+
 def test_server_bench_with_a_concurrency_sweep_plots_throughput(openai_server, data_dir, tmp_path):
     server = openai_server()
     out = tmp_path / "out"

@@ -2,12 +2,10 @@
 
 from __future__ import annotations
 
-import copy
-
 import pytest
 import torch
 
-from conftest import hf_greedy, random_prompts, save_tiny_pair, tiny_target_model
+from conftest import hf_greedy, perturbed_copy, random_prompts, tiny_target_model
 from dflash import DFlash
 from dflash.cli.main import main
 from dflash.decoding import GenerationConfig, SpeculativeEngine
@@ -17,16 +15,6 @@ from dflash.errors import UserError
 from dflash.model.target import IncompatibleDrafterError, TargetModel
 
 MAX_NEW = 40
-
-
-def perturbed_copy(target: TargetModel, scale: float, seed: int = 0) -> TargetModel:
-    """The target with noise on every weight: a draft model that agrees with it often, not always."""
-    model = copy.deepcopy(target.model)
-    generator = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for p in model.parameters():
-            p.add_(torch.randn(p.shape, generator=generator) * scale * p.std().nan_to_num(0.02))
-    return TargetModel(model, target.tokenizer)
 
 
 def draft_models(target: TargetModel) -> dict[str, TargetModel]:
@@ -106,20 +94,8 @@ def test_draft_models_that_cannot_draft_for_the_target_are_refused(target):
         DraftModelProposer(target, target, 1)
 
 
-@pytest.fixture(scope="module")
-def pair_and_draft_model(tmp_path_factory):
-    """The tiny text pair on disk, and a draft model for its target: the target with noise, same tokenizer."""
-    root = tmp_path_factory.mktemp("draft_model")
-    target_dir, draft_dir = save_tiny_pair(root)
-    target = TargetModel.from_pretrained(target_dir)
-    draft = perturbed_copy(target, 0.3)
-    draft.model.save_pretrained(root / "draft_model")
-    target.tokenizer.save_pretrained(root / "draft_model")
-    return target_dir, root / "draft_model"
-
-
-def test_from_pretrained_takes_a_causal_lm_as_the_draft(pair_and_draft_model):
-    target_dir, draft_dir = pair_and_draft_model
+def test_from_pretrained_takes_a_causal_lm_as_the_draft(draft_model_pair):
+    target_dir, draft_dir = draft_model_pair
     pipe = DFlash.from_pretrained(target_dir, draft_dir)
     plain = DFlash.from_pretrained(target_dir, no_draft=True)
     assert isinstance(pipe.engine.proposer, DraftModelProposer) and pipe.engine.proposer.block_size == 5
@@ -130,8 +106,8 @@ def test_from_pretrained_takes_a_causal_lm_as_the_draft(pair_and_draft_model):
         DFlash.from_pretrained(target_dir, draft_dir, mask_token_id=3)
 
 
-def test_a_draft_model_with_another_tokenizer_is_refused(pair_and_draft_model, tmp_path):
-    target_dir, draft_dir = pair_and_draft_model
+def test_a_draft_model_with_another_tokenizer_is_refused(draft_model_pair, tmp_path):
+    target_dir, draft_dir = draft_model_pair
     other = tmp_path / "other"
     tokenizer = TargetModel.from_pretrained(draft_dir).tokenizer
     vocab = tokenizer.get_vocab()
@@ -148,8 +124,8 @@ def test_a_draft_model_with_another_tokenizer_is_refused(pair_and_draft_model, t
         DFlash.from_pretrained(target_dir, other)
 
 
-def test_generate_cli_with_a_draft_model(pair_and_draft_model, capsys):
-    target_dir, draft_dir = pair_and_draft_model
+def test_generate_cli_with_a_draft_model(draft_model_pair, capsys):
+    target_dir, draft_dir = draft_model_pair
     assert main(["generate", "--target", str(target_dir), "--draft", str(draft_dir), "--prompt", "How many clips?",
                  "--max-new-tokens", "16", "--compare"]) == 0
     captured = capsys.readouterr()
