@@ -92,7 +92,12 @@ rm -rf dflash/assets/drafter && mkdir -p dflash/assets/drafter dflash/assets/dra
 cp runs/embedded/drafter_round17/config.json runs/embedded/drafter_round17/model.safetensors dflash/assets/drafter/
 # round 17 also stays shipped as the DFlash drafter the hand-off to vLLM / SGLang uses (they cannot load DFlash2)
 cp runs/embedded/drafter_round17/config.json runs/embedded/drafter_round17/model.safetensors dflash/assets/drafter-dflash/
-# round 19 (shipped): round 17 grown into a DFlash2 drafter, on the phase-6c target's answers to one more draw
+# round 19 (shipped until round 20): round 17 grown into a DFlash2 drafter, on the phase-6c target's answers to one more draw
 answer "$phase6c" runs/embedded/gsm8k_train_perturbed2_prompts.jsonl runs/embedded/gsm8k_train_perturbed2_phase6c.jsonl
 dflash train --config scripts/embedded/drafter_round19.yaml "$@"
 cp runs/embedded/drafter_round19/config.json runs/embedded/drafter_round19/model.safetensors dflash/assets/drafter/
+# round 20 (shipped): round 19 trained 600 more steps on the training questions' and the seed-0 draw's answers
+mkdir -p runs/embedded/drafter_round19_shipped
+cp runs/embedded/drafter_round19/config.json runs/embedded/drafter_round19/model.safetensors runs/embedded/drafter_round19_shipped/
+dflash train --config scripts/embedded/drafter_round20.yaml "$@"
+cp runs/embedded/drafter_round20/config.json runs/embedded/drafter_round20/model.safetensors dflash/assets/drafter/
