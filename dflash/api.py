@@ -52,7 +52,8 @@ _PROMPT_KINDS = "text, a list of chat messages [{'role': 'user', 'content': ...}
 
 
 class DFlash:
-    """A target, an optional DFlash drafter, their tokenizer, and the engine that decodes with them."""
+    """A target, an optional drafter (a DFlash drafter, or a draft model to compare with), the target's tokenizer,
+    and the engine that decodes with them."""
 
     def __init__(self, target: TargetModel, drafter: DFlashDraftModel | TargetModel | None = None,
                  block_size: int | str | None = None, chat_template_kwargs: dict[str, Any] | None = None):
