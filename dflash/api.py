@@ -27,6 +27,7 @@ from dflash.decoding.draft_model import DraftModelProposer
 from dflash.decoding.engine import AUTO, GenerationConfig, GenerationError, GenerationOutput, SpeculativeEngine
 from dflash.decoding.proposer import DFlashProposer, NoDraftProposer
 from dflash.errors import UserError
+from dflash.model.config import is_causal_lm
 from dflash.model.cpu_layout import use_fast_layout
 from dflash.model.drafter import DFlashDraftModel
 from dflash.model.loading import (
@@ -220,12 +221,9 @@ def load_target(path_or_id: str | os.PathLike, dtype: str | torch.dtype | None =
 
 def is_draft_model(path_or_id: str | os.PathLike) -> bool:
     """Whether the checkpoint directory `path_or_id` is a plain causal LM (a draft model for classic speculative
-    decoding) rather than a DFlash drafter, by its config.json: a DFlash drafter declares a DFlash architecture
-    or a `dflash_config`."""
+    decoding) rather than a DFlash drafter, by its config.json: a causal LM architecture and no `dflash_config`."""
     raw = read_config(Path(path_or_id), "a DFlash drafter or a causal LM checkpoint")
-    architectures = raw.get("architectures") or []
-    dflash = "dflash_config" in raw or any("DFlash" in name for name in architectures)
-    return not dflash and any(name.endswith("ForCausalLM") for name in architectures)
+    return "dflash_config" not in raw and is_causal_lm(raw.get("architectures") or [])
 
 
 def _proposer(target: TargetModel, drafter: DFlashDraftModel | TargetModel | None, block_size: int | None):

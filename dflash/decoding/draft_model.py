@@ -5,14 +5,16 @@ A draft model (any Hugging Face causal LM with the target's tokenizer, e.g. Qwen
 does DFlash's, so the output is the target's own (greedy, seeded or rejection-sampled). It is the baseline
 DFlash is measured against: k dependent draft forwards where DFlash drafts a block in one.
 
-Each row keeps its own draft cache and the tokens in it. Before drafting, a row's cache is cut back to the
-longest prefix it shares with the row's tokens (the draft tokens the target rejected go) and fed the rest (the
-accepted tokens it had not seen and the anchor). Rows draft one after another: a batch costs rows x k small
-forwards, which suits a benchmark or a single stream, not batched serving of many requests.
+Each row keeps its own draft cache: the row's tokens it has confirmed (read and since accepted, up to the last
+anchor), then the draft tokens it read after them. Before drafting, the row keeps the draft tokens the target
+accepted, drops the rest (a crop) and reads the tokens it has not seen (the bonus token, and the last draft token
+if it was accepted): a few tokens per step, whatever the length. Rows draft one after another: a batch costs
+rows x k small forwards, which suits a benchmark or a single stream, not batched serving of many requests.
 """
 
 from __future__ import annotations
 
+import copy
 from dataclasses import dataclass, field
 
 import torch
@@ -29,10 +31,15 @@ MAX_BLOCK_SIZE = 32
 
 @dataclass
 class DraftRow:
-    """One row's draft cache and the tokens it holds, in order."""
+    """One row's draft cache: `confirmed` tokens of the row's own, then the `drafted` tokens read after them."""
 
-    cache: object = None
-    tokens: list[int] = field(default_factory=list)
+    cache: object
+    confirmed: int = 0
+    drafted: list[int] = field(default_factory=list)
+
+    @property
+    def length(self) -> int:
+        return self.confirmed + len(self.drafted)
 
 
 class DraftModelProposer:
@@ -43,9 +50,7 @@ class DraftModelProposer:
     def __init__(self, draft: TargetModel, target: TargetModel, block_size: int | None = None):
         check_draft_model(draft, target)
         block_size = DEFAULT_BLOCK_SIZE if block_size is None else block_size
-        if not 2 <= block_size <= MAX_BLOCK_SIZE:
-            raise UserError(f"block size {block_size} is not usable with a draft model: choose 2..{MAX_BLOCK_SIZE} "
-                            "(the anchor + the draft tokens verified per step)")
+        check_block_size(block_size)
         self.draft = draft
         self.target = target
         self.block_size = block_size
@@ -54,10 +59,13 @@ class DraftModelProposer:
     def with_block_size(self, block_size: int | None) -> "DraftModelProposer":
         if block_size is None or block_size == self.block_size:
             return self
-        return DraftModelProposer(self.draft, self.target, block_size)
+        check_block_size(block_size)
+        other = copy.copy(self)  # the pair was checked once (a tokenizer comparison reads every token)
+        other.block_size = block_size
+        return other
 
     def new_state(self) -> list[DraftRow]:
-        return [DraftRow()]  # the engine starts every batch with one row (a prefill or a rejoin)
+        return [DraftRow(self.draft.new_cache())]  # the engine starts every batch with one row (prefill or rejoin)
 
     def observe(self, state: list[DraftRow], context: PendingContext) -> None:
         pass  # the rows' own tokens tell each draft cache what to read
@@ -74,7 +82,7 @@ class DraftModelProposer:
     def _draft_row(self, row: DraftRow, seq, k: int) -> tuple[torch.Tensor, torch.Tensor | None]:
         """k draft tokens after the row's anchor (its last token), and their proposal distributions (k, vocab)
         for rows that sample without a seed (None otherwise)."""
-        logits = self._catch_up(row, seq.prompt_ids + seq.output_ids)  # (vocab,) after the anchor
+        logits = self._catch_up(row, seq)  # (vocab,) after the anchor
         drafted, dists = [], []
         for t in range(k):
             token, dist = self._choose(logits, seq, seq.next_position + t)
@@ -82,30 +90,32 @@ class DraftModelProposer:
             dists.append(dist)
             if t < k - 1:  # the last draft token is read at the next step, if the target accepts it
                 logits = self._read(row, [token])
+                row.drafted.append(token)
         probs = torch.stack(dists) if dists[0] is not None else None
         return torch.tensor(drafted, device=self.target.device), probs
 
-    def _catch_up(self, row: DraftRow, tokens: list[int]) -> torch.Tensor:
-        """Cut the row's cache back to what it shares with `tokens`, read the rest; the logits after them."""
-        shared = 0
-        limit = min(len(row.tokens), len(tokens) - 1)  # the anchor is read again if need be, for its logits
-        while shared < limit and row.tokens[shared] == tokens[shared]:
-            shared += 1
-        if row.cache is None:
-            row.cache = self.draft.new_cache()
-        hf_compat.crop_cache(row.cache, shared)
-        del row.tokens[shared:]
-        return self._read(row, tokens[shared:])
+    def _catch_up(self, row: DraftRow, seq) -> torch.Tensor:
+        """Keep the draft tokens the target accepted, drop the others, read the row's tokens since; the logits
+        after its anchor."""
+        new = unseen_tokens(seq, row.confirmed)  # accepted draft tokens, then the bonus token: the new anchor
+        kept = 0
+        while kept < min(len(row.drafted), len(new) - 1) and row.drafted[kept] == new[kept]:
+            kept += 1
+        row.confirmed += kept
+        row.drafted.clear()
+        hf_compat.crop_cache(row.cache, row.confirmed)
+        logits = self._read(row, new[kept:])
+        row.confirmed += len(new) - kept
+        return logits
 
     def _read(self, row: DraftRow, new: list[int]) -> torch.Tensor:
         """The draft model reads `new` after the row's cached tokens; returns its logits for the next one
-        (vocab,), over the target's vocabulary."""
+        (vocab,), over the target's vocabulary. The caller records `new` as confirmed or drafted."""
         device = self.draft.device
-        start = len(row.tokens)
+        start = row.length
         ids = torch.tensor([new], device=device)  # (1, n)
         positions = torch.arange(start, start + len(new), device=device)[None]
         out = self.draft.forward(ids, positions, row.cache, logits_to_keep=1)
-        row.tokens.extend(new)
         return fit_vocabulary(out.logits[0, -1].to(self.target.device), self.vocab_size)
 
     def _choose(self, logits: torch.Tensor, seq, position: int) -> tuple[int, torch.Tensor | None]:
@@ -126,6 +136,18 @@ class DraftModelProposer:
 
     def merge(self, states: list[list[DraftRow]], batch_sizes: list[int]) -> list[DraftRow]:
         return [row for state in states for row in state]
+
+
+def check_block_size(block_size: int) -> None:
+    if not 2 <= block_size <= MAX_BLOCK_SIZE:
+        raise UserError(f"block size {block_size} is not usable with a draft model: choose 2..{MAX_BLOCK_SIZE} "
+                        "(the anchor + the draft tokens verified per step)")
+
+
+def unseen_tokens(seq, start: int) -> list[int]:
+    """The sequence's tokens (prompt, then output) from position `start` on, without copying the ones before."""
+    prompt = len(seq.prompt_ids)
+    return seq.prompt_ids[start:] + seq.output_ids[max(start - prompt, 0):]
 
 
 def fit_vocabulary(logits: torch.Tensor, vocab_size: int) -> torch.Tensor:

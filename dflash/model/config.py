@@ -84,6 +84,11 @@ def is_dflash2(architectures: list[str]) -> bool:
     return "DFlash2DraftModel" in architectures
 
 
+def is_causal_lm(architectures: list[str]) -> bool:
+    """A plain Hugging Face causal LM (a target, or a draft model for classic speculative decoding), not a drafter."""
+    return any(name.endswith("ForCausalLM") for name in architectures)
+
+
 def default_target_layer_ids(num_target_layers: int, num_draft_layers: int) -> list[int]:
     """Which target layers feed the drafter when a checkpoint does not say (REFERENCE section 1).
 

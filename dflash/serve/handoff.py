@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from dflash.errors import UserError
-from dflash.model.config import DrafterConfig, is_dflash2
+from dflash.model.config import DrafterConfig, is_causal_lm, is_dflash2
 from dflash.model.loading import read_config
 from dflash.model.target import check_compatible
 from dflash.serve.limits import check_max_model_len
@@ -119,7 +119,7 @@ def drafter_config(draft: str) -> DrafterConfig:
                         "their DFlash method, which has no place for DFlash2's convolutions and candidate selector; "
                         "serve it with `dflash serve` (without --engine), or train a DFlash drafter (dflash train "
                         f"without --dflash2) for the engines{_embedded_hint(draft)}")
-    if any(name.endswith("ForCausalLM") for name in raw.get("architectures") or []):
+    if is_causal_lm(raw.get("architectures") or []):
         raise UserError(f"{draft} is a causal LM, a draft model for classic speculative decoding: the hand-off starts "
                         "vLLM and SGLang with their DFlash method, which needs a DFlash drafter; serve it with "
                         "`dflash serve` (without --engine), or give the engine the draft model by its own "

@@ -97,7 +97,5 @@ answer "$phase6c" runs/embedded/gsm8k_train_perturbed2_prompts.jsonl runs/embedd
 dflash train --config scripts/embedded/drafter_round19.yaml "$@"
 cp runs/embedded/drafter_round19/config.json runs/embedded/drafter_round19/model.safetensors dflash/assets/drafter/
 # round 20 (shipped): round 19 trained 600 more steps on the training questions' and the seed-0 draw's answers
-mkdir -p runs/embedded/drafter_round19_shipped
-cp runs/embedded/drafter_round19/config.json runs/embedded/drafter_round19/model.safetensors runs/embedded/drafter_round19_shipped/
 dflash train --config scripts/embedded/drafter_round20.yaml "$@"
 cp runs/embedded/drafter_round20/config.json runs/embedded/drafter_round20/model.safetensors dflash/assets/drafter/
