@@ -29,6 +29,7 @@ from dflash.decoding.proposer import DFlashProposer, NoDraftProposer
 from dflash.errors import UserError
 from dflash.model.config import is_causal_lm
 from dflash.model.cpu_layout import use_fast_layout
+from dflash.model.cpu_precision import use_bfloat16_matmuls
 from dflash.model.drafter import DFlashDraftModel
 from dflash.model.loading import (
     check_target_dir,
@@ -74,6 +75,8 @@ class DFlash:
         if target.device.type == "cpu":
             drafters = [] if drafter is None else [drafter.model if isinstance(drafter, TargetModel) else drafter]
             use_fast_layout([target.model] + drafters)
+            if isinstance(drafter, DFlashDraftModel):
+                _draft_in_bfloat16(drafter, target)
         self.block_size = make_config(block_size=block_size).block_size  # validated: a number, None or "auto"
         fixed = None if block_size == AUTO else block_size
         self.engine = SpeculativeEngine(target, _proposer(target, drafter, fixed))
@@ -224,6 +227,13 @@ def is_draft_model(path_or_id: str | os.PathLike) -> bool:
     decoding) rather than a DFlash drafter, by its config.json: a causal LM architecture and no `dflash_config`."""
     raw = read_config(Path(path_or_id), "a DFlash drafter or a causal LM checkpoint")
     return "dflash_config" not in raw and is_causal_lm(raw.get("architectures") or [])
+
+
+def _draft_in_bfloat16(drafter: DFlashDraftModel, target: TargetModel) -> None:
+    """The drafter's matrix products in bfloat16 where this CPU does them faster (`cpu_precision`)."""
+    head = target.model.get_output_embeddings()
+    if isinstance(head, torch.nn.Linear) and head.bias is None:
+        use_bfloat16_matmuls(drafter, head.weight)
 
 
 def _proposer(target: TargetModel, drafter: DFlashDraftModel | TargetModel | None, block_size: int | None):

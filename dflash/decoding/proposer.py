@@ -10,6 +10,7 @@ from dataclasses import dataclass
 from typing import Protocol
 
 import torch
+import torch.nn.functional as F
 
 from dflash.decoding.sampling import sample, to_probs
 from dflash.decoding.slots import compaction_index, gather_slots, pad_and_concat
@@ -182,7 +183,7 @@ class DFlashProposer:
         offsets = torch.arange(width, device=anchors.device)
         block_tokens = torch.full((b, width), self.mask_token_id, dtype=torch.long, device=anchors.device)
         block_tokens[:, 0] = anchors
-        context = self.drafter.project_context(pending.features.to(self.drafter.fc.weight.dtype))
+        context = self.drafter.project_context(pending.features.to(self.drafter.dtype))
         hidden = self.drafter(
             block_embeds=self.target.embed(block_tokens).to(context.dtype),
             block_positions=anchor_positions[:, None] + offsets,
@@ -192,10 +193,17 @@ class DFlashProposer:
             cache=state.cache,
             outputs=slice(1, self.block_size),  # the draft tokens this block verifies
         )  # (b, k, h)
-        logits = self.target.lm_head(hidden.to(self.target.dtype)).float()  # (b, k, vocab)
+        logits = self.draft_logits(hidden)  # (b, k, vocab)
         if self.drafter.selector is not None:
             return draft_along_path(self.drafter.selector.lattice(logits, hidden, anchors), rows, logits.shape[-1])
         return draft_per_position(logits, rows)
+
+    def draft_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """hidden (b, k, h) -> float32 logits (b, k, vocab): the target's LM head, or the drafter's copy of it."""
+        head = self.drafter.draft_head
+        if head is None:
+            return self.target.lm_head(hidden.to(self.target.dtype)).float()
+        return F.linear(hidden.to(head.dtype), head).float()
 
     def select_rows(self, state: DFlashState, rows: torch.Tensor) -> None:
         state.cache.map_slots(lambda t, dim: t[rows])

@@ -33,6 +33,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from dflash.model.config import DFlash2Options
+from dflash.model.cpu_precision import CastingLinear
 
 
 class GroupedDynamicConv(nn.Module):
@@ -48,7 +49,7 @@ class GroupedDynamicConv(nn.Module):
         self.taps, self.group = options.conv_kernel_size, options.conv_group_size
         self.groups = hidden_size // self.group
         self.base_kernel = nn.Parameter(torch.zeros(2, self.taps, hidden_size))  # [input side, output side]
-        self.kernel_projection = nn.Linear(hidden_size, 2 * self.taps * self.groups, bias=False)
+        self.kernel_projection = CastingLinear(hidden_size, 2 * self.taps * self.groups, bias=False)
         self.reset_to_identity()
 
     def reset_to_identity(self) -> None:
@@ -98,7 +99,7 @@ class CandidateSelector(nn.Module):
         self.top_k, rank = options.selector_top_k, options.selector_rank
         self.predecessor_codebook = nn.Parameter(torch.empty(vocab_size, rank))
         self.successor_codebook = nn.Parameter(torch.empty(vocab_size, rank))
-        self.hidden_projection = nn.Linear(hidden_size, rank, bias=False)
+        self.hidden_projection = CastingLinear(hidden_size, rank, bias=False)
         self.init_weights()
 
     def init_weights(self, std: float = 0.02) -> None:
@@ -117,7 +118,7 @@ class CandidateSelector(nn.Module):
                     hidden: torch.Tensor) -> torch.Tensor:
         """unary, candidates (..., K); previous (..., P) predecessor tokens; hidden (..., h) ->
         (..., P, K) scores S(previous p, candidate c)."""
-        gate = self.hidden_projection(hidden.to(self.hidden_projection.weight.dtype))  # (..., r)
+        gate = self.hidden_projection(hidden.to(self.predecessor_codebook.dtype))  # (..., r)
         left = self.predecessor_codebook[previous] * gate[..., None, :]  # (..., P, r)
         right = self.successor_codebook[candidates]  # (..., K, r)
         return unary[..., None, :].float() + (left @ right.transpose(-1, -2)).float()

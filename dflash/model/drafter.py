@@ -18,6 +18,7 @@ from torch import nn
 
 from dflash.model import hf_compat
 from dflash.model.config import DrafterConfig
+from dflash.model.cpu_precision import CastingLinear
 from dflash.model.dflash2 import CandidateSelector, GroupedDynamicConv, block_conv
 from dflash.model.slot_buffer import SlotBuffer
 
@@ -53,10 +54,10 @@ class DFlashAttention(nn.Module):
         super().__init__()
         h, d = config.hidden_size, config.head_dim
         self.num_heads, self.num_kv_heads, self.head_dim = config.num_attention_heads, config.num_key_value_heads, d
-        self.q_proj = nn.Linear(h, self.num_heads * d, bias=False)
-        self.k_proj = nn.Linear(h, self.num_kv_heads * d, bias=False)
-        self.v_proj = nn.Linear(h, self.num_kv_heads * d, bias=False)
-        self.o_proj = nn.Linear(self.num_heads * d, h, bias=False)
+        self.q_proj = CastingLinear(h, self.num_heads * d, bias=False)
+        self.k_proj = CastingLinear(h, self.num_kv_heads * d, bias=False)
+        self.v_proj = CastingLinear(h, self.num_kv_heads * d, bias=False)
+        self.o_proj = CastingLinear(self.num_heads * d, h, bias=False)
         self.q_norm = RMSNorm(d, config.rms_norm_eps)
         self.k_norm = RMSNorm(d, config.rms_norm_eps)
 
@@ -109,9 +110,9 @@ class DFlashMLP(nn.Module):
     def __init__(self, config: DrafterConfig):
         super().__init__()
         h, i = config.hidden_size, config.intermediate_size
-        self.gate_proj = nn.Linear(h, i, bias=False)
-        self.up_proj = nn.Linear(h, i, bias=False)
-        self.down_proj = nn.Linear(i, h, bias=False)
+        self.gate_proj = CastingLinear(h, i, bias=False)
+        self.up_proj = CastingLinear(h, i, bias=False)
+        self.down_proj = CastingLinear(i, h, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
@@ -226,12 +227,19 @@ class DFlashDraftModel(nn.Module):
         super().__init__()
         self.config = config
         self.layers = nn.ModuleList(DFlashDecoderLayer(config) for _ in range(config.num_hidden_layers))
-        self.fc = nn.Linear(config.num_features, config.hidden_size, bias=False)
+        self.fc = CastingLinear(config.num_features, config.hidden_size, bias=False)
         self.hidden_norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.rotary_emb = hf_compat.rotary_embedding(config.qwen3_fields())
+        # the target's LM head in this drafter's matmul dtype, for drafting (`cpu_precision`); None: the target's
+        self.draft_head: torch.Tensor | None = None
         if config.dflash2 is not None:
             self.candidate_selector = CandidateSelector(config.hidden_size, config.vocab_size, config.dflash2)
+
+    @property
+    def dtype(self) -> torch.dtype:
+        """The dtype of the drafter's activations (its norms'), which its matrix products may not share."""
+        return self.norm.weight.dtype
 
     @property
     def selector(self) -> CandidateSelector | None:
