@@ -54,14 +54,27 @@ MODEL_CFG = dict(
 )
 
 
-def build_config(tok):
+def build_config(tok, layers: int = MODEL_CFG["num_hidden_layers"]):
     return Qwen3Config(
         vocab_size=len(tok),
         bos_token_id=None,
         eos_token_id=tok.eos_token_id,
         pad_token_id=tok.pad_token_id,
-        **MODEL_CFG,
+        **{**MODEL_CFG, "num_hidden_layers": layers},
     )
+
+
+def load_init_weights(model, source: str) -> None:
+    """The weights of a checkpoint .pt written by this script or of an exported model directory; a model with
+    fewer layers than the source takes its first layers (a draft model grown from the target's bottom)."""
+    if Path(source).is_dir():  # an exported model (e.g. dflash/assets/target): its weights, in fp32
+        state = Qwen3ForCausalLM.from_pretrained(source, dtype=torch.float32).state_dict()
+    else:
+        state = torch.load(source, weights_only=False)["model"]
+    layers = model.config.num_hidden_layers
+    state = {k: v for k, v in state.items()
+             if not k.startswith("model.layers.") or int(k.split(".")[2]) < layers}
+    model.load_state_dict(state)
 
 
 def encode_chats(tok, chats, max_len):
@@ -237,6 +250,9 @@ def main():
                     "add an unlikelihood term on the looping tokens (the others are ignored)")
     ap.add_argument("--unlikely-weight", type=float, default=1.0)
     ap.add_argument("--unlikely-every", type=int, default=2, help="add the unlikelihood term every N steps")
+    ap.add_argument("--layers", type=int, default=MODEL_CFG["num_hidden_layers"],
+                    help="decoder layers (fewer than 8 with --init-from the target: a draft model for classic "
+                         "speculative decoding, grown from the target's first layers)")
     ap.add_argument("--init-from", default="", help="start a new phase (fresh optimizer and schedule) from "
                     "the weights of a checkpoint .pt written by this script or of an exported model directory")
     args = ap.parse_args()
@@ -265,7 +281,7 @@ def main():
     n_tok = sum(len(s) for s, _ in train)
     print(f"train {len(train)} chats / {n_tok} tokens, val {len(val)}", flush=True)
 
-    model = Qwen3ForCausalLM(build_config(tok))
+    model = Qwen3ForCausalLM(build_config(tok, args.layers))
     model.train()
     print(f"params {sum(p.numel() for p in model.parameters())/1e6:.2f}M", flush=True)
     decay = [p for n, p in model.named_parameters() if p.dim() >= 2 and "embed" not in n]
@@ -278,11 +294,7 @@ def main():
     warm_time = None
     seen_tokens, train_time = 0, 0.0
     if args.init_from and not (args.resume and (ckpt_dir / "last.pt").exists()):
-        if Path(args.init_from).is_dir():  # an exported model (e.g. dflash/assets/target): its weights, in fp32
-            exported = Qwen3ForCausalLM.from_pretrained(args.init_from, dtype=torch.float32)
-            model.load_state_dict(exported.state_dict())
-        else:
-            model.load_state_dict(torch.load(args.init_from, weights_only=False)["model"])
+        load_init_weights(model, args.init_from)
         print(f"initialised weights from {args.init_from}", flush=True)
     if args.resume and (ckpt_dir / "last.pt").exists():
         st = torch.load(ckpt_dir / "last.pt", weights_only=False)
