@@ -19,6 +19,7 @@ from typing import Callable, Protocol
 
 from dflash.bench.datasets import Sample
 from dflash.bench.metrics import (
+    DRAFT_MODEL,
     BenchResult,
     acceptance_histogram,
     acceptance_rate_per_position,
@@ -28,6 +29,7 @@ from dflash.bench.metrics import (
 )
 from dflash.decoding.engine import AUTO, GenerationConfig, GenerationOutput, SpeculativeEngine
 from dflash.errors import UserError
+from dflash.model.target import TargetModel
 
 
 class Engine(Protocol):
@@ -108,6 +110,7 @@ class LocalBackend:
             records.extend(conversation.records)
             skipped.extend(conversation.skipped_turns)
         result = summarize(dataset, len(samples), records, config, block_size)
+        result.drafter = DRAFT_MODEL if isinstance(self.pipe.drafter, TargetModel) else result.drafter
         result.skipped_turns = skipped
         if config.block_size == AUTO:
             result.block_size = AUTO  # the histogram spans the drafter's whole block

@@ -7,7 +7,7 @@ import json
 import os
 from collections import defaultdict
 from contextlib import contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Callable, Iterator
 
@@ -16,7 +16,7 @@ from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
-from dflash.bench.metrics import BenchResult
+from dflash.bench.metrics import DRAFT_MODEL, BenchResult
 
 PLOTS = ("acceptance_histogram.png", "speedup.png", "throughput_vs_concurrency.png")
 SAMPLE_IDS_SHOWN = 50  # in results.md; config.json has them all
@@ -70,6 +70,11 @@ def _spread(values: list[float]) -> str | None:
     return f"{min(values):.2f}-{max(values):.2f}x" if values else None
 
 
+def drafted_by(results: list[BenchResult]) -> str:
+    """What the results' drafting is called: "DFlash", or "draft model" when every run drafted with one."""
+    return DRAFT_MODEL if results and all(r.drafter == DRAFT_MODEL for r in results) else "DFlash"
+
+
 def columns_for(results: list[BenchResult]) -> list[Column]:
     columns = list(COLUMNS)
     if any(r.backend == "server" for r in results):
@@ -81,7 +86,8 @@ def columns_for(results: list[BenchResult]) -> list[Column]:
         columns += ROUNDS_COLUMNS
     if any(r.dflash_cost_per_1m_tokens_usd is not None for r in results):
         columns += COST_COLUMNS
-    return columns
+    label = drafted_by(results)
+    return [replace(c, header=c.header.replace("DFlash", label)) for c in columns]
 
 
 def cell(value, fmt: str) -> str:
@@ -93,10 +99,11 @@ def fit_columns(columns: list[Column], results: list[BenchResult], width: int | 
     """The columns that fit `width` terminal cells: secondary ones are dropped (DROP_ORDER) until the
     table fits; key columns always stay. None: no limit."""
     kept = list(columns)
+    label = drafted_by(results)
     for header in DROP_ORDER:
         if width is None or table_width(kept, results) <= width:
             break
-        kept = [c for c in kept if c.header != header]
+        kept = [c for c in kept if c.header != header.replace("DFlash", label)]
     return kept
 
 
@@ -199,9 +206,10 @@ def markdown(results: list[BenchResult], setup: dict) -> str:
     lines += ["", "| " + " | ".join(c.header for c in columns) + " |",
               "|" + "|".join("---" for _ in columns) + "|"]
     lines += ["| " + " | ".join(cell(c.get(r), c.fmt) for c in columns) + " |" for r in results]
-    lines += ["", "tok/s: output tokens per second of generation time; speedup: DFlash tok/s / baseline tok/s "
+    label = drafted_by(results)
+    lines += ["", f"tok/s: output tokens per second of generation time; speedup: {label} tok/s / baseline tok/s "
               "(with rounds, the median of the rounds' speedups; speedup range: their min-max); "
-              "tau: mean acceptance length (tokens per verify step); TTFT: mean time to the first token (DFlash); "
+              f"tau: mean acceptance length (tokens per verify step); TTFT: mean time to the first token ({label}); "
               "TPOT: mean time per output token after the first; mismatches: outputs (greedy, or sampled "
               "with the same seed) that differ "
               "from plain decoding (must be 0).", ""]
@@ -261,7 +269,7 @@ def plot_histograms(results: list[BenchResult]):
         ax.set_ylabel("share of verify steps")
     for ax in list(axes.flat)[len(shown):]:
         ax.axis("off")
-    figure.suptitle("DFlash acceptance length per verify step")
+    figure.suptitle(f"{drafted_by(shown)} acceptance length per verify step")
     figure.tight_layout()
     return figure
 
@@ -283,7 +291,7 @@ def plot_speedup(results: list[BenchResult]):
     ax.axhline(1.0, color="grey", linewidth=0.8, linestyle="--", label="plain decoding (1x)")
     ax.set_xticks([i + width * (len(settings) - 1) / 2 for i in range(len(datasets))], datasets)
     ax.set_ylabel("speedup over plain decoding")
-    ax.set_title("DFlash speedup over plain decoding")
+    ax.set_title(f"{drafted_by(shown)} speedup over plain decoding")
     ax.legend(fontsize=8, loc="upper left", bbox_to_anchor=(1.01, 1.0))  # beside the bars, never over them
     figure.tight_layout()
     return figure

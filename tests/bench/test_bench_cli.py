@@ -61,6 +61,9 @@ def test_local_bench_with_a_draft_model(draft_model_pair, data_dir, tmp_path):
     [result] = json.loads((out / "results.json").read_text())
     assert result["mismatches"] == 0 and result["block_size"] == 3 and len(result["acceptance_histogram"]) == 4
     assert result["mean_acceptance_length"] > 1.0  # the noisy copy agrees with the target now and then
+    assert result["drafter"] == "draft model"
+    table = (out / "results.md").read_text()
+    assert "draft model tok/s" in table and "DFlash" not in table  # its columns say what drafted
 
 
 def test_server_bench_with_a_concurrency_sweep_plots_throughput(openai_server, data_dir, tmp_path):

@@ -7,7 +7,7 @@ import io
 import pytest
 from rich.console import Console
 
-from dflash.bench.metrics import BenchResult
+from dflash.bench.metrics import DRAFT_MODEL, BenchResult
 from dflash.bench.report import markdown, plot_histograms, plot_speedup, plot_throughput, print_table, warnings
 
 
@@ -47,6 +47,17 @@ def test_an_80_column_terminal_shows_datasets_and_key_numbers_whole(results):
     assert "more column(s) in results.md" in text
     wide = rendered(results, 250)
     assert "DFlash tok/s" in wide and "more column(s)" not in wide
+
+
+def test_columns_say_what_drafted_and_a_narrow_terminal_still_drops_them():
+    draft_model = [local("gsm8k", drafter=DRAFT_MODEL), local("math500", drafter=DRAFT_MODEL)]
+    wide = rendered(draft_model, 250)
+    assert "draft model tok/s" in wide and "draft model $/1M" in wide and "DFlash" not in wide
+    assert "speedup: draft model tok/s / baseline tok/s" in markdown(draft_model, {})
+    narrow = rendered(draft_model, 80)
+    assert "draft model $/1M" not in narrow and "more column(s) in results.md" in narrow
+    mixed = rendered([local("gsm8k"), local("gsm8k", drafter=DRAFT_MODEL)], 250)
+    assert "DFlash tok/s" in mixed  # one table of both: the usual names
 
 
 def test_a_file_or_pipe_gets_every_column():
