@@ -174,6 +174,7 @@ def setup(config: BenchConfig, pipe=None, data: dict[str, list[Sample]] | None =
         info.update({k: v for k, v in asdict(config.server).items() if k != "api_key" and k not in info})
     if pipe is not None:
         info["target"] = str(getattr(pipe.target.model.config, "_name_or_path", "") or "")
+        info["draft"] = _draft_source(pipe.drafter)
         info["device"] = str(pipe.target.device)
         info["dtype"] = str(pipe.target.dtype)
         info["block_sizes"] = [b or pipe.engine.proposer.block_size for b in config.block_sizes]
@@ -182,3 +183,13 @@ def setup(config: BenchConfig, pipe=None, data: dict[str, list[Sample]] | None =
     if data is not None:
         info["sample_ids"] = {name: [s.id for s in samples] for name, samples in data.items()}
     return info
+
+
+def _draft_source(drafter) -> str | None:
+    """Where the pipeline's drafter came from: a DFlash drafter's directory or hub id, a draft model's name."""
+    if drafter is None:
+        return None
+    source = getattr(drafter, "source", None)
+    if source is None and hasattr(drafter, "model"):  # a draft model: a TargetModel around a transformers model
+        source = getattr(drafter.model.config, "_name_or_path", None)
+    return source or None

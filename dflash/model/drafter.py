@@ -233,6 +233,7 @@ class DFlashDraftModel(nn.Module):
         self.rotary_emb = hf_compat.rotary_embedding(config.qwen3_fields())
         # the target's LM head in this drafter's matmul dtype, for drafting (`cpu_precision`); None: the target's
         self.draft_head: torch.Tensor | None = None
+        self.source: str | None = None  # the directory or hub id it was loaded from (`load_drafter`)
         if config.dflash2 is not None:
             self.candidate_selector = CandidateSelector(config.hidden_size, config.vocab_size, config.dflash2)
 

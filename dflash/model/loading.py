@@ -269,6 +269,7 @@ def load_drafter(
             f"{unexpected[:5]}{' ...' if len(missing) + len(unexpected) > 10 else ''}"
         )
     torch_dtype = parse_dtype(dtype) or parse_dtype(config.dtype) or next(iter(state.values())).dtype
+    model.source = str(path_or_id)
     return model.to(device=device, dtype=torch_dtype).eval()
 
 

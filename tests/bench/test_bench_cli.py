@@ -42,7 +42,8 @@ def test_local_bench_writes_json_markdown_and_plots(tiny_pair, data_dir, tmp_pat
     assert results[1]["num_requests"] == 2  # mt-bench: two turns
     md = (out / "results.md").read_text()
     assert "| dataset |" in md and "| mt-bench | 8 |" in md
-    assert json.loads((out / "config.json").read_text())["block_sizes"] == [4, 8]
+    setup = json.loads((out / "config.json").read_text())
+    assert setup["block_sizes"] == [4, 8] and setup["draft"] == str(draft) and setup["target"]
     for name in ("acceptance_histogram.png", "speedup.png"):
         width, height = png_size(out / name)
         assert width > 200 and height > 200
@@ -62,6 +63,7 @@ def test_local_bench_with_a_draft_model(draft_model_pair, data_dir, tmp_path):
     assert result["mismatches"] == 0 and result["block_size"] == 3 and len(result["acceptance_histogram"]) == 4
     assert result["mean_acceptance_length"] > 1.0  # the noisy copy agrees with the target now and then
     assert result["drafter"] == "draft model"
+    assert json.loads((out / "config.json").read_text())["draft"] == str(draft)
     table = (out / "results.md").read_text()
     assert "draft model tok/s" in table and "DFlash" not in table  # its columns say what drafted
 
