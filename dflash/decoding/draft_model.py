@@ -5,11 +5,12 @@ A draft model (any Hugging Face causal LM with the target's tokenizer, e.g. Qwen
 does DFlash's, so the output is the target's own (greedy, seeded or rejection-sampled). It is the baseline
 DFlash is measured against: k dependent draft forwards where DFlash drafts a block in one.
 
-Each row keeps its own draft cache: the row's tokens it has confirmed (read and since accepted, up to the last
-anchor), then the draft tokens it read after them. Before drafting, the row keeps the draft tokens the target
-accepted, drops the rest (a crop) and reads the tokens it has not seen (the bonus token, and the last draft token
-if it was accepted): a few tokens per step, whatever the length. Rows draft one after another: a batch costs
-rows x k small forwards, which suits a benchmark or a single stream, not batched serving of many requests.
+The rows of a batch share one draft cache, in the engine's slot layout (`dflash.decoding.slots`): a row holds its
+confirmed tokens (read and since accepted, up to the last anchor), then the draft tokens it read after them.
+Before drafting, each row keeps the draft tokens the target accepted, hides the slots of the rest, and reads the
+tokens it has not seen (the bonus token, and the last draft token if it was accepted): a few tokens per step,
+whatever the length, all rows in one forward (left-padded with hidden slots). Then every row drafts in the same
+k - 1 forwards of one token each: a batch costs k forwards, whatever its rows.
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ import torch
 
 from dflash.decoding.proposer import Draft, PendingContext
 from dflash.decoding.sampling import sample, to_probs
+from dflash.decoding.slots import compaction_index, gather_slots, pad_and_concat
 from dflash.errors import UserError
 from dflash.model import hf_compat
 from dflash.model.target import IncompatibleDrafterError, TargetModel
@@ -28,12 +30,16 @@ from dflash.model.target import IncompatibleDrafterError, TargetModel
 DEFAULT_BLOCK_SIZE = 5  # 4 draft tokens: the usual setting for a draft model
 MAX_BLOCK_SIZE = 32
 
+# Compact the draft cache once this share of its slots are hidden (and it has this many): as the engine does
+_COMPACT_HOLE_SHARE = 0.5
+_COMPACT_MIN_SLOTS = 64
+
 
 @dataclass
 class DraftRow:
-    """One row's draft cache: `confirmed` tokens of the row's own, then the `drafted` tokens read after them."""
+    """One row's place in the draft cache: its `confirmed` tokens (its own, read and since accepted, up to the last
+    anchor), then the `drafted` tokens it read after them, in its last valid slots."""
 
-    cache: object
     confirmed: int = 0
     drafted: list[int] = field(default_factory=list)
 
@@ -42,8 +48,22 @@ class DraftRow:
         return self.confirmed + len(self.drafted)
 
 
+@dataclass
+class DraftBatch:
+    """The draft model's cache for every row of a batch, in one slot layout (`dflash.decoding.slots`)."""
+
+    cache: object
+    rows: list[DraftRow]
+    valid: torch.Tensor | None = None  # (b, slots) bool; None before the first read
+
+    def layers(self) -> list[tuple[torch.Tensor, torch.Tensor]] | None:
+        """Per layer (keys, values), (b, kv_heads, slots, d); None while the cache is empty."""
+        return None if self.valid is None else hf_compat.cache_tensors(self.cache)
+
+
 class DraftModelProposer:
-    """Drafts `block_size - 1` tokens with a small causal LM, one forward per draft token after the first."""
+    """Drafts `block_size - 1` tokens with a small causal LM, one forward per draft token after the first, every
+    row of a batch in the same forwards."""
 
     feature_layer_ids: list[int] = []  # the draft model reads tokens, not the target's features
 
@@ -64,78 +84,142 @@ class DraftModelProposer:
         other.block_size = block_size
         return other
 
-    def new_state(self) -> list[DraftRow]:
-        return [DraftRow(self.draft.new_cache())]  # the engine starts every batch with one row (prefill or rejoin)
+    def new_state(self) -> DraftBatch:
+        return DraftBatch(self.draft.new_cache(), [DraftRow()])  # the engine starts every batch with one row
 
-    def observe(self, state: list[DraftRow], context: PendingContext) -> None:
-        pass  # the rows' own tokens tell each draft cache what to read
+    def observe(self, state: DraftBatch, context: PendingContext) -> None:
+        pass  # the rows' own tokens tell the draft cache what to read
 
     @torch.inference_mode()
-    def propose(self, state: list[DraftRow], anchors, anchor_positions, rows) -> Draft:
+    def propose(self, state: DraftBatch, anchors, anchor_positions, rows) -> Draft:
+        """k draft tokens after each row's anchor (its last token), and their proposal distributions (k, vocab)
+        for rows that sample without a seed."""
         k = self.block_size - 1
-        tokens = anchors.new_zeros(len(rows), k)  # (b, k)
-        probs: list[torch.Tensor | None] = [None] * len(rows)
-        for r, (row, seq) in enumerate(zip(state, rows)):
-            tokens[r], probs[r] = self._draft_row(row, seq, k)
-        return Draft(tokens=tokens, probs=probs)
-
-    def _draft_row(self, row: DraftRow, seq, k: int) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """k draft tokens after the row's anchor (its last token), and their proposal distributions (k, vocab)
-        for rows that sample without a seed (None otherwise)."""
-        logits = self._catch_up(row, seq)  # (vocab,) after the anchor
-        drafted, dists = [], []
+        logits = self._read(state, self._catch_up(state, rows))  # (b, vocab) after each anchor
+        tokens: list[list[int]] = [[] for _ in rows]
+        dists: list[list[torch.Tensor]] = [[] for _ in rows]
         for t in range(k):
-            token, dist = self._choose(logits, seq, seq.next_position + t)
-            drafted.append(token)
-            dists.append(dist)
+            chosen = self._choose(logits, rows, t)
+            for r, (token, dist) in enumerate(chosen):
+                tokens[r].append(token)
+                if dist is not None:
+                    dists[r].append(dist)
             if t < k - 1:  # the last draft token is read at the next step, if the target accepts it
-                logits = self._read(row, [token])
-                row.drafted.append(token)
-        probs = torch.stack(dists) if dists[0] is not None else None
-        return torch.tensor(drafted, device=self.target.device), probs
+                for row, (token, _) in zip(state.rows, chosen):
+                    row.drafted.append(token)
+                logits = self._read(state, [[token] for token, _ in chosen])
+        self._maybe_compact(state)
+        probs = [torch.stack(d) if d else None for d in dists]
+        return Draft(tokens=torch.tensor(tokens, dtype=torch.long, device=anchors.device).view(len(rows), k),
+                     probs=probs)
 
-    def _catch_up(self, row: DraftRow, seq) -> torch.Tensor:
-        """Keep the draft tokens the target accepted, drop the others, read the row's tokens since; the logits
-        after its anchor."""
-        new = unseen_tokens(seq, row.confirmed)  # accepted draft tokens, then the bonus token: the new anchor
-        kept = 0
-        while kept < min(len(row.drafted), len(new) - 1) and row.drafted[kept] == new[kept]:
-            kept += 1
-        row.confirmed += kept
-        row.drafted.clear()
-        hf_compat.crop_cache(row.cache, row.confirmed)
-        logits = self._read(row, new[kept:])
-        row.confirmed += len(new) - kept
-        return logits
+    def _catch_up(self, state: DraftBatch, rows) -> list[list[int]]:
+        """Keep each row's draft tokens the target accepted and hide the slots of the others; the tokens each row
+        has yet to read (the bonus token, the new anchor, at least)."""
+        reads, dropped = [], []
+        for row, seq in zip(state.rows, rows):
+            new = unseen_tokens(seq, row.confirmed)  # accepted draft tokens, then the bonus token: the new anchor
+            kept = 0
+            while kept < min(len(row.drafted), len(new) - 1) and row.drafted[kept] == new[kept]:
+                kept += 1
+            dropped.append(len(row.drafted) - kept)
+            row.confirmed += kept
+            row.drafted.clear()
+            reads.append(new[kept:])
+        if any(dropped):
+            state.valid = drop_last_valid(state.valid, dropped)
+        for row, read in zip(state.rows, reads):
+            row.confirmed += len(read)  # `_read` reads them next
+        return reads
 
-    def _read(self, row: DraftRow, new: list[int]) -> torch.Tensor:
-        """The draft model reads `new` after the row's cached tokens; returns its logits for the next one
-        (vocab,), over the target's vocabulary. The caller records `new` as confirmed or drafted."""
+    def _read(self, state: DraftBatch, reads: list[list[int]]) -> torch.Tensor:
+        """Every row reads its tokens after its cached ones, in one forward: rows with fewer are left-padded with
+        hidden slots, so each row's last token sits in the last column. Returns the draft model's logits for
+        each row's next token, (b, vocab), over the target's vocabulary. The caller has counted the reads in each
+        row's length already."""
         device = self.draft.device
-        start = row.length
-        ids = torch.tensor([new], device=device)  # (1, n)
-        positions = torch.arange(start, start + len(new), device=device)[None]
-        out = self.draft.forward(ids, positions, row.cache, logits_to_keep=1)
-        return fit_vocabulary(out.logits[0, -1].to(self.target.device), self.vocab_size)
+        width = max(len(read) for read in reads)
+        ids = torch.zeros(len(reads), width, dtype=torch.long)  # (b, n)
+        positions = torch.zeros(len(reads), width, dtype=torch.long)
+        new_valid = torch.zeros(len(reads), width, dtype=torch.bool)
+        for r, (row, read) in enumerate(zip(state.rows, reads)):
+            start = row.length - len(read)  # the row's length already counts what it reads now
+            ids[r, width - len(read):] = torch.tensor(read)
+            positions[r] = start  # the padding's, never seen
+            positions[r, width - len(read):] = torch.arange(start, start + len(read))
+            new_valid[r, width - len(read):] = True
+        ids, positions, new_valid = ids.to(device), positions.to(device), new_valid.to(device)
+        valid = new_valid if state.valid is None else torch.cat([state.valid, new_valid], dim=1)
+        mask = None if bool(valid.all()) else valid.long()
+        out = self.draft.forward(ids, positions, state.cache, attention_mask=mask, logits_to_keep=1)
+        state.valid = valid
+        return fit_vocabulary(out.logits[:, -1].to(self.target.device), self.vocab_size)
 
-    def _choose(self, logits: torch.Tensor, seq, position: int) -> tuple[int, torch.Tensor | None]:
-        """The draft token at `position`: the argmax (greedy rows), the row's noise on the draft distribution
-        (seeded rows: verification compares with the target's own draw), or a draw whose distribution is kept."""
-        if seq.params.greedy:  # a host sync per draft token: the next draft forward takes it as input anyway
-            return int(logits.argmax()), None
-        dist = to_probs(logits[None], seq.params)  # (1, vocab)
-        if seq.noise is not None:
-            return int(seq.noise.choose(dist, position)[0]), None
-        return int(sample(dist, seq.generator)[0]), dist[0]
+    def _choose(self, logits: torch.Tensor, rows, t: int) -> list[tuple[int, torch.Tensor | None]]:
+        """Each row's draft token at its t-th draft position: the argmax (greedy rows), the row's noise on the
+        draft distribution (seeded rows: verification compares with the target's own draw), or a draw whose
+        distribution is kept."""
+        greedy = logits.argmax(-1).tolist()  # one host sync per draft token: the next forward takes them anyway
+        chosen = []
+        for r, seq in enumerate(rows):
+            if seq.params.greedy:
+                chosen.append((greedy[r], None))
+                continue
+            dist = to_probs(logits[r : r + 1], seq.params)  # (1, vocab)
+            if seq.noise is not None:
+                chosen.append((int(seq.noise.choose(dist, seq.next_position + t)[0]), None))
+            else:
+                chosen.append((int(sample(dist, seq.generator)[0]), dist[0]))
+        return chosen
 
-    def select_rows(self, state: list[DraftRow], rows: torch.Tensor) -> None:
-        state[:] = [state[i] for i in rows.tolist()]
+    def _maybe_compact(self, state: DraftBatch) -> None:
+        """Squeeze out hidden slots (padding, rejected draft tokens) once they are half the cache."""
+        valid = state.valid
+        if valid is None or valid.shape[1] < _COMPACT_MIN_SLOTS:
+            return
+        if valid.numel() - int(valid.sum()) >= _COMPACT_HOLE_SHARE * valid.numel():
+            self.compact(state)
 
-    def compact(self, state: list[DraftRow]) -> None:
-        pass  # each row's cache holds only its own tokens: no holes to squeeze out
+    def select_rows(self, state: DraftBatch, rows: torch.Tensor) -> None:
+        keep = rows.tolist()
+        state.rows = [state.rows[i] for i in keep]
+        layers = state.layers()
+        if layers is not None:
+            index = rows.to(state.valid.device)
+            hf_compat.set_cache_tensors(state.cache, [(k[index], v[index]) for k, v in layers])
+            state.valid = state.valid[index]
 
-    def merge(self, states: list[list[DraftRow]], batch_sizes: list[int]) -> list[DraftRow]:
-        return [row for state in states for row in state]
+    def compact(self, state: DraftBatch) -> None:
+        layers = state.layers()
+        if layers is None or bool(state.valid.all()):
+            return
+        index, state.valid = compaction_index(state.valid)
+        hf_compat.set_cache_tensors(state.cache, [(gather_slots(k, index, 2), gather_slots(v, index, 2))
+                                                  for k, v in layers])
+
+    def merge(self, states: list[DraftBatch], batch_sizes: list[int]) -> DraftBatch:
+        """One state with the rows of all `states`, slot layouts left-padded to equal width (a row that has read
+        nothing yet gets only hidden slots)."""
+        filled = [s for s in states if s.valid is not None]
+        rows = [row for s in states for row in s.rows]
+        if not filled:
+            return DraftBatch(states[0].cache, rows)
+        layers = [s.layers() for s in states]
+        num_layers = len(next(layer for layer in layers if layer is not None))
+        merged = DraftBatch(filled[0].cache, rows)
+        hf_compat.set_cache_tensors(merged.cache, [
+            tuple(pad_and_concat([None if kv is None else kv[i][j] for kv in layers], batch_sizes, 2)
+                  for j in (0, 1))
+            for i in range(num_layers)
+        ])
+        merged.valid = pad_and_concat([s.valid for s in states], batch_sizes, 1).bool()
+        return merged
+
+
+def drop_last_valid(valid: torch.Tensor, counts: list[int]) -> torch.Tensor:
+    """valid (b, slots) with each row's last `counts[r]` valid slots hidden."""
+    from_end = valid.flip(1).cumsum(1).flip(1)  # (b, slots): valid slots at or after each slot
+    return valid & (from_end > torch.tensor(counts, device=valid.device)[:, None])
 
 
 def check_block_size(block_size: int) -> None:

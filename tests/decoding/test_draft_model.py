@@ -9,7 +9,7 @@ from conftest import hf_greedy, perturbed_copy, random_prompts, tiny_target_mode
 from dflash import DFlash
 from dflash.cli.main import main
 from dflash.decoding import GenerationConfig, SpeculativeEngine
-from dflash.decoding.draft_model import DraftModelProposer, fit_vocabulary
+from dflash.decoding.draft_model import DraftModelProposer, drop_last_valid, fit_vocabulary
 from dflash.decoding.sampling import SamplingParams, to_probs
 from dflash.errors import UserError
 from dflash.model.target import IncompatibleDrafterError, TargetModel
@@ -130,3 +130,55 @@ def test_generate_cli_with_a_draft_model(draft_model_pair, capsys):
                  "--max-new-tokens", "16", "--compare"]) == 0
     captured = capsys.readouterr()
     assert "identical output" in captured.err and "DIFFERS" not in captured.err, captured.err
+
+
+def test_rows_joining_leaving_and_compacted_mid_decode_stay_lossless(target, monkeypatch):
+    """Continuous batching with a draft model: rows join a running batch with an empty draft cache, leave when
+    they finish, and the shared draft cache is compacted often (hidden slots of padding and rejected drafts)."""
+    import dflash.decoding.draft_model as draft_model
+
+    monkeypatch.setattr(draft_model, "_COMPACT_MIN_SLOTS", 4)
+    prompts = random_prompts(3, seed=35, low=3, high=30)
+    lengths = [MAX_NEW, 12, MAX_NEW - 5]
+    expected = [hf_greedy(target, p, n) for p, n in zip(prompts, lengths)]
+    proposer = DraftModelProposer(perturbed_copy(target, 0.5), target, 5)
+    engine = SpeculativeEngine(target, proposer)
+    seqs = [engine.new_sequence(p, GenerationConfig(max_new_tokens=n, stop_token_ids=[]))
+            for p, n in zip(prompts, lengths)]
+    compactions = []
+    compact = proposer.compact
+    monkeypatch.setattr(proposer, "compact", lambda state: (compactions.append(1), compact(state)))
+    batch = engine.merge([engine.prefill(seqs[0]), engine.prefill(seqs[1])])
+    for _ in range(3):
+        engine.step(batch)
+    batch = engine.merge([batch, engine.prefill(seqs[2])])  # joins with an empty draft cache
+    while batch is not None:
+        engine.step(batch)
+        batch = engine.drop_finished(batch)  # the short row leaves first
+        if batch is not None:
+            assert len(batch.draft_state.rows) == len(batch) == batch.draft_state.valid.shape[0]
+    assert [s.output_ids for s in seqs] == expected
+    assert compactions  # the cache was compacted along the way
+    assert any(n > 1 for s in seqs for n in s.stats.acceptance_lengths[1:])  # drafts were accepted
+
+
+def test_a_batch_drafts_in_k_forwards_whatever_its_rows(target, monkeypatch):
+    draft = perturbed_copy(target, 0.5)
+    calls = []
+    forward = draft.forward
+    monkeypatch.setattr(draft, "forward", lambda ids, *a, **kw: (calls.append(ids.shape[0]), forward(ids, *a, **kw))[1])
+    engine = SpeculativeEngine(target, DraftModelProposer(draft, target, 5))
+    engine.generate(random_prompts(4, seed=36), GenerationConfig(max_new_tokens=6, stop_token_ids=[]))
+    steps = [calls[i:i + 4] for i in range(0, len(calls), 4)]  # 1 catch-up + 3 draft forwards per step
+    assert len(calls) == 4 * len(steps) and steps[0] == [4, 4, 4, 4]  # every forward carries the rows together
+    assert all(len(set(step)) == 1 for step in steps)  # (fewer once some rows have finished)
+
+
+def test_drop_last_valid_hides_each_rows_last_valid_slots():
+    valid = torch.tensor([[True, True, False, True, True],
+                          [False, True, True, True, True],
+                          [True, True, True, True, False]])
+    hidden = drop_last_valid(valid, [2, 0, 3])
+    assert hidden.tolist() == [[True, True, False, False, False],
+                               [False, True, True, True, True],
+                               [True, False, False, False, False]]
