@@ -22,6 +22,7 @@ from dflash.bench.local import LocalBackend, LocalConfig
 from dflash.bench.metrics import BenchResult, add_costs
 from dflash.bench.server import ServerBackend, ServerConfig
 from dflash.decoding.engine import AUTO
+from dflash.model.target import TargetModel
 
 
 @dataclass
@@ -189,9 +190,6 @@ def setup(config: BenchConfig, pipe=None, data: dict[str, list[Sample]] | None =
 
 def _draft_source(drafter) -> str | None:
     """Where the pipeline's drafter came from: a DFlash drafter's directory or hub id, a draft model's name."""
-    if drafter is None:
-        return None
-    source = getattr(drafter, "source", None)
-    if source is None and hasattr(drafter, "model"):  # a draft model: a TargetModel around a transformers model
-        source = getattr(drafter.model.config, "_name_or_path", None)
-    return source or None
+    if isinstance(drafter, TargetModel):  # a draft model
+        return getattr(drafter.model.config, "_name_or_path", None) or None
+    return getattr(drafter, "source", None)

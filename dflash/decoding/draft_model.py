@@ -22,17 +22,12 @@ import torch
 
 from dflash.decoding.proposer import Draft, PendingContext
 from dflash.decoding.sampling import sample, to_probs
-from dflash.decoding.slots import compaction_index, gather_slots, pad_and_concat
+from dflash.decoding.slots import compact_cache, merge_caches, pad_and_concat, select_cache_rows, worth_compacting
 from dflash.errors import UserError
-from dflash.model import hf_compat
 from dflash.model.target import IncompatibleDrafterError, TargetModel
 
 DEFAULT_BLOCK_SIZE = 5  # 4 draft tokens: the usual setting for a draft model
 MAX_BLOCK_SIZE = 32
-
-# Compact the draft cache once this share of its slots are hidden (and it has this many): as the engine does
-_COMPACT_HOLE_SHARE = 0.5
-_COMPACT_MIN_SLOTS = 64
 
 
 @dataclass
@@ -54,11 +49,7 @@ class DraftBatch:
 
     cache: object
     rows: list[DraftRow]
-    valid: torch.Tensor | None = None  # (b, slots) bool; None before the first read
-
-    def layers(self) -> list[tuple[torch.Tensor, torch.Tensor]] | None:
-        """Per layer (keys, values), (b, kv_heads, slots, d); None while the cache is empty."""
-        return None if self.valid is None else hf_compat.cache_tensors(self.cache)
+    valid: torch.Tensor | None = None  # (b, slots) bool; None before the first read (the cache is empty)
 
 
 class DraftModelProposer:
@@ -108,7 +99,8 @@ class DraftModelProposer:
                 for row, (token, _) in zip(state.rows, chosen):
                     row.drafted.append(token)
                 logits = self._read(state, [[token] for token, _ in chosen])
-        self._maybe_compact(state)
+        if state.valid is not None and worth_compacting(state.valid):  # padding and rejected drafts pile up
+            self.compact(state)
         probs = [torch.stack(d) if d else None for d in dists]
         return Draft(tokens=torch.tensor(tokens, dtype=torch.long, device=anchors.device).view(len(rows), k),
                      probs=probs)
@@ -159,7 +151,7 @@ class DraftModelProposer:
         """Each row's draft token at its t-th draft position: the argmax (greedy rows), the row's noise on the
         draft distribution (seeded rows: verification compares with the target's own draw), or a draw whose
         distribution is kept."""
-        greedy = logits.argmax(-1).tolist()  # one host sync per draft token: the next forward takes them anyway
+        greedy = logits.argmax(-1).tolist() if any(seq.params.greedy for seq in rows) else []  # one host sync
         chosen = []
         for r, seq in enumerate(rows):
             if seq.params.greedy:
@@ -172,48 +164,24 @@ class DraftModelProposer:
                 chosen.append((int(sample(dist, seq.generator)[0]), dist[0]))
         return chosen
 
-    def _maybe_compact(self, state: DraftBatch) -> None:
-        """Squeeze out hidden slots (padding, rejected draft tokens) once they are half the cache."""
-        valid = state.valid
-        if valid is None or valid.shape[1] < _COMPACT_MIN_SLOTS:
-            return
-        if valid.numel() - int(valid.sum()) >= _COMPACT_HOLE_SHARE * valid.numel():
-            self.compact(state)
-
     def select_rows(self, state: DraftBatch, rows: torch.Tensor) -> None:
-        keep = rows.tolist()
-        state.rows = [state.rows[i] for i in keep]
-        layers = state.layers()
-        if layers is not None:
-            index = rows.to(state.valid.device)
-            hf_compat.set_cache_tensors(state.cache, [(k[index], v[index]) for k, v in layers])
-            state.valid = state.valid[index]
+        state.rows = [state.rows[i] for i in rows.tolist()]
+        if state.valid is not None:
+            select_cache_rows(state.cache, rows)
+            state.valid = state.valid[rows]
 
     def compact(self, state: DraftBatch) -> None:
-        layers = state.layers()
-        if layers is None or bool(state.valid.all()):
-            return
-        index, state.valid = compaction_index(state.valid)
-        hf_compat.set_cache_tensors(state.cache, [(gather_slots(k, index, 2), gather_slots(v, index, 2))
-                                                  for k, v in layers])
+        if state.valid is not None and not bool(state.valid.all()):
+            state.valid = compact_cache(state.cache, state.valid)
 
     def merge(self, states: list[DraftBatch], batch_sizes: list[int]) -> DraftBatch:
         """One state with the rows of all `states`, slot layouts left-padded to equal width (a row that has read
         nothing yet gets only hidden slots)."""
-        filled = [s for s in states if s.valid is not None]
         rows = [row for s in states for row in s.rows]
-        if not filled:
+        if all(s.valid is None for s in states):
             return DraftBatch(states[0].cache, rows)
-        layers = [s.layers() for s in states]
-        num_layers = len(next(layer for layer in layers if layer is not None))
-        merged = DraftBatch(filled[0].cache, rows)
-        hf_compat.set_cache_tensors(merged.cache, [
-            tuple(pad_and_concat([None if kv is None else kv[i][j] for kv in layers], batch_sizes, 2)
-                  for j in (0, 1))
-            for i in range(num_layers)
-        ])
-        merged.valid = pad_and_concat([s.valid for s in states], batch_sizes, 1).bool()
-        return merged
+        cache = merge_caches([None if s.valid is None else s.cache for s in states], batch_sizes)
+        return DraftBatch(cache, rows, pad_and_concat([s.valid for s in states], batch_sizes, 1).bool())
 
 
 def drop_last_valid(valid: torch.Tensor, counts: list[int]) -> torch.Tensor:

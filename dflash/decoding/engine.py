@@ -21,7 +21,7 @@ import torch
 from dflash.config_types import type_mismatch
 from dflash.decoding.proposer import NoDraftProposer, PendingContext, Proposer
 from dflash.decoding.sampling import PositionNoise, SamplingParams, to_probs
-from dflash.decoding.slots import compaction_index, gather_slots, pad_and_concat
+from dflash.decoding.slots import compact_cache, merge_caches, pad_and_concat, select_cache_rows, worth_compacting
 from dflash.decoding.stopping import StopChecker
 from dflash.decoding.verify import greedy_verify, matching_prefix, rejection_sample, sample_target_only
 from dflash.errors import UserError
@@ -32,10 +32,6 @@ AUTO = "auto"  # block_size: chosen before every step from measured step costs a
 
 # Block size "auto" times steps of up to this many rows; costs of larger batches are extrapolated from them.
 _AUTO_TIMED_ROWS = 8
-
-# Compact a ragged batch's caches once this share of slots are holes (and there are enough of them).
-_COMPACT_HOLE_SHARE = 0.5
-_COMPACT_MIN_SLOTS = 64
 
 
 class GenerationError(UserError):
@@ -392,17 +388,9 @@ class SpeculativeEngine:
         self._maybe_compact(batch)
 
     def _maybe_compact(self, batch: Batch) -> None:
-        slots = batch.target_valid.shape[1]
-        if not batch.has_holes or slots < _COMPACT_MIN_SLOTS:
+        if not batch.has_holes or not worth_compacting(batch.target_valid):
             return
-        holes = slots * len(batch) - int(batch.target_valid.sum())
-        if holes < _COMPACT_HOLE_SHARE * slots * len(batch):
-            return
-        index, batch.target_valid = compaction_index(batch.target_valid)
-        hf_compat.set_cache_tensors(batch.target_cache, [
-            (gather_slots(k, index, 2), gather_slots(v, index, 2))
-            for k, v in hf_compat.cache_tensors(batch.target_cache)
-        ])
+        batch.target_valid = compact_cache(batch.target_cache, batch.target_valid)
         batch.proposer.compact(batch.draft_state)
         batch.has_holes = not bool(batch.target_valid.all())
 
@@ -412,12 +400,7 @@ class SpeculativeEngine:
         if len(batches) == 1:
             return batches[0]
         sizes = [len(b) for b in batches]
-        layers = [hf_compat.cache_tensors(b.target_cache) for b in batches]
-        cache = batches[0].target_cache
-        hf_compat.set_cache_tensors(cache, [
-            tuple(pad_and_concat([kv[i][j] for kv in layers], sizes, 2) for j in (0, 1))
-            for i in range(len(layers[0]))
-        ])
+        cache = merge_caches([b.target_cache for b in batches], sizes)
         valid = pad_and_concat([b.target_valid for b in batches], sizes, 1)
         return Batch(
             sequences=[s for b in batches for s in b.sequences],
@@ -441,8 +424,7 @@ class SpeculativeEngine:
         if not keep:
             return None
         rows = torch.tensor(keep, device=batch.anchors.device)
-        hf_compat.set_cache_tensors(batch.target_cache,
-                                    [(k[rows], v[rows]) for k, v in hf_compat.cache_tensors(batch.target_cache)])
+        select_cache_rows(batch.target_cache, rows)
         batch.proposer.select_rows(batch.draft_state, rows)
         batch.sequences = [batch.sequences[i] for i in keep]
         batch.target_valid = batch.target_valid[rows]

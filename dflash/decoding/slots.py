@@ -10,6 +10,12 @@ from __future__ import annotations
 
 import torch
 
+from dflash.model import hf_compat
+
+# Compact a cache once this share of its slots are holes (and it has at least this many slots).
+COMPACT_HOLE_SHARE = 0.5
+COMPACT_MIN_SLOTS = 64
+
 
 def compaction_index(valid: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """valid (b, s) -> (index (b, s'), new_valid (b, s')) keeping each row's valid slots, right-aligned, in order."""
@@ -51,3 +57,35 @@ def pad_and_concat(tensors: list[torch.Tensor | None], batch_sizes: list[int], d
             t = torch.cat([t.new_zeros(shape), t], dim=dim)
         parts.append(t)
     return torch.cat(parts, dim=0)
+
+
+# ---- a transformers KV cache in this layout (the target's, a draft model's) ------------------------------
+def worth_compacting(valid: torch.Tensor) -> bool:
+    """valid (b, s): enough slots, and enough of them holes, to squeeze out."""
+    return (valid.shape[1] >= COMPACT_MIN_SLOTS
+            and valid.numel() - int(valid.sum()) >= COMPACT_HOLE_SHARE * valid.numel())
+
+
+def compact_cache(cache, valid: torch.Tensor) -> torch.Tensor:
+    """Squeeze every row's holes out of `cache`; returns the new valid mask."""
+    index, new_valid = compaction_index(valid)
+    hf_compat.set_cache_tensors(cache, [(gather_slots(k, index, 2), gather_slots(v, index, 2))
+                                        for k, v in hf_compat.cache_tensors(cache)])
+    return new_valid
+
+
+def select_cache_rows(cache, rows: torch.Tensor) -> None:
+    """Keep the rows `rows` (indices) of `cache`."""
+    hf_compat.set_cache_tensors(cache, [(k[rows], v[rows]) for k, v in hf_compat.cache_tensors(cache)])
+
+
+def merge_caches(caches: list, batch_sizes: list[int]) -> object:
+    """The rows of all `caches` in the first non-empty one, slots left-padded to equal width; a None cache
+    stands for rows with no slots yet."""
+    layers = [None if c is None else hf_compat.cache_tensors(c) for c in caches]
+    first = next(i for i, kv in enumerate(layers) if kv is not None)
+    hf_compat.set_cache_tensors(caches[first], [
+        tuple(pad_and_concat([None if kv is None else kv[i][j] for kv in layers], batch_sizes, 2) for j in (0, 1))
+        for i in range(len(layers[first]))
+    ])
+    return caches[first]

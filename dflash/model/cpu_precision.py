@@ -82,12 +82,12 @@ def _draft_once(drafter: nn.Module, head: torch.Tensor, rows: int, new_context: 
     return draft
 
 
-def bfloat16_drafts_faster(drafter: nn.Module, weights: _Weights, head: torch.Tensor, new_context: int = 4,
-                           rounds: int = _ROUNDS) -> bool:
+def bfloat16_drafts_faster(drafter: nn.Module, weights: _Weights, head: torch.Tensor, head_bfloat16: torch.Tensor,
+                           new_context: int = 4, rounds: int = _ROUNDS) -> bool:
     """Time drafts of one row and of `_BATCH_ROWS` rows with float32 and with bfloat16 products (fastest of
     `rounds` each, the two interleaved so bursts of other work hit both): bfloat16 must be clearly faster for
     the batch and not slower for one row. Leaves the float32 weights in place."""
-    variants = {"float32": (weights.float32, head), "bfloat16": (weights.bfloat16, head.to(torch.bfloat16))}
+    variants = {"float32": (weights.float32, head), "bfloat16": (weights.bfloat16, head_bfloat16)}
     ratios = {}
     with torch.inference_mode():
         for rows in (1, _BATCH_ROWS):
@@ -113,10 +113,10 @@ def use_bfloat16_matmuls(drafter: nn.Module, head_weight: torch.Tensor, force: b
             or any(m.weight.device.type != "cpu" or m.weight.dtype != torch.float32 for m in linears)
             or head_weight.numel() * 2 > _MAX_HEAD_BYTES or not (force or native_bfloat16())):
         return False
-    weights = _Weights(linears)
-    if not (force or bfloat16_drafts_faster(drafter, weights, head_weight.detach())):
+    weights, head_bfloat16 = _Weights(linears), head_weight.detach().to(torch.bfloat16).contiguous()
+    if not (force or bfloat16_drafts_faster(drafter, weights, head_weight.detach(), head_bfloat16)):
         return False
     weights.use(weights.bfloat16)
-    drafter.draft_head = head_weight.detach().to(torch.bfloat16).contiguous()
+    drafter.draft_head = head_bfloat16
     log.info("the drafter multiplies in bfloat16 (a draft measured faster so on this CPU; activations stay float32)")
     return True

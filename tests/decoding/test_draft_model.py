@@ -135,9 +135,9 @@ def test_generate_cli_with_a_draft_model(draft_model_pair, capsys):
 def test_rows_joining_leaving_and_compacted_mid_decode_stay_lossless(target, monkeypatch):
     """Continuous batching with a draft model: rows join a running batch with an empty draft cache, leave when
     they finish, and the shared draft cache is compacted often (hidden slots of padding and rejected drafts)."""
-    import dflash.decoding.draft_model as draft_model
+    import dflash.decoding.slots as slots
 
-    monkeypatch.setattr(draft_model, "_COMPACT_MIN_SLOTS", 4)
+    monkeypatch.setattr(slots, "COMPACT_MIN_SLOTS", 4)
     prompts = random_prompts(3, seed=35, low=3, high=30)
     lengths = [MAX_NEW, 12, MAX_NEW - 5]
     expected = [hf_greedy(target, p, n) for p, n in zip(prompts, lengths)]

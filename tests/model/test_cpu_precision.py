@@ -63,7 +63,8 @@ def test_measuring_restores_the_float32_weights(target):
     drafter = dflash2_drafter(target)
     linears = [m for m in drafter.modules() if isinstance(m, CastingLinear)]
     weights = cpu_precision._Weights(linears)
-    cpu_precision.bfloat16_drafts_faster(drafter, weights, _head(target).detach(), rounds=1)
+    head = _head(target).detach()
+    cpu_precision.bfloat16_drafts_faster(drafter, weights, head, head.bfloat16(), rounds=1)
     assert all(m.weight is w for m, w in zip(linears, weights.float32))
 
 
