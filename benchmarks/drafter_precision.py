@@ -1,7 +1,7 @@
 """What drafting with bfloat16 matrix products (`dflash/model/cpu_precision.py`) is worth on this CPU.
 
-Builds the pipeline twice from the same checkpoints: with the drafter's products in bfloat16 (forced, whatever the
-measurement at build time says; `bfloat16_chosen_at_build` reports what it said) and in float32. Then, taking
+Builds the pipeline twice from the same checkpoints, `drafter_precision` "bfloat16" and "float32" (whatever the
+measurement at build time says; `bfloat16_chosen_at_build` reports what "auto" chose). Then, taking
 turns so that machine noise hits both alike:
 - decode-step times (median) of `--rows` rows at `--context` tokens each, for each block size in `--block-sizes`;
 - greedy decoding of `--questions` GSM8K test questions: tau (tokens per verify forward, pooled), tokens/s,
@@ -26,21 +26,11 @@ import dflash.api
 from dflash.api import DFlash
 from dflash.bench.datasets import DataOptions, load_samples
 from dflash.decoding.engine import GenerationConfig
-from dflash.model.cpu_precision import use_bfloat16_matmuls
 
 
-def build(target: str | None, draft: str | None, bfloat16: bool | None) -> DFlash:
-    """The pipeline as `dflash` builds it (None), or with the drafter's products in bfloat16 or float32."""
-    keep = dflash.api._draft_in_bfloat16
-    if bfloat16 is not None:
-        dflash.api._draft_in_bfloat16 = lambda drafter, target: None
-    try:
-        pipe = DFlash.from_pretrained(target, draft, device="cpu")
-    finally:
-        dflash.api._draft_in_bfloat16 = keep
-    if bfloat16:
-        use_bfloat16_matmuls(pipe.drafter, pipe.target.model.get_output_embeddings().weight, force=True)
-    return pipe
+def build(target: str | None, draft: str | None, precision: str) -> DFlash:
+    """The pipeline with the drafter's products in `precision` ("auto": as `dflash` builds it by default)."""
+    return DFlash.from_pretrained(target, draft, device="cpu", drafter_precision=precision)
 
 
 def decode(pipes: dict[str, DFlash], prompts: list[list[int]], max_new_tokens: int) -> dict:
@@ -76,8 +66,8 @@ def main() -> None:
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     target = args.target or (str(dflash.api.ASSETS / "target") if args.draft else None)
-    pipes = {"bfloat16": build(target, args.draft, True), "float32": build(target, args.draft, False)}
-    chosen = build(target, args.draft, None).drafter.draft_head is not None
+    pipes = {name: build(target, args.draft, name) for name in ("bfloat16", "float32")}
+    chosen = build(target, args.draft, "auto").drafter.draft_head is not None
     report: dict = {"threads": args.threads, "bfloat16_chosen_at_build": chosen, "steps": []}
     for rows in (int(r) for r in args.rows.split(",")):
         for block in (int(b) for b in args.block_sizes.split(",")):

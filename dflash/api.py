@@ -29,7 +29,7 @@ from dflash.decoding.proposer import DFlashProposer, NoDraftProposer
 from dflash.errors import UserError
 from dflash.model.config import is_causal_lm
 from dflash.model.cpu_layout import use_fast_layout
-from dflash.model.cpu_precision import use_bfloat16_matmuls
+from dflash.model.cpu_precision import PRECISIONS, use_bfloat16_matmuls
 from dflash.model.drafter import DFlashDraftModel
 from dflash.model.loading import (
     check_target_dir,
@@ -58,7 +58,8 @@ class DFlash:
     and the engine that decodes with them."""
 
     def __init__(self, target: TargetModel, drafter: DFlashDraftModel | TargetModel | None = None,
-                 block_size: int | str | None = None, chat_template_kwargs: dict[str, Any] | None = None):
+                 block_size: int | str | None = None, chat_template_kwargs: dict[str, Any] | None = None,
+                 drafter_precision: str = "auto"):
         """`target`: a `TargetModel`; `drafter`: a `DFlashDraftModel` trained for it, a small causal LM of its
         family as a `TargetModel` (classic speculative decoding, one draft forward per draft token), or None to
         decode plainly (use `from_pretrained` to load them from paths or hub ids).
@@ -66,8 +67,12 @@ class DFlash:
         for the drafter's own, or "auto"
         to choose it before every step from timed step costs and the acceptance seen so far.
         `chat_template_kwargs`: variables for the chat template on every chat prompt, e.g.
-        `{"enable_thinking": False}` for Qwen3 (default: the template's own defaults)."""
+        `{"enable_thinking": False}` for Qwen3 (default: the template's own defaults).
+        `drafter_precision`: a float32 DFlash drafter's matrix products: "auto" (bfloat16 on a CPU where a draft
+        is measured faster so), "float32" or "bfloat16" (always, on any device). Only the draft tokens can change
+        with it, never the text: the target verifies every one."""
         _check_models(target, drafter)
+        check_drafter_precision(drafter_precision)
         self.target = target
         self.chat_template_kwargs = check_template_kwargs(chat_template_kwargs)
         self.drafter = drafter
@@ -75,8 +80,8 @@ class DFlash:
         if target.device.type == "cpu":
             drafters = [] if drafter is None else [drafter.model if isinstance(drafter, TargetModel) else drafter]
             use_fast_layout([target.model] + drafters)
-            if isinstance(drafter, DFlashDraftModel):
-                _draft_in_bfloat16(drafter, target)
+        if isinstance(drafter, DFlashDraftModel):
+            _set_drafter_precision(drafter, target, drafter_precision)
         self.block_size = make_config(block_size=block_size).block_size  # validated: a number, None or "auto"
         fixed = None if block_size == AUTO else block_size
         self.engine = SpeculativeEngine(target, _proposer(target, drafter, fixed))
@@ -93,6 +98,7 @@ class DFlash:
         block_size: int | str | None = None,
         mask_token_id: int | None = None,
         chat_template_kwargs: dict[str, Any] | None = None,
+        drafter_precision: str = "auto",
     ) -> "DFlash":
         """Load a target and its drafter from local directories or Hugging Face hub ids.
 
@@ -100,7 +106,7 @@ class DFlash:
         to decode with the target alone (whatever `draft` says). `dtype`: "auto" (the checkpoint's own),
         "float32", "float16" or "bfloat16"; `device`: "cpu", "cuda", "cuda:N", ... (default: cuda when a GPU is
         visible, else cpu). A hub id is looked up once with a timeout (HF_HUB_ETAG_TIMEOUT, 10 s); when the hub
-        cannot be reached, or HF_HUB_OFFLINE=1, only the local cache serves.
+        cannot be reached, or HF_HUB_OFFLINE=1, only the local cache serves. `drafter_precision`: see `DFlash`.
         """
         target, draft = _pair_paths(target, draft, no_draft)
         # the cheap checks first: a typo should not wait for a model to load
@@ -108,6 +114,7 @@ class DFlash:
         parse_dtype(dtype)
         make_config(block_size=block_size)
         check_template_kwargs(chat_template_kwargs)
+        check_drafter_precision(drafter_precision)
         target_model = load_target(target, dtype, torch_device)
         drafter = None
         if draft is not None:
@@ -118,7 +125,7 @@ class DFlash:
             drafter = load_target(draft, dtype=target_model.dtype, device=torch_device, what="the draft model")
         elif draft is not None:
             drafter = load_drafter(draft, mask_token_id=mask_token_id, dtype=target_model.dtype, device=torch_device)
-        return cls(target_model, drafter, block_size, chat_template_kwargs)
+        return cls(target_model, drafter, block_size, chat_template_kwargs, drafter_precision)
 
     # ---- prompts ------------------------------------------------------------------------------------
     def encode(self, prompt: Prompt, raw: bool = False,
@@ -229,11 +236,27 @@ def is_draft_model(path_or_id: str | os.PathLike) -> bool:
     return "dflash_config" not in raw and is_causal_lm(raw.get("architectures") or [])
 
 
-def _draft_in_bfloat16(drafter: DFlashDraftModel, target: TargetModel) -> None:
-    """The drafter's matrix products in bfloat16 where this CPU does them faster (`cpu_precision`)."""
+def check_drafter_precision(precision: Any) -> str:
+    if precision not in PRECISIONS:
+        raise UserError(f"drafter precision {precision!r} is not one of {', '.join(PRECISIONS)} (auto: bfloat16 "
+                        "matrix products where this CPU drafts faster so)")
+    return precision
+
+
+def _set_drafter_precision(drafter: DFlashDraftModel, target: TargetModel, precision: str) -> None:
+    """The drafter's matrix products in bfloat16 as `precision` asks: "auto" where this CPU does them faster
+    (`cpu_precision`), "bfloat16" always; a drafter loaded in a half dtype has them so already."""
+    if precision == "float32" or drafter.dtype != torch.float32:
+        return
     head = target.model.get_output_embeddings()
-    if isinstance(head, torch.nn.Linear) and head.bias is None:
-        use_bfloat16_matmuls(drafter, head.weight)
+    plain_head = isinstance(head, torch.nn.Linear) and head.bias is None
+    if precision == "auto":
+        if plain_head and target.device.type == "cpu":
+            use_bfloat16_matmuls(drafter, head.weight)
+    elif not (plain_head and use_bfloat16_matmuls(drafter, head.weight, force=True)):
+        raise UserError("this drafter cannot draft with bfloat16 products (its target's LM head is not a plain "
+                        "linear layer, or the models are on different devices): use drafter precision auto or "
+                        "float32, or load the pair with dtype bfloat16")
 
 
 def _proposer(target: TargetModel, drafter: DFlashDraftModel | TargetModel | None, block_size: int | None):

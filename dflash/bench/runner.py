@@ -176,7 +176,7 @@ def setup(config: BenchConfig, pipe=None, data: dict[str, list[Sample]] | None =
     if pipe is not None:
         info["target"] = str(getattr(pipe.target.model.config, "_name_or_path", "") or "")
         info["draft"] = _draft_source(pipe.drafter)
-        if getattr(pipe.drafter, "draft_head", None) is not None:  # `cpu_precision` chose it on this CPU
+        if getattr(pipe.drafter, "draft_head", None) is not None:  # measured faster on this CPU, or asked for
             info["drafter_products"] = "bfloat16"
         info["device"] = str(pipe.target.device)
         info["dtype"] = str(pipe.target.dtype)

@@ -34,6 +34,9 @@ _ONE_ROW_SLACK = 1.0  # ... and of one row at most this share
 _ROUNDS = 7
 _MAX_HEAD_BYTES = 256 * 2**20  # a larger LM head gets no bfloat16 copy (the drafter then keeps float32)
 
+AUTO = "auto"
+PRECISIONS = (AUTO, "float32", "bfloat16")  # a DFlash drafter's matrix products: measured, or as asked
+
 
 class CastingLinear(nn.Linear):
     """`nn.Linear` that multiplies in its weight's dtype and answers in its input's: with float32 weights it is
@@ -106,17 +109,21 @@ def bfloat16_drafts_faster(drafter: nn.Module, weights: _Weights, head: torch.Te
 
 def use_bfloat16_matmuls(drafter: nn.Module, head_weight: torch.Tensor, force: bool = False) -> bool:
     """Move the weights of the float32 CPU `drafter`'s `CastingLinear` layers to bfloat16 and give it a bfloat16
-    copy of the target's LM head (`drafter.draft_head`), where a draft is measured faster so (always with
-    `force`). Returns whether it did."""
+    copy of the target's LM head (`drafter.draft_head`), where a draft is measured faster so. With `force`,
+    always, on any device. Returns whether it did (never for drafters whose weights are not float32)."""
     linears = [m for m in drafter.modules() if isinstance(m, CastingLinear)]
-    if (not linears or head_weight.device.type != "cpu" or head_weight.dtype != torch.float32
-            or any(m.weight.device.type != "cpu" or m.weight.dtype != torch.float32 for m in linears)
-            or head_weight.numel() * 2 > _MAX_HEAD_BYTES or not (force or native_bfloat16())):
+    devices = {head_weight.device} | {m.weight.device for m in linears}
+    if (not linears or head_weight.dtype != torch.float32 or any(m.weight.dtype != torch.float32 for m in linears)
+            or len(devices) > 1):
+        return False
+    if not force and (head_weight.device.type != "cpu" or head_weight.numel() * 2 > _MAX_HEAD_BYTES
+                      or not native_bfloat16()):
         return False
     weights, head_bfloat16 = _Weights(linears), head_weight.detach().to(torch.bfloat16).contiguous()
     if not (force or bfloat16_drafts_faster(drafter, weights, head_weight.detach(), head_bfloat16)):
         return False
     weights.use(weights.bfloat16)
     drafter.draft_head = head_bfloat16
-    log.info("the drafter multiplies in bfloat16 (a draft measured faster so on this CPU; activations stay float32)")
+    log.info("the drafter multiplies in bfloat16 (%s; activations stay float32)",
+             "as asked" if force else "a draft measured faster so on this CPU")
     return True

@@ -102,15 +102,11 @@ def test_the_output_dir_records_the_data_and_drops_stale_files(tiny_pair, data_d
 
 
 def test_the_setup_names_the_draft_and_bfloat16_drafting(tiny_pair, monkeypatch):
-    import dflash.api
     from dflash.api import DFlash
     from dflash.bench.runner import BenchConfig, setup
-    from dflash.model.cpu_precision import use_bfloat16_matmuls
 
     target_dir, draft_dir = tiny_pair
-    monkeypatch.setattr(dflash.api, "_draft_in_bfloat16", lambda drafter, target: None)  # float32 drafting
-    pipe = DFlash.from_pretrained(target_dir, draft_dir)
-    info = setup(BenchConfig(), pipe)
+    info = setup(BenchConfig(), DFlash.from_pretrained(target_dir, draft_dir, drafter_precision="float32"))
     assert info["draft"] == str(draft_dir) and "drafter_products" not in info
-    assert use_bfloat16_matmuls(pipe.drafter, pipe.target.model.get_output_embeddings().weight, force=True)
+    pipe = DFlash.from_pretrained(target_dir, draft_dir, drafter_precision="bfloat16")
     assert setup(BenchConfig(), pipe)["drafter_products"] == "bfloat16"

@@ -5,10 +5,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-import dflash.api
 from conftest import dflash2_drafter, hf_greedy, random_prompts
 from dflash.api import DFlash
 from dflash.decoding import DFlashProposer, GenerationConfig, SpeculativeEngine
+from dflash.errors import UserError
 from dflash.model import cpu_precision
 from dflash.model.cpu_precision import CastingLinear, use_bfloat16_matmuls
 
@@ -59,6 +59,33 @@ def test_the_measurement_decides_and_leaves_float32_weights_when_it_says_no(targ
     assert not use_bfloat16_matmuls(drafter, _head(target))
 
 
+@pytest.mark.parametrize("precision, measured, bfloat16", [
+    ("auto", True, True), ("auto", False, False), ("float32", None, False), ("bfloat16", None, True)])
+def test_the_pipelines_drafter_precision_measures_only_when_auto(target, monkeypatch, precision, measured, bfloat16):
+    monkeypatch.setattr(cpu_precision, "native_bfloat16", lambda: True)
+    if measured is None:
+        monkeypatch.setattr(cpu_precision, "bfloat16_drafts_faster", lambda *a, **k: pytest.fail("measured"))
+    else:
+        monkeypatch.setattr(cpu_precision, "bfloat16_drafts_faster", lambda *a, **k: measured)
+    pipe = DFlash(target, dflash2_drafter(target), drafter_precision=precision)
+    assert (pipe.drafter.draft_head is not None) == bfloat16
+    assert pipe.drafter.fc.weight.dtype == (torch.bfloat16 if bfloat16 else torch.float32)
+
+
+def test_a_drafter_precision_that_is_not_one_is_a_user_error(target):
+    with pytest.raises(UserError, match="not one of auto, float32, bfloat16"):
+        DFlash(target, dflash2_drafter(target), drafter_precision="fp8")
+    with pytest.raises(UserError, match="not one of"):
+        DFlash.from_pretrained(drafter_precision="half")  # before anything loads
+
+
+def test_forced_bfloat16_with_a_head_it_cannot_copy_says_what_to_use(target, monkeypatch):
+    head = torch.nn.Linear(target.hidden_size, 7, bias=True)
+    monkeypatch.setattr(target.model, "get_output_embeddings", lambda: head)
+    with pytest.raises(UserError, match="use drafter precision auto or float32"):
+        DFlash(target, dflash2_drafter(target), drafter_precision="bfloat16")
+
+
 def test_measuring_restores_the_float32_weights(target):
     drafter = dflash2_drafter(target)
     linears = [m for m in drafter.modules() if isinstance(m, CastingLinear)]
@@ -89,11 +116,10 @@ def test_the_proposer_drafts_with_the_drafters_head_copy(target):
 
 
 @pytest.mark.parametrize("seed", [None, 7])
-def test_the_embedded_pair_with_a_bfloat16_drafter_decodes_as_the_target_alone(seed, monkeypatch):
+def test_the_embedded_pair_with_a_bfloat16_drafter_decodes_as_the_target_alone(seed):
     """A trained drafter, so that most draft tokens are accepted and bfloat16 changes which are."""
-    monkeypatch.setattr(dflash.api, "_draft_in_bfloat16", lambda drafter, target: None)  # forced below instead
-    drafted = DFlash.from_pretrained()
-    assert use_bfloat16_matmuls(drafted.drafter, _head(drafted.target), force=True)
+    drafted = DFlash.from_pretrained(drafter_precision="bfloat16")
+    assert drafted.drafter.draft_head is not None and drafted.drafter.draft_head.dtype == torch.bfloat16
     plain = DFlash.from_pretrained(no_draft=True)
     question = "A baker makes 24 rolls in the morning and twice as many in the afternoon. How many rolls in all?"
     options = dict(max_new_tokens=64) if seed is None else dict(max_new_tokens=64, temperature=0.8, seed=seed)
