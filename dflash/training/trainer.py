@@ -61,13 +61,15 @@ from dflash.training.objective import (
 
 
 def parameter_groups(drafter: DFlashDraftModel, lr: float) -> list[dict]:
-    """Every parameter at `lr`, except DFlash2's kernel projections, at their `projection_lr_scale` of it."""
+    """Every parameter at `lr`, except DFlash2's kernel projections, at their `projection_lr_scale` of it (each
+    group's `lr_scale`)."""
     convs = [m for m in drafter.modules() if isinstance(m, GroupedDynamicConv)]
     scaled = [p for conv in convs for p in conv.kernel_projection.parameters()]
     ids = {id(p) for p in scaled}
-    groups = [{"params": [p for p in drafter.parameters() if id(p) not in ids], "lr": lr}]
+    groups = [{"params": [p for p in drafter.parameters() if id(p) not in ids], "lr": lr, "lr_scale": 1.0}]
     if scaled:
-        groups.append({"params": scaled, "lr": lr * GroupedDynamicConv.projection_lr_scale})
+        scale = GroupedDynamicConv.projection_lr_scale
+        groups.append({"params": scaled, "lr": lr * scale, "lr_scale": scale})
     return groups
 
 
@@ -263,8 +265,9 @@ class Trainer:
 
     def _setup_optimizer(self) -> None:
         c = self.config
-        self.optimizer = torch.optim.AdamW(parameter_groups(self.drafter, c.lr), lr=c.lr,
-                                           weight_decay=c.weight_decay, betas=(0.9, 0.95))
+        groups = parameter_groups(self.drafter, c.lr)
+        self.lr_scales = [g["lr_scale"] for g in groups]  # kept here too: a loaded optimizer state may lack them
+        self.optimizer = torch.optim.AdamW(groups, lr=c.lr, weight_decay=c.weight_decay, betas=(0.9, 0.95))
         warmup = max(1, int(c.warmup_ratio * self.total_steps))
         total = self.total_steps
 
@@ -649,10 +652,10 @@ class Trainer:
         if changed:
             self._warn(f"resuming with other settings than the checkpoint's: {'; '.join(changed)}; the run continues "
                        "with the new values")
-        self.scheduler.base_lrs = [c.lr for _ in self.optimizer.param_groups]
-        for group in self.optimizer.param_groups:
-            group["initial_lr"], group["weight_decay"] = c.lr, c.weight_decay
-            group["lr"] = c.lr * self.scheduler.lr_lambdas[0](self.scheduler.last_epoch)
+        self.scheduler.base_lrs = [c.lr * scale for scale in self.lr_scales]  # each group keeps its share of lr
+        for group, scale, base in zip(self.optimizer.param_groups, self.lr_scales, self.scheduler.base_lrs):
+            group["initial_lr"], group["lr_scale"], group["weight_decay"] = base, scale, c.weight_decay
+            group["lr"] = base * self.scheduler.lr_lambdas[0](self.scheduler.last_epoch)
 
     def export(self) -> None:
         """The output directory in the public format (what this package, vLLM and SGLang load)."""

@@ -86,13 +86,16 @@ def test_feature_cache_gives_the_same_training(tiny_pair, train_data, tmp_path):
         assert all(torch.allclose(a[k], b[k], atol=1e-5) for k in a)
 
 
-def test_interrupted_then_resumed_equals_uninterrupted(tiny_pair, train_data, tmp_path):
-    Trainer(config(tiny_pair, train_data, tmp_path / "straight")).setup().train()
+@pytest.mark.parametrize("options", [{}, {"dflash2": True, "selector_rank": 8, "selector_top_k": 4, "eval_every": 3}])
+def test_interrupted_then_resumed_equals_uninterrupted(tiny_pair, train_data, tmp_path, options):
+    """Also for a DFlash2 drafter (whose kernel projections train at a share of the lr), evaluated at the
+    checkpoint's step."""
+    Trainer(config(tiny_pair, train_data, tmp_path / "straight", **options)).setup().train()
 
     class Interrupted(Exception):
         pass
 
-    broken = Trainer(config(tiny_pair, train_data, tmp_path / "resumed")).setup()
+    broken = Trainer(config(tiny_pair, train_data, tmp_path / "resumed", **options)).setup()
     original = broken._train_step
 
     def step_then_die(indices, epoch):
@@ -103,7 +106,7 @@ def test_interrupted_then_resumed_equals_uninterrupted(tiny_pair, train_data, tm
     broken._train_step = step_then_die
     with pytest.raises(Interrupted):
         broken.train()
-    resumed = Trainer(config(tiny_pair, train_data, tmp_path / "resumed", resume=True)).setup()
+    resumed = Trainer(config(tiny_pair, train_data, tmp_path / "resumed", resume=True, **options)).setup()
     assert resumed.step == 3
     resumed.train()
     a, b = weights(tmp_path / "straight"), weights(tmp_path / "resumed")
