@@ -21,7 +21,7 @@ class BenchResult:
     backend: str  # "local" or "server"
     num_prompts: int  # conversations (an mt-bench conversation has two turns)
     num_requests: int  # generations: one per turn
-    drafter: str = "DFlash"  # what drafted: "DFlash" (a DFlash drafter, or a server) or DRAFT_MODEL (classic)
+    drafter: str = "DFlash"  # what drafted: "DFlash" or DRAFT_MODEL (classic; a server says so in its metrics)
     block_size: int | str | None = None  # the widest block ("auto": chosen before every step); a server: its drafter's
     mean_block_size: float | None = None  # tokens per verify forward's block (anchor + draft tokens), averaged
     concurrency: int | None = None

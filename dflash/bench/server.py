@@ -199,18 +199,33 @@ def scrape(url: str, timeout_s: float = 10.0) -> SpecDecodeCounters | None:
     return fetch_metrics(url, timeout_s)[0]
 
 
-def fetch_metrics(url: str, timeout_s: float = 10.0) -> tuple[SpecDecodeCounters | None, str | None]:
-    """(counters, None), or (None, what went wrong)."""
+def fetch_exposition(url: str, timeout_s: float = 10.0) -> tuple[str | None, str | None]:
+    """(the Prometheus text at `url`, None), or (None, what went wrong)."""
     try:
         response = httpx.get(url, timeout=timeout_s)
     except httpx.HTTPError as err:
         return None, f"cannot read {url} ({type(err).__name__})"
     if response.status_code != 200:
         return None, f"{url} answered HTTP {response.status_code}"
-    counters = spec_decode_counters(response.text)
-    if counters is None:
-        return None, f"{url} has no spec_decode counters (dflash: or vllm:); is the server running a drafter?"
-    return counters, None
+    return response.text, None
+
+
+def fetch_metrics(url: str, timeout_s: float = 10.0) -> tuple[SpecDecodeCounters | None, str | None]:
+    """(counters, None), or (None, what went wrong)."""
+    text, problem = fetch_exposition(url, timeout_s)
+    counters = spec_decode_counters(text) if text is not None else None
+    if text is not None and counters is None:
+        problem = f"{url} has no spec_decode counters (dflash: or vllm:); is the server running a drafter?"
+    return counters, problem
+
+
+def served_drafter(exposition: str | None) -> str:
+    """What drafts on the server, as its `dflash:drafter_info{kind=...}` says: "DFlash", "draft model" or "none";
+    "DFlash" for a server that does not say (vLLM and SGLang serve DFlash drafters under the same checkpoints)."""
+    for name, labels, _ in parse_prometheus(exposition or ""):
+        if name == "dflash:drafter_info" and labels.get("kind"):
+            return labels["kind"]
+    return "DFlash"
 
 
 # ---- the client ---------------------------------------------------------------------------------------
@@ -420,6 +435,7 @@ class ServerBackend:
         self.metrics_url = config.metrics_url or default_metrics_url(config.base_url)
         self.warnings: list[str] = []
         self.warmed_up = config.warmup_tokens == 0
+        self.drafter = served_drafter(fetch_exposition(self.metrics_url)[0])
         problem = fetch_metrics(self.metrics_url)[1]
         if problem:
             self.warnings.append(f"{problem}: tau and the acceptance histogram will be missing"
@@ -453,6 +469,7 @@ class ServerBackend:
         counters = after - before if before is not None and after is not None else None
         result = summarize_load(dataset, pooled(loads), pooled(bases) if bases else None, counters, cfg,
                                 concurrency)
+        result.drafter = self.drafter
         speedups = [ratio(_throughput(fast), _throughput(base)) for fast, base in zip(loads, bases)]
         if len(speedups) > 1 and None not in speedups:  # a round without baseline tokens keeps the pooled ratio
             result.speedup_per_round = speedups

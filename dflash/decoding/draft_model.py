@@ -56,6 +56,8 @@ class DraftModelProposer:
     """Drafts `block_size - 1` tokens with a small causal LM, one forward per draft token after the first, every
     row of a batch in the same forwards."""
 
+    kind = "draft model"
+
     feature_layer_ids: list[int] = []  # the draft model reads tokens, not the target's features
 
     def __init__(self, draft: TargetModel, target: TargetModel, block_size: int | None = None):

@@ -36,6 +36,7 @@ class PendingContext:
 
 
 class Proposer(Protocol):
+    kind: str  # what drafts: "DFlash", "draft model" (classic speculative decoding) or "none"
     block_size: int  # tokens per verify forward: the anchor + draft tokens
     feature_layer_ids: list[int]  # target layers whose outputs the proposer needs
 
@@ -106,6 +107,8 @@ def _sample_path(lattice: Lattice, r: int, row, vocab_size: int) -> tuple[torch.
 class NoDraftProposer:
     """Plain autoregressive decoding through the same loop: no draft tokens, one token per forward."""
 
+    kind = "none"
+
     block_size = 1
     feature_layer_ids: list[int] = []
 
@@ -150,6 +153,8 @@ class DFlashProposer:
     draft saves a part. A smaller `block_size` verifies fewer of the draft tokens; only they get the drafter's
     last-layer queries, MLP and logits (the other positions feed keys and values).
     """
+
+    kind = "DFlash"
 
     def __init__(self, drafter: DFlashDraftModel, target: TargetModel, block_size: int | None = None):
         check_compatible(target, drafter.config)

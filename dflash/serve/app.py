@@ -78,7 +78,8 @@ class Server:
         self.max_model_len = self.context.usable  # the most prompt + max_tokens may add up to
         if self.context.usable < self.context.configured:
             log.info("prompt + max_tokens may add up to %s", self.context.describe())
-        self.metrics = ServerMetrics(num_draft_tokens=max(self.engine.proposer.block_size - 1, 0))
+        self.metrics = ServerMetrics(num_draft_tokens=max(self.engine.proposer.block_size - 1, 0),
+                                     drafter=self.engine.proposer.kind)
         drafting = not isinstance(self.engine.proposer, NoDraftProposer)
         if drafting and config.fallback.auto and not config.adaptive_block_size:
             raise UserError("the automatic fallback threshold needs the step costs the adaptive block size "
@@ -251,7 +252,7 @@ def create_app(pipe, config: ServeConfig | None = None) -> FastAPI:
         if server.config.decode_thread:
             server.scheduler.start()
         log.info("serving %r (drafter: %s), up to %d rows per batch, %d queued", server.config.served_model_name,
-                 "yes" if server.scheduler.has_drafter else "no", server.config.scheduler.max_batch_size,
+                 server.engine.proposer.kind, server.config.scheduler.max_batch_size,
                  server.config.scheduler.max_queue)
         yield
         server.scheduler.stop()

@@ -9,7 +9,7 @@ before the first drafted step) read NaN rather than a 0 that would look measured
 
 from __future__ import annotations
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, Info, generate_latest
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
 
 UNKNOWN = float("nan")  # a gauge with no value yet (Prometheus shows NaN; 0 would read as a measurement)
@@ -19,8 +19,10 @@ _LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.
 class ServerMetrics:
     content_type = CONTENT_TYPE_LATEST
 
-    def __init__(self, num_draft_tokens: int = 0):
+    def __init__(self, num_draft_tokens: int = 0, drafter: str = "DFlash"):
         r = self.registry = CollectorRegistry()
+        Info("dflash:drafter", "What drafts: DFlash, draft model (classic speculative decoding) or none.",
+             registry=r).info({"kind": drafter})
         # requests
         self.running = Gauge("dflash:num_requests_running", "Requests in the decoding batch.", registry=r)
         self.waiting = Gauge("dflash:num_requests_waiting", "Requests queued for a batch slot.", registry=r)

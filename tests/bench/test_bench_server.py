@@ -10,6 +10,7 @@ from dflash.bench.server import (
     ServerBackend,
     ServerConfig,
     default_metrics_url,
+    served_drafter,
     spec_decode_counters,
 )
 from dflash.errors import UserError
@@ -249,3 +250,10 @@ def test_failed_requests_are_counted_with_the_first_error(openai_server, monkeyp
     fail_requests_of(monkeypatch, "b", "HTTP 500: out of memory")
     result = ServerBackend(config(openai_server())).run_level("gsm8k", SAMPLES[:2], 1)
     assert result.errors == 1 and result.first_error == "HTTP 500: out of memory" and result.num_requests == 2
+
+
+def test_the_served_drafter_is_read_from_the_metrics_and_defaults_to_dflash():
+    assert served_drafter('# HELP x\ndflash:drafter_info{kind="draft model"} 1.0\n') == "draft model"
+    assert served_drafter('dflash:drafter_info{kind="DFlash"} 1.0\n') == "DFlash"
+    assert served_drafter("vllm:spec_decode_num_drafts_total 3\n") == "DFlash"  # vLLM does not say
+    assert served_drafter(None) == "DFlash"
