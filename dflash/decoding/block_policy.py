@@ -26,9 +26,11 @@ from __future__ import annotations
 import logging
 import time
 from dataclasses import dataclass, field
+from functools import partial
 
 from dflash.decoding.engine import GenerationConfig, SpeculativeEngine
 from dflash.decoding.proposer import NoDraftProposer, Proposer
+from dflash.timing import fastest_times
 
 log = logging.getLogger("dflash.serve")
 
@@ -90,6 +92,11 @@ class AcceptanceByPosition:
         return totals[min(max(block_size, 1), len(totals)) - 1]
 
 
+def _step_with(engine: SpeculativeEngine, batch, proposer: Proposer) -> None:
+    batch.proposer = proposer
+    engine.step(batch)
+
+
 @dataclass
 class StepCosts:
     """Seconds per drafted step, measured at `rows` x `block_sizes`; other row counts are interpolated."""
@@ -136,19 +143,13 @@ class StepCosts:
         prompt = [(7 * i + 11) % vocab for i in range(context)]  # any valid ids: only the time counts
         seconds: dict[tuple[int, int], float] = {}
         for r in rows:
-            batches = [(variants, engine.merge([engine.prefill(engine.new_sequence(prompt, config), variants[0])
-                                                for _ in range(r)])) for variants in shaped]
-            for _ in range(rounds):
-                for variants, batch in batches:
-                    for variant in variants:
-                        batch.proposer = variant
-                        engine.step(batch)  # warm-up at this shape
-                        for _ in range(repeats):
-                            t0 = time.perf_counter()
-                            engine.step(batch)
-                            elapsed = time.perf_counter() - t0
-                            key = (r, variant.block_size)
-                            seconds[key] = min(seconds.get(key, elapsed), elapsed)
+            steps = {}  # (rows, block size) -> one step of a batch of r rows with that proposer
+            for variants in shaped:  # one batch per proposer, shared by its block sizes
+                batch = engine.merge([engine.prefill(engine.new_sequence(prompt, config), variants[0])
+                                      for _ in range(r)])
+                steps.update({(r, v.block_size): partial(_step_with, engine, batch, v) for v in variants})
+            # each round warms a shape up again: the steps in between changed the batch's block size
+            seconds.update(fastest_times(steps, rounds, repeats, warm_up_every_round=True))
         return cls(seconds)
 
     def monotone(self) -> "StepCosts":

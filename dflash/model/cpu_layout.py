@@ -13,12 +13,14 @@ the memory order changes (a tied LM head gets a column-major copy of its own). G
 from __future__ import annotations
 
 import logging
-import time
+from functools import partial
 from typing import Iterable
 
 import torch
 import torch.nn.functional as F
 from torch import nn
+
+from dflash.timing import fastest_times
 
 log = logging.getLogger("dflash")
 
@@ -37,19 +39,13 @@ def column_major(weight: torch.Tensor) -> torch.Tensor:
 def column_major_is_faster(weight: torch.Tensor, rows: int = _BLOCK_ROWS, rounds: int = _ROUNDS) -> bool:
     """Time `x @ W.T` for both layouts of `weight` at `rows` rows and at one row (fastest of `rounds` each,
     the two layouts interleaved so bursts of other work hit both)."""
-    row_major, col_major = weight.detach().contiguous(), column_major(weight.detach())
+    layouts = {"row": weight.detach().contiguous(), "col": column_major(weight.detach())}
     times: dict[tuple[str, int], float] = {}
     with torch.inference_mode():
         for n in (rows, 1):
             x = torch.randn(n, weight.shape[1], dtype=weight.dtype, device=weight.device)
-            for w in (row_major, col_major):
-                F.linear(x, w)  # warm-up: first calls set up kernels
-            for _ in range(rounds):
-                for name, w in (("row", row_major), ("col", col_major)):
-                    start = time.perf_counter()
-                    F.linear(x, w)
-                    spent = time.perf_counter() - start
-                    times[name, n] = min(times.get((name, n), spent), spent)
+            products = {(name, n): partial(F.linear, x, w) for name, w in layouts.items()}
+            times.update(fastest_times(products, rounds))
     return (times["col", rows] <= _GAIN * times["row", rows]
             and times["col", 1] <= _ONE_ROW_SLACK * times["row", 1])
 

@@ -19,12 +19,13 @@ acceptance length.
 from __future__ import annotations
 
 import logging
-import time
 from typing import Callable
 
 import torch
 import torch.nn.functional as F
 from torch import nn
+
+from dflash.timing import fastest_times
 
 log = logging.getLogger("dflash")
 
@@ -85,23 +86,25 @@ def _draft_once(drafter: nn.Module, head: torch.Tensor, rows: int, new_context: 
     return draft
 
 
+def _with_weights(weights: _Weights, linear_weights: list[nn.Parameter], draft: Callable[[], None]):
+    def run() -> None:
+        weights.use(linear_weights)  # a few attribute sets: nothing next to a draft
+        draft()
+    return run
+
+
 def bfloat16_drafts_faster(drafter: nn.Module, weights: _Weights, head: torch.Tensor, head_bfloat16: torch.Tensor,
                            new_context: int = 4, rounds: int = _ROUNDS) -> bool:
     """Time drafts of one row and of `_BATCH_ROWS` rows with float32 and with bfloat16 products (fastest of
     `rounds` each, the two interleaved so bursts of other work hit both): bfloat16 must be clearly faster for
     the batch and not slower for one row. Leaves the float32 weights in place."""
-    variants = {"float32": (weights.float32, head), "bfloat16": (weights.bfloat16, head_bfloat16)}
+    precisions = {"float32": (weights.float32, head), "bfloat16": (weights.bfloat16, head_bfloat16)}
     ratios = {}
     with torch.inference_mode():
         for rows in (1, _BATCH_ROWS):
-            times = {name: float("inf") for name in variants}
-            for _ in range(rounds + 1):  # the first round warms the kernels up
-                for name, (linear_weights, head_weight) in variants.items():
-                    weights.use(linear_weights)
-                    draft = _draft_once(drafter, head_weight, rows, new_context)
-                    start = time.perf_counter()
-                    draft()
-                    times[name] = min(times[name], time.perf_counter() - start)
+            drafts = {name: _with_weights(weights, linear_weights, _draft_once(drafter, head_weight, rows, new_context))
+                      for name, (linear_weights, head_weight) in precisions.items()}
+            times = fastest_times(drafts, rounds)
             ratios[rows] = times["bfloat16"] / times["float32"]
     weights.use(weights.float32)
     return ratios[_BATCH_ROWS] <= _GAIN and ratios[1] <= _ONE_ROW_SLACK

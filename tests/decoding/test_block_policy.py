@@ -200,11 +200,11 @@ def test_calibration_keeps_each_shapes_fastest_step(target, monkeypatch):
     """Noise only adds time: a shape's cost is its fastest step, whatever bursts hit some of its steps."""
     import types
 
-    import dflash.decoding.block_policy as bp
+    import dflash.timing
 
     engine = SpeculativeEngine(target, DFlashProposer(tiny_drafter(target), target, block_size=4))
     clock = [0.0]
-    monkeypatch.setattr(bp, "time", types.SimpleNamespace(perf_counter=lambda: clock[0]))
+    monkeypatch.setattr(dflash.timing, "time", types.SimpleNamespace(perf_counter=lambda: clock[0]))
     real_step, steps = engine.step, []
 
     def step(batch):  # a step of block k takes k seconds on the fake clock; every third one 100x longer
