@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import math
 import os
 import signal
 import sys
@@ -92,8 +93,11 @@ def _check_args(args: argparse.Namespace) -> None:
         raise UserError(f"--max-request-bytes must be >= 1, got {args.max_request_bytes}")
     if args.max_model_len is not None and args.max_model_len < 2:
         raise UserError(f"--max-model-len must be >= 2, got {args.max_model_len}")
-    if args.fallback_min_acceptance != "auto" and args.fallback_min_acceptance < 0:
-        raise UserError(f"--fallback-min-acceptance must be >= 0 or auto, got {args.fallback_min_acceptance}")
+    threshold = args.fallback_min_acceptance
+    if threshold != "auto" and not (math.isfinite(threshold) and threshold >= 0):
+        raise UserError(f"--fallback-min-acceptance must be a number >= 0 or auto, got {threshold}")
+    if args.served_model_name is not None and not args.served_model_name.strip():
+        raise UserError("--served-model-name is empty; give the name clients send, or leave the flag out")
     if args.dry_run and args.engine == "dflash":
         raise UserError("--dry-run prints the command of a hand-off; use it with --engine vllm or --engine sglang")
     if args.api_key is not None and not args.api_key:

@@ -175,9 +175,12 @@ def candidate_block_sizes(max_block: int) -> list[int]:
     return doublings(2, max_block)
 
 
+MAX_TIMED_ROWS = 64  # larger batches are not timed at start-up: their step costs grow linearly from here
+
+
 def candidate_rows(max_batch_size: int) -> list[int]:
-    """1, 2, 4, ... up to and including the largest batch."""
-    return doublings(1, max_batch_size)
+    """1, 2, 4, ... up to and including the largest batch, or `MAX_TIMED_ROWS`."""
+    return doublings(1, min(max_batch_size, MAX_TIMED_ROWS))
 
 
 @dataclass

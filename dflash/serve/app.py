@@ -24,7 +24,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.concurrency import run_in_threadpool
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from dflash.api import check_template_kwargs
+from dflash.api import TemplateRefusal, check_template_kwargs
 from dflash.decoding.block_policy import BlockSizePolicy
 from dflash.decoding.detokenizer import TextDeltas
 from dflash.decoding.engine import GenerationConfig
@@ -108,17 +108,14 @@ class Server:
         """Template and tokenise on a worker thread: a long prompt takes a while, and the event loop must go on
         answering /health and streaming other requests meanwhile. `template_kwargs` update the server's own
         (`--enable-thinking`)."""
-        from jinja2 import TemplateError
-
         try:
             check_template_kwargs(template_kwargs)
         except UserError as err:
             raise APIError(400, str(err), param="chat_template_kwargs") from None
         try:
             return await run_in_threadpool(self.pipe.encode, messages, False, template_kwargs)
-        except TemplateError as err:  # templates refuse some conversations (roles, order) by raising
-            raise APIError(400, f"the model's chat template refused these messages: {err}",
-                           param="messages") from None
+        except TemplateRefusal as err:  # templates refuse some conversations (roles, order) by raising
+            raise APIError(400, str(err), param="messages") from None
 
     async def encode_text(self, prompt: str | list[int]) -> list[int]:
         return await run_in_threadpool(self.pipe.encode, prompt, True)

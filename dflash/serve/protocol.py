@@ -10,6 +10,7 @@ for; known options it cannot honour (penalties, logit bias, tools, JSON output, 
 from __future__ import annotations
 
 import json
+import logging
 import time
 import uuid
 from typing import Any, Callable, ClassVar, Literal
@@ -17,6 +18,8 @@ from typing import Any, Callable, ClassVar, Literal
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from dflash.records import shown
+
+log = logging.getLogger("dflash.serve")
 
 MAX_STOP_STRINGS = 16
 
@@ -159,6 +162,8 @@ class SamplingRequest(_Strict):
     def _few_stops(cls, stop):
         if isinstance(stop, list) and len(stop) > MAX_STOP_STRINGS:
             raise ValueError(f"at most {MAX_STOP_STRINGS} stop strings")
+        if stop == "" or (isinstance(stop, list) and "" in stop):
+            raise ValueError("a stop string is empty (every answer would stop before its first token); drop it")
         return stop
 
     @property
@@ -256,13 +261,23 @@ def parse_request(raw: bytes, model: type[_Strict]) -> Any:
         data = json.loads(raw)
     except (ValueError, UnicodeDecodeError) as err:
         raise APIError(400, f"the request body is not valid JSON: {err}") from None
+    except RecursionError:
+        raise APIError(400, "the request body is nested too deeply to read; send the request's fields as "
+                            "OpenAI's API defines them") from None
     if not isinstance(data, dict):
         raise APIError(400, f"the request body must be a JSON object, not {type(data).__name__}")
+    ignored = sorted(set(data) - known_fields(model))
+    if ignored:  # accepted, as OpenAI's API does, but a typo (max_token) would change the answer unseen
+        log.warning("request fields this server ignores: %s", ", ".join(map(str, ignored)))
     try:
         return model.model_validate(data)
     except ValidationError as err:
         param, message = _describe(err.errors())
         raise APIError(400, f"{param}: {message}" if param else message, param=param) from None
+
+
+def known_fields(model: type[_Strict]) -> set[str]:
+    return {f.alias or name for name, f in model.model_fields.items()}
 
 
 def _describe(errors: list[dict]) -> tuple[str | None, str]:

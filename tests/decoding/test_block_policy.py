@@ -79,6 +79,7 @@ def test_costs_interpolate_between_measured_rows_and_extrapolate_beyond():
     assert noisy.monotone().seconds == {(1, 2): 2.0, (1, 4): 2.0, (2, 2): 3.0, (2, 4): 9.0}
     assert candidate_block_sizes(16) == [2, 4, 8, 16] and candidate_block_sizes(6) == [2, 4, 6]
     assert candidate_rows(8) == [1, 2, 4, 8] and candidate_rows(6) == [1, 2, 4, 6] and candidate_rows(1) == [1]
+    assert candidate_rows(100_000)[-1] == 64  # a huge --max-batch-size is not timed row count by row count
 
 
 def test_flat_costs_and_good_drafts_verify_the_whole_block():

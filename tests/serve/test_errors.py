@@ -26,11 +26,32 @@ def assert_error(response: httpx.Response, status: int, param: str | None = None
 
 
 NAN_TEMPERATURE = b'{"model": "tiny", "messages": [{"role": "user", "content": "hi"}], "temperature": NaN}'
+DEEP = b'{"messages": ' + b"[" * 100_000 + b"]" * 100_000 + b"}"
 
 
-@pytest.mark.parametrize("body", [b"{not json", b"", b"\xff\xfe", b"[1, 2]", b'"text"', NAN_TEMPERATURE])
+@pytest.mark.parametrize("body", [b"{not json", b"", b"\xff\xfe", b"[1, 2]", b'"text"', NAN_TEMPERATURE, DEEP])
 def test_invalid_json_is_400(server, body):
     assert_error(post(server, "chat/completions", content=body, headers={"content-type": "application/json"}), 400)
+
+
+def test_a_body_nested_too_deeply_says_so(server):
+    error = assert_error(post(server, "completions", content=DEEP, headers={"content-type": "application/json"}), 400)
+    assert "nested too deeply" in error["message"]
+
+
+def test_ignored_fields_are_answered_and_logged(server, caplog):
+    with caplog.at_level("WARNING", logger="dflash.serve"):
+        response = post(server, "chat/completions", json={"messages": MESSAGES, "max_token": 2, "max_tokens": 2})
+    assert response.status_code == 200
+    assert "request fields this server ignores: max_token" in caplog.text
+
+
+def test_a_conversation_the_chat_template_refuses_is_400(server, monkeypatch):
+    template = "{% if messages[0]['role'] != 'user' %}{{ raise_exception('No user query found') }}{% endif %}x"
+    monkeypatch.setattr(server.pipe.tokenizer, "chat_template", template)
+    body = {"messages": [{"role": "assistant", "content": "hi"}]}
+    error = assert_error(post(server, "chat/completions", json=body), 400, "messages")
+    assert "chat template refused these messages: No user query found" in error["message"]
 
 
 CHAT_BAD = [
@@ -53,6 +74,8 @@ CHAT_BAD = [
     ({"model": MODEL, "messages": MESSAGES, "seed": 2**64}, "seed"),
     ({"model": MODEL, "messages": MESSAGES, "temperature": 3.0}, "temperature"),
     ({"model": MODEL, "messages": MESSAGES, "stop": ["a"] * 17}, "stop"),
+    ({"model": MODEL, "messages": MESSAGES, "stop": ""}, "stop"),
+    ({"model": MODEL, "messages": MESSAGES, "stop": ["a", ""]}, "stop"),
     ({"model": MODEL, "messages": [{"role": "user", "content": [{"type": "image_url"}]}]}, "messages.0.content.0"),
     ({"model": MODEL, "messages": [{"role": "wizard", "content": "hi"}]}, "messages.0.role"),
     ({"model": MODEL, "messages": MESSAGES, "stop": 3}, None),

@@ -165,7 +165,9 @@ def test_flag_mistakes(tiny_pair, capsys):
                            (["--fallback-probe-window", "0"], "--fallback-probe-window"),
                            (["--fallback-hysteresis", "1"], "--fallback-hysteresis"),
                            (["--port", "99999"], "at most 65535"), (["--port", "-1"], "--port"),
-                           (["--max-request-bytes", "0"], "--max-request-bytes")]:
+                           (["--max-request-bytes", "0"], "--max-request-bytes"),
+                           (["--fallback-min-acceptance", "nan"], "--fallback-min-acceptance must be a number"),
+                           (["--served-model-name", " "], "--served-model-name is empty")]:
         assert main(["serve", *args]) == 2
         assert expected in capsys.readouterr().err
 
