@@ -12,7 +12,6 @@ for prompts and options.
 
 from __future__ import annotations
 
-import math
 import numbers
 import os
 from dataclasses import fields
@@ -20,6 +19,7 @@ from pathlib import Path
 from typing import Any, Iterator, Union
 
 import torch
+from jinja2 import TemplateError
 from safetensors import SafetensorError
 
 from dflash.decoding.detokenizer import TextDeltas
@@ -51,6 +51,10 @@ HANDOFF_DRAFT = ASSETS / "drafter-dflash"  # DFlash, the format vLLM and SGLang 
 Prompt = Union[str, list[dict[str, str]], list[int]]
 
 _PROMPT_KINDS = "text, a list of chat messages [{'role': 'user', 'content': ...}] or a list of token ids"
+
+
+class TemplateRefusal(GenerationError):
+    """The target's chat template raised on a conversation (a role or an order it does not take)."""
 
 
 class DFlash:
@@ -146,8 +150,11 @@ class DFlash:
             if not has_template:
                 raise GenerationError("the tokenizer has no chat template; send plain text with raw=True")
             variables = {**self.chat_template_kwargs, **check_template_kwargs(chat_template_kwargs)}
-            return _as_ids(self.tokenizer.apply_chat_template(list(prompt), add_generation_prompt=True,
-                                                              tokenize=True, **variables))
+            try:
+                return _as_ids(self.tokenizer.apply_chat_template(list(prompt), add_generation_prompt=True,
+                                                                  tokenize=True, **variables))
+            except TemplateError as err:  # templates refuse some conversations (roles, order) by raising
+                raise TemplateRefusal(f"the model's chat template refused these messages: {err}") from None
         check_text(prompt)
         if has_template and not raw:
             return self.encode([{"role": "user", "content": prompt}], chat_template_kwargs=chat_template_kwargs)
@@ -186,7 +193,15 @@ class TextStream:
         self._tokens = tokens
         self._deltas = TextDeltas(pipe.tokenizer, stop_strings)
         self._started = False
-        self.result: GenerationOutput | None = None  # set when the iteration ends
+        self._result: GenerationOutput | None = None  # set when the iteration ends
+
+    @property
+    def result(self) -> GenerationOutput:
+        """The `GenerationOutput`, once the stream has been iterated to its end."""
+        if self._result is None:
+            raise GenerationError("a stream's result is there once it has been read to the end: iterate it first "
+                                  "(for piece in stream: ...), or call generate(...) for the result alone")
+        return self._result
 
     def __iter__(self) -> Iterator[str]:
         if self._started:
@@ -197,8 +212,8 @@ class TextStream:
             piece = self._deltas.add(new)
             if piece:
                 yield piece
-        self.result = self._tokens.result
-        tail = self._deltas.finish(self.result.text or "")
+        self._result = self._tokens.result
+        tail = self._deltas.finish(self._result.text or "")
         if tail:
             yield tail
 
@@ -209,10 +224,7 @@ def make_config(**options: Any) -> GenerationConfig:
     unknown = sorted(set(options) - known)
     if unknown:
         raise GenerationError(f"unknown generation option(s) {unknown}; known: {sorted(known)}")
-    config = GenerationConfig(**options)
-    if not math.isfinite(config.temperature):  # nan passes `< 0`, and inf turns every distribution uniform
-        raise GenerationError(f"temperature must be a finite number >= 0 (0 is greedy), got {config.temperature}")
-    return config
+    return GenerationConfig(**options)
 
 
 def load_target(path_or_id: str | os.PathLike, dtype: str | torch.dtype | None = None,
@@ -270,6 +282,8 @@ def _proposer(target: TargetModel, drafter: DFlashDraftModel | TargetModel | Non
 def _pair_paths(target, draft, no_draft: bool) -> tuple[str | os.PathLike, str | os.PathLike | None]:
     """The target and drafter to load (the drafter None to decode plainly: `no_draft` overrides `draft`), or a
     UserError for a pair that cannot be meant."""
+    if not isinstance(no_draft, bool):
+        raise UserError(f"no_draft is True or False, got {no_draft!r}")
     if no_draft:
         draft = None
     if target is None:

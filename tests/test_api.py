@@ -94,13 +94,15 @@ def test_batches_and_streams_are_used_as_documented(pipe):
     with pytest.raises(GenerationError, match="raw is True or False"):
         pipe.generate("hi", raw="yes")
     stream = pipe.stream("Weng earns", max_new_tokens=4)
+    with pytest.raises(GenerationError, match="iterate it first"):
+        stream.result  # noqa: B018 - reading it is the test
     text = "".join(stream)
     assert text == stream.result.text
     with pytest.raises(GenerationError, match="iterated once"):
         list(stream)
 
 
-@pytest.mark.parametrize("temperature", [math.nan, math.inf])
+@pytest.mark.parametrize("temperature", [math.nan, math.inf, 1e39, 100.5])
 def test_temperature_must_be_finite(pipe, temperature):
     with pytest.raises(GenerationError, match="temperature must be a finite number"):
         pipe.generate("hi", max_new_tokens=2, temperature=temperature)
@@ -108,8 +110,23 @@ def test_temperature_must_be_finite(pipe, temperature):
         pipe.stream("hi", max_new_tokens=2, temperature=temperature)
 
 
+def test_an_empty_stop_string_is_refused(pipe):
+    with pytest.raises(GenerationError, match="stop string is empty"):
+        pipe.generate("hi", max_new_tokens=2, stop_strings=["x", ""])
+
+
+def test_a_conversation_the_chat_template_refuses_is_a_generation_error(tiny_pair, monkeypatch):
+    strict = DFlash.from_pretrained(tiny_pair[0], no_draft=True, device="cpu")
+    template = "{% if messages[0]['role'] != 'user' %}{{ raise_exception('No user query found') }}{% endif %}x"
+    monkeypatch.setattr(strict.tokenizer, "chat_template", template)
+    with pytest.raises(GenerationError, match="chat template refused these messages: No user query found"):
+        strict.generate([{"role": "assistant", "content": "x"}], max_new_tokens=2)
+
+
 def test_pairs_that_cannot_be_meant_are_refused_before_loading(tiny_pair, pipe):
     target_dir, draft_dir = tiny_pair
+    with pytest.raises(UserError, match="no_draft is True or False"):
+        DFlash.from_pretrained(target_dir, draft_dir, no_draft="no")
     with pytest.raises(UserError, match="needs its target"):
         DFlash.from_pretrained(draft=draft_dir)  # would pair it with the embedded target
     with pytest.raises(UserError, match="needs draft="):

@@ -9,6 +9,7 @@ import os
 from pathlib import Path
 
 from dflash.cli.common import add_model_arguments, chat_template_kwargs, int_list, load_pipeline
+from dflash.decoding.sampling import MAX_TEMPERATURE
 from dflash.errors import UserError
 
 DATASET_HELP = "gsm8k, math500, humaneval, mbpp, mt-bench, or all (several: space or comma separated)"
@@ -107,15 +108,27 @@ def bench_config(args: argparse.Namespace):
                               metrics_url=args.metrics_url, baseline_url=args.baseline_url,
                               rounds=_or(args.rounds, 1), chat_template_kwargs=chat_template_kwargs(args),
                               stream=not args.no_stream, warmup_tokens=_or(args.warmup_tokens, 16))
+    data = DataOptions(data_file=args.data_file, data_dir=args.data_dir, max_samples=args.max_samples or None,
+                       seed=args.seed)
+    _check_data(names, data)
     return BenchConfig(
         datasets=names,
-        data=DataOptions(data_file=args.data_file, data_dir=args.data_dir, max_samples=args.max_samples or None,
-                         seed=args.seed),
+        data=data,
         backend=backend, block_sizes=args.block_size or [None], max_new_tokens=args.max_new_tokens,
         temperature=args.temperature, top_p=args.top_p, top_k=args.top_k, seed=args.seed,
         warmup_tokens=_or(args.warmup_tokens, 16), server=server, output_dir=args.output_dir,
         gpu_hourly_usd=args.gpu_hourly_usd, show_progress=not args.no_progress,
     )
+
+
+def _check_data(names: list[str], data) -> None:
+    """Every dataset has somewhere to come from (--data-file, --data-dir, the bundled files or the hub)."""
+    from dflash.bench.datasets import data_source
+
+    if data.data_file and not Path(data.data_file).is_file():
+        raise UserError(f"--data-file {data.data_file} is not a file; pass an existing JSONL file")
+    for name in names:
+        data_source(name, data)  # a UserError naming what is missing
 
 
 def _or(value, default):
@@ -143,8 +156,9 @@ def _check_numbers(args: argparse.Namespace) -> None:
         raise UserError(f"--max-new-tokens must be >= 1, got {args.max_new_tokens}")
     if args.max_samples is not None and args.max_samples < 0:
         raise UserError(f"--max-samples must be >= 0 (0 = all), got {args.max_samples}")
-    if not (math.isfinite(args.temperature) and args.temperature >= 0):
-        raise UserError(f"--temperature must be a finite number >= 0 (0 = greedy), got {args.temperature}")
+    if not (math.isfinite(args.temperature) and 0 <= args.temperature <= MAX_TEMPERATURE):
+        raise UserError(f"--temperature must be a finite number >= 0 (0 = greedy) and at most {MAX_TEMPERATURE:g}, "
+                        f"got {args.temperature}")
     if not (math.isfinite(args.top_p) and 0 < args.top_p <= 1):
         raise UserError(f"--top-p must be in (0, 1] (1 = off), got {args.top_p}")
     if args.top_k < 0:

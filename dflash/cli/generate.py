@@ -82,9 +82,17 @@ def _check_arguments(args: argparse.Namespace) -> dict:
     check_text(args.prompt, "--prompt")
     if args.compare and args.no_draft:
         raise UserError("--compare measures DFlash against plain decoding of the same target; drop --no-draft")
+    if args.raw and args.enable_thinking is not None:
+        raise UserError("--enable-thinking sets a chat template variable, and --raw sends the prompt without the "
+                        "template: drop one of them")
     options = dict(max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_p=args.top_p,
                    top_k=args.top_k, seed=args.seed, stop_strings=args.stop)
     make_config(**options)
+    sampling = [flag for flag, given in (("--top-p", args.top_p != 1.0), ("--top-k", args.top_k != 0),
+                                         ("--seed", args.seed is not None)) if given]
+    if args.temperature == 0 and sampling:
+        raise UserError(f"{', '.join(sampling)} shape(s) sampling, and --temperature 0 (the default) decodes "
+                        "greedily: add a --temperature above 0, e.g. 0.7, or drop them")
     return options
 
 

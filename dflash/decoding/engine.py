@@ -53,6 +53,8 @@ class GenerationConfig:
         if isinstance(self.stop_strings, str):  # one stop string, not its characters
             self.stop_strings = [self.stop_strings]
         self._check_types()
+        if any(s == "" for s in self.stop_strings):
+            raise GenerationError("a stop string is empty (every text would stop before its first token); drop it")
         if self.max_new_tokens < 1:
             raise GenerationError(f"max_new_tokens must be >= 1, got {self.max_new_tokens}")
         if isinstance(self.block_size, str) and self.block_size != AUTO:

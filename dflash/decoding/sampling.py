@@ -7,6 +7,8 @@ from dataclasses import dataclass
 
 import torch
 
+MAX_TEMPERATURE = 100.0  # far past any useful one (all but uniform there), far below float32's overflow
+
 
 @dataclass(frozen=True)
 class SamplingParams:
@@ -17,8 +19,9 @@ class SamplingParams:
     top_k: int = 0
 
     def __post_init__(self) -> None:
-        if not (math.isfinite(self.temperature) and self.temperature >= 0):
-            raise ValueError(f"temperature must be a finite number >= 0 (0 = greedy), got {self.temperature}")
+        if not (math.isfinite(self.temperature) and 0 <= self.temperature <= MAX_TEMPERATURE):
+            raise ValueError(f"temperature must be a finite number >= 0 (0 = greedy) and at most "
+                             f"{MAX_TEMPERATURE:g}, got {self.temperature}")
         if not 0 < self.top_p <= 1:
             raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
         if self.top_k < 0:

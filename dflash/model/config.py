@@ -48,6 +48,20 @@ def check_layer_ids(layer_ids: Any) -> None:
                                  f"indices, got {layer_ids!r}")
 
 
+def _check_given_mask(given: Any, own: Any, vocab_size: Any) -> None:
+    """A mask token id passed in (--mask-token-id) is for legacy drafters that do not name theirs, and must be a
+    token of the vocabulary."""
+    if given is None:
+        return
+    if own is not None and given != own:
+        raise DrafterConfigError(f"this drafter was trained with mask token {own}, and a drafter drafts with its own: "
+                                 f"drop --mask-token-id {given} (mask_token_id=), which is for drafters whose "
+                                 "config does not name one")
+    if isinstance(vocab_size, int) and not (isinstance(given, int) and 0 <= given < vocab_size):
+        raise DrafterConfigError(f"mask token id {given} is outside the vocabulary (0 to {vocab_size - 1}); pass "
+                                 "the id of the token the drafter was trained with as its mask")
+
+
 @dataclass(frozen=True)
 class DFlash2Options:
     """What DFlash2 adds to a drafter (REFERENCE section 3): a grouped dynamic depthwise convolution over the
@@ -174,7 +188,9 @@ class DrafterConfig:
         if missing:
             raise DrafterConfigError(f"drafter config.json lacks {', '.join(missing)}; is this a DFlash drafter?")
         check_sizes({**dflash, **raw})  # before any arithmetic on them below
-        mask = mask_token_id if mask_token_id is not None else dflash.get("mask_token_id", raw.get("mask_token_id"))
+        own = dflash.get("mask_token_id", raw.get("mask_token_id"))
+        _check_given_mask(mask_token_id, own, raw["vocab_size"])
+        mask = mask_token_id if mask_token_id is not None else own
         if mask is None:
             raise DrafterConfigError(
                 "this drafter checkpoint does not name its mask token (legacy format without dflash_config); "

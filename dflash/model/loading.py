@@ -238,6 +238,25 @@ def _shape_mismatches(model: torch.nn.Module, state: dict[str, torch.Tensor]) ->
             if k in expected and tuple(v.shape) != tuple(expected[k].shape)]
 
 
+def causal_lm_shape_mismatches(directory: Path) -> list[str]:
+    """Weights in a causal LM checkpoint's safetensors whose shape differs from what its config.json builds
+    (built on the meta device: no memory), as 'name: file [..], config [..]'."""
+    from safetensors import safe_open
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(directory))
+    expected = {k: list(v.shape) for k, v in model.state_dict().items()}
+    found = []
+    for file in sorted(directory.glob("*.safetensors")):
+        with safe_open(str(file), framework="pt") as weights:
+            for name in weights.keys():
+                shape = list(weights.get_slice(name).get_shape())
+                if name in expected and shape != expected[name]:
+                    found.append(f"{name}: file {shape}, config {expected[name]}")
+    return found
+
+
 def load_drafter(
     path_or_id: str | os.PathLike,
     mask_token_id: int | None = None,

@@ -9,6 +9,7 @@ from __future__ import annotations
 import inspect
 import os
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 from torch import nn
@@ -16,7 +17,13 @@ from torch import nn
 from dflash.errors import UserError
 from dflash.model import hf_compat
 from dflash.model.config import DrafterConfig
-from dflash.model.loading import CheckpointError, parse_dtype, read_config, resolve_model_dir
+from dflash.model.loading import (
+    CheckpointError,
+    causal_lm_shape_mismatches,
+    parse_dtype,
+    read_config,
+    resolve_model_dir,
+)
 
 
 class IncompatibleDrafterError(UserError):
@@ -67,6 +74,10 @@ class TargetModel:
             model = AutoModelForCausalLM.from_pretrained(directory, dtype=torch_dtype).to(device)
         except ValueError as err:  # transformers' word for a config it cannot build a causal LM from
             raise CheckpointError(f"could not load {path_or_id} as a causal LM: {str(err).splitlines()[0]}") from None
+        except RuntimeError as err:
+            if "mismatched" not in str(err) and "size mismatch" not in str(err):
+                raise
+            raise _mismatch_error(directory) from None
         tokenizer = AutoTokenizer.from_pretrained(directory)
         return cls(model, tokenizer)
 
@@ -210,3 +221,10 @@ def check_compatible(target: TargetModel, config: DrafterConfig) -> None:
             "this drafter does not fit this target: " + "; ".join(problems)
             + ". Use the drafter trained for this target (or train one with `dflash train`)."
         )
+
+
+def _mismatch_error(directory: Path) -> CheckpointError:
+    mismatches = causal_lm_shape_mismatches(directory)
+    shown = "; ".join(mismatches[:3]) + (f" (and {len(mismatches) - 3} more)" if len(mismatches) > 3 else "")
+    return CheckpointError(f"the weights in {directory} do not fit its config.json ({shown or 'shapes differ'}): "
+                           "restore the config.json that came with these weights")

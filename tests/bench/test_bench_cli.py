@@ -273,3 +273,15 @@ def test_python_m_dflash_benchmark_errors_are_under_its_own_name(tiny_pair, caps
     with pytest.raises(SystemExit):
         benchmark_main(["--model", str(target), "--frobnicate"])
     assert "python -m dflash.benchmark: error: unrecognized arguments: --frobnicate" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("flags, message", [(["--data-file", "/nonexistent/q.jsonl"], "is not a file"),
+                                            (["--data-dir", "/nonexistent/dir"], "does not exist")])
+def test_a_missing_data_source_fails_before_any_model_loads(tiny_pair, capsys, monkeypatch, flags, message):
+    import dflash.cli.bench
+
+    monkeypatch.setattr(dflash.cli.bench, "_load_pair", lambda args: pytest.fail("loaded the models first"))
+    target, draft = tiny_pair
+    assert main(["bench", "--target", str(target), "--draft", str(draft), "--dataset", "gsm8k", *flags,
+                 "--no-progress"]) == 2
+    assert message in capsys.readouterr().err

@@ -95,7 +95,10 @@ def test_stop_strings_read_escapes_as_the_readme_writes_them(capsys):
 @pytest.mark.parametrize("flags, message", [
     (["--temperature", "nan"], "temperature must be a finite number"),
     (["--temperature", "inf"], "temperature must be a finite number"),
+    (["--temperature", "1e39"], "at most 100"),
     (["--top-p", "0"], "top_p"),
+    (["--seed", "3", "--top-k", "3"], "--top-k, --seed shape(s) sampling, and --temperature 0"),
+    (["--raw", "--enable-thinking"], "drop one of them"),
     (["--max-new-tokens", "0"], "max_new_tokens must be >= 1"),
     (["--device", "bogus"], "unknown device 'bogus'"),
 ])

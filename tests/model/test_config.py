@@ -72,3 +72,14 @@ def test_a_value_of_the_wrong_kind_is_named(change, message):
     with pytest.raises(DrafterConfigError, match=message):
         DrafterConfig.from_dict({**GOOD, **change})
     assert DrafterConfig.from_dict(GOOD).target_layer_ids == [1, 5]
+
+
+def test_a_given_mask_token_must_be_in_the_vocabulary_and_not_override_the_drafters_own():
+    legacy = {**BASE, "num_target_layers": 36, "block_size": 16}
+    for bad in (-5, BASE["vocab_size"]):
+        with pytest.raises(DrafterConfigError, match="outside the vocabulary"):
+            DrafterConfig.from_dict(legacy, mask_token_id=bad)
+    named = {**BASE, "dflash_config": {"mask_token_id": 7, "target_layer_ids": [1, 5]}, "block_size": 8}
+    with pytest.raises(DrafterConfigError, match="trained with mask token 7.*drop --mask-token-id 9"):
+        DrafterConfig.from_dict(named, mask_token_id=9)
+    assert DrafterConfig.from_dict(named, mask_token_id=7).mask_token_id == 7  # the same: nothing to refuse

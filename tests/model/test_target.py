@@ -45,3 +45,19 @@ def test_cache_crop_keeps_a_prefix(target):
     step = target.forward(torch.tensor([[4]]), torch.tensor([[3]]), cache)
     full = target.forward(ids[:, :4], torch.arange(4)[None], target.new_cache())
     assert torch.allclose(step.logits[0, -1], full.logits[0, -1], atol=1e-4)
+
+
+def test_a_config_that_does_not_fit_the_weights_names_the_mismatch(tiny_pair, tmp_path):
+    import json
+    import shutil
+
+    from dflash.model.loading import CheckpointError
+
+    target = tmp_path / "target"
+    shutil.copytree(tiny_pair[0], target)
+    config = json.loads((target / "config.json").read_text())
+    config["intermediate_size"] *= 2
+    (target / "config.json").write_text(json.dumps(config))
+    with pytest.raises(CheckpointError, match=r"do not fit its config.json \(model.layers.0.mlp.\w+_proj.weight: "
+                                              r"file \[\d+, \d+\], config \[\d+, \d+\].*and \d+ more"):
+        TargetModel.from_pretrained(target)
