@@ -57,6 +57,15 @@ class TemplateRefusal(GenerationError):
     """The target's chat template raised on a conversation (a role or an order it does not take)."""
 
 
+def render_chat(tokenizer, messages: list[dict], **options) -> Any:
+    """The tokenizer's chat template applied to `messages` (token ids); a `TemplateRefusal` quoting the template
+    when it raises on them."""
+    try:
+        return tokenizer.apply_chat_template(messages, tokenize=True, **options)
+    except TemplateError as err:  # templates refuse some conversations (roles, order) by raising
+        raise TemplateRefusal(f"the model's chat template refused these messages: {err}") from None
+
+
 class DFlash:
     """A target, an optional drafter (a DFlash drafter, or a draft model to compare with), the target's tokenizer,
     and the engine that decodes with them."""
@@ -150,11 +159,7 @@ class DFlash:
             if not has_template:
                 raise GenerationError("the tokenizer has no chat template; send plain text with raw=True")
             variables = {**self.chat_template_kwargs, **check_template_kwargs(chat_template_kwargs)}
-            try:
-                return _as_ids(self.tokenizer.apply_chat_template(list(prompt), add_generation_prompt=True,
-                                                                  tokenize=True, **variables))
-            except TemplateError as err:  # templates refuse some conversations (roles, order) by raising
-                raise TemplateRefusal(f"the model's chat template refused these messages: {err}") from None
+            return _as_ids(render_chat(self.tokenizer, list(prompt), add_generation_prompt=True, **variables))
         check_text(prompt)
         if has_template and not raw:
             return self.encode([{"role": "user", "content": prompt}], chat_template_kwargs=chat_template_kwargs)

@@ -61,6 +61,9 @@ def _json_line(raw: bytes, path: Path, number: int) -> dict | None:
     except json.JSONDecodeError as err:
         raise UserError(f"{path}:{number} is not valid JSON ({err.msg}); the file must be JSONL, one JSON object "
                         "per line") from None
+    except RecursionError:
+        raise UserError(f"{path}:{number} is nested too deeply to read (arrays or objects inside each other "
+                        "beyond Python's recursion limit); fix or remove that line") from None
     if not isinstance(record, dict):
         raise UserError(f"{path}:{number} is {shown(record)}, not a JSON object; each line must be one object "
                         'such as {"prompt": ...}')
@@ -111,7 +114,7 @@ def read_json_object(path: Path, what: str, fix: str) -> dict:
     `what`, and `fix`."""
     try:
         value = json.loads(Path(path).read_text())
-    except (UnicodeDecodeError, json.JSONDecodeError):
+    except (UnicodeDecodeError, json.JSONDecodeError, RecursionError):
         value = None
     if not isinstance(value, dict):
         raise UserError(f"{path} is not {what}; {fix}")

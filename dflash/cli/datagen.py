@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import sys
 
 from dflash.cli.common import add_thinking_argument
 from dflash.training.datagen import DatagenConfig, read_prompts, run_datagen
@@ -38,9 +39,14 @@ def run(args: argparse.Namespace) -> int:
     config = DatagenConfig(**{k: v for k, v in vars(args).items() if k in DatagenConfig.__dataclass_fields__})
     config.validate()
     prompts = read_prompts(config)  # once, and every record checked before the target loads
-    with Progress(transient=False) as progress:
-        task = progress.add_task("datagen", total=len(prompts))
-        result = run_datagen(config, progress=lambda n: progress.advance(task, n), prompts=prompts)
+    try:
+        with Progress(transient=False) as progress:
+            task = progress.add_task("datagen", total=len(prompts))
+            result = run_datagen(config, progress=lambda n: progress.advance(task, n), prompts=prompts)
+    except KeyboardInterrupt:  # every answer is written whole and flushed: a rerun continues after the last one
+        print(f"dflash datagen: stopped; the answers written to {config.output} are kept: rerun the same command to "
+              "resume", file=sys.stderr, flush=True)
+        raise
     skipped = (f"; {len(result.skipped)} skipped: too long for the target's context (named above; a rerun skips "
                "them again)" if result.skipped else "")
     print(f"wrote {result.written} new records to {config.output} ({len(prompts)} prompts in all{skipped})")

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 
+from dflash.cli.common import int_list
 from dflash.training.config import load_config
 
 
@@ -19,7 +20,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="drafter layers (default 1); with --init-from, more than the drafter has adds layers "
                              "that start silent, so the drafter starts unchanged")
     parser.add_argument("--block-size", type=int)
-    parser.add_argument("--target-layer-ids", type=lambda s: [int(x) for x in s.split(",")],
+    parser.add_argument("--target-layer-ids", type=int_list,
                         help="comma-separated target layer ids (default: the published formula)")
     parser.add_argument("--mask-token-id", type=int,
                         help="the id blocks are filled with: one that never occurs in text, not pad or eos (default: "

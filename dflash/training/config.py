@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import typing
 from dataclasses import asdict, dataclass, fields
 from pathlib import Path
@@ -79,13 +80,16 @@ class TrainConfig:
         """Every out-of-range option, as the message that names it and its range."""
         checks = [
             (2 <= self.block_size <= 64, f"--block-size must be in 2..64, got {self.block_size}"),
+            (self.target_layer_ids is None or len(self.target_layer_ids) > 0,
+             "--target-layer-ids needs at least one layer id, e.g. 1,9,17 (leave it out for the default)"),
             (self.draft_layers is None or self.draft_layers >= 1,
              f"--draft-layers must be >= 1, got {self.draft_layers}"),
             (self.intermediate_size is None or self.intermediate_size >= 1,
              f"--intermediate-size must be >= 1, got {self.intermediate_size}"),
             (self.selector_rank >= 1, f"--selector-rank must be >= 1, got {self.selector_rank}"),
             (self.selector_top_k >= 1, f"--selector-top-k must be >= 1, got {self.selector_top_k}"),
-            (self.selector_loss_weight >= 0, f"--selector-loss-weight must be >= 0, got {self.selector_loss_weight}"),
+            (math.isfinite(self.selector_loss_weight) and self.selector_loss_weight >= 0,
+             f"--selector-loss-weight must be a finite number >= 0, got {self.selector_loss_weight}"),
             (self.batch_size >= 1, f"--batch-size must be >= 1, got {self.batch_size}"),
             (self.grad_accum >= 1, f"--grad-accum must be >= 1 (1: no accumulation), got {self.grad_accum}"),
             (self.anchors_per_sequence >= 1, f"--anchors-per-sequence must be >= 1, got {self.anchors_per_sequence}"),
@@ -94,8 +98,9 @@ class TrainConfig:
             (self.loss_gamma is None or self.loss_gamma > 0, f"--loss-gamma must be > 0, got {self.loss_gamma}"),
             (self.max_length >= 2, f"--max-length must be >= 2 (a prompt token and a response token), got "
                                    f"{self.max_length}"),
-            (self.lr > 0, f"--lr must be > 0, got {self.lr}"),
-            (self.weight_decay >= 0, f"--weight-decay must be >= 0, got {self.weight_decay}"),
+            (math.isfinite(self.lr) and self.lr > 0, f"--lr must be a finite number > 0, got {self.lr}"),
+            (math.isfinite(self.weight_decay) and self.weight_decay >= 0,
+             f"--weight-decay must be a finite number >= 0, got {self.weight_decay}"),
             (0.0 <= self.warmup_ratio < 1.0,
              f"--warmup-ratio is the share of the steps spent warming up, in [0, 1), got {self.warmup_ratio}"),
             (self.grad_clip >= 0, f"--grad-clip is the largest gradient norm kept, >= 0 (0: no clipping), got "
@@ -105,8 +110,8 @@ class TrainConfig:
             (self.dtype in ("float32", "bfloat16"), f"--dtype must be float32 or bfloat16, got {self.dtype}"),
             (self.max_steps is None or self.max_steps >= 1,
              f"--max-steps must be >= 1, got {self.max_steps}; leave it out to train for --epochs"),
-            (self.max_steps is not None or self.epochs > 0, f"--epochs must be > 0 (or set --max-steps), got "
-                                                            f"{self.epochs}"),
+            (self.max_steps is not None or (math.isfinite(self.epochs) and self.epochs > 0),
+             f"--epochs must be a finite number > 0 (or set --max-steps), got {self.epochs}"),
             (0.0 <= self.eval_fraction < 1.0, f"--eval-fraction is the share of --data held out for evaluation, in "
                                               f"[0, 1) (0: no evaluation), got {self.eval_fraction}"),
             (self.eval_every >= 0, f"--eval-every must be >= 0 (0: evaluate only at the end), got {self.eval_every}"),
@@ -130,12 +135,7 @@ def load_config(yaml_path: str | None, overrides: dict[str, Any]) -> TrainConfig
     values: dict[str, Any] = {}
     if yaml_path:
         path = Path(yaml_path)
-        if not path.exists():
-            raise UserError(f"config file {path} does not exist")
-        try:
-            loaded = yaml.safe_load(path.read_text()) or {}
-        except yaml.YAMLError as err:
-            raise UserError(f"{path} is not valid YAML: {' '.join(str(err).split())}") from None
+        loaded = _read_yaml(path)
         if not isinstance(loaded, dict):
             raise UserError(f"{path} must be a YAML mapping of training options")
         values.update({str(k).replace("-", "_"): v for k, v in loaded.items()})
@@ -149,6 +149,26 @@ def load_config(yaml_path: str | None, overrides: dict[str, Any]) -> TrainConfig
     config = TrainConfig(**values)
     config.validate()
     return config
+
+
+def _read_yaml(path: Path) -> Any:
+    """The --config file's contents; every way it cannot be read is a UserError naming it."""
+    if not path.exists():
+        raise UserError(f"config file {path} does not exist; give --config the YAML file of training options")
+    if path.is_dir():
+        raise UserError(f"--config {path} is a directory; give the YAML file of training options (e.g. "
+                        f"{path / 'train.yaml'})")
+    try:
+        return yaml.safe_load(path.read_text()) or {}
+    except yaml.YAMLError as err:
+        raise UserError(f"{path} is not valid YAML: {' '.join(str(err).split())}") from None
+    except UnicodeDecodeError:
+        raise UserError(f"{path} is not UTF-8 text; save the --config file as UTF-8") from None
+    except RecursionError:  # the pure-Python parser recurses once per level of nesting
+        raise UserError(f"{path} is nested too deeply to read; a --config file is a flat mapping of training "
+                        "options (option: value)") from None
+    except OSError as err:
+        raise UserError(f"cannot read --config {path}: {err.strerror or err}") from None
 
 
 def _read_numbers(values: dict[str, Any]) -> None:

@@ -78,12 +78,26 @@ def _templated(messages: list[dict], tokenizer) -> tuple[list[int], list[int]]:
         raise UserError("this record is text, and the target's tokenizer has no chat template to turn it into "
                         "tokens; make the data with `dflash datagen` (it stores the token ids), or add "
                         "`prompt_ids` and `response_ids` to each record")
-    prompt = _ids(tokenizer.apply_chat_template(messages[:-1], add_generation_prompt=True, tokenize=True))
-    full = _ids(tokenizer.apply_chat_template(messages, tokenize=True))
+    prompt = _ids(_apply_template(tokenizer, messages[:-1], add_generation_prompt=True))
+    full = _ids(_apply_template(tokenizer, messages))
     if full[: len(prompt)] != prompt:
         raise UserError("the chat template renders the prompt differently inside the full conversation; "
                         "store prompt_ids/response_ids (dflash datagen does) instead")
     return prompt, full[len(prompt):]
+
+
+def _apply_template(tokenizer, messages: list[dict], **options):
+    """The chat template's tokens of `messages`; a template that refuses them is a UserError quoting it."""
+    from dflash.api import TemplateRefusal, render_chat
+
+    try:
+        return render_chat(tokenizer, messages, **options)
+    except TemplateRefusal as err:  # raise_exception(...) in the template: its own message
+        message = str(err)
+    except Exception as err:  # the template's other checks (e.g. roles it does not take) raise anything
+        message = f"the model's chat template cannot render these messages: {type(err).__name__}: {err}"
+    raise UserError(f"{message}; fix this record, or store `prompt_ids` and `response_ids` in it (dflash datagen "
+                    "does)")
 
 
 def _ids(encoded) -> list[int]:

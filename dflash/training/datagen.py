@@ -16,6 +16,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import re
 import sys
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -27,6 +28,9 @@ from dflash.records import messages_field, read_json_object, read_jsonl, text_fi
 PROMPT_FIELDS = ("prompt", "question", "instruction", "text")  # looked for in this order without --prompt-field
 RECORD_START = b'{"id": '  # how every output line starts: a half-written last line is recognised by it
 MAX_WARNINGS = 20  # skipped prompts named one by one; the rest are counted
+# A name ending like a file (prompts.jsonl, data.csv.gz) is a local path, never a hub dataset; a version such as
+# teknium/OpenHermes-2.5 is not an extension (it starts with a digit)
+FILE_EXTENSION = re.compile(r"\.[A-Za-z][A-Za-z0-9]{0,7}$")
 
 
 @dataclass
@@ -61,6 +65,10 @@ class DatagenConfig:
         output = Path(self.output).expanduser()
         if output.is_dir():
             raise UserError(f"--output {self.output} is a directory; give the path of a .jsonl file")
+        blocking = next((p for p in output.parents if p.exists() and not p.is_dir()), None)
+        if blocking is not None:
+            raise UserError(f"--output {self.output} cannot be written: {blocking} is a file, not a directory; give "
+                            "the path of a .jsonl file in a directory (missing directories are created)")
         if output.exists() and output.resolve() == Path(self.prompts).expanduser().resolve():
             raise UserError(f"--output {self.output} is the --prompts file; give another path to write the answers to")
 
@@ -162,22 +170,23 @@ def _read_rows(config: DatagenConfig) -> list[tuple[str, dict]]:
         return [(f"{path}:{n}", record) for n, record in rows]
     if path.is_dir() or is_hub_id(config.prompts):
         source = str(path) if path.is_dir() else config.prompts
-        rows = _load_dataset(config, source)[: config.limit]
+        rows = _load_dataset(config, source, local=path.is_dir())[: config.limit]
         return [(f"{source} row {i}", dict(row)) for i, row in enumerate(rows)]
-    raise UserError(f"prompt file {config.prompts} does not exist; give a JSONL file, a dataset directory or a "
+    raise UserError(f"--prompts {config.prompts}: there is no local file or directory {path}, and the name reads as "
+                    "a path, so the hub was not asked; give an existing JSONL file, a dataset directory or a "
                     "Hugging Face dataset name like openai/gsm8k")
 
 
 def is_hub_id(name: str) -> bool:
     """Whether `name` reads as a hub dataset ("name" or "org/name") rather than a path to a local file."""
-    if name.startswith((".", "/", "~")) or name.endswith((".jsonl", ".json")) or "\\" in name:
+    if name.startswith((".", "/", "~")) or "\\" in name or FILE_EXTENSION.search(name):
         return False
     parts = name.split("/")
     return len(parts) <= 2 and all(parts)
 
 
-def _load_dataset(config: DatagenConfig, source: str) -> list[dict]:
-    """Rows of a hub dataset or a local dataset directory (data files, or a `save_to_disk` copy)."""
+def _load_dataset(config: DatagenConfig, source: str, local: bool = False) -> list[dict]:
+    """Rows of a hub dataset or a local dataset directory (`local`: data files, or a `save_to_disk` copy)."""
     try:
         import datasets
     except ImportError:
@@ -187,9 +196,11 @@ def _load_dataset(config: DatagenConfig, source: str) -> list[dict]:
     except Exception as err:
         hint = (" (does it need --subset, e.g. --subset main for openai/gsm8k?)"
                 if "config" in str(err).lower() and config.subset is None else "")
+        nothing_local = "" if local else f"; there is no local file or directory named {source!r} either"
         raise UserError(f"could not load dataset {source!r}, split {config.split!r}: {type(err).__name__}: "
-                        f"{str(err).splitlines()[0][:200] if str(err) else ''}{hint}. Offline? Pass a local JSONL "
-                        "file with `prompt`, `turns` or `messages`, or a downloaded dataset directory") from None
+                        f"{str(err).splitlines()[0][:200] if str(err) else ''}{hint}{nothing_local}. Offline? Pass "
+                        "a local JSONL file with `prompt`, `turns` or `messages`, or a downloaded dataset "
+                        "directory") from None
 
 
 # ---- the output: what is done, and whether a rerun continues the same job --------------------------------------
@@ -203,7 +214,11 @@ def done_ids(output: Path) -> dict[int, str | None]:
     is cut off."""
     if not output.exists():
         return {}
-    data = output.read_bytes()
+    try:
+        data = output.read_bytes()
+    except OSError as err:
+        raise UserError(f"cannot read --output {output}: {err.strerror or err}; give the path of a .jsonl file you "
+                        "can read and write") from None
     lines = data.split(b"\n")
     tail = lines.pop()  # b"" when the file ends with a newline
     parsed = [(n, line, _output_record(line)) for n, line in enumerate(lines, 1) if line.strip()]
@@ -228,7 +243,7 @@ def _output_record(line: bytes) -> dict | None:
     """An output line as a record, or None when it is not one."""
     try:
         record = json.loads(line.decode("utf-8"))
-    except (UnicodeDecodeError, json.JSONDecodeError):
+    except (UnicodeDecodeError, json.JSONDecodeError, RecursionError):  # nested too deeply: never our record
         return None
     if isinstance(record, dict) and isinstance(record.get("id"), int) and "response_ids" in record:
         return record
@@ -252,10 +267,19 @@ def check_rerun(config: DatagenConfig, prompts: list[Prompt], done: dict[int, st
     if done:
         _warn(f"{output} has no {path.name} (written by an older dflash): this run's settings cannot be checked "
               "against the records it holds; writing them there now")
-    output.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text(json.dumps(settings, indent=1) + "\n")
-    os.replace(tmp, path)
+    try:
+        output.parent.mkdir(parents=True, exist_ok=True)
+        tmp.write_text(json.dumps(settings, indent=1) + "\n")
+        os.replace(tmp, path)
+    except OSError as err:
+        raise _unwritable(output, err) from None
+
+
+def _unwritable(output: Path, err: OSError) -> UserError:
+    """--output cannot be written (or the settings file next to it): the flag and what to give instead."""
+    return UserError(f"cannot write --output {output}: {err.strerror or err}; give the path of a .jsonl file in a "
+                     "directory you can write to")
 
 
 def _check_prompts(output: Path, prompts: list[Prompt], done: dict[int, str | None], limited: bool) -> None:
@@ -288,13 +312,17 @@ def run_datagen(config: DatagenConfig, progress=None, prompts: list[Prompt] | No
     result = DatagenResult()
     if not todo:
         return result
-    pipe = DFlash.from_pretrained(config.target, no_draft=True, dtype=config.dtype, device=config.device,
-                                  chat_template_kwargs=config.chat_template_kwargs())
-    generator = _Generator(pipe, config)
-    first_ids = generator.first_turns(todo, result)
-    if progress:
-        progress(len(todo) - len(first_ids))
-    with output.open("a") as f:
+    try:  # before the target loads: a run must not end in an error about where its answers go
+        f = output.open("a")
+    except OSError as err:
+        raise _unwritable(output, err) from None
+    with f:
+        pipe = DFlash.from_pretrained(config.target, no_draft=True, dtype=config.dtype, device=config.device,
+                                      chat_template_kwargs=config.chat_template_kwargs())
+        generator = _Generator(pipe, config)
+        first_ids = generator.first_turns(todo, result)
+        if progress:
+            progress(len(todo) - len(first_ids))
         for chunk in _chunks([p for p in todo if p.id in first_ids], config.batch_size):
             for record in generator.answer(chunk, first_ids):
                 f.write(json.dumps(record) + "\n")
@@ -328,6 +356,17 @@ class _Generator:
             return self.pipe.encode("\n\n".join(m["content"] for m in conversation), raw=True)
         return self.pipe.encode(conversation)
 
+    def encode_turn(self, prompt: Prompt, conversation: list[dict]) -> list[int]:
+        """`encode`, with an error that names the prompt's record when the chat template refuses it."""
+        try:
+            return self.encode(conversation)
+        except UserError as err:  # the template's refusal (`TemplateRefusal`), or the pipeline's check of the messages
+            message = str(err)
+        except Exception as err:  # the template's other checks (e.g. roles it does not take) raise anything
+            message = f"the model's chat template cannot render these messages: {type(err).__name__}: {err}"
+        raise UserError(f"{prompt.where} (output id {prompt.id}): {message}; fix this record where it is (answers "
+                        "already written are kept, and a rerun resumes them)")
+
     def room(self, prompt_ids: list[int]) -> int:
         """How many tokens an answer to this prompt can have: --max-new-tokens, or less at the context's end."""
         room = self.pipe.engine.room(len(prompt_ids))
@@ -338,11 +377,7 @@ class _Generator:
         in a warning, counted in `result.skipped`)."""
         ids = {}
         for p in prompts:
-            try:
-                prompt_ids = self.encode(self._with_suffix(p.turns[0]))
-            except Exception as err:  # the template's own checks (e.g. roles it does not take) raise anything
-                raise UserError(f"{p.where}: the target's chat template cannot render this prompt: "
-                                f"{type(err).__name__}: {err}") from None
+            prompt_ids = self.encode_turn(p, self._with_suffix(p.turns[0]))
             if self.room(prompt_ids) >= 1:
                 ids[p.id] = prompt_ids
                 continue
@@ -366,7 +401,7 @@ class _Generator:
                 if turn >= len(p.turns) or p.id in ended:
                     continue
                 messages = conversations[p.id] + self._with_suffix(p.turns[turn])
-                ids = first_ids.pop(p.id) if turn == 0 else self.encode(messages)
+                ids = first_ids.pop(p.id) if turn == 0 else self.encode_turn(p, messages)
                 if self.room(ids) < 1:
                     _warn(f"{p.where} (output id {p.id}): turn {turn + 1} of {len(p.turns)} ({len(ids)} tokens) "
                           f"leaves no room for an answer in the target's context of {self.context} tokens; its "

@@ -120,6 +120,7 @@ class Trainer:
     # ---- setup ----------------------------------------------------------------------------------------
     def setup(self) -> "Trainer":
         self._setup_distributed()
+        self._check_directories()
         self._setup_output()
         self._setup_target()
         self._setup_data()
@@ -156,6 +157,14 @@ class Trainer:
             if device.index >= torch.cuda.device_count():
                 raise UserError(f"--device {device} does not exist: torch sees {torch.cuda.device_count()} GPU(s)")
         return device
+
+    def _check_directories(self) -> None:
+        """Create --output and a --feature-cache directory before the target loads: a run must not end in an
+        error about where its results go."""
+        _make_directory("--output", Path(self.config.output), "give a directory (it is created if missing)")
+        if self.config.feature_cache not in (None, "memory"):
+            _make_directory("--feature-cache", Path(self.config.feature_cache),
+                            "give a directory (it is created if missing), or 'memory'")
 
     def _setup_output(self) -> None:
         """A fresh run never shares its output with an earlier run's checkpoints: pruning would delete the new ones
@@ -326,16 +335,17 @@ class Trainer:
         if not self.config.feature_cache:
             return self.target.context_features(ids, real, layer_ids, with_final_hidden=soft).float()
         keys = [f"{batch.split}-{i}{'-soft' if soft else ''}" for i in batch.indices]
-        missing = [r for r, key in enumerate(keys) if self._cached(key) is None]
+        width = self.drafter_config.num_features + (self.target.hidden_size if soft else 0)
+        lengths = batch.attention_mask.sum(dim=1).tolist()
+        rows = [self._cached(key, (length, width)) for key, length in zip(keys, lengths)]
+        missing = [r for r, row in enumerate(rows) if row is None]
         if missing:
             computed = self.target.context_features(ids[missing], real[missing], layer_ids, with_final_hidden=soft)
             for r, row in zip(missing, computed):
-                self._store(keys[r], row[: int(real[r].sum())])
-        width = self.drafter_config.num_features + (self.target.hidden_size if soft else 0)
+                rows[r] = self._store(keys[r], row[: lengths[r]])
         out = torch.zeros(len(keys), ids.shape[1], width, device=self.device)
-        for r, key in enumerate(keys):
-            cached = self._cached(key)
-            out[r, : cached.shape[0]] = cached.to(self.device).float()
+        for r, row in enumerate(rows):
+            out[r, : row.shape[0]] = row.to(self.device).float()
         return out
 
     def _soft_targets(self, final_hidden: torch.Tensor, blocks: Blocks) -> torch.Tensor:
@@ -346,22 +356,45 @@ class Trainer:
         with torch.no_grad():
             return self.target.lm_head(hidden.to(self.target.dtype)).float()
 
-    def _cached(self, key: str) -> torch.Tensor | None:
+    def _cached(self, key: str, shape: tuple[int, int]) -> torch.Tensor | None:
+        """The cached features (T, F [+ h]) of one example, or None when they are not cached yet.
+
+        A file of a --feature-cache directory that cannot be read, or holds another shape, is computed again and
+        rewritten, with a warning: the cache only saves time, its contents are exactly what the target computes
+        again, so stopping the run (and losing the steps since the last checkpoint) would cost more than it
+        protects. Writes are atomic, so this takes a disk that damaged the file, or someone else's hand."""
         if self.config.feature_cache == "memory":
             return self._feature_cache.get(key)
         path = Path(self.config.feature_cache) / f"{key}.pt"
-        return torch.load(path) if path.exists() else None
+        if not path.exists():
+            return None
+        try:
+            features = torch.load(path, map_location="cpu", weights_only=True)
+        except torch.cuda.OutOfMemoryError:  # not damage: let it say what it is
+            raise
+        except Exception as err:  # a damaged file fails in any of the unpickler's ways
+            problem = f"it cannot be read ({_reason(err)})"
+        else:
+            if isinstance(features, torch.Tensor) and tuple(features.shape) == tuple(shape):
+                return features
+            problem = (f"it holds {tuple(features.shape) if isinstance(features, torch.Tensor) else type(features)}"
+                       f", not features of shape {tuple(shape)}")
+        self._warn(f"the feature cache file {path} is damaged: {problem}; its features are computed again and the "
+                   "file rewritten")
+        return None
 
-    def _store(self, key: str, features: torch.Tensor) -> None:
+    def _store(self, key: str, features: torch.Tensor) -> torch.Tensor:
+        """Cache one example's features (T, F [+ h]); returns them as cached (on the CPU)."""
         features = features.detach().cpu().clone()
         if self.config.feature_cache == "memory":
             self._feature_cache[key] = features
-            return
+            return features
         directory = Path(self.config.feature_cache)
         directory.mkdir(parents=True, exist_ok=True)
         tmp = directory / f".{key}.pt.tmp{self.rank}"
         torch.save(features, tmp)
         os.replace(tmp, directory / f"{key}.pt")
+        return features
 
     def _loss(self, batch: Batch, epoch: int, decoding_anchors: bool = False):
         """The objective on a batch. With decoding_anchors, greedy decoding's anchors under the current drafter
@@ -483,6 +516,7 @@ class Trainer:
                 epoch, offset = divmod(self.step, self.batches_per_epoch)
                 for indices in epoch_batches(len(self.train_examples), self.global_batch, epoch, c.seed)[offset:]:
                     stats = self._train_step(indices, epoch)
+                    self._check_finite(stats)
                     window_tokens += stats["tokens"]
                     if self.step % c.log_every == 0 or self.step == self.total_steps:
                         self._log(self._train_record(stats, window_tokens, time.perf_counter() - window_start))
@@ -503,6 +537,26 @@ class Trainer:
         self.export()
         self._log({"event": "done", **final})
         return final
+
+    def _check_finite(self, stats: dict) -> None:
+        """Stop at the first step whose loss or gradient norm is not a finite number (a too high --lr, or bfloat16
+        overflowing): the weights it updated are no longer usable, and saving them would prune good checkpoints.
+        Every process sees the same sums, so they all stop at the same step."""
+        loss, grad_norm = self._sum_over_processes([stats["loss"], stats["grad_norm"]])
+        if not (math.isfinite(loss) and math.isfinite(grad_norm)):
+            what = "loss" if not math.isfinite(loss) else "gradient norm"
+            self._diverged(f"the training {what} became {loss if what == 'loss' else grad_norm} at step {self.step}")
+
+    def _diverged(self, what: str) -> None:
+        checkpoints = sorted(self.checkpoint_dir.glob("step-*"))
+        self._log({"event": "diverged", "step": self.step, "message": what,
+                   "checkpoint": str(checkpoints[-1]) if checkpoints else None})
+        float32 = " or train in float32 (--dtype float32)" if self.config.dtype == "bfloat16" else ""
+        kept = (f"the newest checkpoint, {checkpoints[-1]}, is kept (nothing was saved from the diverged steps); "
+                f"lower --lr (now {self.config.lr}){float32} and rerun with --resume to continue from it"
+                if checkpoints else
+                f"no checkpoint was written before it; lower --lr (now {self.config.lr}){float32} and rerun")
+        raise UserError(f"{what}: training diverged and stopped; {kept}")
 
     def _stop_requested(self, stop: StopRequest) -> bool:
         """Whether any process was asked to stop (all of them must stop after the same step)."""
@@ -568,7 +622,11 @@ class Trainer:
         return Path(self.config.output) / "checkpoints"
 
     def save_checkpoint(self) -> None:
-        """Write checkpoints/step-N atomically (temporary directory, then rename); keep the newest few."""
+        """Write checkpoints/step-N atomically (temporary directory, then rename); keep the newest few. Weights that
+        are not finite are never saved: they would push out checkpoints that can still be resumed."""
+        finite = torch.stack([torch.isfinite(p).all() for p in self.drafter.parameters()]).all()
+        if not finite:  # one host sync per checkpoint; the weights are the same on every process
+            self._diverged(f"the drafter's weights are no longer finite numbers at step {self.step}")
         if self.rank != 0:
             self._barrier()
             return
@@ -596,8 +654,9 @@ class Trainer:
         checkpoints = sorted(self.checkpoint_dir.glob("step-*"))
         if not checkpoints:
             self._log({"event": "resume", "note": "no checkpoint found; starting from scratch"})
+            self._warn(f"--resume: no checkpoint found in {self.checkpoint_dir}, so training starts from scratch")
             return
-        state = torch.load(checkpoints[-1] / "training_state.pt", map_location=self.device, weights_only=False)
+        state = self._read_checkpoint(checkpoints[-1])
         self._check_resumable(state, checkpoints[-1])
         self.drafter.load_state_dict(state["drafter"])
         self.optimizer.load_state_dict(state["optimizer"])
@@ -613,6 +672,25 @@ class Trainer:
             self._note(f"the newest checkpoint is at the last step ({self.step}): it is evaluated and exported")
         if self.step >= self.total_steps:  # no step runs with the settings given now: export what trained it
             self.trained_with = state["config"]
+
+    def _read_checkpoint(self, checkpoint: Path) -> dict:
+        """The training state of checkpoints/step-N; one that cannot be read (a truncated copy, a damaged disk, a
+        file removed by hand) is an error that says how to go on."""
+        path = checkpoint / "training_state.pt"
+        try:
+            state = torch.load(path, map_location=self.device, weights_only=False)
+        except torch.cuda.OutOfMemoryError:  # not damage: let it say what it is
+            raise
+        except Exception as err:  # a damaged file fails in any of the unpickler's ways (or is missing)
+            problem = _reason(err)
+        else:
+            missing = [k for k in CHECKPOINT_KEYS if not isinstance(state, dict) or k not in state]
+            if not missing:
+                return state
+            problem = f"it lacks {', '.join(missing)}"
+        raise UserError(f"checkpoint {checkpoint} is damaged or incomplete ({path.name}: {problem}); delete that "
+                        "step directory to resume from the previous checkpoint, or run without --resume and with "
+                        "--overwrite to start over")
 
     def _check_resumable(self, state: dict, checkpoint: Path) -> None:
         """Refuse a resume that would not continue the same training: another drafter shape, other examples or
@@ -701,8 +779,32 @@ class Trainer:
             print(f"dflash train: warning: {message}", file=sys.stderr, flush=True)
 
 
+CHECKPOINT_KEYS = ("step", "drafter", "optimizer", "scheduler", "config", "drafter_config")
+
 RESUMABLE_CHANGES = ("lr", "weight_decay", "warmup_ratio", "grad_clip", "anchors_per_sequence", "anchor_policy",
                      "loss_gamma", "distill_weight", "dtype")
+
+
+def _make_directory(flag: str, path: Path, instead: str) -> None:
+    """Create the directory a flag names, or say what was wrong with it and `instead`, what to give."""
+    if path.exists() and not path.is_dir():
+        raise UserError(f"{flag} {path} is a file; {instead}")
+    blocking = next((p for p in path.parents if p.exists() and not p.is_dir()), None)
+    if blocking is not None:
+        raise UserError(f"{flag} {path} cannot be created: {blocking} is a file, not a directory; {instead}")
+    try:
+        path.mkdir(parents=True, exist_ok=True)
+    except OSError as err:
+        raise UserError(f"cannot create {flag} {path}: {err.strerror or err}; {instead}, somewhere you can "
+                        "write") from None
+    if not os.access(path, os.W_OK):
+        raise UserError(f"{flag} {path} is not writable; {instead}, somewhere you can write")
+
+
+def _reason(err: Exception) -> str:
+    """An exception in a few words: its type and the first line of its message."""
+    text = str(err).strip().splitlines()[0][:120] if str(err).strip() else ""
+    return f"{type(err).__name__}: {text}" if text else type(err).__name__
 
 
 def _model_files(name: str) -> dict[str, list[int]]:

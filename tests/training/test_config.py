@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import re
 
 import pytest
@@ -19,11 +20,17 @@ REQUIRED = {"target": "t", "data": "d.jsonl", "output": "o"}
     ("eval_fraction", 1.5, "--eval-fraction is the share of --data held out for evaluation, in [0, 1)"),
     ("eval_fraction", -0.1, "--eval-fraction is the share"),
     ("grad_clip", -1.0, "--grad-clip is the largest gradient norm kept, >= 0 (0: no clipping), got -1.0"),
-    ("epochs", 0.0, "--epochs must be > 0 (or set --max-steps), got 0.0"),
+    ("epochs", 0.0, "--epochs must be a finite number > 0 (or set --max-steps), got 0.0"),
+    ("epochs", math.inf, "--epochs must be a finite number > 0"),
+    ("lr", math.inf, "--lr must be a finite number > 0, got inf"),
+    ("lr", math.nan, "--lr must be a finite number > 0, got nan"),
+    ("lr", 0.0, "--lr must be a finite number > 0, got 0.0"),
+    ("target_layer_ids", [], "--target-layer-ids needs at least one layer id"),
     ("log_every", 0, "--log-every must be >= 1, got 0"),
     ("checkpoint_every", -1, "--checkpoint-every must be >= 0"),
     ("keep_checkpoints", 0, "--keep-checkpoints must be >= 1"),
-    ("weight_decay", -0.1, "--weight-decay must be >= 0"),
+    ("weight_decay", -0.1, "--weight-decay must be a finite number >= 0"),
+    ("weight_decay", math.inf, "--weight-decay must be a finite number >= 0, got inf"),
     ("loss_gamma", 0.0, "--loss-gamma must be > 0"),
     ("max_length", 1, "--max-length must be >= 2"),
     ("batch_size", 0, "--batch-size must be >= 1, got 0"),
@@ -60,3 +67,19 @@ def test_the_target_defaults_to_the_embedded_one_and_data_is_required():
     assert load_config(None, REQUIRED).target == "t"
     with pytest.raises(UserError, match=re.escape("--data is required (or set `data:` in the YAML config)")):
         load_config(None, {"output": "o"})
+
+
+@pytest.mark.parametrize("text, message", [
+    ("lr: " + "[" * 10000 + "\n", "train.yaml is nested too deeply to read"),
+    (b"lr: caf\xe9\n", "train.yaml is not UTF-8 text"),
+])
+def test_a_config_file_that_cannot_be_read_is_named(tmp_path, text, message):
+    path = tmp_path / "train.yaml"
+    path.write_bytes(text if isinstance(text, bytes) else text.encode())
+    with pytest.raises(UserError, match=re.escape(message)):
+        load_config(str(path), {})
+
+
+def test_a_config_directory_is_refused_by_flag(tmp_path):
+    with pytest.raises(UserError, match=re.escape(f"--config {tmp_path} is a directory; give the YAML file")):
+        load_config(str(tmp_path), {})

@@ -35,10 +35,12 @@ GOOD = {"id": 0, "messages": [], "prompt_ids": [5, 6, 7], "response_ids": [8, 9,
     ({"prompt_ids": [5, 6], "response_ids": [7, 5000]},
      "`response_ids` holds ids outside the target's vocabulary of 128 (e.g. 5000): this data was made with another "
      "target"),
+    ('{"prompt": ' + "[" * 100000, "is nested too deeply to read"),
 ])
 def test_bad_training_records_are_named_with_their_line(tmp_path, tokenizer, record, message):
     path = tmp_path / "data.jsonl"
-    path.write_text(json.dumps(GOOD) + "\n\n" + json.dumps(record) + "\n")
+    line = record if isinstance(record, str) else json.dumps(record)
+    path.write_text(json.dumps(GOOD) + "\n\n" + line + "\n")
     with pytest.raises(UserError, match=re.escape("data.jsonl:3") + ".*" + re.escape(message)):
         load_examples(path, tokenizer, max_length=64, vocab_size=128)
 
@@ -52,6 +54,19 @@ def test_text_records_need_a_chat_template(tmp_path, tokenizer):
     with pytest.raises(UserError, match="data.jsonl:1: this record is text, and the target's tokenizer has no chat "
                                         "template"):
         load_examples(path, base, max_length=64)
+
+
+def test_a_chat_template_that_refuses_a_record_is_quoted_with_the_line(tmp_path, tokenizer):
+    strict = copy.deepcopy(tokenizer)
+    strict.chat_template = ("{% if messages[0]['role'] != 'user' %}{{ raise_exception('Conversations must start "
+                            "with a user message') }}{% endif %}" + tokenizer.chat_template)
+    path = tmp_path / "data.jsonl"
+    good = {"prompt": "How many clips?", "response": "72"}
+    bad = {"messages": [{"role": "assistant", "content": "hi"}, {"role": "assistant", "content": "72"}]}
+    path.write_text(json.dumps(good) + "\n" + json.dumps(bad) + "\n")
+    with pytest.raises(UserError, match=re.escape("data.jsonl:2: the model's chat template refused these messages: "
+                                                  "Conversations must start with a user message")):
+        load_examples(path, strict, max_length=64)
 
 
 def test_a_file_that_is_not_utf8_is_named(tmp_path, tokenizer):

@@ -98,6 +98,7 @@ def test_system_message_goes_with_the_first_user_turn_and_every_user_turn_is_ans
     ('{"prompt": 5}', "`prompt` must be a non-empty string"),
     ('{"answer": "42"}', "cannot find a prompt"),
     ('{"prompt": ', "is not valid JSON"),
+    ('{"prompt": ' + "[" * 100000, "is nested too deeply to read"),
 ])
 def test_bad_prompt_records_are_named_with_their_line_before_anything_runs(tmp_path, line, message):
     path = tmp_path / "prompts.jsonl"
@@ -190,7 +191,7 @@ def test_an_output_of_an_older_version_resumes_with_a_warning(answered, capsys, 
 
 
 @pytest.mark.parametrize("content", [b'{"prompt": "mine"}\n', b'{"prompt": "mine, no newline"}', b"notes\n",
-                                     b"\xff\xfe\n"])
+                                     b"\xff\xfe\n", b"[" * 100000 + b"\n"])
 def test_an_output_that_is_not_datagen_output_is_refused_and_left_alone(tiny_pair, prompts, tmp_path, content):
     out = tmp_path / "notes.jsonl"
     out.write_bytes(content)
@@ -260,14 +261,30 @@ def test_a_local_dataset_directory_is_read_with_datasets(tmp_path):
     assert [p.turns[0][0]["content"] for p in read_prompts(config_for(str(tmp_path)))] == ["a?", "b?"]
 
 
-@pytest.mark.parametrize("missing", ["prompts.jsonl", "./prompts", "data/2024/prompts", "~/nowhere.json"])
+@pytest.mark.parametrize("missing", ["prompts.jsonl", "./prompts", "data/2024/prompts", "~/nowhere.json", "nope.txt",
+                                     "org/prompts.csv"])
 def test_a_missing_file_is_named_and_not_looked_up_on_the_hub(missing, monkeypatch, tmp_path):
     datasets = pytest.importorskip("datasets")
     monkeypatch.chdir(tmp_path)
     monkeypatch.setattr(datasets, "load_dataset", lambda *a, **k: pytest.fail("looked up on the hub"))
     assert not is_hub_id(missing)
-    with pytest.raises(UserError, match="does not exist"):
+    with pytest.raises(UserError, match=f"--prompts {re.escape(missing)}: there is no local file or directory"):
         read_prompts(config_for(missing))
+
+
+@pytest.mark.parametrize("name", ["nope", "openai/gsm8k"])
+def test_a_name_that_no_dataset_has_says_there_is_no_local_file_of_that_name_either(name, monkeypatch, tmp_path):
+    datasets = pytest.importorskip("datasets")
+    monkeypatch.chdir(tmp_path)
+
+    def not_found(*args, **kwargs):
+        raise FileNotFoundError(f"Dataset '{name}' doesn't exist on the Hub")
+
+    monkeypatch.setattr(datasets, "load_dataset", not_found)
+    assert is_hub_id(name) and is_hub_id("teknium/OpenHermes-2.5")  # a version is no file extension
+    with pytest.raises(UserError, match=f"could not load dataset '{name}'.*there is no local file or directory named "
+                                        f"'{name}' either"):
+        read_prompts(config_for(name))
 
 
 def test_an_unreachable_hub_dataset_says_what_to_pass_instead(monkeypatch):
@@ -298,3 +315,48 @@ def test_thinking_off_reaches_the_chat_template(tiny_pair, tmp_path):
                                   device="cpu", enable_thinking=thinking))
         lengths[thinking] = len(read(out)[0]["prompt_ids"])
     assert lengths[False] > lengths[None]
+
+
+@pytest.mark.parametrize("output, message", [
+    ("a_file/o.jsonl", "a_file is a file, not a directory"),
+    ("o.jsonl", "cannot write --output"),  # its settings file cannot be written: not named, it is no flag
+])
+def test_an_output_that_cannot_be_written_names_the_flag(prompts, tmp_path, capsys, monkeypatch, output, message):
+    import dflash.api
+
+    monkeypatch.setattr(dflash.api.DFlash, "from_pretrained", lambda *a, **k: pytest.fail("the target loaded"))
+    (tmp_path / "a_file").write_text("")
+    (tmp_path / "o.jsonl.datagen.json.tmp").mkdir()  # where the settings file is written first
+    assert main(["datagen", "--prompts", str(prompts), "--output", str(tmp_path / output)]) == 2
+    err = capsys.readouterr().err
+    assert f"--output {tmp_path / output}" in err and message in err and ".tmp" not in err
+
+
+def test_ctrl_c_says_how_to_resume(prompts, tmp_path, capsys, monkeypatch):
+    import dflash.cli.datagen
+
+    def interrupted(*args, **kwargs):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(dflash.cli.datagen, "run_datagen", interrupted)
+    assert main(["datagen", "--prompts", str(prompts), "--output", str(tmp_path / "o.jsonl")]) == 130
+    assert "rerun the same command to resume" in capsys.readouterr().err
+
+
+def test_a_chat_template_that_refuses_a_later_turn_names_the_record_and_keeps_earlier_answers(tiny_pair, tmp_path):
+    from transformers import AutoTokenizer
+
+    target = variant(tiny_pair, tmp_path)
+    tokenizer = AutoTokenizer.from_pretrained(target)
+    tokenizer.chat_template = ("{% for m in messages %}{% if m['content'] == 'refuse me' %}{{ raise_exception("
+                               "'I refuse') }}{% endif %}{% endfor %}" + tokenizer.chat_template)
+    tokenizer.save_pretrained(target)
+    prompts = write_jsonl(tmp_path / "prompts.jsonl", [{"prompt": "How many clips?"},
+                                                       {"turns": ["Weng earns", "refuse me"]}])
+    out = tmp_path / "data.jsonl"
+    config = DatagenConfig(target=target, prompts=str(prompts), output=str(out), max_new_tokens=2, batch_size=1,
+                           device="cpu")
+    with pytest.raises(UserError, match=re.escape("prompts.jsonl:2 (output id 1): the model's chat template refused "
+                                                  "these messages: I refuse")):
+        run_datagen(config)
+    assert [r["id"] for r in read(out)] == [0]

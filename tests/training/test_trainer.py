@@ -7,6 +7,7 @@ import math
 import os
 import random
 import re
+import shutil
 import signal
 import socket
 import subprocess
@@ -571,3 +572,104 @@ def test_train_cli_refuses_mistakes_without_a_traceback(tiny_pair, train_data, t
     assert main(["train", "--target", str(tiny_pair[0]), "--data", str(train_data), "--output", str(tmp_path / "o"),
                  "--device", "cpu", *flags]) == 2
     assert message in capsys.readouterr().err
+
+
+# ---- bad input: damaged files, paths that cannot be written, a diverging run ------------------------------------
+@pytest.mark.parametrize("damage", [
+    lambda path: path.write_bytes(path.read_bytes()[: path.stat().st_size // 2]),  # truncated
+    lambda path: path.write_bytes(b"not a checkpoint"),
+    lambda path: path.unlink(),
+    lambda path: torch.save({"step": 2}, path),
+])
+def test_a_damaged_checkpoint_names_itself_and_how_to_go_on(tiny_pair, train_data, tmp_path, damage):
+    out = tmp_path / "out"
+    Trainer(config(tiny_pair, train_data, out, max_steps=2, checkpoint_every=1, eval_fraction=0.0)).setup().train()
+    newest = out / "checkpoints" / "step-00000002"
+    damage(newest / "training_state.pt")
+    with pytest.raises(UserError, match=re.escape(f"checkpoint {newest} is damaged or incomplete") + ".*delete that "
+                                        "step directory to resume from the previous checkpoint.*--overwrite"):
+        Trainer(config(tiny_pair, train_data, out, max_steps=2, resume=True, eval_fraction=0.0)).setup()
+    shutil.rmtree(newest)  # as the message says
+    assert Trainer(config(tiny_pair, train_data, out, max_steps=2, resume=True, eval_fraction=0.0)).setup().step == 1
+
+
+def test_resume_without_a_checkpoint_says_it_starts_from_scratch(tiny_pair, train_data, tmp_path, capsys):
+    trainer = Trainer(config(tiny_pair, train_data, tmp_path / "out", resume=True)).setup()
+    assert trainer.step == 0
+    assert (f"warning: --resume: no checkpoint found in {tmp_path / 'out' / 'checkpoints'}, so training starts from "
+            "scratch") in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("damage", [lambda path: path.write_bytes(b"garbage"),
+                                    lambda path: torch.save(torch.zeros(3, 5), path)])
+def test_a_damaged_feature_cache_file_is_computed_again_with_a_warning(tiny_pair, train_data, tmp_path, capsys,
+                                                                       damage):
+    cache = tmp_path / "features"
+    Trainer(config(tiny_pair, train_data, tmp_path / "a", feature_cache=str(cache), max_steps=1)).setup().train()
+    good = torch.load(cache / "eval-0.pt")
+    damage(cache / "eval-0.pt")
+    again = Trainer(config(tiny_pair, train_data, tmp_path / "b", feature_cache=str(cache))).setup()
+    features, _ = again._features(again._batch("eval", [0]))
+    assert torch.equal(features[0, : len(good)], good.float())
+    assert torch.equal(torch.load(cache / "eval-0.pt"), good)  # rewritten
+    assert f"the feature cache file {cache / 'eval-0.pt'} is damaged" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("flags, message", [
+    (["--output", "{a_file}"], "--output {a_file} is a file; give a directory"),
+    (["--output", "{a_file}/x"], "--output {a_file}/x cannot be created: {a_file} is a file, not a directory"),
+    (["--feature-cache", "{a_file}"], "--feature-cache {a_file} is a file; give a directory (it is created if "
+                                      "missing), or 'memory'"),
+    (["--config", "{tmp}"], "--config {tmp} is a directory; give the YAML file"),
+])
+def test_train_paths_that_cannot_be_used_name_their_flag_before_the_target_loads(tiny_pair, train_data, tmp_path,
+                                                                                 capsys, monkeypatch, flags, message):
+    import dflash.training.trainer as trainer_module
+
+    monkeypatch.setattr(trainer_module.TargetModel, "from_pretrained", lambda *a, **k: pytest.fail("target loaded"))
+    (tmp_path / "a_file").write_text("")
+    names = {"a_file": tmp_path / "a_file", "tmp": tmp_path}
+    flags = ["--output", str(tmp_path / "o")] + [f.format(**names) for f in flags]  # a later --output wins
+    assert main(["train", "--target", str(tiny_pair[0]), "--data", str(train_data), "--device", "cpu", *flags]) == 2
+    assert message.format(**names) in capsys.readouterr().err
+
+
+def test_target_layer_ids_that_are_not_integers_are_named(capsys):
+    with pytest.raises(SystemExit):
+        main(["train", "--target-layer-ids", "1,a"])
+    assert "expected integers separated by commas, got '1,a'" in capsys.readouterr().err
+
+
+def test_a_diverging_run_stops_and_keeps_its_checkpoints(tiny_pair, train_data, tmp_path):
+    out = tmp_path / "out"
+    options = dict(max_steps=6, checkpoint_every=1, eval_fraction=0.0)
+    trainer = Trainer(config(tiny_pair, train_data, out, **options)).setup()
+    original = trainer._train_step
+
+    def nan_at_step_4(indices, epoch):
+        stats = original(indices, epoch)
+        return {**stats, "loss": math.nan} if trainer.step == 4 else stats
+
+    trainer._train_step = nan_at_step_4
+    newest = out / "checkpoints" / "step-00000003"
+    with pytest.raises(UserError, match=re.escape("the training loss became nan at step 4: training diverged and "
+                                                  f"stopped; the newest checkpoint, {newest}, is kept")
+                                        + ".*lower --lr .now 0.003.*--resume"):
+        trainer.train()
+    assert checkpoint_names(out) == ["step-00000002", "step-00000003"]
+
+    poisoned = Trainer(config(tiny_pair, train_data, out, resume=True, lr=1e-3, **options)).setup()
+    assert poisoned.step == 3  # the advice works
+    original = poisoned._train_step
+
+    def nan_weights_at_step_5(indices, epoch):  # a finite loss, then weights that are not: never saved
+        stats = original(indices, epoch)
+        if poisoned.step == 5:
+            with torch.no_grad():
+                poisoned.drafter.fc.weight.fill_(math.inf)
+        return stats
+
+    poisoned._train_step = nan_weights_at_step_5
+    with pytest.raises(UserError, match="the drafter's weights are no longer finite numbers at step 5"):
+        poisoned.train()
+    assert checkpoint_names(out) == ["step-00000003", "step-00000004"]

@@ -1,0 +1,22 @@
+"""Shared JSON readers: a file too deeply nested to parse is a UserError naming it, never a RecursionError."""
+
+from __future__ import annotations
+
+import pytest
+
+from dflash.errors import UserError
+from dflash.records import read_json_object, read_jsonl
+
+
+def test_a_json_file_nested_too_deeply_is_not_what_was_asked_for(tmp_path):
+    path = tmp_path / "manifest.json"
+    path.write_text("[" * 100000)
+    with pytest.raises(UserError, match="manifest.json is not a feature cache manifest; delete it"):
+        read_json_object(path, "a feature cache manifest", "delete it")
+
+
+def test_a_jsonl_line_nested_too_deeply_is_named_by_its_line(tmp_path):
+    path = tmp_path / "data.jsonl"
+    path.write_text('{"prompt": "fine"}\n' + '{"a": ' * 100000 + "\n")
+    with pytest.raises(UserError, match="data.jsonl:2 is nested too deeply to read"):
+        read_jsonl(path, missing="unused")
