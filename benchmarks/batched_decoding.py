@@ -7,7 +7,7 @@ per pipeline the median tokens/s over rounds, the speedup over plain decoding (m
 the pooled tau (tokens per verify forward, prefill's token left out), and whether its outputs equal plain
 decoding's (they must).
 
-    python benchmarks/batched_decoding.py [--rows 8] [--rounds 3] [--max-new-tokens 128]
+    python benchmarks/batched_decoding.py [--rows 8] [--rounds 3] [--max-new-tokens 128] [--block-size auto]
         [--draft-model runs/embedded/draft_model_l2 --draft-model-block 5]
 
 Without --target the embedded pair (plain, its DFlash drafter); `--draft-model` adds classic speculative
@@ -25,13 +25,13 @@ import torch
 
 from dflash.api import DEFAULT_TARGET, DFlash
 from dflash.bench.datasets import DataOptions, load_samples
-from dflash.decoding.engine import GenerationConfig
+from dflash.cli.common import block_size
 
 
 def pipelines(args: argparse.Namespace) -> dict[str, DFlash]:
     """plain, DFlash and (with --draft-model) the draft model, each on its own copy of the target."""
     pipes = {"plain": DFlash.from_pretrained(args.target, no_draft=True, device="cpu"),
-             "DFlash": DFlash.from_pretrained(args.target, args.draft, device="cpu")}
+             "DFlash": DFlash.from_pretrained(args.target, args.draft, device="cpu", block_size=args.block_size)}
     if args.draft_model:
         target = args.target or str(DEFAULT_TARGET)
         pipes["draft model"] = DFlash.from_pretrained(target, args.draft_model, device="cpu",
@@ -40,9 +40,8 @@ def pipelines(args: argparse.Namespace) -> dict[str, DFlash]:
 
 
 def decode_round(pipe: DFlash, prompts: list[list[int]], max_new_tokens: int) -> dict:
-    config = GenerationConfig(max_new_tokens=max_new_tokens)
     start = time.perf_counter()
-    outs = pipe.engine.generate(prompts, config)
+    outs = pipe.generate_batch(prompts, max_new_tokens=max_new_tokens)  # at the pipeline's block size
     seconds = time.perf_counter() - start
     steps = [length for out in outs for length in out.stats.acceptance_lengths[1:]]
     return {"seconds": seconds, "tokens": sum(len(o.output_ids) for o in outs),
@@ -54,6 +53,8 @@ def main() -> None:
     parser.add_argument("--target", help="default: the embedded target")
     parser.add_argument("--draft", help="its DFlash drafter (default: the embedded one; needs --target)")
     parser.add_argument("--draft-model", help="a causal LM to draft token by token, for comparison")
+    parser.add_argument("--block-size", type=block_size, default="auto",
+                        help="DFlash's block size: a number or auto (default, as dflash generate and serve)")
     parser.add_argument("--draft-model-block", type=int, default=5)
     parser.add_argument("--rows", type=int, default=8)
     parser.add_argument("--rounds", type=int, default=3)
@@ -64,7 +65,8 @@ def main() -> None:
     pipes = pipelines(args)
     samples = load_samples("gsm8k", DataOptions(max_samples=args.rows))
     prompts = [pipes["plain"].encode(s.turns[0]) for s in samples]
-    decode_round(pipes["DFlash"], prompts[:1], 8)  # warm-up: first calls allocate
+    for pipe in pipes.values():  # warm-up on the whole batch: first calls allocate, and auto times its step costs
+        decode_round(pipe, prompts, 8)
     rounds: dict[str, list[dict]] = {name: [] for name in pipes}
     for i in range(args.rounds):
         for name in (list(pipes) if i % 2 == 0 else list(reversed(pipes))):
