@@ -8,10 +8,12 @@
 from __future__ import annotations
 
 import argparse
+import errno
 import logging
 import math
 import os
 import signal
+import socket
 import sys
 import threading
 
@@ -135,6 +137,7 @@ def _serve(args: argparse.Namespace) -> int:
     from dflash.serve.scheduler import SchedulerConfig
 
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    check_address(args.host, args.port)  # before the models load, which can take minutes
     pipe = load_pipeline(args)
     config = ServeConfig(
         served_model_name=args.served_model_name or args.target or "dflash",
@@ -153,6 +156,27 @@ def _serve(args: argparse.Namespace) -> int:
               "use it", file=sys.stderr)
     http = uvicorn.Server(uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level))
     return _run(http, app.state.server.scheduler, f"{args.host}:{args.port}")
+
+
+def check_address(host: str, port: int) -> None:
+    """Whether this machine can listen on host:port now (bound and released at once, as uvicorn will bind it):
+    a taken port or a wrong --host is named before any model loads."""
+    try:
+        infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
+    except socket.gaierror as err:
+        raise UserError(f"--host {host} is not an address or a name this machine resolves ({err.strerror}); use "
+                        "127.0.0.1 (this machine only) or 0.0.0.0 (every interface)") from None
+    family, kind, proto, _, address = infos[0]
+    with socket.socket(family, kind, proto) as probe:
+        probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as uvicorn does
+        try:
+            probe.bind(address)
+        except OSError as err:
+            if err.errno == errno.EADDRINUSE:
+                raise UserError(f"port {port} on {host} is in use by another program; pick another with --port") \
+                    from None
+            raise UserError(f"cannot listen on {host}:{port} ({err.strerror or err}); check --host and --port "
+                            "(--host must be an address of this machine)") from None
 
 
 def _run(http, scheduler, address: str) -> int:

@@ -75,7 +75,7 @@ def test_dflash_serve_on_a_taken_port_says_so(tiny_pair):
             proc.kill()
             raise AssertionError("dflash serve kept running on a port another socket holds") from None
     assert proc.returncode != 0
-    assert "could not listen" in err and "--port" in err and "Traceback" not in err, err
+    assert "is in use by another program" in err and "--port" in err and "Traceback" not in err, err
 
 
 INTERRUPTED_FROM_ANOTHER_THREAD = """
@@ -118,3 +118,21 @@ def test_a_target_that_is_not_a_model_is_a_clear_error(tmp_path, capsys, config)
     assert main(["serve", "--target", str(tmp_path), "--no-draft", "--port", "0"]) == 2
     err = capsys.readouterr().err
     assert "config.json" in err and "Traceback" not in err and len(err.strip().splitlines()) == 1
+
+
+@pytest.mark.parametrize("host, message", [("127.0.0.1", "is in use by another program; pick another with --port"),
+                                           ("no-such-host.invalid", "is not an address or a name"),
+                                           ("203.0.113.7", "--host must be an address of this machine")])
+def test_a_taken_port_or_a_foreign_host_is_named_before_the_models_load(tiny_pair, capsys, monkeypatch, host,
+                                                                        message):
+    import dflash.cli.serve
+    from dflash.cli.main import main
+
+    monkeypatch.setattr(dflash.cli.serve, "load_pipeline", lambda args: pytest.fail("loaded the models first"))
+    target, draft = map(str, tiny_pair)
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        assert main(["serve", "--target", target, "--draft", draft, "--host", host, "--port", str(port)]) == 2
+    assert message in capsys.readouterr().err
