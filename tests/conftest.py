@@ -216,6 +216,8 @@ def tiny_pair(tmp_path_factory):
 
 # ---- adaptive block size: a proposer stand-in and synthetic step costs -------------------------------------
 class FakeProposer:
+    kind = "DFlash"
+
     def __init__(self, block_size: int = 16):
         self.block_size = block_size
 

@@ -212,9 +212,14 @@ def fetch_exposition(url: str, timeout_s: float = 10.0) -> tuple[str | None, str
 
 def fetch_metrics(url: str, timeout_s: float = 10.0) -> tuple[SpecDecodeCounters | None, str | None]:
     """(counters, None), or (None, what went wrong)."""
-    text, problem = fetch_exposition(url, timeout_s)
-    counters = spec_decode_counters(text) if text is not None else None
-    if text is not None and counters is None:
+    return counters_in(url, *fetch_exposition(url, timeout_s))
+
+
+def counters_in(url: str, exposition: str | None, problem: str | None) -> tuple[SpecDecodeCounters | None,
+                                                                                  str | None]:
+    """The counters of a fetched exposition (`fetch_exposition`'s answer), or (None, what went wrong)."""
+    counters = spec_decode_counters(exposition) if exposition is not None else None
+    if exposition is not None and counters is None:
         problem = f"{url} has no spec_decode counters (dflash: or vllm:); is the server running a drafter?"
     return counters, problem
 
@@ -435,8 +440,9 @@ class ServerBackend:
         self.metrics_url = config.metrics_url or default_metrics_url(config.base_url)
         self.warnings: list[str] = []
         self.warmed_up = config.warmup_tokens == 0
-        self.drafter = served_drafter(fetch_exposition(self.metrics_url)[0])
-        problem = fetch_metrics(self.metrics_url)[1]
+        exposition, problem = fetch_exposition(self.metrics_url)
+        self.drafter = served_drafter(exposition)
+        problem = counters_in(self.metrics_url, exposition, problem)[1]
         if problem:
             self.warnings.append(f"{problem}: tau and the acceptance histogram will be missing"
                                  + ("" if config.metrics_url else "; point --metrics-url at the server's metrics"))

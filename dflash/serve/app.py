@@ -78,8 +78,7 @@ class Server:
         self.max_model_len = self.context.usable  # the most prompt + max_tokens may add up to
         if self.context.usable < self.context.configured:
             log.info("prompt + max_tokens may add up to %s", self.context.describe())
-        self.metrics = ServerMetrics(num_draft_tokens=max(self.engine.proposer.block_size - 1, 0),
-                                     drafter=self.engine.proposer.kind)
+        self.metrics = ServerMetrics.for_proposer(self.engine.proposer)
         drafting = not isinstance(self.engine.proposer, NoDraftProposer)
         if drafting and config.fallback.auto and not config.adaptive_block_size:
             raise UserError("the automatic fallback threshold needs the step costs the adaptive block size "

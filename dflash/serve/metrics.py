@@ -19,6 +19,11 @@ _LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.
 class ServerMetrics:
     content_type = CONTENT_TYPE_LATEST
 
+    @classmethod
+    def for_proposer(cls, proposer) -> "ServerMetrics":
+        """The metrics of a server drafting with `proposer` (a `decoding.Proposer`): its kind, its draft width."""
+        return cls(num_draft_tokens=max(proposer.block_size - 1, 0), drafter=proposer.kind)
+
     def __init__(self, num_draft_tokens: int = 0, drafter: str = "DFlash"):
         r = self.registry = CollectorRegistry()
         Info("dflash:drafter", "What drafts: DFlash, draft model (classic speculative decoding) or none.",

@@ -106,7 +106,7 @@ class Scheduler:
                  block_policy: BlockSizePolicy | None = None):
         self.engine = engine
         self.config = config or SchedulerConfig()
-        self.metrics = metrics or ServerMetrics()
+        self.metrics = metrics or ServerMetrics.for_proposer(engine.proposer)
         self.fallback = AdaptiveFallback(fallback or FallbackConfig(), self.metrics.record_fallback)
         if not self.fallback.config.auto:  # in auto mode it is unknown (NaN) until the first drafted step measures it
             self.metrics.fallback_threshold.set(self.fallback.threshold)
