@@ -12,6 +12,21 @@ took beyond that lately; E[tokens | k] comes from the acceptance counted per dra
 steps (old evidence fades as new evidence comes, so it follows the workload). Lossless either way: a smaller
 block only verifies fewer draft tokens of the same drafter.
 
+After drafting, from the draft itself. A DFlash drafter drafts the whole block in one forward, and says how
+sure it is of each token (`Draft.confidence`). For one row, the policy drafts the full block and then picks k
+from that step's own draft: E[tokens | k] = 1 + sum_{j<k} prod_{i<=j} q_i, where q_i is the acceptance that
+verification has shown for draft tokens of confidence like token i's (`AcceptanceByConfidence`). A step whose
+draft falters early verifies a short block, one the drafter is sure of a long one. Replaying 60 GSM8K answers
+of the embedded pair (814 steps at block 16; the step costs of this 2-core CPU), this took 2.61x plain decoding
+where the best fixed block size took 2.24x (verifying just the tokens that will be accepted: 2.76x).
+
+It is kept to batches of one row, and to greedy or seeded rows:
+- drafting all 16 positions instead of 4 costs 0.15 ms of a ~3 ms drafter forward at one row, but 2.2 ms
+  (6.1 -> 8.3 ms) at 8 rows, where one block size serves every row and the replay gains ~2%;
+- rejection sampling (a row sampling without a seed) is exact only when whether a draft token is verified does
+  not depend on the token drawn; a greedy row's text, or a seeded row's (the target's own draws), does not
+  depend on the drafts at all.
+
 Served steps take longer than at start-up: the server's own threads, its clients and other processes share
 the machine, and their cost comes per step (the same for every block size: a step runs the same kernels
 whatever k is), which weighs more on short blocks and on cheap plain steps. So every served step is timed,
@@ -27,9 +42,10 @@ import logging
 import time
 from dataclasses import dataclass, field
 from functools import partial
+from typing import Callable
 
 from dflash.decoding.engine import GenerationConfig, SpeculativeEngine
-from dflash.decoding.proposer import NoDraftProposer, Proposer
+from dflash.decoding.proposer import Draft, NoDraftProposer, Proposer
 from dflash.timing import fastest_times
 
 log = logging.getLogger("dflash.serve")
@@ -92,9 +108,106 @@ class AcceptanceByPosition:
         return totals[min(max(block_size, 1), len(totals)) - 1]
 
 
-def _step_with(engine: SpeculativeEngine, batch, proposer: Proposer) -> None:
+@dataclass
+class AcceptanceByConfidence:
+    """q(c) = P(draft token accepted | the tokens before it were, the drafter's confidence c in it), per bin of c.
+
+    Decayed counts per bin, on a prior that takes the drafter at its word (c itself, worth `prior_weight`
+    tokens): a calibrated drafter needs no evidence, an over- or under-sure one is corrected as verification
+    shows it. The embedded DFlash2 drafter's confidence is calibrated within a few points (60 GSM8K answers:
+    confidence 0.2-0.4 accepted 0.24 of the time, 0.5-0.6 0.48, 0.8-0.9 0.83, 0.98+ 0.97); a DFlash drafter's
+    top-1 probability is under-sure at the low end (0-0.2: 0.43), which the counts correct. Plain floats: a
+    step asks about one row's 15 tokens, where tensor operations would cost more than the arithmetic.
+    """
+
+    bins: int = 20
+    decay: float = 0.999  # per judged token: evidence from ~1,000 judged tokens ago weighs 1/e
+    prior_weight: float = 4.0
+    tried: list[float] = field(init=False)
+    accepted: list[float] = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.tried = [0.0] * self.bins
+        self.accepted = [0.0] * self.bins
+
+    def _bin(self, confidence: float) -> int:
+        return min(max(int(confidence * self.bins), 0), self.bins - 1)
+
+    def rate(self, confidence: float) -> float:
+        b = self._bin(confidence)
+        centre = (b + 0.5) / self.bins
+        return (self.accepted[b] + centre * self.prior_weight) / (self.tried[b] + self.prior_weight)
+
+    def expected_tokens_by_block(self, confidence: list[list[float]]) -> list[float]:
+        """confidence [row][position] of a draft's B - 1 tokens -> [k - 1] = tokens its rows keep together from a
+        step at block size k = 1 .. B (each row: 1 + the expected accepted draft tokens)."""
+        totals = [0.0] * (len(confidence[0]) + 1)
+        for row in confidence:
+            total, survive = 1.0, 1.0  # survive: P(the draft tokens so far are all accepted)
+            totals[0] += total
+            for j, c in enumerate(row):
+                survive *= self.rate(c)
+                total += survive
+                totals[j + 1] += total
+        return totals
+
+    def observe(self, confidence: list[list[float]], accepted: list[int]) -> None:
+        """One step: confidence [row][position] of the draft tokens it verified, of which row i accepted
+        `accepted[i]` (a token is judged when the ones before it were accepted)."""
+        judged = [(self._bin(c), j < n) for row, n in zip(confidence, accepted) for j, c in enumerate(row[: n + 1])]
+        fade = self.decay ** len(judged)
+        self.tried = [t * fade for t in self.tried]
+        self.accepted = [a * fade for a in self.accepted]
+        for b, right in judged:
+            self.tried[b] += 1
+            self.accepted[b] += right
+
+
+@dataclass
+class ServedCostLine:
+    """seconds = a + b * k for one row's steps that chose their block size k after drafting, fitted by least
+    squares to the steps served lately (decayed sums), on the start-up times as a prior.
+
+    Start-up times each block size over a few steps, and on a shared machine that moves the slope a lot: three
+    start-ups of the embedded pair in a row put 1 row x 2 -> 16 tokens at +8.1, +3.0 and +3.2 ms, another at
+    +0.0, while the decoding steps of 20 GSM8K answers cost +0.2 ms per verified token (18.6 ms at block 4, 21.1
+    at 16). A slope too steep cuts drafts the target would have accepted; then the block sizes vary from step
+    to step, and the served steps correct it. The start-up points fade as served steps come; when the steps
+    left in the sums do not spread over block sizes enough to tell a slope, `fit` says so.
+    """
+
+    decay: float = 0.99  # per step: ~100 recent steps
+    min_spread: float = 1.0  # standard deviation of the block sizes in the sums
+    sums: list[float] = field(default_factory=lambda: [0.0] * 5)  # weight, k, k^2, seconds, k x seconds
+
+    @classmethod
+    def from_start_up(cls, costs: dict[int, float], weight: float = 5.0) -> "ServedCostLine":
+        """A line whose prior is start-up's seconds per block size, each worth `weight` served steps."""
+        line = cls()
+        for k, seconds in costs.items():
+            line.observe(k, seconds, weight, fade=False)
+        return line
+
+    def observe(self, block_size: int, seconds: float, weight: float = 1.0, fade: bool = True) -> None:
+        k, decay = float(block_size), self.decay if fade else 1.0
+        point = (1.0, k, k * k, seconds, k * seconds)
+        self.sums = [s * decay + weight * x for s, x in zip(self.sums, point)]
+
+    def fit(self) -> tuple[float, float] | None:
+        """(a, b), or None while the steps in the sums cannot tell the slope."""
+        w, sk, skk, st, skt = self.sums
+        variance = skk / w - (sk / w) ** 2 if w > 0 else 0.0
+        if variance < self.min_spread**2:
+            return None
+        slope = max((skt / w - sk / w * st / w) / variance, 0.0)  # a longer block never costs less
+        return st / w - slope * sk / w, slope
+
+
+def _step_with(engine: SpeculativeEngine, batch, proposer: Proposer, block_size: int | None = None) -> None:
+    """One step with `proposer`; given a block size, it drafts in full and verifies that many tokens (the cost of
+    a step that chooses after drafting)."""
     batch.proposer = proposer
-    engine.step(batch)
+    engine.step(batch, None if block_size is None else (lambda draft: block_size))
 
 
 @dataclass
@@ -113,14 +226,21 @@ class StepCosts:
         measured = self.rows
         below = max([r for r in measured if r <= rows], default=measured[0])
         above = min([r for r in measured if r >= rows], default=measured[-1])
-        lo, hi = self.seconds[below, block_size], self.seconds[above, block_size]
+        lo, hi = self._at(below, block_size), self._at(above, block_size)
         if above == below:
             return lo * (rows / below if rows > below else 1.0)  # beyond the measured range: grow linearly
         return lo + (hi - lo) * (rows - below) / (above - below)
 
+    def _at(self, rows: int, block_size: int) -> float:
+        """A measured row count's cost at any block size within the measured ones: linear in between."""
+        below = max(k for k in self.block_sizes if k <= block_size)
+        above = min(k for k in self.block_sizes if k >= block_size)
+        lo, hi = self.seconds[rows, below], self.seconds[rows, above]
+        return lo if above == below else lo + (hi - lo) * (block_size - below) / (above - below)
+
     @classmethod
     def measure(cls, engine: SpeculativeEngine, proposers: list[Proposer], rows: list[int], block_sizes: list[int],
-                rounds: int = 3, repeats: int = 3, context: int = 192) -> "StepCosts":
+                rounds: int = 3, repeats: int = 3, context: int = 192, after_drafting: bool = False) -> "StepCosts":
         """Time real engine steps (raw; `monotone` gives the costs a policy uses): `rows` dummy sequences
         decoding together after a prompt of `context` tokens, with each proposer (a drafting one at each of
         `block_sizes`, a plain one at its block size 1). Verifying a block attends over the whole context, so a
@@ -130,11 +250,17 @@ class StepCosts:
         A shape's cost is its fastest step over `rounds` passes through every shape, `repeats` steps each:
         other work on the machine only adds time, and in bursts. Timing one shape after the other (a median of
         5 steps each) put a drafted step at 1.5x to 2.4x a plain one between two starts of the same server on 2
-        shared cores, enough to move the fallback's break-even past the acceptance it judges."""
+        shared cores, enough to move the fallback's break-even past the acceptance it judges.
+
+        `after_drafting`: each drafting proposer drafts its full block and verifies the first k tokens, as a step
+        that chooses its block size after drafting does."""
         vocab = engine.target.vocab_size
         # each proposer at every shape it is timed in: a drafting one at each block size, a plain one as it is
         shaped = [[p] if p.block_size == 1 else [p.with_block_size(k) for k in block_sizes if k <= p.block_size]
                   for p in proposers]
+        # (the proposer that drafts, the block size it verifies after drafting in full; None: all it drafted)
+        shaped = [[(p, v.block_size) if after_drafting and p.drafts_in_one_forward else (v, None) for v in variants]
+                  for p, variants in zip(proposers, shaped)]
         steps = rounds * (repeats + 1) * sum(len(variants) for variants in shaped)
         config = GenerationConfig(max_new_tokens=steps * max(block_sizes) + 1, stop_token_ids=[])
         limit = getattr(engine.target.config, "max_position_embeddings", None)
@@ -145,9 +271,9 @@ class StepCosts:
         for r in rows:
             steps = {}  # (rows, block size) -> one step of a batch of r rows with that proposer
             for variants in shaped:  # one batch per proposer, shared by its block sizes
-                batch = engine.merge([engine.prefill(engine.new_sequence(prompt, config), variants[0])
+                batch = engine.merge([engine.prefill(engine.new_sequence(prompt, config), variants[0][0])
                                       for _ in range(r)])
-                steps.update({(r, v.block_size): partial(_step_with, engine, batch, v) for v in variants})
+                steps.update({(r, k or p.block_size): partial(_step_with, engine, batch, p, k) for p, k in variants})
             # each round warms a shape up again: the steps in between changed the batch's block size
             seconds.update(fastest_times(steps, rounds, repeats, warm_up_every_round=True))
         return cls(seconds)
@@ -209,12 +335,21 @@ class StepOverhead:
 class BlockSizePolicy:
     """Picks each drafted step's block size from the batch's rows; used from the decode thread only."""
 
-    def __init__(self, proposer: Proposer, costs: StepCosts, plain_costs: StepCosts | None = None):
+    def __init__(self, proposer: Proposer, costs: StepCosts, plain_costs: StepCosts | None = None,
+                 after_drafting_costs: StepCosts | None = None):
         self.costs = costs
         self.plain_costs = plain_costs  # (rows, 1) -> seconds of a plain step, for the break-even
+        # (1, k) -> seconds of a step that drafts in full and verifies k tokens; None: never chosen after drafting
+        self.after_drafting_costs = after_drafting_costs
         self.max_block = max(costs.block_sizes)
         self.acceptance = AcceptanceByPosition(self.max_block - 1)
+        self.by_confidence = AcceptanceByConfidence()
+        self.after_drafting_line = ServedCostLine()  # one row's steps that chose after drafting, as served
+        if after_drafting_costs is not None:
+            self.after_drafting_line = ServedCostLine.from_start_up(
+                {k: s for (r, k), s in after_drafting_costs.seconds.items() if r == 1})
         self._proposers = {k: proposer.with_block_size(k) for k in costs.block_sizes}
+        self._judged_confidence: list[list[float]] | None = None  # of the tokens the last step verified
         self.overhead = StepOverhead()
 
     @classmethod
@@ -226,14 +361,25 @@ class BlockSizePolicy:
         both = StepCosts.measure(engine, [proposer, NoDraftProposer()], rows, blocks).seconds
         costs = StepCosts({shape: s for shape, s in both.items() if shape[1] > 1}).monotone()
         plain = StepCosts({shape: s for shape, s in both.items() if shape[1] == 1}).monotone()
+        after = None
+        if proposer.drafts_in_one_forward:
+            after = StepCosts.measure(engine, [proposer], [1], blocks, after_drafting=True).monotone()
         shapes = sorted((costs.seconds | plain.seconds).items())
-        log.info("adaptive block size: step times (rows x block) measured in %.1f s: %s", time.perf_counter() - t0,
-                 ", ".join(f"{r}x{k}: {s * 1e3:.1f} ms" for (r, k), s in shapes))
-        return cls(proposer, costs, plain)
+        log.info("adaptive block size: step times (rows x block) measured in %.1f s: %s%s", time.perf_counter() - t0,
+                 ", ".join(f"{r}x{k}: {s * 1e3:.1f} ms" for (r, k), s in shapes),
+                 "" if after is None else "; choosing after drafting (one row): " + ", ".join(
+                     f"1x{k}: {s * 1e3:.1f} ms" for (_, k), s in sorted(after.seconds.items())))
+        return cls(proposer, costs, plain, after)
 
-    def drafted_step_s(self, rows: int, block_size: int, now: float | None = None) -> float:
+    def drafted_step_s(self, rows: int, block_size: int, now: float | None = None,
+                       after_drafting: bool = False) -> float:
         """A drafted step's expected time as served lately: start-up time + recent extra per step."""
         now = time.monotonic() if now is None else now
+        if after_drafting:
+            line = self.after_drafting_line.fit() if rows == 1 else None
+            if line is not None:
+                return line[0] + line[1] * block_size
+            return self.after_drafting_costs(rows, block_size) + self.overhead.of(True, now)
         return self.costs(rows, block_size) + self.overhead.of(True, now)
 
     def break_even(self, rows: int, block_size: int | None = None, now: float | None = None) -> float:
@@ -258,10 +404,14 @@ class BlockSizePolicy:
         ratio = max(drafted + extra_drafted, 0.5 * drafted) / max(plain + extra_plain, 0.5 * plain)
         return min(ratio, float(k))
 
-    def observe_step(self, rows: int, block_size: int, seconds: float, now: float | None = None) -> None:
+    def observe_step(self, rows: int, block_size: int, seconds: float, now: float | None = None,
+                     after_drafting: bool = False) -> None:
         """A served step's time; block size 1 is a plain step (the only kind whose costs lack that size)."""
         drafted = block_size > 1
-        calibrated = self.costs(rows, block_size) if drafted else self.plain_costs(rows, 1)
+        if after_drafting and rows == 1:
+            self.after_drafting_line.observe(block_size, seconds)
+        costs = self.after_drafting_costs if after_drafting else self.costs
+        calibrated = costs(rows, block_size) if drafted else self.plain_costs(rows, 1)
         self.overhead.observe(drafted, seconds, calibrated, time.monotonic() if now is None else now)
 
     def choose(self, rows: int, now: float | None = None) -> int:
@@ -276,6 +426,29 @@ class BlockSizePolicy:
     def proposer_for(self, rows: int) -> Proposer:
         return self._proposers[self.choose(rows)]
 
+    def plan(self, rows: list) -> tuple[Proposer, Callable[[Draft], int] | None]:
+        """The next drafted step of these rows (`Sequence`s): its proposer, and how it picks the block size to
+        verify from its draft (`SpeculativeEngine.step`'s `choose`), or None when the block size is chosen now."""
+        if (self.after_drafting_costs is None or len(rows) != 1
+                or not all(seq.params.greedy or seq.noise is not None for seq in rows)):
+            return self.proposer_for(len(rows)), None
+        return self._proposers[self.max_block], partial(self.choose_after_drafting, len(rows))
+
+    def choose_after_drafting(self, rows: int, draft: Draft, now: float | None = None) -> int:
+        """The block size with the most expected tokens per second for this draft, from its confidence."""
+        if draft.confidence is None:
+            return self.choose(rows, now)
+        now = time.monotonic() if now is None else now
+        confidence = draft.confidence.tolist()  # [row][position]
+        expected = self.by_confidence.expected_tokens_by_block(confidence)  # [k - 1]
+        best = max(range(2, len(expected) + 1),
+                   key=lambda k: expected[k - 1] / self.drafted_step_s(rows, k, now, after_drafting=True))
+        self._judged_confidence = [row[: best - 1] for row in confidence]
+        return best
+
     def observe(self, accepted: list[int], drafted: int) -> None:
         """One drafted step: accepted draft tokens per row, `drafted` = block size - 1."""
         self.acceptance.observe(accepted, drafted)
+        if self._judged_confidence is not None:  # the step chose its block size after drafting
+            self.by_confidence.observe(self._judged_confidence, accepted)
+            self._judged_confidence = None

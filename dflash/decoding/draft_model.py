@@ -57,6 +57,7 @@ class DraftModelProposer:
     row of a batch in the same forwards."""
 
     kind = "draft model"
+    drafts_in_one_forward = False  # one forward per draft token: the block size is chosen before drafting
 
     feature_layer_ids: list[int] = []  # the draft model reads tokens, not the target's features
 

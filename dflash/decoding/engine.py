@@ -14,12 +14,12 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field, fields
-from typing import Iterator
+from typing import Callable, Iterator
 
 import torch
 
 from dflash.config_types import type_mismatch
-from dflash.decoding.proposer import NoDraftProposer, PendingContext, Proposer
+from dflash.decoding.proposer import Draft, NoDraftProposer, PendingContext, Proposer
 from dflash.decoding.sampling import PositionNoise, SamplingParams, to_probs
 from dflash.decoding.slots import compact_cache, merge_caches, pad_and_concat, select_cache_rows, worth_compacting
 from dflash.decoding.stopping import StopChecker
@@ -192,6 +192,7 @@ class Batch:
     anchors: torch.Tensor  # (b,) the last token of each row, not yet seen by the target
     anchor_positions: torch.Tensor  # (b,)
     has_holes: bool = False
+    block_size: int = 0  # the tokens per row the last step verified (the anchor + draft tokens)
 
     def __len__(self) -> int:
         return len(self.sequences)
@@ -263,17 +264,19 @@ class SpeculativeEngine:
         return policy
 
     def adaptive_step(self, batch: Batch, policy) -> list[list[int]]:
-        """`step`, at the block size `policy` picks for this batch (None: the batch's own), teaching the policy
-        how many draft tokens each row accepted and how long the step took beyond its start-up time (a start-up
-        timed on a quieter or busier machine than the decoding would otherwise choose from stale costs)."""
+        """`step`, at the block size `policy` picks for this batch (None: the batch's own), before drafting or
+        from the draft, teaching the policy how many draft tokens each row accepted and how long the step took
+        beyond its start-up time (a start-up timed on a quieter or busier machine than the decoding would
+        otherwise choose from stale costs)."""
         if policy is None:
             return self.step(batch)
-        batch.proposer = policy.proposer_for(len(batch))
+        batch.proposer, choose = policy.plan(batch.sequences)
         started = time.perf_counter()
-        kept = self.step(batch)
-        policy.observe_step(len(batch), batch.proposer.block_size, time.perf_counter() - started)
+        kept = self.step(batch, choose)
+        policy.observe_step(len(batch), batch.block_size, time.perf_counter() - started,
+                            after_drafting=choose is not None)
         # a row cut by a stop keeps fewer tokens than it accepted: that can only undercount acceptance
-        policy.observe([max(len(tokens) - 1, 0) for tokens in kept], batch.proposer.block_size - 1)
+        policy.observe([max(len(tokens) - 1, 0) for tokens in kept], batch.block_size - 1)
         return kept
 
     # ---- the algorithm ------------------------------------------------------------------------------------
@@ -322,11 +325,14 @@ class SpeculativeEngine:
         return batch, out.logits[0, -1]
 
     @torch.inference_mode()
-    def step(self, batch: Batch) -> list[list[int]]:
-        """One draft-verify-accept round for every row; returns the tokens each row kept."""
+    def step(self, batch: Batch, choose: Callable[[Draft], int] | None = None) -> list[list[int]]:
+        """One draft-verify-accept round for every row; returns the tokens each row kept. `choose`: the block
+        size to verify, picked from the draft (its first draft tokens are verified); None: all of it."""
         t0 = time.perf_counter()
         rows = batch.sequences
         draft = batch.proposer.propose(batch.draft_state, batch.anchors, batch.anchor_positions, rows)
+        if choose is not None:
+            draft = draft.first(choose(draft) - 1)
         t1 = time.perf_counter()
         block = torch.cat([batch.anchors[:, None], draft.tokens], dim=1)  # (b, block_size)
         offsets = torch.arange(block.shape[1], device=block.device)
@@ -340,6 +346,7 @@ class SpeculativeEngine:
         new_tokens = self._verify(draft, out.logits, rows)
         self._commit(batch, new_tokens, out.features, positions, drafted=draft.tokens.shape[1] > 0)
         kept = [seq.record(tokens, block.shape[1]) for seq, tokens in zip(rows, new_tokens)]
+        batch.block_size = block.shape[1]
         self.profile.steps += 1
         self.profile.draft_s += t1 - t0
         self.profile.target_s += t2 - t1

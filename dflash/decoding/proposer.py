@@ -15,7 +15,7 @@ import torch.nn.functional as F
 from dflash.decoding.sampling import sample, to_probs
 from dflash.decoding.slots import compaction_index, gather_slots, pad_and_concat
 from dflash.errors import UserError
-from dflash.model.dflash2 import Lattice, walk
+from dflash.model.dflash2 import Lattice, path_confidence, walk
 from dflash.model.drafter import DFlashDraftModel, DrafterCache
 from dflash.model.target import TargetModel, check_compatible
 
@@ -24,6 +24,15 @@ from dflash.model.target import TargetModel, check_compatible
 class Draft:
     tokens: torch.Tensor  # (b, k) draft tokens; k = block_size - 1 (0 without a drafter)
     probs: list[torch.Tensor | None]  # per row: (k, vocab) proposal distribution; None for greedy and seeded rows
+    # (b, k) the drafter's probability that each draft token is right, given the ones before it were; None when
+    # the proposer does not say
+    confidence: torch.Tensor | None = None
+
+    def first(self, n: int) -> "Draft":
+        """The same draft cut to its first n draft tokens: verifying a prefix of a draft is as lossless as
+        verifying all of it (each target distribution depends only on the tokens before it)."""
+        return Draft(tokens=self.tokens[:, :n], probs=[None if p is None else p[:n] for p in self.probs],
+                     confidence=None if self.confidence is None else self.confidence[:, :n])
 
 
 @dataclass
@@ -38,6 +47,9 @@ class PendingContext:
 class Proposer(Protocol):
     kind: str  # what drafts: "DFlash", "draft model" (classic speculative decoding) or "none"
     block_size: int  # tokens per verify forward: the anchor + draft tokens
+    # one forward drafts the whole block and says how sure it is of each token (`Draft.confidence`): the block
+    # size to verify can then be chosen after drafting, at almost no cost for the draft tokens left unverified
+    drafts_in_one_forward: bool
     feature_layer_ids: list[int]  # target layers whose outputs the proposer needs
 
     def new_state(self) -> object: ...
@@ -69,7 +81,8 @@ def draft_per_position(logits: torch.Tensor, rows: list) -> Draft:
         else:
             probs[r] = to_probs(logits[r], row.params)
             tokens[r] = sample(probs[r], row.generator)
-    return Draft(tokens=tokens, probs=probs)
+    confidence = logits.softmax(-1).gather(-1, tokens[..., None])[..., 0]  # (b, k)
+    return Draft(tokens=tokens, probs=probs, confidence=confidence)
 
 
 def draft_along_path(lattice: Lattice, rows: list, vocab_size: int) -> Draft:
@@ -83,7 +96,7 @@ def draft_along_path(lattice: Lattice, rows: list, vocab_size: int) -> Draft:
             tokens[r], probs[r] = _sample_path(lattice, r, row, vocab_size)
             if row.noise is not None:
                 probs[r] = None  # verification matches the target's own draws; no proposal probabilities needed
-    return Draft(tokens=tokens, probs=probs)
+    return Draft(tokens=tokens, probs=probs, confidence=path_confidence(lattice, tokens))
 
 
 def _sample_path(lattice: Lattice, r: int, row, vocab_size: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -108,6 +121,7 @@ class NoDraftProposer:
     """Plain autoregressive decoding through the same loop: no draft tokens, one token per forward."""
 
     kind = "none"
+    drafts_in_one_forward = False
 
     block_size = 1
     feature_layer_ids: list[int] = []
@@ -155,6 +169,7 @@ class DFlashProposer:
     """
 
     kind = "DFlash"
+    drafts_in_one_forward = True
 
     def __init__(self, drafter: DFlashDraftModel, target: TargetModel, block_size: int | None = None):
         check_compatible(target, drafter.config)

@@ -141,3 +141,16 @@ def walk(lattice: Lattice) -> tuple[torch.Tensor, torch.Tensor]:
     chosen = torch.tensor(chosen_rows, dtype=torch.long, device=lattice.candidates.device).view(
         lattice.candidates.shape[:2])
     return lattice.candidates.gather(2, chosen[..., None])[..., 0], chosen
+
+
+def path_confidence(lattice: Lattice, tokens: torch.Tensor) -> torch.Tensor:
+    """tokens (b, k), a path through the lattice's candidates -> (b, k): at each position, the softmax of the
+    scores after the path's token at the position before, at the path's token. The selector's own estimate
+    that the token is right given the ones before it were, which `block_policy` calibrates against what the
+    target accepts."""
+    chosen = (lattice.candidates == tokens[..., None]).int().argmax(-1)  # (b, k) the candidates are distinct
+    previous = torch.cat([torch.zeros_like(chosen[:, :1]), chosen[:, :-1]], dim=1)  # row 0 at t = 0: the anchor's
+    k_top = lattice.scores.shape[-1]
+    rows = lattice.scores.gather(2, previous[..., None, None].expand(-1, -1, 1, k_top))[:, :, 0]  # (b, k, K)
+    return rows.softmax(-1).gather(-1, chosen[..., None])[..., 0]
+

@@ -312,32 +312,34 @@ class Scheduler:
         started = time.perf_counter()  # the step's time as served: the engine's step and the bookkeeping around it
         batch = self._running[decoder]
         self.metrics.step_rows.observe(len(batch))
+        choose = None
         if decoder == DRAFT and self.block_policy is not None:
-            batch.proposer = self.block_policy.proposer_for(len(batch))
-            self.metrics.block_size.set(batch.proposer.block_size)
-        rows, block_size = len(batch), batch.proposer.block_size if decoder == DRAFT else 1
-        kept = self.engine.step(batch)
+            batch.proposer, choose = self.block_policy.plan(batch.sequences)
+        rows = len(batch)
+        kept = self.engine.step(batch, choose)
+        block_size = batch.block_size if decoder == DRAFT else 1
         if decoder == DRAFT:
+            self.metrics.block_size.set(block_size)
             self._record_drafts(batch, kept)
         for seq, tokens in zip(batch.sequences, kept):
             if tokens:
                 self._send(self._requests[id(seq)], tokens)
         self._drop_finished(decoder)
-        self._time_step(decoder, rows, block_size, started)
+        self._time_step(decoder, rows, block_size, started, after_drafting=choose is not None)
 
-    def _time_step(self, decoder: str, rows: int, block_size: int, started: float) -> None:
+    def _time_step(self, decoder: str, rows: int, block_size: int, started: float, after_drafting: bool) -> None:
         if self.block_policy is None or self.block_policy.plain_costs is None:
             return
-        self.block_policy.observe_step(rows, block_size, time.perf_counter() - started)
+        self.block_policy.observe_step(rows, block_size, time.perf_counter() - started, after_drafting=after_drafting)
         self.metrics.step_overhead.labels(decoder=decoder).set(self.block_policy.overhead.extra_s[decoder == DRAFT])
 
     def _record_drafts(self, batch: Batch, kept: list[list[int]]) -> None:
         # Tokens kept = accepted draft tokens + 1 (the recovered or bonus token); a row's last step may be
         # cut short by a stop, which can only undercount its acceptance.
         accepted = [max(len(tokens) - 1, 0) for tokens in kept]
-        self.metrics.record_drafts(accepted, batch.proposer.block_size - 1)
+        self.metrics.record_drafts(accepted, batch.block_size - 1)
         if self.block_policy is not None:
-            self.block_policy.observe(accepted, batch.proposer.block_size - 1)
+            self.block_policy.observe(accepted, batch.block_size - 1)
             if self.fallback.config.auto:
                 # judged at the batch drafting would get if it came back: every running row. A probe drafts
                 # one row while the rest decode plainly, and one row breaks even far sooner than eight.

@@ -4,19 +4,24 @@ and that changing the block size between steps leaves greedy output lossless."""
 from __future__ import annotations
 
 import random
+import types
 
 import pytest
+import torch
 
 from conftest import FakeProposer, OracleProposer, hf_greedy, random_prompts, tiny_drafter
 from conftest import linear_step_costs as costs
 from dflash.decoding import DFlashProposer, GenerationConfig, NoDraftProposer, SpeculativeEngine
 from dflash.decoding.block_policy import (
+    AcceptanceByConfidence,
     AcceptanceByPosition,
     BlockSizePolicy,
+    ServedCostLine,
     StepCosts,
     candidate_block_sizes,
     candidate_rows,
 )
+from dflash.decoding.proposer import Draft
 
 
 def policy_with(accepted_per_row: int, step_costs: StepCosts, steps: int = 400) -> BlockSizePolicy:
@@ -80,6 +85,91 @@ def test_costs_interpolate_between_measured_rows_and_extrapolate_beyond():
     assert candidate_block_sizes(16) == [2, 4, 8, 16] and candidate_block_sizes(6) == [2, 4, 6]
     assert candidate_rows(8) == [1, 2, 4, 8] and candidate_rows(6) == [1, 2, 4, 6] and candidate_rows(1) == [1]
     assert candidate_rows(100_000)[-1] == 64  # a huge --max-batch-size is not timed row count by row count
+
+
+def test_costs_interpolate_between_measured_block_sizes():
+    c = StepCosts({(1, 2): 1.0, (1, 4): 2.0, (1, 8): 6.0, (2, 2): 3.0, (2, 4): 5.0, (2, 8): 9.0})
+    assert c(1, 3) == pytest.approx(1.5) and c(1, 6) == pytest.approx(4.0) and c(1, 8) == 6.0
+    assert c(2, 3) == pytest.approx(4.0)
+    assert c(4, 6) == pytest.approx(14.0)  # beyond the measured rows: linear in rows, from 2 rows' 7.0
+
+
+def test_a_calibrated_drafters_confidence_is_taken_at_its_word():
+    acc = AcceptanceByConfidence()
+    assert [acc.rate(c) for c in (0.02, 0.33, 0.5, 0.97)] == pytest.approx([0.025, 0.325, 0.525, 0.975])  # centres
+    expected = acc.expected_tokens_by_block([[0.97, 0.97, 0.02]])  # one row, B = 4
+    assert expected == pytest.approx([1.0, 1.975, 1.975 + 0.975**2, 1.975 + 0.975**2 + 0.975**2 * 0.025])
+    two_rows = acc.expected_tokens_by_block([[0.97, 0.97, 0.02], [0.02, 0.97, 0.97]])
+    assert two_rows[0] == 2.0 and two_rows[1] == pytest.approx(1.975 + 1.025)  # summed over the rows
+
+
+def test_verification_corrects_an_over_sure_drafter_bin_by_bin():
+    acc = AcceptanceByConfidence()
+    rng = random.Random(0)
+    for _ in range(400):  # confidence 0.95 but right half the time; confidence 0.3 right as often as it says
+        first, second = rng.random() < 0.5, rng.random() < 0.3
+        acc.observe([[0.95, 0.31]], [0 if not first else (2 if second else 1)])
+    assert acc.rate(0.95) == pytest.approx(0.5, abs=0.08)
+    assert acc.rate(0.31) == pytest.approx(0.3, abs=0.1)  # judged only after an accepted first token: fewer counts
+    assert acc.rate(0.75) == pytest.approx(0.775)  # a bin never judged keeps its prior
+
+
+def test_served_steps_fit_the_cost_of_each_verified_token():
+    line = ServedCostLine.from_start_up({2: 0.015, 4: 0.016, 8: 0.019, 16: 0.024})  # start-up: too steep
+    a, b = line.fit()
+    assert b == pytest.approx(0.00064, abs=0.00002)
+    for i in range(150):
+        k = 2 + i % 15
+        line.observe(k, 0.018 + 0.0002 * k + (0.004 if i % 7 == 0 else 0.0))  # served, with a stall now and then
+    a, b = line.fit()
+    assert b == pytest.approx(0.0002, abs=0.0001) and a == pytest.approx(0.0186, abs=0.001)
+    for _ in range(1000):  # a long run at one block size says nothing about the slope
+        line.observe(16, 0.0212)
+    assert line.fit() is None
+    policy = BlockSizePolicy(FakeProposer(16), costs(per_token_s=0.002), after_drafting_costs=costs(per_token_s=0.002))
+    assert policy.drafted_step_s(1, 10, now=0, after_drafting=True) == pytest.approx(0.03)  # the prior's own line
+    policy.after_drafting_line.sums = ServedCostLine.from_start_up({2: 0.02, 16: 0.0242}).sums
+    assert policy.drafted_step_s(1, 10, now=0, after_drafting=True) == pytest.approx(0.0224)  # the fit, not start-up
+    assert policy.drafted_step_s(2, 10, now=0, after_drafting=True) == pytest.approx(0.05)  # one row only
+
+
+def test_a_draft_is_verified_as_far_as_its_confidence_pays():
+    policy = BlockSizePolicy(FakeProposer(16), costs(per_token_s=0.002), after_drafting_costs=costs(per_token_s=0.002))
+    sure = torch.full((1, 15), 0.99)
+    falters = torch.tensor([[0.99, 0.99, 0.1] + [0.99] * 12])
+    assert policy.choose_after_drafting(1, Draft(torch.zeros(1, 15, dtype=torch.long), [None], sure), now=0) == 16
+    assert policy.choose_after_drafting(1, Draft(torch.zeros(1, 15, dtype=torch.long), [None], falters), now=0) == 3
+    policy.observe([2], drafted=2)  # both verified tokens accepted: the policy learns from the two it judged
+    assert sum(policy.by_confidence.tried) == 2 and policy._judged_confidence is None
+
+
+def _rows(*kinds: str):
+    """Stand-ins for `Sequence`s: greedy, seeded or sampled rows."""
+    return [types.SimpleNamespace(params=types.SimpleNamespace(greedy=k == "greedy"),
+                                  noise=object() if k == "seeded" else None) for k in kinds]
+
+
+def test_one_greedy_or_seeded_row_chooses_after_drafting_and_the_rest_before():
+    policy = BlockSizePolicy(FakeProposer(16), costs(per_token_s=0.002), after_drafting_costs=costs(per_token_s=0.002))
+    for rows in (_rows("greedy"), _rows("seeded")):
+        proposer, choose = policy.plan(rows)
+        assert proposer.block_size == 16 and choose is not None  # drafts the whole block, then chooses
+    for rows in (_rows("sampled"), _rows("greedy", "greedy")):  # rejection sampling; a batch shares one size
+        proposer, choose = policy.plan(rows)
+        assert choose is None and proposer.block_size == policy.choose(len(rows))
+    before_only = BlockSizePolicy(FakeProposer(16), costs(per_token_s=0.002))  # e.g. a draft model
+    assert before_only.plan(_rows("greedy"))[1] is None
+
+
+def test_seeded_sampling_at_auto_block_size_gives_the_targets_own_draws(target):
+    """A seeded row's text is the target's draws, whatever the drafts and however far they are verified."""
+    prompt = random_prompts(1, seed=5)[0]
+    config = dict(max_new_tokens=24, stop_token_ids=[], temperature=0.9, seed=11)
+    plain = SpeculativeEngine(target).generate([prompt], GenerationConfig(**config))[0].output_ids
+    engine = SpeculativeEngine(target, DFlashProposer(tiny_drafter(target, layers=2), target))
+    out = engine.generate([prompt], GenerationConfig(**config, block_size="auto"))[0]
+    assert out.output_ids == plain
+    assert sum(engine._block_policy.by_confidence.tried) > 0  # it chose after drafting
 
 
 def test_flat_costs_and_good_drafts_verify_the_whole_block():
@@ -177,9 +267,9 @@ def test_local_decoding_teaches_the_policy_what_its_steps_take(target, monkeypat
     engine._block_policy = policy
     real_step = engine.step
 
-    def slow_step(batch):
+    def slow_step(batch, choose=None):
         time.sleep(0.060)
-        return real_step(batch)
+        return real_step(batch, choose)
 
     monkeypatch.setattr(engine, "step", slow_step)
     engine.generate(random_prompts(1, seed=2), GenerationConfig(max_new_tokens=12, block_size="auto",
@@ -193,6 +283,8 @@ def test_calibration_times_every_shape_on_a_real_pair(target):
     policy = BlockSizePolicy.calibrate(engine, max_batch_size=3)
     assert set(policy.costs.seconds) == {(r, k) for r in (1, 2, 3) for k in (2, 4, 8)}
     assert set(policy.plain_costs.seconds) == {(r, 1) for r in (1, 2, 3)}
+    # a DFlash drafter drafts in one forward: one row's steps are also timed drafting in full, verifying k
+    assert set(policy.after_drafting_costs.seconds) == {(1, k) for k in (2, 4, 8)}
     assert all(s > 0 for s in policy.costs.seconds.values())
     assert policy.choose(3) in (2, 4, 8)
 
@@ -208,10 +300,10 @@ def test_calibration_keeps_each_shapes_fastest_step(target, monkeypatch):
     monkeypatch.setattr(dflash.timing, "time", types.SimpleNamespace(perf_counter=lambda: clock[0]))
     real_step, steps = engine.step, []
 
-    def step(batch):  # a step of block k takes k seconds on the fake clock; every third one 100x longer
+    def step(batch, choose=None):  # a step of block k takes k seconds on the fake clock; every third one 100x longer
         steps.append(batch.proposer.block_size)
         clock[0] += batch.proposer.block_size * (100 if len(steps) % 3 == 0 else 1)
-        return real_step(batch)
+        return real_step(batch, choose)
 
     engine.step = step
     costs = StepCosts.measure(engine, [engine.proposer, NoDraftProposer()], rows=[1], block_sizes=[2, 4],
@@ -223,33 +315,42 @@ def test_calibration_keeps_each_shapes_fastest_step(target, monkeypatch):
 
 @pytest.mark.parametrize("block", [8, 16])
 def test_generate_with_auto_block_size_is_lossless_and_uses_several_sizes(target, block, monkeypatch):
+    """Three rows choose their block size before drafting, from the doubling sizes; one row (the stream, and the
+    last row left) after drafting, from any size up to the block."""
     prompts = random_prompts(3, seed=11)
     refs = {tuple(p): hf_greedy(target, p, 30) for p in prompts}
     proposer = OracleProposer(tiny_drafter(target, layers=2, block_size=block), target, refs,
                               correct=lambda rng: rng.randint(0, block - 1), seed=4)
     engine = SpeculativeEngine(target, proposer)
-    chosen = []
-    real_proposer_for = BlockSizePolicy.proposer_for
+    before, after = [], []
+    real_proposer_for, real_after = BlockSizePolicy.proposer_for, BlockSizePolicy.choose_after_drafting
 
-    def spy(self, rows):
+    def spy_before(self, rows):
         picked = real_proposer_for(self, rows)
-        chosen.append(picked.block_size)
+        before.append(picked.block_size)
         return picked
 
-    monkeypatch.setattr(BlockSizePolicy, "proposer_for", spy)
+    def spy_after(self, rows, draft, now=None):
+        after.append(real_after(self, rows, draft, now))
+        return after[-1]
+
+    monkeypatch.setattr(BlockSizePolicy, "proposer_for", spy_before)
+    monkeypatch.setattr(BlockSizePolicy, "choose_after_drafting", spy_after)
     config = GenerationConfig(max_new_tokens=30, stop_token_ids=[], block_size="auto")
     outputs = engine.generate(prompts, config)
     assert [o.output_ids for o in outputs] == [refs[tuple(p)] for p in prompts]
     policy = engine._block_policy
     assert policy is not None and set(policy.costs.block_sizes) == set(candidate_block_sizes(block))
-    assert chosen and set(chosen) <= set(candidate_block_sizes(block))
+    assert before and set(before) <= set(candidate_block_sizes(block))
     for out in outputs:  # each verify step records the block it checked
         assert len(out.stats.block_sizes) == len(out.stats.acceptance_lengths) - 1
-        assert set(out.stats.block_sizes) <= set(chosen)
+        assert set(out.stats.block_sizes) <= set(before) | set(after)
         assert all(n <= b for n, b in zip(out.stats.acceptance_lengths[1:], out.stats.block_sizes))
     assert sum(policy.acceptance.tried) > 0  # it learned from the steps it chose
     streamed = [t for piece in engine.stream(prompts[0], config) for t in piece]
     assert streamed == refs[tuple(prompts[0])]
+    assert after and all(2 <= k <= block for k in after)
+    assert sum(policy.by_confidence.tried) > 0  # ... and what the drafter's confidence is worth
     assert engine._block_policy is policy  # timed once, then reused
 
 

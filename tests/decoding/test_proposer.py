@@ -49,3 +49,27 @@ def test_the_drafter_sees_its_whole_block_of_masks():
         narrow.draft_width = 4  # what drafting a shorter block would do
         differs += not torch.equal(draft_after_prompt(narrow, engine, prompt), wide[:, :3])
     assert differs > 0
+
+
+def test_a_greedy_draft_says_how_sure_the_drafter_is_of_each_token_and_cuts_to_a_prefix():
+    target = TargetModel(tiny_target_model("qwen3"))
+    proposer = DFlashProposer(tiny_drafter(target, layers=2, block_size=8), target)
+    engine = SpeculativeEngine(target, proposer)
+    seen = []
+    real_logits = proposer.draft_logits
+    proposer.draft_logits = lambda hidden: seen.append(real_logits(hidden)) or seen[-1]
+    prompt = random_prompts(1, seed=7)[0]
+    ids = torch.tensor([prompt])
+    positions = torch.arange(len(prompt))[None]
+    out = target.forward(ids[:, :-1], positions[:, :-1], target.new_cache(), logits_to_keep=1,
+                         feature_layer_ids=proposer.feature_layer_ids)
+    state = proposer.new_state()
+    proposer.observe(state, PendingContext(out.features, positions[:, :-1], torch.ones_like(ids[:, :-1]).bool()))
+    rows = [engine.new_sequence(prompt, GenerationConfig())]
+    draft = proposer.propose(state, ids[:, -1], torch.tensor([len(prompt) - 1]), rows)
+    top = seen[0].softmax(-1).max(-1)  # (1, 7): the drafter's top-1 probability and token per position
+    assert torch.equal(draft.tokens, top.indices)
+    assert torch.allclose(draft.confidence, top.values)
+    cut = draft.first(3)
+    assert torch.equal(cut.tokens, draft.tokens[:, :3]) and torch.equal(cut.confidence, draft.confidence[:, :3])
+    assert cut.probs == [None]

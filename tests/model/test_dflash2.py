@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import copy
+import math
 
 import pytest
 import torch
@@ -10,7 +11,7 @@ import torch
 from conftest import DFLASH2_OPTIONS as OPTIONS
 from conftest import dflash2_drafter, random_prompts, tiny_drafter
 from dflash.model.config import DrafterConfig, DrafterConfigError
-from dflash.model.dflash2 import Lattice, block_conv, walk
+from dflash.model.dflash2 import Lattice, block_conv, path_confidence, walk
 from dflash.model.loading import load_drafter
 from dflash.training.drafter_setup import to_dflash2
 
@@ -49,6 +50,23 @@ def test_the_walk_takes_the_best_candidate_after_the_one_it_chose():
     scores[0, 2, 1, 0] = 5.0  # after 21 it would be 30: not on the path
     tokens, chosen = walk(Lattice(candidates, candidates.float(), scores))
     assert tokens.tolist() == [[11, 20, 31]] and chosen.tolist() == [[1, 0, 1]]
+
+
+def test_path_confidence_is_each_steps_softmax_after_the_token_before_it():
+    candidates = torch.tensor([[[10, 11], [20, 21], [30, 31]]])
+    scores = torch.zeros(1, 3, 2, 2)
+    scores[0, 0, 0] = torch.tensor([0.0, 2.0])  # after the anchor (row 0)
+    scores[0, 1, 1] = torch.tensor([1.0, 0.0])  # after 11
+    scores[0, 1, 0] = torch.tensor([0.0, 9.0])  # after 10: not on the path
+    scores[0, 2, 0] = torch.tensor([0.0, 3.0])  # after 20
+    lattice = Lattice(candidates, candidates.float(), scores)
+    confidence = path_confidence(lattice, torch.tensor([[11, 20, 31]]))
+    def sig(x: float) -> float:  # a softmax over two candidates
+        return 1 / (1 + math.exp(-x))
+
+    assert confidence[0].tolist() == pytest.approx([sig(2.0), sig(1.0), sig(3.0)])
+    other = path_confidence(lattice, torch.tensor([[10, 21, 30]]))  # a sampled path: after 10, after 21
+    assert other[0].tolist() == pytest.approx([sig(-2.0), sig(9.0), 0.5])
 
 
 @torch.no_grad()

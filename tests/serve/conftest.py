@@ -79,9 +79,9 @@ def start_server(tiny_pair):
         if slow_step_s:
             step = pipe.engine.step
 
-            def slow_step(batch):
+            def slow_step(batch, choose=None):
                 time.sleep(slow_step_s)
-                return step(batch)
+                return step(batch, choose)
 
             pipe.engine.step = slow_step
         fields.setdefault("served_model_name", MODEL)

@@ -15,6 +15,7 @@ class FakeBatch:
     def __init__(self, rows: int, block_size: int):
         self.sequences = [object() for _ in range(rows)]
         self.proposer = FakeProposer(block_size)
+        self.block_size = block_size  # what its last step verified
 
     def __len__(self):
         return len(self.sequences)

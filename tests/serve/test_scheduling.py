@@ -153,9 +153,9 @@ def test_the_caller_runs_the_decode_loop_in_its_own_thread_until_stopped(fresh_p
     stepping_threads = set()
     step = pipe.engine.step
 
-    def recording_step(batch):
+    def recording_step(batch, choose=None):
         stepping_threads.add(threading.current_thread())
-        return step(batch)
+        return step(batch, choose)
 
     pipe.engine.step = recording_step
     scheduler = Scheduler(pipe.engine, SchedulerConfig(max_batch_size=2))
