@@ -43,12 +43,14 @@ def add_model_arguments(parser: argparse.ArgumentParser, block_size_sweep: bool 
     if block_size_sweep:
         group.add_argument("--block-size", type=block_size_list,
                            help="block size(s) to measure, e.g. 16 or auto,4,8,16 (<= the drafter's; default: its "
-                                "own; auto: chosen before every step from timed step costs and recent acceptance)")
+                                "own; auto: chosen every step from timed step costs and the acceptance seen, for one "
+                                "greedy or seeded row from that step's draft)")
     elif auto_block_size:
         group.add_argument("--block-size", type=block_size, default="auto",
                            help="tokens verified per step: the anchor + draft tokens, at most the drafter's block "
-                                "size; 'auto' (default) chooses it before every step from step costs timed at "
-                                "start-up and the acceptance seen so far")
+                                "size; 'auto' (default) chooses it every step from step costs timed at start-up and "
+                                "the acceptance seen so far, for one greedy or seeded row after drafting, from how "
+                                "sure the drafter is of each token")
     else:
         group.add_argument("--block-size", type=int,
                            help="tokens verified per step: the anchor + draft tokens (<= the drafter's block size)")

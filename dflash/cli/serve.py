@@ -54,7 +54,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     fb.add_argument("--adaptive-block-size", action=argparse.BooleanOptionalAction, default=True,
                     help="measure step costs at start-up, then choose each drafted step's block size (up to "
                     "--block-size or the drafter's) for the most tokens/s at the current batch size and "
-                    "acceptance (default: on; --no-adaptive-block-size verifies the full block every step)")
+                    "acceptance, for a lone greedy or seeded request from its own draft (default: on; "
+                    "--no-adaptive-block-size verifies the full block every step)")
     handoff = parser.add_argument_group("hand-off to a distributed engine")
     handoff.add_argument("--engine", choices=["dflash", "vllm", "sglang"], default="dflash",
                          help="dflash (this server), or launch vLLM / SGLang with the DFlash speculative config")
