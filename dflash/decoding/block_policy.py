@@ -16,13 +16,15 @@ After drafting, from the draft itself. A DFlash drafter drafts the whole block i
 sure it is of each token (`Draft.confidence`). For one row, the policy drafts the full block and then picks k
 from that step's own draft: E[tokens | k] = 1 + sum_{j<k} prod_{i<=j} q_i, where q_i is the acceptance that
 verification has shown for draft tokens of confidence like token i's (`AcceptanceByConfidence`). A step whose
-draft falters early verifies a short block, one the drafter is sure of a long one. Replaying 60 GSM8K answers
-of the embedded pair (814 steps at block 16; the step costs of this 2-core CPU), this took 2.61x plain decoding
-where the best fixed block size took 2.24x (verifying just the tokens that will be accepted: 2.76x).
+draft falters early verifies a short block, one the drafter is sure of a long one. On the embedded pair and a
+2-core CPU, where a verified token costs ~0.2-0.3 ms of a ~20 ms step, it decodes GSM8K 3-6% faster than choosing
+before drafting, verifying ~9 tokens per step instead of ~16 for almost the same acceptance length
+(`benchmarks/block_choice.py`); the steeper a step's cost in k, the more it gains.
 
 It is kept to batches of one row, and to greedy or seeded rows:
 - drafting all 16 positions instead of 4 costs 0.15 ms of a ~3 ms drafter forward at one row, but 2.2 ms
-  (6.1 -> 8.3 ms) at 8 rows, where one block size serves every row and the replay gains ~2%;
+  (6.1 -> 8.3 ms) at 8 rows, where one block size serves every row (a replay of 814 recorded steps, 8 at a time,
+  put the gain there at ~2%);
 - rejection sampling (a row sampling without a seed) is exact only when whether a draft token is verified does
   not depend on the token drawn; a greedy row's text, or a seeded row's (the target's own draws), does not
   depend on the drafts at all.
@@ -344,10 +346,9 @@ class BlockSizePolicy:
         self.max_block = max(costs.block_sizes)
         self.acceptance = AcceptanceByPosition(self.max_block - 1)
         self.by_confidence = AcceptanceByConfidence()
-        self.after_drafting_line = ServedCostLine()  # one row's steps that chose after drafting, as served
-        if after_drafting_costs is not None:
-            self.after_drafting_line = ServedCostLine.from_start_up(
-                {k: s for (r, k), s in after_drafting_costs.seconds.items() if r == 1})
+        # one row's steps that chose after drafting: start-up's times, then the served steps'
+        self.after_drafting_line = ServedCostLine() if after_drafting_costs is None else ServedCostLine.from_start_up(
+            {k: s for (r, k), s in after_drafting_costs.seconds.items() if r == 1})
         self._proposers = {k: proposer.with_block_size(k) for k in costs.block_sizes}
         self._judged_confidence: list[list[float]] | None = None  # of the tokens the last step verified
         self.overhead = StepOverhead()
