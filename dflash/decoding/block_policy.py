@@ -117,8 +117,9 @@ class AcceptanceByConfidence:
     Decayed counts per bin, on a prior that takes the drafter at its word (c itself, worth `prior_weight`
     tokens): a calibrated drafter needs no evidence, an over- or under-sure one is corrected as verification
     shows it. The embedded DFlash2 drafter's confidence is calibrated within a few points (60 GSM8K answers:
-    confidence 0.2-0.4 accepted 0.24 of the time, 0.5-0.6 0.48, 0.8-0.9 0.83, 0.98+ 0.97); a DFlash drafter's
-    top-1 probability is under-sure at the low end (0-0.2: 0.43), which the counts correct. Plain floats: a
+    confidence 0.2-0.4 accepted 0.24 of the time, 0.5-0.6 0.48, 0.8-0.9 0.83, 0.98+ 0.97); the embedded DFlash
+    drafter's top-1 probability is under-sure (the same answers: 0-0.2 accepted 0.34, 0.7-0.8 0.86), which the
+    counts correct. Plain floats: a
     step asks about one row's 15 tokens, where tensor operations would cost more than the arithmetic.
     """
 
@@ -377,11 +378,17 @@ class BlockSizePolicy:
         """A drafted step's expected time as served lately: start-up time + recent extra per step."""
         now = time.monotonic() if now is None else now
         if after_drafting:
-            line = self.after_drafting_line.fit() if rows == 1 else None
-            if line is not None:
-                return line[0] + line[1] * block_size
-            return self.after_drafting_costs(rows, block_size) + self.overhead.of(True, now)
+            return self._after_drafting_step_s(rows, now)(block_size)
         return self.costs(rows, block_size) + self.overhead.of(True, now)
+
+    def _after_drafting_step_s(self, rows: int, now: float) -> Callable[[int], float]:
+        """block size -> the time of a step that chooses it after drafting: one row's line refitted from its served
+        steps (fitted once here, not once per block size a choice weighs), else start-up's + the recent extra."""
+        line = self.after_drafting_line.fit() if rows == 1 else None
+        if line is not None:
+            return lambda k: line[0] + line[1] * k
+        extra = self.overhead.of(True, now)
+        return lambda k: self.after_drafting_costs(rows, k) + extra
 
     def break_even(self, rows: int, block_size: int | None = None, now: float | None = None) -> float:
         """The acceptance length at which a drafted step of this shape yields as many tokens/s as plain steps;
@@ -442,8 +449,8 @@ class BlockSizePolicy:
         now = time.monotonic() if now is None else now
         confidence = draft.confidence.tolist()  # [row][position]
         expected = self.by_confidence.expected_tokens_by_block(confidence)  # [k - 1]
-        best = max(range(2, len(expected) + 1),
-                   key=lambda k: expected[k - 1] / self.drafted_step_s(rows, k, now, after_drafting=True))
+        step_s = self._after_drafting_step_s(rows, now)
+        best = max(range(2, len(expected) + 1), key=lambda k: expected[k - 1] / step_s(k))
         self._judged_confidence = [row[: best - 1] for row in confidence]
         return best
 

@@ -7,7 +7,8 @@ each target forward, the features of the tokens that were accepted; it injects t
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Protocol
+from functools import partial
+from typing import Callable, Protocol
 
 import torch
 import torch.nn.functional as F
@@ -24,15 +25,22 @@ from dflash.model.target import TargetModel, check_compatible
 class Draft:
     tokens: torch.Tensor  # (b, k) draft tokens; k = block_size - 1 (0 without a drafter)
     probs: list[torch.Tensor | None]  # per row: (k, vocab) proposal distribution; None for greedy and seeded rows
-    # (b, k) the drafter's probability that each draft token is right, given the ones before it were; None when
-    # the proposer does not say
-    confidence: torch.Tensor | None = None
+    # computes `confidence` when asked: only a row that chooses its block size after drafting asks, and a DFlash
+    # drafter's costs a softmax over the vocabulary at every position (0.5 ms a step at 8 rows on this CPU)
+    confidence_fn: Callable[[], torch.Tensor] | None = None
+
+    @property
+    def confidence(self) -> torch.Tensor | None:
+        """(b, k) the drafter's probability that each draft token is right, given the ones before it were; None
+        when the proposer does not say."""
+        return None if self.confidence_fn is None else self.confidence_fn()
 
     def first(self, n: int) -> "Draft":
         """The same draft cut to its first n draft tokens: verifying a prefix of a draft is as lossless as
         verifying all of it (each target distribution depends only on the tokens before it)."""
+        full = self.confidence_fn
         return Draft(tokens=self.tokens[:, :n], probs=[None if p is None else p[:n] for p in self.probs],
-                     confidence=None if self.confidence is None else self.confidence[:, :n])
+                     confidence_fn=None if full is None else (lambda: full()[:, :n]))
 
 
 @dataclass
@@ -81,8 +89,8 @@ def draft_per_position(logits: torch.Tensor, rows: list) -> Draft:
         else:
             probs[r] = to_probs(logits[r], row.params)
             tokens[r] = sample(probs[r], row.generator)
-    confidence = logits.softmax(-1).gather(-1, tokens[..., None])[..., 0]  # (b, k)
-    return Draft(tokens=tokens, probs=probs, confidence=confidence)
+    return Draft(tokens=tokens, probs=probs,
+                 confidence_fn=lambda: logits.softmax(-1).gather(-1, tokens[..., None])[..., 0])  # (b, k)
 
 
 def draft_along_path(lattice: Lattice, rows: list, vocab_size: int) -> Draft:
@@ -96,7 +104,7 @@ def draft_along_path(lattice: Lattice, rows: list, vocab_size: int) -> Draft:
             tokens[r], probs[r] = _sample_path(lattice, r, row, vocab_size)
             if row.noise is not None:
                 probs[r] = None  # verification matches the target's own draws; no proposal probabilities needed
-    return Draft(tokens=tokens, probs=probs, confidence=path_confidence(lattice, tokens))
+    return Draft(tokens=tokens, probs=probs, confidence_fn=partial(path_confidence, lattice, tokens))
 
 
 def _sample_path(lattice: Lattice, r: int, row, vocab_size: int) -> tuple[torch.Tensor, torch.Tensor]:

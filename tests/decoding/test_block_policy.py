@@ -137,8 +137,9 @@ def test_a_draft_is_verified_as_far_as_its_confidence_pays():
     policy = BlockSizePolicy(FakeProposer(16), costs(per_token_s=0.002), after_drafting_costs=costs(per_token_s=0.002))
     sure = torch.full((1, 15), 0.99)
     falters = torch.tensor([[0.99, 0.99, 0.1] + [0.99] * 12])
-    assert policy.choose_after_drafting(1, Draft(torch.zeros(1, 15, dtype=torch.long), [None], sure), now=0) == 16
-    assert policy.choose_after_drafting(1, Draft(torch.zeros(1, 15, dtype=torch.long), [None], falters), now=0) == 3
+    tokens = torch.zeros(1, 15, dtype=torch.long)
+    assert policy.choose_after_drafting(1, Draft(tokens, [None], lambda: sure), now=0) == 16
+    assert policy.choose_after_drafting(1, Draft(tokens, [None], lambda: falters), now=0) == 3
     policy.observe([2], drafted=2)  # both verified tokens accepted: the policy learns from the two it judged
     assert sum(policy.by_confidence.tried) == 2 and policy._judged_confidence is None
 
