@@ -8,11 +8,18 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from dflash.api import DFlash
 from dflash.model import load_drafter
 from dflash.training import Trainer
 from dflash.training.objective import Blocks, selector_loss, true_predecessors
 
-from .test_trainer import assert_decodes_as_the_target_alone, assert_same_outputs, config, train_data  # noqa: F401
+from .test_trainer import (  # noqa: F401
+    assert_decodes_as_the_target_alone,
+    assert_same_outputs,
+    config,
+    greedy_data,
+    train_data,
+)
 
 
 def blocks_of(tokens, labels, weights) -> Blocks:
@@ -82,3 +89,34 @@ def test_the_selector_loss_trains_the_selector_only_and_projections_learn_slower
     projections = 2 * len(trainer.drafter.layers)  # one per sublayer
     assert rates[projections] == pytest.approx(trainer.config.lr * GroupedDynamicConv.projection_lr_scale
                                                * trainer.scheduler.get_last_lr()[0] / trainer.config.lr)
+
+
+def test_the_held_out_replay_anchors_blocks_where_the_engine_does(tiny_pair, greedy_data, tmp_path):  # noqa: F811
+    """eval_tau_decoding of a DFlash2 drafter walks its selector's path like the engine: on each response the
+    replay's anchors are the engine's verify steps, one for one."""
+    trainer = Trainer(config(tiny_pair, greedy_data, tmp_path / "d2", dflash2=True, selector_rank=8,
+                             selector_top_k=4, draft_layers=2, max_steps=40, anchors_per_sequence=16)).setup()
+    trainer.train()
+    trainer.drafter.eval()
+    torch.manual_seed(0)
+    with torch.no_grad():  # a selector with opinions of its own: its path leaves the positions' top-1 tokens
+        for p in trainer.drafter.candidate_selector.parameters():
+            p.normal_(0.0, 0.5)
+    trainer.export()
+    pipe = DFlash.from_pretrained(tiny_pair[0], tmp_path / "d2", device="cpu", block_size=4)
+    accepted = 0
+    trainer.eval_examples = trainer.train_examples[:8]  # texts it learnt: blocks of varied acceptance
+    for i, example in enumerate(trainer.eval_examples):
+        batch = trainer._batch("eval", [i])
+        with torch.no_grad():
+            features, _ = trainer._features(batch)
+            walked, _ = trainer._walk(batch.input_ids, batch.attention_mask, batch.loss_mask, features)
+        response = example.input_ids[example.response_start:]
+        out = pipe.generate(example.input_ids[: example.response_start], max_new_tokens=len(response),
+                            stop_token_ids=[])
+        assert out.output_ids == response  # the data is the target's own greedy text
+        steps = out.stats.acceptance_lengths[1:]
+        engine_anchors = [example.response_start + sum(steps[:j]) for j in range(len(steps))]
+        assert walked[0].nonzero().flatten().tolist() == engine_anchors
+        accepted += sum(steps) - len(steps)
+    assert accepted > 8, "the drafter must accept something for the anchors to tell drafters apart"
