@@ -19,6 +19,7 @@ from typing import Callable, Iterator
 import torch
 
 from dflash.config_types import type_mismatch
+from dflash.decoding.branch import Branch, accept_branch, block_visibility, most_likely_first_miss
 from dflash.decoding.proposer import Draft, NoDraftProposer, PendingContext, Proposer
 from dflash.decoding.sampling import PositionNoise, SamplingParams, to_probs
 from dflash.decoding.slots import compact_cache, merge_caches, pad_and_concat, select_cache_rows, worth_compacting
@@ -48,6 +49,7 @@ class GenerationConfig:
     stop_token_ids: list[int] | None = None  # None: the target's EOS ids
     stop_strings: list[str] = field(default_factory=list)
     block_size: int | str | None = None  # None: the drafter's own block size; "auto": chosen every step
+    branch_length: int = 0  # > 0: each step also verifies a branch of this many tokens (`branch`); greedy rows
 
     def __post_init__(self) -> None:
         if isinstance(self.stop_strings, str):  # one stop string, not its characters
@@ -57,6 +59,8 @@ class GenerationConfig:
             raise GenerationError("a stop string is empty (every text would stop before its first token); drop it")
         if self.max_new_tokens < 1:
             raise GenerationError(f"max_new_tokens must be >= 1, got {self.max_new_tokens}")
+        if self.branch_length < 0:
+            raise GenerationError(f"branch_length is a number of tokens >= 0 (0: no branch), got {self.branch_length}")
         if isinstance(self.block_size, str) and self.block_size != AUTO:
             raise GenerationError(f"block_size is a number of tokens or {AUTO!r}, not {self.block_size!r}")
         _ = self.sampling  # validates temperature / top_p / top_k
@@ -193,6 +197,7 @@ class Batch:
     anchor_positions: torch.Tensor  # (b,)
     has_holes: bool = False
     block_size: int = 0  # the tokens per row the last step verified (the anchor + draft tokens)
+    accepted: list[int] = field(default_factory=list)  # the last step's accepted draft tokens of the block, per row
 
     def __len__(self) -> int:
         return len(self.sequences)
@@ -275,8 +280,7 @@ class SpeculativeEngine:
         kept = self.step(batch, choose)
         policy.observe_step(len(batch), batch.block_size, time.perf_counter() - started,
                             after_drafting=choose is not None)
-        # a row cut by a stop keeps fewer tokens than it accepted: that can only undercount acceptance
-        policy.observe([max(len(tokens) - 1, 0) for tokens in kept], batch.block_size - 1)
+        policy.observe(batch.accepted, batch.block_size - 1)
         return kept
 
     # ---- the algorithm ------------------------------------------------------------------------------------
@@ -333,25 +337,59 @@ class SpeculativeEngine:
         draft = batch.proposer.propose(batch.draft_state, batch.anchors, batch.anchor_positions, rows)
         if choose is not None:
             draft = draft.first(choose(draft) - 1)
+        branch = self._branch(batch, draft)
         t1 = time.perf_counter()
         block = torch.cat([batch.anchors[:, None], draft.tokens], dim=1)  # (b, block_size)
         offsets = torch.arange(block.shape[1], device=block.device)
         positions = batch.anchor_positions[:, None] + offsets  # (b, block_size)
+        tokens, visibility = block, None
+        if branch is not None:  # the branch's tokens follow the block's, at the positions they would take
+            tokens = torch.cat([block, branch.tokens], dim=1)  # (b, q = block_size + length)
+            branch_offsets = branch.start[:, None] + 1 + torch.arange(branch.length, device=block.device)
+            positions = torch.cat([positions, batch.anchor_positions[:, None] + branch_offsets], dim=1)
+            visibility = block_visibility(block.shape[1], branch.start, branch.length)  # (b, q, q)
         mask = None
         if batch.has_holes:
-            mask = torch.cat([batch.target_valid, torch.ones_like(block, dtype=torch.bool)], dim=1).long()
-        out = self.target.forward(block, positions, batch.target_cache, attention_mask=mask,
-                                  feature_layer_ids=batch.proposer.feature_layer_ids)
+            mask = torch.cat([batch.target_valid, torch.ones_like(tokens, dtype=torch.bool)], dim=1).long()
+        out = self.target.forward(tokens, positions, batch.target_cache, attention_mask=mask,
+                                  feature_layer_ids=batch.proposer.feature_layer_ids, visibility=visibility)
         t2 = time.perf_counter()
-        new_tokens = self._verify(draft, out.logits, rows)
-        self._commit(batch, new_tokens, out.features, positions, drafted=draft.tokens.shape[1] > 0)
-        kept = [seq.record(tokens, block.shape[1]) for seq, tokens in zip(rows, new_tokens)]
+        if branch is None:
+            new_tokens = self._verify(draft, out.logits, rows)
+            batch.accepted, kept_slots = [len(t) - 1 for t in new_tokens], None
+        else:
+            target_tokens = out.logits.argmax(-1)  # (b, q) greedy rows only
+            num_accepted = matching_prefix(draft.tokens, target_tokens[:, : block.shape[1]])
+            new_tokens, kept_slots = accept_branch(num_accepted, target_tokens, branch, block.shape[1])
+            batch.accepted = num_accepted.tolist()
+        self._commit(batch, new_tokens, out.features, positions, drafted=draft.tokens.shape[1] > 0,
+                     kept_slots=kept_slots)
+        kept = [seq.record(new, tokens.shape[1]) for seq, new in zip(rows, new_tokens)]
         batch.block_size = block.shape[1]
         self.profile.steps += 1
         self.profile.draft_s += t1 - t0
         self.profile.target_s += t2 - t1
         self.profile.total_s += time.perf_counter() - t0
         return kept
+
+    def _branch(self, batch: Batch, draft: Draft) -> Branch | None:
+        """The branch this step verifies with its block, or None: every row asks for one (`branch_length`) and is
+        greedy, the draft can give one, the target takes a tree-shaped mask, and a draft token can be replaced.
+        It leaves the draft where its first miss is likeliest, and stays within the proposer's block of positions
+        past the anchor (the room `new_sequence` keeps)."""
+        rows = batch.sequences
+        length = min(seq.config.branch_length for seq in rows)
+        drafted = draft.tokens.shape[1]
+        if (length < 1 or drafted < 1 or draft.branch_fn is None or not self.target.takes_branches
+                or not all(seq.params.greedy for seq in rows)):
+            return None
+        confidence = draft.confidence
+        start = (most_likely_first_miss(confidence, drafted) if confidence is not None
+                 else torch.zeros(len(rows), dtype=torch.long, device=draft.tokens.device))  # (b,)
+        length = min(length, batch.proposer.block_size - 1 - int(start.max()))
+        if length < 1:
+            return None
+        return Branch(start, draft.branch_fn(start, length))
 
     def _verify(self, draft, target_logits: torch.Tensor, rows: list[Sequence]) -> list[list[int]]:
         """Each row's new tokens: its accepted draft tokens plus one recovered or bonus token.
@@ -376,16 +414,24 @@ class SpeculativeEngine:
                 new_tokens.append(rejection_sample(draft.tokens[r], q, p, seq.generator))
         return new_tokens
 
-    def _commit(self, batch: Batch, new_tokens: list[list[int]], features, positions, drafted: bool) -> None:
-        """Keep the slots of accepted tokens, pass their features on, and move every anchor."""
+    def _commit(self, batch: Batch, new_tokens: list[list[int]], features, positions, drafted: bool,
+                kept_slots: torch.Tensor | None = None) -> None:
+        """Keep the slots of accepted tokens, pass their features on, and move every anchor. kept_slots (b, q):
+        the forward's slots that stay (a branch's accepted tokens, past the block's rejected ones); None: the
+        anchor and the accepted draft tokens, the first len(new tokens) slots of each row."""
         device = batch.anchors.device
         produced = torch.tensor([len(t) for t in new_tokens], device=device)  # accepted + 1 per row
-        widest = max(len(t) for t in new_tokens)
+        if kept_slots is None:
+            widest = max(len(t) for t in new_tokens)
+            new_valid = torch.arange(widest, device=device)[None, :] < produced[:, None]  # (b, widest)
+        else:
+            slot = torch.arange(kept_slots.shape[1], device=device)
+            widest = int(torch.where(kept_slots, slot + 1, 0).max())
+            new_valid = kept_slots[:, :widest]  # (b, widest)
         old_slots = batch.target_valid.shape[1]
         hf_compat.crop_cache(batch.target_cache, old_slots + widest)
-        new_valid = torch.arange(widest, device=device)[None, :] < produced[:, None]  # (b, widest)
         batch.target_valid = torch.cat([batch.target_valid, new_valid], dim=1)
-        batch.has_holes = batch.has_holes or min(len(t) for t in new_tokens) != widest
+        batch.has_holes = batch.has_holes or not bool(new_valid.all())
         if features is not None:
             batch.proposer.observe(batch.draft_state,
                                    PendingContext(features[:, :widest], positions[:, :widest], new_valid))

@@ -28,6 +28,9 @@ class Draft:
     # computes `confidence` when asked: only a row that chooses its block size after drafting asks, and a DFlash
     # drafter's costs a softmax over the vocabulary at every position (0.5 ms a step at 8 rows on this CPU)
     confidence_fn: Callable[[], torch.Tensor] | None = None
+    # branch_fn(start (b,), length) -> (b, length): a second path leaving the draft at each row's draft position
+    # `start`, with the drafter's next-best token there (`branch`); greedy rows only; None: the proposer has none
+    branch_fn: Callable[[torch.Tensor, int], torch.Tensor] | None = None
 
     @property
     def confidence(self) -> torch.Tensor | None:
@@ -40,7 +43,7 @@ class Draft:
         verifying all of it (each target distribution depends only on the tokens before it)."""
         full = self.confidence_fn
         return Draft(tokens=self.tokens[:, :n], probs=[None if p is None else p[:n] for p in self.probs],
-                     confidence_fn=None if full is None else (lambda: full()[:, :n]))
+                     confidence_fn=None if full is None else (lambda: full()[:, :n]), branch_fn=self.branch_fn)
 
 
 @dataclass
@@ -90,21 +93,54 @@ def draft_per_position(logits: torch.Tensor, rows: list) -> Draft:
             probs[r] = to_probs(logits[r], row.params)
             tokens[r] = sample(probs[r], row.generator)
     return Draft(tokens=tokens, probs=probs,
-                 confidence_fn=lambda: logits.softmax(-1).gather(-1, tokens[..., None])[..., 0])  # (b, k)
+                 confidence_fn=lambda: logits.softmax(-1).gather(-1, tokens[..., None])[..., 0],  # (b, k)
+                 branch_fn=partial(branch_per_position, logits, tokens))
+
+
+def branch_per_position(logits: torch.Tensor, tokens: torch.Tensor, start: torch.Tensor, length: int) -> torch.Tensor:
+    """DFlash: the next-best token at each row's `start`, then the draft's own tokens after it (a DFlash drafter
+    drafts each position on its own). logits (b, k, vocab), tokens (b, k) -> (b, length); past the k drafted
+    positions the last token repeats (verification rejects it unless the target agrees)."""
+    rows = torch.arange(tokens.shape[0], device=tokens.device)
+    top2 = logits[rows, start].topk(2, dim=-1).indices  # (b, 2)
+    first = torch.where(top2[:, 0] == tokens[rows, start], top2[:, 1], top2[:, 0])
+    at = (start[:, None] + torch.arange(1, length, device=tokens.device)).clamp(max=tokens.shape[1] - 1)
+    return torch.cat([first[:, None], tokens.gather(1, at)], dim=1)
 
 
 def draft_along_path(lattice: Lattice, rows: list, vocab_size: int) -> Draft:
     """DFlash2: one path through the positions' candidates, each position's token chosen after the one before:
     the best-scoring candidate (greedy rows), or from the distribution the scores give the candidates after the
     row's temperature, top-k and top-p (seeded rows with their noise; the rest by a draw, whose probs are kept)."""
-    tokens, _ = walk(lattice)  # (b, k)
+    tokens, chosen = walk(lattice)  # (b, k), (b, k)
     probs: list[torch.Tensor | None] = [None] * len(rows)
     for r, row in enumerate(rows):
         if not row.params.greedy:
             tokens[r], probs[r] = _sample_path(lattice, r, row, vocab_size)
             if row.noise is not None:
                 probs[r] = None  # verification matches the target's own draws; no proposal probabilities needed
-    return Draft(tokens=tokens, probs=probs, confidence_fn=partial(path_confidence, lattice, tokens))
+    return Draft(tokens=tokens, probs=probs, confidence_fn=partial(path_confidence, lattice, tokens),
+                 branch_fn=partial(branch_along_lattice, lattice, chosen))
+
+
+def branch_along_lattice(lattice: Lattice, chosen: torch.Tensor, start: torch.Tensor, length: int) -> torch.Tensor:
+    """DFlash2: at each row's `start`, the best-scoring candidate after the path's token before it other than the
+    path's own, then the best successor after each (the walk from there). chosen (b, k): the path's candidate
+    indices -> (b, length); past the k drafted positions the last token repeats."""
+    best = lattice.scores.argmax(-1).tolist()  # [b][t][a]
+    candidates = lattice.candidates.tolist()  # [b][t][c]
+    k = len(best[0])
+    branches = []
+    for r, (d, path) in enumerate(zip(start.tolist(), chosen.tolist())):
+        scores = lattice.scores[r, d, path[d - 1] if d > 0 else 0].clone()  # (K,) after the path's token at d - 1
+        scores[path[d]] = float("-inf")
+        c = int(scores.argmax())
+        tokens = [candidates[r][d][c]]
+        for t in range(d + 1, min(d + length, k)):
+            c = best[r][t][c]
+            tokens.append(candidates[r][t][c])
+        branches.append(tokens + tokens[-1:] * (length - len(tokens)))
+    return torch.tensor(branches, dtype=torch.long, device=lattice.candidates.device)
 
 
 def _sample_path(lattice: Lattice, r: int, row, vocab_size: int) -> tuple[torch.Tensor, torch.Tensor]:

@@ -209,6 +209,45 @@ def ragged_attention_mask(model: nn.Module, attention_mask: torch.Tensor, q_leng
     return {kind: mask(config.sliding_window if kind == "sliding_attention" else None) for kind in set(kinds)}
 
 
+def _mask_maker(config: Any):
+    from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS
+
+    return ALL_MASK_ATTENTION_FUNCTIONS.get(config._attn_implementation)
+
+
+def takes_tree_masks(model: nn.Module) -> bool:
+    """Whether a forward can take a tree-shaped mask (`tree_attention_mask`): an attention implementation that
+    reads a 4D mask (SDPA, eager; not flash or paged kernels, which build their own), and no sliding-window
+    layers (their windows would need a mask per layer kind)."""
+    config = model.config.get_text_config(decoder=True)
+    return _mask_maker(config) is not None and not has_sliding_layers(config)
+
+
+def tree_attention_mask(model: nn.Module, attention_mask: torch.Tensor, visibility: torch.Tensor) -> Any:
+    """The 4D attention mask of a forward whose new tokens are not a causal chain (a block and its branch).
+
+    attention_mask (b, cache slots + q): 1 = a real token, 0 = a hole; visibility (b, q, q) bool: which of the
+    new tokens each new token sees. Made by the attention implementation's mask maker (boolean for SDPA,
+    additive for eager); transformers passes a 4D mask on as it is (see `takes_tree_masks` for the others).
+    """
+    if not takes_tree_masks(model):
+        raise ValueError("this target's attention takes no tree-shaped mask; check takes_tree_masks first")
+    config = model.config.get_text_config(decoder=True)
+    make_mask = _mask_maker(config)
+    valid = attention_mask.bool()  # (b, slots)
+    (batch_size, slots), q = valid.shape, visibility.shape[1]
+    seen = torch.cat([valid[:, None, : slots - q].expand(-1, q, -1), visibility], dim=2)  # (b, q, slots)
+
+    def inner(batch_idx, head_idx, q_idx, kv_idx):
+        return seen[batch_idx, q_idx - (slots - q), kv_idx]
+
+    return make_mask(
+        batch_size=batch_size, q_length=q, kv_length=slots, q_offset=slots - q, kv_offset=0, mask_function=inner,
+        attention_mask=valid, allow_is_causal_skip=False, use_vmap=False, dtype=model.dtype, config=config,
+        device=valid.device,
+    )
+
+
 def cache_length(cache: DynamicCache) -> int:
     return cache.get_seq_length()
 

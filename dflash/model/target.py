@@ -112,6 +112,11 @@ class TargetModel:
             ids.add(self.tokenizer.eos_token_id)
         return sorted(ids)
 
+    @property
+    def takes_branches(self) -> bool:
+        """Whether a decode step may verify a branch with its block (a tree-shaped mask; `decoding.branch`)."""
+        return self.rollback_problem is None and hf_compat.takes_tree_masks(self.model)
+
     def check_decodable(self) -> None:
         """Refuse, before any decoding, a target whose cache cannot be put back to the accepted tokens."""
         if self.rollback_problem is not None:
@@ -158,10 +163,16 @@ class TargetModel:
         attention_mask: torch.Tensor | None = None,  # (b, cache slots + q), 1 = real token, 0 = hole
         logits_to_keep: int = 0,  # 0 = logits for every position
         feature_layer_ids: list[int] | tuple = (),  # outputs of these layers, concatenated in this order
+        visibility: torch.Tensor | None = None,  # (b, q, q) bool: which new tokens each sees; None = causal
     ) -> TargetOutput:
         self._ensure_hooks(list(feature_layer_ids))
         self._wanted, self._captured = set(feature_layer_ids), {}
-        if attention_mask is not None and self._sliding:  # holes: sliding windows drawn by position, not by slot
+        if visibility is not None:  # a block and its branch: a tree inside the new tokens
+            if attention_mask is None:
+                attention_mask = torch.ones(input_ids.shape[0], hf_compat.cache_length(cache) + input_ids.shape[1],
+                                            dtype=torch.long, device=input_ids.device)
+            attention_mask = hf_compat.tree_attention_mask(self.model, attention_mask, visibility)
+        elif attention_mask is not None and self._sliding:  # holes: sliding windows by position, not by slot
             attention_mask = hf_compat.ragged_attention_mask(self.model, attention_mask, input_ids.shape[1])
         kwargs = {self._cache_kwarg: cache, "use_cache": True}
         if self._takes_logits_to_keep:
