@@ -72,7 +72,7 @@ class DFlash:
 
     def __init__(self, target: TargetModel, drafter: DFlashDraftModel | TargetModel | None = None,
                  block_size: int | str | None = None, chat_template_kwargs: dict[str, Any] | None = None,
-                 drafter_precision: str = "auto"):
+                 drafter_precision: str = "auto", branch_length: int = 0):
         """`target`: a `TargetModel`; `drafter`: a `DFlashDraftModel` trained for it, a small causal LM of its
         family as a `TargetModel` (classic speculative decoding, one draft forward per draft token), or None to
         decode plainly (use `from_pretrained` to load them from paths or hub ids).
@@ -83,7 +83,9 @@ class DFlash:
         `{"enable_thinking": False}` for Qwen3 (default: the template's own defaults).
         `drafter_precision`: a float32 DFlash drafter's matrix products: "auto" (bfloat16 on a CPU where a draft
         is measured faster so), "float32" or "bfloat16" (always, on any device). Only the draft tokens can change
-        with it, never the text: the target verifies every one."""
+        with it, never the text: the target verifies every one.
+        `branch_length`: > 0 verifies, with each greedy step's block, a branch of that many tokens where the draft's
+        first miss is likeliest (`decoding.branch`; a higher acceptance length for more tokens per forward)."""
         _check_models(target, drafter)
         check_drafter_precision(drafter_precision)
         self.target = target
@@ -96,6 +98,7 @@ class DFlash:
         if isinstance(drafter, DFlashDraftModel):
             _set_drafter_precision(drafter, target, drafter_precision)
         self.block_size = make_config(block_size=block_size).block_size  # validated: a number, None or "auto"
+        self.branch_length = make_config(branch_length=branch_length).branch_length
         fixed = None if block_size == AUTO else block_size
         self.engine = SpeculativeEngine(target, _proposer(target, drafter, fixed))
 
@@ -112,6 +115,7 @@ class DFlash:
         mask_token_id: int | None = None,
         chat_template_kwargs: dict[str, Any] | None = None,
         drafter_precision: str = "auto",
+        branch_length: int = 0,
     ) -> "DFlash":
         """Load a target and its drafter from local directories or Hugging Face hub ids.
 
@@ -125,7 +129,7 @@ class DFlash:
         # the cheap checks first: a typo should not wait for a model to load
         torch_device = resolve_device(device)
         parse_dtype(dtype)
-        make_config(block_size=block_size)
+        make_config(block_size=block_size, branch_length=branch_length)
         check_template_kwargs(chat_template_kwargs)
         check_drafter_precision(drafter_precision)
         target_model = load_target(target, dtype, torch_device)
@@ -138,7 +142,7 @@ class DFlash:
             drafter = load_target(draft, dtype=target_model.dtype, device=torch_device, what="the draft model")
         elif draft is not None:
             drafter = load_drafter(draft, mask_token_id=mask_token_id, dtype=target_model.dtype, device=torch_device)
-        return cls(target_model, drafter, block_size, chat_template_kwargs, drafter_precision)
+        return cls(target_model, drafter, block_size, chat_template_kwargs, drafter_precision, branch_length)
 
     # ---- prompts ------------------------------------------------------------------------------------
     def encode(self, prompt: Prompt, raw: bool = False,
@@ -187,8 +191,9 @@ class DFlash:
         return TextStream(self, self.engine.stream(self.encode(prompt, raw), config), config.stop_strings)
 
     def _config(self, options: dict[str, Any]) -> GenerationConfig:
-        """The generation options, with the pipeline's block size unless they name one."""
-        return make_config(**{"block_size": self.block_size if self.block_size == AUTO else None, **options})
+        """The generation options, with the pipeline's block size and branch length unless they name them."""
+        return make_config(**{"block_size": self.block_size if self.block_size == AUTO else None,
+                              "branch_length": self.branch_length, **options})
 
 
 class TextStream:

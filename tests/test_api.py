@@ -44,6 +44,18 @@ def test_auto_block_size_pipeline_matches_plain_decoding(tiny_pair):
         DFlash.from_pretrained(*tiny_pair, device="cpu", block_size="fastest")
 
 
+def test_a_pipeline_branch_length_reaches_every_generation_and_a_call_may_override_it(tiny_pair):
+    branched = DFlash.from_pretrained(*tiny_pair, device="cpu", block_size=4, branch_length=2)
+    plain = DFlash.from_pretrained(tiny_pair[0], no_draft=True, device="cpu")
+    a = branched.generate("How many clips did Natalia sell?", max_new_tokens=20)
+    assert a.output_ids == plain.generate("How many clips did Natalia sell?", max_new_tokens=20).output_ids
+    assert max(a.stats.block_sizes) > 4  # the block and a branch
+    b = branched.generate("How many clips did Natalia sell?", max_new_tokens=20, branch_length=0)
+    assert set(b.stats.block_sizes) == {4}
+    with pytest.raises(UserError, match="branch_length"):
+        DFlash.from_pretrained(*tiny_pair, device="cpu", branch_length=-1)
+
+
 def test_stream_pieces_add_up_to_the_text_without_the_stop_string(pipe):
     free = pipe.generate("Weng earns", max_new_tokens=30, stop_token_ids=[])
     assert len(free.text) > 6

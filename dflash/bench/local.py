@@ -45,6 +45,7 @@ class LocalConfig:
     warmup_tokens: int = 16  # a short generation per engine before timing (0: none)
     top_p: float = 1.0
     top_k: int = 0  # 0: off
+    branch_length: int = 0  # DFlash runs: a branch of this many tokens with each greedy block (`decoding.branch`)
 
 
 @dataclass
@@ -157,7 +158,8 @@ class LocalBackend:
                           seed: int | None = None) -> GenerationConfig:
         return GenerationConfig(max_new_tokens=max_new_tokens, temperature=config.temperature,
                                 top_p=config.top_p, top_k=config.top_k, seed=seed if seed is not None else config.seed,
-                                block_size=None if baseline else config.block_size)
+                                block_size=None if baseline else config.block_size,
+                                branch_length=0 if baseline else config.branch_length)
 
 
 def first_turn(sample: Sample) -> list[dict]:
@@ -177,6 +179,7 @@ def summarize(dataset: str, num_prompts: int, records: list[TurnRecord], config:
     return BenchResult(
         dataset=dataset, backend="local", num_prompts=num_prompts, num_requests=len(records),
         block_size=block_size, mean_block_size=sum(blocks) / len(blocks) if blocks else None,
+        branch_length=config.branch_length,
         concurrency=1, temperature=config.temperature, max_new_tokens=config.max_new_tokens,
         baseline_tokens_per_s=base_tps, dflash_tokens_per_s=fast_tps, speedup=ratio(fast_tps, base_tps),
         mean_acceptance_length=mean_acceptance_length(hist), acceptance_histogram=hist,

@@ -24,6 +24,7 @@ class BenchResult:
     drafter: str = "DFlash"  # what drafted: "DFlash" or DRAFT_MODEL (classic; a server says so in its metrics)
     block_size: int | str | None = None  # the widest block ("auto": chosen before every step); a server: its drafter's
     mean_block_size: float | None = None  # tokens per verify forward's block (anchor + draft tokens), averaged
+    branch_length: int = 0  # local: the branch verified with each greedy block (0: none)
     concurrency: int | None = None
     temperature: float = 0.0
     max_new_tokens: int = 0

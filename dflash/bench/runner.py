@@ -35,6 +35,7 @@ class BenchConfig:
     temperature: float = 0.0
     top_p: float = 1.0
     top_k: int = 0  # 0: off
+    branch_length: int = 0  # local DFlash runs: a branch with each greedy block (`decoding.branch`)
     seed: int = 0
     warmup_tokens: int = 16
     server: ServerConfig | None = None  # required for the server backend
@@ -98,7 +99,8 @@ def _show_partial(results: list[BenchResult], config: BenchConfig, err: BaseExce
 # ---- local ----------------------------------------------------------------------------------------------
 def _local_config(config: BenchConfig, block_size: int | str | None) -> LocalConfig:
     return LocalConfig(max_new_tokens=config.max_new_tokens, temperature=config.temperature, block_size=block_size,
-                       seed=config.seed, warmup_tokens=config.warmup_tokens, top_p=config.top_p, top_k=config.top_k)
+                       seed=config.seed, warmup_tokens=config.warmup_tokens, top_p=config.top_p, top_k=config.top_k,
+                       branch_length=config.branch_length)
 
 
 def _local_backend(config: BenchConfig, data: dict[str, list[Sample]], pipe) -> LocalBackend:

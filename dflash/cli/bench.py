@@ -20,7 +20,7 @@ SERVER_FLAGS = {"model": "--model", "endpoint": "--endpoint", "concurrency": "--
                 "baseline_url": "--baseline-url", "rounds": "--rounds", "request_timeout": "--request-timeout",
                 "no_stream": "--no-stream"}
 LOCAL_FLAGS = {"target": "--target", "draft": "--draft", "no_draft": "--no-draft", "mask_token_id": "--mask-token-id",
-               "block_size": "--block-size", "device": "--device"}
+               "block_size": "--block-size", "device": "--device", "branch_length": "--branch-length"}
 LOCAL_INSTEAD = {"--model": "--target names the model", "--num-prompts": "--max-samples sets how many samples"}
 
 
@@ -116,7 +116,8 @@ def bench_config(args: argparse.Namespace):
         data=data,
         backend=backend, block_sizes=args.block_size or [None], max_new_tokens=args.max_new_tokens,
         temperature=args.temperature, top_p=args.top_p, top_k=args.top_k, seed=args.seed,
-        warmup_tokens=_or(args.warmup_tokens, 16), server=server, output_dir=args.output_dir,
+        branch_length=args.branch_length, warmup_tokens=_or(args.warmup_tokens, 16), server=server,
+        output_dir=args.output_dir,
         gpu_hourly_usd=args.gpu_hourly_usd, show_progress=not args.no_progress,
     )
 
@@ -163,6 +164,8 @@ def _check_numbers(args: argparse.Namespace) -> None:
         raise UserError(f"--top-p must be in (0, 1] (1 = off), got {args.top_p}")
     if args.top_k < 0:
         raise UserError(f"--top-k must be >= 0 (0 = off), got {args.top_k}")
+    if args.branch_length < 0:
+        raise UserError(f"--branch-length must be >= 0 (0 = no branch), got {args.branch_length}")
     if args.warmup_tokens is not None and args.warmup_tokens < 0:
         raise UserError(f"--warmup-tokens must be >= 0 (0 = no warm-up), got {args.warmup_tokens}")
     if args.gpu_hourly_usd is not None and not (math.isfinite(args.gpu_hourly_usd) and args.gpu_hourly_usd > 0):

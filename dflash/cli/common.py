@@ -54,6 +54,10 @@ def add_model_arguments(parser: argparse.ArgumentParser, block_size_sweep: bool 
     else:
         group.add_argument("--block-size", type=int,
                            help="tokens verified per step: the anchor + draft tokens (<= the drafter's block size)")
+    group.add_argument("--branch-length", type=int, default=0, metavar="N",
+                       help="with each greedy step's block, also verify a branch of N tokens where the draft's first "
+                            "miss is likeliest: a higher acceptance length for N more tokens per target forward "
+                            "(default 0: none; pays where a wider forward costs little, e.g. a GPU)")
     group.add_argument("--dtype", choices=["auto", "float32", "float16", "bfloat16"], default="auto",
                        help="weights' dtype (default: auto, the checkpoint's own)")
     group.add_argument("--device", help="cpu, cuda, cuda:1, ... (default: cuda if a GPU is visible, else cpu)")
@@ -87,5 +91,5 @@ def load_pipeline(args: argparse.Namespace):
     return DFlash.from_pretrained(
         args.target, args.draft, no_draft=args.no_draft, dtype=args.dtype, device=args.device,
         block_size=args.block_size, mask_token_id=args.mask_token_id, chat_template_kwargs=chat_template_kwargs(args),
-        drafter_precision=args.drafter_precision,
+        drafter_precision=args.drafter_precision, branch_length=args.branch_length,
     )

@@ -101,6 +101,9 @@ def _check_args(args: argparse.Namespace) -> None:
         raise UserError(f"--fallback-min-acceptance must be a number >= 0 or auto, got {threshold}")
     if args.served_model_name is not None and not args.served_model_name.strip():
         raise UserError("--served-model-name is empty; give the name clients send, or leave the flag out")
+    if args.branch_length and args.engine != "dflash":
+        raise UserError(f"--branch-length is this package's engine's; {args.engine} verifies the block alone: drop it "
+                        "or serve with --engine dflash")
     if args.dry_run and args.engine == "dflash":
         raise UserError("--dry-run prints the command of a hand-off; use it with --engine vllm or --engine sglang")
     if args.api_key is not None and not args.api_key:

@@ -150,6 +150,7 @@ class Server:
         return GenerationConfig(
             max_new_tokens=max_tokens, temperature=req.temperature, top_p=req.top_p, top_k=max(req.top_k, 0),
             seed=req.seed, stop_token_ids=[] if req.ignore_eos else None, stop_strings=req.stop_strings,
+            branch_length=getattr(self.pipe, "branch_length", 0),
         )
 
     def submit(self, req: SamplingRequest, prompt_ids: list[int], kind: str, default_max: int | None) -> Decoding:

@@ -52,6 +52,16 @@ def test_local_bench_writes_json_markdown_and_plots(tiny_pair, data_dir, tmp_pat
     assert "dflash bench" in captured.out and "dflash bench" not in captured.err  # the table, on stdout
 
 
+def test_local_bench_with_branches_records_them(tiny_pair, data_dir, tmp_path):
+    target, draft = tiny_pair
+    out = tmp_path / "out"
+    assert main(["bench", "--target", str(target), "--draft", str(draft), "--dataset", "gsm8k", "--data-dir",
+                 str(data_dir), "--max-samples", "1", "--max-new-tokens", "8", "--warmup-tokens", "2", "--block-size",
+                 "4", "--branch-length", "2", "--output-dir", str(out), "--no-progress"]) == 0
+    result = json.loads((out / "results.json").read_text())[0]
+    assert result["branch_length"] == 2 and result["mismatches"] == 0 and result["mean_block_size"] > 4
+
+
 def test_local_bench_with_a_draft_model(draft_model_pair, data_dir, tmp_path):
     """Classic speculative decoding measured like DFlash: the same table and JSON, no mismatches."""
     target, draft = draft_model_pair
@@ -149,6 +159,8 @@ SERVER = ["--base-url", "http://127.0.0.1:9/v1"]  # nothing listens there: every
     (["--baseline-url", "http://127.0.0.1:9/v1"], "--baseline-url only applies to a server benchmark"),
     (["--model", "m"], "locally, --target names the model"),
     (SERVER + ["--block-size", "8"], "--block-size only applies to the local backend"),
+    (SERVER + ["--branch-length", "4"], "--branch-length only applies to the local backend"),
+    (["--branch-length", "-1"], "--branch-length must be >= 0"),
     (SERVER + ["--warmup-tokens", "-1"], "--warmup-tokens must be >= 0"),
     (["--no-stream"], "--no-stream only applies to a server benchmark"),
 ])

@@ -61,6 +61,14 @@ def test_block_size_is_auto_by_default_and_named_sizes_work(tiny_pair, capsys):
     assert "a block size (a number) or 'auto', got 'big'" in capsys.readouterr().err
 
 
+def test_branch_length_verifies_more_tokens_per_step_and_changes_no_text(tiny_pair, capsys):
+    target, draft = tiny_pair
+    assert main(["generate", "--target", str(target), "--draft", str(draft), "--prompt", "How many clips?",
+                 "--max-new-tokens", "12", "--json", "--compare", "--block-size", "4", "--branch-length", "2"]) == 0
+    report = json.loads(capsys.readouterr().out)
+    assert report["matches_baseline"] is True and max(report["block_sizes"]) > 4
+
+
 @pytest.mark.parametrize("command", ["generate", "serve", "bench"])
 def test_enable_thinking_flag(command):
     from dflash.cli.common import chat_template_kwargs

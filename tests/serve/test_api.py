@@ -190,3 +190,37 @@ def test_chat_template_kwargs_reach_the_template(start_server):
     assert prompt_tokens(chat_template_kwargs={"enable_thinking": True}) == prompt_tokens()
     with pytest.raises(openai.BadRequestError, match="chat_template_kwargs may not set add_generation_prompt"):
         prompt_tokens(chat_template_kwargs={"add_generation_prompt": False})
+
+
+def test_a_pipeline_with_branches_serves_the_target_alones_text(tiny_pair):
+    """`dflash serve --branch-length`: concurrent greedy requests verify branches with their blocks (wider target
+    forwards) and answer exactly as the target alone."""
+    from dflash.serve import ServeConfig
+    from dflash.serve.scheduler import SchedulerConfig
+
+    from .conftest import LiveServer
+
+    pipe = DFlash.from_pretrained(*map(str, tiny_pair), dtype="float32", device="cpu", block_size=4, branch_length=2)
+    widths, forward = [], pipe.engine.target.forward
+
+    def recorded(input_ids, *args, **kwargs):
+        widths.append(input_ids.shape[1])
+        return forward(input_ids, *args, **kwargs)
+
+    pipe.engine.target.forward = recorded
+    server = LiveServer(pipe, ServeConfig(served_model_name=MODEL, fallback=FallbackConfig(0.0),
+                                          scheduler=SchedulerConfig(max_batch_size=8, max_queue=16)))
+    try:
+        client = server.client()
+
+        def ask(i: int) -> str:
+            return client.completions.create(model=MODEL, prompt=PROMPTS[i], max_tokens=12, temperature=0,
+                                             extra_body={"ignore_eos": True}).choices[0].text
+
+        with ThreadPoolExecutor(4) as pool:
+            served = list(pool.map(ask, range(4)))
+    finally:
+        server.stop()
+    plain = DFlash.from_pretrained(*map(str, tiny_pair), no_draft=True, dtype="float32", device="cpu")
+    assert served == [plain.generate(p, raw=True, max_new_tokens=12, stop_token_ids=[]).text for p in PROMPTS[:4]]
+    assert max(widths) > 4

@@ -203,3 +203,11 @@ def test_the_embedded_dflash2_drafter_is_refused_with_the_way_to_its_sibling(cap
                  "--dry-run"])
     err = capsys.readouterr().err
     assert code == 2 and f"DFlash drafter is {HANDOFF_DRAFT}" in err and "Traceback" not in err
+
+
+def test_a_branch_length_with_a_hand_off_is_refused(tiny_pair, capsys):
+    target, draft = map(str, tiny_pair)
+    code = main(["serve", "--target", target, "--draft", draft, "--engine", "vllm", "--branch-length", "4",
+                 "--dry-run"])
+    err = capsys.readouterr().err
+    assert code == 2 and "--branch-length is this package's engine's; vllm" in err and "Traceback" not in err
