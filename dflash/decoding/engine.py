@@ -84,7 +84,7 @@ class GenerationConfig:
 class GenerationStats:
     prompt_tokens: int = 0
     acceptance_lengths: list[int] = field(default_factory=list)  # tokens per target forward; [0] = prefill's
-    block_sizes: list[int] = field(default_factory=list)  # tokens each verify forward checked (anchor + drafts)
+    block_sizes: list[int] = field(default_factory=list)  # tokens each verify forward checked (the block + a branch)
     time_to_first_token_s: float = 0.0
     decode_time_s: float = 0.0  # from the first token to the last
     target_forwards: int = 0
@@ -343,11 +343,8 @@ class SpeculativeEngine:
         offsets = torch.arange(block.shape[1], device=block.device)
         positions = batch.anchor_positions[:, None] + offsets  # (b, block_size)
         tokens, visibility = block, None
-        if branch is not None:  # the branch's tokens follow the block's, at the positions they would take
-            tokens = torch.cat([block, branch.tokens], dim=1)  # (b, q = block_size + length)
-            branch_offsets = branch.start[:, None] + 1 + torch.arange(branch.length, device=block.device)
-            positions = torch.cat([positions, batch.anchor_positions[:, None] + branch_offsets], dim=1)
-            visibility = block_visibility(block.shape[1], branch.start, branch.length)  # (b, q, q)
+        if branch is not None:
+            tokens, positions, visibility = self._with_branch(batch, block, positions, branch)
         mask = None
         if batch.has_holes:
             mask = torch.cat([batch.target_valid, torch.ones_like(tokens, dtype=torch.bool)], dim=1).long()
@@ -390,6 +387,15 @@ class SpeculativeEngine:
         if length < 1:
             return None
         return Branch(start, draft.branch_fn(start, length))
+
+    @staticmethod
+    def _with_branch(batch: Batch, block: torch.Tensor, positions: torch.Tensor, branch: Branch):
+        """The forward's tokens and positions (b, q = block_size + length), the branch's after the block's at the
+        positions they would take, and which of them each sees (b, q, q)."""
+        branch_offsets = branch.start[:, None] + 1 + torch.arange(branch.length, device=block.device)
+        return (torch.cat([block, branch.tokens], dim=1),
+                torch.cat([positions, batch.anchor_positions[:, None] + branch_offsets], dim=1),
+                block_visibility(block.shape[1], branch.start, branch.length))
 
     def _verify(self, draft, target_logits: torch.Tensor, rows: list[Sequence]) -> list[list[int]]:
         """Each row's new tokens: its accepted draft tokens plus one recovered or bonus token.
