@@ -7,7 +7,8 @@
               commit: keep the accepted slots of the target cache, hand the accepted tokens' features
                       to the proposer, the last new token becomes the next anchor
 
-Batches are ragged: each row accepts its own number of tokens per step (see `slots`).
+Batches are ragged: each row accepts its own number of tokens per step (see `slots`). With a branch (`branch`),
+the target forward also checks a second path leaving the draft where its first miss is likeliest.
 """
 
 from __future__ import annotations
