@@ -84,8 +84,9 @@ class DFlash:
         `drafter_precision`: a float32 DFlash drafter's matrix products: "auto" (bfloat16 on a CPU where a draft
         is measured faster so), "float32" or "bfloat16" (always, on any device). Only the draft tokens can change
         with it, never the text: the target verifies every one.
-        `branch_length`: > 0 verifies, with each greedy step's block, a branch of that many tokens where the draft's
-        first miss is likeliest (`decoding.branch`; a higher acceptance length for more tokens per forward)."""
+        `branch_length`: > 0 verifies, with each greedy or seeded step's block, a branch of that many tokens where
+        the draft's first miss is likeliest (`decoding.branch`; a higher acceptance length for more tokens per
+        forward)."""
         _check_models(target, drafter)
         check_drafter_precision(drafter_precision)
         self.target = target

@@ -55,7 +55,8 @@ def add_model_arguments(parser: argparse.ArgumentParser, block_size_sweep: bool 
         group.add_argument("--block-size", type=int,
                            help="tokens verified per step: the anchor + draft tokens (<= the drafter's block size)")
     group.add_argument("--branch-length", type=int, default=0, metavar="N",
-                       help="with each greedy step's block, also verify a branch of N tokens where the draft's first "
+                       help="with each greedy or seeded step's block, also verify a branch of N tokens where the "
+                            "draft's first "
                             "miss is likeliest: a higher acceptance length for N more tokens per target forward "
                             "(default 0: none; pays where a wider forward costs little, e.g. a GPU)")
     group.add_argument("--dtype", choices=["auto", "float32", "float16", "bfloat16"], default="auto",

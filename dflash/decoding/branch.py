@@ -63,7 +63,7 @@ def block_visibility(block_size: int, branch_start: torch.Tensor, length: int) -
 
 def accept_branch(num_accepted: torch.Tensor, target_tokens: torch.Tensor, branch: Branch,
                   block_size: int) -> tuple[list[list[int]], torch.Tensor]:
-    """Greedy verification of a block and its branch, from one forward's target tokens.
+    """Verification of a block and its branch from the target's own tokens (greedy, or a seed's draws).
 
     num_accepted (b,): the block's accepted draft tokens; target_tokens (b, q): the target's token after each of the
     forward's q = block_size + length tokens. Returns each row's new tokens and kept (b, q) bool: the slots whose

@@ -50,7 +50,7 @@ class GenerationConfig:
     stop_token_ids: list[int] | None = None  # None: the target's EOS ids
     stop_strings: list[str] = field(default_factory=list)
     block_size: int | str | None = None  # None: the drafter's own block size; "auto": chosen every step
-    branch_length: int = 0  # > 0: each step also verifies a branch of this many tokens (`branch`); greedy rows
+    branch_length: int = 0  # > 0: each step also verifies a branch of this many tokens (`branch`); greedy, seeded
 
     def __post_init__(self) -> None:
         if isinstance(self.stop_strings, str):  # one stop string, not its characters
@@ -356,7 +356,7 @@ class SpeculativeEngine:
             new_tokens = self._verify(draft, out.logits, rows)
             batch.accepted, kept_slots = [len(t) - 1 for t in new_tokens], None
         else:
-            target_tokens = out.logits.argmax(-1)  # (b, q) greedy rows only
+            target_tokens = self._target_tokens(out.logits, rows, block.shape[1], branch)  # (b, q)
             num_accepted = matching_prefix(draft.tokens, target_tokens[:, : block.shape[1]])
             new_tokens, kept_slots = accept_branch(num_accepted, target_tokens, branch, block.shape[1])
             batch.accepted = num_accepted.tolist()
@@ -372,14 +372,15 @@ class SpeculativeEngine:
 
     def _branch(self, batch: Batch, draft: Draft) -> Branch | None:
         """The branch this step verifies with its block, or None: every row asks for one (`branch_length`) and is
-        greedy, the draft can give one, the target takes a tree-shaped mask, and a draft token can be replaced.
-        It leaves the draft where its first miss is likeliest, and stays within the proposer's block of positions
-        past the anchor (the room `new_sequence` keeps)."""
+        greedy or seeded (its target tokens do not depend on the drafts offered), the draft can give one, the
+        target takes a tree-shaped mask, and a draft token can be replaced. It leaves the draft where its first
+        miss is likeliest, and stays within the proposer's block of positions past the anchor (the room
+        `new_sequence` keeps)."""
         rows = batch.sequences
         length = min(seq.config.branch_length for seq in rows)
         drafted = draft.tokens.shape[1]
         if (length < 1 or drafted < 1 or draft.branch_fn is None or not self.target.takes_branches
-                or not all(seq.params.greedy for seq in rows)):
+                or not all(seq.params.greedy or seq.noise is not None for seq in rows)):
             return None
         confidence = draft.confidence
         start = (most_likely_first_miss(confidence, drafted) if confidence is not None
@@ -397,6 +398,19 @@ class SpeculativeEngine:
         return (torch.cat([block, branch.tokens], dim=1),
                 torch.cat([positions, batch.anchor_positions[:, None] + branch_offsets], dim=1),
                 block_visibility(block.shape[1], branch.start, branch.length))
+
+    @staticmethod
+    def _target_tokens(logits: torch.Tensor, rows: list[Sequence], block_size: int, branch: Branch) -> torch.Tensor:
+        """The target's own token after each of a forward's q tokens (b, q), for greedy rows and seeded ones (the
+        seed's noise at the position each token would take). logits (b, q, vocab)."""
+        tokens = logits.argmax(-1)  # (b, q)
+        for r, seq in enumerate(rows):
+            if seq.noise is None:
+                continue
+            probs = to_probs(logits[r], seq.params)  # (q, vocab)
+            tokens[r, :block_size] = seq.noise.choose(probs[:block_size], seq.next_position)
+            tokens[r, block_size:] = seq.noise.choose(probs[block_size:], seq.next_position + int(branch.start[r]) + 1)
+        return tokens
 
     def _verify(self, draft, target_logits: torch.Tensor, rows: list[Sequence]) -> list[list[int]]:
         """Each row's new tokens: its accepted draft tokens plus one recovered or bonus token.

@@ -29,7 +29,7 @@ class Draft:
     # drafter's costs a softmax over the vocabulary at every position (0.5 ms a step at 8 rows on this CPU)
     confidence_fn: Callable[[], torch.Tensor] | None = None
     # branch_fn(start (b,), length) -> (b, length): a second path leaving the draft at each row's draft position
-    # `start`, with the drafter's next-best token there (`branch`); greedy rows only; None: the proposer has none
+    # `start`, with the drafter's next-best token there (`branch`); None: the proposer has none
     branch_fn: Callable[[torch.Tensor, int], torch.Tensor] | None = None
 
     @property
@@ -112,13 +112,14 @@ def draft_along_path(lattice: Lattice, rows: list, vocab_size: int) -> Draft:
     """DFlash2: one path through the positions' candidates, each position's token chosen after the one before:
     the best-scoring candidate (greedy rows), or from the distribution the scores give the candidates after the
     row's temperature, top-k and top-p (seeded rows with their noise; the rest by a draw, whose probs are kept)."""
-    tokens, chosen = walk(lattice)  # (b, k), (b, k)
+    tokens, _ = walk(lattice)  # (b, k)
     probs: list[torch.Tensor | None] = [None] * len(rows)
     for r, row in enumerate(rows):
         if not row.params.greedy:
             tokens[r], probs[r] = _sample_path(lattice, r, row, vocab_size)
             if row.noise is not None:
                 probs[r] = None  # verification matches the target's own draws; no proposal probabilities needed
+    chosen = (lattice.candidates == tokens[..., None]).int().argmax(-1)  # (b, k) each token's candidate index
     return Draft(tokens=tokens, probs=probs, confidence_fn=partial(path_confidence, lattice, tokens),
                  branch_fn=partial(branch_along_lattice, lattice, chosen))
 

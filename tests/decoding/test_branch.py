@@ -179,13 +179,29 @@ def test_a_branch_that_would_pass_the_block_is_cut():
     assert out.stats.acceptance_lengths[1] == 8  # 5 right, the branch's 2, the target's token
 
 
-@pytest.mark.parametrize("options", [dict(temperature=0.8), dict(temperature=0.8, seed=3)])
-def test_sampling_rows_decode_without_branches(options):
+def test_rows_sampling_without_a_seed_decode_without_branches():
     target = TargetModel(tiny_target_model("qwen3"))
     engine = SpeculativeEngine(target, DFlashProposer(tiny_drafter(target), target))
     out = engine.generate(random_prompts(1, seed=34), GenerationConfig(max_new_tokens=12, branch_length=3,
-                                                                       block_size=4, **options))[0]
+                                                                       block_size=4, temperature=0.8))[0]
     assert set(out.stats.block_sizes) == {4}
+
+
+@pytest.mark.parametrize("drafting", ["dflash2 drafter", "branch oracle"])
+def test_seeded_rows_with_branches_write_the_target_alones_text(target, drafting):
+    """A seed fixes the target's token at every position, so a branch is checked against the same draws: a branch
+    that holds the target's own draws is accepted."""
+    prompts = random_prompts(3, seed=37)
+    config = GenerationConfig(max_new_tokens=MAX_NEW, temperature=0.9, top_p=0.95, seed=11, branch_length=3,
+                              stop_token_ids=[])
+    alone = {tuple(p): o.output_ids for p, o in zip(prompts, SpeculativeEngine(target).generate(prompts, config))}
+    proposer = (DFlashProposer(dflash2_drafter(target), target) if drafting == "dflash2 drafter"
+                else BranchOracle(tiny_drafter(target), target, alone, correct=1, branch_right=2))
+    outs = SpeculativeEngine(target, proposer).generate(prompts, config)
+    assert [o.output_ids for o in outs] == [alone[tuple(p)] for p in prompts]
+    assert all(max(o.stats.block_sizes) > 16 for o in outs)
+    if drafting == "branch oracle":  # x1 right, x2 wrong, the branch's first two right, then the target's draw
+        assert {a for o in outs for a in o.stats.acceptance_lengths[1:-1]} == {4}
 
 
 def test_a_target_with_sliding_windows_decodes_without_branches():
@@ -197,3 +213,19 @@ def test_a_target_with_sliding_windows_decodes_without_branches():
                                                      stop_token_ids=[]))
     assert [o.output_ids for o in outs] == [hf_greedy(target, p, MAX_NEW) for p in prompts]
     assert {k for o in outs for k in o.stats.block_sizes} == {8}
+
+
+@pytest.mark.parametrize("attention", ["eager", "sdpa"])
+def test_branches_under_each_attention_that_takes_a_mask(attention):
+    """Eager attention adds a float mask, SDPA takes a boolean one: the tree must hold in both."""
+    model = tiny_target_model("llama")
+    model.set_attn_implementation(attention)
+    target = TargetModel(model)
+    assert target.takes_branches
+    prompts = random_prompts(2, seed=36)
+    refs = {tuple(p): hf_greedy(target, p, MAX_NEW) for p in prompts}
+    engine = SpeculativeEngine(target, BranchOracle(tiny_drafter(target), target, refs, correct=2, branch_right=3))
+    outs = engine.generate(prompts, GenerationConfig(max_new_tokens=MAX_NEW, block_size=8, branch_length=4,
+                                                     stop_token_ids=[]))
+    assert [o.output_ids for o in outs] == [refs[tuple(p)] for p in prompts]
+    assert {a for o in outs for a in o.stats.acceptance_lengths[1:-1]} == {6}  # 2 right, 3 of the branch, 1
