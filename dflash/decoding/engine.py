@@ -199,6 +199,7 @@ class Batch:
     has_holes: bool = False
     block_size: int = 0  # the tokens per row the last step verified (the anchor + draft tokens)
     accepted: list[int] = field(default_factory=list)  # the last step's accepted draft tokens of the block, per row
+    branched: bool = False  # the last step also verified a branch
 
     def __len__(self) -> int:
         return len(self.sequences)
@@ -279,8 +280,9 @@ class SpeculativeEngine:
         batch.proposer, choose = policy.plan(batch.sequences)
         started = time.perf_counter()
         kept = self.step(batch, choose)
-        policy.observe_step(len(batch), batch.block_size, time.perf_counter() - started,
-                            after_drafting=choose is not None)
+        if not batch.branched:  # a branch's tokens would count as the block's: its step teaches no step costs
+            policy.observe_step(len(batch), batch.block_size, time.perf_counter() - started,
+                                after_drafting=choose is not None)
         policy.observe(batch.accepted, batch.block_size - 1)
         return kept
 
@@ -363,7 +365,7 @@ class SpeculativeEngine:
         self._commit(batch, new_tokens, out.features, positions, drafted=draft.tokens.shape[1] > 0,
                      kept_slots=kept_slots)
         kept = [seq.record(new, tokens.shape[1]) for seq, new in zip(rows, new_tokens)]
-        batch.block_size = block.shape[1]
+        batch.block_size, batch.branched = block.shape[1], branch is not None
         self.profile.steps += 1
         self.profile.draft_s += t1 - t0
         self.profile.target_s += t2 - t1

@@ -229,3 +229,22 @@ def test_branches_under_each_attention_that_takes_a_mask(attention):
                                                      stop_token_ids=[]))
     assert [o.output_ids for o in outs] == [refs[tuple(p)] for p in prompts]
     assert {a for o in outs for a in o.stats.acceptance_lengths[1:-1]} == {6}  # 2 right, 3 of the branch, 1
+
+
+def test_steps_with_branches_teach_the_block_policy_acceptance_but_no_step_costs():
+    """The adaptive block size learns step costs per block size; a branch's extra tokens would be billed to the
+    block, so its steps leave the costs alone. What the block's draft tokens were accepted still counts."""
+    target = TargetModel(tiny_target_model("qwen3"))
+    prompts = random_prompts(1, seed=38)
+    refs = {tuple(p): hf_greedy(target, p, MAX_NEW) for p in prompts}
+    engine = SpeculativeEngine(target, BranchOracle(tiny_drafter(target), target, refs, correct=2, branch_right=1))
+    auto = dict(max_new_tokens=MAX_NEW, block_size="auto", stop_token_ids=[])
+    engine.generate(prompts, GenerationConfig(**auto, branch_length=0))
+    policy = engine._block_policy
+    line, tried = list(policy.after_drafting_line.sums), sum(policy.by_confidence.tried)
+    out = engine.generate(prompts, GenerationConfig(**auto, branch_length=2))[0]
+    assert out.output_ids == refs[tuple(prompts[0])]
+    assert policy.after_drafting_line.sums == line  # no step time learnt
+    assert sum(policy.by_confidence.tried) > tried  # acceptance learnt
+    engine.generate(prompts, GenerationConfig(**auto, branch_length=0))
+    assert policy.after_drafting_line.sums != line  # (steps without a branch do teach it)
