@@ -183,6 +183,7 @@ def setup(config: BenchConfig, pipe=None, data: dict[str, list[Sample]] | None =
         info["device"] = str(pipe.target.device)
         info["dtype"] = str(pipe.target.dtype)
         info["block_sizes"] = [b or pipe.engine.proposer.block_size for b in config.block_sizes]
+        info["branch_length"] = config.branch_length or None  # results.md lists it when a run verified branches
         info["warmup_tokens"] = config.warmup_tokens
         info["chat_template_kwargs"] = pipe.chat_template_kwargs or None
     if data is not None:

@@ -60,6 +60,8 @@ def test_local_bench_with_branches_records_them(tiny_pair, data_dir, tmp_path):
                  "4", "--branch-length", "2", "--output-dir", str(out), "--no-progress"]) == 0
     result = json.loads((out / "results.json").read_text())[0]
     assert result["branch_length"] == 2 and result["mismatches"] == 0 and result["mean_block_size"] > 4
+    assert json.loads((out / "config.json").read_text())["branch_length"] == 2
+    assert "- branch_length: 2" in (out / "results.md").read_text()
 
 
 def test_local_bench_with_a_draft_model(draft_model_pair, data_dir, tmp_path):
