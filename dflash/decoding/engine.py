@@ -200,6 +200,7 @@ class Batch:
     block_size: int = 0  # the tokens per row the last step verified (the anchor + draft tokens)
     accepted: list[int] = field(default_factory=list)  # the last step's accepted draft tokens of the block, per row
     branched: bool = False  # the last step also verified a branch
+    verified: int = 0  # the tokens per row the last forward checked: the block and a branch
 
     def __len__(self) -> int:
         return len(self.sequences)
@@ -365,7 +366,7 @@ class SpeculativeEngine:
         self._commit(batch, new_tokens, out.features, positions, drafted=draft.tokens.shape[1] > 0,
                      kept_slots=kept_slots)
         kept = [seq.record(new, tokens.shape[1]) for seq, new in zip(rows, new_tokens)]
-        batch.block_size, batch.branched = block.shape[1], branch is not None
+        batch.block_size, batch.branched, batch.verified = block.shape[1], branch is not None, tokens.shape[1]
         self.profile.steps += 1
         self.profile.draft_s += t1 - t0
         self.profile.target_s += t2 - t1

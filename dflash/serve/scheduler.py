@@ -325,7 +325,8 @@ class Scheduler:
             if tokens:
                 self._send(self._requests[id(seq)], tokens)
         self._drop_finished(decoder)
-        self._time_step(decoder, rows, block_size, started, after_drafting=choose is not None)
+        if not (decoder == DRAFT and batch.branched):  # a branch's tokens would be billed to the block
+            self._time_step(decoder, rows, block_size, started, after_drafting=choose is not None)
 
     def _time_step(self, decoder: str, rows: int, block_size: int, started: float, after_drafting: bool) -> None:
         if self.block_policy is None or self.block_policy.plain_costs is None:
@@ -334,12 +335,12 @@ class Scheduler:
         self.metrics.step_overhead.labels(decoder=decoder).set(self.block_policy.overhead.extra_s[decoder == DRAFT])
 
     def _record_drafts(self, batch: Batch, kept: list[list[int]]) -> None:
-        # Tokens kept = accepted draft tokens + 1 (the recovered or bonus token); a row's last step may be
-        # cut short by a stop, which can only undercount its acceptance.
+        # Tokens kept = accepted draft tokens (a branch's included) + 1 (the recovered or bonus token), of the
+        # tokens the forward checked; a row's last step may be cut short by a stop, which can only undercount.
         accepted = [max(len(tokens) - 1, 0) for tokens in kept]
-        self.metrics.record_drafts(accepted, batch.block_size - 1)
-        if self.block_policy is not None:
-            self.block_policy.observe(accepted, batch.block_size - 1)
+        self.metrics.record_drafts(accepted, batch.verified - 1)
+        if self.block_policy is not None:  # the block's own acceptance: a branch's tokens are not its positions'
+            self.block_policy.observe(batch.accepted, batch.block_size - 1)
             if self.fallback.config.auto:
                 # judged at the batch drafting would get if it came back: every running row. A probe drafts
                 # one row while the rest decode plainly, and one row breaks even far sooner than eight.

@@ -16,6 +16,7 @@ class FakeBatch:
         self.sequences = [object() for _ in range(rows)]
         self.proposer = FakeProposer(block_size)
         self.block_size = block_size  # what its last step verified
+        self.verified, self.branched, self.accepted = block_size, False, []
 
     def __len__(self):
         return len(self.sequences)
@@ -36,6 +37,7 @@ def test_a_probe_is_judged_at_the_batch_drafting_would_get_back():
     for seq in probe.sequences + others.sequences:
         scheduler._requests[id(seq)] = SimpleNamespace(workload="w")
     scheduler._running = {DRAFT: probe, PLAIN: others}
+    probe.accepted = [1]
     scheduler._record_drafts(probe, kept=[[5, 6]])
     assert scheduler.fallback.threshold == pytest.approx(policy.break_even(8))
     assert policy.break_even(8) != pytest.approx(policy.break_even(1, 16))
@@ -55,3 +57,27 @@ def test_adaptive_server_answers_exactly_like_the_fixed_one(start_server, server
     assert answers == fixed
     gauge = adaptive.metrics()["dflash:spec_decode_block_size"]
     assert 2 <= gauge <= 8  # the tiny pair's drafter block is 8
+
+
+def test_a_step_with_a_branch_counts_its_proposals_and_teaches_the_policy_the_blocks_acceptance():
+    """Block 4 (3 draft tokens) and a branch of 2 from draft position 1: the row kept x1 and both branch tokens.
+    The metrics count 5 proposed and 3 accepted; the policy learns that the block's second token was rejected."""
+    from types import SimpleNamespace
+
+    from dflash.serve.fallback import FallbackConfig
+    from dflash.serve.scheduler import DRAFT, Scheduler
+
+    policy = BlockSizePolicy(FakeProposer(4), costs(per_token_s=0.001), StepCosts({(1, 1): 0.010}))
+    scheduler = Scheduler(SimpleNamespace(proposer=FakeProposer(4)), fallback=FallbackConfig(0.0),
+                          block_policy=policy)
+    batch = FakeBatch(1, 4)
+    batch.verified, batch.branched, batch.accepted = 6, True, [1]
+    scheduler._requests[id(batch.sequences[0])] = SimpleNamespace(workload="w")
+    scheduler._running = {DRAFT: batch}
+    before = (policy.acceptance.tried[:], policy.acceptance.accepted[:])
+    scheduler._record_drafts(batch, kept=[[11, 22, 23, 24]])
+    metrics = scheduler.metrics
+    assert metrics.num_draft_tokens._value.get() == 5 and metrics.num_accepted_tokens._value.get() == 3
+    tried = [a - b for a, b in zip(policy.acceptance.tried, before[0])]
+    accepted = [a - b for a, b in zip(policy.acceptance.accepted, before[1])]
+    assert tried[:3] == pytest.approx([1, 1, 0]) and accepted[:2] == pytest.approx([1, 0])
