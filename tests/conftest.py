@@ -160,6 +160,40 @@ class OracleProposer(DFlashProposer):
         return draft
 
 
+class BranchOracle(OracleProposer):
+    """The oracle's draft (right for `correct` tokens), sure of its right tokens and unsure of the first wrong
+    one, with a branch there that is right for `branch_right` tokens."""
+
+    def __init__(self, drafter, target, references, correct: int, branch_right: int):
+        super().__init__(drafter, target, references, correct=correct)
+        self.branch_right = branch_right
+
+    def with_block_size(self, block_size):
+        clone = BranchOracle(self.drafter, self.target, self.references, self.correct, self.branch_right)
+        clone.block_size = block_size or self.block_size
+        return clone
+
+    def propose(self, state, anchors, anchor_positions, rows) -> Draft:
+        draft = super().propose(state, anchors, anchor_positions, rows)
+        k = draft.tokens.shape[1]
+        confidence = torch.full(draft.tokens.shape, 0.99)
+        confidence[:, min(self.correct, k - 1):] = 0.05
+        truths = []
+        for r, row in enumerate(rows):
+            full = row.prompt_ids + self.references.get(tuple(row.prompt_ids), [])
+            begin = int(anchor_positions[r]) + 1
+            truths.append((full[begin:] + [0] * 2 * k)[: 2 * k])
+
+        def branch_fn(start, length):
+            out = []
+            for truth, d in zip(truths, start.tolist()):
+                right = truth[d: d + min(self.branch_right, length)]
+                out.append(right + [(t + 1) % (VOCAB - 1) for t in truth[d + len(right): d + length]])
+            return torch.tensor(out)
+
+        return Draft(draft.tokens, draft.probs, confidence_fn=lambda: confidence, branch_fn=branch_fn)
+
+
 # ---- a tiny text pair on disk (target + tokenizer + drafter), for the CLI, bench and server ----------
 CHAT_TEMPLATE = (
     "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"

@@ -8,8 +8,7 @@ import pytest
 import torch
 
 from conftest import (
-    VOCAB,
-    OracleProposer,
+    BranchOracle,
     dflash2_drafter,
     hf_greedy,
     random_prompts,
@@ -19,7 +18,7 @@ from conftest import (
 from dflash.decoding import DFlashProposer, GenerationConfig, SpeculativeEngine
 from dflash.decoding.branch import Branch, accept_branch, block_visibility, most_likely_first_miss
 from dflash.decoding.engine import GenerationError
-from dflash.decoding.proposer import Draft, branch_along_lattice, branch_per_position
+from dflash.decoding.proposer import branch_along_lattice, branch_per_position
 from dflash.model.dflash2 import walk
 from dflash.model.target import TargetModel
 
@@ -104,40 +103,6 @@ def test_a_negative_branch_length_is_refused():
 
 
 # ---- decoding ----------------------------------------------------------------------------------------------
-class BranchOracle(OracleProposer):
-    """The oracle's draft (right for `correct` tokens), sure of its right tokens and unsure of the first wrong
-    one, with a branch there that is right for `branch_right` tokens."""
-
-    def __init__(self, drafter, target, references, correct: int, branch_right: int):
-        super().__init__(drafter, target, references, correct=correct)
-        self.branch_right = branch_right
-
-    def with_block_size(self, block_size):
-        clone = BranchOracle(self.drafter, self.target, self.references, self.correct, self.branch_right)
-        clone.block_size = block_size or self.block_size
-        return clone
-
-    def propose(self, state, anchors, anchor_positions, rows) -> Draft:
-        draft = super().propose(state, anchors, anchor_positions, rows)
-        k = draft.tokens.shape[1]
-        confidence = torch.full(draft.tokens.shape, 0.99)
-        confidence[:, min(self.correct, k - 1):] = 0.05
-        truths = []
-        for r, row in enumerate(rows):
-            full = row.prompt_ids + self.references.get(tuple(row.prompt_ids), [])
-            begin = int(anchor_positions[r]) + 1
-            truths.append((full[begin:] + [0] * 2 * k)[: 2 * k])
-
-        def branch_fn(start, length):
-            out = []
-            for truth, d in zip(truths, start.tolist()):
-                right = truth[d: d + min(self.branch_right, length)]
-                out.append(right + [(t + 1) % (VOCAB - 1) for t in truth[d + len(right): d + length]])
-            return torch.tensor(out)
-
-        return Draft(draft.tokens, draft.probs, confidence_fn=lambda: confidence, branch_fn=branch_fn)
-
-
 @pytest.mark.parametrize("block_size", [4, 16])
 @pytest.mark.parametrize("drafting", ["drafter", "branch oracle"])
 def test_greedy_with_branches_is_lossless(target, block_size, drafting):

@@ -8,6 +8,7 @@ import pytest
 from conftest import (
     MORE_FAMILIES,
     REFUSED_FAMILIES,
+    BranchOracle,
     OracleProposer,
     hf_greedy,
     random_prompts,
@@ -17,6 +18,8 @@ from conftest import (
 from dflash.decoding import GenerationConfig, NoDraftProposer, SpeculativeEngine
 from dflash.model.target import TargetModel, UnsupportedTargetError
 
+# families with sliding-window layers (conftest._family_fields): they decode without branches
+SLIDING_FAMILIES = {"mistral", "phi3", "qwen2", "gemma2", "gemma3_text", "cohere2"}
 MAX_NEW = 32  # with prompts of 3-20 tokens, sequences run well past the sliding window (conftest.SLIDING_WINDOW)
 SEEDED = dict(max_new_tokens=MAX_NEW, temperature=0.9, top_p=0.9, top_k=50, seed=11, stop_token_ids=[])
 
@@ -46,6 +49,23 @@ def test_speculative_decoding_is_lossless(family):
     engine = SpeculativeEngine(target, partial_oracle(target, dict(zip(map(tuple, prompts), sampled)), 8))
     outs = engine.generate(prompts, GenerationConfig(**SEEDED, block_size=8))
     assert [o.output_ids for o in outs] == sampled
+
+
+@pytest.mark.parametrize("family", MORE_FAMILIES)
+def test_branches_are_lossless_or_left_out(family):
+    """A branch needs the family to read a tree-shaped 4D mask as given: every family that says it takes one
+    decodes a ragged batch with branches (an oracle's, accepted at known steps) into transformers' own greedy
+    output; the others decode without branches."""
+    target = TargetModel(tiny_target_model(family, layers=2))
+    prompts = random_prompts(3, seed=2)
+    refs = {tuple(p): hf_greedy(target, p, MAX_NEW) for p in prompts}
+    engine = SpeculativeEngine(target, BranchOracle(tiny_drafter(target), target, refs, correct=2, branch_right=2))
+    outs = engine.generate(prompts, GenerationConfig(max_new_tokens=MAX_NEW, block_size=8, branch_length=3,
+                                                     stop_token_ids=[]))
+    assert [o.output_ids for o in outs] == [refs[tuple(p)] for p in prompts]
+    steps = {a for o in outs for a in o.stats.acceptance_lengths[1:-1]}
+    assert steps == ({5} if target.takes_branches else {3})  # 2 right, then the branch's 2 (or the miss), 1
+    assert target.takes_branches == (family not in SLIDING_FAMILIES)
 
 
 @pytest.mark.parametrize("family", ["mistral", "gemma2"])
