@@ -7,6 +7,7 @@ import random
 import pytest
 import torch
 
+from dflash.decoding.engine import GenerationConfig, SpeculativeEngine
 from dflash.decoding.proposer import DFlashProposer, Draft
 from dflash.model.config import DFlash2Options, DrafterConfig, default_target_layer_ids
 from dflash.model.drafter import DFlashDraftModel
@@ -192,6 +193,18 @@ class BranchOracle(OracleProposer):
             return torch.tensor(out)
 
         return Draft(draft.tokens, draft.probs, confidence_fn=lambda: confidence, branch_fn=branch_fn)
+
+
+def decode_with_branch_oracle(target, prompt_seed: int, correct: int, branch_right: int, block_size: int,
+                               branch_length: int, max_new: int):
+    """Two prompts decoded greedily with a `BranchOracle` and branches on: (outputs, references in order)."""
+    prompts = random_prompts(2, seed=prompt_seed)
+    refs = {tuple(p): hf_greedy(target, p, max_new) for p in prompts}
+    engine = SpeculativeEngine(target, BranchOracle(tiny_drafter(target), target, refs, correct=correct,
+                                                    branch_right=branch_right))
+    outs = engine.generate(prompts, GenerationConfig(max_new_tokens=max_new, block_size=block_size,
+                                                     branch_length=branch_length, stop_token_ids=[]))
+    return outs, [refs[tuple(p)] for p in prompts]
 
 
 # ---- a tiny text pair on disk (target + tokenizer + drafter), for the CLI, bench and server ----------

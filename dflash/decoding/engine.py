@@ -448,14 +448,16 @@ class SpeculativeEngine:
         if kept_slots is None:
             widest = max(len(t) for t in new_tokens)
             new_valid = torch.arange(widest, device=device)[None, :] < produced[:, None]  # (b, widest)
+            holes = min(len(t) for t in new_tokens) != widest  # from the host's lists: no device sync
         else:
             slot = torch.arange(kept_slots.shape[1], device=device)
             widest = int(torch.where(kept_slots, slot + 1, 0).max())
             new_valid = kept_slots[:, :widest]  # (b, widest)
+            holes = not bool(new_valid.all())
         old_slots = batch.target_valid.shape[1]
         hf_compat.crop_cache(batch.target_cache, old_slots + widest)
         batch.target_valid = torch.cat([batch.target_valid, new_valid], dim=1)
-        batch.has_holes = batch.has_holes or not bool(new_valid.all())
+        batch.has_holes = batch.has_holes or holes
         if features is not None:
             batch.proposer.observe(batch.draft_state,
                                    PendingContext(features[:, :widest], positions[:, :widest], new_valid))

@@ -9,6 +9,7 @@ import torch
 
 from conftest import (
     BranchOracle,
+    decode_with_branch_oracle,
     dflash2_drafter,
     hf_greedy,
     random_prompts,
@@ -187,12 +188,9 @@ def test_branches_under_each_attention_that_takes_a_mask(attention):
     model.set_attn_implementation(attention)
     target = TargetModel(model)
     assert target.takes_branches
-    prompts = random_prompts(2, seed=36)
-    refs = {tuple(p): hf_greedy(target, p, MAX_NEW) for p in prompts}
-    engine = SpeculativeEngine(target, BranchOracle(tiny_drafter(target), target, refs, correct=2, branch_right=3))
-    outs = engine.generate(prompts, GenerationConfig(max_new_tokens=MAX_NEW, block_size=8, branch_length=4,
-                                                     stop_token_ids=[]))
-    assert [o.output_ids for o in outs] == [refs[tuple(p)] for p in prompts]
+    outs, refs = decode_with_branch_oracle(target, 36, correct=2, branch_right=3, block_size=8, branch_length=4,
+                                           max_new=MAX_NEW)
+    assert [o.output_ids for o in outs] == refs
     assert {a for o in outs for a in o.stats.acceptance_lengths[1:-1]} == {6}  # 2 right, 3 of the branch, 1
 
 

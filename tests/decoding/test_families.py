@@ -8,8 +8,8 @@ import pytest
 from conftest import (
     MORE_FAMILIES,
     REFUSED_FAMILIES,
-    BranchOracle,
     OracleProposer,
+    decode_with_branch_oracle,
     hf_greedy,
     random_prompts,
     tiny_drafter,
@@ -57,12 +57,9 @@ def test_branches_are_lossless_or_left_out(family):
     decodes a ragged batch with branches (an oracle's, accepted at known steps) into transformers' own greedy
     output; the others decode without branches."""
     target = TargetModel(tiny_target_model(family, layers=2))
-    prompts = random_prompts(3, seed=2)
-    refs = {tuple(p): hf_greedy(target, p, MAX_NEW) for p in prompts}
-    engine = SpeculativeEngine(target, BranchOracle(tiny_drafter(target), target, refs, correct=2, branch_right=2))
-    outs = engine.generate(prompts, GenerationConfig(max_new_tokens=MAX_NEW, block_size=8, branch_length=3,
-                                                     stop_token_ids=[]))
-    assert [o.output_ids for o in outs] == [refs[tuple(p)] for p in prompts]
+    outs, refs = decode_with_branch_oracle(target, 2, correct=2, branch_right=2, block_size=8, branch_length=3,
+                                           max_new=MAX_NEW)
+    assert [o.output_ids for o in outs] == refs
     steps = {a for o in outs for a in o.stats.acceptance_lengths[1:-1]}
     assert steps == ({5} if target.takes_branches else {3})  # 2 right, then the branch's 2 (or the miss), 1
     assert target.takes_branches == (family not in SLIDING_FAMILIES)
