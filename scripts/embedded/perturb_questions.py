@@ -6,10 +6,14 @@ number throughout a question; the new number has as many digits, and stays a mul
 the old one was; 0 and 1 are kept, since they are often words such as "1 hour"). The target then answers
 the new questions with `dflash datagen`, like the originals.
 
-Questions the drafter's held-out split uses (`--holdout-from`, the same seed and fraction as the
-trainer's split) are skipped, so no variant of a held-out question reaches training.
+Questions the drafter's held-out split uses are skipped, so no variant of a held-out question reaches
+training. That holds only for the split of the same seed and fraction as the trainer's: `--config` takes them
+from the drafter's training YAML (`seed`, `eval_fraction`). Without it, `--holdout-seed` and
+`--holdout-fraction` must match that config by hand (the draws rounds 20-22 trained on were made with seed 0
+for configs of seed 1, so variants of their held-out questions were trained on).
 
-    python scripts/embedded/perturb_questions.py --out runs/embedded/gsm8k_train_perturbed_prompts.jsonl
+    python scripts/embedded/perturb_questions.py --config scripts/embedded/drafter_round22.yaml --seed 2 \
+        --out runs/embedded/gsm8k_train_perturbed3_prompts.jsonl
 """
 
 from __future__ import annotations
@@ -22,6 +26,7 @@ import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+from dflash.training.config import load_config  # noqa: E402
 from dflash.training.data import split_examples  # noqa: E402
 
 # an integer not glued to a decimal point, a digit group, a fraction or a time (12.5, 1,000, 1/2, 3:30)
@@ -54,10 +59,18 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--questions", default="scripts/embedded/data/gsm8k_train.jsonl")
     p.add_argument("--out", required=True)
-    p.add_argument("--holdout-fraction", type=float, default=0.02, help="the drafter config's eval_fraction")
-    p.add_argument("--holdout-seed", type=int, default=0, help="the drafter config's seed")
+    p.add_argument("--config", help="the drafter's training YAML: its held-out split (seed, eval_fraction) is skipped")
+    p.add_argument("--holdout-fraction", type=float, help="the drafter config's eval_fraction (default 0.02)")
+    p.add_argument("--holdout-seed", type=int, help="the drafter config's seed (default 0)")
     p.add_argument("--seed", type=int, default=1234, help="seed of the new numbers")
     a = p.parse_args()
+    if a.config:
+        if a.holdout_fraction is not None or a.holdout_seed is not None:
+            p.error("--config sets the held-out split; leave out --holdout-fraction and --holdout-seed")
+        config = load_config(a.config, {})
+        a.holdout_fraction, a.holdout_seed = config.eval_fraction, config.seed
+    a.holdout_fraction = 0.02 if a.holdout_fraction is None else a.holdout_fraction
+    a.holdout_seed = 0 if a.holdout_seed is None else a.holdout_seed
 
     rows = [json.loads(line) for line in open(a.questions) if line.strip()]
     _, held = split_examples(list(range(len(rows))), a.holdout_fraction, a.holdout_seed)
@@ -73,7 +86,7 @@ def main() -> None:
             changed += question != row["question"]
             f.write(json.dumps({"question": question}) + "\n")
     print(f"wrote {len(rows) - len(held)} questions to {a.out} ({changed} with new numbers; "
-          f"{len(held)} held-out questions skipped)")
+          f"{len(held)} held-out questions skipped: split seed {a.holdout_seed}, fraction {a.holdout_fraction})")
 
 
 if __name__ == "__main__":
