@@ -196,9 +196,10 @@ class BranchOracle(OracleProposer):
 
 
 def decode_with_branch_oracle(target, prompt_seed: int, correct: int, branch_right: int, block_size: int,
-                               branch_length: int, max_new: int):
-    """Two prompts decoded greedily with a `BranchOracle` and branches on: (outputs, references in order)."""
-    prompts = random_prompts(2, seed=prompt_seed)
+                               branch_length: int, max_new: int, rows: int = 2):
+    """`rows` prompts decoded greedily as one batch with a `BranchOracle` and branches on: (outputs, references
+    in order)."""
+    prompts = random_prompts(rows, seed=prompt_seed)
     refs = {tuple(p): hf_greedy(target, p, max_new) for p in prompts}
     engine = SpeculativeEngine(target, BranchOracle(tiny_drafter(target), target, refs, correct=correct,
                                                     branch_right=branch_right))

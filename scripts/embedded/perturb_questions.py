@@ -9,8 +9,9 @@ the new questions with `dflash datagen`, like the originals.
 Questions the drafter's held-out split uses are skipped, so no variant of a held-out question reaches
 training. That holds only for the split of the same seed and fraction as the trainer's: `--config` takes them
 from the drafter's training YAML (`seed`, `eval_fraction`). Without it, `--holdout-seed` and
-`--holdout-fraction` must match that config by hand (the draws rounds 20-22 trained on were made with seed 0
-for configs of seed 1, so variants of their held-out questions were trained on).
+`--holdout-fraction` (by default the trainer's defaults) must match that config by hand (the draws rounds
+20-22 trained on were made with seed 0 for configs of seed 1, so variants of their held-out questions were
+trained on).
 
     python scripts/embedded/perturb_questions.py --config scripts/embedded/drafter_round22.yaml --seed 2 \
         --out runs/embedded/gsm8k_train_perturbed3_prompts.jsonl
@@ -26,7 +27,7 @@ import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
-from dflash.training.config import load_config  # noqa: E402
+from dflash.training.config import TrainConfig, load_config  # noqa: E402
 from dflash.training.data import split_examples  # noqa: E402
 
 # an integer not glued to a decimal point, a digit group, a fraction or a time (12.5, 1,000, 1/2, 3:30)
@@ -60,17 +61,15 @@ def main() -> None:
     p.add_argument("--questions", default="scripts/embedded/data/gsm8k_train.jsonl")
     p.add_argument("--out", required=True)
     p.add_argument("--config", help="the drafter's training YAML: its held-out split (seed, eval_fraction) is skipped")
-    p.add_argument("--holdout-fraction", type=float, help="the drafter config's eval_fraction (default 0.02)")
-    p.add_argument("--holdout-seed", type=int, help="the drafter config's seed (default 0)")
+    p.add_argument("--holdout-fraction", type=float, help="default: --config's eval_fraction, else the trainer's")
+    p.add_argument("--holdout-seed", type=int, help="default: --config's seed, else the trainer's")
     p.add_argument("--seed", type=int, default=1234, help="seed of the new numbers")
     a = p.parse_args()
-    if a.config:
-        if a.holdout_fraction is not None or a.holdout_seed is not None:
-            p.error("--config sets the held-out split; leave out --holdout-fraction and --holdout-seed")
-        config = load_config(a.config, {})
-        a.holdout_fraction, a.holdout_seed = config.eval_fraction, config.seed
-    a.holdout_fraction = 0.02 if a.holdout_fraction is None else a.holdout_fraction
-    a.holdout_seed = 0 if a.holdout_seed is None else a.holdout_seed
+    split = load_config(a.config, {}) if a.config else TrainConfig  # the trainer's defaults without a config
+    if a.holdout_fraction is None:  # a flag overrides the config, as with `dflash train`
+        a.holdout_fraction = split.eval_fraction
+    if a.holdout_seed is None:
+        a.holdout_seed = split.seed
 
     rows = [json.loads(line) for line in open(a.questions) if line.strip()]
     _, held = split_examples(list(range(len(rows))), a.holdout_fraction, a.holdout_seed)

@@ -58,7 +58,7 @@ def test_branches_are_lossless_or_left_out(family):
     output; the others decode without branches."""
     target = TargetModel(tiny_target_model(family, layers=2))
     outs, refs = decode_with_branch_oracle(target, 2, correct=2, branch_right=2, block_size=8, branch_length=3,
-                                           max_new=MAX_NEW)
+                                           max_new=MAX_NEW, rows=3)
     assert [o.output_ids for o in outs] == refs
     steps = {a for o in outs for a in o.stats.acceptance_lengths[1:-1]}
     assert steps == ({5} if target.takes_branches else {3})  # 2 right, then the branch's 2 (or the miss), 1
