@@ -122,15 +122,29 @@ def _stream(pipe, prompt_ids: list[int], options: dict):
     return stream.result
 
 
+COMPARE_ROUNDS = 3  # plain and DFlash decodes, in turns; each side's fastest counts
+
+
 def compare_with_plain(pipe, prompt_ids: list[int], options: dict, out) -> dict:
-    """Decode the same prompt with the target alone: its speed, the speedup, and whether the output is the same."""
+    """Decode the same prompt with the target alone: its speed, the speedup, and whether the output is the same.
+
+    Plain decoding and DFlash take `COMPARE_ROUNDS` turns (the streamed answer is DFlash's first) and each side's
+    fastest decode counts: on a busy machine one run can be caught by a burst of other work (a plain decode once
+    ran at a fifteenth of its speed beside a datagen, and read as a 37x speedup)."""
     plain = SpeculativeEngine(pipe.target)  # the same target, no drafter
+    config = make_config(**options)
     plain.generate([prompt_ids], make_config(**{**options, "max_new_tokens": 2}))  # warm-up
-    baseline = plain.generate([prompt_ids], make_config(**options))[0]
-    ours, theirs = out.stats.decode_tokens_per_s, baseline.stats.decode_tokens_per_s
+    baseline = plain.generate([prompt_ids], config)[0]
+    theirs, ours = [baseline.stats.decode_tokens_per_s], [out.stats.decode_tokens_per_s]
+    for _ in range(COMPARE_ROUNDS - 1):
+        ours.append(pipe.generate(prompt_ids, **options).stats.decode_tokens_per_s)
+        theirs.append(plain.generate([prompt_ids], config)[0].stats.decode_tokens_per_s)
+    timed = min(ours) > 0 and min(theirs) > 0  # a decode step to time, not the prefill's token alone
     return {
-        "baseline_decode_tokens_per_s": round(theirs, 2),
-        "speedup": round(ours / theirs, 2) if ours > 0 and theirs > 0 else None,  # None: no decode step to time
+        "baseline_decode_tokens_per_s": round(max(theirs), 2),
+        "fastest_decode_tokens_per_s": round(max(ours), 2),
+        "compare_rounds": COMPARE_ROUNDS,
+        "speedup": round(max(ours) / max(theirs), 2) if timed else None,
         "matches_baseline": baseline.output_ids == out.output_ids,
     }
 
@@ -166,6 +180,7 @@ def stats_line(report: dict) -> str:
         if report["speedup"] is None:
             parts.append(f"plain decoding: {same}")
         else:
-            baseline = report["baseline_decode_tokens_per_s"]
-            parts.append(f"plain decoding {baseline:.1f} tok/s -> {report['speedup']:.2f}x, {same}")
+            ours, baseline = report["fastest_decode_tokens_per_s"], report["baseline_decode_tokens_per_s"]
+            parts.append(f"fastest of {report['compare_rounds']}: {ours:.1f} tok/s, plain decoding {baseline:.1f} "
+                         f"tok/s -> {report['speedup']:.2f}x, {same}")
     return "[" + " | ".join(parts) + "]"

@@ -196,6 +196,36 @@ def test_every_option_says_what_it_does():
 def test_stats_line_reads_well():
     report = {"num_output_tokens": 40, "acceptance_lengths": [1, 4, 3], "mean_acceptance_length": 3.5,
               "decode_tokens_per_s": 378.4, "time_to_first_token_s": 0.008, "baseline_decode_tokens_per_s": 256.5,
-              "speedup": 1.48, "matches_baseline": True}
-    assert generate.stats_line(report) == ("[40 tokens | acceptance length 3.50 | 378.4 tok/s | TTFT 8 ms | plain "
-                                           "decoding 256.5 tok/s -> 1.48x, identical output]")
+              "fastest_decode_tokens_per_s": 391.0, "compare_rounds": 3, "speedup": 1.52, "matches_baseline": True}
+    assert generate.stats_line(report) == ("[40 tokens | acceptance length 3.50 | 378.4 tok/s | TTFT 8 ms | fastest "
+                                           "of 3: 391.0 tok/s, plain decoding 256.5 tok/s -> 1.52x, identical output]")
+
+
+def test_compare_takes_turns_and_counts_each_sides_fastest_run(tiny_pair, capsys, monkeypatch):
+    """A plain decode caught by other work once read as a 37x speedup: plain decoding and DFlash decode in turns,
+    and the report (and the speedup) takes each side's fastest run, so one slow run cannot fake a speedup."""
+    from dflash.decoding.engine import SpeculativeEngine
+
+    runs = []  # (drafting?, decode tokens/s) of every timed run, in order
+    real_generate = SpeculativeEngine.generate
+
+    def generate_with_a_slow_first_plain_run(engine, prompts, config=None):
+        outs = real_generate(engine, prompts, config)
+        if config.max_new_tokens > 2:  # not a warm-up
+            drafting = engine.proposer.kind != "none"
+            if not drafting and not any(not d for d, _ in runs):
+                outs[0].stats.decode_time_s *= 20  # the burst
+            runs.append((drafting, outs[0].stats.decode_tokens_per_s))
+        return outs
+
+    monkeypatch.setattr(SpeculativeEngine, "generate", generate_with_a_slow_first_plain_run)
+    assert main(_args(tiny_pair, "--prompt", "How many clips?", "--max-new-tokens", "12", "--json", "--compare")) == 0
+    report = json.loads(capsys.readouterr().out)
+    assert [d for d, _ in runs] == [True, False] * generate.COMPARE_ROUNDS  # the streamed or JSON run first
+    plain = [speed for d, speed in runs if not d]
+    ours = [speed for d, speed in runs if d]
+    assert report["compare_rounds"] == generate.COMPARE_ROUNDS
+    assert report["baseline_decode_tokens_per_s"] == round(max(plain), 2) > 5 * plain[0]
+    assert report["fastest_decode_tokens_per_s"] == round(max(ours), 2)
+    assert report["speedup"] == round(max(ours) / max(plain), 2)
+    assert report["matches_baseline"] is True
