@@ -116,8 +116,8 @@ def random_prompts(n: int, seed: int = 0, low: int = 3, high: int = 20) -> list[
 
 
 def hf_greedy(target, prompt: list[int], max_new: int) -> list[int]:
-    """The target alone, decoded by transformers' own generate (an independent reference)."""
-    ids = torch.tensor([prompt])
+    """The target alone, decoded by transformers' own generate (an independent reference), on its device."""
+    ids = torch.tensor([prompt], device=target.device)
     out = target.model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_new,
                                 min_new_tokens=max_new, do_sample=False, pad_token_id=0)
     return out[0, len(prompt):].tolist()

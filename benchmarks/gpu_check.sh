@@ -1,0 +1,77 @@
+#!/usr/bin/env bash
+# What a lent GPU machine is used for, in one call (this project gets 15 minutes of device time a session):
+#   1. the CUDA losslessness tests (tests/decoding/test_cuda.py);
+#   2. `dflash bench` on the GPU: the embedded pair on gsm8k, float32 at block sizes 16 and auto, then bfloat16 at 16
+#      (speedup over plain decoding on the same GPU, tau, mismatches);
+#   3. a round of the embedded drafter (CONFIG, default scripts/embedded/drafter_round24.yaml), started from the
+#      drafter this tree ships: 30 steps are timed first, then it trains for as many steps as the time left allows,
+#      and is evaluated and exported (a run stopped at the deadline saves a checkpoint, which is then evaluated and
+#      exported as it is); the result is copied to OUT_DIR/drafter.
+# Usage, at the repository root of the GPU machine: bash benchmarks/gpu_check.sh OUT_DIR SECONDS
+#   runs/gpu/answers.tgz must hold the config's answer sets (tar czf of those files in runs/embedded).
+#   Every stage has a deadline, and a failed stage does not stop the next one.
+#   SKIP_TESTS=1 and SKIP_BENCH=1 leave out stages 1 and 2; PER_STEP=SECONDS skips the timing of 30 steps.
+#   DEVICE=cpu SAMPLES=2 PROBE=2 runs the same plumbing on a CPU (the tests then skip).
+set -uo pipefail
+out=${1:?usage: gpu_check.sh OUT_DIR SECONDS}
+budget=${2:?usage: gpu_check.sh OUT_DIR SECONDS}
+device=${DEVICE:-cuda}
+samples=${SAMPLES:-20}
+probe=${PROBE:-30}  # steps timed before the run is sized
+start=$(date +%s)
+deadline=$((start + budget))
+left() { echo $((deadline - $(date +%s))); }
+log() { echo "[gpu_check +$(($(date +%s) - start))s, $(left)s left] $*"; }
+if ! command -v dflash > /dev/null; then  # the package is not installed there: a `dflash` on PATH runs it from here
+    mkdir -p /tmp/dflash-bin && printf '#!/bin/sh\nexec python3 -m dflash.cli.main "$@"\n' > /tmp/dflash-bin/dflash
+    chmod +x /tmp/dflash-bin/dflash && export PATH=/tmp/dflash-bin:$PATH
+fi
+export PYTHONUNBUFFERED=1 PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}
+mkdir -p "$out"
+
+log "the machine"
+nvidia-smi --query-gpu=name,memory.total,driver_version,clocks.sm,clocks.max.sm --format=csv 2>/dev/null
+python3 -c "import torch, transformers; print('torch', torch.__version__, 'cuda', torch.version.cuda, \
+'transformers', transformers.__version__, 'gpu', torch.cuda.is_available() and torch.cuda.get_device_name())"
+
+log "1. losslessness on the GPU"
+[ -n "${SKIP_TESTS:-}" ] || timeout 100 python3 -m pytest -q -p no:cacheprovider tests/decoding/test_cuda.py
+
+log "2. dflash bench on the GPU"
+if [ -z "${SKIP_BENCH:-}" ]; then
+    timeout 110 dflash bench --device "$device" --dtype float32 --dataset gsm8k --max-samples "$samples" \
+        --max-new-tokens 256 --block-size 16,auto --output-dir "$out/bench" --no-progress
+    timeout 50 dflash bench --device "$device" --dtype bfloat16 --dataset gsm8k --max-samples "$samples" \
+        --max-new-tokens 256 --block-size 16 --output-dir "$out/bench_bf16" --no-progress
+fi
+rm -f "$out"/bench*/*.png "$out"/bench*/config.json "$out"/bench_bf16/results.md  # a call brings back 8 files
+
+config=${CONFIG:-scripts/embedded/drafter_round24.yaml}
+log "3. training the embedded drafter: $config"
+read -r run init < <(python3 -c "import yaml; c = yaml.safe_load(open('$config')); print(c['output'], c['init_from'])")
+mkdir -p runs/embedded
+tar xzf runs/gpu/answers.tgz -C runs/embedded
+[ -e "$init" ] || cp -r dflash/assets/drafter "$init"  # the config starts from the drafter this tree ships
+if [ -z "${PER_STEP:-}" ]; then
+    timeout 100 dflash train --config "$config" --device "$device" --max-steps "$probe" --output /tmp/probe \
+        --eval-decoding-examples 0 --checkpoint-every 0 --overwrite > /tmp/probe.log 2>&1 || tail -20 /tmp/probe.log
+    PER_STEP=$(python3 -c "import json; d=[json.loads(l) for l in open('/tmp/probe/train_log.jsonl')]; \
+print([r['train_time_s'] / r['step'] for r in d if r.get('event') == 'done'][0])") || exit 1
+    log "$probe steps took ${PER_STEP}s each"
+fi
+setup=60  # loading, the held-out evaluation (64 replays) and the export, with room to spare
+steps=$(python3 -c "print(max(20, int(($(left) - $setup) / $PER_STEP) // 20 * 20))")
+log "training $steps steps"
+timeout $(($(left) - 5)) dflash train --config "$config" --device "$device" --max-steps "$steps" \
+    --eval-every $((steps / 2)) --overwrite 2>&1 | grep -v '^{"step"' | tail -30
+if [ ! -f $run/model.safetensors ] && ls -d $run/checkpoints/step-* > /dev/null 2>&1; then
+    last=$(ls -d $run/checkpoints/step-* | tail -1)
+    log "stopped at the deadline: exporting $last"
+    timeout 60 dflash train --config "$config" --device "$device" --resume --max-steps "$((10#${last##*step-}))" \
+        2>&1 | grep -v '^{"step"' | tail -5
+fi
+mkdir -p "$out/drafter"
+for f in config.json model.safetensors train_log.jsonl training_config.yaml; do
+    cp $run/$f "$out/drafter/" || log "no $f: the training did not finish"
+done
+log "done"
