@@ -11,7 +11,8 @@
 #   runs/gpu/answers.tgz must hold the config's answer sets (tar czf of those files in runs/embedded).
 #   Every stage has a deadline, and a failed stage does not stop the next one.
 #   SKIP_TESTS=1 and SKIP_BENCH=1 leave out stages 1 and 2; PER_STEP=SECONDS skips the timing of 30 steps.
-#   DEVICE=cpu SAMPLES=2 PROBE=2 runs the same plumbing on a CPU (the tests then skip).
+#   DEVICE=cpu SAMPLES=2 PROBE=2 runs the same plumbing on a CPU (the tests then skip), where `python3` has the
+#   package's requirements.
 set -uo pipefail
 out=${1:?usage: gpu_check.sh OUT_DIR SECONDS}
 budget=${2:?usage: gpu_check.sh OUT_DIR SECONDS}
