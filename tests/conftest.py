@@ -161,6 +161,13 @@ class OracleProposer(DFlashProposer):
         return draft
 
 
+def partial_oracle(target, references: dict[tuple, list[int]], block_size: int) -> OracleProposer:
+    """A drafter (on the target's device) right for a random number of tokens per block: rows accept different
+    numbers (ragged)."""
+    return OracleProposer(tiny_drafter(target).to(target.device), target, references,
+                          correct=lambda rng: rng.randint(0, block_size - 1), seed=block_size)
+
+
 class BranchOracle(OracleProposer):
     """The oracle's draft (right for `correct` tokens), sure of its right tokens and unsure of the first wrong
     one, with a branch there that is right for `branch_right` tokens."""

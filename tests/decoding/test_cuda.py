@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from conftest import FAMILIES, OracleProposer, hf_greedy, random_prompts, tiny_drafter, tiny_target_model
+from conftest import FAMILIES, hf_greedy, partial_oracle, random_prompts, tiny_target_model
 from dflash.api import DFlash
 from dflash.bench.datasets import DataOptions, load_samples
 from dflash.decoding import GenerationConfig, SpeculativeEngine
@@ -24,11 +24,8 @@ def test_ragged_batch_on_cuda_is_lossless(family):
     target = TargetModel(tiny_target_model(family).to("cuda"))
     prompts = random_prompts(4, seed=2)
     refs = {tuple(p): hf_greedy(target, p, MAX_NEW) for p in prompts}
-    drafter = tiny_drafter(target).to("cuda")
     for block_size in (2, 8, 16):
-        proposer = OracleProposer(drafter, target, refs, correct=lambda rng, b=block_size: rng.randint(0, b - 1),
-                                  seed=block_size)
-        outs = SpeculativeEngine(target, proposer).generate(
+        outs = SpeculativeEngine(target, partial_oracle(target, refs, block_size)).generate(
             prompts, GenerationConfig(max_new_tokens=MAX_NEW, block_size=block_size, stop_token_ids=[]))
         assert [o.output_ids for o in outs] == [refs[tuple(p)] for p in prompts], f"block size {block_size}"
         if block_size > 2:

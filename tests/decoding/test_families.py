@@ -11,6 +11,7 @@ from conftest import (
     OracleProposer,
     decode_with_branch_oracle,
     hf_greedy,
+    partial_oracle,
     random_prompts,
     tiny_drafter,
     tiny_target_model,
@@ -22,12 +23,6 @@ from dflash.model.target import TargetModel, UnsupportedTargetError
 SLIDING_FAMILIES = {"mistral", "phi3", "qwen2", "gemma2", "gemma3_text", "cohere2"}
 MAX_NEW = 32  # with prompts of 3-20 tokens, sequences run well past the sliding window (conftest.SLIDING_WINDOW)
 SEEDED = dict(max_new_tokens=MAX_NEW, temperature=0.9, top_p=0.9, top_k=50, seed=11, stop_token_ids=[])
-
-
-def partial_oracle(target, references, block_size: int) -> OracleProposer:
-    """A drafter right for a random number of tokens per block: rows accept different numbers (ragged)."""
-    return OracleProposer(tiny_drafter(target), target, references,
-                          correct=lambda rng: rng.randint(0, block_size - 1), seed=block_size)
 
 
 @pytest.mark.parametrize("family", MORE_FAMILIES)
