@@ -8,9 +8,11 @@
 #      and is evaluated and exported (a run stopped at the deadline saves a checkpoint, which is then evaluated and
 #      exported as it is); the result is copied to OUT_DIR/drafter.
 # Usage, at the repository root of the GPU machine: bash benchmarks/gpu_check.sh OUT_DIR SECONDS
-#   runs/gpu/answers.tgz must hold the config's answer sets (tar czf of those files in runs/embedded).
+#   runs/gpu/answers.tgz must hold the config's answer sets (a tar archive, any compression, of those files in
+#   runs/embedded; scripts/embedded/pack_answers.py keeps only the token ids and fits ten sets in ~8 MB).
 #   Every stage has a deadline, and a failed stage does not stop the next one.
-#   SKIP_TESTS=1 and SKIP_BENCH=1 leave out stages 1 and 2; PER_STEP=SECONDS skips the timing of 30 steps.
+#   SKIP_TESTS=1, SKIP_BENCH=1 and SKIP_TRAIN=1 leave out stages 1, 2 and 3; PER_STEP=SECONDS skips the timing of
+#   30 steps; DRAFT=DIR benches that drafter (default: the one this tree ships).
 #   DEVICE=cpu SAMPLES=2 PROBE=2 runs the same plumbing on a CPU (the tests then skip), where `python3` has the
 #   package's requirements.
 set -uo pipefail
@@ -40,18 +42,20 @@ log "1. losslessness on the GPU"
 
 log "2. dflash bench on the GPU"
 if [ -z "${SKIP_BENCH:-}" ]; then
-    timeout 110 dflash bench --device "$device" --dtype float32 --dataset gsm8k --max-samples "$samples" \
+    draft=${DRAFT:-dflash/assets/drafter}
+    timeout 110 dflash bench --device "$device" --draft "$draft" --dtype float32 --dataset gsm8k --max-samples "$samples" \
         --max-new-tokens 256 --block-size 16,auto --output-dir "$out/bench" --no-progress
-    timeout 50 dflash bench --device "$device" --dtype bfloat16 --dataset gsm8k --max-samples "$samples" \
+    timeout 50 dflash bench --device "$device" --draft "$draft" --dtype bfloat16 --dataset gsm8k --max-samples "$samples" \
         --max-new-tokens 256 --block-size 16 --output-dir "$out/bench_bf16" --no-progress
 fi
 rm -f "$out"/bench*/*.png "$out"/bench*/config.json "$out"/bench_bf16/results.md  # a call brings back 8 files
 
+[ -z "${SKIP_TRAIN:-}" ] || { log "done"; exit 0; }
 config=${CONFIG:-scripts/embedded/drafter_round24.yaml}
 log "3. training the embedded drafter: $config"
 read -r run init < <(python3 -c "import yaml; c = yaml.safe_load(open('$config')); print(c['output'], c['init_from'])")
 mkdir -p runs/embedded
-tar xzf runs/gpu/answers.tgz -C runs/embedded
+tar xf runs/gpu/answers.tgz -C runs/embedded
 [ -e "$init" ] || cp -r dflash/assets/drafter "$init"  # the config starts from the drafter this tree ships
 if [ -z "${PER_STEP:-}" ]; then
     timeout 100 dflash train --config "$config" --device "$device" --max-steps "$probe" --output /tmp/probe \

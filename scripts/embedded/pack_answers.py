@@ -1,0 +1,62 @@
+"""Pack a drafter config's answer sets for a GPU machine: one xz-compressed tar holding, for every set named by the
+config (`data` and `extra_train_data`), each record's `id`, `prompt_ids` and `response_ids` alone. Training reads
+those ids as they are, and they are a tenth of the size of the full records (the texts compress far less), so ten
+sets of the embedded pair's answers travel in ~8 MB beside the working tree.
+
+    python scripts/embedded/pack_answers.py --config scripts/embedded/drafter_round26.yaml --out runs/gpu/answers.tgz
+
+benchmarks/gpu_check.sh unpacks the archive into runs/embedded on the GPU machine.
+"""
+
+from __future__ import annotations
+
+import argparse
+import io
+import json
+import tarfile
+from pathlib import Path
+
+import yaml
+
+NEWLINE = b"\n"
+KEPT = ("id", "prompt_ids", "response_ids")
+
+
+def answer_sets(config: Path) -> list[Path]:
+    """The config's answer files: `data`, then `extra_train_data`."""
+    values = yaml.safe_load(config.read_text())
+    return [Path(values["data"]), *map(Path, values.get("extra_train_data") or [])]
+
+
+def slim(path: Path) -> bytes:
+    """The file's records with only the token ids; a record without them stops the packing."""
+    lines = []
+    for n, line in enumerate(path.read_text().splitlines(), 1):
+        if not line.strip():
+            continue
+        record = json.loads(line)
+        missing = [k for k in KEPT if k not in record]
+        if missing:
+            raise SystemExit(f"{path}:{n} has no {', '.join(missing)}: pack only sets written by `dflash datagen`")
+        lines.append(json.dumps({k: record[k] for k in KEPT}, separators=(",", ":")))
+    return ("\n".join(lines) + "\n").encode()
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--config", type=Path, required=True, help="drafter training config (YAML)")
+    parser.add_argument("--out", type=Path, default=Path("runs/gpu/answers.tgz"))
+    args = parser.parse_args()
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    with tarfile.open(args.out, "w:xz") as tar:
+        for path in answer_sets(args.config):
+            data = slim(path)
+            info = tarfile.TarInfo(path.name)
+            info.size = len(data)
+            tar.addfile(info, io.BytesIO(data))
+            print(f"{path}: {data.count(NEWLINE)} records")
+    print(f"wrote {args.out} ({args.out.stat().st_size / 1e6:.1f} MB)")
+
+
+if __name__ == "__main__":
+    main()
