@@ -9,7 +9,7 @@
 #      exported as it is); the result is copied to OUT_DIR/drafter.
 # Usage, at the repository root of the GPU machine: bash benchmarks/gpu_check.sh OUT_DIR SECONDS
 #   runs/gpu/answers.tgz must hold the config's answer sets (a tar archive, any compression, of those files in
-#   runs/embedded; scripts/embedded/pack_answers.py keeps only the token ids and fits ten sets in ~8 MB).
+#   runs/embedded; scripts/embedded/pack_answers.py keeps only the token ids: ten sets in 2.9 MB).
 #   Every stage has a deadline, and a failed stage does not stop the next one.
 #   SKIP_TESTS=1, SKIP_BENCH=1 and SKIP_TRAIN=1 leave out stages 1, 2 and 3; PER_STEP=SECONDS skips the timing of
 #   30 steps; DRAFT=DIR benches that drafter (default: the one this tree ships).

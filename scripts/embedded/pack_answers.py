@@ -1,7 +1,7 @@
 """Pack a drafter config's answer sets for a GPU machine: one xz-compressed tar holding, for every set named by the
 config (`data` and `extra_train_data`), each record's `id`, `prompt_ids` and `response_ids` alone. Training reads
-those ids as they are, and they are a tenth of the size of the full records (the texts compress far less), so ten
-sets of the embedded pair's answers travel in ~8 MB beside the working tree.
+those ids as they are, and without the texts the sets shrink a lot: round 25's six took 13.8 MB as full records in
+gzip and 1.9 MB packed, round 26's ten 2.9 MB, well inside the 64 MiB that travel with the working tree.
 
     python scripts/embedded/pack_answers.py --config scripts/embedded/drafter_round26.yaml --out runs/gpu/answers.tgz
 
