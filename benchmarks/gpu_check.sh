@@ -3,8 +3,8 @@
 #   1. the CUDA losslessness tests (tests/decoding/test_cuda.py);
 #   2. `dflash bench` on the GPU: the embedded pair on gsm8k, float32 at block sizes 16 and auto, then bfloat16 at 16
 #      (speedup over plain decoding on the same GPU, tau, mismatches);
-#   3. a round of the embedded drafter (CONFIG, default scripts/embedded/drafter_round24.yaml), started from the
-#      drafter this tree ships: 30 steps are timed first, then it trains for as many steps as the time left allows,
+#   3. a round of the embedded drafter (CONFIG, default scripts/embedded/drafter_round27.yaml), started from the
+#      config's init_from, which must be on the machine: 30 steps are timed first, then it trains for as many steps as the time left allows,
 #      and is evaluated and exported (a run stopped at the deadline saves a checkpoint, which is then evaluated and
 #      exported as it is); the result is copied to OUT_DIR/drafter.
 # Usage, at the repository root of the GPU machine: bash benchmarks/gpu_check.sh OUT_DIR SECONDS
@@ -51,12 +51,12 @@ fi
 rm -f "$out"/bench*/*.png "$out"/bench*/config.json "$out"/bench_bf16/results.md  # a call brings back 8 files
 
 [ -z "${SKIP_TRAIN:-}" ] || { log "done"; exit 0; }
-config=${CONFIG:-scripts/embedded/drafter_round24.yaml}
+config=${CONFIG:-scripts/embedded/drafter_round27.yaml}
 log "3. training the embedded drafter: $config"
 read -r run init < <(python3 -c "import yaml; c = yaml.safe_load(open('$config')); print(c['output'], c['init_from'])")
 mkdir -p runs/embedded
 tar xf runs/gpu/answers.tgz -C runs/embedded
-[ -e "$init" ] || cp -r dflash/assets/drafter "$init"  # the config starts from the drafter this tree ships
+[ -e "$init" ] || { log "init_from $init is not on this machine: carry it, or start from dflash/assets/drafter"; exit 1; }
 if [ -z "${PER_STEP:-}" ]; then
     timeout 100 dflash train --config "$config" --device "$device" --max-steps "$probe" --output /tmp/probe \
         --eval-decoding-examples 0 --checkpoint-every 0 --overwrite > /tmp/probe.log 2>&1 || tail -20 /tmp/probe.log

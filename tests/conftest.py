@@ -168,6 +168,22 @@ def partial_oracle(target, references: dict[tuple, list[int]], block_size: int) 
                           correct=lambda rng: rng.randint(0, block_size - 1), seed=block_size)
 
 
+def check_ragged_greedy(target, prompts: list[list[int]], max_new: int) -> None:
+    """Greedy at block sizes 2, 8 and 16 in a ragged batch, with a drafter right for a random number of tokens per
+    block, gives transformers' own greedy output; draft tokens are accepted, and rows accept different numbers."""
+    from dflash.decoding import GenerationConfig, SpeculativeEngine
+
+    greedy = [hf_greedy(target, p, max_new) for p in prompts]
+    for block_size in (2, 8, 16):
+        engine = SpeculativeEngine(target, partial_oracle(target, dict(zip(map(tuple, prompts), greedy)), block_size))
+        outs = engine.generate(prompts, GenerationConfig(max_new_tokens=max_new, block_size=block_size,
+                                                         stop_token_ids=[]))
+        assert [o.output_ids for o in outs] == greedy, f"block size {block_size}"
+        if block_size > 2:
+            assert len({tuple(o.stats.acceptance_lengths) for o in outs}) > 1
+            assert all(o.stats.mean_acceptance_length > 1.3 for o in outs)
+
+
 class BranchOracle(OracleProposer):
     """The oracle's draft (right for `correct` tokens), sure of its right tokens and unsure of the first wrong
     one, with a branch there that is right for `branch_right` tokens."""

@@ -16,30 +16,43 @@ import json
 import tarfile
 from pathlib import Path
 
-import yaml
+from dflash.errors import UserError
+from dflash.records import read_jsonl
+from dflash.training.config import load_config
 
-NEWLINE = b"\n"
 KEPT = ("id", "prompt_ids", "response_ids")
 
 
 def answer_sets(config: Path) -> list[Path]:
-    """The config's answer files: `data`, then `extra_train_data`."""
-    values = yaml.safe_load(config.read_text())
-    return [Path(values["data"]), *map(Path, values.get("extra_train_data") or [])]
+    """The config's answer files, read as `dflash train` reads them: `data`, then `extra_train_data`."""
+    train = load_config(str(config), {})
+    return [Path(train.data), *map(Path, train.extra_train_data or [])]
 
 
 def slim(path: Path) -> bytes:
     """The file's records with only the token ids; a record without them stops the packing."""
     lines = []
-    for n, line in enumerate(path.read_text().splitlines(), 1):
-        if not line.strip():
-            continue
-        record = json.loads(line)
+    for n, record in read_jsonl(path, missing="make it with `dflash datagen` (the config names it)"):
         missing = [k for k in KEPT if k not in record]
         if missing:
-            raise SystemExit(f"{path}:{n} has no {', '.join(missing)}: pack only sets written by `dflash datagen`")
-        lines.append(json.dumps({k: record[k] for k in KEPT}, separators=(",", ":")))
-    return ("\n".join(lines) + "\n").encode()
+            raise UserError(f"{path}:{n} has no {', '.join(missing)}: pack only sets written by `dflash datagen`")
+        lines.append(json.dumps({k: record[k] for k in KEPT}, separators=(",", ":")) + "\n")
+    return "".join(lines).encode()
+
+
+def pack(config: Path, out: Path) -> None:
+    """Write the archive; an archive already at `out` is replaced only once the new one is whole."""
+    out.parent.mkdir(parents=True, exist_ok=True)
+    partial = out.with_name(out.name + ".partial")
+    with tarfile.open(partial, "w:xz") as tar:
+        for path in answer_sets(config):
+            data = slim(path)
+            info = tarfile.TarInfo(path.name)
+            info.size = len(data)
+            tar.addfile(info, io.BytesIO(data))
+            print(f"{path}: {len(data.splitlines())} records")
+    partial.replace(out)
+    print(f"wrote {out} ({out.stat().st_size / 1e6:.1f} MB)")
 
 
 def main() -> None:
@@ -47,15 +60,10 @@ def main() -> None:
     parser.add_argument("--config", type=Path, required=True, help="drafter training config (YAML)")
     parser.add_argument("--out", type=Path, default=Path("runs/gpu/answers.tgz"))
     args = parser.parse_args()
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    with tarfile.open(args.out, "w:xz") as tar:
-        for path in answer_sets(args.config):
-            data = slim(path)
-            info = tarfile.TarInfo(path.name)
-            info.size = len(data)
-            tar.addfile(info, io.BytesIO(data))
-            print(f"{path}: {data.count(NEWLINE)} records")
-    print(f"wrote {args.out} ({args.out.stat().st_size / 1e6:.1f} MB)")
+    try:
+        pack(args.config, args.out)
+    except UserError as err:
+        raise SystemExit(f"pack_answers.py: {err}") from None
 
 
 if __name__ == "__main__":

@@ -4,12 +4,12 @@ from __future__ import annotations
 
 import importlib.util
 import json
-import sys
 import tarfile
 from pathlib import Path
 
 import pytest
 
+from dflash.errors import UserError
 from dflash.training.data import fingerprint, load_examples
 
 SCRIPT = Path(__file__).parents[2] / "scripts" / "embedded" / "pack_answers.py"
@@ -34,14 +34,13 @@ def answers(n: int, offset: int) -> list[dict]:
              "prompt_ids": [1, 5 + i, 6], "response_ids": [7 + offset, 8 + i, 9, 2]} for i in range(n)]
 
 
-def test_packed_sets_hold_the_same_examples(pack, tmp_path, monkeypatch):
+def test_packed_sets_hold_the_same_examples(pack, tmp_path):
     main = write(tmp_path / "main.jsonl", answers(5, 0))
     extra = write(tmp_path / "extra.jsonl", answers(3, 10))
     config = tmp_path / "c.yaml"
-    config.write_text(f"data: {main}\nextra_train_data:\n  - {extra}\n")
+    config.write_text(f"data: {main}\nextra_train_data:\n  - {extra}\noutput: {tmp_path / 'drafter'}\n")
     out = tmp_path / "gpu" / "answers.tgz"
-    monkeypatch.setattr(sys, "argv", ["pack_answers.py", "--config", str(config), "--out", str(out)])
-    pack.main()
+    pack.pack(config, out)
     unpacked = tmp_path / "unpacked"
     with tarfile.open(out) as tar:
         assert sorted(tar.getnames()) == ["extra.jsonl", "main.jsonl"]
@@ -53,9 +52,14 @@ def test_packed_sets_hold_the_same_examples(pack, tmp_path, monkeypatch):
                 == fingerprint(load_examples(original, None, 64, 100)))
 
 
-def test_a_set_without_token_ids_is_refused_with_its_line(pack, tmp_path):
+def test_a_set_without_token_ids_is_refused_with_its_line_and_the_old_archive_kept(pack, tmp_path):
     records = answers(2, 0)
     del records[1]["response_ids"]
     path = write(tmp_path / "text.jsonl", records)
-    with pytest.raises(SystemExit, match=r"text.jsonl:2 has no response_ids"):
-        pack.slim(path)
+    config = tmp_path / "c.yaml"
+    config.write_text(f"data: {path}\noutput: {tmp_path / 'drafter'}\n")
+    out = tmp_path / "answers.tgz"
+    out.write_bytes(b"the archive of an earlier pack")
+    with pytest.raises(UserError, match=r"text.jsonl:2 has no response_ids"):
+        pack.pack(config, out)
+    assert out.read_bytes() == b"the archive of an earlier pack"
