@@ -197,8 +197,8 @@ def ragged_attention_mask(model: nn.Module, attention_mask: torch.Tensor, q_leng
     batch_size, slots = valid.shape
 
     def mask(window: int | None):
-        return make_mask(
-            batch_size=batch_size, q_length=q_length, kv_length=slots, q_offset=slots - q_length, kv_offset=0,
+        return _call_mask_maker(
+            make_mask, q_length, slots, batch_size=batch_size,
             mask_function=_causal_by_position(slot_positions, window), attention_mask=valid, local_size=window,
             allow_is_causal_skip=False, use_vmap=False, dtype=model.dtype, config=config, device=valid.device,
         )
@@ -213,6 +213,19 @@ def _mask_maker(config: Any):
     from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS
 
     return ALL_MASK_ATTENTION_FUNCTIONS.get(config._attn_implementation)
+
+
+def _call_mask_maker(make_mask, q_length: int, kv_length: int, **kwargs: Any) -> Any:
+    """A transformers mask maker's mask for the last `q_length` of `kv_length` slots (the new tokens after the
+    cache), in either signature: transformers 5 takes the query count and offset, 4.57 the queries' slot indices
+    (`cache_position`); the mask function sees the same absolute slot index as `q_idx` in both."""
+    q_offset = kv_length - q_length
+    if "cache_position" in inspect.signature(make_mask).parameters:
+        device = kwargs.get("device")
+        kwargs["cache_position"] = torch.arange(q_offset, kv_length, device=device)
+    else:
+        kwargs.update(q_length=q_length, q_offset=q_offset)
+    return make_mask(kv_length=kv_length, kv_offset=0, **kwargs)
 
 
 def takes_tree_masks(model: nn.Module) -> bool:
@@ -241,10 +254,9 @@ def tree_attention_mask(model: nn.Module, attention_mask: torch.Tensor, visibili
     def inner(batch_idx, head_idx, q_idx, kv_idx):
         return seen[batch_idx, q_idx - (slots - q), kv_idx]
 
-    return make_mask(
-        batch_size=batch_size, q_length=q, kv_length=slots, q_offset=slots - q, kv_offset=0, mask_function=inner,
-        attention_mask=valid, allow_is_causal_skip=False, use_vmap=False, dtype=model.dtype, config=config,
-        device=valid.device,
+    return _call_mask_maker(
+        make_mask, q, slots, batch_size=batch_size, mask_function=inner, attention_mask=valid,
+        allow_is_causal_skip=False, use_vmap=False, dtype=model.dtype, config=config, device=valid.device,
     )
 
 

@@ -211,6 +211,20 @@ def load_failure(what: str, directory: Path, err: BaseException) -> CheckpointEr
     return CheckpointError(f"could not load {what} from {directory} ({_first_line(err)}){advice}")
 
 
+def check_tokenizer_files(directory: Path) -> None:
+    """Refuse tokenizer JSON files that do not parse, naming them as damaged: when one does not, transformers
+    falls back to other ways of building the tokenizer and fails with an unrelated error (4.57: "requires the
+    protobuf library")."""
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        file = directory / name
+        if not file.is_file():
+            continue
+        try:
+            json.loads(file.read_bytes())
+        except (ValueError, UnicodeDecodeError) as err:
+            raise load_failure(f"the tokenizer ({name})", directory, err) from None
+
+
 def _read_state_dict(directory: Path) -> dict[str, torch.Tensor]:
     index = directory / "model.safetensors.index.json"
     if index.exists():

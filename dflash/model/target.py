@@ -20,6 +20,7 @@ from dflash.model.config import DrafterConfig
 from dflash.model.loading import (
     CheckpointError,
     causal_lm_shape_mismatches,
+    check_tokenizer_files,
     parse_dtype,
     read_config,
     resolve_model_dir,
@@ -78,7 +79,11 @@ class TargetModel:
             if "mismatched" not in str(err) and "size mismatch" not in str(err):
                 raise
             raise _mismatch_error(directory) from None
-        tokenizer = AutoTokenizer.from_pretrained(directory)
+        try:
+            tokenizer = AutoTokenizer.from_pretrained(directory)
+        except Exception:
+            check_tokenizer_files(directory)  # a damaged file is named as such, not by transformers' fallback
+            raise
         return cls(model, tokenizer)
 
     # ---- facts about the target -------------------------------------------------------------------

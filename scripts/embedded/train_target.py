@@ -36,6 +36,7 @@ from transformers import AutoTokenizer, GenerationConfig, Qwen3Config, Qwen3ForC
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from loops import K, N, looping_positions  # noqa: E402
 from prepare_data import load_chats, to_messages  # noqa: E402
+from train_tokenizer import save_portable  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[2]
 ASSET_DIR = ROOT / "dflash" / "assets" / "target"
@@ -212,7 +213,7 @@ def export(model, tok, out_dir, store_dtype=torch.float16):
     cfg["dtype"] = "float32"
     cfg.pop("torch_dtype", None)
     (out_dir / "config.json").write_text(json.dumps(cfg, indent=2) + "\n")
-    tok.save_pretrained(out_dir)
+    save_portable(tok, out_dir)
 
 
 def main():

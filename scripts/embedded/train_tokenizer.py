@@ -3,6 +3,7 @@
 Usage: python scripts/embedded/train_tokenizer.py [--out dflash/assets/target] [--vocab 4096]
 """
 import argparse
+import json
 import sys
 from pathlib import Path
 
@@ -23,6 +24,21 @@ CHAT_TEMPLATE = (
     "{{- '<|im_start|>assistant\\n' }}"
     "{%- endif %}"
 )
+
+
+def save_portable(tokenizer, out_dir) -> None:
+    """`save_pretrained`, then a tokenizer_config.json that transformers 4.57 reads too (the package supports
+    transformers>=4.57): transformers 5 names its own class `TokenizersBackend` and lists the extra special tokens as
+    `extra_special_tokens`, which 4.x cannot load. `PreTrainedTokenizerFast` and `additional_special_tokens` load
+    the same tokenizer in both (the same ids, special tokens and chat template)."""
+    tokenizer.save_pretrained(out_dir)
+    path = Path(out_dir) / "tokenizer_config.json"
+    config = json.loads(path.read_text())
+    if config.get("tokenizer_class") == "TokenizersBackend":
+        config["tokenizer_class"] = "PreTrainedTokenizerFast"
+    if isinstance(config.get("extra_special_tokens"), list):
+        config = {("additional_special_tokens" if k == "extra_special_tokens" else k): v for k, v in config.items()}
+    path.write_text(json.dumps(config, indent=2) + "\n")
 
 
 def corpus(chats):
@@ -67,7 +83,7 @@ def main():
     fast.chat_template = CHAT_TEMPLATE
     fast.padding_side = "left"
     Path(args.out).mkdir(parents=True, exist_ok=True)
-    fast.save_pretrained(args.out)
+    save_portable(fast, args.out)
 
     # sanity checks
     from transformers import AutoTokenizer

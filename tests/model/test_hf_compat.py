@@ -104,3 +104,22 @@ def test_sliding_windows_are_drawn_by_position_across_holes(family):
     for row, length in ((0, 20), (1, 17)):
         alone = target.forward(real[row : row + 1, :length], torch.arange(length)[None], target.new_cache())
         assert torch.allclose(out.logits[row], alone.logits[0, -5:], atol=1e-4), row
+
+
+def test_mask_makers_of_both_transformers_signatures_get_the_new_tokens_slots():
+    """transformers 5's mask makers take the query count and offset; 4.57's take the queries' slot indices
+    (`cache_position`). Both must be asked for the last q of the slots, with nothing of the other signature."""
+    calls = {}
+
+    def maker_5(batch_size, q_length, kv_length, q_offset=0, kv_offset=0, mask_function=None, **kwargs):
+        calls["5"] = dict(q_length=q_length, q_offset=q_offset, kv_length=kv_length, kv_offset=kv_offset, **kwargs)
+        return "mask 5"
+
+    def maker_4(batch_size, cache_position, kv_length, kv_offset=0, mask_function=None, **kwargs):
+        calls["4"] = dict(cache_position=cache_position.tolist(), kv_length=kv_length, kv_offset=kv_offset, **kwargs)
+        return "mask 4"
+
+    assert hf_compat._call_mask_maker(maker_5, 3, 10, batch_size=2, device=torch.device("cpu")) == "mask 5"
+    assert hf_compat._call_mask_maker(maker_4, 3, 10, batch_size=2, device=torch.device("cpu")) == "mask 4"
+    assert calls["5"] == dict(q_length=3, q_offset=7, kv_length=10, kv_offset=0, device=torch.device("cpu"))
+    assert calls["4"] == dict(cache_position=[7, 8, 9], kv_length=10, kv_offset=0, device=torch.device("cpu"))

@@ -273,3 +273,25 @@ def test_a_hub_id_with_hf_hub_offline_goes_to_the_cache_only(silent_hub, monkeyp
     monkeypatch.setattr(constants, "HF_HUB_OFFLINE", True)
     with pytest.raises(CheckpointError, match="HF_HUB_OFFLINE is set, and the local cache"):
         resolve_model_dir("Qwen/Qwen3-8B")
+
+
+def test_the_embedded_tokenizer_config_is_readable_by_transformers_4():
+    """The package supports transformers>=4.57: the shipped tokenizer must not name transformers 5's own class
+    (`TokenizersBackend`) or list its extra special tokens the 5.x way, which 4.x cannot load
+    (`scripts/embedded/train_tokenizer.save_portable` writes it so)."""
+    from dflash.api import ASSETS
+
+    config = json.loads((ASSETS / "target" / "tokenizer_config.json").read_text())
+    assert config["tokenizer_class"] == "PreTrainedTokenizerFast"
+    assert not isinstance(config.get("extra_special_tokens"), list)
+    assert config["additional_special_tokens"] == ["<|endoftext|>", "<|im_start|>"]
+
+
+@pytest.mark.parametrize("name", ["tokenizer.json", "tokenizer_config.json"])
+def test_a_tokenizer_file_that_does_not_parse_is_named_as_damaged(tmp_path, name):
+    (tmp_path / "tokenizer.json").write_text('{"version": "1.0"}')
+    (tmp_path / "tokenizer_config.json").write_text("{}")
+    loading.check_tokenizer_files(tmp_path)  # both parse: nothing to say
+    (tmp_path / name).write_text('{"version": "1.0", "model": {"vocab": {"a"')
+    with pytest.raises(CheckpointError, match=f"tokenizer \\({name}\\).*damaged or incomplete"):
+        loading.check_tokenizer_files(tmp_path)
