@@ -20,6 +20,7 @@ from transformers.cache_utils import DynamicLayer, DynamicSlidingWindowLayer
 from dflash.model.slot_buffer import SlotBuffer
 
 TRANSFORMERS_MAJOR = int(transformers.__version__.split(".")[0])
+TORCH_VERSION = tuple(int(part) for part in torch.__version__.split("+")[0].split(".")[:2])
 
 
 def cache_kwarg_name(model: nn.Module) -> str:
@@ -218,14 +219,55 @@ def _mask_maker(config: Any):
 def _call_mask_maker(make_mask, q_length: int, kv_length: int, **kwargs: Any) -> Any:
     """A transformers mask maker's mask for the last `q_length` of `kv_length` slots (the new tokens after the
     cache), in either signature: transformers 5 takes the query count and offset, 4.57 the queries' slot indices
-    (`cache_position`); the mask function sees the same absolute slot index as `q_idx` in both."""
+    (`cache_position`); the mask function sees the same absolute slot index as `q_idx` in both. On torch < 2.6,
+    where transformers' SDPA and eager makers cannot tell rows apart, the mask is made here (`_dense_mask`)."""
     q_offset = kv_length - q_length
+    if not MASK_MAKERS_SEE_ROWS and _mask_kind(make_mask) is not None:
+        return _dense_mask(_mask_kind(make_mask), q_length, kv_length, **kwargs)
     if "cache_position" in inspect.signature(make_mask).parameters:
         device = kwargs.get("device")
         kwargs["cache_position"] = torch.arange(q_offset, kv_length, device=device)
     else:
         kwargs.update(q_length=q_length, q_offset=q_offset)
     return make_mask(kv_length=kv_length, kv_offset=0, **kwargs)
+
+
+# transformers' SDPA and eager mask makers evaluate a mask function per row only on torch >= 2.6; before, they
+# vmap it over queries and keys with no row index (4.57's `sdpa_mask_older_torch`), so a mask that differs by row
+# (holes, positions, a branch) cannot be made by them
+MASK_MAKERS_SEE_ROWS = TORCH_VERSION >= (2, 6)
+
+
+def _mask_kind(make_mask) -> str | None:
+    """"bool" for transformers' SDPA mask maker, "additive" for its eager one, None for any other."""
+    from transformers import masking_utils
+
+    makers = {"sdpa_mask": "bool", "sdpa_mask_older_torch": "bool", "sdpa_mask_recent_torch": "bool",
+              "eager_mask": "additive"}
+    name = getattr(make_mask, "__name__", "")
+    return makers.get(name) if getattr(masking_utils, name, None) is make_mask else None
+
+
+def _dense_mask(kind: str, q_length: int, kv_length: int, *, batch_size: int, mask_function, attention_mask,
+                dtype: torch.dtype, device: torch.device, **_: Any) -> torch.Tensor:
+    """What transformers' SDPA ("bool") or eager ("additive") mask maker makes, (b, 1, q, kv), with the mask
+    function evaluated on broadcast indices instead of under vmap. attention_mask (b, kv) bool, real slots."""
+    rows = torch.arange(batch_size, device=device)[:, None, None]  # (b, 1, 1)
+    queries = torch.arange(kv_length - q_length, kv_length, device=device)[None, :, None]  # (1, q, 1)
+    keys = torch.arange(kv_length, device=device)[None, None, :]  # (1, 1, kv)
+    seen = mask_function(rows, None, queries, keys).expand(batch_size, q_length, kv_length)
+    seen = (seen & attention_mask[:, None, :])[:, None]  # (b, 1, q, kv)
+    if TORCH_VERSION < (2, 5):  # as transformers does there: a query that sees nothing would make SDPA give NaN
+        seen = seen | ~seen.any(-1, keepdim=True)
+    if kind == "bool":
+        return seen
+    return torch.zeros(seen.shape, dtype=dtype, device=device).masked_fill(~seen, torch.finfo(dtype).min)
+
+
+def padding_mask_needed(batch_size: int) -> bool:
+    """transformers 4.x on torch < 2.5 cannot make the causal mask of a forward of several rows that has no
+    padding mask (it writes in place into a mask expanded over the rows): such a forward gets an all-ones one."""
+    return batch_size > 1 and TORCH_VERSION < (2, 5) and TRANSFORMERS_MAJOR < 5
 
 
 def takes_tree_masks(model: nn.Module) -> bool:
@@ -286,7 +328,7 @@ def set_cache_tensors(cache: DynamicCache, tensors: list[tuple[torch.Tensor, tor
 
 
 # `scaled_dot_product_attention(..., enable_gqa=True)` exists from torch 2.5
-_SDPA_HAS_GQA = tuple(int(part) for part in torch.__version__.split(".")[:2]) >= (2, 5)
+_SDPA_HAS_GQA = TORCH_VERSION >= (2, 5)
 
 
 def sdpa_reads_shared_heads(device: torch.device) -> bool:

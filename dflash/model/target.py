@@ -172,6 +172,9 @@ class TargetModel:
     ) -> TargetOutput:
         self._ensure_hooks(list(feature_layer_ids))
         self._wanted, self._captured = set(feature_layer_ids), {}
+        if attention_mask is None and hf_compat.padding_mask_needed(input_ids.shape[0]):
+            attention_mask = torch.ones(input_ids.shape[0], hf_compat.cache_length(cache) + input_ids.shape[1],
+                                        dtype=torch.long, device=input_ids.device)
         if visibility is not None:  # a block and its branch: a tree inside the new tokens
             if attention_mask is None:
                 attention_mask = torch.ones(input_ids.shape[0], hf_compat.cache_length(cache) + input_ids.shape[1],

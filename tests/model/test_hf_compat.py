@@ -26,7 +26,8 @@ def test_grouped_query_attention_matches_transformers_sdpa_under_a_mask():
 def test_target_switched_to_shared_kv_attention_gives_the_same_logits_with_holes(family):
     reference = tiny_target_model(family)
     target = TargetModel(copy.deepcopy(reference))
-    assert target.model.config._attn_implementation == "sdpa_shared_kv"
+    switched = hf_compat.sdpa_reads_shared_heads(torch.device("cpu"))  # torch >= 2.5 (`enable_gqa`)
+    assert target.model.config._attn_implementation == ("sdpa_shared_kv" if switched else "sdpa")
     assert reference.config._attn_implementation == "sdpa"
     ids = torch.randint(0, 100, (2, 7))
     mask = torch.ones(2, 7, dtype=torch.long)
@@ -123,3 +124,24 @@ def test_mask_makers_of_both_transformers_signatures_get_the_new_tokens_slots():
     assert hf_compat._call_mask_maker(maker_4, 3, 10, batch_size=2, device=torch.device("cpu")) == "mask 4"
     assert calls["5"] == dict(q_length=3, q_offset=7, kv_length=10, kv_offset=0, device=torch.device("cpu"))
     assert calls["4"] == dict(cache_position=[7, 8, 9], kv_length=10, kv_offset=0, device=torch.device("cpu"))
+
+
+@pytest.mark.skipif(not hf_compat.MASK_MAKERS_SEE_ROWS, reason="transformers' makers see rows only on torch >= 2.6")
+@pytest.mark.parametrize("maker_name", ["sdpa_mask", "eager_mask"])
+def test_masks_made_here_on_older_torch_are_what_transformers_makes(maker_name):
+    """On torch < 2.6 the ragged and tree masks are made by `_dense_mask`: here, where transformers' own maker
+    can tell rows apart, both must give the same mask for a mask function that differs by row."""
+    from transformers import masking_utils
+
+    make_mask = getattr(masking_utils, maker_name)
+    valid = torch.tensor([[1, 1, 0, 1, 1, 1, 1], [0, 1, 1, 1, 1, 1, 1]], dtype=torch.bool)  # holes
+    positions = valid.long().cumsum(-1) - 1
+    kwargs = dict(batch_size=2, mask_function=hf_compat._causal_by_position(positions, 3), attention_mask=valid,
+                  allow_is_causal_skip=False, use_vmap=False, dtype=torch.float32, device=torch.device("cpu"),
+                  config=tiny_target_config("qwen3"))
+    theirs = hf_compat._call_mask_maker(make_mask, 4, 7, **kwargs)
+    ours = hf_compat._dense_mask(hf_compat._mask_kind(make_mask), 4, 7, **kwargs)
+    assert hf_compat._mask_kind(make_mask) == ("bool" if maker_name == "sdpa_mask" else "additive")
+    assert ours.shape == (2, 1, 4, 7) and ours.dtype == theirs.dtype
+    assert torch.equal(ours, theirs)
+    assert not torch.equal(ours[0], ours[1])  # the rows do differ
