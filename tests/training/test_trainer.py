@@ -606,12 +606,12 @@ def test_a_damaged_feature_cache_file_is_computed_again_with_a_warning(tiny_pair
                                                                        damage):
     cache = tmp_path / "features"
     Trainer(config(tiny_pair, train_data, tmp_path / "a", feature_cache=str(cache), max_steps=1)).setup().train()
-    good = torch.load(cache / "eval-0.pt")
+    good = torch.load(cache / "eval-0.pt", weights_only=True)
     damage(cache / "eval-0.pt")
     again = Trainer(config(tiny_pair, train_data, tmp_path / "b", feature_cache=str(cache))).setup()
     features, _ = again._features(again._batch("eval", [0]))
     assert torch.equal(features[0, : len(good)], good.float())
-    assert torch.equal(torch.load(cache / "eval-0.pt"), good)  # rewritten
+    assert torch.equal(torch.load(cache / "eval-0.pt", weights_only=True), good)  # rewritten
     assert f"the feature cache file {cache / 'eval-0.pt'} is damaged" in capsys.readouterr().err
 
 
