@@ -21,6 +21,10 @@ from dflash.model.slot_buffer import SlotBuffer
 
 TRANSFORMERS_MAJOR = int(transformers.__version__.split(".")[0])
 TORCH_VERSION = tuple(int(part) for part in torch.__version__.split("+")[0].split(".")[:2])
+# transformers' SDPA and eager mask makers evaluate a mask function per row only on torch >= 2.6; before, they
+# vmap it over queries and keys with no row index (4.57's `sdpa_mask_older_torch`), so a mask that differs by row
+# (holes, positions, a branch) cannot be made by them
+MASK_MAKERS_SEE_ROWS = TORCH_VERSION >= (2, 6)
 
 
 def cache_kwarg_name(model: nn.Module) -> str:
@@ -222,8 +226,9 @@ def _call_mask_maker(make_mask, q_length: int, kv_length: int, **kwargs: Any) ->
     (`cache_position`); the mask function sees the same absolute slot index as `q_idx` in both. On torch < 2.6,
     where transformers' SDPA and eager makers cannot tell rows apart, the mask is made here (`_dense_mask`)."""
     q_offset = kv_length - q_length
-    if not MASK_MAKERS_SEE_ROWS and _mask_kind(make_mask) is not None:
-        return _dense_mask(_mask_kind(make_mask), q_length, kv_length, **kwargs)
+    kind = _mask_kind(make_mask)
+    if not MASK_MAKERS_SEE_ROWS and kind is not None:
+        return _dense_mask(kind, q_length, kv_length, **kwargs)
     if "cache_position" in inspect.signature(make_mask).parameters:
         device = kwargs.get("device")
         kwargs["cache_position"] = torch.arange(q_offset, kv_length, device=device)
@@ -232,14 +237,8 @@ def _call_mask_maker(make_mask, q_length: int, kv_length: int, **kwargs: Any) ->
     return make_mask(kv_length=kv_length, kv_offset=0, **kwargs)
 
 
-# transformers' SDPA and eager mask makers evaluate a mask function per row only on torch >= 2.6; before, they
-# vmap it over queries and keys with no row index (4.57's `sdpa_mask_older_torch`), so a mask that differs by row
-# (holes, positions, a branch) cannot be made by them
-MASK_MAKERS_SEE_ROWS = TORCH_VERSION >= (2, 6)
-
-
 def _mask_kind(make_mask) -> str | None:
-    """"bool" for transformers' SDPA mask maker, "additive" for its eager one, None for any other."""
+    """The form of mask transformers' `make_mask` makes: "bool" for SDPA, "additive" for eager, None for others."""
     from transformers import masking_utils
 
     makers = {"sdpa_mask": "bool", "sdpa_mask_older_torch": "bool", "sdpa_mask_recent_torch": "bool",

@@ -172,16 +172,14 @@ class TargetModel:
     ) -> TargetOutput:
         self._ensure_hooks(list(feature_layer_ids))
         self._wanted, self._captured = set(feature_layer_ids), {}
-        if attention_mask is None and hf_compat.padding_mask_needed(input_ids.shape[0]):
-            attention_mask = torch.ones(input_ids.shape[0], hf_compat.cache_length(cache) + input_ids.shape[1],
-                                        dtype=torch.long, device=input_ids.device)
+        b, q = input_ids.shape
+        if attention_mask is None and (visibility is not None or hf_compat.padding_mask_needed(b)):
+            attention_mask = torch.ones(b, hf_compat.cache_length(cache) + q, dtype=torch.long,
+                                        device=input_ids.device)  # no holes
         if visibility is not None:  # a block and its branch: a tree inside the new tokens
-            if attention_mask is None:
-                attention_mask = torch.ones(input_ids.shape[0], hf_compat.cache_length(cache) + input_ids.shape[1],
-                                            dtype=torch.long, device=input_ids.device)
             attention_mask = hf_compat.tree_attention_mask(self.model, attention_mask, visibility)
         elif attention_mask is not None and self._sliding:  # holes: sliding windows by position, not by slot
-            attention_mask = hf_compat.ragged_attention_mask(self.model, attention_mask, input_ids.shape[1])
+            attention_mask = hf_compat.ragged_attention_mask(self.model, attention_mask, q)
         kwargs = {self._cache_kwarg: cache, "use_cache": True}
         if self._takes_logits_to_keep:
             kwargs["logits_to_keep"] = logits_to_keep
