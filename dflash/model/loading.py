@@ -211,18 +211,39 @@ def load_failure(what: str, directory: Path, err: BaseException) -> CheckpointEr
     return CheckpointError(f"could not load {what} from {directory} ({_first_line(err)}){advice}")
 
 
-def check_tokenizer_files(directory: Path) -> None:
-    """Refuse tokenizer JSON files that do not parse, naming them as damaged: when one does not, transformers
-    falls back to other ways of building the tokenizer and fails with an unrelated error (4.57: "requires the
-    protobuf library")."""
+def tokenizer_failure(directory: Path, err: BaseException) -> CheckpointError | None:
+    """Why transformers could not load the tokenizer in `directory` (raising `err`), where that can be told
+    better than its own message does; None otherwise.
+    - A tokenizer JSON file that does not parse is damaged: transformers then falls back to other ways of building
+      the tokenizer and fails with an unrelated error (4.57: "requires the protobuf library").
+    - A tokenizer saved by transformers 5 names its class `TokenizersBackend` and lists `extra_special_tokens`,
+      neither of which transformers 4.x reads."""
+    parsed = {}
     for name in ("tokenizer.json", "tokenizer_config.json"):
         file = directory / name
         if not file.is_file():
             continue
         try:
-            json.loads(file.read_bytes())
-        except (ValueError, UnicodeDecodeError) as err:
-            raise load_failure(f"the tokenizer ({name})", directory, err) from None
+            parsed[name] = json.loads(file.read_bytes())
+        except (ValueError, UnicodeDecodeError) as json_err:
+            return load_failure(f"the tokenizer ({name})", directory, json_err)
+    import transformers
+
+    config = parsed.get("tokenizer_config.json")
+    if not isinstance(config, dict) or int(transformers.__version__.split(".")[0]) >= 5:
+        return None
+    fixes = []
+    if config.get("tokenizer_class") == "TokenizersBackend":
+        fixes.append('set "tokenizer_class" to "PreTrainedTokenizerFast"')
+    if isinstance(config.get("extra_special_tokens"), list):
+        fixes.append('rename "extra_special_tokens" to "additional_special_tokens"')
+    if not fixes:
+        return None
+    return CheckpointError(
+        f"the tokenizer in {directory} was saved by transformers 5, which transformers {transformers.__version__} "
+        f"cannot load: upgrade it (pip install -U 'transformers>=5'), or in {directory / 'tokenizer_config.json'} "
+        + " and ".join(fixes)
+    )
 
 
 def _read_state_dict(directory: Path) -> dict[str, torch.Tensor]:

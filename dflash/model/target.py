@@ -20,10 +20,10 @@ from dflash.model.config import DrafterConfig
 from dflash.model.loading import (
     CheckpointError,
     causal_lm_shape_mismatches,
-    check_tokenizer_files,
     parse_dtype,
     read_config,
     resolve_model_dir,
+    tokenizer_failure,
 )
 
 
@@ -81,9 +81,11 @@ class TargetModel:
             raise _mismatch_error(directory) from None
         try:
             tokenizer = AutoTokenizer.from_pretrained(directory)
-        except Exception:
-            check_tokenizer_files(directory)  # a damaged file is named as such, not by transformers' fallback
-            raise
+        except Exception as err:
+            explained = tokenizer_failure(directory, err)
+            if explained is None:
+                raise
+            raise explained from None
         return cls(model, tokenizer)
 
     # ---- facts about the target -------------------------------------------------------------------

@@ -291,7 +291,30 @@ def test_the_embedded_tokenizer_config_is_readable_by_transformers_4():
 def test_a_tokenizer_file_that_does_not_parse_is_named_as_damaged(tmp_path, name):
     (tmp_path / "tokenizer.json").write_text('{"version": "1.0"}')
     (tmp_path / "tokenizer_config.json").write_text("{}")
-    loading.check_tokenizer_files(tmp_path)  # both parse: nothing to say
+    assert loading.tokenizer_failure(tmp_path, ValueError("anything")) is None  # both parse: nothing to add
     (tmp_path / name).write_text('{"version": "1.0", "model": {"vocab": {"a"')
-    with pytest.raises(CheckpointError, match=f"tokenizer \\({name}\\).*damaged or incomplete"):
-        loading.check_tokenizer_files(tmp_path)
+    explained = loading.tokenizer_failure(tmp_path, ImportError("requires the protobuf library"))
+    assert isinstance(explained, CheckpointError)
+    assert f"tokenizer ({name})" in str(explained) and "damaged or incomplete" in str(explained)
+
+
+def test_a_tokenizer_saved_by_transformers_5_loads_there_and_is_explained_before(tmp_path):
+    """A target saved by transformers 5 names its tokenizer class `TokenizersBackend`: 5.x loads it, and 4.x (the
+    package accepts 4.57) refuses it with a message that says how to go on (CI's transformers 4.57 pass)."""
+    import shutil
+
+    import transformers
+
+    from dflash.api import ASSETS, load_target
+
+    target = tmp_path / "target"
+    shutil.copytree(ASSETS / "target", target)
+    config = json.loads((target / "tokenizer_config.json").read_text())
+    config["tokenizer_class"] = "TokenizersBackend"
+    config["extra_special_tokens"] = config.pop("additional_special_tokens")
+    (target / "tokenizer_config.json").write_text(json.dumps(config))
+    if int(transformers.__version__.split(".")[0]) >= 5:
+        assert load_target(target).tokenizer.eos_token_id == 2
+    else:
+        with pytest.raises(CheckpointError, match="saved by transformers 5.*PreTrainedTokenizerFast.*additional_spec"):
+            load_target(target)
