@@ -8,6 +8,7 @@ back) and the attention masks a ragged batch needs for sliding-window layers.
 
 from __future__ import annotations
 
+import functools
 import inspect
 from typing import Any
 
@@ -229,7 +230,7 @@ def _call_mask_maker(make_mask, q_length: int, kv_length: int, **kwargs: Any) ->
     kind = _mask_kind(make_mask)
     if not MASK_MAKERS_SEE_ROWS and kind is not None:
         return _dense_mask(kind, q_length, kv_length, **kwargs)
-    if "cache_position" in inspect.signature(make_mask).parameters:
+    if _takes_cache_position(make_mask):
         device = kwargs.get("device")
         kwargs["cache_position"] = torch.arange(q_offset, kv_length, device=device)
     else:
@@ -237,6 +238,13 @@ def _call_mask_maker(make_mask, q_length: int, kv_length: int, **kwargs: Any) ->
     return make_mask(kv_length=kv_length, kv_offset=0, **kwargs)
 
 
+@functools.lru_cache(maxsize=16)
+def _takes_cache_position(make_mask) -> bool:
+    """Whether a mask maker has transformers 4.57's signature (asked once per maker: masks are made every step)."""
+    return "cache_position" in inspect.signature(make_mask).parameters
+
+
+@functools.lru_cache(maxsize=16)
 def _mask_kind(make_mask) -> str | None:
     """The form of mask transformers' `make_mask` makes: "bool" for SDPA, "additive" for eager, None for others."""
     from transformers import masking_utils

@@ -12,6 +12,7 @@ from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 
 from dflash.errors import UserError
+from dflash.model import hf_compat
 from dflash.model.config import DrafterConfig, DrafterConfigError
 from dflash.model.drafter import DFlashDraftModel
 
@@ -211,13 +212,26 @@ def load_failure(what: str, directory: Path, err: BaseException) -> CheckpointEr
     return CheckpointError(f"could not load {what} from {directory} ({_first_line(err)}){advice}")
 
 
+def portable_tokenizer_config(config: dict) -> tuple[dict, list[str]]:
+    """A tokenizer_config.json (as a dict) in the form transformers 4.57 reads too, and the edits that took.
+    Transformers 5 writes its own class name, `TokenizersBackend`, and a list of `extra_special_tokens`, neither of
+    which 4.x reads; `PreTrainedTokenizerFast` and `additional_special_tokens` load the same tokenizer in both."""
+    edits = []
+    if config.get("tokenizer_class") == "TokenizersBackend":
+        config = {**config, "tokenizer_class": "PreTrainedTokenizerFast"}
+        edits.append('set "tokenizer_class" to "PreTrainedTokenizerFast"')
+    if isinstance(config.get("extra_special_tokens"), list):
+        config = {("additional_special_tokens" if k == "extra_special_tokens" else k): v for k, v in config.items()}
+        edits.append('rename "extra_special_tokens" to "additional_special_tokens"')
+    return config, edits
+
+
 def tokenizer_failure(directory: Path, err: BaseException) -> CheckpointError | None:
     """Why transformers could not load the tokenizer in `directory` (raising `err`), where that can be told
     better than its own message does; None otherwise.
     - A tokenizer JSON file that does not parse is damaged: transformers then falls back to other ways of building
       the tokenizer and fails with an unrelated error (4.57: "requires the protobuf library").
-    - A tokenizer saved by transformers 5 names its class `TokenizersBackend` and lists `extra_special_tokens`,
-      neither of which transformers 4.x reads."""
+    - A tokenizer saved by transformers 5 cannot be read by 4.x (`portable_tokenizer_config`)."""
     parsed = {}
     for name in ("tokenizer.json", "tokenizer_config.json"):
         file = directory / name
@@ -227,22 +241,18 @@ def tokenizer_failure(directory: Path, err: BaseException) -> CheckpointError | 
             parsed[name] = json.loads(file.read_bytes())
         except (ValueError, UnicodeDecodeError) as json_err:
             return load_failure(f"the tokenizer ({name})", directory, json_err)
+    config = parsed.get("tokenizer_config.json")
+    if not isinstance(config, dict) or hf_compat.TRANSFORMERS_MAJOR >= 5:
+        return None
+    _, edits = portable_tokenizer_config(config)
+    if not edits:
+        return None
     import transformers
 
-    config = parsed.get("tokenizer_config.json")
-    if not isinstance(config, dict) or int(transformers.__version__.split(".")[0]) >= 5:
-        return None
-    fixes = []
-    if config.get("tokenizer_class") == "TokenizersBackend":
-        fixes.append('set "tokenizer_class" to "PreTrainedTokenizerFast"')
-    if isinstance(config.get("extra_special_tokens"), list):
-        fixes.append('rename "extra_special_tokens" to "additional_special_tokens"')
-    if not fixes:
-        return None
     return CheckpointError(
         f"the tokenizer in {directory} was saved by transformers 5, which transformers {transformers.__version__} "
         f"cannot load: upgrade it (pip install -U 'transformers>=5'), or in {directory / 'tokenizer_config.json'} "
-        + " and ".join(fixes)
+        + " and ".join(edits)
     )
 
 

@@ -10,6 +10,8 @@ from pathlib import Path
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 from transformers import PreTrainedTokenizerFast
 
+from dflash.model.loading import portable_tokenizer_config
+
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from prepare_data import load_chats  # noqa: E402
 
@@ -27,17 +29,11 @@ CHAT_TEMPLATE = (
 
 
 def save_portable(tokenizer, out_dir) -> None:
-    """`save_pretrained`, then a tokenizer_config.json that transformers 4.57 reads too (the package supports
-    transformers>=4.57): transformers 5 names its own class `TokenizersBackend` and lists the extra special tokens as
-    `extra_special_tokens`, which 4.x cannot load. `PreTrainedTokenizerFast` and `additional_special_tokens` load
-    the same tokenizer in both (the same ids, special tokens and chat template)."""
+    """`save_pretrained`, then the tokenizer_config.json in the form transformers 4.57 reads too (the package accepts
+    transformers>=4.57; `dflash.model.loading.portable_tokenizer_config`)."""
     tokenizer.save_pretrained(out_dir)
     path = Path(out_dir) / "tokenizer_config.json"
-    config = json.loads(path.read_text())
-    if config.get("tokenizer_class") == "TokenizersBackend":
-        config["tokenizer_class"] = "PreTrainedTokenizerFast"
-    if isinstance(config.get("extra_special_tokens"), list):
-        config = {("additional_special_tokens" if k == "extra_special_tokens" else k): v for k, v in config.items()}
+    config, _ = portable_tokenizer_config(json.loads(path.read_text()))
     path.write_text(json.dumps(config, indent=2) + "\n")
 
 

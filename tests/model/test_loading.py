@@ -282,9 +282,16 @@ def test_the_embedded_tokenizer_config_is_readable_by_transformers_4():
     from dflash.api import ASSETS
 
     config = json.loads((ASSETS / "target" / "tokenizer_config.json").read_text())
-    assert config["tokenizer_class"] == "PreTrainedTokenizerFast"
-    assert not isinstance(config.get("extra_special_tokens"), list)
+    assert loading.portable_tokenizer_config(config) == (config, [])
     assert config["additional_special_tokens"] == ["<|endoftext|>", "<|im_start|>"]
+
+
+def test_a_tokenizer_config_written_by_transformers_5_is_made_portable():
+    written = {"eos_token": "<|im_end|>", "extra_special_tokens": ["<|a|>"], "tokenizer_class": "TokenizersBackend"}
+    config, edits = loading.portable_tokenizer_config(written)
+    assert config == {"eos_token": "<|im_end|>", "additional_special_tokens": ["<|a|>"],
+                      "tokenizer_class": "PreTrainedTokenizerFast"}
+    assert len(edits) == 2 and written["tokenizer_class"] == "TokenizersBackend"  # the caller's dict is left alone
 
 
 @pytest.mark.parametrize("name", ["tokenizer.json", "tokenizer_config.json"])
