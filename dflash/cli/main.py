@@ -53,6 +53,24 @@ def run_command(args: argparse.Namespace, prog: str) -> int:
     except KeyboardInterrupt:
         print(f"{prog}: interrupted", file=sys.stderr)
         return 130
+    except (MemoryError, RuntimeError) as err:
+        if not _out_of_memory(err):
+            raise
+        print(f"{prog}: error: out of memory ({_first_line(err) or type(err).__name__}); ask for less at once "
+              "(a smaller --batch-size, --max-length, --max-new-tokens or --max-batch-size, a smaller model), or "
+              "run where there is more memory", file=sys.stderr)
+        return 1
+
+
+def _out_of_memory(err: BaseException) -> bool:
+    """Whether an error is an allocation that failed (host or device), which only smaller sizes can fix."""
+    text = str(err).lower()
+    return isinstance(err, MemoryError) or "out of memory" in text or "can't allocate memory" in text
+
+
+def _first_line(err: BaseException) -> str:
+    lines = str(err).strip().splitlines()
+    return lines[0][:200] if lines else ""
 
 
 def _drop_stdout() -> None:

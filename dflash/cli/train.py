@@ -19,7 +19,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--draft-layers", type=int,
                         help="drafter layers (default 1); with --init-from, more than the drafter has adds layers "
                              "that start silent, so the drafter starts unchanged")
-    parser.add_argument("--block-size", type=int)
+    parser.add_argument("--block-size", type=int,
+                        help="tokens per block: the anchor + the draft tokens (default 16; with --init-from, the "
+                             "drafter's own)")
     parser.add_argument("--target-layer-ids", type=int_list,
                         help="comma-separated target layer ids (default: the published formula)")
     parser.add_argument("--mask-token-id", type=int,
@@ -32,8 +34,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="train a DFlash2 drafter: an in-block convolution around every sublayer and a candidate "
                              "selector (architecture DFlash2DraftModel); with --init-from a DFlash drafter, both are "
                              "added in a form that starts by drafting as it did")
-    parser.add_argument("--selector-rank", type=int, help="DFlash2: width of the selector's codebooks (default 256)")
-    parser.add_argument("--selector-top-k", type=int, help="DFlash2: candidates per draft position (default 16)")
+    parser.add_argument("--selector-rank", type=int,
+                        help="DFlash2: width of the selector's codebooks (default 256; with --init-from a DFlash2 "
+                             "drafter, its own)")
+    parser.add_argument("--selector-top-k", type=int,
+                        help="DFlash2: candidates per draft position (default 16; with --init-from a DFlash2 "
+                             "drafter, its own)")
     parser.add_argument("--selector-loss-weight", type=float,
                         help="DFlash2: weight of the selector's cross-entropy next to the block loss (default 1)")
     parser.add_argument("--anchors-per-sequence", type=int)
@@ -43,7 +49,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "block per step of it) and trains at its anchors, where blocks follow a miss, then "
                              "fills up with random anchors")
     parser.add_argument("--loss-gamma", type=float)
-    parser.add_argument("--max-length", type=int)
+    parser.add_argument("--max-length", type=int,
+                        help="tokens of prompt + response per example; longer ones are cut (default 3072, or the "
+                             "target's context when shorter)")
     parser.add_argument("--distill-weight", type=float,
                         help="weight w of the soft labels: each position's loss is (1 - w) * cross-entropy on the "
                              "target's token + w * KL(target's distribution || drafter's); default 0 (hard labels)")
@@ -72,8 +80,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--resume", action="store_true", default=None,
                         help="continue from the newest checkpoint in OUTPUT/checkpoints (same data and batch size)")
     parser.add_argument("--overwrite", action="store_true", default=None,
-                        help="start afresh in an --output that holds an earlier run's checkpoints: delete them and "
-                             "its train_log.jsonl first (without it such a run is refused)")
+                        help="start afresh in an --output that holds an earlier run's checkpoints or a model: delete "
+                             "the checkpoints and train_log.jsonl first, and write the drafter over the model "
+                             "(without it such a run is refused)")
     parser.add_argument("--init-from", help="start from this drafter (directory or hub id) instead of random weights; "
                                             "its shape and mask token are kept; --target-layer-ids may add layers "
                                             "(their fc columns start at zero, so the drafter starts unchanged), "

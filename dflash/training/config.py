@@ -14,6 +14,9 @@ from dflash.config_types import type_mismatch
 from dflash.errors import UserError
 
 ANCHOR_POLICIES = ("uniform", "decoding")
+DEFAULT_MAX_LENGTH = 3072  # tokens of prompt + response per example
+DEFAULT_BLOCK_SIZE = 16  # a new drafter's; a fine-tune keeps its drafter's unless --block-size says otherwise
+DEFAULT_SELECTOR_RANK, DEFAULT_SELECTOR_TOP_K = 256, 16  # a new DFlash2 selector's
 
 
 @dataclass
@@ -24,19 +27,19 @@ class TrainConfig:
     output: str = ""  # output directory: the public drafter format + checkpoints/
     # drafter shape
     draft_layers: int | None = None  # a new drafter: 1 by default; with init_from: its own (more adds layers)
-    block_size: int = 16
+    block_size: int | None = None  # default 16; with init_from: the drafter's own
     target_layer_ids: list[int] | None = None  # default: the published formula
     mask_token_id: int | None = None  # default: the tokenizer's mask token, or the first unused embedding row
     intermediate_size: int | None = None  # default: the target's
     dflash2: bool = False  # a DFlash2 drafter (in-block convolutions + candidate selector)
-    selector_rank: int = 256  # DFlash2: codebook width
-    selector_top_k: int = 16  # DFlash2: candidates per draft position
+    selector_rank: int | None = None  # DFlash2: codebook width (default 256; with init_from: the drafter's own)
+    selector_top_k: int | None = None  # DFlash2: candidates per draft position (default 16; likewise)
     selector_loss_weight: float = 1.0  # DFlash2: the selector's cross-entropy next to the block loss
     # objective
     anchors_per_sequence: int = 64
     anchor_policy: str = "uniform"  # "decoding": greedy decoding's anchors under the current drafter first
     loss_gamma: float | None = None  # default: from block size (7 for 16)
-    max_length: int = 3072
+    max_length: int | None = None  # default: DEFAULT_MAX_LENGTH, or the target's context when that is shorter
     distill_weight: float = 0.0  # w: per position (1 - w) * CE(label) + w * KL(target's distribution || drafter's)
     # optimisation
     epochs: float = 6.0
@@ -58,7 +61,7 @@ class TrainConfig:
     keep_checkpoints: int = 2
     feature_cache: str | None = None  # "memory" or a directory: keep target features across epochs
     resume: bool = False
-    overwrite: bool = False  # a fresh run into an output holding an earlier run's checkpoints: delete them first
+    overwrite: bool = False  # a fresh run into an output with an earlier run's checkpoints (deleted first) or a model
     init_from: str | None = None  # a drafter checkpoint (public format) to start from instead of random weights
     device: str | None = None
 
@@ -79,15 +82,21 @@ class TrainConfig:
     def _problems(self) -> list[str]:
         """Every out-of-range option, as the message that names it and its range."""
         checks = [
-            (2 <= self.block_size <= 64, f"--block-size must be in 2..64, got {self.block_size}"),
+            (self.block_size is None or 2 <= self.block_size <= 64,
+             f"--block-size must be in 2..64, got {self.block_size}"),
             (self.target_layer_ids is None or len(self.target_layer_ids) > 0,
              "--target-layer-ids needs at least one layer id, e.g. 1,9,17 (leave it out for the default)"),
             (self.draft_layers is None or self.draft_layers >= 1,
              f"--draft-layers must be >= 1, got {self.draft_layers}"),
             (self.intermediate_size is None or self.intermediate_size >= 1,
              f"--intermediate-size must be >= 1, got {self.intermediate_size}"),
-            (self.selector_rank >= 1, f"--selector-rank must be >= 1, got {self.selector_rank}"),
-            (self.selector_top_k >= 1, f"--selector-top-k must be >= 1, got {self.selector_top_k}"),
+            (self.selector_rank is None or self.selector_rank >= 1,
+             f"--selector-rank must be >= 1, got {self.selector_rank}"),
+            (self.selector_top_k is None or self.selector_top_k >= 1,
+             f"--selector-top-k must be >= 1, got {self.selector_top_k}"),
+            (self.dflash2 or self.init_from or (self.selector_rank is None and self.selector_top_k is None),
+             "--selector-rank and --selector-top-k shape a DFlash2 drafter's selector: add --dflash2, or leave them "
+             "out"),
             (math.isfinite(self.selector_loss_weight) and self.selector_loss_weight >= 0,
              f"--selector-loss-weight must be a finite number >= 0, got {self.selector_loss_weight}"),
             (self.batch_size >= 1, f"--batch-size must be >= 1, got {self.batch_size}"),
@@ -96,8 +105,8 @@ class TrainConfig:
             (self.anchor_policy in ANCHOR_POLICIES,
              f"--anchor-policy must be one of {', '.join(ANCHOR_POLICIES)}, got {self.anchor_policy!r}"),
             (self.loss_gamma is None or self.loss_gamma > 0, f"--loss-gamma must be > 0, got {self.loss_gamma}"),
-            (self.max_length >= 2, f"--max-length must be >= 2 (a prompt token and a response token), got "
-                                   f"{self.max_length}"),
+            (self.max_length is None or self.max_length >= 2,
+             f"--max-length must be >= 2 (a prompt token and a response token), got {self.max_length}"),
             (math.isfinite(self.lr) and self.lr > 0, f"--lr must be a finite number > 0, got {self.lr}"),
             (math.isfinite(self.weight_decay) and self.weight_decay >= 0,
              f"--weight-decay must be a finite number >= 0, got {self.weight_decay}"),
@@ -120,7 +129,8 @@ class TrainConfig:
             (self.log_every >= 1, f"--log-every must be >= 1, got {self.log_every}"),
             (self.checkpoint_every >= 0,
              f"--checkpoint-every must be >= 0 (0: only at the end), got {self.checkpoint_every}"),
-            (self.keep_checkpoints >= 1, f"--keep-checkpoints must be >= 1, got {self.keep_checkpoints}"),
+            (self.keep_checkpoints >= 1,
+             f"keep_checkpoints (a --config option) must be >= 1, got {self.keep_checkpoints}"),
             (not (self.resume and self.overwrite), "--resume continues the checkpoints that --overwrite would delete; "
                                                    "pass one of them"),
         ]

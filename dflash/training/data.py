@@ -106,19 +106,35 @@ def _ids(encoded) -> list[int]:
     return list(encoded)
 
 
-def load_examples(path: str | Path, tokenizer, max_length: int, vocab_size: int | None = None) -> list[Example]:
-    """Every record of a JSONL file as an example; a bad record is an error naming its line."""
-    examples = []
-    rows = read_jsonl(path, missing="create it with `dflash datagen` or pass another --data")
+@dataclass
+class ExampleFile:
+    examples: list[Example]
+    dropped: list[int]  # line numbers of records with fewer than 2 response tokens within max_length
+
+
+def read_examples(path: str | Path, tokenizer, max_length: int, vocab_size: int | None = None,
+                  flag: str = "--data") -> ExampleFile:
+    """Every record of the JSONL file that `flag` names as an example, and the records that leave nothing to train
+    on; a bad record is an error naming its line."""
+    examples, dropped = [], []
+    rows = read_jsonl(path, missing=f"create it with `dflash datagen` or pass another {flag}")
     for n, record in rows:
         try:
-            examples.append(tokenize_record(record, tokenizer, max_length, vocab_size))
+            example = tokenize_record(record, tokenizer, max_length, vocab_size)
         except UserError as err:
             raise UserError(f"{path}:{n}: {err}") from None
-    examples = [e for e in examples if e is not None]
+        if example is None:
+            dropped.append(n)
+        else:
+            examples.append(example)
     if not examples:
-        raise UserError(f"no usable examples in {path}: every response is empty or cut off by --max-length")
-    return examples
+        raise UserError(f"no usable examples in {flag} {path}: every response is empty or cut off by --max-length "
+                        f"({max_length} tokens with its prompt)")
+    return ExampleFile(examples, dropped)
+
+
+def load_examples(path: str | Path, tokenizer, max_length: int, vocab_size: int | None = None) -> list[Example]:
+    return read_examples(path, tokenizer, max_length, vocab_size).examples
 
 
 def fingerprint(examples: list[Example]) -> str:

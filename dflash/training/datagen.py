@@ -63,6 +63,10 @@ class DatagenConfig:
             raise UserError(f"--max-new-tokens must be >= 1, got {self.max_new_tokens}")
         make_config(temperature=self.temperature, top_p=self.top_p)  # their ranges, named
         output = Path(self.output).expanduser()
+        if output.suffix == ".gz":
+            raise UserError(f"--output {self.output}: dflash datagen writes plain JSONL (it appends as it goes, and a "
+                            "rerun resumes the file); name it *.jsonl, and gzip it afterwards if you like (dflash "
+                            "train reads *.jsonl.gz)")
         if output.is_dir():
             raise UserError(f"--output {self.output} is a directory; give the path of a .jsonl file")
         blocking = next((p for p in output.parents if p.exists() and not p.is_dir()), None)
@@ -120,6 +124,9 @@ def prompt_messages(record: dict, prompt_field: str | None = None) -> list[list[
         return _message_turns(messages_field(record))
     if "turns" in record:
         return [[{"role": "user", "content": t}] for t in texts_field(record, "turns")]
+    if prompt_field and prompt_field not in record:
+        raise UserError(f"--prompt-field {prompt_field}: the record has no such field (its fields: "
+                        f"{', '.join(sorted(record))})")
     for name in [prompt_field] if prompt_field else PROMPT_FIELDS:
         if name in record:
             return [[{"role": "user", "content": text_field(record, name)}]]
@@ -196,11 +203,10 @@ def _load_dataset(config: DatagenConfig, source: str, local: bool = False) -> li
     except Exception as err:
         hint = (" (does it need --subset, e.g. --subset main for openai/gsm8k?)"
                 if "config" in str(err).lower() and config.subset is None else "")
-        nothing_local = "" if local else f"; there is no local file or directory named {source!r} either"
-        raise UserError(f"could not load dataset {source!r}, split {config.split!r}: {type(err).__name__}: "
-                        f"{str(err).splitlines()[0][:200] if str(err) else ''}{hint}{nothing_local}. Offline? Pass "
-                        "a local JSONL file with `prompt`, `turns` or `messages`, or a downloaded dataset "
-                        "directory") from None
+        reason = f"{type(err).__name__}: {str(err).splitlines()[0][:200] if str(err) else ''}".rstrip(". ")
+        offline = ("" if local else f"; there is no local file or directory named {source!r} either. Offline? Pass "
+                   "a local JSONL file with `prompt`, `turns` or `messages`, or a downloaded dataset directory")
+        raise UserError(f"could not load dataset {source!r}, split {config.split!r}: {reason}{hint}{offline}") from None
 
 
 # ---- the output: what is done, and whether a rerun continues the same job --------------------------------------

@@ -14,7 +14,7 @@ from dflash.model.config import DFlash2Options, DrafterConfig, default_target_la
 from dflash.model.dflash2 import CandidateSelector, GroupedDynamicConv
 from dflash.model.drafter import DFlashDecoderLayer, DFlashDraftModel, init_weights
 from dflash.model.target import TargetModel
-from dflash.training.config import TrainConfig
+from dflash.training.config import DEFAULT_SELECTOR_RANK, DEFAULT_SELECTOR_TOP_K, TrainConfig
 from dflash.training.data import Example
 
 
@@ -88,7 +88,28 @@ def drafter_config_for(target: TargetModel, config: TrainConfig, mask_token_id: 
 
 
 def dflash2_options(config: TrainConfig) -> DFlash2Options:
-    return DFlash2Options(selector_rank=config.selector_rank, selector_top_k=config.selector_top_k)
+    return DFlash2Options(selector_rank=config.selector_rank or DEFAULT_SELECTOR_RANK,
+                          selector_top_k=config.selector_top_k or DEFAULT_SELECTOR_TOP_K)
+
+
+def check_kept_options(config: TrainConfig, drafter_config: DrafterConfig, source: str) -> None:
+    """A fine-tune keeps the drafter's mask token and selector: a flag that asks for others would be ignored, so it
+    is refused, naming what the drafter has."""
+    kept = "--init-from's drafter keeps its own; leave the flag out"
+    if config.mask_token_id is not None and config.mask_token_id != drafter_config.mask_token_id:
+        raise UserError(f"--mask-token-id {config.mask_token_id}: the drafter in {source} learnt with mask token "
+                        f"{drafter_config.mask_token_id}, and {kept}")
+    options = drafter_config.dflash2
+    asked = {"--selector-rank": config.selector_rank, "--selector-top-k": config.selector_top_k}
+    if options is None and not config.dflash2 and any(v is not None for v in asked.values()):
+        raise UserError(f"{' and '.join(k for k, v in asked.items() if v is not None)} shape a DFlash2 drafter's "
+                        f"selector, and the drafter in {source} is a DFlash drafter: add --dflash2 to grow one into "
+                        "it, or leave them out")
+    if options is not None:
+        have = {"--selector-rank": options.selector_rank, "--selector-top-k": options.selector_top_k}
+        for flag, value in asked.items():
+            if value is not None and value != have[flag]:
+                raise UserError(f"{flag} {value}: the DFlash2 drafter in {source} has {have[flag]}, and {kept}")
 
 
 def to_dflash2(drafter: DFlashDraftModel, options: DFlash2Options) -> None:

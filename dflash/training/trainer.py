@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import re
 import shutil
 import signal
 import sys
@@ -30,9 +31,10 @@ from dflash.model.drafter import DFlashDraftModel
 from dflash.model.loading import load_drafter, resolve_model_dir, save_drafter
 from dflash.model.target import TargetModel, check_compatible
 from dflash.records import read_json_object
-from dflash.training.config import TrainConfig
-from dflash.training.data import Batch, collate, epoch_batches, fingerprint, load_examples, split_examples
+from dflash.training.config import DEFAULT_BLOCK_SIZE, DEFAULT_MAX_LENGTH, TrainConfig
+from dflash.training.data import Batch, Example, collate, epoch_batches, fingerprint, read_examples, split_examples
 from dflash.training.drafter_setup import (
+    check_kept_options,
     choose_mask_token_id,
     deepen,
     dflash2_options,
@@ -160,8 +162,17 @@ class Trainer:
 
     def _check_directories(self) -> None:
         """Create --output and a --feature-cache directory before the target loads: a run must not end in an
-        error about where its results go."""
+        error about where its results go. --output is never the target's or --init-from's directory, whose model the
+        export would overwrite."""
+        c = self.config
+        for flag, source in (("--target", c.target), ("--init-from", c.init_from)):
+            given = Path(source).expanduser() if source else None
+            if given is not None and given.is_dir() and given.resolve() == Path(c.output).expanduser().resolve():
+                raise UserError(f"--output {c.output} is the {flag} directory: the trained drafter would be written "
+                                "over that model; pass another --output")
         _make_directory("--output", Path(self.config.output), "give a directory (it is created if missing)")
+        _make_directory("--output", self.checkpoint_dir, "give a directory you can write (checkpoints go in its "
+                        "checkpoints/)")
         if self.config.feature_cache not in (None, "memory"):
             _make_directory("--feature-cache", Path(self.config.feature_cache),
                             "give a directory (it is created if missing), or 'memory'")
@@ -170,18 +181,29 @@ class Trainer:
         """A fresh run never shares its output with an earlier run's checkpoints: pruning would delete the new ones
         and --resume would continue the old run. --overwrite deletes them (and the old log) first."""
         c = self.config
-        found = sorted(self.checkpoint_dir.glob("step-*"))
+        found = self._checkpoints()
         self._barrier()  # every process has looked before any deletes
-        if c.resume or not found:
-            return
-        if not c.overwrite:
+        if found and not c.resume and not c.overwrite:
             raise UserError(f"{self.checkpoint_dir} holds checkpoints of an earlier run (newest: {found[-1].name}); "
                             "pass --resume to continue that run, --overwrite to delete them and start afresh, or "
                             "another --output")
+        self._refuse_a_model_output(resumable=bool(found))
+        if c.resume or not found:
+            return
         if self.rank == 0:
             shutil.rmtree(self.checkpoint_dir)
             (Path(c.output) / "train_log.jsonl").unlink(missing_ok=True)
         self._barrier()
+
+    def _refuse_a_model_output(self, resumable: bool) -> None:
+        """The export writes config.json and model.safetensors into --output: over another model only when
+        --overwrite says so, or when a run resumes its own checkpoints there."""
+        c, output = self.config, Path(self.config.output).resolve()
+        models = sorted(p.name for p in output.iterdir() if p.name == "config.json" or p.suffix in MODEL_SUFFIXES)
+        if models and not c.overwrite and not resumable:
+            raise UserError(f"--output {c.output} already holds a model ({', '.join(models)}) and no checkpoints of a "
+                            "run to resume: training would write the drafter over it; pass another --output, or "
+                            "--overwrite to replace it")
 
     def _setup_target(self) -> None:
         self.target = TargetModel.from_pretrained(self.config.target, dtype="auto", device=self.device)
@@ -192,25 +214,47 @@ class Trainer:
     def _setup_data(self) -> None:
         c = self.config
         self.context = getattr(self.target.config, "max_position_embeddings", None)
-        if self.context and c.max_length > self.context:
+        if self.context and c.max_length and c.max_length > self.context:
             self._note(f"--max-length {c.max_length} is beyond the target's context of {self.context} tokens; "
                        f"sequences are cut at {self.context}")
-            c.max_length = self.context
-        vocab = self.target.vocab_size
-        examples = load_examples(c.data, self.tokenizer, c.max_length, vocab)
-        self.train_examples, self.eval_examples = split_examples(examples, c.eval_fraction, c.seed)
+        limit = c.max_length or DEFAULT_MAX_LENGTH
+        c.max_length = min(limit, self.context) if self.context else limit
+        self.train_examples, self.eval_examples = split_examples(self._read("--data", c.data), c.eval_fraction,
+                                                                 c.seed)
         for path in c.extra_train_data or []:
-            self.train_examples += load_examples(path, self.tokenizer, c.max_length, vocab)
+            self.train_examples += self._without_held_out_prompts(self._read("--extra-train-data", path), path)
         self.data_fingerprint = {"train": fingerprint(self.train_examples), "eval": fingerprint(self.eval_examples)}
         self.global_batch = c.batch_size * c.grad_accum * self.world
         if len(self.train_examples) < self.global_batch:
-            raise UserError(f"only {len(self.train_examples)} training examples for a global batch of "
+            held = f" ({len(self.eval_examples)} more held out by --eval-fraction)" if self.eval_examples else ""
+            raise UserError(f"only {len(self.train_examples)} training examples{held} for a global batch of "
                             f"{self.global_batch} (--batch-size x --grad-accum x processes); lower --batch-size or "
                             "--grad-accum, or add data")
         self.batches_per_epoch = len(self.train_examples) // self.global_batch
         self.total_steps = c.max_steps or max(1, math.ceil(c.epochs * self.batches_per_epoch))
         pad = self.tokenizer.pad_token_id if self.tokenizer is not None else None
         self.pad_id = pad if pad is not None else 0
+
+    def _read(self, flag: str, path: str) -> list[Example]:
+        """The examples of one data file; records that leave nothing to train on are named in a warning."""
+        loaded = read_examples(path, self.tokenizer, self.config.max_length, self.target.vocab_size, flag)
+        if loaded.dropped:
+            lines = ", ".join(map(str, loaded.dropped[:10])) + (" ..." if len(loaded.dropped) > 10 else "")
+            self._warn(f"{flag} {path}: {len(loaded.dropped)} of {len(loaded.dropped) + len(loaded.examples)} "
+                       f"records are left out, their responses empty or cut below 2 tokens by --max-length "
+                       f"{self.config.max_length} (lines {lines})")
+        return loaded.examples
+
+    def _without_held_out_prompts(self, examples: list[Example], path: str) -> list[Example]:
+        """An extra file's examples, less those whose prompt is a held-out one: the held-out figures must come from
+        prompts training never saw."""
+        held = {tuple(e.input_ids[: e.response_start]) for e in self.eval_examples}
+        kept = [e for e in examples if tuple(e.input_ids[: e.response_start]) not in held]
+        if len(kept) < len(examples):
+            self._warn(f"--extra-train-data {path}: {len(examples) - len(kept)} records answer a prompt of the "
+                       "held-out split of --data and are left out of training (the held-out figures would be "
+                       "measured on prompts training saw)")
+        return kept
 
     def _setup_drafter(self) -> None:
         c = self.config
@@ -219,6 +263,7 @@ class Trainer:
             self.drafter = self._pretrained_drafter(c.init_from)
             self.drafter_config = self.drafter.config
         else:
+            c.block_size = c.block_size or DEFAULT_BLOCK_SIZE
             mask_id = choose_mask_token_id(c, self.tokenizer, self.target.vocab_size)
             self._check_mask_token(mask_id)
             self.drafter_config = drafter_config_for(self.target, c, mask_id)
@@ -254,7 +299,8 @@ class Trainer:
         (`widen_mlp`) and --draft-layers add layers (`deepen`)."""
         drafter = load_drafter(path, dtype=torch.float32, device=self.device)
         check_compatible(self.target, drafter.config)
-        drafter.config.block_size = self.config.block_size
+        check_kept_options(self.config, drafter.config, path)
+        self.config.block_size = drafter.config.block_size = self.config.block_size or drafter.config.block_size
         wanted = self.config.target_layer_ids
         if wanted is not None and list(wanted) != drafter.config.target_layer_ids:
             widen_features(drafter, list(wanted))
@@ -548,7 +594,7 @@ class Trainer:
             self._diverged(f"the training {what} became {loss if what == 'loss' else grad_norm} at step {self.step}")
 
     def _diverged(self, what: str) -> None:
-        checkpoints = sorted(self.checkpoint_dir.glob("step-*"))
+        checkpoints = self._checkpoints()
         self._log({"event": "diverged", "step": self.step, "message": what,
                    "checkpoint": str(checkpoints[-1]) if checkpoints else None})
         float32 = " or train in float32 (--dtype float32)" if self.config.dtype == "bfloat16" else ""
@@ -646,12 +692,17 @@ class Trainer:
         }, tmp / "training_state.pt")
         shutil.rmtree(final, ignore_errors=True)
         os.replace(tmp, final)
-        for old in sorted(self.checkpoint_dir.glob("step-*"))[: -self.config.keep_checkpoints]:
+        for old in self._checkpoints()[: -self.config.keep_checkpoints]:
             shutil.rmtree(old, ignore_errors=True)
         self._barrier()
 
+    def _checkpoints(self) -> list[Path]:
+        """checkpoints/step-N, oldest first (only directories named as this trainer names them)."""
+        found = self.checkpoint_dir.glob("step-*") if self.checkpoint_dir.is_dir() else []
+        return sorted(p for p in found if CHECKPOINT_NAME.fullmatch(p.name) and p.is_dir())
+
     def _load_latest_checkpoint(self) -> None:
-        checkpoints = sorted(self.checkpoint_dir.glob("step-*"))
+        checkpoints = self._checkpoints()
         if not checkpoints:
             self._log({"event": "resume", "note": "no checkpoint found; starting from scratch"})
             self._warn(f"--resume: no checkpoint found in {self.checkpoint_dir}, so training starts from scratch")
@@ -779,6 +830,8 @@ class Trainer:
             print(f"dflash train: warning: {message}", file=sys.stderr, flush=True)
 
 
+CHECKPOINT_NAME = re.compile(r"step-\d{8}")
+MODEL_SUFFIXES = (".safetensors", ".bin", ".pt", ".gguf")
 CHECKPOINT_KEYS = ("step", "drafter", "optimizer", "scheduler", "config", "drafter_config")
 
 RESUMABLE_CHANGES = ("lr", "weight_decay", "warmup_ratio", "grad_clip", "anchors_per_sequence", "anchor_policy",

@@ -360,3 +360,32 @@ def test_a_chat_template_that_refuses_a_later_turn_names_the_record_and_keeps_ea
                                                   "these messages: I refuse")):
         run_datagen(config)
     assert [r["id"] for r in read(out)] == [0]
+
+
+def test_a_gzip_output_name_is_refused_before_anything_is_written(prompts, tmp_path):
+    with pytest.raises(UserError, match=r"dflash datagen writes plain JSONL .*name it \*\.jsonl"):
+        DatagenConfig(target=None, prompts=str(prompts), output=str(tmp_path / "answers.jsonl.gz")).validate()
+    assert not (tmp_path / "answers.jsonl.gz").exists()
+
+
+def test_a_prompt_field_the_record_lacks_is_named_with_the_fields_it_has(tmp_path):
+    path = write_jsonl(tmp_path / "p.jsonl", [{"prompt": "How many clips?", "id": 3}])
+    with pytest.raises(UserError, match=r"--prompt-field bar: the record has no such field \(its fields: id, "
+                                        r"prompt\)"):
+        read_prompts(DatagenConfig(target=None, prompts=str(path), output=str(tmp_path / "o.jsonl"),
+                                   prompt_field="bar"))
+
+
+def test_a_local_dataset_directory_that_fails_does_not_blame_the_network(tmp_path, monkeypatch):
+    datasets = pytest.importorskip("datasets")
+
+    def no_such_split(*args, **kwargs):
+        raise ValueError('Unknown split "test". Should be one of [\'train\'].')
+
+    monkeypatch.setattr(datasets, "load_dataset", no_such_split)
+    (tmp_path / "dsdir").mkdir()
+    with pytest.raises(UserError) as err:
+        read_prompts(DatagenConfig(target=None, prompts=str(tmp_path / "dsdir"), output=str(tmp_path / "o.jsonl"),
+                                   split="test"))
+    assert 'Unknown split "test". Should be one of [\'train\']' in str(err.value)
+    assert "Offline" not in str(err.value)

@@ -203,6 +203,62 @@ def test_fine_tuning_starts_from_the_given_drafter(tiny_pair, train_data, tmp_pa
     assert all(torch.allclose(start[k], v, atol=1e-6) for k, v in weights(tmp_path / "tuned").items())
 
 
+def test_fine_tuning_keeps_the_drafters_block_size_unless_told(tiny_pair, train_data, tmp_path):
+    Trainer(config(tiny_pair, train_data, tmp_path / "first", max_steps=1)).setup().train()  # block size 4
+    kept = Trainer(config(tiny_pair, train_data, tmp_path / "kept", init_from=str(tmp_path / "first"),
+                          block_size=None)).setup()
+    assert kept.config.block_size == kept.drafter_config.block_size == 4  # not the default 16 of a new drafter
+    changed = Trainer(config(tiny_pair, train_data, tmp_path / "changed", init_from=str(tmp_path / "first"),
+                             block_size=8)).setup()
+    assert changed.drafter_config.block_size == 8
+    fresh = Trainer(config(tiny_pair, train_data, tmp_path / "fresh", block_size=None)).setup()
+    assert fresh.drafter_config.block_size == 16
+
+
+@pytest.mark.parametrize("options, message", [
+    ({"mask_token_id": 5}, "--mask-token-id 5: the drafter in .* learnt with mask token 3, and --init-from's drafter "
+                           "keeps its own; leave the flag out"),
+    ({"selector_rank": 8}, "--selector-rank shape a DFlash2 drafter's selector, and the drafter in .* is a DFlash "
+                           "drafter: add --dflash2 to grow one into it, or leave them out"),
+])
+def test_fine_tuning_refuses_options_the_drafter_would_ignore(tiny_pair, train_data, tmp_path, options, message):
+    Trainer(config(tiny_pair, train_data, tmp_path / "first", max_steps=1)).setup().train()
+    assert load_drafter(tmp_path / "first").config.mask_token_id == 3
+    with pytest.raises(UserError, match=message):
+        Trainer(config(tiny_pair, train_data, tmp_path / "tuned", init_from=str(tmp_path / "first"),
+                       **options)).setup()
+
+
+def test_records_left_out_by_max_length_are_named(tiny_pair, train_data, tmp_path, capsys):
+    long_prompt = tmp_path / "data.jsonl"
+    rows = train_data.read_text().splitlines(True)
+    record = json.loads(rows[2])
+    record["prompt_ids"] = record["prompt_ids"] * 20  # past --max-length 60 with its prompt alone
+    long_prompt.write_text("".join(rows[:2]) + json.dumps(record) + "\n" + "".join(rows[3:]))
+    trainer = Trainer(config(tiny_pair, long_prompt, tmp_path / "out", max_length=60)).setup()
+    assert len(trainer.train_examples) + len(trainer.eval_examples) == 15
+    err = capsys.readouterr().err
+    assert (f"--data {long_prompt}: 1 of 16 records are left out, their responses empty or cut below 2 tokens by "
+            "--max-length 60 (lines 3)") in err
+
+
+def test_extra_train_data_never_trains_on_a_held_out_prompt(tiny_pair, train_data, tmp_path, capsys):
+    plain = Trainer(config(tiny_pair, train_data, tmp_path / "a")).setup()
+    more = Trainer(config(tiny_pair, train_data, tmp_path / "b", extra_train_data=str(train_data))).setup()
+    held = len(plain.eval_examples)
+    assert held == 2 and len(more.train_examples) == 2 * len(plain.train_examples)
+    held_prompts = {tuple(e.input_ids[: e.response_start]) for e in plain.eval_examples}
+    assert not any(tuple(e.input_ids[: e.response_start]) in held_prompts for e in more.train_examples)
+    assert (f"--extra-train-data {train_data}: {held} records answer a prompt of the held-out split of --data and "
+            "are left out of training") in capsys.readouterr().err
+
+
+def test_a_missing_extra_file_names_its_own_flag(tiny_pair, train_data, tmp_path):
+    with pytest.raises(UserError, match="nothing.jsonl does not exist; create it with `dflash datagen` or pass "
+                                        "another --extra-train-data"):
+        Trainer(config(tiny_pair, train_data, tmp_path / "o", extra_train_data=str(tmp_path / "nothing.jsonl"))).setup()
+
+
 def test_soft_labels_are_the_target_logits_of_the_previous_position(tiny_pair, train_data, tmp_path):
     trainer = Trainer(config(tiny_pair, train_data, tmp_path / "soft", distill_weight=0.5)).setup()
     batch = trainer._batch("train", [0, 1])
@@ -434,6 +490,43 @@ def test_a_fresh_run_into_an_earlier_runs_output_is_refused_unless_told_to_overw
     assert [r["event"] for r in log if r.get("event") == "start"] == ["start"]  # a fresh log
     resumed = Trainer(config(tiny_pair, train_data, out, seed=1, max_steps=3, resume=True)).setup()
     assert resumed.step == 3
+
+
+def test_an_output_that_holds_a_model_is_refused_unless_told_to_overwrite(tiny_pair, train_data, tmp_path):
+    out = tmp_path / "a_model"
+    shutil.copytree(tiny_pair[0], out)  # e.g. a drafter exported earlier, its checkpoints deleted
+    before = (out / "config.json").read_bytes()
+    with pytest.raises(UserError, match=r"--output .*a_model already holds a model \(config.json, "
+                                        r"model.safetensors\) and no checkpoints of a run to resume: .*pass another "
+                                        r"--output, or --overwrite to replace it"):
+        Trainer(config(tiny_pair, train_data, out)).setup()
+    assert (out / "config.json").read_bytes() == before
+    Trainer(config(tiny_pair, train_data, out, overwrite=True, max_steps=1)).setup().train()
+    assert load_drafter(out, dtype="float32").config.block_size == 4  # replaced, as asked
+
+
+@pytest.mark.parametrize("flag", ["target", "init_from"])
+def test_the_output_is_never_the_model_trained_from(tiny_pair, train_data, tmp_path, flag):
+    models = {"target": tmp_path / "target", "init_from": tmp_path / "drafter"}
+    shutil.copytree(tiny_pair[0], models["target"])
+    shutil.copytree(tiny_pair[1], models["init_from"])
+    before = sorted(p.name for p in models[flag].iterdir())
+    options = {"target": str(models["target"]), "overwrite": True}
+    if flag == "init_from":
+        options["init_from"] = str(models["init_from"])
+    with pytest.raises(UserError, match=f"is the --{flag.replace('_', '-')} directory: the trained drafter would be "
+                                        "written over that model; pass another --output"):
+        Trainer(config(tiny_pair, train_data, models[flag], **options)).setup()
+    assert sorted(p.name for p in models[flag].iterdir()) == before  # not even a checkpoints/ made there
+
+
+def test_a_stray_step_directory_is_not_taken_for_a_checkpoint(tiny_pair, train_data, tmp_path, capsys):
+    stray = tmp_path / "out" / "checkpoints" / "step-notes"
+    stray.mkdir(parents=True)
+    trainer = Trainer(config(tiny_pair, train_data, tmp_path / "out", resume=True, keep_checkpoints=1)).setup()
+    assert trainer.step == 0 and "no checkpoint found" in capsys.readouterr().err
+    trainer.train()
+    assert checkpoint_names(tmp_path / "out") == ["step-00000006", "step-notes"]  # not pruned either
 
 
 def test_ctrl_c_saves_a_checkpoint_that_resumes_exactly(tiny_pair, train_data, tmp_path, capsys):

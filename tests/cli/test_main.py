@@ -1,0 +1,32 @@
+"""The command line's last line of defence: what no subcommand catches still reads as an error, not a traceback."""
+
+import pytest
+
+import dflash.cli.generate as generate_module
+from dflash.cli.main import main
+
+
+@pytest.mark.parametrize("error", [
+    RuntimeError("[enforce fail at alloc_cpu.cpp:117] DefaultCPUAllocator: can't allocate memory: you tried to "
+                 "allocate 40000000000 bytes. Error code 12 (Cannot allocate memory)"),
+    RuntimeError("CUDA out of memory. Tried to allocate 20.00 GiB"),
+    MemoryError(),
+])
+def test_running_out_of_memory_says_so_and_what_to_lower(monkeypatch, capsys, error):
+    def run(args):
+        raise error
+
+    monkeypatch.setattr(generate_module, "run", run)
+    assert main(["generate", "--prompt", "hi"]) == 1
+    err = capsys.readouterr().err
+    assert err.startswith("dflash generate: error: out of memory (")
+    assert "ask for less at once (a smaller --batch-size, --max-length, --max-new-tokens" in err
+
+
+def test_other_runtime_errors_are_not_dressed_up_as_memory(monkeypatch):
+    def run(args):
+        raise RuntimeError("a bug")
+
+    monkeypatch.setattr(generate_module, "run", run)
+    with pytest.raises(RuntimeError, match="a bug"):
+        main(["generate", "--prompt", "hi"])
