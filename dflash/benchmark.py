@@ -60,7 +60,10 @@ def to_bench_argv(argv: list[str]) -> list[str]:
     out = ["--backend", "server" if server else "local", "--dataset", *args.dataset]
     if args.model:
         out += ["--model" if server else "--target", args.model]
-    if args.draft_model and not server:
+    if args.draft_model and server:  # reference scripts pass it to every backend: say where it goes, then go on
+        print(f"{PROG}: note: --draft-model is not used with --backend {args.backend}: the server drafts with the "
+              "drafter it was started with", file=sys.stderr)
+    elif args.draft_model:
         out += ["--draft", args.draft_model]
     max_samples, num_prompts = args.max_samples, args.num_prompts
     if not server and num_prompts is not None:  # in process, the reference's prompt count is the sample count
@@ -90,8 +93,9 @@ def main(argv: list[str] | None = None) -> int:
     from dflash.cli.main import run_command
     from dflash.errors import UserError
 
+    argv = sys.argv[1:] if argv is None else argv
     try:
-        bench_argv = to_bench_argv(sys.argv[1:] if argv is None else argv)
+        bench_argv = to_bench_argv(argv)
     except UserError as err:
         print(f"{PROG}: error: {err}", file=sys.stderr)
         return 2
@@ -101,7 +105,15 @@ def main(argv: list[str] | None = None) -> int:
     bench.add_arguments(parser)
     args = parser.parse_args(bench_argv)
     args.module, args.command = "dflash.cli.bench", "bench"
-    return run_command(args, PROG)
+    return run_command(args, PROG, flag_names=reference_flag_names(args.backend))
+
+
+def reference_flag_names(backend: str) -> dict[str, str]:
+    """`dflash bench` flags that this front end fills from the reference's, spelled as the user typed them."""
+    names = {"--request-timeout": "--timeout-s"}
+    if backend == "local":
+        names.update({"--target": "--model", "--draft": "--draft-model"})
+    return names
 
 
 if __name__ == "__main__":

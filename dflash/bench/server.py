@@ -354,39 +354,57 @@ def _headers(config: ServerConfig) -> dict[str, str]:
     return {"Authorization": f"Bearer {config.api_key}"} if config.api_key else {}
 
 
-def list_models(base_url: str, config: ServerConfig, flag: str) -> list[str] | None:
-    """The model names a server lists at /models; None when it answers but lists none readable.
-    An unreachable server is a UserError naming `flag`, before any load is sent."""
+@dataclass
+class ModelList:
+    names: list[str] | None  # None when the server answers but lists none readable
+    status: int
+
+
+def list_models(base_url: str, config: ServerConfig, flag: str) -> ModelList:
+    """The model names a server lists at /models. An unreachable server, or one that refuses the key, is a
+    UserError naming `flag`, before any load is sent."""
     url = base_url.rstrip("/") + "/models"
     try:
         response = httpx.get(url, timeout=30, headers=_headers(config))
     except httpx.HTTPError as err:
-        raise UserError(f"cannot connect to {url} ({type(err).__name__}): is the server running? "
-                        f"check {flag}") from None
+        tls = (f"; is it a plain http:// server? try {'http://' + url.removeprefix('https://').rsplit('/models', 1)[0]}"
+               if url.startswith("https://") and "ssl" in str(err).lower() else "")
+        raise UserError(f"cannot connect to {url} ({_reason(err)}): is the server running? check {flag}{tls}") from None
     if response.status_code in (401, 403):
-        raise UserError(f"{url} answered HTTP {response.status_code}: the server wants an API key; pass --api-key "
-                        "(or set $OPENAI_API_KEY)")
+        fix = ("the server rejected the key given (--api-key, or $OPENAI_API_KEY): pass the key it was started with"
+               if config.api_key else "the server wants an API key; pass --api-key (or set $OPENAI_API_KEY)")
+        raise UserError(f"{url} answered HTTP {response.status_code}: {fix}")
     try:
-        return [str(m["id"]) for m in response.json()["data"]] if response.status_code == 200 else None
+        names = [str(m["id"]) for m in response.json()["data"]] if response.status_code == 200 else None
     except (ValueError, KeyError, TypeError):
-        return None
+        names = None
+    return ModelList(names, response.status_code)
+
+
+def _reason(err: Exception) -> str:
+    text = str(err).strip().splitlines()[0][:160] if str(err).strip() else ""
+    return f"{type(err).__name__}: {text}" if text else type(err).__name__
 
 
 def resolve_model(base_url: str, config: ServerConfig) -> str:
     """--model, checked against what the server lists; or the first model it lists."""
     listed = list_models(base_url, config, "--base-url")
+    if listed.status == 404:  # every request would be a 404 too
+        raise UserError(f"{base_url}/models answered HTTP 404: no OpenAI API answers there; --base-url is the API "
+                        "root, e.g. http://127.0.0.1:8000/v1")
     if config.model:
-        if listed and config.model not in listed:
-            raise UserError(f"{base_url} serves {listed}, not {config.model!r}; fix --model")
+        if listed.names and config.model not in listed.names:
+            raise UserError(f"{base_url} serves {listed.names}, not {config.model!r}; fix --model")
         return config.model
-    if not listed:
-        raise UserError(f"could not read the model name from {base_url}/models; pass --model NAME")
-    return listed[0]
+    if not listed.names:
+        raise UserError(f"could not read the model name from {base_url}/models (HTTP {listed.status}); pass "
+                        "--model NAME")
+    return listed.names[0]
 
 
 def check_baseline(baseline_url: str, config: ServerConfig, model: str) -> None:
     """The plain server must answer and serve the same model name, before any load is sent."""
-    listed = list_models(baseline_url, config, "--baseline-url")
+    listed = list_models(baseline_url, config, "--baseline-url").names
     if listed and model not in listed:
         raise UserError(f"the baseline server {baseline_url} serves {listed}, not {model!r} (the model on "
                         "--base-url): serve the same target there under the same name (vLLM: --served-model-name)")

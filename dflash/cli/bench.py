@@ -15,12 +15,15 @@ from dflash.errors import UserError
 DATASET_HELP = "gsm8k, math500, humaneval, mbpp, mt-bench, or all (several: space or comma separated)"
 
 # flags that only one backend reads: giving one to the other backend is an error, never silently ignored
-SERVER_FLAGS = {"model": "--model", "endpoint": "--endpoint", "concurrency": "--concurrency",
+SERVER_FLAGS = {"base_url": "--base-url", "api_key": "--api-key", "model": "--model", "endpoint": "--endpoint",
+                "concurrency": "--concurrency",
                 "num_prompts": "--num-prompts", "duration": "--duration", "metrics_url": "--metrics-url",
                 "baseline_url": "--baseline-url", "rounds": "--rounds", "request_timeout": "--request-timeout",
                 "no_stream": "--no-stream"}
 LOCAL_FLAGS = {"target": "--target", "draft": "--draft", "no_draft": "--no-draft", "mask_token_id": "--mask-token-id",
-               "block_size": "--block-size", "device": "--device", "branch_length": "--branch-length"}
+               "block_size": "--block-size", "device": "--device", "branch_length": "--branch-length",
+               "dtype": "--dtype", "drafter_precision": "--drafter-precision"}
+FLAG_DEFAULTS = {"dtype": "auto", "drafter_precision": "auto"}  # a flag left at its default was not given
 LOCAL_INSTEAD = {"--model": "--target names the model", "--num-prompts": "--max-samples sets how many samples"}
 
 
@@ -50,7 +53,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                                            "http://host:port (implies --backend server)")
     server.add_argument("--model", help="model name sent to the server (default: the first it lists)")
     server.add_argument("--endpoint", choices=["chat", "completions"], help="default: chat")
-    server.add_argument("--api-key", default=os.environ.get("OPENAI_API_KEY"), help="default: $OPENAI_API_KEY")
+    server.add_argument("--api-key", help="default: $OPENAI_API_KEY")
     server.add_argument("--concurrency", type=int_list, help="one value or a sweep like 1,4,8 (default 1)")
     server.add_argument("--num-prompts", type=int,
                         help="conversations per concurrency level (default: each sample once)")
@@ -102,8 +105,9 @@ def bench_config(args: argparse.Namespace):
         raise UserError("--enable-thinking sets a chat template variable, and --endpoint completions sends raw "
                         "text: drop one of them")
     if backend == "server":
+        api_key = args.api_key or os.environ.get("OPENAI_API_KEY")
         server = ServerConfig(base_url=args.base_url, model=args.model, endpoint=args.endpoint or "chat",
-                              api_key=args.api_key, concurrency=args.concurrency or [1], num_prompts=args.num_prompts,
+                              api_key=api_key, concurrency=args.concurrency or [1], num_prompts=args.num_prompts,
                               duration_s=args.duration, timeout_s=_or(args.request_timeout, 600.0),
                               metrics_url=args.metrics_url, baseline_url=args.baseline_url,
                               rounds=_or(args.rounds, 1), chat_template_kwargs=chat_template_kwargs(args),
@@ -139,7 +143,8 @@ def _or(value, default):
 def _check_backend_flags(args: argparse.Namespace, backend: str) -> None:
     """A flag the chosen backend would not read is a mistake to point out, not to ignore."""
     wrong = SERVER_FLAGS if backend == "local" else LOCAL_FLAGS
-    given = [flag for name, flag in wrong.items() if getattr(args, name, None) not in (None, False)]
+    given = [flag for name, flag in wrong.items()
+             if getattr(args, name, None) not in (None, False, FLAG_DEFAULTS.get(name))]
     if not given:
         return
     applies = "applies" if len(given) == 1 else "apply"

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import re
 import sys
 
 # subcommand -> module with add_arguments(parser) and run(args) -> int
@@ -34,15 +35,16 @@ def main(argv: list[str] | None = None) -> int:
     return run_command(args, f"dflash {args.command}")
 
 
-def run_command(args: argparse.Namespace, prog: str) -> int:
-    """Run `args.module`; a user's mistake is one line under `prog`, never a traceback."""
+def run_command(args: argparse.Namespace, prog: str, flag_names: dict[str, str] | None = None) -> int:
+    """Run `args.module`; a user's mistake is one line under `prog`, never a traceback. `flag_names`: the flags as
+    the user spelled them, for a front end whose flags map onto ours (`python -m dflash.benchmark`)."""
     from dflash.errors import UserError
 
     _quiet_libraries()
     try:
         return importlib.import_module(args.module).run(args) or 0
     except UserError as err:
-        print(f"{prog}: error: {err}", file=sys.stderr)
+        print(f"{prog}: error: {_respelled(str(err), flag_names or {})}", file=sys.stderr)
         return 2
     except BrokenPipeError:  # whoever read our output stopped (e.g. `| head`): stop quietly, as other tools do
         _drop_stdout()
@@ -60,6 +62,13 @@ def run_command(args: argparse.Namespace, prog: str) -> int:
               "(a smaller --batch-size, --max-length, --max-new-tokens or --max-batch-size, a smaller model), or "
               "run where there is more memory", file=sys.stderr)
         return 1
+
+
+def _respelled(message: str, flag_names: dict[str, str]) -> str:
+    """`message` with each of our flags in `flag_names` written as the user's own (whole flags only)."""
+    for ours, theirs in flag_names.items():
+        message = re.sub(rf"(?<![\w-]){re.escape(ours)}(?![\w-])", theirs, message)
+    return message
 
 
 def _out_of_memory(err: BaseException) -> bool:

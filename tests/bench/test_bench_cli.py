@@ -165,6 +165,10 @@ SERVER = ["--base-url", "http://127.0.0.1:9/v1"]  # nothing listens there: every
     (["--branch-length", "-1"], "--branch-length must be >= 0"),
     (SERVER + ["--warmup-tokens", "-1"], "--warmup-tokens must be >= 0"),
     (["--no-stream"], "--no-stream only applies to a server benchmark"),
+    (["--backend", "local", "--base-url", "http://127.0.0.1:9/v1", "--api-key", "k"],
+     "--base-url, --api-key only apply to a server benchmark"),
+    (SERVER + ["--dtype", "bfloat16"], "--dtype only applies to the local backend"),
+    (SERVER + ["--drafter-precision", "bfloat16"], "--drafter-precision only applies to the local backend"),
 ])
 def test_user_errors_are_one_line(tiny_pair, data_dir, capsys, argv, message):
     target, draft = tiny_pair
@@ -199,7 +203,7 @@ def test_reference_flags_map_onto_dflash_bench():
     assert to_bench_argv(["--backend", "vllm", "--base-url", "http://h/v1", "--model", "M", "--draft-model", "D",
                           "--num-prompts", "8", "--concurrency", "1,8", "--enable-thinking"]) == [
         "--backend", "server", "--dataset", "gsm8k", "--model", "M", "--num-prompts", "8", "--concurrency", "1,8",
-        "--base-url", "http://h/v1", "--enable-thinking"]
+        "--base-url", "http://h/v1", "--enable-thinking"]  # the server's drafter is its own (a note says so)
     # as in the reference, thinking is off unless asked for; raw completions have no chat template to tell
     assert "--no-enable-thinking" not in to_bench_argv(["--backend", "vllm", "--endpoint", "completions"])
 
@@ -284,6 +288,10 @@ def test_python_m_dflash_benchmark_errors_are_under_its_own_name(tiny_pair, caps
     assert benchmark_main(["--model", str(target), "--draft-model", str(draft), "--concurrency", "4"]) == 2
     assert capsys.readouterr().err.startswith("python -m dflash.benchmark: error: --concurrency only applies to a "
                                               "server benchmark")
+    assert benchmark_main(["--backend", "hf", "--model", str(target)]) == 2  # errors name the flags as typed
+    assert capsys.readouterr().err.startswith("python -m dflash.benchmark: error: --model needs --draft-model")
+    assert benchmark_main(["--backend", "vllm", "--base-url", "http://127.0.0.1:9", "--timeout-s", "-1"]) == 2
+    assert "error: --timeout-s must be a finite number of seconds > 0" in capsys.readouterr().err
     with pytest.raises(SystemExit):
         benchmark_main(["--model", str(target), "--frobnicate"])
     assert "python -m dflash.benchmark: error: unrecognized arguments: --frobnicate" in capsys.readouterr().err

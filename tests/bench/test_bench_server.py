@@ -159,6 +159,30 @@ def test_unreachable_server_is_a_user_error():
         ServerBackend(ServerConfig(base_url="http://127.0.0.1:9/v1", model="m")).run_level("gsm8k", SAMPLES, 1)
 
 
+def test_a_wrong_api_path_or_scheme_says_what_to_fix(openai_server):
+    server = openai_server()
+    wrong_path = server.base_url.removesuffix("/v1") + "/v2"
+    with pytest.raises(UserError, match="/v2/models answered HTTP 404: no OpenAI API answers there; --base-url is the "
+                                        "API root"):
+        ServerBackend(ServerConfig(base_url=wrong_path, model="tiny-dflash")).run_level("gsm8k", SAMPLES, 1)
+    https = server.base_url.replace("http://", "https://")
+    with pytest.raises(UserError, match="is the server running.*is it a plain http:// server\\? try "
+                                        f"{server.base_url}"):
+        ServerBackend(ServerConfig(base_url=https, model="tiny-dflash")).run_level("gsm8k", SAMPLES, 1)
+
+
+@pytest.mark.parametrize("key, message", [
+    (None, "the server wants an API key; pass --api-key"),
+    ("wrong", "the server rejected the key given .--api-key, or .OPENAI_API_KEY.: pass the key it was started with"),
+])
+def test_a_refused_key_is_told_apart_from_a_missing_one(monkeypatch, key, message):
+    import httpx
+
+    monkeypatch.setattr(httpx, "get", lambda url, **kw: httpx.Response(401, request=httpx.Request("GET", url)))
+    with pytest.raises(UserError, match="answered HTTP 401: " + message):
+        ServerBackend(ServerConfig(base_url="http://h/v1", api_key=key)).run_level("gsm8k", SAMPLES, 1)
+
+
 def test_prometheus_parsing_of_vllm_and_dflash_names():
     text = "\n".join([
         "# HELP vllm:spec_decode_num_drafts_total Number of spec decoding drafts.",
