@@ -121,16 +121,46 @@ def _hand_off(args: argparse.Namespace) -> int:
     if args.mask_token_id is not None:
         raise UserError("--mask-token-id does not carry over: vLLM and SGLang read the mask token id from the "
                         "drafter's config.json (dflash_config.mask_token_id); put it there")
+    _refuse_native_only_flags(args)
     options = handoff.HandoffOptions(
         host=args.host, port=args.port, api_key=args.api_key, max_model_len=args.max_model_len,
         served_model_name=args.served_model_name, max_batch_size=args.max_batch_size,
         dtype=None if args.dtype == "auto" else args.dtype, chat_template_kwargs=chat_template_kwargs(args),
     )
     command = handoff.engine_command(args.engine, target, draft, args.block_size, options)
+    _warn_if_open(args)
     if args.dry_run:
         print(command.shown())
+        if args.api_key:
+            print(f"dflash serve: note: the command reads the API key from ${handoff.API_KEY_ENV}; export it in the "
+                  "shell that runs the command", file=sys.stderr)
         return 0
     return handoff.launch(args.engine, command)
+
+
+# this server's own flags: the engines have their own ways (or none) for what they set
+NATIVE_ONLY_FLAGS = ("device", "drafter_precision", "max_queue", "max_request_bytes", "fallback_min_acceptance",
+                     "fallback_window", "fallback_probe_after", "fallback_probe_window", "fallback_hysteresis",
+                     "adaptive_block_size")
+
+
+def _refuse_native_only_flags(args: argparse.Namespace) -> None:
+    """A hand-off cannot carry these over: one given with another value than its default is refused, not dropped."""
+    defaults = argparse.ArgumentParser()
+    add_arguments(defaults)
+    given = [name for name in NATIVE_ONLY_FLAGS if getattr(args, name) != defaults.get_default(name)]
+    if given:
+        flags = ", ".join("--no-adaptive-block-size" if name == "adaptive_block_size" else
+                          "--" + name.replace("_", "-") for name in given)
+        raise UserError(f"{flags} {'is' if len(given) == 1 else 'are'} this server's own and do not carry over to "
+                        f"{args.engine}: drop {'it' if len(given) == 1 else 'them'}, or set the engine's own options "
+                        "on the command it runs (--dry-run prints it)")
+
+
+def _warn_if_open(args: argparse.Namespace) -> None:
+    if args.host not in ("127.0.0.1", "localhost", "::1") and not args.api_key:
+        print(f"dflash serve: warning: listening on {args.host} without --api-key; anyone who can reach it can "
+              "use it", file=sys.stderr)
 
 
 def _serve(args: argparse.Namespace) -> int:
@@ -155,9 +185,7 @@ def _serve(args: argparse.Namespace) -> int:
     )
     app = create_app(pipe, config)
     _warm_up(pipe)
-    if args.host not in ("127.0.0.1", "localhost", "::1") and not args.api_key:
-        print(f"dflash serve: warning: listening on {args.host} without --api-key; anyone who can reach it can "
-              "use it", file=sys.stderr)
+    _warn_if_open(args)
     http = uvicorn.Server(uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level))
     return _run(http, app.state.server.scheduler, f"{args.host}:{args.port}")
 

@@ -97,12 +97,12 @@ def resolve_model_dir(path_or_id: str | os.PathLike, revision: str | None = None
     if path.exists():
         raise CheckpointError(f"{path_or_id} is a file; give the checkpoint directory that holds its config.json "
                               "and weights")
-    if not _is_hub_id(str(path_or_id)):
+    if not is_hub_id(str(path_or_id)):
         raise CheckpointError(f"{path_or_id} does not exist; give a checkpoint directory or a hub id like org/name")
     return _from_hub(str(path_or_id), revision)
 
 
-def _is_hub_id(text: str) -> bool:
+def is_hub_id(text: str) -> bool:
     from huggingface_hub.utils import HFValidationError, validate_repo_id
 
     if text.startswith((".", "/", "~")) or text.count("/") > 1:
@@ -116,14 +116,31 @@ def _is_hub_id(text: str) -> bool:
 
 def _from_hub(repo_id: str, revision: str | None) -> Path:
     """The snapshot directory of `repo_id`: downloaded when the hub answers, else from the local cache."""
-    from huggingface_hub import constants, snapshot_download
+    from huggingface_hub import snapshot_download
+
+    return Path(_fetch(repo_id, revision, lambda local_only: snapshot_download(
+        repo_id, revision=revision, allow_patterns=_HUB_PATTERNS, local_files_only=local_only)))
+
+
+def hub_file(repo_id: str, filename: str, revision: str | None = None) -> Path:
+    """One file of a hub repository (e.g. its config.json): downloaded when the hub answers, else from the local
+    cache; the same errors as a whole checkpoint's."""
+    from huggingface_hub import hf_hub_download
+
+    return Path(_fetch(repo_id, revision, lambda local_only: hf_hub_download(
+        repo_id, filename, revision=revision, local_files_only=local_only)))
+
+
+def _fetch(repo_id: str, revision: str | None, download):
+    """download(local_only) from the hub, asked once with a timeout first (`_probe_hub`); the local cache alone
+    when the hub cannot be reached or HF_HUB_OFFLINE is set. Every failure is a CheckpointError saying what to do."""
+    from huggingface_hub import constants
     from huggingface_hub.utils import LocalEntryNotFoundError
 
     offline = bool(constants.HF_HUB_OFFLINE)
     unreachable = None if offline else _probe_hub(repo_id, revision, float(constants.HF_HUB_ETAG_TIMEOUT))
     try:
-        return Path(snapshot_download(repo_id, revision=revision, allow_patterns=_HUB_PATTERNS,
-                                      local_files_only=offline or unreachable is not None))
+        return download(offline or unreachable is not None)
     except LocalEntryNotFoundError as err:
         if not offline and unreachable is None:
             raise _download_failure(repo_id, err) from None

@@ -20,7 +20,7 @@ from pathlib import Path
 
 from dflash.errors import UserError
 from dflash.model.config import DrafterConfig, is_causal_lm, is_dflash2
-from dflash.model.loading import read_config
+from dflash.model.loading import hub_file, is_hub_id, read_config
 from dflash.model.target import check_compatible
 from dflash.serve.limits import check_max_model_len
 
@@ -83,14 +83,9 @@ def _read_config(path_or_id: str, what: str) -> dict:
         return read_config(path, what)
     if path.exists() or str(path_or_id).startswith((".", "/", "~")):
         raise UserError(f"{path_or_id} is not a directory; give a checkpoint directory or a hub id like org/name")
-    try:
-        from huggingface_hub import hf_hub_download
-
-        file = Path(hf_hub_download(str(path_or_id), "config.json"))
-    except Exception as err:  # offline, private, missing: all mean "could not read it"
-        raise UserError(f"could not read config.json of {path_or_id!r} locally or from the hub "
-                        f"({type(err).__name__}); check the path or id") from None
-    return read_config(file.parent, what)
+    if not is_hub_id(str(path_or_id)):
+        raise UserError(f"{path_or_id} does not exist; give a checkpoint directory or a hub id like org/name")
+    return read_config(hub_file(str(path_or_id), "config.json").parent, what)
 
 
 def target_facts(target: str) -> TargetFacts:

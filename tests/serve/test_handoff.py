@@ -211,3 +211,38 @@ def test_a_branch_length_with_a_hand_off_is_refused(tiny_pair, capsys):
                  "--dry-run"])
     err = capsys.readouterr().err
     assert code == 2 and "--branch-length is this package's engine's; vllm" in err and "Traceback" not in err
+
+
+@pytest.mark.parametrize("flags, named", [
+    (["--device", "cpu"], "--device is"),
+    (["--max-queue", "5", "--no-adaptive-block-size"], "--max-queue, --no-adaptive-block-size are"),
+    (["--fallback-min-acceptance", "2", "--drafter-precision", "bfloat16"],
+     "--drafter-precision, --fallback-min-acceptance are"),
+])
+def test_flags_only_this_server_reads_are_refused_not_dropped(tiny_pair, capsys, flags, named):
+    target, draft = map(str, tiny_pair)
+    assert main(["serve", "--target", target, "--draft", draft, "--engine", "vllm", *flags, "--dry-run"]) == 2
+    assert f"dflash serve: error: {named} this server's own and do not carry over to vllm" in capsys.readouterr().err
+    assert dry_run(capsys, "--target", target, "--draft", draft, "--engine", "vllm", "--max-queue", "64")  # defaults
+
+
+def test_a_dry_run_says_where_the_key_comes_from_and_an_open_address_is_warned_of(tiny_pair, capsys):
+    target, draft = map(str, tiny_pair)
+    assert main(["serve", "--target", target, "--draft", draft, "--engine", "sglang", "--api-key", "k",
+                 "--dry-run"]) == 0
+    assert "the command reads the API key from $DFLASH_API_KEY; export it" in capsys.readouterr().err
+    assert main(["serve", "--target", target, "--draft", draft, "--engine", "sglang", "--host", "0.0.0.0",
+                 "--dry-run"]) == 0
+    assert "warning: listening on 0.0.0.0 without --api-key" in capsys.readouterr().err
+
+
+def test_a_hub_id_without_the_hub_fails_at_once_saying_how_to_get_it(capsys, monkeypatch):
+    from huggingface_hub import constants
+
+    monkeypatch.setattr(constants, "HF_HUB_OFFLINE", True)
+    monkeypatch.setattr(constants, "HF_HUB_CACHE", "/nonexistent-hub-cache")
+    assert main(["serve", "--target", "org/target-model", "--draft", "org/drafter", "--engine", "vllm",
+                 "--dry-run"]) == 2
+    err = capsys.readouterr().err
+    assert "org/target-model is not a local directory, and it cannot be downloaded: HF_HUB_OFFLINE is set" in err
+    assert "`hf download org/target-model`" in err
