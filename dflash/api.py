@@ -404,6 +404,9 @@ def check_template_kwargs(kwargs: dict[str, Any] | None) -> dict[str, Any]:
     if not isinstance(kwargs, dict) or not all(isinstance(k, str) for k in kwargs):
         raise GenerationError("chat_template_kwargs must be a JSON object of template variables, e.g. "
                               '{"enable_thinking": false}')
+    thinking = kwargs.get("enable_thinking")
+    if thinking is not None and not isinstance(thinking, bool):
+        raise GenerationError(f"chat_template_kwargs.enable_thinking must be true or false, got {thinking!r}")
     reserved = sorted(set(kwargs) & _RESERVED_TEMPLATE_VARIABLES)
     if reserved:
         raise GenerationError(f"chat_template_kwargs may not set {', '.join(reserved)}: dflash sets "

@@ -40,6 +40,12 @@ class GenerationError(UserError):
     """A request the engine cannot serve as given; the message says what to change."""
 
 
+def check_token_ids(ids: list[int], vocab_size: int) -> None:
+    bad = [t for t in ids if not 0 <= t < vocab_size]
+    if bad:
+        raise GenerationError(f"prompt token ids {bad[:5]} are outside the vocabulary (0..{vocab_size - 1})")
+
+
 @dataclass
 class GenerationConfig:
     max_new_tokens: int = 256
@@ -231,10 +237,7 @@ class SpeculativeEngine:
     def new_sequence(self, prompt_ids: list[int], config: GenerationConfig) -> Sequence:
         if not prompt_ids:
             raise GenerationError("the prompt is empty; give at least one token")
-        bad = [t for t in prompt_ids if not 0 <= t < self.target.vocab_size]
-        if bad:
-            raise GenerationError(f"prompt token ids {bad[:5]} are outside the vocabulary "
-                                  f"(0..{self.target.vocab_size - 1})")
+        check_token_ids(prompt_ids, self.target.vocab_size)
         room = self.room(len(prompt_ids))
         if room is not None and config.max_new_tokens > room:
             raise GenerationError(

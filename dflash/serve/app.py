@@ -27,7 +27,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from dflash.api import TemplateRefusal, check_template_kwargs
 from dflash.decoding.block_policy import BlockSizePolicy
 from dflash.decoding.detokenizer import TextDeltas
-from dflash.decoding.engine import GenerationConfig
+from dflash.decoding.engine import GenerationConfig, check_token_ids
 from dflash.decoding.proposer import NoDraftProposer
 from dflash.errors import UserError
 from dflash.serve.fallback import FallbackConfig
@@ -117,7 +117,12 @@ class Server:
             raise APIError(400, str(err), param="messages") from None
 
     async def encode_text(self, prompt: str | list[int]) -> list[int]:
-        return await run_in_threadpool(self.pipe.encode, prompt, True)
+        try:
+            if isinstance(prompt, list):
+                check_token_ids(prompt, self.pipe.target.vocab_size)
+            return await run_in_threadpool(self.pipe.encode, prompt, True)
+        except UserError as err:  # token ids outside the vocabulary, text the tokenizer cannot take
+            raise APIError(400, str(err), param="prompt") from None
 
     def check_model(self, model: str | None) -> None:
         if model is not None and model != self.config.served_model_name:
@@ -296,7 +301,7 @@ def create_app(pipe, config: ServeConfig | None = None) -> FastAPI:
         prompt_ids = await server.encode_text(req.prompt)
         return await server.answer(http, req, prompt_ids, "completion", default_max=COMPLETIONS_DEFAULT_MAX_TOKENS)
 
-    @app.get("/health")
+    @app.api_route("/health", methods=["GET", "HEAD"])
     async def health():
         counts = server.scheduler.counts()
         if not server.scheduler.alive:

@@ -143,7 +143,8 @@ class SamplingRequest(_Strict):
 
     _UNSUPPORTED: ClassVar[Refusals] = {
         "n": (lambda v: v == 1, "this server returns one choice per request; send n=1 or leave it out"),
-        "logprobs": (_unset, "this server returns no log probabilities; leave logprobs out"),
+        # completions' logprobs=0 still asks for the chosen tokens' log probabilities; only null and false do not
+        "logprobs": (lambda v: v is None or v is False, "this server returns no log probabilities; leave logprobs out"),
         "echo": (_unset, "this server does not echo the prompt; leave echo out"),
         "presence_penalty": (_unset, "this server applies no penalties; leave presence_penalty out or send 0"),
         "frequency_penalty": (_unset, "this server applies no penalties; leave frequency_penalty out or send 0"),
@@ -266,7 +267,7 @@ def parse_request(raw: bytes, model: type[_Strict]) -> Any:
                             "OpenAI's API defines them") from None
     if not isinstance(data, dict):
         raise APIError(400, f"the request body must be a JSON object, not {type(data).__name__}")
-    ignored = sorted(set(data) - known_fields(model))
+    ignored = sorted(set(data) - known_fields(model)) + _ignored_inside(data)
     if ignored:  # accepted, as OpenAI's API does, but a typo (max_token) would change the answer unseen
         log.warning("request fields this server ignores: %s", ", ".join(map(str, ignored)))
     try:
@@ -274,6 +275,23 @@ def parse_request(raw: bytes, model: type[_Strict]) -> Any:
     except ValidationError as err:
         param, message = _describe(err.errors())
         raise APIError(400, f"{param}: {message}" if param else message, param=param) from None
+
+
+def _ignored_inside(data: dict) -> list[str]:
+    """Unknown keys of the objects inside a request (each message, stream_options), as paths like messages[0].foo."""
+    found = []
+    messages = data.get("messages")
+    for i, message in enumerate(messages if isinstance(messages, list) else []):
+        if isinstance(message, dict):
+            found += [f"messages[{i}].{k}" for k in sorted(set(message) - known_fields(ChatMessage) - MESSAGE_EXTRAS)]
+    options = data.get("stream_options")
+    if isinstance(options, dict):
+        found += [f"stream_options.{k}" for k in sorted(set(options) - known_fields(StreamOptions))]
+    return found
+
+
+# message fields of OpenAI's API that a chat template has no use for here: no warning for them
+MESSAGE_EXTRAS = {"name", "tool_calls", "tool_call_id", "refusal", "audio", "function_call"}
 
 
 def known_fields(model: type[_Strict]) -> set[str]:

@@ -41,9 +41,28 @@ def test_a_body_nested_too_deeply_says_so(server):
 
 def test_ignored_fields_are_answered_and_logged(server, caplog):
     with caplog.at_level("WARNING", logger="dflash.serve"):
-        response = post(server, "chat/completions", json={"messages": MESSAGES, "max_token": 2, "max_tokens": 2})
+        response = post(server, "chat/completions", json={
+            "messages": [{"role": "user", "content": "hello", "nmae": "x", "name": "ok"}], "max_token": 2,
+            "max_tokens": 2, "stream_options": {"include_usage": False, "inclde": True}})
     assert response.status_code == 200
-    assert "request fields this server ignores: max_token" in caplog.text
+    assert ("request fields this server ignores: max_token, messages[0].nmae, stream_options.inclde"
+            in caplog.text)  # a message's `name` is OpenAI's own field: no warning
+
+
+def test_health_answers_head_requests_too(server):
+    assert httpx.head(f"{server.url}/health").status_code == 200
+
+
+def test_a_template_switch_that_is_not_a_boolean_is_400(server):
+    error = assert_error(post(server, "chat/completions", json={
+        "messages": MESSAGES, "max_tokens": 2, "chat_template_kwargs": {"enable_thinking": "maybe"}}), 400,
+        "chat_template_kwargs")
+    assert "enable_thinking must be true or false, got 'maybe'" in error["message"]
+
+
+def test_token_ids_outside_the_vocabulary_name_the_prompt(server):
+    error = assert_error(post(server, "completions", json={"model": MODEL, "prompt": [10**6]}), 400, "prompt")
+    assert "vocabulary" in error["message"]
 
 
 def test_a_conversation_the_chat_template_refuses_is_400(server, monkeypatch):
@@ -144,7 +163,8 @@ def test_options_this_server_cannot_honour_are_refused_by_name(server, field, va
     assert "not supported" in error["message"]
 
 
-@pytest.mark.parametrize("field,value", [("best_of", 2), ("suffix", "return x"), ("echo", True), ("logprobs", 2)])
+@pytest.mark.parametrize("field,value", [("best_of", 2), ("suffix", "return x"), ("echo", True), ("logprobs", 2),
+                                         ("logprobs", 0)])  # 0: the chosen tokens' log probabilities, still
 def test_completion_options_this_server_cannot_honour_are_refused_by_name(server, field, value):
     assert_error(post(server, "completions", json={"prompt": "hi", field: value}), 400, field)
 
