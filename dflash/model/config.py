@@ -55,8 +55,8 @@ def _check_given_mask(given: Any, own: Any, vocab_size: Any) -> None:
         return
     if own is not None and given != own:
         raise DrafterConfigError(f"this drafter was trained with mask token {own}, and a drafter drafts with its own: "
-                                 f"drop --mask-token-id {given} (mask_token_id=), which is for drafters whose "
-                                 "config does not name one")
+                                 f"drop the mask token id {given} (--mask-token-id, or mask_token_id= in Python), "
+                                 "which is for drafters whose config does not name one")
     if isinstance(vocab_size, int) and not (isinstance(given, int) and 0 <= given < vocab_size):
         raise DrafterConfigError(f"mask token id {given} is outside the vocabulary (0 to {vocab_size - 1}); pass "
                                  "the id of the token the drafter was trained with as its mask")

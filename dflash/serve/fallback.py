@@ -122,12 +122,12 @@ class AdaptiveFallback:
         if state.probing and len(state.lengths) >= min(self.config.probe_window, self.config.window):
             state.probing, state.plain_requests = False, 0
             state.drafting = rolling >= resume_at
-            log.info("fallback: the probe of workload %r measured mean acceptance length %.2f against %.2f; %s",
+            log.info("fallback: the probe of workload %r measured mean acceptance length %.3f against %.3f; %s",
                      workload, rolling, resume_at,
                      "drafting again" if state.drafting else "staying without the drafter")
         elif state.drafting and len(state.lengths) >= self.config.window and rolling < stop_below:
             state.drafting, state.plain_requests = False, 0
-            log.warning("fallback: workload %r has mean acceptance length %.2f < %.2f%s over its last %d "
+            log.warning("fallback: workload %r has mean acceptance length %.3f < %.3f%s over its last %d "
                         "drafted steps; new requests decode without the drafter", workload, rolling,
                         stop_below, " (break-even with plain decoding, less the hysteresis)" if self.config.auto
                         else "", len(state.lengths))

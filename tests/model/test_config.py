@@ -80,6 +80,7 @@ def test_a_given_mask_token_must_be_in_the_vocabulary_and_not_override_the_draft
         with pytest.raises(DrafterConfigError, match="outside the vocabulary"):
             DrafterConfig.from_dict(legacy, mask_token_id=bad)
     named = {**BASE, "dflash_config": {"mask_token_id": 7, "target_layer_ids": [1, 5]}, "block_size": 8}
-    with pytest.raises(DrafterConfigError, match="trained with mask token 7.*drop --mask-token-id 9"):
+    with pytest.raises(DrafterConfigError, match="trained with mask token 7.*drop the mask token id 9 "
+                                                 ".--mask-token-id, or mask_token_id= in Python."):
         DrafterConfig.from_dict(named, mask_token_id=9)
     assert DrafterConfig.from_dict(named, mask_token_id=7).mask_token_id == 7  # the same: nothing to refuse
