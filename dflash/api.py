@@ -24,7 +24,14 @@ from safetensors import SafetensorError
 
 from dflash.decoding.detokenizer import TextDeltas
 from dflash.decoding.draft_model import DraftModelProposer
-from dflash.decoding.engine import AUTO, GenerationConfig, GenerationError, GenerationOutput, SpeculativeEngine
+from dflash.decoding.engine import (
+    AUTO,
+    GenerationConfig,
+    GenerationError,
+    GenerationOutput,
+    SpeculativeEngine,
+    check_token_ids,
+)
 from dflash.decoding.proposer import DFlashProposer, NoDraftProposer
 from dflash.errors import UserError
 from dflash.model.config import is_causal_lm
@@ -32,7 +39,6 @@ from dflash.model.cpu_layout import use_fast_layout
 from dflash.model.cpu_precision import PRECISIONS, use_bfloat16_matmuls
 from dflash.model.drafter import DFlashDraftModel
 from dflash.model.loading import (
-    check_target_dir,
     load_drafter,
     load_failure,
     parse_dtype,
@@ -151,6 +157,9 @@ class DFlash:
         """Token ids for a prompt: ids as given; chat messages and (unless raw) text via the chat template, with
         the pipeline's template variables updated by `chat_template_kwargs`. A tokenizer without a chat template
         gets text as it is."""
+        if isinstance(raw, (dict, GenerationConfig)):
+            raise GenerationError("generation options are keywords: generate(prompt, max_new_tokens=64, ...), or "
+                                  "generate(prompt, **options) for a dict of them")
         if not isinstance(raw, bool):
             raise GenerationError(f"raw is True or False, got {raw!r}")
         kind = _prompt_kind(prompt)
@@ -175,6 +184,7 @@ class DFlash:
         """Decode one prompt. Options are `GenerationConfig` fields: max_new_tokens, temperature, top_p, top_k,
         seed, stop_token_ids, stop_strings, block_size. Returns a `GenerationOutput`: `output_ids` (the new
         tokens), `text`, `finish_reason` ("stop" or "length") and `stats`."""
+        _prompt_kind(prompt)  # what is wrong with a prompt that is none of the kinds, said about one prompt
         return self.generate_batch([prompt], raw=raw, **options)[0]
 
     def generate_batch(self, prompts: list[Prompt], raw: bool = False, **options: Any) -> list[GenerationOutput]:
@@ -182,8 +192,19 @@ class DFlash:
         the same as `generate` gives for that prompt alone."""
         _check_batch(prompts)
         config = self._config(options)
-        ids = [self.encode(p, raw) for p in prompts]
+        ids = [self._encode_checked(p, raw, i if len(prompts) > 1 else None) for i, p in enumerate(prompts)]
         return self.engine.generate(ids, config) if ids else []
+
+    def _encode_checked(self, prompt: Prompt, raw: bool, index: int | None) -> list[int]:
+        """The ids of one prompt of a batch, in the vocabulary; a problem names the prompt by its `index`."""
+        try:
+            ids = self.encode(prompt, raw)
+            check_token_ids(ids, self.target.vocab_size)
+        except GenerationError as err:
+            if index is None:
+                raise
+            raise GenerationError(f"prompt {index}: {err}") from None
+        return ids
 
     def stream(self, prompt: Prompt, raw: bool = False, **options: Any) -> "TextStream":
         """Decode one prompt, yielding text pieces as they are decoded (iterate once); `.result` holds the
@@ -243,7 +264,6 @@ def load_target(path_or_id: str | os.PathLike, dtype: str | torch.dtype | None =
     """A causal LM and its tokenizer (the target, or a draft model) from a directory or hub id; a checkpoint that
     is not one, or whose files cannot be read, is a CheckpointError naming the directory."""
     directory = resolve_model_dir(path_or_id)
-    check_target_dir(directory)
     try:
         return TargetModel.from_pretrained(directory, dtype=dtype, device=device)
     except UserError:

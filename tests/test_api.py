@@ -224,3 +224,60 @@ def test_both_embedded_drafters_decode_as_the_embedded_target_alone(which):
     a, b = drafted.generate(question, max_new_tokens=48), plain.generate(question, max_new_tokens=48)
     assert a.output_ids == b.output_ids and len(a.output_ids) > 8
     assert a.stats.mean_acceptance_length > 1.5  # a trained drafter: many of its tokens are accepted
+
+
+def test_pipelines_decode_on_several_threads_at_once(pipe):
+    """Each forward captures the target's features for its own thread: concurrent calls give what each gives alone."""
+    import threading
+
+    prompts = ["How many clips?", "Weng earns $12 an hour.", "Natalia sold clips.", "Betty saves money."]
+    alone = [pipe.generate(p, max_new_tokens=12).output_ids for p in prompts]
+    seeded = [pipe.generate(p, max_new_tokens=12, temperature=0.8, seed=i).output_ids for i, p in enumerate(prompts)]
+    results, errors = {}, []
+
+    def decode(i):
+        try:
+            results[i] = (pipe.generate(prompts[i], max_new_tokens=12).output_ids,
+                          pipe.generate(prompts[i], max_new_tokens=12, temperature=0.8, seed=i).output_ids)
+        except Exception as err:  # noqa: BLE001 - any failure on a thread is the test's failure
+            errors.append(err)
+
+    threads = [threading.Thread(target=decode, args=(i,)) for i in range(len(prompts))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert not errors
+    assert [results[i] for i in range(len(prompts))] == list(zip(alone, seeded))
+
+
+def test_mistakes_in_calls_name_the_argument(pipe):
+    with pytest.raises(GenerationError, match="a prompt is .*, not int"):
+        pipe.generate(5)
+    with pytest.raises(GenerationError, match=r"generation options are keywords: generate\(prompt, max_new_tokens"):
+        pipe.generate("hi", {"max_new_tokens": 4})
+    with pytest.raises(GenerationError, match=r"prompt 2: prompt token ids \[99999\] are outside the vocabulary"):
+        pipe.generate_batch(["a", "b", [99999]], max_new_tokens=2)
+    with pytest.raises(GenerationError, match="prompt 1: the prompt is empty"):
+        pipe.generate_batch(["a", []], max_new_tokens=2)
+    for seed in (2**64, -(2**63) - 1):  # beyond torch's range a seed would wrap onto another
+        with pytest.raises(GenerationError, match=r"seed must be in \[-2\*\*63, 2\*\*64\)"):
+            pipe.generate("hi", max_new_tokens=2, temperature=0.7, seed=seed)
+
+
+def test_a_block_size_below_two_is_refused_before_the_models_load(tiny_pair, monkeypatch):
+    import dflash.api
+
+    monkeypatch.setattr(dflash.api, "load_target", lambda *a, **k: pytest.fail("loaded the target first"))
+    for block_size in (0, 1, -3):
+        with pytest.raises(GenerationError, match="block_size is at least 2"):
+            DFlash.from_pretrained(*tiny_pair, block_size=block_size)
+
+
+def test_the_target_adapter_refuses_what_the_pipeline_refuses(tiny_pair):
+    from dflash.model import TargetModel
+
+    with pytest.raises(CheckpointError, match="is a DFlash drafter, not a target model"):
+        TargetModel.from_pretrained(tiny_pair[1])
+    with pytest.raises(UserError, match="unknown device 'gpu'"):
+        TargetModel.from_pretrained(tiny_pair[0], device="gpu")

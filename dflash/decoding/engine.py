@@ -40,6 +40,9 @@ class GenerationError(UserError):
     """A request the engine cannot serve as given; the message says what to change."""
 
 
+SEED_RANGE = (-(2**63), 2**64)  # what torch generators take; a seed beyond it would wrap onto another one
+
+
 def check_token_ids(ids: list[int], vocab_size: int) -> None:
     bad = [t for t in ids if not 0 <= t < vocab_size]
     if bad:
@@ -70,6 +73,11 @@ class GenerationConfig:
             raise GenerationError(f"branch_length is a number of tokens >= 0 (0: no branch), got {self.branch_length}")
         if isinstance(self.block_size, str) and self.block_size != AUTO:
             raise GenerationError(f"block_size is a number of tokens or {AUTO!r}, not {self.block_size!r}")
+        if isinstance(self.block_size, int) and self.block_size < 2:
+            raise GenerationError(f"block_size is at least 2 (the anchor and one draft token), got {self.block_size}")
+        if self.seed is not None and not SEED_RANGE[0] <= self.seed < SEED_RANGE[1]:
+            raise GenerationError(f"seed must be in [-2**63, 2**64), the range torch's generators take, got "
+                                  f"{self.seed}")
         _ = self.sampling  # validates temperature / top_p / top_k
 
     def _check_types(self) -> None:

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import inspect
 import os
+import threading
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -20,8 +21,10 @@ from dflash.model.config import DrafterConfig
 from dflash.model.loading import (
     CheckpointError,
     causal_lm_shape_mismatches,
+    check_target_dir,
     parse_dtype,
     read_config,
+    resolve_device,
     resolve_model_dir,
     tokenizer_failure,
 )
@@ -52,9 +55,11 @@ class TargetModel:
         self._sliding = self.rollback_problem is None and hf_compat.has_sliding_layers(model.config)
         self._cache_kwarg = hf_compat.cache_kwarg_name(model)
         self._takes_logits_to_keep = "logits_to_keep" in inspect.signature(model.forward).parameters
-        self._captured: dict[int, torch.Tensor] = {}
         self._hooks: dict[int, object] = {}
-        self._wanted: set[int] = set()
+        self._hooks_lock = threading.Lock()
+        # what a forward wants captured and what it captured, per thread: the hooks run on the thread of the forward,
+        # so pipelines sharing this target can decode on several threads at once
+        self._capture = threading.local()
 
     @classmethod
     def from_pretrained(
@@ -67,6 +72,8 @@ class TargetModel:
         from transformers import AutoModelForCausalLM, AutoTokenizer
 
         directory = resolve_model_dir(path_or_id, revision)
+        check_target_dir(directory)
+        device = resolve_device(device)
         if "model_type" not in read_config(directory, "a Hugging Face causal LM checkpoint"):
             raise CheckpointError(f"{directory / 'config.json'} has no model_type; is {path_or_id} a Hugging Face "
                                   "causal LM checkpoint?")
@@ -140,16 +147,26 @@ class TargetModel:
         bad = [i for i in layer_ids if not 0 <= i < self.num_layers]
         if bad:
             raise IncompatibleDrafterError(f"feature layer ids {bad} are outside the target's {self.num_layers} layers")
-        for i in layer_ids:
-            if i not in self._hooks:
-                self._hooks[i] = self.layers[i].register_forward_hook(self._capture_hook(i))
+        with self._hooks_lock:
+            for i in layer_ids:
+                if i not in self._hooks:
+                    self._hooks[i] = self.layers[i].register_forward_hook(self._capture_hook(i))
 
     def _capture_hook(self, layer_id: int):
         def hook(module, inputs, output):
-            if layer_id in self._wanted:
-                self._captured[layer_id] = hf_compat.layer_output_tensor(output)
+            if layer_id in getattr(self._capture, "wanted", ()):
+                self._capture.captured[layer_id] = hf_compat.layer_output_tensor(output)
 
         return hook
+
+    def _start_capture(self, layer_ids) -> None:
+        self._capture.wanted, self._capture.captured = set(layer_ids), {}
+
+    def _end_capture(self, layer_ids) -> list[torch.Tensor]:
+        """The outputs of `layer_ids` captured on this thread since `_start_capture`, in that order."""
+        captured = self._capture.captured
+        self._capture.wanted, self._capture.captured = set(), {}
+        return [captured[i] for i in layer_ids]
 
     # ---- forwards -------------------------------------------------------------------------------------
     def new_cache(self):
@@ -173,7 +190,7 @@ class TargetModel:
         visibility: torch.Tensor | None = None,  # (b, q, q) bool: which new tokens each sees; None = causal
     ) -> TargetOutput:
         self._ensure_hooks(list(feature_layer_ids))
-        self._wanted, self._captured = set(feature_layer_ids), {}
+        self._start_capture(feature_layer_ids)
         b, q = input_ids.shape
         if attention_mask is None and (visibility is not None or hf_compat.padding_mask_needed(b)):
             attention_mask = torch.ones(b, hf_compat.cache_length(cache) + q, dtype=torch.long,
@@ -189,10 +206,8 @@ class TargetModel:
         logits = out.logits
         if logits_to_keep and logits.shape[1] > logits_to_keep:
             logits = logits[:, -logits_to_keep:]
-        features = None
-        if feature_layer_ids:
-            features = torch.cat([self._captured[i] for i in feature_layer_ids], dim=-1)
-        self._wanted, self._captured = set(), {}
+        captured = self._end_capture(feature_layer_ids)
+        features = torch.cat(captured, dim=-1) if captured else None
         return TargetOutput(logits=logits.float(), features=features)
 
 
@@ -209,13 +224,12 @@ class TargetModel:
         With `with_final_hidden`, the decoder's final (normed) hidden states (b, T, hidden) follow the
         features on the last dimension: `lm_head` of them gives the target's logits (soft labels)."""
         self._ensure_hooks(list(feature_layer_ids))
-        self._wanted, self._captured = set(feature_layer_ids), {}
+        self._start_capture(feature_layer_ids)
         decoder = self.model.get_decoder() if hasattr(self.model, "get_decoder") else self.model
         out = decoder(input_ids=input_ids, attention_mask=attention_mask.long(), use_cache=False)
-        parts = [self._captured[i] for i in feature_layer_ids]
+        parts = self._end_capture(feature_layer_ids)
         if with_final_hidden:
             parts.append(out.last_hidden_state)
-        self._wanted, self._captured = set(), {}
         return torch.cat(parts, dim=-1)
 
 

@@ -17,6 +17,7 @@ from typing import Any, Callable, ClassVar, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
+from dflash.decoding.engine import SEED_RANGE
 from dflash.records import shown
 
 log = logging.getLogger("dflash.serve")
@@ -127,7 +128,7 @@ class SamplingRequest(_Strict):
     temperature: float = Field(default=1.0, ge=0.0, le=2.0, allow_inf_nan=False)
     top_p: float = Field(default=1.0, gt=0.0, le=1.0, allow_inf_nan=False)
     top_k: int = Field(default=0, ge=-1)  # 0 or -1: no top-k
-    seed: int | None = Field(default=None, ge=-(2**63), lt=2**64)  # the range torch generators take
+    seed: int | None = Field(default=None, ge=SEED_RANGE[0], lt=SEED_RANGE[1])  # the range torch generators take
     stop: str | list[str] | None = None
     stream: bool = False
     stream_options: StreamOptions | None = None

@@ -140,7 +140,7 @@ class TrainConfig:
         return asdict(self)
 
 
-def load_config(yaml_path: str | None, overrides: dict[str, Any]) -> TrainConfig:
+def load_config(yaml_path: str | None = None, overrides: dict[str, Any] | None = None) -> TrainConfig:
     """Dataclass defaults, then the YAML file, then every flag that was given (not None)."""
     values: dict[str, Any] = {}
     if yaml_path:
@@ -151,11 +151,13 @@ def load_config(yaml_path: str | None, overrides: dict[str, Any]) -> TrainConfig
         values.update({str(k).replace("-", "_"): v for k, v in loaded.items()})
         _read_numbers(values)
         _check_types(values, path)
-    values.update({k: v for k, v in overrides.items() if v is not None})
+    given = {k: v for k, v in (overrides or {}).items() if v is not None}
+    values.update(given)
     known = {f.name for f in fields(TrainConfig)}
     unknown = sorted(set(values) - known)
     if unknown:
         raise UserError(f"unknown training option(s) {unknown}; known: {sorted(known)}")
+    _check_types(given, "the options given")  # flags come typed; a Python caller's dict may not
     config = TrainConfig(**values)
     config.validate()
     return config
@@ -196,7 +198,7 @@ def _types(kind: Any) -> tuple:
     return typing.get_args(kind) if typing.get_args(kind) else (kind,)
 
 
-def _check_types(values: dict[str, Any], path: Path) -> None:
+def _check_types(values: dict[str, Any], path: Path | str) -> None:
     for name, value in values.items():
         expected = type_mismatch(TrainConfig, name, value)
         if expected:

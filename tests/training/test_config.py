@@ -85,3 +85,10 @@ def test_a_config_file_that_cannot_be_read_is_named(tmp_path, text, message):
 def test_a_config_directory_is_refused_by_flag(tmp_path):
     with pytest.raises(UserError, match=re.escape(f"--config {tmp_path} is a directory; give the YAML file")):
         load_config(str(tmp_path), {})
+
+
+@pytest.mark.parametrize("option, value, expected", [("lr", "abc", "a number"), ("epochs", "3", "a number"),
+                                                     ("block_size", "16", "an integer")])
+def test_options_given_in_python_are_type_checked_like_yaml_ones(option, value, expected):
+    with pytest.raises(UserError, match=f"the options given: `{option}: '{value}'` should be {expected}"):
+        load_config(None, {**REQUIRED, option: value})
