@@ -260,6 +260,8 @@ def test_mistakes_in_calls_name_the_argument(pipe):
         pipe.generate_batch(["a", "b", [99999]], max_new_tokens=2)
     with pytest.raises(GenerationError, match="prompt 1: the prompt is empty"):
         pipe.generate_batch(["a", []], max_new_tokens=2)
+    with pytest.raises(GenerationError, match=r"stop_token_ids \[99999\] are outside the vocabulary"):
+        pipe.generate("hi", max_new_tokens=2, stop_token_ids=[99999])
     for seed in (2**64, -(2**63) - 1):  # beyond torch's range a seed would wrap onto another
         with pytest.raises(GenerationError, match=r"seed must be in \[-2\*\*63, 2\*\*64\)"):
             pipe.generate("hi", max_new_tokens=2, temperature=0.7, seed=seed)

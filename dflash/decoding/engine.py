@@ -43,10 +43,10 @@ class GenerationError(UserError):
 SEED_RANGE = (-(2**63), 2**64)  # what torch generators take; a seed beyond it would wrap onto another one
 
 
-def check_token_ids(ids: list[int], vocab_size: int) -> None:
+def check_token_ids(ids: list[int], vocab_size: int, what: str = "prompt token ids") -> None:
     bad = [t for t in ids if not 0 <= t < vocab_size]
     if bad:
-        raise GenerationError(f"prompt token ids {bad[:5]} are outside the vocabulary (0..{vocab_size - 1})")
+        raise GenerationError(f"{what} {bad[:5]} are outside the vocabulary (0..{vocab_size - 1})")
 
 
 @dataclass
@@ -254,6 +254,8 @@ class SpeculativeEngine:
                 f"decoding keeps one block ({self.proposer.block_size} tokens) free past the last one; shorten the "
                 "prompt or lower max_new_tokens"
             )
+        if config.stop_token_ids is not None:  # an id outside the vocabulary is never generated: a stop never met
+            check_token_ids(config.stop_token_ids, self.target.vocab_size, "stop_token_ids")
         stop_ids = config.stop_token_ids if config.stop_token_ids is not None else self.target.eos_token_ids()
         stop = StopChecker(stop_ids, config.stop_strings, config.max_new_tokens, self.tokenizer)
         return Sequence(prompt_ids, config, stop, self.target.device)

@@ -171,7 +171,7 @@ def _read_yaml(path: Path) -> Any:
         raise UserError(f"--config {path} is a directory; give the YAML file of training options (e.g. "
                         f"{path / 'train.yaml'})")
     try:
-        return yaml.safe_load(path.read_text()) or {}
+        return yaml.load(path.read_text(), Loader=_UniqueKeyLoader) or {}
     except yaml.YAMLError as err:
         raise UserError(f"{path} is not valid YAML: {' '.join(str(err).split())}") from None
     except UnicodeDecodeError:
@@ -181,6 +181,20 @@ def _read_yaml(path: Path) -> Any:
                         "options (option: value)") from None
     except OSError as err:
         raise UserError(f"cannot read --config {path}: {err.strerror or err}") from None
+
+
+class _UniqueKeyLoader(yaml.SafeLoader):
+    """YAML's safe loader, refusing a mapping that names a key twice (the plain loader keeps the last silently)."""
+
+    def construct_mapping(self, node, deep=False):
+        seen = set()
+        for key_node, _ in node.value:
+            key = str(self.construct_object(key_node, deep=deep)).replace("-", "_")
+            if key in seen:
+                raise yaml.constructor.ConstructorError(None, None, f"option {key!r} is set twice",
+                                                        key_node.start_mark)
+            seen.add(key)
+        return super().construct_mapping(node, deep)
 
 
 def _read_numbers(values: dict[str, Any]) -> None:

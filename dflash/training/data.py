@@ -39,7 +39,12 @@ def record_messages(record: dict) -> list[dict]:
     if "prompt" in record:
         user = [{"role": "user", "content": text_field(record, "prompt")}]
     elif "turns" in record:
-        user = [{"role": "user", "content": t} for t in texts_field(record, "turns")[:1]]
+        turns = texts_field(record, "turns")
+        if len(turns) > 1:  # one response cannot answer several turns; the others' answers are missing
+            raise UserError(f"this record has {len(turns)} `turns` and one `response`; write a conversation of several "
+                            "turns as `messages` (each user turn followed by its assistant answer), or make the data "
+                            "with `dflash datagen`")
+        user = [{"role": "user", "content": turns[0]}]
     else:
         raise UserError("a training record needs `messages`, `prompt` or `turns`")
     return user + [{"role": "assistant", "content": response}]

@@ -835,7 +835,7 @@ MODEL_SUFFIXES = (".safetensors", ".bin", ".pt", ".gguf")
 CHECKPOINT_KEYS = ("step", "drafter", "optimizer", "scheduler", "config", "drafter_config")
 
 RESUMABLE_CHANGES = ("lr", "weight_decay", "warmup_ratio", "grad_clip", "anchors_per_sequence", "anchor_policy",
-                     "loss_gamma", "distill_weight", "dtype")
+                     "loss_gamma", "distill_weight", "dtype", "max_steps", "epochs")  # the last two: the schedule's end
 
 
 def _make_directory(flag: str, path: Path, instead: str) -> None:

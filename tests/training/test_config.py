@@ -92,3 +92,12 @@ def test_a_config_directory_is_refused_by_flag(tmp_path):
 def test_options_given_in_python_are_type_checked_like_yaml_ones(option, value, expected):
     with pytest.raises(UserError, match=f"the options given: `{option}: '{value}'` should be {expected}"):
         load_config(None, {**REQUIRED, option: value})
+
+
+@pytest.mark.parametrize("text", ["data: d.jsonl\noutput: o\nlr: 1e-3\nlr: 2e-3\n",
+                                  "data: d.jsonl\noutput: o\nblock-size: 8\nblock_size: 16\n"])
+def test_an_option_set_twice_in_the_yaml_file_is_refused(tmp_path, text):
+    path = tmp_path / "train.yaml"
+    path.write_text(text)
+    with pytest.raises(UserError, match="is set twice"):
+        load_config(str(path), {})

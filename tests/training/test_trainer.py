@@ -562,7 +562,7 @@ def test_resume_refuses_another_data_order_and_names_changed_settings(tiny_pair,
     with pytest.raises(UserError, match="the training or held-out examples differ"):
         Trainer(config(tiny_pair, shuffled, out, resume=True)).setup()
     longer = Trainer(config(tiny_pair, train_data, out, resume=True, lr=1e-3, max_steps=8)).setup()
-    assert "lr 0.003 -> 0.001" in capsys.readouterr().err
+    assert "lr 0.003 -> 0.001; max_steps 6 -> 8" in capsys.readouterr().err  # the schedule now ends at step 8
     assert longer.scheduler.base_lrs == [1e-3]  # the new value, not the one in the optimizer state
     assert all(g["initial_lr"] == 1e-3 for g in longer.optimizer.param_groups)
     Trainer(config(tiny_pair, train_data, out, resume=True, max_steps=3)).setup()
