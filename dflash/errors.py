@@ -7,3 +7,9 @@ class UserError(ValueError):
     Its kinds: `CheckpointError` (a model that cannot be found or read), `DrafterConfigError` (a drafter config
     that cannot be used), `IncompatibleDrafterError` (a drafter trained for another target), `GenerationError`
     (a prompt or generation option the engine cannot serve)."""
+
+
+def in_brief(err: BaseException, limit: int = 160) -> str:
+    """An exception in a few words, for a message that quotes it: its type and the first line of its text."""
+    lines = str(err).strip().splitlines()
+    return f"{type(err).__name__}: {lines[0][:limit]}" if lines else type(err).__name__

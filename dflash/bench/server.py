@@ -40,7 +40,7 @@ from dflash.bench.metrics import (
     percentiles,
     ratio,
 )
-from dflash.errors import UserError
+from dflash.errors import UserError, in_brief
 
 PREFIXES = ("dflash:", "vllm:")
 COUNTERS = ("num_drafts", "num_draft_tokens", "num_accepted_tokens")
@@ -367,9 +367,11 @@ def list_models(base_url: str, config: ServerConfig, flag: str) -> ModelList:
     try:
         response = httpx.get(url, timeout=30, headers=_headers(config))
     except httpx.HTTPError as err:
-        tls = (f"; is it a plain http:// server? try {'http://' + url.removeprefix('https://').rsplit('/models', 1)[0]}"
-               if url.startswith("https://") and "ssl" in str(err).lower() else "")
-        raise UserError(f"cannot connect to {url} ({_reason(err)}): is the server running? check {flag}{tls}") from None
+        plain = "http://" + base_url.removeprefix("https://")
+        tls = (f"; is it a plain http:// server? try {plain}"
+               if base_url.startswith("https://") and "ssl" in str(err).lower() else "")
+        raise UserError(f"cannot connect to {url} ({in_brief(err)}): is the server running? check "
+                        f"{flag}{tls}") from None
     if response.status_code in (401, 403):
         fix = ("the server rejected the key given (--api-key, or $OPENAI_API_KEY): pass the key it was started with"
                if config.api_key else "the server wants an API key; pass --api-key (or set $OPENAI_API_KEY)")
@@ -379,11 +381,6 @@ def list_models(base_url: str, config: ServerConfig, flag: str) -> ModelList:
     except (ValueError, KeyError, TypeError):
         names = None
     return ModelList(names, response.status_code)
-
-
-def _reason(err: Exception) -> str:
-    text = str(err).strip().splitlines()[0][:160] if str(err).strip() else ""
-    return f"{type(err).__name__}: {text}" if text else type(err).__name__
 
 
 def resolve_model(base_url: str, config: ServerConfig) -> str:

@@ -38,7 +38,7 @@ def main(argv: list[str] | None = None) -> int:
 def run_command(args: argparse.Namespace, prog: str, flag_names: dict[str, str] | None = None) -> int:
     """Run `args.module`; a user's mistake is one line under `prog`, never a traceback. `flag_names`: the flags as
     the user spelled them, for a front end whose flags map onto ours (`python -m dflash.benchmark`)."""
-    from dflash.errors import UserError
+    from dflash.errors import UserError, in_brief
 
     _quiet_libraries()
     try:
@@ -58,7 +58,7 @@ def run_command(args: argparse.Namespace, prog: str, flag_names: dict[str, str] 
     except (MemoryError, RuntimeError) as err:
         if not _out_of_memory(err):
             raise
-        print(f"{prog}: error: out of memory ({_first_line(err) or type(err).__name__}); ask for less at once "
+        print(f"{prog}: error: out of memory ({in_brief(err)}); ask for less at once "
               "(a smaller --batch-size, --max-length, --max-new-tokens or --max-batch-size, a smaller model), or "
               "run where there is more memory", file=sys.stderr)
         return 1
@@ -75,11 +75,6 @@ def _out_of_memory(err: BaseException) -> bool:
     """Whether an error is an allocation that failed (host or device), which only smaller sizes can fix."""
     text = str(err).lower()
     return isinstance(err, MemoryError) or "out of memory" in text or "can't allocate memory" in text
-
-
-def _first_line(err: BaseException) -> str:
-    lines = str(err).strip().splitlines()
-    return lines[0][:200] if lines else ""
 
 
 def _drop_stdout() -> None:

@@ -11,7 +11,7 @@ import torch
 from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 
-from dflash.errors import UserError
+from dflash.errors import UserError, in_brief
 from dflash.model import hf_compat
 from dflash.model.config import DrafterConfig, DrafterConfigError
 from dflash.model.drafter import DFlashDraftModel
@@ -156,7 +156,7 @@ def _fetch(repo_id: str, revision: str | None, download):
 
 
 def _download_failure(repo_id: str, err: BaseException) -> CheckpointError:
-    return CheckpointError(f"could not download {repo_id} from the Hugging Face hub ({_first_line(err)}); check the "
+    return CheckpointError(f"could not download {repo_id} from the Hugging Face hub ({in_brief(err)}); check the "
                            "id and your connection, or pass a local directory")
 
 
@@ -184,17 +184,12 @@ def _probe_hub(repo_id: str, revision: str | None, timeout_s: float) -> str | No
     except RevisionNotFoundError:
         raise CheckpointError(f"{repo_id} has no revision {revision!r} on the Hugging Face hub") from None
     except HfHubHTTPError as err:  # the hub answered with an error of its own (e.g. 5xx): the cache may serve
-        return _first_line(err)
+        return in_brief(err)
     except Exception as err:  # no network, DNS, refused, timed out (the HTTP client's own error types)
         timed_out = "Timeout" in type(err).__name__
         _hub_unreachable = (f"no answer in {timeout_s:g} s; HF_HUB_ETAG_TIMEOUT sets the wait" if timed_out
-                            else _first_line(err))
+                            else in_brief(err))
         return _hub_unreachable
-
-
-def _first_line(err: BaseException) -> str:
-    text = str(err).strip().splitlines()
-    return f"{type(err).__name__}: {text[0]}" if text else type(err).__name__
 
 
 def read_config(directory: Path, what: str = "a model checkpoint") -> dict:
@@ -226,7 +221,7 @@ def load_failure(what: str, directory: Path, err: BaseException) -> CheckpointEr
     """A CheckpointError for weights or files that were found but could not be loaded."""
     damaged = isinstance(err, (SafetensorError, json.JSONDecodeError, UnicodeDecodeError))
     advice = "; its files are damaged or incomplete: copy or download them again" if damaged else ""
-    return CheckpointError(f"could not load {what} from {directory} ({_first_line(err)}){advice}")
+    return CheckpointError(f"could not load {what} from {directory} ({in_brief(err)}){advice}")
 
 
 def portable_tokenizer_config(config: dict) -> tuple[dict, list[str]]:

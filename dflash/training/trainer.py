@@ -24,7 +24,7 @@ import torch.distributed as dist
 import yaml
 from torch import nn
 
-from dflash.errors import UserError
+from dflash.errors import UserError, in_brief
 from dflash.model.config import DrafterConfig
 from dflash.model.dflash2 import GroupedDynamicConv
 from dflash.model.drafter import DFlashDraftModel
@@ -419,7 +419,7 @@ class Trainer:
         except torch.cuda.OutOfMemoryError:  # not damage: let it say what it is
             raise
         except Exception as err:  # a damaged file fails in any of the unpickler's ways
-            problem = f"it cannot be read ({_reason(err)})"
+            problem = f"it cannot be read ({in_brief(err)})"
         else:
             if isinstance(features, torch.Tensor) and tuple(features.shape) == tuple(shape):
                 return features
@@ -733,7 +733,7 @@ class Trainer:
         except torch.cuda.OutOfMemoryError:  # not damage: let it say what it is
             raise
         except Exception as err:  # a damaged file fails in any of the unpickler's ways (or is missing)
-            problem = _reason(err)
+            problem = in_brief(err)
         else:
             missing = [k for k in CHECKPOINT_KEYS if not isinstance(state, dict) or k not in state]
             if not missing:
@@ -852,12 +852,6 @@ def _make_directory(flag: str, path: Path, instead: str) -> None:
                         "write") from None
     if not os.access(path, os.W_OK):
         raise UserError(f"{flag} {path} is not writable; {instead}, somewhere you can write")
-
-
-def _reason(err: Exception) -> str:
-    """An exception in a few words: its type and the first line of its message."""
-    text = str(err).strip().splitlines()[0][:120] if str(err).strip() else ""
-    return f"{type(err).__name__}: {text}" if text else type(err).__name__
 
 
 def _model_files(name: str) -> dict[str, list[int]]:
