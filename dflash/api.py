@@ -133,6 +133,12 @@ class DFlash:
         cannot be reached, or HF_HUB_OFFLINE=1, only the local cache serves. `drafter_precision`: see `DFlash`.
         """
         target, draft = _pair_paths(target, draft, no_draft)
+        drafting = [name for name, given in (("block_size", isinstance(block_size, int)),
+                                             ("mask_token_id", mask_token_id is not None),
+                                             ("branch_length", bool(branch_length))) if given]
+        if no_draft and drafting:
+            raise UserError(f"{', '.join(drafting)} {'shapes' if len(drafting) == 1 else 'shape'} drafting, and "
+                            "no_draft=True decodes with the target alone: drop one or the other")
         # the cheap checks first: a typo should not wait for a model to load
         torch_device = resolve_device(device)
         parse_dtype(dtype)
@@ -317,6 +323,10 @@ def _pair_paths(target, draft, no_draft: bool) -> tuple[str | os.PathLike, str |
         raise UserError(f"no_draft is True or False, got {no_draft!r}")
     if no_draft:
         draft = None
+    for name, path in (("target", target), ("draft", draft)):
+        if isinstance(path, str) and not path.strip():
+            raise UserError(f"{name} is an empty path; give a checkpoint directory or a hub id like org/name (or leave "
+                            "both out for the embedded pair)")
     if target is None:
         if draft is not None:
             raise UserError("a draft model needs its target: pass target= too (a drafter only fits the target it "

@@ -283,3 +283,19 @@ def test_the_target_adapter_refuses_what_the_pipeline_refuses(tiny_pair):
         TargetModel.from_pretrained(tiny_pair[1])
     with pytest.raises(UserError, match="unknown device 'gpu'"):
         TargetModel.from_pretrained(tiny_pair[0], device="gpu")
+
+
+def test_options_that_shape_drafting_are_refused_without_a_drafter_and_empty_paths_are_named(tiny_pair):
+    with pytest.raises(UserError, match="block_size, branch_length shape drafting, and no_draft=True decodes"):
+        DFlash.from_pretrained(tiny_pair[0], no_draft=True, block_size=4, branch_length=2)
+    with pytest.raises(UserError, match="mask_token_id shapes drafting"):
+        DFlash.from_pretrained(tiny_pair[0], no_draft=True, mask_token_id=3)
+    with pytest.raises(UserError, match="target is an empty path"):
+        DFlash.from_pretrained("", no_draft=True)
+
+
+def test_a_trainer_takes_a_checked_config():
+    from dflash.training import Trainer
+
+    with pytest.raises(UserError, match=r"Trainer takes a TrainConfig, not dict: Trainer\(load_config"):
+        Trainer({"data": "x"})

@@ -112,6 +112,9 @@ def _example_generator(seed: int, epoch: int, index: int) -> torch.Generator:
 
 class Trainer:
     def __init__(self, config: TrainConfig):
+        if not isinstance(config, TrainConfig):
+            raise UserError(f"Trainer takes a TrainConfig, not {type(config).__name__}: Trainer(load_config(yaml_path, "
+                            "options)) checks the options and fills in the defaults")
         self.config = config
         self.step = 0
         self.rank, self.world = 0, 1
