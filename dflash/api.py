@@ -30,7 +30,6 @@ from dflash.decoding.engine import (
     GenerationError,
     GenerationOutput,
     SpeculativeEngine,
-    check_token_ids,
 )
 from dflash.decoding.proposer import DFlashProposer, NoDraftProposer
 from dflash.errors import UserError
@@ -138,7 +137,7 @@ class DFlash:
                                              ("branch_length", bool(branch_length))) if given]
         if no_draft and drafting:
             raise UserError(f"{', '.join(drafting)} {'shapes' if len(drafting) == 1 else 'shape'} drafting, and "
-                            "no_draft=True decodes with the target alone: drop one or the other")
+                            "no_draft (--no-draft) decodes with the target alone: drop one or the other")
         # the cheap checks first: a typo should not wait for a model to load
         torch_device = resolve_device(device)
         parse_dtype(dtype)
@@ -198,19 +197,17 @@ class DFlash:
         the same as `generate` gives for that prompt alone."""
         _check_batch(prompts)
         config = self._config(options)
-        ids = [self._encode_checked(p, raw, i if len(prompts) > 1 else None) for i, p in enumerate(prompts)]
-        return self.engine.generate(ids, config) if ids else []
+        ids = [self._encode_row(i, p, raw, len(prompts)) for i, p in enumerate(prompts)]
+        return self.engine.generate(ids, config) if ids else []  # the engine names a row it refuses likewise
 
-    def _encode_checked(self, prompt: Prompt, raw: bool, index: int | None) -> list[int]:
-        """The ids of one prompt of a batch, in the vocabulary; a problem names the prompt by its `index`."""
+    def _encode_row(self, index: int, prompt: Prompt, raw: bool, rows: int) -> list[int]:
+        """The ids of prompt `index` of a batch of `rows`; a problem names the prompt when there are several."""
         try:
-            ids = self.encode(prompt, raw)
-            check_token_ids(ids, self.target.vocab_size)
+            return self.encode(prompt, raw)
         except GenerationError as err:
-            if index is None:
+            if rows == 1:
                 raise
             raise GenerationError(f"prompt {index}: {err}") from None
-        return ids
 
     def stream(self, prompt: Prompt, raw: bool = False, **options: Any) -> "TextStream":
         """Decode one prompt, yielding text pieces as they are decoded (iterate once); `.result` holds the

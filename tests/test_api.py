@@ -286,7 +286,7 @@ def test_the_target_adapter_refuses_what_the_pipeline_refuses(tiny_pair):
 
 
 def test_options_that_shape_drafting_are_refused_without_a_drafter_and_empty_paths_are_named(tiny_pair):
-    with pytest.raises(UserError, match="block_size, branch_length shape drafting, and no_draft=True decodes"):
+    with pytest.raises(UserError, match=r"block_size, branch_length shape drafting, and no_draft \(--no-draft\)"):
         DFlash.from_pretrained(tiny_pair[0], no_draft=True, block_size=4, branch_length=2)
     with pytest.raises(UserError, match="mask_token_id shapes drafting"):
         DFlash.from_pretrained(tiny_pair[0], no_draft=True, mask_token_id=3)

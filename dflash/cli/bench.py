@@ -8,7 +8,7 @@ import math
 import os
 from pathlib import Path
 
-from dflash.cli.common import add_model_arguments, chat_template_kwargs, int_list, load_pipeline
+from dflash.cli.common import add_model_arguments, changed_flags, chat_template_kwargs, int_list, load_pipeline
 from dflash.decoding.sampling import MAX_TEMPERATURE
 from dflash.errors import UserError
 
@@ -23,7 +23,6 @@ SERVER_FLAGS = {"base_url": "--base-url", "api_key": "--api-key", "model": "--mo
 LOCAL_FLAGS = {"target": "--target", "draft": "--draft", "no_draft": "--no-draft", "mask_token_id": "--mask-token-id",
                "block_size": "--block-size", "device": "--device", "branch_length": "--branch-length",
                "dtype": "--dtype", "drafter_precision": "--drafter-precision"}
-FLAG_DEFAULTS = {"dtype": "auto", "drafter_precision": "auto"}  # a flag left at its default was not given
 LOCAL_INSTEAD = {"--model": "--target names the model", "--num-prompts": "--max-samples sets how many samples"}
 
 
@@ -143,8 +142,7 @@ def _or(value, default):
 def _check_backend_flags(args: argparse.Namespace, backend: str) -> None:
     """A flag the chosen backend would not read is a mistake to point out, not to ignore."""
     wrong = SERVER_FLAGS if backend == "local" else LOCAL_FLAGS
-    given = [flag for name, flag in wrong.items()
-             if getattr(args, name, None) not in (None, False, FLAG_DEFAULTS.get(name))]
+    given = [wrong[name] for name in changed_flags(args, add_arguments, wrong)]
     if not given:
         return
     applies = "applies" if len(given) == 1 else "apply"

@@ -13,6 +13,14 @@ def int_list(text: str) -> list[int]:
         raise argparse.ArgumentTypeError(f"expected integers separated by commas, got {text!r}") from None
 
 
+def changed_flags(args: argparse.Namespace, add_arguments, names) -> list[str]:
+    """Of `names` (argparse dests), those `args` holds at another value than the default of the parser that
+    `add_arguments` builds: the flags a user gave (a flag given at its default cannot be told apart, nor matter)."""
+    parser = argparse.ArgumentParser()
+    add_arguments(parser)
+    return [name for name in names if getattr(args, name, None) != parser.get_default(name)]
+
+
 def block_size(text: str) -> int | str:
     """'8' -> 8; 'auto' stays 'auto'."""
     if text.strip().lower() == "auto":

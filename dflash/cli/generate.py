@@ -82,12 +82,6 @@ def _check_arguments(args: argparse.Namespace) -> dict:
     check_text(args.prompt, "--prompt")
     if args.compare and args.no_draft:
         raise UserError("--compare measures DFlash against plain decoding of the same target; drop --no-draft")
-    drafting = [flag for flag, given in (("--block-size", args.block_size != "auto"),
-                                         ("--mask-token-id", args.mask_token_id is not None),
-                                         ("--branch-length", args.branch_length != 0)) if given]
-    if args.no_draft and drafting:
-        raise UserError(f"{', '.join(drafting)} {'shapes' if len(drafting) == 1 else 'shape'} drafting, and "
-                        "--no-draft decodes with the target alone: drop one or the other")
     if args.raw and args.enable_thinking is not None:
         raise UserError("--enable-thinking sets a chat template variable, and --raw sends the prompt without the "
                         "template: drop one of them")

@@ -17,7 +17,7 @@ import socket
 import sys
 import threading
 
-from dflash.cli.common import add_model_arguments, chat_template_kwargs, load_pipeline
+from dflash.cli.common import add_model_arguments, changed_flags, chat_template_kwargs, load_pipeline
 from dflash.errors import UserError
 
 DEFAULT_MAX_BATCH_SIZE = 8
@@ -146,9 +146,7 @@ NATIVE_ONLY_FLAGS = ("device", "drafter_precision", "max_queue", "max_request_by
 
 def _refuse_native_only_flags(args: argparse.Namespace) -> None:
     """A hand-off cannot carry these over: one given with another value than its default is refused, not dropped."""
-    defaults = argparse.ArgumentParser()
-    add_arguments(defaults)
-    given = [name for name in NATIVE_ONLY_FLAGS if getattr(args, name) != defaults.get_default(name)]
+    given = changed_flags(args, add_arguments, NATIVE_ONLY_FLAGS)
     if given:
         flags = ", ".join("--no-adaptive-block-size" if name == "adaptive_block_size" else
                           "--" + name.replace("_", "-") for name in given)

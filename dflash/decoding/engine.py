@@ -260,6 +260,15 @@ class SpeculativeEngine:
         stop = StopChecker(stop_ids, config.stop_strings, config.max_new_tokens, self.tokenizer)
         return Sequence(prompt_ids, config, stop, self.target.device)
 
+    def _new_row(self, index: int, prompt_ids: list[int], config: GenerationConfig, rows: int) -> Sequence:
+        """`new_sequence` for row `index` of a batch of `rows`: a problem names the prompt when there are several."""
+        try:
+            return self.new_sequence(prompt_ids, config)
+        except GenerationError as err:
+            if rows == 1:
+                raise
+            raise GenerationError(f"prompt {index}: {err}") from None
+
     def proposer_for(self, config: GenerationConfig) -> Proposer:
         if config.block_size is None or config.block_size == AUTO:
             return self.proposer
@@ -539,7 +548,7 @@ class SpeculativeEngine:
             raise GenerationError(f"{len(configs)} generation configs for {len(prompts)} prompts")
         proposer = self.proposer_for(configs[0])
         policy = self.block_policy_for(configs[0], len(prompts))  # before any request's clock starts
-        sequences = [self.new_sequence(p, c) for p, c in zip(prompts, configs)]
+        sequences = [self._new_row(i, p, c, len(prompts)) for i, (p, c) in enumerate(zip(prompts, configs))]
         batch = self.merge([self.prefill(s, proposer) for s in sequences])
         batch = self.drop_finished(batch)
         while batch is not None:

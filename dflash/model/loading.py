@@ -212,6 +212,9 @@ def check_target_dir(directory: Path) -> None:
     if any("DFlash" in str(a) for a in raw.get("architectures") or []):
         raise CheckpointError(f"{directory} is a DFlash drafter, not a target model; pass it as the draft model "
                               "(--draft) and the model it drafts for as the target (--target)")
+    if "model_type" not in raw:
+        raise CheckpointError(f"{directory / 'config.json'} has no model_type; is {directory} a Hugging Face causal "
+                              "LM checkpoint?")
     if not any((directory / name).is_file() for name in _TOKENIZER_FILES):
         raise CheckpointError(f"{directory} has no tokenizer (none of {', '.join(_TOKENIZER_FILES[:3])}, ...); copy "
                               "the tokenizer files of the model it was made from into it")

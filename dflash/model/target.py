@@ -23,7 +23,6 @@ from dflash.model.loading import (
     causal_lm_shape_mismatches,
     check_target_dir,
     parse_dtype,
-    read_config,
     resolve_device,
     resolve_model_dir,
     tokenizer_failure,
@@ -74,9 +73,6 @@ class TargetModel:
         directory = resolve_model_dir(path_or_id, revision)
         check_target_dir(directory)
         device = resolve_device(device)
-        if "model_type" not in read_config(directory, "a Hugging Face causal LM checkpoint"):
-            raise CheckpointError(f"{directory / 'config.json'} has no model_type; is {path_or_id} a Hugging Face "
-                                  "causal LM checkpoint?")
         torch_dtype = parse_dtype(dtype) or "auto"
         try:
             model = AutoModelForCausalLM.from_pretrained(directory, dtype=torch_dtype).to(device)

@@ -138,10 +138,6 @@ def read_examples(path: str | Path, tokenizer, max_length: int, vocab_size: int 
     return ExampleFile(examples, dropped)
 
 
-def load_examples(path: str | Path, tokenizer, max_length: int, vocab_size: int | None = None) -> list[Example]:
-    return read_examples(path, tokenizer, max_length, vocab_size).examples
-
-
 def fingerprint(examples: list[Example]) -> str:
     """A hash of the examples' tokens, in order: the same data gives the same value."""
     digest = hashlib.sha256()

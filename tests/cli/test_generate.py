@@ -109,9 +109,9 @@ def test_stop_strings_read_escapes_as_the_readme_writes_them(capsys):
                                       "greedily: add a --temperature above 0, e.g. 0.7, or drop them"),
     (["--seed", "3"], "--seed shapes sampling, and --temperature 0 (the default) decodes greedily: add a "
                       "--temperature above 0, e.g. 0.7, or drop it"),
-    (["--block-size", "4", "--mask-token-id", "3"], "--block-size, --mask-token-id shape drafting, and --no-draft "
-                                                    "decodes with the target alone: drop one or the other"),
-    (["--branch-length", "2"], "--branch-length shapes drafting, and --no-draft"),
+    (["--block-size", "4", "--mask-token-id", "3"], "block_size, mask_token_id shape drafting, and no_draft "
+                                                    "(--no-draft) decodes with the target alone"),
+    (["--branch-length", "2"], "branch_length shapes drafting, and no_draft (--no-draft)"),
     (["--raw", "--enable-thinking"], "drop one of them"),
     (["--max-new-tokens", "0"], "max_new_tokens must be >= 1"),
     (["--device", "bogus"], "unknown device 'bogus'"),

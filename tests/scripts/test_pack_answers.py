@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 from dflash.errors import UserError
-from dflash.training.data import fingerprint, load_examples
+from dflash.training.data import fingerprint, read_examples
 
 SCRIPT = Path(__file__).parents[2] / "scripts" / "embedded" / "pack_answers.py"
 
@@ -48,8 +48,8 @@ def test_packed_sets_hold_the_same_examples(pack, tmp_path):
     for original in (main, extra):
         packed = unpacked / original.name
         assert set(json.loads(packed.read_text().splitlines()[0])) == {"id", "prompt_ids", "response_ids"}
-        assert (fingerprint(load_examples(packed, None, 64, 100))
-                == fingerprint(load_examples(original, None, 64, 100)))
+        assert (fingerprint(read_examples(packed, None, 64, 100).examples)
+                == fingerprint(read_examples(original, None, 64, 100).examples))
 
 
 def test_a_set_without_token_ids_is_refused_with_its_line_and_the_old_archive_kept(pack, tmp_path):

@@ -9,7 +9,7 @@ import re
 import pytest
 
 from dflash.errors import UserError
-from dflash.training.data import fingerprint, load_examples
+from dflash.training.data import fingerprint, read_examples
 
 
 @pytest.fixture(scope="module")
@@ -43,18 +43,18 @@ def test_bad_training_records_are_named_with_their_line(tmp_path, tokenizer, rec
     line = record if isinstance(record, str) else json.dumps(record)
     path.write_text(json.dumps(GOOD) + "\n\n" + line + "\n")
     with pytest.raises(UserError, match=re.escape("data.jsonl:3") + ".*" + re.escape(message)):
-        load_examples(path, tokenizer, max_length=64, vocab_size=128)
+        read_examples(path, tokenizer, max_length=64, vocab_size=128)
 
 
 def test_text_records_need_a_chat_template(tmp_path, tokenizer):
     path = tmp_path / "data.jsonl"
     path.write_text(json.dumps({"prompt": "How many clips?", "response": "The answer is 72."}) + "\n")
-    assert load_examples(path, tokenizer, max_length=64)  # with the template: fine
+    assert read_examples(path, tokenizer, max_length=64).examples  # with the template: fine
     base = copy.deepcopy(tokenizer)
     base.chat_template = None
     with pytest.raises(UserError, match="data.jsonl:1: this record is text, and the target's tokenizer has no chat "
                                         "template"):
-        load_examples(path, base, max_length=64)
+        read_examples(path, base, max_length=64)
 
 
 def test_a_chat_template_that_refuses_a_record_is_quoted_with_the_line(tmp_path, tokenizer):
@@ -67,21 +67,21 @@ def test_a_chat_template_that_refuses_a_record_is_quoted_with_the_line(tmp_path,
     path.write_text(json.dumps(good) + "\n" + json.dumps(bad) + "\n")
     with pytest.raises(UserError, match=re.escape("data.jsonl:2: the model's chat template refused these messages: "
                                                   "Conversations must start with a user message")):
-        load_examples(path, strict, max_length=64)
+        read_examples(path, strict, max_length=64)
 
 
 def test_a_file_that_is_not_utf8_is_named(tmp_path, tokenizer):
     path = tmp_path / "data.jsonl"
     path.write_bytes(json.dumps(GOOD).encode() + b"\n\xff\xfe\n")
     with pytest.raises(UserError, match="data.jsonl:2 is not UTF-8"):
-        load_examples(path, tokenizer, max_length=64)
+        read_examples(path, tokenizer, max_length=64)
 
 
 def test_the_fingerprint_follows_the_tokens_and_their_order(tokenizer, tmp_path):
     path = tmp_path / "data.jsonl"
     other = dict(GOOD, response_ids=[8, 9, 10, 12])
     path.write_text(json.dumps(GOOD) + "\n" + json.dumps(other) + "\n")
-    examples = load_examples(path, tokenizer, max_length=64)
-    assert fingerprint(examples) == fingerprint(load_examples(path, tokenizer, max_length=64))
+    examples = read_examples(path, tokenizer, max_length=64).examples
+    assert fingerprint(examples) == fingerprint(read_examples(path, tokenizer, max_length=64).examples)
     assert fingerprint(examples) != fingerprint(examples[::-1])
-    assert fingerprint(examples) != fingerprint(load_examples(path, tokenizer, max_length=6))
+    assert fingerprint(examples) != fingerprint(read_examples(path, tokenizer, max_length=6).examples)

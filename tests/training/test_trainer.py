@@ -23,7 +23,7 @@ from dflash.cli.main import main
 from dflash.errors import UserError
 from dflash.model import load_drafter
 from dflash.training import Trainer, load_config
-from dflash.training.data import load_examples
+from dflash.training.data import read_examples
 from dflash.training.objective import build_blocks
 
 
@@ -355,7 +355,7 @@ def test_extra_train_data_trains_without_changing_the_held_out_split(tiny_pair, 
     more = Trainer(config(tiny_pair, train_data, tmp_path / "b", extra_train_data=str(extra))).setup()
     assert [e.input_ids for e in more.eval_examples] == [e.input_ids for e in plain.eval_examples]
     assert [e.input_ids for e in more.train_examples] == [e.input_ids for e in plain.train_examples] + [
-        e.input_ids for e in load_examples(extra, plain.tokenizer, plain.config.max_length)]
+        e.input_ids for e in read_examples(extra, plain.tokenizer, plain.config.max_length).examples]
 
 
 def test_yaml_config_and_flag_override(tmp_path, tiny_pair, train_data):
