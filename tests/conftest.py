@@ -2,11 +2,15 @@
 
 from __future__ import annotations
 
+import http.server
 import random
+import socket
+import threading
 
 import pytest
 import torch
 
+from dflash import hub
 from dflash.decoding.engine import GenerationConfig, SpeculativeEngine
 from dflash.decoding.proposer import DFlashProposer, Draft
 from dflash.model.config import DFlash2Options, DrafterConfig, default_target_layer_ids
@@ -345,3 +349,62 @@ def draft_model_pair(tmp_path_factory):
     draft.model.save_pretrained(root / "draft_model")
     target.tokenizer.save_pretrained(root / "draft_model")
     return target_dir, root / "draft_model"
+
+
+# ---- a hub that never answers ----------------------------------------------------------------------------
+def _accept_and_stay_silent(server: socket.socket) -> None:
+    held = []
+    try:
+        while True:
+            held.append(server.accept())
+    except OSError:  # the test closed the socket
+        pass
+
+
+@pytest.fixture
+def silent_hub(monkeypatch, tmp_path):
+    """A hub endpoint that accepts connections and never answers (a network that swallows requests), an empty
+    cache, and a short wait."""
+    from huggingface_hub import constants
+
+    server = socket.socket()
+    server.bind(("127.0.0.1", 0))
+    server.listen(8)
+    threading.Thread(target=_accept_and_stay_silent, args=(server,), daemon=True).start()
+    monkeypatch.setattr(constants, "ENDPOINT", f"http://127.0.0.1:{server.getsockname()[1]}")
+    monkeypatch.setattr(constants, "HF_HUB_CACHE", str(tmp_path / "hub-cache"))
+    monkeypatch.setattr(constants, "HF_HUB_ETAG_TIMEOUT", 0.5)
+    monkeypatch.setattr(constants, "HF_HUB_OFFLINE", False)
+    monkeypatch.setattr(constants, "HF_HUB_DISABLE_TELEMETRY", True)  # its own 3 s wait for the same endpoint
+    monkeypatch.setattr(hub, "_unreachable", None)
+    yield
+    server.close()
+
+
+class _NoSuchRepo(http.server.BaseHTTPRequestHandler):
+    """The hub's answer for a repository it does not have."""
+
+    def do_GET(self):
+        self.send_response(404)
+        self.send_header("X-Error-Code", "RepoNotFound")
+        self.send_header("Content-Type", "application/json")
+        self.end_headers()
+        self.wfile.write(b'{"error": "Repository not found"}')
+
+    def log_message(self, *args):
+        pass
+
+
+@pytest.fixture
+def empty_hub(monkeypatch, tmp_path):
+    """A hub endpoint that answers, and has no repository at all."""
+    from huggingface_hub import constants
+
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), _NoSuchRepo)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    monkeypatch.setattr(constants, "ENDPOINT", f"http://127.0.0.1:{server.server_address[1]}")
+    monkeypatch.setattr(constants, "HF_HUB_OFFLINE", False)
+    monkeypatch.setattr(constants, "HF_HUB_DISABLE_TELEMETRY", True)
+    monkeypatch.setattr(hub, "_unreachable", None)
+    yield
+    server.shutdown()

@@ -18,7 +18,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable, Iterable
 
-from dflash.errors import UserError
+from dflash import hub
+from dflash.errors import UserError, in_brief
 from dflash.records import RecordError, messages_field, read_jsonl, text_field, texts_field
 
 BUNDLED_DIR = Path(__file__).parent / "data"
@@ -195,15 +196,27 @@ def _data_dirs(options: DataOptions) -> list[Path]:
 
 
 def load_from_hub(spec: DatasetSpec) -> list[dict]:
-    """The dataset from the Hugging Face Hub (or the local `datasets` cache)."""
+    """The dataset from the Hugging Face Hub, or the local `datasets` cache alone when the hub cannot be reached
+    (`hub.unreachable`, asked once with a bounded wait)."""
     try:
         import datasets
-
-        data = datasets.load_dataset(spec.hub.path, spec.hub.config, split=spec.hub.split)
+    except ImportError:
+        raise UserError(f"{_missing_message(spec, None)} (reading it from the hub needs `pip install datasets`)"
+                        ) from None
+    try:
+        unreachable = None if hub.offline() else hub.unreachable(spec.hub.path, repo_type="dataset")
+    except Exception as err:  # the hub answered that it has no such dataset (or hides it)
+        raise UserError(f"{_missing_message(spec, None)} (the hub has no dataset {spec.hub.path}: {in_brief(err)})"
+                        ) from None
+    try:
+        with hub.datasets_offline(unreachable is not None):
+            data = datasets.load_dataset(spec.hub.path, spec.hub.config, split=spec.hub.split)
         return [dict(r) for r in data]
-    except Exception as err:  # offline, missing package, gated repo: all mean "give the data another way"
-        raise UserError(f"{_missing_message(spec, None)} (Hugging Face `datasets` could not load "
-                        f"{spec.hub.path}: {type(err).__name__})") from None
+    except Exception as err:  # offline, gated repo, a cache without it: all mean "give the data another way"
+        why = (f"the hub is not reachable ({unreachable}) and the local datasets cache has no copy of "
+               f"{spec.hub.path}" if unreachable is not None
+               else f"Hugging Face `datasets` could not load {spec.hub.path}: {type(err).__name__}")
+        raise UserError(f"{_missing_message(spec, None)} ({why})") from None
 
 
 def _missing_message(spec: DatasetSpec, options: DataOptions | None) -> str:

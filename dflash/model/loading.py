@@ -11,6 +11,7 @@ import torch
 from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 
+from dflash import hub
 from dflash.errors import UserError, in_brief
 from dflash.model import hf_compat
 from dflash.model.config import DrafterConfig, DrafterConfigError
@@ -25,11 +26,6 @@ _HUB_PATTERNS = ["*.json", "*.safetensors", "*.txt", "*.model", "*.jinja", "*.ti
 # Any of these makes a directory hold a tokenizer that AutoTokenizer can load.
 _TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json", "vocab.txt",
                     "spiece.model", "sentencepiece.bpe.model")
-
-# Why the hub could not be reached, once it could not: later look-ups in this process go to the local cache at
-# once instead of waiting for the network again.
-_hub_unreachable: str | None = None
-
 
 class CheckpointError(UserError):
     """A checkpoint that cannot be found or read; the message says what to do."""
@@ -137,8 +133,8 @@ def _fetch(repo_id: str, revision: str | None, download):
     from huggingface_hub import constants
     from huggingface_hub.utils import LocalEntryNotFoundError
 
-    offline = bool(constants.HF_HUB_OFFLINE)
-    unreachable = None if offline else _probe_hub(repo_id, revision, float(constants.HF_HUB_ETAG_TIMEOUT))
+    offline = hub.offline()
+    unreachable = None if offline else _probe_hub(repo_id, revision)
     try:
         return download(offline or unreachable is not None)
     except LocalEntryNotFoundError as err:
@@ -160,21 +156,12 @@ def _download_failure(repo_id: str, err: BaseException) -> CheckpointError:
                            "id and your connection, or pass a local directory")
 
 
-def _probe_hub(repo_id: str, revision: str | None, timeout_s: float) -> str | None:
-    """None when the hub answers for `repo_id`; why not when it cannot be reached in `timeout_s`. A repository
-    the hub does not have (or hides) is a CheckpointError saying so.
-
-    `snapshot_download` asks the hub without a timeout, so a network that swallows packets would hang it for
-    minutes; this look-up is bounded."""
-    global _hub_unreachable
-    if _hub_unreachable is not None:
-        return _hub_unreachable
-    from huggingface_hub import HfApi
-    from huggingface_hub.utils import GatedRepoError, HfHubHTTPError, RepositoryNotFoundError, RevisionNotFoundError
+def _probe_hub(repo_id: str, revision: str | None) -> str | None:
+    """`hub.unreachable` for a model repository; one the hub does not have (or hides) is a CheckpointError."""
+    from huggingface_hub.utils import GatedRepoError, RepositoryNotFoundError, RevisionNotFoundError
 
     try:
-        HfApi().repo_info(repo_id, revision=revision, timeout=timeout_s)
-        return None
+        return hub.unreachable(repo_id, revision)
     except GatedRepoError:
         raise CheckpointError(f"{repo_id} is a gated repository on the Hugging Face hub: accept its terms on its "
                               "page and log in (`hf auth login`), or pass a local directory") from None
@@ -183,13 +170,6 @@ def _probe_hub(repo_id: str, revision: str | None, timeout_s: float) -> str | No
                               "private one needs `hf auth login`); check the path or id") from None
     except RevisionNotFoundError:
         raise CheckpointError(f"{repo_id} has no revision {revision!r} on the Hugging Face hub") from None
-    except HfHubHTTPError as err:  # the hub answered with an error of its own (e.g. 5xx): the cache may serve
-        return in_brief(err)
-    except Exception as err:  # no network, DNS, refused, timed out (the HTTP client's own error types)
-        timed_out = "Timeout" in type(err).__name__
-        _hub_unreachable = (f"no answer in {timeout_s:g} s; HF_HUB_ETAG_TIMEOUT sets the wait" if timed_out
-                            else in_brief(err))
-        return _hub_unreachable
 
 
 def read_config(directory: Path, what: str = "a model checkpoint") -> dict:

@@ -22,7 +22,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Iterator
 
-from dflash.errors import UserError
+from dflash import hub
+from dflash.errors import UserError, in_brief
 from dflash.records import messages_field, read_json_object, read_jsonl, text_field, texts_field
 
 PROMPT_FIELDS = ("prompt", "question", "instruction", "text")  # looked for in this order without --prompt-field
@@ -193,20 +194,38 @@ def is_hub_id(name: str) -> bool:
 
 
 def _load_dataset(config: DatagenConfig, source: str, local: bool = False) -> list[dict]:
-    """Rows of a hub dataset or a local dataset directory (`local`: data files, or a `save_to_disk` copy)."""
+    """Rows of a hub dataset or a local dataset directory (`local`: data files, or a `save_to_disk` copy). A hub
+    dataset comes from the local `datasets` cache alone when the hub cannot be reached (`hub.unreachable`)."""
     try:
         import datasets
     except ImportError:
         raise UserError("reading a dataset needs `pip install datasets`; or pass a JSONL file") from None
+    unreachable = None if local or hub.offline() else _probe_hub(source)
     try:
-        return list(datasets.load_dataset(source, config.subset, split=config.split))
+        with hub.datasets_offline(unreachable is not None):
+            return list(datasets.load_dataset(source, config.subset, split=config.split))
     except Exception as err:
         hint = (" (does it need --subset, e.g. --subset main for openai/gsm8k?)"
                 if "config" in str(err).lower() and config.subset is None else "")
-        reason = f"{type(err).__name__}: {str(err).splitlines()[0][:200] if str(err) else ''}".rstrip(". ")
+        reason = (f"the Hugging Face hub is not reachable ({unreachable}) and the local datasets cache has no copy"
+                  if unreachable is not None else in_brief(err))
         offline = ("" if local else f"; there is no local file or directory named {source!r} either. Offline? Pass "
                    "a local JSONL file with `prompt`, `turns` or `messages`, or a downloaded dataset directory")
         raise UserError(f"could not load dataset {source!r}, split {config.split!r}: {reason}{hint}{offline}") from None
+
+
+def _probe_hub(source: str) -> str | None:
+    """`hub.unreachable` for a dataset repository; one the hub does not have (or hides) is a UserError."""
+    from huggingface_hub.utils import GatedRepoError, RepositoryNotFoundError
+
+    try:
+        return hub.unreachable(source, repo_type="dataset")
+    except GatedRepoError:
+        raise UserError(f"--prompts {source} is a gated dataset on the Hugging Face hub: accept its terms on its page "
+                        "and log in (`hf auth login`), or pass a local JSONL file") from None
+    except RepositoryNotFoundError:
+        raise UserError(f"--prompts {source}: there is no local file or directory of that name, nor a dataset on "
+                        "the Hugging Face hub (a private one needs `hf auth login`); check the path or name") from None
 
 
 # ---- the output: what is done, and whether a rerun continues the same job --------------------------------------

@@ -1,9 +1,12 @@
+import dataclasses
 import json
 import sys
+import time
 import types
 
 import pytest
 
+from dflash import hub
 from dflash.bench import datasets
 from dflash.bench.datasets import DataOptions, load_samples, resolve_names, subset
 from dflash.errors import UserError
@@ -107,6 +110,7 @@ def test_hub_records_are_formatted(monkeypatch):
         return [{"problem": "What is 2+2?", "answer": "4", "unique_id": "x"}]
 
     monkeypatch.setitem(sys.modules, "datasets", types.SimpleNamespace(load_dataset=load_dataset))
+    monkeypatch.setattr(hub, "unreachable", lambda *args, **kwargs: None)  # the hub answers
     [sample] = load_samples("math500", DataOptions(extra_dirs=[]))
     assert calls == [("HuggingFaceH4/MATH-500", None, "test")]
     assert sample.turns[0].startswith("What is 2+2?\nPlease reason step by step")
@@ -182,3 +186,16 @@ def test_data_source_names_the_file_used(data_dir):
     assert datasets.data_source("gsm8k", DataOptions(use_hub=False)) == str(datasets.BUNDLED_DIR / "gsm8k" /
                                                                             "test.jsonl")
     assert datasets.data_source("gsm8k", DataOptions(extra_dirs=[])) == "openai/gsm8k (Hugging Face Hub)"
+
+
+def test_a_hub_dataset_when_the_hub_does_not_answer_is_a_clear_error_in_seconds(silent_hub, monkeypatch):
+    """With no bundled copy and no data directory the hub is the last source: asked once, bounded, then the cache."""
+    pytest.importorskip("datasets")
+    spec = datasets.DATASETS["gsm8k"]
+    monkeypatch.setitem(datasets.DATASETS, "gsm8k", dataclasses.replace(
+        spec, hub=dataclasses.replace(spec.hub, path="dflash-tests/no-such-set")))
+    start = time.monotonic()
+    with pytest.raises(UserError, match=r"no data for gsm8k: pass --data-file.*\(the hub is not reachable \(no answer "
+                                        r"in 0.5 s.*the local datasets cache has no copy of dflash-tests/no-such-set"):
+        load_samples("gsm8k", DataOptions(extra_dirs=[]))
+    assert time.monotonic() - start < 15

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import json
-import socket
 import subprocess
 import sys
 import threading
@@ -206,35 +205,6 @@ def test_devices_this_machine_lacks(device, message):
     with pytest.raises(UserError, match=message):
         resolve_device(device)
     assert resolve_device("cpu") == torch.device("cpu")
-
-
-def _accept_and_stay_silent(server: socket.socket) -> None:
-    held = []
-    try:
-        while True:
-            held.append(server.accept())
-    except OSError:  # the test closed the socket
-        pass
-
-
-@pytest.fixture
-def silent_hub(monkeypatch, tmp_path):
-    """A hub endpoint that accepts connections and never answers (a network that swallows requests), an empty
-    cache, and a short wait."""
-    from huggingface_hub import constants
-
-    server = socket.socket()
-    server.bind(("127.0.0.1", 0))
-    server.listen(8)
-    threading.Thread(target=_accept_and_stay_silent, args=(server,), daemon=True).start()
-    monkeypatch.setattr(constants, "ENDPOINT", f"http://127.0.0.1:{server.getsockname()[1]}")
-    monkeypatch.setattr(constants, "HF_HUB_CACHE", str(tmp_path / "hub-cache"))
-    monkeypatch.setattr(constants, "HF_HUB_ETAG_TIMEOUT", 0.5)
-    monkeypatch.setattr(constants, "HF_HUB_OFFLINE", False)
-    monkeypatch.setattr(constants, "HF_HUB_DISABLE_TELEMETRY", True)  # its own 3 s wait for the same endpoint
-    monkeypatch.setattr(loading, "_hub_unreachable", None)
-    yield
-    server.close()
 
 
 def _within(seconds: float, fn):

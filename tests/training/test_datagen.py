@@ -1,9 +1,11 @@
 import json
 import re
 import shutil
+import time
 
 import pytest
 
+from dflash import hub
 from dflash.cli.main import main
 from dflash.errors import UserError
 from dflash.training.datagen import (
@@ -238,7 +240,13 @@ def config_for(prompts, **kwargs):
     return DatagenConfig(target=None, prompts=prompts, output="unused.jsonl", **kwargs)
 
 
-def test_hub_names_go_to_the_hub_with_their_subset_and_split(monkeypatch):
+@pytest.fixture
+def hub_answers(monkeypatch):
+    """The hub answers for every dataset (what `datasets.load_dataset` then does is each test's own)."""
+    monkeypatch.setattr(hub, "unreachable", lambda *args, **kwargs: None)
+
+
+def test_hub_names_go_to_the_hub_with_their_subset_and_split(monkeypatch, hub_answers):
     datasets = pytest.importorskip("datasets")
     calls = []
 
@@ -273,7 +281,8 @@ def test_a_missing_file_is_named_and_not_looked_up_on_the_hub(missing, monkeypat
 
 
 @pytest.mark.parametrize("name", ["nope", "openai/gsm8k"])
-def test_a_name_that_no_dataset_has_says_there_is_no_local_file_of_that_name_either(name, monkeypatch, tmp_path):
+def test_a_name_that_no_dataset_has_says_there_is_no_local_file_of_that_name_either(name, monkeypatch, tmp_path,
+                                                                                   hub_answers):
     datasets = pytest.importorskip("datasets")
     monkeypatch.chdir(tmp_path)
 
@@ -287,7 +296,7 @@ def test_a_name_that_no_dataset_has_says_there_is_no_local_file_of_that_name_eit
         read_prompts(config_for(name))
 
 
-def test_an_unreachable_hub_dataset_says_what_to_pass_instead(monkeypatch):
+def test_an_unreachable_hub_dataset_says_what_to_pass_instead(monkeypatch, hub_answers):
     datasets = pytest.importorskip("datasets")
 
     def offline(*args, **kwargs):
@@ -296,6 +305,27 @@ def test_an_unreachable_hub_dataset_says_what_to_pass_instead(monkeypatch):
     monkeypatch.setattr(datasets, "load_dataset", offline)
     with pytest.raises(UserError, match="could not load dataset 'openai/gsm8k'.*Offline"):
         read_prompts(config_for("openai/gsm8k"))
+
+
+def test_a_hub_dataset_when_the_hub_does_not_answer_is_a_clear_error_in_seconds(silent_hub):
+    """`datasets` alone retries for half a minute; the hub is asked once, bounded, and then only the cache."""
+    datasets = pytest.importorskip("datasets")
+    offline_before = datasets.config.HF_HUB_OFFLINE
+    start = time.monotonic()
+    with pytest.raises(UserError, match=r"could not load dataset 'dflash-tests/no-such-set', split 'train': the "
+                                        r"Hugging Face hub is not reachable \(no answer in 0.5 s.*Offline\? Pass a "
+                                        "local JSONL file"):
+        read_prompts(config_for("dflash-tests/no-such-set"))
+    assert time.monotonic() - start < 15
+    assert datasets.config.HF_HUB_OFFLINE == offline_before
+
+
+def test_a_dataset_the_hub_does_not_have_is_named_before_datasets_is_asked(empty_hub, monkeypatch):
+    datasets = pytest.importorskip("datasets")
+    monkeypatch.setattr(datasets, "load_dataset", lambda *a, **k: pytest.fail("asked datasets"))
+    with pytest.raises(UserError, match="--prompts dflash-tests/no-such-set: there is no local file or directory of "
+                                        "that name, nor a dataset on the Hugging Face hub"):
+        read_prompts(config_for("dflash-tests/no-such-set"))
 
 
 def test_thinking_off_reaches_the_chat_template(tiny_pair, tmp_path):

@@ -1,0 +1,72 @@
+"""The Hugging Face hub, asked once with a bounded wait.
+
+huggingface_hub's downloads ask the hub without a timeout of their own, and `datasets` retries for half a minute
+before it gives up, so a machine without a network (or one that swallows packets) would wait minutes for an error.
+`unreachable` asks once, bounded, and remembers a failure for the rest of the process: later look-ups go to the
+local cache at once.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+
+from dflash.errors import in_brief
+
+# Why the hub could not be reached, once it could not.
+_unreachable: str | None = None
+
+
+def offline() -> bool:
+    """Whether HF_HUB_OFFLINE (or TRANSFORMERS_OFFLINE) tells us not to ask the hub at all."""
+    from huggingface_hub import constants
+
+    return bool(constants.HF_HUB_OFFLINE)
+
+
+def wait_s() -> float:
+    """How long one look-up waits for the hub (HF_HUB_ETAG_TIMEOUT, huggingface_hub's own setting)."""
+    from huggingface_hub import constants
+
+    return float(constants.HF_HUB_ETAG_TIMEOUT)
+
+
+def unreachable(repo_id: str, revision: str | None = None, repo_type: str = "model") -> str | None:
+    """None when the hub answers for `repo_id`; else why it cannot be reached. A repository the hub does not
+    have, hides, gates or lacks `revision` of raises huggingface_hub's own error (RepositoryNotFoundError,
+    GatedRepoError, RevisionNotFoundError) for the caller to word."""
+    global _unreachable
+    if _unreachable is not None:
+        return _unreachable
+    from huggingface_hub import HfApi
+    from huggingface_hub.utils import HfHubHTTPError, RepositoryNotFoundError, RevisionNotFoundError
+
+    timeout_s = wait_s()
+    try:
+        HfApi().repo_info(repo_id, revision=revision, repo_type=repo_type, timeout=timeout_s)
+        return None
+    except (RepositoryNotFoundError, RevisionNotFoundError):  # GatedRepoError is a RepositoryNotFoundError
+        raise
+    except HfHubHTTPError as err:  # the hub answered with an error of its own (e.g. 5xx): the cache may serve
+        return in_brief(err)
+    except Exception as err:  # no network, DNS, refused, timed out (the HTTP client's own error types)
+        timed_out = "Timeout" in type(err).__name__
+        _unreachable = (f"no answer in {timeout_s:g} s; HF_HUB_ETAG_TIMEOUT sets the wait" if timed_out
+                        else in_brief(err))
+        return _unreachable
+
+
+@contextlib.contextmanager
+def datasets_offline(on: bool) -> Iterator[None]:
+    """While `on`, `datasets` reads its local cache only, without asking (and retrying) the hub."""
+    if not on:
+        yield
+        return
+    import datasets
+
+    before = datasets.config.HF_HUB_OFFLINE
+    datasets.config.HF_HUB_OFFLINE = True
+    try:
+        yield
+    finally:
+        datasets.config.HF_HUB_OFFLINE = before

@@ -1,0 +1,36 @@
+"""The hub, asked once with a bounded wait (`dflash.hub`)."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+from huggingface_hub.utils import RepositoryNotFoundError
+
+from dflash import hub
+
+
+def test_a_hub_that_does_not_answer_is_asked_once_per_process(silent_hub):
+    start = time.monotonic()
+    first = hub.unreachable("org/model")
+    assert first is not None and "no answer in 0.5 s" in first
+    assert time.monotonic() - start < 10
+    start = time.monotonic()
+    assert hub.unreachable("org/other", repo_type="dataset") == first  # remembered: no second wait
+    assert time.monotonic() - start < 0.2
+
+
+def test_a_repository_the_hub_does_not_have_is_the_hubs_own_error(empty_hub):
+    with pytest.raises(RepositoryNotFoundError):
+        hub.unreachable("org/no-such-set", repo_type="dataset")
+    assert hub._unreachable is None  # the hub answered: nothing to remember
+
+
+def test_datasets_offline_is_undone_afterwards():
+    datasets = pytest.importorskip("datasets")
+    before = datasets.config.HF_HUB_OFFLINE
+    with pytest.raises(KeyError):
+        with hub.datasets_offline(True):
+            assert datasets.config.HF_HUB_OFFLINE is True
+            raise KeyError("a load that failed")
+    assert datasets.config.HF_HUB_OFFLINE == before
