@@ -32,7 +32,15 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    return run_command(args, f"dflash {args.command}")
+    return run_command(args, f"dflash {args.command}{_rank_tag()}")
+
+
+def _rank_tag() -> str:
+    """Under torchrun every process reports its own errors: " [rank R/N]" says whose a line is."""
+    import os
+
+    world = os.environ.get("WORLD_SIZE", "1")
+    return f" [rank {os.environ.get('RANK', '?')}/{world}]" if world.isdigit() and int(world) > 1 else ""
 
 
 def run_command(args: argparse.Namespace, prog: str, flag_names: dict[str, str] | None = None) -> int:

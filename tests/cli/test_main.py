@@ -30,3 +30,19 @@ def test_other_runtime_errors_are_not_dressed_up_as_memory(monkeypatch):
     monkeypatch.setattr(generate_module, "run", run)
     with pytest.raises(RuntimeError, match="a bug"):
         main(["generate", "--prompt", "hi"])
+
+
+def test_under_torchrun_each_process_names_its_rank(monkeypatch, capsys):
+    from dflash.errors import UserError
+
+    def run(args):
+        raise UserError("--data x.jsonl does not exist")
+
+    monkeypatch.setattr(generate_module, "run", run)
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    monkeypatch.setenv("RANK", "1")
+    assert main(["generate", "--prompt", "hi"]) == 2
+    assert capsys.readouterr().err == "dflash generate [rank 1/2]: error: --data x.jsonl does not exist\n"
+    monkeypatch.setenv("WORLD_SIZE", "1")
+    assert main(["generate", "--prompt", "hi"]) == 2
+    assert capsys.readouterr().err.startswith("dflash generate: error: ")
