@@ -6,6 +6,7 @@ import argparse
 import json
 import re
 import sys
+from pathlib import Path
 
 from dflash.api import check_text, make_config
 from dflash.cli.common import add_model_arguments, load_pipeline
@@ -35,8 +36,12 @@ def stop_string(text: str) -> str:
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     add_model_arguments(parser, auto_block_size=True)
     group = parser.add_argument_group("prompt and decoding")
-    group.add_argument("--prompt", required=True, action=_GivenOnce,
-                       help="the prompt text; the chat template is applied unless --raw")
+    given = group.add_mutually_exclusive_group(required=True)
+    given.add_argument("--prompt", action=_GivenOnce,
+                       help="the prompt text ('-': read it from standard input); the chat template is applied unless "
+                            "--raw")
+    given.add_argument("--prompt-file", metavar="PATH", help="read the prompt text from this UTF-8 file")
+    group.add_argument("--system", metavar="TEXT", help="a system message before the prompt (chat template only)")
     group.add_argument("--raw", action="store_true", help="send the prompt as is, without the chat template")
     group.add_argument("--max-new-tokens", type=int, default=256,
                        help="the most tokens to generate (default 256); the prompt and these must fit the target's "
@@ -57,9 +62,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    options = _check_arguments(args)
+    prompt = read_prompt(args)
+    options = _check_arguments(args, prompt)
     pipe = load_pipeline(args)
-    prompt_ids = pipe.encode(args.prompt, raw=args.raw)
+    if args.system is not None and not getattr(pipe.tokenizer, "chat_template", None):
+        raise UserError("--system adds a message for the chat template, and this target's tokenizer has none; put the "
+                        "instructions at the start of the prompt instead")
+    prompt_ids = pipe.encode(_conversation(prompt, args.system), raw=args.raw)
     _check_room(pipe.engine, len(prompt_ids), args.max_new_tokens)  # before the warm-up asks for fewer tokens
     pipe.generate(prompt_ids, **{**options, "max_new_tokens": 2})  # warm-up, so timings are steady-state
     out = pipe.generate(prompt_ids, **options) if args.json else _stream(pipe, prompt_ids, options)
@@ -75,11 +84,49 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
-def _check_arguments(args: argparse.Namespace) -> dict:
+def read_prompt(args: argparse.Namespace) -> str:
+    """The prompt text: --prompt's, standard input's for `--prompt -`, or --prompt-file's."""
+    if args.prompt_file is not None:
+        return _read_file(Path(args.prompt_file).expanduser())
+    if args.prompt != "-":
+        return args.prompt
+    if sys.stdin is None or sys.stdin.closed:
+        raise UserError("--prompt - reads the prompt from standard input, and there is none; pipe the text in "
+                        "(`echo \"What is 7 * 8?\" | dflash generate --prompt -`) or pass it as --prompt TEXT")
+    if sys.stdin.isatty():
+        print("reading the prompt from standard input; end it with Ctrl-D", file=sys.stderr)
+    return sys.stdin.read()
+
+
+def _read_file(path: Path) -> str:
+    if not path.is_file():
+        raise UserError(f"--prompt-file {path} {'is a directory' if path.is_dir() else 'does not exist'}; give the "
+                        "path of a text file holding the prompt")
+    try:
+        return path.read_text(encoding="utf-8")
+    except UnicodeDecodeError as err:
+        raise UserError(f"--prompt-file {path} is not UTF-8 text (byte {err.start}); save it as UTF-8") from None
+
+
+def _conversation(prompt: str, system: str | None) -> str | list[dict]:
+    """The text alone, or the chat messages that put --system before it."""
+    if system is None:
+        return prompt
+    return [{"role": "system", "content": system}, {"role": "user", "content": prompt}]
+
+
+def _check_arguments(args: argparse.Namespace, prompt: str) -> dict:
     """The generation options, checked before any model loads: a typo should not wait for a model."""
-    if not args.prompt.strip():
-        raise UserError("--prompt is empty; give the text to decode, e.g. --prompt \"What is 7 * 8?\"")
-    check_text(args.prompt, "--prompt")
+    source = "--prompt-file" if args.prompt_file is not None else "--prompt"
+    if not prompt.strip():
+        raise UserError(f"{source} {'(standard input) ' if args.prompt == '-' else ''}is empty; give the text to "
+                        "decode, e.g. --prompt \"What is 7 * 8?\"")
+    check_text(prompt, source)
+    if args.system is not None:
+        check_text(args.system, "--system")
+        if args.raw:
+            raise UserError("--system adds a message for the chat template, and --raw sends the prompt without the "
+                            "template: drop one of them")
     if args.compare and args.no_draft:
         raise UserError("--compare measures DFlash against plain decoding of the same target; drop --no-draft")
     if args.raw and args.enable_thinking is not None:

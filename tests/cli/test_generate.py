@@ -1,3 +1,4 @@
+import io
 import json
 import re
 
@@ -235,3 +236,49 @@ def test_compare_takes_turns_and_counts_each_sides_fastest_run(tiny_pair, capsys
     assert report["fastest_decode_tokens_per_s"] == round(max(ours), 2)
     assert report["speedup"] == round(max(ours) / max(plain), 2)
     assert report["matches_baseline"] is True
+
+
+def _json_text(capsys) -> str:
+    return json.loads(capsys.readouterr().out)["text"]
+
+
+def test_the_prompt_can_come_from_standard_input_or_a_file(tiny_pair, capsys, monkeypatch, tmp_path):
+    text = "How many clips did Natalia sell?\nSay it twice."
+    assert main(_args(tiny_pair, "--prompt", text, "--max-new-tokens", "6", "--json")) == 0
+    expected = _json_text(capsys)
+    monkeypatch.setattr("sys.stdin", io.StringIO(text))
+    assert main(_args(tiny_pair, "--prompt", "-", "--max-new-tokens", "6", "--json")) == 0
+    assert _json_text(capsys) == expected
+    (tmp_path / "prompt.txt").write_text(text, encoding="utf-8")
+    assert main(_args(tiny_pair, "--prompt-file", str(tmp_path / "prompt.txt"), "--max-new-tokens", "6", "--json")) == 0
+    assert _json_text(capsys) == expected
+
+
+def test_prompt_files_that_cannot_be_read_are_named(tiny_pair, capsys, monkeypatch, tmp_path):
+    (tmp_path / "latin1.txt").write_bytes("caf\xe9".encode("latin-1"))
+    (tmp_path / "blank.txt").write_text("  \n")
+    for path, message in ((tmp_path / "nope.txt", "does not exist"), (tmp_path, "is a directory"),
+                          (tmp_path / "latin1.txt", "is not UTF-8 text (byte 3); save it as UTF-8"),
+                          (tmp_path / "blank.txt", "--prompt-file is empty")):
+        assert main(_args(tiny_pair, "--prompt-file", str(path))) == 2
+        assert message in capsys.readouterr().err
+    monkeypatch.setattr("sys.stdin", io.StringIO(""))
+    assert main(_args(tiny_pair, "--prompt", "-")) == 2
+    assert "--prompt (standard input) is empty" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        main(_args(tiny_pair, "--prompt", "x", "--prompt-file", str(tmp_path / "blank.txt")))
+    assert "not allowed with argument" in capsys.readouterr().err
+
+
+def test_a_system_message_goes_before_the_prompt_through_the_chat_template(tiny_pair, capsys, monkeypatch):
+    from dflash.api import DFlash
+
+    encoded = []
+    real_encode = DFlash.encode
+    monkeypatch.setattr(DFlash, "encode", lambda self, prompt, *args, **kw: encoded.append(prompt) or real_encode(
+        self, prompt, *args, **kw))
+    assert main(_args(tiny_pair, "--prompt", "How many?", "--system", "Be brief.", "--max-new-tokens", "2")) == 0
+    assert encoded[0] == [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "How many?"}]
+    capsys.readouterr()
+    assert main(_args(tiny_pair, "--prompt", "How many?", "--system", "Be brief.", "--raw")) == 2
+    assert "--system adds a message for the chat template, and --raw" in capsys.readouterr().err
