@@ -415,10 +415,16 @@ def rotary_embedding(fields: dict[str, Any]) -> nn.Module:
 
 
 def rope_fields(config: Any) -> dict[str, Any]:
-    """The rope settings of a transformers config, in the form its own constructor takes back."""
+    """The rope settings of a transformers config, in the form its own constructor takes back, for one kind of
+    attention: a config that keeps them per layer kind (Gemma3's `rope_parameters` of "full_attention" and
+    "sliding_attention") gives its full-attention ones, the kind of every drafter layer."""
     out: dict[str, Any] = {}
     for key in ("rope_theta", "rope_scaling", "rope_parameters"):
         value = getattr(config, key, None)
         if value is not None:
             out[key] = value
+    for key in ("rope_scaling", "rope_parameters"):  # transformers 5 reads one as the other
+        per_kind = out.get(key)
+        if isinstance(per_kind, dict) and per_kind and all(isinstance(v, dict) for v in per_kind.values()):
+            out[key] = dict(per_kind.get("full_attention") or next(iter(per_kind.values())))
     return out

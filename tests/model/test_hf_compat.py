@@ -145,3 +145,21 @@ def test_masks_made_here_on_older_torch_are_what_transformers_makes(maker_name):
     assert ours.shape == (2, 1, 4, 7) and ours.dtype == theirs.dtype
     assert torch.equal(ours, theirs)
     assert not torch.equal(ours[0], ours[1])  # the rows do differ
+
+
+@pytest.mark.parametrize("family", MORE_FAMILIES + FAMILIES)
+def test_a_drafter_for_every_family_gets_one_kind_of_rope(family):
+    """Gemma3 keeps its rope settings per layer kind; the drafter's layers are all full attention."""
+    from dflash.model.drafter import DFlashDraftModel
+    from dflash.training.config import TrainConfig
+    from dflash.training.drafter_setup import drafter_config_for
+
+    target = TargetModel(tiny_target_model(family))
+    config = drafter_config_for(target, TrainConfig(target="t", data="d.jsonl", output="o", block_size=4), 0)
+    fields = hf_compat.rope_fields(target.config)
+    if isinstance(getattr(target.config, "rope_parameters", None), dict) and "full_attention" in (
+            target.config.rope_parameters):
+        assert fields["rope_parameters"] == target.config.rope_parameters["full_attention"]
+    drafter = DFlashDraftModel(config)  # builds its rotary embedding from those fields
+    cos, _ = drafter.rotary_emb(torch.zeros(1, 3, config.hidden_size), torch.arange(3)[None])
+    assert cos.shape == (1, 3, config.head_dim)
