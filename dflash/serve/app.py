@@ -16,6 +16,7 @@ import asyncio
 import logging
 import secrets
 import time
+from collections.abc import Mapping
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
 
@@ -322,13 +323,13 @@ def _bearer_matches(header: str, key: str) -> bool:
 
 
 def _add_error_handlers(app: FastAPI) -> None:
-    def error(err: APIError) -> JSONResponse:
-        headers = None
+    def error(err: APIError, headers: Mapping[str, str] | None = None) -> JSONResponse:
+        sent = dict(headers or {})  # an HTTP error's own, e.g. a 405's Allow (RFC 9110 requires it)
         if err.status == 401:
-            headers = {"WWW-Authenticate": "Bearer"}
+            sent["WWW-Authenticate"] = "Bearer"
         elif err.status == 429:
-            headers = {"Retry-After": str(RETRY_AFTER_S)}
-        return JSONResponse(err.body(), status_code=err.status, headers=headers)
+            sent["Retry-After"] = str(RETRY_AFTER_S)
+        return JSONResponse(err.body(), status_code=err.status, headers=sent or None)
 
     @app.exception_handler(APIError)
     async def api_error(_, err: APIError):
@@ -349,7 +350,7 @@ def _add_error_handlers(app: FastAPI) -> None:
     @app.exception_handler(StarletteHTTPException)
     async def http_error(_, err: StarletteHTTPException):
         kind = "not_found_error" if err.status_code == 404 else "invalid_request_error"
-        return error(APIError(err.status_code, str(err.detail), type=kind))
+        return error(APIError(err.status_code, str(err.detail), type=kind), err.headers)
 
     @app.exception_handler(Exception)
     async def unexpected(_, err: Exception):

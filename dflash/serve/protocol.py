@@ -44,7 +44,7 @@ ROLES = ("system", "developer", "user", "assistant", "tool")
 # one complaint per form instead).
 _UNION_FIELDS = {
     "content": "a string, a list of text parts like {\"type\": \"text\", \"text\": \"...\"}, or null",
-    "prompt": "a string, a list of one string, or a list of token ids (integers)",
+    "prompt": "a string, a list of one string, or a list of token ids (integers), alone or as the one item of a list",
     "stop": f"a string, a list of up to {MAX_STOP_STRINGS} strings, or null",
     "logprobs": "a boolean, an integer or null",
     "tool_choice": "a string, an object or null",
@@ -232,7 +232,7 @@ class ChatCompletionRequest(SamplingRequest):
 
 
 class CompletionRequest(SamplingRequest):
-    prompt: str | list[str] | list[int]
+    prompt: str | list[str] | list[int] | list[list[int]]  # OpenAI's four forms; the lists hold one prompt
     best_of: int | None = Field(default=None, ge=1)
     suffix: str | None = None
 
@@ -248,10 +248,10 @@ class CompletionRequest(SamplingRequest):
         if isinstance(prompt, list):
             if not prompt:
                 raise ValueError("the prompt is empty")
-            if isinstance(prompt[0], str):
+            if isinstance(prompt[0], (str, list)):  # a batch of prompts: text or token ids (lm-eval sends [[ids]])
                 if len(prompt) != 1:
                     raise ValueError("one prompt per request (this server answers n=1 only)")
-                return prompt[0]
+                return cls._one_prompt(prompt[0])
         if isinstance(prompt, str) and not prompt:
             raise ValueError("the prompt is empty")
         return prompt

@@ -101,6 +101,14 @@ def test_completions(server, client):
     assert default.usage.completion_tokens == 16  # OpenAI's default max_tokens for completions
 
 
+def test_every_openai_prompt_form_gives_the_same_answer(server, client):
+    """A string, a list of one string, token ids, and a list of one list of token ids (lm-eval's form)."""
+    ids = server.pipe.encode(PROMPTS[0], raw=True)
+    texts = [client.completions.create(model=MODEL, prompt=prompt, max_tokens=6, temperature=0).choices[0].text
+             for prompt in (PROMPTS[0], [PROMPTS[0]], ids, [ids])]
+    assert texts == [texts[0]] * 4
+
+
 def test_seeded_sampling_repeats_alone_in_a_batch_and_without_the_drafter(client, tiny_pair):
     """A seed fixes the text: the same alone or decoded with other requests, and the same as the target alone."""
     def ask(i: int) -> str:

@@ -209,6 +209,9 @@ def test_text_parts_are_joined_with_newlines_and_developer_is_system(server):
     {"model": MODEL, "prompt": ""},
     {"model": MODEL, "prompt": []},
     {"model": MODEL, "prompt": ["a", "b"]},
+    {"model": MODEL, "prompt": [[1], [2]]},
+    {"model": MODEL, "prompt": [[]]},
+    {"model": MODEL, "prompt": [[1, "a"]]},
     {"model": MODEL, "prompt": [1, "a"]},
     {"model": MODEL, "prompt": [10**6]},  # a token id outside the vocabulary
     {"model": MODEL, "prompt": "hi", "max_tokens": -2},
@@ -233,6 +236,12 @@ def test_unknown_model_is_404(server, client):
         client.chat.completions.create(model="gpt-9", messages=MESSAGES, max_tokens=4)
     assert err.value.body["code"] == "model_not_found"
     assert_error(httpx.get(f"{server.url}/v1/nowhere"), 404)
+
+
+def test_a_method_the_path_does_not_take_is_405_with_allow(server):
+    response = httpx.get(f"{server.url}/v1/chat/completions")
+    assert_error(response, 405)
+    assert response.headers["allow"] == "POST"  # RFC 9110: a 405 names the methods the path takes
 
 
 def test_openai_client_sees_400(client):
