@@ -13,6 +13,7 @@ rerun skips it again, at the cost of tokenizing it. Answers stop at the end of t
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import os
@@ -20,7 +21,7 @@ import re
 import sys
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Iterator
+from typing import IO, Iterator
 
 from dflash import hub
 from dflash.errors import UserError, in_brief
@@ -324,39 +325,66 @@ def _check_prompts(output: Path, prompts: list[Prompt], done: dict[int, str | No
 def run_datagen(config: DatagenConfig, progress=None, prompts: list[Prompt] | None = None) -> DatagenResult:
     """Generate what is missing from `output`. `progress(n)`: n more prompts are accounted for (done before,
     skipped or answered now); `prompts`: when the caller has read them already (`read_prompts`)."""
-    from dflash.api import DFlash
-
     config.validate()
     output = Path(config.output)
     prompts = read_prompts(config) if prompts is None else prompts
-    done = done_ids(output)
-    check_rerun(config, prompts, done)
-    todo = [p for p in prompts if p.id not in done]
+    with _claim(output) as f:  # before the target loads: a run must not end in an error about where answers go
+        done = done_ids(output)
+        check_rerun(config, prompts, done)
+        todo = [p for p in prompts if p.id not in done]
+        if progress:
+            progress(len(prompts) - len(todo))
+        result = DatagenResult()
+        if todo:
+            _answer(config, todo, f, result, progress)
+    return result
+
+
+def _answer(config: DatagenConfig, todo: list[Prompt], f, result: DatagenResult, progress) -> None:
+    """Have the target answer `todo`, appending each record to `f` as it is done."""
+    from dflash.api import DFlash
+
+    pipe = DFlash.from_pretrained(config.target, no_draft=True, dtype=config.dtype, device=config.device,
+                                  chat_template_kwargs=config.chat_template_kwargs())
+    generator = _Generator(pipe, config)
+    first_ids = generator.first_turns(todo, result)
     if progress:
-        progress(len(prompts) - len(todo))
-    result = DatagenResult()
-    if not todo:
-        return result
-    try:  # before the target loads: a run must not end in an error about where its answers go
+        progress(len(todo) - len(first_ids))
+    for chunk in _chunks([p for p in todo if p.id in first_ids], config.batch_size):
+        for record in generator.answer(chunk, first_ids):
+            f.write(json.dumps(record) + "\n")
+            f.flush()
+            result.written += 1
+        if progress:
+            progress(len(chunk))
+    os.fsync(f.fileno())
+
+
+@contextlib.contextmanager
+def _claim(output: Path) -> Iterator[IO[str]]:
+    """`output` open for appending, locked against a second datagen on the same file (which would answer every
+    prompt a second time into it) until the run ends."""
+    try:
         f = output.open("a")
     except OSError as err:
         raise _unwritable(output, err) from None
     with f:
-        pipe = DFlash.from_pretrained(config.target, no_draft=True, dtype=config.dtype, device=config.device,
-                                      chat_template_kwargs=config.chat_template_kwargs())
-        generator = _Generator(pipe, config)
-        first_ids = generator.first_turns(todo, result)
-        if progress:
-            progress(len(todo) - len(first_ids))
-        for chunk in _chunks([p for p in todo if p.id in first_ids], config.batch_size):
-            for record in generator.answer(chunk, first_ids):
-                f.write(json.dumps(record) + "\n")
-                f.flush()
-                result.written += 1
-            if progress:
-                progress(len(chunk))
-        os.fsync(f.fileno())
-    return result
+        _lock(f, output)
+        yield f
+
+
+def _lock(f: IO[str], output: Path) -> None:
+    try:
+        import fcntl
+    except ImportError:  # not a POSIX system: runs are not guarded against each other
+        return
+    try:
+        fcntl.flock(f.fileno(), fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        raise UserError(f"another dflash datagen is writing {output}; let it finish (a rerun then continues where "
+                        "it stopped) or pass another --output") from None
+    except OSError:  # a file system without locks (some network mounts)
+        pass
 
 
 def _chunks(items: list, size: int) -> Iterator[list]:

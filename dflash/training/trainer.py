@@ -222,10 +222,11 @@ class Trainer:
                        f"sequences are cut at {self.context}")
         limit = c.max_length or DEFAULT_MAX_LENGTH
         c.max_length = min(limit, self.context) if self.context else limit
-        self.train_examples, self.eval_examples = split_examples(self._read("--data", c.data), c.eval_fraction,
-                                                                 c.seed)
+        train, self.eval_examples = split_examples(self._read("--data", c.data), c.eval_fraction, c.seed)
+        self.train_examples = self._without_held_out_prompts(train, "--data", c.data)  # a prompt listed twice
         for path in c.extra_train_data or []:
-            self.train_examples += self._without_held_out_prompts(self._read("--extra-train-data", path), path)
+            self.train_examples += self._without_held_out_prompts(self._read("--extra-train-data", path),
+                                                                  "--extra-train-data", path)
         self.data_fingerprint = {"train": fingerprint(self.train_examples), "eval": fingerprint(self.eval_examples)}
         self.global_batch = c.batch_size * c.grad_accum * self.world
         if len(self.train_examples) < self.global_batch:
@@ -248,15 +249,15 @@ class Trainer:
                        f"{self.config.max_length} (lines {lines})")
         return loaded.examples
 
-    def _without_held_out_prompts(self, examples: list[Example], path: str) -> list[Example]:
-        """An extra file's examples, less those whose prompt is a held-out one: the held-out figures must come from
-        prompts training never saw."""
+    def _without_held_out_prompts(self, examples: list[Example], flag: str, path: str) -> list[Example]:
+        """Training examples, less those whose prompt is a held-out one (another answer to it, or the same record
+        twice in --data): the held-out figures must come from prompts training never saw."""
         held = {tuple(e.input_ids[: e.response_start]) for e in self.eval_examples}
         kept = [e for e in examples if tuple(e.input_ids[: e.response_start]) not in held]
         if len(kept) < len(examples):
-            self._warn(f"--extra-train-data {path}: {len(examples) - len(kept)} records answer a prompt of the "
-                       "held-out split of --data and are left out of training (the held-out figures would be "
-                       "measured on prompts training saw)")
+            self._warn(f"{flag} {path}: {len(examples) - len(kept)} records answer a prompt of the held-out split "
+                       "of --data and are left out of training (the held-out figures would be measured on prompts "
+                       "training saw)")
         return kept
 
     def _setup_drafter(self) -> None:

@@ -8,6 +8,7 @@ import pytest
 from dflash import hub
 from dflash.cli.main import main
 from dflash.errors import UserError
+from dflash.training import datagen
 from dflash.training.datagen import (
     DatagenConfig,
     done_ids,
@@ -80,6 +81,27 @@ def test_rerun_resumes_without_duplicates_after_a_half_written_line(tiny_pair, p
     ids = [r["id"] for r in read(out)]
     assert sorted(ids) == [0, 1, 2, 3, 4] and len(ids) == len(set(ids))
     assert run_datagen(config).written == 0
+
+
+def test_a_second_run_on_an_output_being_written_is_refused_before_it_reads_it(tiny_pair, prompts, tmp_path):
+    """Two runs appending to one file would answer every prompt twice (and cut each other's half-written lines)."""
+    pytest.importorskip("fcntl")
+    out = tmp_path / "data.jsonl"
+    config = DatagenConfig(target=str(tiny_pair[0]), prompts=str(prompts), output=str(out), max_new_tokens=4,
+                           limit=2, device="cpu")
+    assert run_datagen(config).written == 2
+    with out.open("a") as f:
+        f.write('{"id": 2, "messages": [')  # the first run is writing its next record
+        f.flush()
+        with datagen._claim(out):  # ... and holds the file
+            config.limit = None
+            with pytest.raises(UserError, match=f"another dflash datagen is writing {re.escape(str(out))}; let it "
+                                                "finish"):
+                run_datagen(config)
+            assert out.read_text().endswith('{"id": 2, "messages": [')  # its half-written line left alone
+    assert run_datagen(config).written == 3  # once it is gone
+    ids = [r["id"] for r in read(out)]
+    assert sorted(ids) == [0, 1, 2, 3, 4]
 
 
 def test_system_message_goes_with_the_first_user_turn_and_every_user_turn_is_answered():

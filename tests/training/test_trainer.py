@@ -253,6 +253,20 @@ def test_extra_train_data_never_trains_on_a_held_out_prompt(tiny_pair, train_dat
             "are left out of training") in capsys.readouterr().err
 
 
+def test_a_record_listed_twice_in_data_never_trains_on_its_held_out_copy(tiny_pair, train_data, tmp_path, capsys):
+    """Two datagen runs on one file once wrote every answer twice; the split then held out copies of training
+    records, and the held-out figures measured what training saw."""
+    twice = tmp_path / "twice.jsonl"
+    twice.write_text(train_data.read_text() * 2)
+    trainer = Trainer(config(tiny_pair, twice, tmp_path / "out", eval_fraction=0.25)).setup()
+    held_prompts = {tuple(e.input_ids[: e.response_start]) for e in trainer.eval_examples}
+    assert len(trainer.eval_examples) == 8
+    assert not any(tuple(e.input_ids[: e.response_start]) in held_prompts for e in trainer.train_examples)
+    left_out = 32 - 8 - len(trainer.train_examples)
+    assert left_out > 0 and (f"--data {twice}: {left_out} records answer a prompt of the held-out split of --data "
+                             "and are left out of training") in capsys.readouterr().err
+
+
 def test_a_missing_extra_file_names_its_own_flag(tiny_pair, train_data, tmp_path):
     with pytest.raises(UserError, match="nothing.jsonl does not exist; create it with `dflash datagen` or pass "
                                         "another --extra-train-data"):
