@@ -31,6 +31,7 @@ from dflash.model.drafter import DFlashDraftModel
 from dflash.model.loading import load_drafter, resolve_model_dir, save_drafter
 from dflash.model.target import TargetModel, check_compatible
 from dflash.records import read_json_object
+from dflash.training import datagen
 from dflash.training.config import DEFAULT_BLOCK_SIZE, DEFAULT_MAX_LENGTH, TrainConfig
 from dflash.training.data import Batch, Example, collate, epoch_batches, fingerprint, read_examples, split_examples
 from dflash.training.drafter_setup import (
@@ -240,14 +241,29 @@ class Trainer:
         self.pad_id = pad if pad is not None else 0
 
     def _read(self, flag: str, path: str) -> list[Example]:
-        """The examples of one data file; records that leave nothing to train on are named in a warning."""
+        """The examples of one data file; records that leave nothing to train on are named in a warning, and so is
+        another target's datagen output."""
         loaded = read_examples(path, self.tokenizer, self.config.max_length, self.target.vocab_size, flag)
+        self._check_data_target(flag, path)
         if loaded.dropped:
             lines = ", ".join(map(str, loaded.dropped[:10])) + (" ..." if len(loaded.dropped) > 10 else "")
             self._warn(f"{flag} {path}: {len(loaded.dropped)} of {len(loaded.dropped) + len(loaded.examples)} "
                        f"records are left out, their responses empty or cut below 2 tokens by --max-length "
                        f"{self.config.max_length} (lines {lines})")
         return loaded.examples
+
+    def _check_data_target(self, flag: str, path: str) -> None:
+        """Warn when `dflash datagen` wrote the file with another target (its settings file says which)."""
+        settings = datagen.settings_path(Path(path))
+        try:
+            wrote_with = json.loads(settings.read_text()).get("target")
+        except (OSError, ValueError, AttributeError):  # no settings file (data from elsewhere), or not ours
+            return
+        ours = datagen.target_name(self.config.target)
+        if isinstance(wrote_with, str) and wrote_with != ours:
+            self._warn(f"{flag} {path} holds the answers of another target ({wrote_with}, says {settings.name}), and "
+                       f"this drafter is trained for {ours}: a drafter learns to draft its target from that target's "
+                       f"own answers, so regenerate them with `dflash datagen --target {self.config.target or ours}`")
 
     def _without_held_out_prompts(self, examples: list[Example], flag: str, path: str) -> list[Example]:
         """Training examples, less those whose prompt is a held-out one (another answer to it, or the same record

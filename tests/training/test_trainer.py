@@ -22,7 +22,7 @@ from dflash import DFlash
 from dflash.cli.main import main
 from dflash.errors import UserError
 from dflash.model import load_drafter
-from dflash.training import Trainer, load_config
+from dflash.training import Trainer, datagen, load_config
 from dflash.training.data import read_examples
 from dflash.training.objective import build_blocks
 
@@ -265,6 +265,19 @@ def test_a_record_listed_twice_in_data_never_trains_on_its_held_out_copy(tiny_pa
     left_out = 32 - 8 - len(trainer.train_examples)
     assert left_out > 0 and (f"--data {twice}: {left_out} records answer a prompt of the held-out split of --data "
                              "and are left out of training") in capsys.readouterr().err
+
+
+def test_another_targets_answers_are_named_in_a_warning(tiny_pair, train_data, tmp_path, capsys):
+    data = tmp_path / "answers.jsonl"
+    shutil.copy(train_data, data)
+    settings = datagen.settings_path(data)
+    settings.write_text(json.dumps({"target": str(tiny_pair[0].resolve()), "max_new_tokens": 8}))
+    Trainer(config(tiny_pair, data, tmp_path / "same")).setup()
+    assert "another target" not in capsys.readouterr().err
+    settings.write_text(json.dumps({"target": "/models/other-target", "max_new_tokens": 8}))
+    Trainer(config(tiny_pair, data, tmp_path / "other")).setup()
+    assert (f"--data {data} holds the answers of another target (/models/other-target, says answers.jsonl.datagen"
+            f".json), and this drafter is trained for {tiny_pair[0].resolve()}") in capsys.readouterr().err
 
 
 def test_a_missing_extra_file_names_its_own_flag(tiny_pair, train_data, tmp_path):
