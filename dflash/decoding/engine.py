@@ -235,24 +235,27 @@ class SpeculativeEngine:
         """The target's context (max_position_embeddings); None when its config states none."""
         return getattr(self.target.config, "max_position_embeddings", None)
 
-    def room(self, prompt_len: int) -> int | None:
+    def room(self, prompt_len: int, block_size: int | None = None) -> int | None:
         """The most new tokens a prompt of `prompt_len` tokens may ask for: every position a decode step writes
-        (the anchor and the proposer's draft tokens, a block past the last token) stays within the target's
-        context. None when the target states no context."""
+        (the anchor and the draft tokens, a block of `block_size` past the last token; None: the proposer's
+        block) stays within the target's context. None when the target states no context."""
         limit = self.context_length
-        return limit - prompt_len - self.proposer.block_size if limit else None
+        return limit - prompt_len - (block_size or self.proposer.block_size) if limit else None
 
-    def new_sequence(self, prompt_ids: list[int], config: GenerationConfig) -> Sequence:
+    def new_sequence(self, prompt_ids: list[int], config: GenerationConfig, block_size: int | None = None) -> Sequence:
+        """A sequence to decode, refused when its prompt or max_new_tokens does not fit: `block_size`, the tokens
+        its steps verify (None: its config's)."""
         if not prompt_ids:
             raise GenerationError("the prompt is empty; give at least one token")
         check_token_ids(prompt_ids, self.target.vocab_size)
-        room = self.room(len(prompt_ids))
+        block_size = block_size or self.proposer_for(config).block_size  # may exceed the engine's proposer's
+        room = self.room(len(prompt_ids), block_size)
         if room is not None and config.max_new_tokens > room:
             raise GenerationError(
                 f"a prompt of {len(prompt_ids)} tokens leaves room for at most {max(room, 0)} new tokens, not "
                 f"max_new_tokens={config.max_new_tokens}: the target's context is {self.context_length} tokens, and "
-                f"decoding keeps one block ({self.proposer.block_size} tokens) free past the last one; shorten the "
-                "prompt or lower max_new_tokens"
+                f"decoding keeps one block ({block_size} tokens) free past the last one; shorten the prompt or "
+                "lower max_new_tokens"
             )
         if config.stop_token_ids is not None:  # an id outside the vocabulary is never generated: a stop never met
             check_token_ids(config.stop_token_ids, self.target.vocab_size, "stop_token_ids")
@@ -260,10 +263,11 @@ class SpeculativeEngine:
         stop = StopChecker(stop_ids, config.stop_strings, config.max_new_tokens, self.tokenizer)
         return Sequence(prompt_ids, config, stop, self.target.device)
 
-    def _new_row(self, index: int, prompt_ids: list[int], config: GenerationConfig, rows: int) -> Sequence:
+    def _new_row(self, index: int, prompt_ids: list[int], config: GenerationConfig, rows: int,
+                 block_size: int) -> Sequence:
         """`new_sequence` for row `index` of a batch of `rows`: a problem names the prompt when there are several."""
         try:
-            return self.new_sequence(prompt_ids, config)
+            return self.new_sequence(prompt_ids, config, block_size)
         except GenerationError as err:
             if rows == 1:
                 raise
@@ -548,7 +552,8 @@ class SpeculativeEngine:
             raise GenerationError(f"{len(configs)} generation configs for {len(prompts)} prompts")
         proposer = self.proposer_for(configs[0])
         policy = self.block_policy_for(configs[0], len(prompts))  # before any request's clock starts
-        sequences = [self._new_row(i, p, c, len(prompts)) for i, (p, c) in enumerate(zip(prompts, configs))]
+        sequences = [self._new_row(i, p, c, len(prompts), proposer.block_size)
+                     for i, (p, c) in enumerate(zip(prompts, configs))]
         batch = self.merge([self.prefill(s, proposer) for s in sequences])
         batch = self.drop_finished(batch)
         while batch is not None:

@@ -23,20 +23,21 @@ class StopChecker:
         self.tokenizer = tokenizer
 
     def check(self, output_ids: list[int], new_tokens: list[int]) -> StopDecision:
-        """output_ids: tokens kept so far (before new_tokens)."""
+        """output_ids: tokens kept so far (before new_tokens). The new tokens are checked one at a time, in order,
+        so that a step of several tokens stops where decoding them one at a time would: at the first token that
+        is a stop token, completes a stop string, or goes past max_new_tokens."""
         for i, token in enumerate(new_tokens):
             if len(output_ids) + i + 1 > self.max_new_tokens:
                 return StopDecision(i, "length")
-            if token in self.stop_token_ids:
+            if token in self.stop_token_ids or self._completes_stop_string(output_ids + new_tokens[: i + 1]):
                 return StopDecision(i + 1, "stop")
         keep = len(new_tokens)
-        if self.stop_strings:
-            for i in range(len(new_tokens)):
-                if self.find_stop(output_ids + new_tokens[: i + 1]) is not None:
-                    return StopDecision(i + 1, "stop")
         if len(output_ids) + keep >= self.max_new_tokens:
             return StopDecision(keep, "length")
         return StopDecision(keep, None)
+
+    def _completes_stop_string(self, output_ids: list[int]) -> bool:
+        return bool(self.stop_strings) and self.find_stop(output_ids) is not None
 
     def find_stop(self, output_ids: list[int]) -> int | None:
         """Character index where the first stop string starts in the decoded output, if any."""

@@ -6,9 +6,10 @@ from __future__ import annotations
 
 import pytest
 
-from conftest import VOCAB, OracleProposer, hf_greedy, random_prompts, tiny_drafter
+from conftest import VOCAB, OracleProposer, hf_greedy, random_prompts, tiny_drafter, tiny_target_model
 from dflash.decoding import DFlashProposer, GenerationConfig, NoDraftProposer, SpeculativeEngine
 from dflash.decoding.engine import GenerationError
+from dflash.model.target import TargetModel
 
 MAX_NEW = 48
 
@@ -226,6 +227,19 @@ def test_a_request_beyond_the_context_is_told_how_many_tokens_fit(target):
     with pytest.raises(GenerationError, match=r"a prompt of 2 tokens leaves room for at most 1006 new tokens, not "
                                               r"max_new_tokens=5000: .* one block \(16 tokens\)"):
         engine.generate([[1, 2]], GenerationConfig(max_new_tokens=5000))
+
+
+def test_the_room_left_is_counted_with_the_block_size_the_request_decodes_at():
+    """A request's own block size, larger than the engine's, needs that block's positions: gpt2's absolute position
+    table ends at the context, and a position past it was an IndexError."""
+    target = TargetModel(tiny_target_model("gpt2"))  # context 1024
+    engine = SpeculativeEngine(target, DFlashProposer(tiny_drafter(target), target, block_size=2))
+    prompt = random_prompts(1, seed=3, low=1000, high=1000)[0]
+    config = GenerationConfig(max_new_tokens=22, block_size=16, stop_token_ids=[])
+    with pytest.raises(GenerationError, match=r"room for at most 8 new tokens, not max_new_tokens=22: .*16 tokens"):
+        engine.generate([prompt], config)
+    config.max_new_tokens = 8
+    assert len(engine.generate([prompt], config)[0].output_ids) == 8
 
 
 @pytest.mark.parametrize("field,value", [
