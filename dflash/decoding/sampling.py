@@ -47,6 +47,7 @@ def to_probs(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
         sorted_probs = sorted_logits.softmax(-1)
         # drop a token when the tokens ranked above it already reach top_p (the first always stays)
         drop_sorted = (sorted_probs.cumsum(-1) - sorted_probs) >= params.top_p
+        drop_sorted[..., 0] = False  # also when top_p is below float32's smallest number (it reads as 0 here)
         drop = drop_sorted.scatter(-1, order, drop_sorted)
         logits = logits.masked_fill(drop, float("-inf"))
     return logits.softmax(-1)

@@ -47,3 +47,12 @@ def test_seeds_and_positions_give_different_noise():
 def test_a_temperature_that_is_no_finite_number_above_zero_is_refused(temperature):
     with pytest.raises(ValueError, match="finite number >= 0"):
         SamplingParams(temperature)
+
+
+@pytest.mark.parametrize("top_p", [1e-300, 1e-45, 0.3])
+def test_top_p_keeps_at_least_the_most_likely_token(top_p):
+    """A top_p below float32's smallest number reads as 0 there; the most likely token must still stay."""
+    logits = torch.tensor([[2.0, 1.0, 0.5, -1.0], [0.0, 3.0, 0.0, 0.0]])
+    probs = to_probs(logits, SamplingParams(temperature=1.0, top_p=top_p))
+    assert torch.isfinite(probs).all()
+    assert torch.equal(probs, torch.tensor([[1.0, 0, 0, 0], [0, 1.0, 0, 0]]))
