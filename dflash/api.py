@@ -12,6 +12,7 @@ for prompts and options.
 
 from __future__ import annotations
 
+import functools
 import numbers
 import os
 from dataclasses import fields
@@ -419,9 +420,21 @@ def _as_ids(encoded) -> list[int]:
     return list(encoded)
 
 
-# variables a caller may not set: apply_chat_template's own arguments, which the engine decides
+# variables a caller may not set: apply_chat_template's own arguments, which the engine decides (those of the
+# installed transformers join these: padding, truncation, max_length ... would cut or pad the prompt unseen)
 _RESERVED_TEMPLATE_VARIABLES = {"add_generation_prompt", "tokenize", "conversation", "messages", "return_dict",
                                 "return_tensors", "continue_final_message", "chat_template", "tools", "documents"}
+
+
+@functools.cache
+def reserved_template_variables() -> frozenset[str]:
+    import inspect
+
+    from transformers import PreTrainedTokenizerBase
+
+    named = inspect.signature(PreTrainedTokenizerBase.apply_chat_template).parameters.values()
+    own = {p.name for p in named if p.kind not in (p.VAR_KEYWORD, p.VAR_POSITIONAL) and p.name != "self"}
+    return frozenset(_RESERVED_TEMPLATE_VARIABLES | own)
 
 
 def check_template_kwargs(kwargs: dict[str, Any] | None) -> dict[str, Any]:
@@ -434,7 +447,7 @@ def check_template_kwargs(kwargs: dict[str, Any] | None) -> dict[str, Any]:
     thinking = kwargs.get("enable_thinking")
     if thinking is not None and not isinstance(thinking, bool):
         raise GenerationError(f"chat_template_kwargs.enable_thinking must be true or false, got {thinking!r}")
-    reserved = sorted(set(kwargs) & _RESERVED_TEMPLATE_VARIABLES)
+    reserved = sorted(set(kwargs) & reserved_template_variables())
     if reserved:
         raise GenerationError(f"chat_template_kwargs may not set {', '.join(reserved)}: dflash sets "
                               f"{'it' if len(reserved) == 1 else 'them'} itself")

@@ -211,6 +211,10 @@ def test_chat_template_variables(tiny_pair):
     for bad in ({"add_generation_prompt": False}, ["enable_thinking"], {1: True}):
         with pytest.raises(UserError, match="chat_template_kwargs"):
             pipe.encode("hi", chat_template_kwargs=bad)
+    # apply_chat_template's own arguments would cut or pad the prompt unseen, or fail inside transformers
+    for bad in ({"truncation": True, "max_length": 3}, {"padding": "bogus"}, {"tokenizer_kwargs": 5}):
+        with pytest.raises(UserError, match=f"chat_template_kwargs may not set {', '.join(sorted(bad))}: dflash"):
+            pipe.encode("hi", chat_template_kwargs=bad)
 
 
 @pytest.mark.parametrize("which", ["DEFAULT_DRAFT", "HANDOFF_DRAFT"])
