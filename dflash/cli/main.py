@@ -17,6 +17,11 @@ COMMANDS = {
 }
 
 
+# Other tools' names for our flags (the reference benchmark's, vLLM's), for a hint when one is given.
+FLAG_ALIASES = {"--draft-model": "--draft", "--model": "--target", "--speculative-model": "--draft",
+                "--max-tokens": "--max-new-tokens", "--num-speculative-tokens": "--block-size"}
+
+
 def build_parser() -> argparse.ArgumentParser:
     from dflash import __version__
 
@@ -31,8 +36,33 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    args, unknown = parser.parse_known_args(argv)
+    if unknown:  # the subcommand's usage and a hint, where argparse would print the top level's usage alone
+        command = _subparser(parser, args.command)
+        command.error(f"unrecognized arguments: {' '.join(unknown)}{unknown_flag_hint(unknown, command)}")
     return run_command(args, f"dflash {args.command}{_rank_tag()}")
+
+
+def _subparser(parser: argparse.ArgumentParser, name: str) -> argparse.ArgumentParser:
+    action = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction))
+    return action.choices[name]
+
+
+def unknown_flag_hint(unknown: list[str], parser: argparse.ArgumentParser) -> str:
+    """"; did you mean --draft?" for the first unknown flag with a known alias or a close spelling."""
+    import difflib
+
+    ours = [flag for action in parser._actions for flag in action.option_strings if flag.startswith("--")]
+    for given in unknown:
+        flag = given.split("=", 1)[0]
+        if not flag.startswith("--"):
+            continue
+        alias = FLAG_ALIASES.get(flag)
+        close = [alias] if alias in ours else difflib.get_close_matches(flag, ours, n=1, cutoff=0.75)
+        if close:
+            return f" (did you mean {close[0]} for {flag}?)"
+    return ""
 
 
 def _rank_tag() -> str:

@@ -46,3 +46,18 @@ def test_under_torchrun_each_process_names_its_rank(monkeypatch, capsys):
     monkeypatch.setenv("WORLD_SIZE", "1")
     assert main(["generate", "--prompt", "hi"]) == 2
     assert capsys.readouterr().err.startswith("dflash generate: error: ")
+
+
+@pytest.mark.parametrize("argv, hint", [
+    (["bench", "--draft-model", "d"], "arguments: --draft-model d (did you mean --draft for --draft-model?)"),
+    (["generate", "--prompt", "x", "--temprature=0.5"], "(did you mean --temperature for --temprature?)"),
+    (["serve", "--no-draft", "--model", "m"], "(did you mean --target for --model?)"),
+    (["train", "--frobnicate"], "unrecognized arguments: --frobnicate\n"),
+])
+def test_an_unknown_flag_gets_the_subcommands_usage_and_a_hint(argv, hint, capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        main(argv)
+    assert exit_info.value.code == 2
+    err = capsys.readouterr().err
+    assert err.startswith(f"usage: dflash {argv[0]} ") and f"dflash {argv[0]}: error: " in err
+    assert hint in err
