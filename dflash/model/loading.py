@@ -172,9 +172,20 @@ def _probe_hub(repo_id: str, revision: str | None) -> str | None:
         raise CheckpointError(f"{repo_id} has no revision {revision!r} on the Hugging Face hub") from None
 
 
+def _training_checkpoint_error(directory: Path) -> CheckpointError:
+    """A `dflash train` checkpoint (checkpoints/step-N under a run's --output) given where a model belongs."""
+    step = directory.name.removeprefix("step-").lstrip("0") or "0"
+    return CheckpointError(
+        f"{directory} is a checkpoint of `dflash train` (optimizer state included), not an exported drafter: pass "
+        f"its run's --output directory ({directory.parent.parent}), where the drafter is exported when training "
+        f"ends, or export this checkpoint by running that training command again with --resume --max-steps {step}")
+
+
 def read_config(directory: Path, what: str = "a model checkpoint") -> dict:
     """The checkpoint's config.json as a dict; a missing or unreadable one is a CheckpointError saying so."""
     file = directory / "config.json"
+    if not file.is_file() and (directory / "training_state.pt").is_file():
+        raise _training_checkpoint_error(directory)
     if not file.is_file():
         raise CheckpointError(f"{directory} has no config.json; is it {what} directory?")
     try:

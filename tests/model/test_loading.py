@@ -295,3 +295,12 @@ def test_a_tokenizer_saved_by_transformers_5_loads_there_and_is_explained_before
     else:
         with pytest.raises(CheckpointError, match="saved by transformers 5.*PreTrainedTokenizerFast.*additional_spec"):
             load_target(target)
+
+
+def test_a_training_checkpoint_given_as_a_model_says_where_the_drafter_is(tmp_path):
+    step = tmp_path / "run" / "checkpoints" / "step-00000120"
+    step.mkdir(parents=True)
+    (step / "training_state.pt").write_bytes(b"")
+    with pytest.raises(CheckpointError, match=f"is a checkpoint of `dflash train` .*--output directory "
+                                              f"\\({tmp_path / 'run'}\\).*--resume --max-steps 120$"):
+        load_drafter(step)
