@@ -153,14 +153,32 @@ def load_config(yaml_path: str | None = None, overrides: dict[str, Any] | None =
         _check_types(values, path)
     given = {k: v for k, v in (overrides or {}).items() if v is not None}
     values.update(given)
-    known = {f.name for f in fields(TrainConfig)}
-    unknown = sorted(set(values) - known)
+    unknown = sorted(set(values) - {f.name for f in fields(TrainConfig)})
     if unknown:
-        raise UserError(f"unknown training option(s) {unknown}; known: {sorted(known)}")
+        where = f" in {yaml_path}" if yaml_path and not set(unknown) & set(given) else ""
+        raise UserError(f"unknown training option(s){where}: {', '.join(_suggest(name) for name in unknown)}; the "
+                        "options are the flags of `dflash train --help`, with _ for -")
     _check_types(given, "the options given")  # flags come typed; a Python caller's dict may not
     config = TrainConfig(**values)
     config.validate()
     return config
+
+
+# Other trainers' names for ours.
+_OPTION_ALIASES = {"learning_rate": "lr", "steps": "max_steps", "num_steps": "max_steps", "num_epochs": "epochs",
+                   "train_batch_size": "batch_size", "gradient_accumulation_steps": "grad_accum",
+                   "num_layers": "draft_layers", "num_hidden_layers": "draft_layers", "model": "target",
+                   "output_dir": "output", "warmup_steps": "warmup_ratio"}
+
+
+def _suggest(name: str) -> str:
+    """`name`, with the option it likely meant: "max_step (did you mean max_steps?)"."""
+    import difflib
+
+    known = [f.name for f in fields(TrainConfig)]
+    alias = _OPTION_ALIASES.get(name)
+    close = [alias] if alias in known else difflib.get_close_matches(name, known, n=1, cutoff=0.75)
+    return f"{name} (did you mean {close[0]}?)" if close else name
 
 
 def _read_yaml(path: Path) -> Any:

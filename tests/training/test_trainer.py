@@ -393,6 +393,11 @@ def test_yaml_config_and_flag_override(tmp_path, tiny_pair, train_data):
     yaml_path.write_text("bogus_option: 1\n")
     with pytest.raises(ValueError, match="unknown training option"):
         load_config(str(yaml_path), {})
+    yaml_path.write_text("max_step: 10\nlearning_rate: 0.1\nbogus_option: 1\n")
+    with pytest.raises(UserError, match=re.escape(
+            f"unknown training option(s) in {yaml_path}: bogus_option, learning_rate (did you mean lr?), max_step "
+            "(did you mean max_steps?); the options are the flags of `dflash train --help`, with _ for -")):
+        load_config(str(yaml_path), {})
 
 
 @pytest.mark.parametrize("text, message", [
