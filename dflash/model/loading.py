@@ -95,7 +95,25 @@ def resolve_model_dir(path_or_id: str | os.PathLike, revision: str | None = None
                               "and weights")
     if not is_hub_id(str(path_or_id)):
         raise CheckpointError(f"{path_or_id} does not exist; give a checkpoint directory or a hub id like org/name")
-    return _from_hub(str(path_or_id), revision)
+    try:
+        return _from_hub(str(path_or_id), revision)
+    except CheckpointError as err:
+        if path.parent == Path(".") or not path.parent.is_dir():
+            raise
+        # org/name whose org/ is a local folder, and the hub has no such model for us: most likely a mistyped path
+        raise CheckpointError(f"{path_or_id} is not in the local folder {path.parent}{_holding(path.parent)}, and as a "
+                              f"hub id: {err}") from None
+
+
+def _holding(folder: Path, most: int = 6) -> str:
+    """" (it holds a, b, c)": what a folder's subfolders are, for a message about a mistyped path in it."""
+    try:
+        names = sorted(p.name for p in folder.iterdir() if p.is_dir() and not p.name.startswith("."))
+    except OSError:
+        return ""
+    if not names:
+        return " (it holds no folders)"
+    return f" (it holds {', '.join(names[:most])}{', ...' if len(names) > most else ''})"
 
 
 def is_hub_id(text: str) -> bool:

@@ -304,3 +304,18 @@ def test_a_training_checkpoint_given_as_a_model_says_where_the_drafter_is(tmp_pa
     with pytest.raises(CheckpointError, match=f"is a checkpoint of `dflash train` .*--output directory "
                                               f"\\({tmp_path / 'run'}\\).*--resume --max-steps 120$"):
         load_drafter(step)
+
+
+def test_a_mistyped_path_inside_a_local_folder_names_the_folder_first(silent_hub, monkeypatch, tmp_path):
+    """"drafters/lama" reads as a hub id too; when the hub has no such model, the local folder is the likelier
+    meaning."""
+    from huggingface_hub import constants
+
+    monkeypatch.setattr(constants, "HF_HUB_OFFLINE", True)
+    (tmp_path / "drafters" / "llama").mkdir(parents=True)
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(CheckpointError, match=r"^drafters/lama is not in the local folder drafters \(it holds "
+                                              r"llama\), and as a hub id: .*HF_HUB_OFFLINE is set"):
+        resolve_model_dir("drafters/lama")
+    with pytest.raises(CheckpointError, match="^Qwen/Qwen3-8B is not a local directory"):  # no such folder: the hub's
+        resolve_model_dir("Qwen/Qwen3-8B")
