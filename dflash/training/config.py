@@ -139,6 +139,24 @@ class TrainConfig:
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
 
+    def portable_dict(self) -> dict[str, Any]:
+        """`to_dict` with every local path absolute: the exported training_config.yaml names the target and data it
+        was trained with, and `dflash train --config` reads it back from any folder."""
+        values = self.to_dict()
+        for key in ("target", "data", "output", "init_from", "feature_cache"):
+            values[key] = _absolute(values[key])
+        if values["extra_train_data"]:
+            values["extra_train_data"] = [_absolute(path) for path in values["extra_train_data"]]
+        return values
+
+
+def _absolute(value: str | None) -> str | None:
+    """A path that exists here, made absolute; anything else (a hub id, "memory", None) as it is."""
+    if not value:
+        return value
+    path = Path(value).expanduser()
+    return str(path.resolve()) if path.exists() else value
+
 
 def load_config(yaml_path: str | None = None, overrides: dict[str, Any] | None = None) -> TrainConfig:
     """Dataclass defaults, then the YAML file, then every flag that was given (not None)."""

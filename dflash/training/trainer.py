@@ -810,7 +810,7 @@ class Trainer:
         """The output directory in the public format (what this package, vLLM and SGLang load)."""
         if self.rank == 0:
             save_drafter(self.drafter, self.config.output)
-            trained_with = self.trained_with or self.config.to_dict()
+            trained_with = self.trained_with or self.config.portable_dict()
             (Path(self.config.output) / "training_config.yaml").write_text(yaml.safe_dump(trained_with))
         self._barrier()
 

@@ -66,6 +66,20 @@ def test_export_loads_with_the_same_outputs_and_decodes_losslessly(tiny_pair, tr
     assert_decodes_as_the_target_alone(tiny_pair[0], tmp_path / "out")
 
 
+def test_the_exported_config_names_local_paths_absolutely_and_reads_back_anywhere(tiny_pair, train_data, tmp_path,
+                                                                                  monkeypatch):
+    monkeypatch.chdir(train_data.parent)
+    relative = config(tiny_pair, train_data.name, "out", max_steps=1, extra_train_data=[train_data.name])
+    Trainer(relative).setup().train()
+    exported = train_data.parent / "out" / "training_config.yaml"
+    saved = yaml.safe_load(exported.read_text())
+    assert saved["data"] == str(train_data) and saved["extra_train_data"] == [str(train_data)]
+    assert saved["output"] == str(train_data.parent / "out") and saved["target"] == str(tiny_pair[0].resolve())
+    monkeypatch.chdir(tmp_path)  # another folder: the same run's settings
+    again = load_config(str(exported), {"output": str(tmp_path / "again")})
+    assert (again.data, again.target) == (saved["data"], saved["target"])
+
+
 def assert_decodes_as_the_target_alone(target_dir, draft_dir) -> None:
     """The exported drafter loads in the engine, drafts, and the output is the target's own."""
     pipe = DFlash.from_pretrained(target_dir, draft_dir, device="cpu")
