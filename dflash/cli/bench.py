@@ -69,7 +69,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "servers that do not send usage in a stream (stream_options.include_usage)")
     out = parser.add_argument_group("output")
     out.add_argument("--output-dir", help="write results.json, results.md and plots here, updated after every "
-                                          "dataset and setting")
+                                          "dataset and setting (a directory holding an earlier run's: --overwrite)")
+    out.add_argument("--overwrite", action="store_true", help="replace the results an earlier run left in --output-dir")
     out.add_argument("--gpu-hourly-usd", type=float, help="machine price per hour: adds the cost of 1M output tokens")
     out.add_argument("--no-progress", action="store_true", help="no progress bars")
 
@@ -98,7 +99,7 @@ def bench_config(args: argparse.Namespace):
     if args.data_file and len(names) > 1:
         raise UserError(f"--data-file holds one dataset, but {len(names)} were asked for; pass one --dataset")
     if args.output_dir:
-        _check_output_dir(Path(args.output_dir))
+        _check_output_dir(Path(args.output_dir), getattr(args, "overwrite", False))
     server = None
     if backend == "server" and args.endpoint == "completions" and args.enable_thinking is not None:
         raise UserError("--enable-thinking sets a chat template variable, and --endpoint completions sends raw "
@@ -179,10 +180,14 @@ def _check_numbers(args: argparse.Namespace) -> None:
             raise UserError(f"{flag} was given no value; pass one or a comma-separated list, like {example}")
 
 
-def _check_output_dir(path: Path) -> None:
-    """Before any measurement: a run must not end in an error about where its results go."""
+def _check_output_dir(path: Path, overwrite: bool = False) -> None:
+    """Before any measurement: a run must not end in an error about where its results go, nor replace an earlier
+    run's results unasked."""
     if path.exists() and not path.is_dir():
         raise UserError(f"--output-dir {path} is a file; give a directory (it is created if missing)")
+    if (path / "results.json").is_file() and not overwrite:
+        raise UserError(f"--output-dir {path} holds an earlier run's results (results.json); pass another "
+                        "--output-dir, or --overwrite to replace them")
     try:
         path.mkdir(parents=True, exist_ok=True)
     except OSError as err:

@@ -52,6 +52,22 @@ def test_local_bench_writes_json_markdown_and_plots(tiny_pair, data_dir, tmp_pat
     assert "dflash bench" in captured.out and "dflash bench" not in captured.err  # the table, on stdout
 
 
+def test_an_earlier_runs_results_are_replaced_only_with_overwrite(tiny_pair, data_dir, tmp_path, capsys):
+    target, draft = tiny_pair
+    out = tmp_path / "out"
+    out.mkdir()
+    (out / "results.json").write_text('[{"dataset": "gsm8k", "speedup": 2.0}]')
+    args = ["bench", "--target", str(target), "--draft", str(draft), "--dataset", "gsm8k", "--data-dir", str(data_dir),
+            "--max-samples", "1", "--max-new-tokens", "4", "--warmup-tokens", "2", "--output-dir", str(out),
+            "--no-progress"]
+    assert main(args) == 2
+    assert (f"--output-dir {out} holds an earlier run's results (results.json); pass another --output-dir, or "
+            "--overwrite to replace them") in capsys.readouterr().err
+    assert json.loads((out / "results.json").read_text())[0]["speedup"] == 2.0  # kept
+    assert main([*args, "--overwrite"]) == 0
+    assert json.loads((out / "results.json").read_text())[0]["num_prompts"] == 1
+
+
 def test_local_bench_with_branches_records_them(tiny_pair, data_dir, tmp_path):
     target, draft = tiny_pair
     out = tmp_path / "out"
