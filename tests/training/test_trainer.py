@@ -688,8 +688,8 @@ def test_a_mask_token_that_aliases_a_real_token_is_refused(tiny_pair, train_data
 def test_a_mask_token_in_the_responses_is_a_loud_warning(tiny_pair, tmp_path, tokens, capsys):
     mask = tokens.convert_tokens_to_ids("<|mask|>")
     data = tmp_path / "data.jsonl"
-    data.write_text("".join(json.dumps({"prompt_ids": [5, 6, 7], "response_ids": [8, 9, mask, 10, 11]}) + "\n"
-                            for _ in range(8)))
+    data.write_text("".join(json.dumps({"prompt_ids": [5, 6, 7 + i], "response_ids": [8, 9, mask, 10, 11]}) + "\n"
+                            for i in range(8)))
     Trainer(config(tiny_pair, data, tmp_path / "o", batch_size=2)).setup()
     assert f"the mask token ({mask}) occurs 8 times in the responses" in capsys.readouterr().err
 
