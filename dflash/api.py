@@ -218,6 +218,11 @@ class DFlash:
 
     def _config(self, options: dict[str, Any]) -> GenerationConfig:
         """The generation options, with the pipeline's block size and branch length unless they name them."""
+        drafting = [name for name in ("block_size", "branch_length") if options.get(name)]
+        if self.drafter is None and drafting:  # as from_pretrained(no_draft=True, ...) refuses them
+            raise GenerationError(f"{', '.join(drafting)} {'shapes' if len(drafting) == 1 else 'shape'} drafting, "
+                                  "and this pipeline decodes with the target alone (no drafter): leave "
+                                  f"{'it' if len(drafting) == 1 else 'them'} out")
         return make_config(**{"block_size": self.block_size if self.block_size == AUTO else None,
                               "branch_length": self.branch_length, **options})
 
