@@ -125,9 +125,11 @@ def test_seeded_sampling_repeats_alone_in_a_batch_and_without_the_drafter(client
 
 
 def test_parallel_equals_sequential(server, client):
-    def ask(i: int) -> str:
-        return client.completions.create(model=MODEL, prompt=PROMPTS[i], max_tokens=8 + 3 * i, temperature=0,
-                                         extra_body={"ignore_eos": True}).choices[0].text
+    """The text, why it ended and the tokens it counts: each the same alone or decoded with others."""
+    def ask(i: int) -> tuple[str, str, int]:
+        out = client.completions.create(model=MODEL, prompt=PROMPTS[i], max_tokens=8 + 3 * i, temperature=0,
+                                        extra_body={"ignore_eos": True})
+        return out.choices[0].text, out.choices[0].finish_reason, out.usage.completion_tokens
 
     sequential = [ask(i) for i in range(len(PROMPTS))]
     before = server.metrics()
