@@ -15,6 +15,7 @@ from __future__ import annotations
 import functools
 import numbers
 import os
+import warnings
 from dataclasses import fields
 from pathlib import Path
 from typing import Any, Iterator, Union
@@ -33,7 +34,7 @@ from dflash.decoding.engine import (
     SpeculativeEngine,
 )
 from dflash.decoding.proposer import DFlashProposer, NoDraftProposer
-from dflash.errors import UserError
+from dflash.errors import DFlashWarning, UserError
 from dflash.model.config import is_causal_lm
 from dflash.model.cpu_layout import use_fast_layout
 from dflash.model.cpu_precision import PRECISIONS, use_bfloat16_matmuls
@@ -45,6 +46,7 @@ from dflash.model.loading import (
     read_config,
     resolve_device,
     resolve_model_dir,
+    trained_for,
 )
 from dflash.model.target import TargetModel
 
@@ -155,6 +157,7 @@ class DFlash:
             drafter = load_target(draft, dtype=target_model.dtype, device=torch_device, what="the draft model")
         elif draft is not None:
             drafter = load_drafter(draft, mask_token_id=mask_token_id, dtype=target_model.dtype, device=torch_device)
+            _warn_if_trained_for_another(draft, target)
         return cls(target_model, drafter, block_size, chat_template_kwargs, drafter_precision, branch_length)
 
     # ---- prompts ------------------------------------------------------------------------------------
@@ -266,6 +269,16 @@ def make_config(**options: Any) -> GenerationConfig:
     if unknown:
         raise GenerationError(f"unknown generation option(s) {unknown}; known: {sorted(known)}")
     return GenerationConfig(**options)
+
+
+def _warn_if_trained_for_another(draft: Path, target: str | os.PathLike) -> None:
+    """A drafter of the right shape but trained for another local target decodes losslessly and slowly: say so."""
+    recorded, given = trained_for(draft), Path(target).expanduser()
+    if recorded is not None and given.is_dir() and recorded.resolve() != given.resolve():
+        warnings.warn(DFlashWarning(
+            f"the drafter in {draft} was trained for the target in {recorded} (its training_config.yaml says so), "
+            f"not {target}: the output stays the target's own, but a drafter drafts well only for the target whose "
+            "answers trained it"), stacklevel=3)
 
 
 def load_target(path_or_id: str | os.PathLike, dtype: str | torch.dtype | None = None,

@@ -9,6 +9,11 @@ class UserError(ValueError):
     (a prompt or generation option the engine cannot serve)."""
 
 
+class DFlashWarning(UserWarning):
+    """A likely mistake that does not stop the work (e.g. a drafter trained for another target: decoding stays
+    lossless, only slower); the CLI prints it as one line."""
+
+
 def in_brief(err: BaseException, limit: int = 160) -> str:
     """An exception in a few words, for a message that quotes it: its type and the first line of its text."""
     lines = str(err).strip().splitlines()

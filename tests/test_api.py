@@ -1,12 +1,13 @@
 import math
 import shutil
+import warnings
 
 import numpy as np
 import pytest
 import torch
 
 from dflash import CheckpointError, DFlash, GenerationError
-from dflash.errors import UserError
+from dflash.errors import DFlashWarning, UserError
 
 
 @pytest.fixture(scope="module")
@@ -312,3 +313,26 @@ def test_a_trainer_takes_a_checked_config():
 
     with pytest.raises(UserError, match=r"Trainer takes a TrainConfig, not dict: Trainer\(load_config"):
         Trainer({"data": "x"})
+
+
+def test_a_drafter_trained_for_another_local_target_is_a_warning(tiny_pair, tmp_path, capsys):
+    target, draft = tiny_pair
+    other = tmp_path / "other-target"
+    shutil.copytree(target, other)  # the same shape: nothing else would tell them apart
+    recorded = tmp_path / "drafter"
+    shutil.copytree(draft, recorded)
+    (recorded / "training_config.yaml").write_text(f"target: {other}\nblock_size: 8\n")
+    with pytest.warns(DFlashWarning, match=f"the drafter in {recorded} was trained for the target in {other} .*not "
+                                           f"{target}: the output stays the target's own"):
+        DFlash.from_pretrained(target, recorded, device="cpu")
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", DFlashWarning)
+        DFlash.from_pretrained(other, recorded, device="cpu")  # its own target: no warning
+        (recorded / "training_config.yaml").write_text("target: some-org/some-model\n")
+        DFlash.from_pretrained(target, recorded, device="cpu")  # a hub id: nothing to compare here
+    from dflash.cli.main import main
+
+    (recorded / "training_config.yaml").write_text(f"target: {other}\n")
+    assert main(["generate", "--target", str(target), "--draft", str(recorded), "--prompt", "hi",
+                 "--max-new-tokens", "2"]) == 0
+    assert f"dflash generate: warning: the drafter in {recorded} was trained for" in capsys.readouterr().err

@@ -79,6 +79,7 @@ def run_command(args: argparse.Namespace, prog: str, flag_names: dict[str, str] 
     from dflash.errors import UserError, in_brief
 
     _quiet_libraries()
+    _show_our_warnings(prog)
     try:
         return importlib.import_module(args.module).run(args) or 0
     except UserError as err:
@@ -100,6 +101,24 @@ def run_command(args: argparse.Namespace, prog: str, flag_names: dict[str, str] 
               "(a smaller --batch-size, --max-length, --max-new-tokens or --max-batch-size, a smaller model), or "
               "run where there is more memory", file=sys.stderr)
         return 1
+
+
+def _show_our_warnings(prog: str) -> None:
+    """Our warnings (`DFlashWarning`) as one line under `prog`, as our errors are; other libraries' as Python shows
+    them."""
+    import warnings
+
+    from dflash.errors import DFlashWarning
+
+    shown = warnings.showwarning
+
+    def show(message, category, filename, lineno, file=None, line=None):
+        if issubclass(category, DFlashWarning):
+            print(f"{prog}: warning: {message}", file=sys.stderr)
+        else:
+            shown(message, category, filename, lineno, file, line)
+
+    warnings.showwarning = show
 
 
 def _respelled(message: str, flag_names: dict[str, str]) -> str:

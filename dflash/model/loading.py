@@ -199,6 +199,20 @@ def _training_checkpoint_error(directory: Path) -> CheckpointError:
         f"ends, or export this checkpoint by running that training command again with --resume --max-steps {step}")
 
 
+def trained_for(drafter_dir: Path) -> Path | None:
+    """The local target directory `dflash train` recorded for this drafter (its training_config.yaml), when the
+    record is an absolute path to a directory here; None otherwise (no record, a hub id, another machine's path)."""
+    import yaml
+
+    try:
+        recorded = yaml.safe_load((Path(drafter_dir) / "training_config.yaml").read_text()).get("target")
+    except (OSError, yaml.YAMLError, AttributeError):
+        return None
+    if not isinstance(recorded, str) or not Path(recorded).is_absolute() or not Path(recorded).is_dir():
+        return None
+    return Path(recorded)
+
+
 def read_config(directory: Path, what: str = "a model checkpoint") -> dict:
     """The checkpoint's config.json as a dict; a missing or unreadable one is a CheckpointError saying so."""
     file = directory / "config.json"
