@@ -36,9 +36,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> int:
     from rich.progress import Progress
 
+    from dflash.model.loading import check_target_dir, resolve_model_dir
+
     config = DatagenConfig(**{k: v for k, v in vars(args).items() if k in DatagenConfig.__dataclass_fields__})
     config.validate()
     prompts = read_prompts(config)  # once, and every record checked before the target loads
+    if config.target is not None:  # found (or fetched) before the progress bar is drawn
+        check_target_dir(resolve_model_dir(config.target))
     try:
         with Progress(transient=False) as progress:
             task = progress.add_task("datagen", total=len(prompts))

@@ -248,6 +248,14 @@ def test_datagen_cli_refuses_bad_numbers_without_a_traceback(prompts, tmp_path, 
     assert not (tmp_path / "o.jsonl").exists()
 
 
+def test_a_missing_target_is_named_before_any_progress_bar_or_output(prompts, tmp_path, capsys):
+    out = tmp_path / "o.jsonl"
+    assert main(["datagen", "--target", str(tmp_path / "llamaa"), "--prompts", str(prompts), "--output", str(out)]) == 2
+    captured = capsys.readouterr()
+    assert f"{tmp_path / 'llamaa'} does not exist" in captured.err
+    assert "datagen" not in captured.out.replace("dflash datagen", "") and not out.exists()
+
+
 def test_datagen_cli_refuses_writing_over_its_prompts(prompts, capsys):
     assert main(["datagen", "--prompts", str(prompts), "--output", str(prompts)]) == 2
     assert "is the --prompts file" in capsys.readouterr().err
