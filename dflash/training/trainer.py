@@ -7,6 +7,7 @@ same command trains with DDP (gloo on CPU, nccl on GPU).
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 import os
@@ -126,15 +127,21 @@ class Trainer:
     # ---- setup ----------------------------------------------------------------------------------------
     def setup(self) -> "Trainer":
         self._setup_distributed()
-        self._check_directories()
-        self._setup_output()
-        self._setup_target()
-        self._setup_data()
-        self._setup_drafter()
-        self._setup_optimizer()
-        self._setup_feature_cache()
-        if self.config.resume:
-            self._load_latest_checkpoint()
+        created = self._check_directories()
+        try:
+            self._setup_output()
+            self._setup_target()
+            self._setup_data()
+            self._setup_drafter()
+            self._setup_optimizer()
+            self._setup_feature_cache()
+            if self.config.resume:
+                self._load_latest_checkpoint()
+        except BaseException:  # a run that never started leaves no empty directories behind
+            for directory in reversed(created):
+                with contextlib.suppress(OSError):
+                    directory.rmdir()  # only an empty one
+            raise
         return self
 
     def _setup_distributed(self) -> None:
@@ -164,22 +171,29 @@ class Trainer:
                 raise UserError(f"--device {device} does not exist: torch sees {torch.cuda.device_count()} GPU(s)")
         return device
 
-    def _check_directories(self) -> None:
+    def _check_directories(self) -> list[Path]:
         """Create --output and a --feature-cache directory before the target loads: a run must not end in an
         error about where its results go. --output is never the target's or --init-from's directory, whose model the
-        export would overwrite."""
+        export would overwrite. Returns the directories it created, parents first."""
         c = self.config
         for flag, source in (("--target", c.target), ("--init-from", c.init_from)):
             given = Path(source).expanduser() if source else None
             if given is not None and given.is_dir() and given.resolve() == Path(c.output).expanduser().resolve():
                 raise UserError(f"--output {c.output} is the {flag} directory: the trained drafter would be written "
                                 "over that model; pass another --output")
-        _make_directory("--output", Path(self.config.output), "give a directory (it is created if missing)")
-        _make_directory("--output", self.checkpoint_dir, "give a directory you can write (checkpoints go in its "
-                        "checkpoints/)")
-        if self.config.feature_cache not in (None, "memory"):
-            _make_directory("--feature-cache", Path(self.config.feature_cache),
-                            "give a directory (it is created if missing), or 'memory'")
+        wanted = [("--output", Path(c.output), "give a directory (it is created if missing)"),
+                  ("--output", self.checkpoint_dir,
+                   "give a directory you can write (checkpoints go in its checkpoints/)")]
+        if c.feature_cache not in (None, "memory"):
+            wanted.append(("--feature-cache", Path(c.feature_cache), "give a directory (it is created if missing), or "
+                           "'memory'"))
+        created: list[Path] = []
+        for _, path, _ in wanted:  # each, with the missing folders above it
+            missing = [p for p in (path, *path.parents) if not p.exists()]
+            created += [p for p in reversed(missing) if p not in created]
+        for flag, path, advice in wanted:
+            _make_directory(flag, path, advice)
+        return created
 
     def _setup_output(self) -> None:
         """A fresh run never shares its output with an earlier run's checkpoints: pruning would delete the new ones

@@ -694,6 +694,18 @@ def test_a_mask_token_in_the_responses_is_a_loud_warning(tiny_pair, tmp_path, to
     assert f"the mask token ({mask}) occurs 8 times in the responses" in capsys.readouterr().err
 
 
+def test_a_run_that_fails_in_setup_leaves_no_empty_directories(tiny_pair, tmp_path):
+    out = tmp_path / "runs" / "new"
+    with pytest.raises(UserError, match="does not exist"):
+        Trainer(config(tiny_pair, tmp_path / "missing.jsonl", out)).setup()
+    assert not (tmp_path / "runs").exists()  # what it created, the folder above --output too
+    kept = tmp_path / "kept"
+    (kept / "notes").mkdir(parents=True)
+    with pytest.raises(UserError, match="does not exist"):
+        Trainer(config(tiny_pair, tmp_path / "missing.jsonl", kept)).setup()
+    assert (kept / "notes").is_dir() and not (kept / "checkpoints").exists()
+
+
 def test_bad_devices_are_clear_errors(tiny_pair, train_data, tmp_path):
     with pytest.raises(UserError, match="--device 'foo' is not a device; use cpu, cuda or cuda:N"):
         Trainer(config(tiny_pair, train_data, tmp_path / "o", device="foo")).setup()
