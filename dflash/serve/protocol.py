@@ -23,6 +23,9 @@ from dflash.records import shown
 log = logging.getLogger("dflash.serve")
 
 MAX_STOP_STRINGS = 16
+# Characters in one stop string: every decode step looks for each in the text's tail, on the thread that decodes every
+# request, so one request's huge stop strings would slow them all.
+MAX_STOP_STRING_CHARS = 1000
 
 
 class APIError(Exception):
@@ -166,6 +169,10 @@ class SamplingRequest(_Strict):
             raise ValueError(f"at most {MAX_STOP_STRINGS} stop strings")
         if stop == "" or (isinstance(stop, list) and "" in stop):
             raise ValueError("a stop string is empty (every answer would stop before its first token); drop it")
+        longest = max(map(len, [stop] if isinstance(stop, str) else stop), default=0)
+        if longest > MAX_STOP_STRING_CHARS:
+            raise ValueError(f"a stop string of {longest} characters; this server takes up to "
+                             f"{MAX_STOP_STRING_CHARS} per stop string")
         return stop
 
     @property

@@ -121,6 +121,8 @@ MESSAGES_SAY = [
     ({"messages": []}, "messages", "at least 1 item"),
     ({"messages": MESSAGES, "stop": 3}, "stop", "must be a string, a list of up to 16 strings"),
     ({"messages": MESSAGES, "stop": ["a", None]}, "stop.1", "must be a valid string"),
+    ({"messages": MESSAGES, "stop": ["a", "x" * 1001]}, "stop", "a stop string of 1001 characters; this server takes "
+                                                               "up to 1000"),
     ({"messages": MESSAGES, "logprobs": "yes"}, "logprobs", "must be a boolean, an integer or null"),
     ({"messages": MESSAGES, "max_tokens": "ten"}, "max_tokens", "must be a valid integer"),
 ]
