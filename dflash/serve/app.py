@@ -261,6 +261,7 @@ def create_app(pipe, config: ServeConfig | None = None) -> FastAPI:
         server.scheduler.stop()
 
     app = FastAPI(title="DFlash", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None)
+    app.add_middleware(_WithoutTrailingSlash)
     app.state.server = server
     _add_error_handlers(app)
 
@@ -320,6 +321,20 @@ def _bearer_matches(header: str, key: str) -> bool:
     """`Authorization: Bearer KEY`; the scheme is case-insensitive (RFC 9110), the key compared in constant time."""
     scheme, _, given = header.strip().partition(" ")
     return scheme.lower() == "bearer" and secrets.compare_digest(given.strip().encode(), key.encode())
+
+
+class _WithoutTrailingSlash:
+    """/v1/chat/completions/ is /v1/chat/completions. Starlette would answer 307 to the path without the slash, and
+    a client that does not follow a POST's redirect would see an empty answer."""
+
+    def __init__(self, app):
+        self.app = app
+
+    async def __call__(self, scope, receive, send):
+        path = scope.get("path", "")
+        if scope["type"] == "http" and len(path) > 1 and path.endswith("/"):
+            scope = {**scope, "path": path.rstrip("/") or "/"}
+        await self.app(scope, receive, send)
 
 
 def _add_error_handlers(app: FastAPI) -> None:

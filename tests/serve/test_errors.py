@@ -275,3 +275,9 @@ def test_api_key(start_server):
     out = locked.client(api_key="s3cret").chat.completions.create(model=MODEL, messages=MESSAGES, max_tokens=3)
     assert out.usage.completion_tokens >= 1
     assert httpx.get(f"{locked.url}/health").status_code == 200  # probes need no key
+
+
+def test_a_trailing_slash_reaches_the_same_endpoint(server):
+    response = httpx.post(f"{server.url}/v1/completions/", json={"model": MODEL, "prompt": "hi", "max_tokens": 2})
+    assert response.status_code == 200 and response.json()["usage"]["completion_tokens"] <= 2
+    assert httpx.get(f"{server.url}/v1/models/").json()["data"][0]["id"] == MODEL
