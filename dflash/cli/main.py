@@ -50,7 +50,8 @@ def _subparser(parser: argparse.ArgumentParser, name: str) -> argparse.ArgumentP
 
 
 def unknown_flag_hint(unknown: list[str], parser: argparse.ArgumentParser) -> str:
-    """"; did you mean --draft?" for the first unknown flag with a known alias or a close spelling."""
+    """" (did you mean --draft for --draft-model?)" for the first unknown flag with a known alias or a close
+    spelling; "" for none."""
     import difflib
 
     ours = [flag for action in parser._actions for flag in action.option_strings if flag.startswith("--")]
