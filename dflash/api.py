@@ -135,12 +135,10 @@ class DFlash:
         cannot be reached, or HF_HUB_OFFLINE=1, only the local cache serves. `drafter_precision`: see `DFlash`.
         """
         target, draft = _pair_paths(target, draft, no_draft)
-        drafting = [name for name, given in (("block_size", isinstance(block_size, int)),
-                                             ("mask_token_id", mask_token_id is not None),
-                                             ("branch_length", bool(branch_length))) if given]
-        if no_draft and drafting:
-            raise UserError(f"{', '.join(drafting)} {'shapes' if len(drafting) == 1 else 'shape'} drafting, and "
-                            "no_draft (--no-draft) decodes with the target alone: drop one or the other")
+        if no_draft:
+            _refuse_drafting_options({"block_size": isinstance(block_size, int), "mask_token_id": mask_token_id
+                                      is not None, "branch_length": bool(branch_length)},
+                                     "no_draft (--no-draft) decodes with the target alone: drop one or the other")
         # the cheap checks first: a typo should not wait for a model to load
         torch_device = resolve_device(device)
         parse_dtype(dtype)
@@ -221,11 +219,11 @@ class DFlash:
 
     def _config(self, options: dict[str, Any]) -> GenerationConfig:
         """The generation options, with the pipeline's block size and branch length unless they name them."""
-        drafting = [name for name in ("block_size", "branch_length") if options.get(name)]
-        if self.drafter is None and drafting:  # as from_pretrained(no_draft=True, ...) refuses them
-            raise GenerationError(f"{', '.join(drafting)} {'shapes' if len(drafting) == 1 else 'shape'} drafting, "
-                                  "and this pipeline decodes with the target alone (no drafter): leave "
-                                  f"{'it' if len(drafting) == 1 else 'them'} out")
+        if self.drafter is None:  # as from_pretrained(no_draft=True, ...) refuses them
+            _refuse_drafting_options({name: bool(options.get(name)) for name in ("block_size", "branch_length")},
+                                     "this pipeline decodes with the target alone (no drafter): leave drafting "
+                                     "options out of the call",
+                                     GenerationError)
         return make_config(**{"block_size": self.block_size if self.block_size == AUTO else None,
                               "branch_length": self.branch_length, **options})
 
@@ -269,6 +267,13 @@ def make_config(**options: Any) -> GenerationConfig:
     if unknown:
         raise GenerationError(f"unknown generation option(s) {unknown}; known: {sorted(known)}")
     return GenerationConfig(**options)
+
+
+def _refuse_drafting_options(given: dict[str, bool], why: str, error: type[UserError] = UserError) -> None:
+    """Refuse the options among `given` (name -> given) that only shape drafting, where there is none: `why`."""
+    named = [name for name, was_given in given.items() if was_given]
+    if named:
+        raise error(f"{', '.join(named)} {'shapes' if len(named) == 1 else 'shape'} drafting, and {why}")
 
 
 def _warn_if_trained_for_another(draft: Path, target: str | os.PathLike) -> None:

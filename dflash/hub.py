@@ -11,10 +11,14 @@ from __future__ import annotations
 import contextlib
 from collections.abc import Iterator
 
-from dflash.errors import in_brief
+from dflash.errors import UserError, in_brief
 
 # Why the hub could not be reached, once it could not.
 _unreachable: str | None = None
+
+
+class RepoError(UserError):
+    """The hub answered: it has no such repository (or hides it), gates it, or lacks the revision."""
 
 
 def offline() -> bool:
@@ -31,22 +35,29 @@ def wait_s() -> float:
     return float(constants.HF_HUB_ETAG_TIMEOUT)
 
 
-def unreachable(repo_id: str, revision: str | None = None, repo_type: str = "model") -> str | None:
+def unreachable(repo_id: str, revision: str | None = None, repo_type: str = "model",
+                instead: str = "pass a local directory") -> str | None:
     """None when the hub answers for `repo_id`; else why it cannot be reached. A repository the hub does not
-    have, hides, gates or lacks `revision` of raises huggingface_hub's own error (RepositoryNotFoundError,
-    GatedRepoError, RevisionNotFoundError) for the caller to word."""
+    have, hides, gates or lacks `revision` of is a RepoError saying so, and `instead`, what to give in its place."""
     global _unreachable
     if _unreachable is not None:
         return _unreachable
     from huggingface_hub import HfApi
-    from huggingface_hub.utils import HfHubHTTPError, RepositoryNotFoundError, RevisionNotFoundError
+    from huggingface_hub.utils import GatedRepoError, HfHubHTTPError, RepositoryNotFoundError, RevisionNotFoundError
 
+    noun = "dataset" if repo_type == "dataset" else "repository"
     timeout_s = wait_s()
     try:
         HfApi().repo_info(repo_id, revision=revision, repo_type=repo_type, timeout=timeout_s)
         return None
-    except (RepositoryNotFoundError, RevisionNotFoundError):  # GatedRepoError is a RepositoryNotFoundError
-        raise
+    except GatedRepoError:  # before its base class, RepositoryNotFoundError
+        raise RepoError(f"{repo_id} is a gated {noun} on the Hugging Face hub: accept its terms on its page and log "
+                        f"in (`hf auth login`), or {instead}") from None
+    except RepositoryNotFoundError:
+        raise RepoError(f"{repo_id} is neither a local path nor a {noun} on the Hugging Face hub (a private one needs "
+                        f"`hf auth login`); check the path or id, or {instead}") from None
+    except RevisionNotFoundError:
+        raise RepoError(f"{repo_id} has no revision {revision!r} on the Hugging Face hub") from None
     except HfHubHTTPError as err:  # the hub answered with an error of its own (e.g. 5xx): the cache may serve
         return in_brief(err)
     except Exception as err:  # no network, DNS, refused, timed out (the HTTP client's own error types)

@@ -5,7 +5,6 @@ from __future__ import annotations
 import time
 
 import pytest
-from huggingface_hub.utils import RepositoryNotFoundError
 
 from dflash import hub
 
@@ -20,9 +19,10 @@ def test_a_hub_that_does_not_answer_is_asked_once_per_process(silent_hub):
     assert time.monotonic() - start < 0.2
 
 
-def test_a_repository_the_hub_does_not_have_is_the_hubs_own_error(empty_hub):
-    with pytest.raises(RepositoryNotFoundError):
-        hub.unreachable("org/no-such-set", repo_type="dataset")
+def test_a_repository_the_hub_does_not_have_is_named_with_what_to_give_instead(empty_hub):
+    with pytest.raises(hub.RepoError, match="^org/no-such-set is neither a local path nor a dataset on the Hugging "
+                                            "Face hub .*check the path or id, or pass a JSONL file$"):
+        hub.unreachable("org/no-such-set", repo_type="dataset", instead="pass a JSONL file")
     assert hub._unreachable is None  # the hub answered: nothing to remember
 
 

@@ -19,7 +19,7 @@ from pathlib import Path
 from typing import Callable, Iterable
 
 from dflash import hub
-from dflash.errors import UserError, in_brief
+from dflash.errors import UserError
 from dflash.records import RecordError, messages_field, read_jsonl, text_field, texts_field
 
 BUNDLED_DIR = Path(__file__).parent / "data"
@@ -205,9 +205,8 @@ def load_from_hub(spec: DatasetSpec) -> list[dict]:
                         ) from None
     try:
         unreachable = None if hub.offline() else hub.unreachable(spec.hub.path, repo_type="dataset")
-    except Exception as err:  # the hub answered that it has no such dataset (or hides it)
-        raise UserError(f"{_missing_message(spec, None)} (the hub has no dataset {spec.hub.path}: {in_brief(err)})"
-                        ) from None
+    except hub.RepoError as err:  # the hub answered that it has no such dataset (or hides it)
+        raise UserError(f"{_missing_message(spec, None)} ({err})") from None
     try:
         with hub.datasets_offline(unreachable is not None):
             data = datasets.load_dataset(spec.hub.path, spec.hub.config, split=spec.hub.split)

@@ -28,8 +28,9 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="dflash", description="Lossless block-diffusion speculative decoding.")
     parser.add_argument("--version", action="version", version=f"dflash {__version__}")
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    parser.commands = {}  # name -> its parser, for errors in the subcommand's own words
     for name, (module, help_text) in COMMANDS.items():
-        command = sub.add_parser(name, help=help_text, description=help_text)
+        command = parser.commands[name] = sub.add_parser(name, help=help_text, description=help_text)
         importlib.import_module(module).add_arguments(command)
         command.set_defaults(module=module)
     return parser
@@ -39,14 +40,9 @@ def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args, unknown = parser.parse_known_args(argv)
     if unknown:  # the subcommand's usage and a hint, where argparse would print the top level's usage alone
-        command = _subparser(parser, args.command)
+        command = parser.commands[args.command]
         command.error(f"unrecognized arguments: {' '.join(unknown)}{unknown_flag_hint(unknown, command)}")
     return run_command(args, f"dflash {args.command}{_rank_tag()}")
-
-
-def _subparser(parser: argparse.ArgumentParser, name: str) -> argparse.ArgumentParser:
-    action = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction))
-    return action.choices[name]
 
 
 def unknown_flag_hint(unknown: list[str], parser: argparse.ArgumentParser) -> str:

@@ -29,15 +29,17 @@ class StopChecker:
         for i, token in enumerate(new_tokens):
             if len(output_ids) + i + 1 > self.max_new_tokens:
                 return StopDecision(i, "length")
-            if token in self.stop_token_ids or self._completes_stop_string(output_ids + new_tokens[: i + 1]):
+            if token in self.stop_token_ids or self._completes_stop_string(output_ids, new_tokens[: i + 1]):
                 return StopDecision(i + 1, "stop")
         keep = len(new_tokens)
         if len(output_ids) + keep >= self.max_new_tokens:
             return StopDecision(keep, "length")
         return StopDecision(keep, None)
 
-    def _completes_stop_string(self, output_ids: list[int]) -> bool:
-        return bool(self.stop_strings) and self.find_stop(output_ids) is not None
+    def _completes_stop_string(self, output_ids: list[int], new_tokens: list[int]) -> bool:
+        """Whether the output so far with `new_tokens` holds a stop string (the ids are joined only when there are
+        stop strings to look for: this runs for every new token of every step)."""
+        return bool(self.stop_strings) and self.find_stop(output_ids + new_tokens) is not None
 
     def find_stop(self, output_ids: list[int]) -> int | None:
         """Character index where the first stop string starts in the decoded output, if any."""

@@ -146,13 +146,16 @@ def hub_file(repo_id: str, filename: str, revision: str | None = None) -> Path:
 
 
 def _fetch(repo_id: str, revision: str | None, download):
-    """download(local_only) from the hub, asked once with a timeout first (`_probe_hub`); the local cache alone
+    """download(local_only) from the hub, asked once with a timeout first (`hub.unreachable`); the local cache alone
     when the hub cannot be reached or HF_HUB_OFFLINE is set. Every failure is a CheckpointError saying what to do."""
     from huggingface_hub import constants
     from huggingface_hub.utils import LocalEntryNotFoundError
 
     offline = hub.offline()
-    unreachable = None if offline else _probe_hub(repo_id, revision)
+    try:
+        unreachable = None if offline else hub.unreachable(repo_id, revision)
+    except hub.RepoError as err:  # a CheckpointError, as every failure to get a checkpoint is
+        raise CheckpointError(str(err)) from None
     try:
         return download(offline or unreachable is not None)
     except LocalEntryNotFoundError as err:
@@ -172,22 +175,6 @@ def _fetch(repo_id: str, revision: str | None, download):
 def _download_failure(repo_id: str, err: BaseException) -> CheckpointError:
     return CheckpointError(f"could not download {repo_id} from the Hugging Face hub ({in_brief(err)}); check the "
                            "id and your connection, or pass a local directory")
-
-
-def _probe_hub(repo_id: str, revision: str | None) -> str | None:
-    """`hub.unreachable` for a model repository; one the hub does not have (or hides) is a CheckpointError."""
-    from huggingface_hub.utils import GatedRepoError, RepositoryNotFoundError, RevisionNotFoundError
-
-    try:
-        return hub.unreachable(repo_id, revision)
-    except GatedRepoError:
-        raise CheckpointError(f"{repo_id} is a gated repository on the Hugging Face hub: accept its terms on its "
-                              "page and log in (`hf auth login`), or pass a local directory") from None
-    except RepositoryNotFoundError:
-        raise CheckpointError(f"{repo_id} is neither a local directory nor a repository on the Hugging Face hub (a "
-                              "private one needs `hf auth login`); check the path or id") from None
-    except RevisionNotFoundError:
-        raise CheckpointError(f"{repo_id} has no revision {revision!r} on the Hugging Face hub") from None
 
 
 def _training_checkpoint_error(directory: Path) -> CheckpointError:

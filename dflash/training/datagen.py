@@ -201,7 +201,11 @@ def _load_dataset(config: DatagenConfig, source: str, local: bool = False) -> li
         import datasets
     except ImportError:
         raise UserError("reading a dataset needs `pip install datasets`; or pass a JSONL file") from None
-    unreachable = None if local or hub.offline() else _probe_hub(source)
+    try:
+        unreachable = None if local or hub.offline() else hub.unreachable(source, repo_type="dataset",
+                                                                          instead="pass a local JSONL file")
+    except hub.RepoError as err:
+        raise UserError(f"--prompts {err}") from None
     try:
         with hub.datasets_offline(unreachable is not None):
             return list(datasets.load_dataset(source, config.subset, split=config.split))
@@ -213,20 +217,6 @@ def _load_dataset(config: DatagenConfig, source: str, local: bool = False) -> li
         offline = ("" if local else f"; there is no local file or directory named {source!r} either. Offline? Pass "
                    "a local JSONL file with `prompt`, `turns` or `messages`, or a downloaded dataset directory")
         raise UserError(f"could not load dataset {source!r}, split {config.split!r}: {reason}{hint}{offline}") from None
-
-
-def _probe_hub(source: str) -> str | None:
-    """`hub.unreachable` for a dataset repository; one the hub does not have (or hides) is a UserError."""
-    from huggingface_hub.utils import GatedRepoError, RepositoryNotFoundError
-
-    try:
-        return hub.unreachable(source, repo_type="dataset")
-    except GatedRepoError:
-        raise UserError(f"--prompts {source} is a gated dataset on the Hugging Face hub: accept its terms on its page "
-                        "and log in (`hf auth login`), or pass a local JSONL file") from None
-    except RepositoryNotFoundError:
-        raise UserError(f"--prompts {source}: there is no local file or directory of that name, nor a dataset on "
-                        "the Hugging Face hub (a private one needs `hf auth login`); check the path or name") from None
 
 
 # ---- the output: what is done, and whether a rerun continues the same job --------------------------------------

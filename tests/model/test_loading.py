@@ -319,3 +319,9 @@ def test_a_mistyped_path_inside_a_local_folder_names_the_folder_first(silent_hub
         resolve_model_dir("drafters/lama")
     with pytest.raises(CheckpointError, match="^Qwen/Qwen3-8B is not a local directory"):  # no such folder: the hub's
         resolve_model_dir("Qwen/Qwen3-8B")
+
+
+def test_a_model_the_hub_does_not_have_is_a_checkpoint_error(empty_hub):
+    with pytest.raises(CheckpointError, match="^org/no-such-model is neither a local path nor a repository on the "
+                                              "Hugging Face hub .*, or pass a local directory$"):
+        resolve_model_dir("org/no-such-model")

@@ -353,8 +353,8 @@ def test_a_hub_dataset_when_the_hub_does_not_answer_is_a_clear_error_in_seconds(
 def test_a_dataset_the_hub_does_not_have_is_named_before_datasets_is_asked(empty_hub, monkeypatch):
     datasets = pytest.importorskip("datasets")
     monkeypatch.setattr(datasets, "load_dataset", lambda *a, **k: pytest.fail("asked datasets"))
-    with pytest.raises(UserError, match="--prompts dflash-tests/no-such-set: there is no local file or directory of "
-                                        "that name, nor a dataset on the Hugging Face hub"):
+    with pytest.raises(UserError, match="^--prompts dflash-tests/no-such-set is neither a local path nor a dataset on "
+                                        "the Hugging Face hub .*, or pass a local JSONL file$"):
         read_prompts(config_for("dflash-tests/no-such-set"))
 
 
