@@ -206,11 +206,29 @@ class ServedCostLine:
         return st / w - slope * sk / w, slope
 
 
-def _step_with(engine: SpeculativeEngine, batch, proposer: Proposer, block_size: int | None = None) -> None:
-    """One step with `proposer`; given a block size, it drafts in full and verifies that many tokens (the cost of
-    a step that chooses after drafting)."""
-    batch.proposer = proposer
-    engine.step(batch, None if block_size is None else (lambda draft: block_size))
+class _TimedRows:
+    """Dummy rows decoding together after one prompt, for timing steps: each step runs `proposer`, given a block
+    size drafting in full and verifying that many tokens (the cost of a step that chooses after drafting). The
+    rows start again from the prompt before a step could pass their max_new_tokens, so a target whose context
+    holds fewer tokens than all the timed steps may write is timed too; a restart costs one step's timing, and
+    only a shape's fastest step counts."""
+
+    def __init__(self, engine: SpeculativeEngine, prompt: list[int], config: GenerationConfig, rows: int,
+                 proposer: Proposer, block_size: int):
+        self.engine, self.prompt, self.config, self.rows = engine, prompt, config, rows
+        self.proposer, self.block_size = proposer, block_size  # the first proposer; the largest block timed
+        self._start()
+
+    def _start(self) -> None:
+        self.batch = self.engine.merge([self.engine.prefill(self.engine.new_sequence(self.prompt, self.config),
+                                                            self.proposer) for _ in range(self.rows)])
+
+    def step(self, proposer: Proposer, block_size: int | None = None) -> None:
+        longest = max(len(seq.output_ids) for seq in self.batch.sequences)
+        if longest + self.block_size >= self.config.max_new_tokens:
+            self._start()
+        self.batch.proposer = proposer
+        self.engine.step(self.batch, None if block_size is None else (lambda draft: block_size))
 
 
 @dataclass
@@ -265,18 +283,20 @@ class StepCosts:
         shaped = [[(p, v.block_size) if after_drafting and p.drafts_in_one_forward else (v, None) for v in variants]
                   for p, variants in zip(proposers, shaped)]
         steps = rounds * (repeats + 1) * sum(len(variants) for variants in shaped)
-        config = GenerationConfig(max_new_tokens=steps * max(block_sizes) + 1, stop_token_ids=[])
-        limit = getattr(engine.target.config, "max_position_embeddings", None)
-        if limit:  # leave room for the steps within the target's context
-            context = max(1, min(context, limit - config.max_new_tokens - max(block_sizes)))
+        largest = max([max(block_sizes)] + [p.block_size for p in proposers])
+        new_tokens = steps * largest + 1
+        limit = engine.context_length
+        if limit:  # a short context: a shorter prompt, and the rows start again when their room runs out
+            context = max(1, min(context, limit // 4))
+            new_tokens = max(1, min(new_tokens, limit - context - largest))
+        config = GenerationConfig(max_new_tokens=new_tokens, stop_token_ids=[])
         prompt = [(7 * i + 11) % vocab for i in range(context)]  # any valid ids: only the time counts
         seconds: dict[tuple[int, int], float] = {}
         for r in rows:
             steps = {}  # (rows, block size) -> one step of a batch of r rows with that proposer
             for variants in shaped:  # one batch per proposer, shared by its block sizes
-                batch = engine.merge([engine.prefill(engine.new_sequence(prompt, config), variants[0][0])
-                                      for _ in range(r)])
-                steps.update({(r, k or p.block_size): partial(_step_with, engine, batch, p, k) for p, k in variants})
+                timed = _TimedRows(engine, prompt, config, r, variants[0][0], largest)
+                steps.update({(r, k or p.block_size): partial(timed.step, p, k) for p, k in variants})
             # each round warms a shape up again: the steps in between changed the batch's block size
             seconds.update(fastest_times(steps, rounds, repeats, warm_up_every_round=True))
         return cls(seconds)

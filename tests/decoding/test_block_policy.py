@@ -9,9 +9,9 @@ import types
 import pytest
 import torch
 
-from conftest import FakeProposer, OracleProposer, hf_greedy, random_prompts, tiny_drafter
+from conftest import FakeProposer, OracleProposer, hf_greedy, random_prompts, tiny_drafter, tiny_target_config
 from conftest import linear_step_costs as costs
-from dflash.decoding import DFlashProposer, GenerationConfig, NoDraftProposer, SpeculativeEngine
+from dflash.decoding import DFlashProposer, GenerationConfig, NoDraftProposer, SpeculativeEngine, block_policy
 from dflash.decoding.block_policy import (
     AcceptanceByConfidence,
     AcceptanceByPosition,
@@ -353,6 +353,37 @@ def test_generate_with_auto_block_size_is_lossless_and_uses_several_sizes(target
     assert after and all(2 <= k <= block for k in after)
     assert sum(policy.by_confidence.tried) > 0  # ... and what the drafter's confidence is worth
     assert engine._block_policy is policy  # timed once, then reused
+
+
+@pytest.mark.parametrize("family", ["gpt2", "qwen3"])
+def test_auto_block_size_on_a_target_with_a_short_context(family, monkeypatch):
+    """The start-up timing of block size auto fits any context: on a target of 160 positions (all its timed steps
+    write ~960 tokens, and a gpt2 target cannot even embed a position past its last), drafts that are always right
+    use up the rows' room many times over, and `generate` still decodes losslessly."""
+    from transformers import AutoModelForCausalLM
+
+    from dflash.model import TargetModel
+
+    config = tiny_target_config(family)
+    config.max_position_embeddings = 160
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32).eval()
+    with torch.no_grad():
+        model.get_output_embeddings().weight.mul_(8.0)
+    target = TargetModel(model)
+    prompt = random_prompts(1, seed=3)[0]
+    refs = {tuple(prompt): hf_greedy(target, prompt, 24)}
+    timing_rows = [(7 * i + 11) % target.vocab_size for i in range(160 // 4)]
+    refs[tuple(timing_rows)] = hf_greedy(target, timing_rows, 160 - 40 - 16)  # the timing's own dummy rows
+    proposer = OracleProposer(tiny_drafter(target, block_size=16), target, refs)  # every draft token right
+    engine = SpeculativeEngine(target, proposer)
+    starts = []
+    real_start = block_policy._TimedRows._start
+    monkeypatch.setattr(block_policy._TimedRows, "_start", lambda self: starts.append(1) or real_start(self))
+    out = engine.generate([prompt], GenerationConfig(max_new_tokens=24, stop_token_ids=[], block_size="auto"))[0]
+    assert out.output_ids == refs[tuple(prompt)]
+    assert len(starts) > 2  # two proposers' rows, started again when their room ran out
+    assert engine._block_policy is not None and engine._block_policy.costs.block_sizes
 
 
 def test_auto_block_size_without_a_drafter_or_with_a_bad_name():
