@@ -280,9 +280,17 @@ def padding_mask_needed(batch_size: int) -> bool:
 def takes_tree_masks(model: nn.Module) -> bool:
     """Whether a forward can take a tree-shaped mask (`tree_attention_mask`): an attention implementation that
     reads a 4D mask (SDPA, eager; not flash or paged kernels, which build their own), and no sliding-window
-    layers (their windows would need a mask per layer kind)."""
+    layers (their windows would need a mask per layer kind), and no ALiBi (BLOOM, MPT, Falcon with `alibi`: their
+    position bias is built from the 2D padding mask, by slot order, which a branch's tokens do not follow)."""
     config = model.config.get_text_config(decoder=True)
-    return _mask_maker(config) is not None and not has_sliding_layers(config)
+    return _mask_maker(config) is not None and not has_sliding_layers(config) and not uses_alibi(config)
+
+
+def uses_alibi(config: Any) -> bool:
+    """Whether attention adds an ALiBi bias instead of rotating positions into queries and keys."""
+    attn_config = getattr(config, "attn_config", None)  # MPT keeps it there
+    return (config.model_type == "bloom" or bool(getattr(config, "alibi", False))
+            or bool(getattr(attn_config, "alibi", False)))
 
 
 def tree_attention_mask(model: nn.Module, attention_mask: torch.Tensor, visibility: torch.Tensor) -> Any:
