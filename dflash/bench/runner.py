@@ -12,7 +12,7 @@ import os
 import platform
 from contextlib import nullcontext
 from dataclasses import asdict, dataclass, field
-from typing import Iterator
+from typing import TYPE_CHECKING, Iterator
 
 from rich.console import Console
 
@@ -20,9 +20,11 @@ from dflash.bench import report
 from dflash.bench.datasets import DATA_DIR_ENV, DataOptions, Sample, data_source, load_samples, resolve_names
 from dflash.bench.local import LocalBackend, LocalConfig
 from dflash.bench.metrics import BenchResult, add_costs
-from dflash.bench.server import ServerBackend, ServerConfig
 from dflash.decoding.engine import AUTO
 from dflash.model.target import TargetModel
+
+if TYPE_CHECKING:  # the server backend needs httpx (the `bench` extra); a local run does not
+    from dflash.bench.server import ServerBackend, ServerConfig
 
 
 @dataclass
@@ -125,6 +127,8 @@ def _local_runs(config: BenchConfig, backend: LocalBackend, data: dict[str, list
 
 # ---- server ---------------------------------------------------------------------------------------------
 def _server_backend(config: BenchConfig, console: Console) -> ServerBackend:
+    from dflash.bench.server import ServerBackend
+
     server = config.server
     server.max_new_tokens, server.temperature, server.seed = config.max_new_tokens, config.temperature, config.seed
     server.top_p, server.top_k = config.top_p, config.top_k

@@ -88,11 +88,13 @@ def bench_config(args: argparse.Namespace):
     """Every flag checked before anything is loaded or sent."""
     from dflash.bench.datasets import DataOptions, resolve_names
     from dflash.bench.runner import BenchConfig
-    from dflash.bench.server import ServerConfig
+    from dflash.extras import require
 
     backend = args.backend or ("server" if args.base_url else "local")
     if backend == "server" and not args.base_url:
         raise UserError("the server backend needs --base-url, e.g. http://127.0.0.1:8000/v1")
+    require(["httpx"] if backend == "server" else [], "benchmarking a server")
+    require(["matplotlib"] if args.output_dir else [], "the plots that --output-dir holds")
     _check_backend_flags(args, backend)
     _check_numbers(args)
     names = resolve_names(args.dataset)
@@ -105,6 +107,8 @@ def bench_config(args: argparse.Namespace):
         raise UserError("--enable-thinking sets a chat template variable, and --endpoint completions sends raw "
                         "text: drop one of them")
     if backend == "server":
+        from dflash.bench.server import ServerConfig
+
         api_key = args.api_key or os.environ.get("OPENAI_API_KEY")
         server = ServerConfig(base_url=args.base_url, model=args.model, endpoint=args.endpoint or "chat",
                               api_key=api_key, concurrency=args.concurrency or [1], num_prompts=args.num_prompts,

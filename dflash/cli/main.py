@@ -82,6 +82,14 @@ def run_command(args: argparse.Namespace, prog: str, flag_names: dict[str, str] 
     except UserError as err:
         print(f"{prog}: error: {_respelled(str(err), flag_names or {})}", file=sys.stderr)
         return 2
+    except ModuleNotFoundError as err:  # an optional package (serve, bench) not installed: name the extra
+        from dflash.extras import as_missing_extra
+
+        missing = as_missing_extra(err, "this command")
+        if missing is None:
+            raise
+        print(f"{prog}: error: {missing}", file=sys.stderr)
+        return 2
     except BrokenPipeError:  # whoever read our output stopped (e.g. `| head`): stop quietly, as other tools do
         _drop_stdout()
         return 141  # 128 + SIGPIPE, what a shell reports for a command stopped by a closed pipe
