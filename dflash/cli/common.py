@@ -72,7 +72,8 @@ def add_model_arguments(parser: argparse.ArgumentParser, block_size_sweep: bool 
     group.add_argument("--device", help="cpu, cuda, cuda:1, ... (default: cuda if a GPU is visible, else cpu)")
     group.add_argument("--drafter-precision", choices=["auto", "float32", "bfloat16"], default="auto",
                        help="a float32 DFlash drafter's matrix products (only the drafts can change, never the "
-                            "text): auto (default) uses bfloat16 where this CPU is measured to draft faster so")
+                            "text): auto (default) times drafts both ways when the pipeline is built and keeps "
+                            "bfloat16 where it drafts faster on this CPU")
     add_thinking_argument(group)
 
 

@@ -150,8 +150,9 @@ def _refuse_native_only_flags(args: argparse.Namespace) -> None:
     if given:
         flags = ", ".join("--no-adaptive-block-size" if name == "adaptive_block_size" else
                           "--" + name.replace("_", "-") for name in given)
-        raise UserError(f"{flags} {'is' if len(given) == 1 else 'are'} this server's own and do not carry over to "
-                        f"{args.engine}: drop {'it' if len(given) == 1 else 'them'}, or set the engine's own options "
+        one = len(given) == 1
+        raise UserError(f"{flags} {'is' if one else 'are'} this server's own and {'does' if one else 'do'} not carry "
+                        f"over to {args.engine}: drop {'it' if one else 'them'}, or set the engine's own options "
                         "on the command it runs (--dry-run prints it)")
 
 

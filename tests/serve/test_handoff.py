@@ -214,15 +214,16 @@ def test_a_branch_length_with_a_hand_off_is_refused(tiny_pair, capsys):
 
 
 @pytest.mark.parametrize("flags, named", [
-    (["--device", "cpu"], "--device is"),
-    (["--max-queue", "5", "--no-adaptive-block-size"], "--max-queue, --no-adaptive-block-size are"),
+    (["--device", "cpu"], "--device is this server's own and does"),
+    (["--max-queue", "5", "--no-adaptive-block-size"],
+     "--max-queue, --no-adaptive-block-size are this server's own and do"),
     (["--fallback-min-acceptance", "2", "--drafter-precision", "bfloat16"],
-     "--drafter-precision, --fallback-min-acceptance are"),
+     "--drafter-precision, --fallback-min-acceptance are this server's own and do"),
 ])
 def test_flags_only_this_server_reads_are_refused_not_dropped(tiny_pair, capsys, flags, named):
     target, draft = map(str, tiny_pair)
     assert main(["serve", "--target", target, "--draft", draft, "--engine", "vllm", *flags, "--dry-run"]) == 2
-    assert f"dflash serve: error: {named} this server's own and do not carry over to vllm" in capsys.readouterr().err
+    assert f"dflash serve: error: {named} not carry over to vllm" in capsys.readouterr().err
     assert dry_run(capsys, "--target", target, "--draft", draft, "--engine", "vllm", "--max-queue", "64")  # defaults
 
 
