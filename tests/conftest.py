@@ -28,7 +28,7 @@ FAMILIES = ("qwen3", "llama", "qwen3_moe")  # the whole losslessness suite runs 
 # than the test sequences (alone, and alternating with full layers), soft-capping, absolute positions, partial
 # rotary, NoPE layers, logit and residual scaling.
 MORE_FAMILIES = ("mistral", "qwen2", "gemma2", "gemma3_text", "phi3", "olmo2", "gpt2", "gpt_neox", "granite",
-                 "smollm3", "cohere2", "falcon", "bloom")
+                 "smollm3", "cohere2", "falcon", "bloom", "mpt", "gpt_neo")
 # Families DFlash refuses up front: their layer state cannot be rolled back to the accepted tokens.
 REFUSED_FAMILIES = ("qwen3_next", "lfm2", "llama4_text")
 SLIDING_WINDOW = 8  # tokens; the test prompts and outputs are longer
@@ -57,6 +57,9 @@ def _family_fields(family: str, layers: int) -> dict:
         "smollm3": dict(no_rope_layers=[int(i % 2 == 0) for i in range(layers)]),
         "falcon": dict(new_decoder_architecture=True, num_kv_heads=2),
         "bloom": {},  # ALiBi: positions come from the padding mask
+        "mpt": dict(expansion_ratio=2),  # ALiBi by cache slot
+        "gpt_neo": dict(attention_types=[[["global", "local"], layers // 2]] + [[["global"], 1]] * (layers % 2),
+                        window_size=SLIDING_WINDOW),  # local layers: windows of cache slots
         "qwen3_next": {},  # linear-attention layers
         "lfm2": dict(layer_types=(["conv", "full_attention"] * layers)[:layers]),
         "llama4_text": dict(attention_chunk_size=8, intermediate_size_mlp=128, num_local_experts=2,
@@ -71,7 +74,7 @@ def tiny_target_config(family: str = "qwen3", layers: int = LAYERS):
     fields = dict(vocab_size=VOCAB, hidden_size=HIDDEN, intermediate_size=128, num_hidden_layers=layers,
                   num_attention_heads=4, num_key_value_heads=2, head_dim=16, max_position_embeddings=1024,
                   tie_word_embeddings=False, eos_token_id=None, bos_token_id=None, pad_token_id=None)
-    if family in ("falcon", "bloom"):  # head_dim is derived
+    if family in ("falcon", "bloom", "mpt"):  # head_dim is derived
         del fields["head_dim"]
     fields.update(_family_fields(family, layers))
     return AutoConfig.for_model(family, **fields)

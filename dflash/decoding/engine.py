@@ -23,7 +23,14 @@ from dflash.config_types import type_mismatch
 from dflash.decoding.branch import Branch, accept_branch, block_visibility, most_likely_first_miss
 from dflash.decoding.proposer import Draft, NoDraftProposer, PendingContext, Proposer
 from dflash.decoding.sampling import PositionNoise, SamplingParams, to_probs
-from dflash.decoding.slots import compact_cache, merge_caches, pad_and_concat, select_cache_rows, worth_compacting
+from dflash.decoding.slots import (
+    compact_cache,
+    has_gaps,
+    merge_caches,
+    pad_and_concat,
+    select_cache_rows,
+    worth_compacting,
+)
 from dflash.decoding.stopping import StopChecker
 from dflash.decoding.verify import greedy_verify, matching_prefix, rejection_sample, sample_target_only
 from dflash.errors import UserError
@@ -495,7 +502,12 @@ class SpeculativeEngine:
         self._maybe_compact(batch)
 
     def _maybe_compact(self, batch: Batch) -> None:
-        if not batch.has_holes or not worth_compacting(batch.target_valid):
+        """Squeeze the holes out of the batch's caches once they pile up; at once for a target that takes
+        distances from cache slots (`TargetModel.positions_by_slot`), whose output a hole would change."""
+        if not batch.has_holes:
+            return
+        valid = batch.target_valid
+        if not (has_gaps(valid) if self.target.positions_by_slot else worth_compacting(valid)):
             return
         batch.target_valid = compact_cache(batch.target_cache, batch.target_valid)
         batch.proposer.compact(batch.draft_state)

@@ -66,6 +66,11 @@ def worth_compacting(valid: torch.Tensor) -> bool:
             and valid.numel() - int(valid.sum()) >= COMPACT_HOLE_SHARE * valid.numel())
 
 
+def has_gaps(valid: torch.Tensor) -> bool:
+    """valid (b, s): whether some row has an invalid slot after a valid one (left padding alone is no gap)."""
+    return bool((valid[:, 1:] < valid[:, :-1]).any())
+
+
 def compact_cache(cache, valid: torch.Tensor) -> torch.Tensor:
     """Squeeze every row's holes out of `cache`; returns the new valid mask."""
     index, new_valid = compaction_index(valid)

@@ -283,7 +283,8 @@ def takes_tree_masks(model: nn.Module) -> bool:
     layers (their windows would need a mask per layer kind), and no ALiBi (BLOOM, MPT, Falcon with `alibi`: their
     position bias is built from the 2D padding mask, by slot order, which a branch's tokens do not follow)."""
     config = model.config.get_text_config(decoder=True)
-    return _mask_maker(config) is not None and not has_sliding_layers(config) and not uses_alibi(config)
+    return (_mask_maker(config) is not None and not has_sliding_layers(config) and not uses_alibi(config)
+            and not positions_by_slot(config))
 
 
 def uses_alibi(config: Any) -> bool:
@@ -291,6 +292,16 @@ def uses_alibi(config: Any) -> bool:
     attn_config = getattr(config, "attn_config", None)  # MPT keeps it there
     return (config.model_type == "bloom" or bool(getattr(config, "alibi", False))
             or bool(getattr(attn_config, "alibi", False)))
+
+
+def positions_by_slot(config: Any) -> bool:
+    """Whether attention takes a token's distance to another from their cache slots, not from position ids or the
+    padding mask: MPT's ALiBi bias (by key slot), GPT-Neo's local layers (a window of slots). Holes between a
+    row's tokens (a ragged batch's rejected draft tokens) then change the output; such a target's batch is
+    compacted after every step that leaves some (`SpeculativeEngine._maybe_compact`)."""
+    config = config.get_text_config(decoder=True)
+    local_layers = config.model_type == "gpt_neo" and "local" in getattr(config, "attention_layers", [])
+    return config.model_type == "mpt" or local_layers
 
 
 def tree_attention_mask(model: nn.Module, attention_mask: torch.Tensor, visibility: torch.Tensor) -> Any:

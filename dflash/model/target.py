@@ -52,6 +52,7 @@ class TargetModel:
         self.layers = hf_compat.decoder_layers(model)
         self.rollback_problem = hf_compat.rollback_problem(model.config)  # None: every layer's cache can be cropped
         self._sliding = self.rollback_problem is None and hf_compat.has_sliding_layers(model.config)
+        self.positions_by_slot = hf_compat.positions_by_slot(model.config)  # its batches keep no holes between tokens
         self._cache_kwarg = hf_compat.cache_kwarg_name(model)
         self._takes_logits_to_keep = "logits_to_keep" in inspect.signature(model.forward).parameters
         self._hooks: dict[int, object] = {}

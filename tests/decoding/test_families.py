@@ -22,7 +22,8 @@ from dflash.model.target import TargetModel, UnsupportedTargetError
 
 # families with sliding-window layers (conftest._family_fields): they decode without branches
 SLIDING_FAMILIES = {"mistral", "phi3", "qwen2", "gemma2", "gemma3_text", "cohere2"}
-ALIBI_FAMILIES = {"bloom"}  # their position bias follows the padding mask's slot order, which a branch breaks
+# their position bias or window follows the slot order, which a branch breaks
+SLOT_ORDER_FAMILIES = {"bloom", "mpt", "gpt_neo"}
 MAX_NEW = 32  # with prompts of 3-20 tokens, sequences run well past the sliding window (conftest.SLIDING_WINDOW)
 SEEDED = dict(max_new_tokens=MAX_NEW, temperature=0.9, top_p=0.9, top_k=50, seed=11, stop_token_ids=[])
 
@@ -51,7 +52,7 @@ def test_branches_are_lossless_or_left_out(family):
     assert [o.output_ids for o in outs] == refs
     steps = {a for o in outs for a in o.stats.acceptance_lengths[1:-1]}
     assert steps == ({5} if target.takes_branches else {3})  # 2 right, then the branch's 2 (or the miss), 1
-    assert target.takes_branches == (family not in SLIDING_FAMILIES | ALIBI_FAMILIES)
+    assert target.takes_branches == (family not in SLIDING_FAMILIES | SLOT_ORDER_FAMILIES)
 
 
 @pytest.mark.parametrize("family", ["mistral", "gemma2"])
