@@ -370,8 +370,18 @@ def save_drafter(model: DFlashDraftModel, directory: str | os.PathLike, dtype: t
              if "rotary_emb" not in k}
     config = model.config
     config.dtype = str(dtype or next(model.parameters()).dtype).removeprefix("torch.")
-    save_file(state, directory / "model.safetensors", metadata={"format": "pt"})
+    weights = directory / "model.safetensors"
+    save_file(state, weights, metadata={"format": "pt"})
+    _as_umask_allows(weights)
     (directory / "config.json").write_text(json.dumps(config.to_dict(), indent=2) + "\n")
+
+
+def _as_umask_allows(path: Path) -> None:
+    """safetensors writes its file for the owner alone (0600); give it the permissions any new file gets here, so a
+    server running as another user can read the drafter, as it can read config.json."""
+    umask = os.umask(0)
+    os.umask(umask)
+    os.chmod(path, 0o666 & ~umask)
 
 
 __all__ = ["CheckpointError", "DrafterConfigError", "load_drafter", "save_drafter", "resolve_model_dir", "parse_dtype",

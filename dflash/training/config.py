@@ -144,13 +144,13 @@ class TrainConfig:
         was trained with, and `dflash train --config` reads it back from any folder."""
         values = self.to_dict()
         for key in ("target", "data", "output", "init_from", "feature_cache"):
-            values[key] = _absolute(values[key])
+            values[key] = absolute_if_local(values[key])
         if values["extra_train_data"]:
-            values["extra_train_data"] = [_absolute(path) for path in values["extra_train_data"]]
+            values["extra_train_data"] = [absolute_if_local(path) for path in values["extra_train_data"]]
         return values
 
 
-def _absolute(value: str | None) -> str | None:
+def absolute_if_local(value: str | None) -> str | None:
     """A path that exists here, made absolute; anything else (a hub id, "memory", None) as it is."""
     if not value:
         return value

@@ -26,6 +26,7 @@ from typing import IO, Iterator
 from dflash import hub
 from dflash.errors import UserError, in_brief
 from dflash.records import messages_field, read_json_object, read_jsonl, text_field, texts_field
+from dflash.training.lock import lock_or_refuse
 
 PROMPT_FIELDS = ("prompt", "question", "instruction", "text")  # looked for in this order without --prompt-field
 RECORD_START = b'{"id": '  # how every output line starts: a half-written last line is recognised by it
@@ -340,14 +341,18 @@ def _answer(config: DatagenConfig, todo: list[Prompt], f, result: DatagenResult,
     first_ids = generator.first_turns(todo, result)
     if progress:
         progress(len(todo) - len(first_ids))
-    for chunk in _chunks([p for p in todo if p.id in first_ids], config.batch_size):
-        for record in generator.answer(chunk, first_ids):
-            f.write(json.dumps(record) + "\n")
-            f.flush()
-            result.written += 1
-        if progress:
-            progress(len(chunk))
-    os.fsync(f.fileno())
+    try:
+        for chunk in _chunks([p for p in todo if p.id in first_ids], config.batch_size):
+            for record in generator.answer(chunk, first_ids):
+                f.write(json.dumps(record) + "\n")
+                f.flush()
+                result.written += 1
+            if progress:
+                progress(len(chunk))
+        os.fsync(f.fileno())
+    except OSError as err:  # a full disk: what is written stays, and a rerun cuts a half-written last line
+        raise UserError(f"could not write to {config.output} ({in_brief(err)}); the {result.written} answers written "
+                        "this run are kept: free some space and rerun the same command to continue") from None
 
 
 @contextlib.contextmanager
@@ -355,26 +360,14 @@ def _claim(output: Path) -> Iterator[IO[str]]:
     """`output` open for appending, locked against a second datagen on the same file (which would answer every
     prompt a second time into it) until the run ends."""
     try:
+        output.parent.mkdir(parents=True, exist_ok=True)
         f = output.open("a")
     except OSError as err:
         raise _unwritable(output, err) from None
     with f:
-        _lock(f, output)
+        lock_or_refuse(f.fileno(), f"another dflash datagen is writing {output}; let it finish (a rerun then "
+                                   "continues where it stopped) or pass another --output")
         yield f
-
-
-def _lock(f: IO[str], output: Path) -> None:
-    try:
-        import fcntl
-    except ImportError:  # not a POSIX system: runs are not guarded against each other
-        return
-    try:
-        fcntl.flock(f.fileno(), fcntl.LOCK_EX | fcntl.LOCK_NB)
-    except BlockingIOError:
-        raise UserError(f"another dflash datagen is writing {output}; let it finish (a rerun then continues where "
-                        "it stopped) or pass another --output") from None
-    except OSError:  # a file system without locks (some network mounts)
-        pass
 
 
 def _chunks(items: list, size: int) -> Iterator[list]:

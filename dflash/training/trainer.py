@@ -30,10 +30,10 @@ from dflash.model.config import DrafterConfig
 from dflash.model.dflash2 import GroupedDynamicConv
 from dflash.model.drafter import DFlashDraftModel
 from dflash.model.loading import load_drafter, resolve_model_dir, save_drafter
-from dflash.model.target import TargetModel, check_compatible
+from dflash.model.target import check_compatible
 from dflash.records import read_json_object
 from dflash.training import datagen
-from dflash.training.config import DEFAULT_BLOCK_SIZE, DEFAULT_MAX_LENGTH, TrainConfig
+from dflash.training.config import DEFAULT_BLOCK_SIZE, DEFAULT_MAX_LENGTH, TrainConfig, absolute_if_local
 from dflash.training.data import Batch, Example, collate, epoch_batches, fingerprint, read_examples, split_examples
 from dflash.training.drafter_setup import (
     check_kept_options,
@@ -49,6 +49,7 @@ from dflash.training.drafter_setup import (
     widen_mlp,
 )
 from dflash.training.drafting_head import DraftingHead, DraftOutput
+from dflash.training.lock import DirectoryLock
 from dflash.training.objective import (
     Blocks,
     block_hits,
@@ -123,12 +124,14 @@ class Trainer:
         self._feature_cache: dict[str, torch.Tensor] = {}
         self.history: list[dict] = []
         self.trained_with: dict | None = None  # a resume with no step left: the checkpoint's settings, exported
+        self._output_lock: DirectoryLock | None = None  # rank 0's, on --output from setup to the end of train
 
     # ---- setup ----------------------------------------------------------------------------------------
     def setup(self) -> "Trainer":
         self._setup_distributed()
         created = self._check_directories()
         try:
+            self._lock_output()
             self._setup_output()
             self._setup_target()
             self._setup_data()
@@ -137,7 +140,9 @@ class Trainer:
             self._setup_feature_cache()
             if self.config.resume:
                 self._load_latest_checkpoint()
+            self._clear_earlier_run()
         except BaseException:  # a run that never started leaves no empty directories behind
+            self._unlock_output()
             for directory in reversed(created):
                 with contextlib.suppress(OSError):
                     directory.rmdir()  # only an empty one
@@ -195,9 +200,23 @@ class Trainer:
             _make_directory(flag, path, advice)
         return created
 
+    def _lock_output(self) -> None:
+        """Two runs on one --output would write each other's checkpoints, prune them and mix their logs: the first
+        holds a lock on the directory until it ends, and a second is refused."""
+        if self.rank == 0:
+            self._output_lock = DirectoryLock(Path(self.config.output), (
+                f"another dflash train is writing {self.config.output}; let it finish (or stop it with Ctrl-C: it "
+                "saves a checkpoint to --resume from), or pass another --output"))
+
+    def _unlock_output(self) -> None:
+        if self._output_lock is not None:
+            self._output_lock.release()
+            self._output_lock = None
+
     def _setup_output(self) -> None:
         """A fresh run never shares its output with an earlier run's checkpoints: pruning would delete the new ones
-        and --resume would continue the old run. --overwrite deletes them (and the old log) first."""
+        and --resume would continue the old run. --overwrite deletes them, once the whole set-up has succeeded
+        (`_clear_earlier_run`): a mistyped option must not cost the earlier run."""
         c = self.config
         found = self._checkpoints()
         self._barrier()  # every process has looked before any deletes
@@ -206,10 +225,16 @@ class Trainer:
                             "pass --resume to continue that run, --overwrite to delete them and start afresh, or "
                             "another --output")
         self._refuse_a_model_output(resumable=bool(found))
-        if c.resume or not found:
+
+    def _clear_earlier_run(self) -> None:
+        """--overwrite: delete the earlier run's checkpoints and log, the last thing before training starts."""
+        c = self.config
+        if c.resume or not c.overwrite or not self._checkpoints():
             return
+        self._barrier()  # every process has set up (and looked) before any deletes
         if self.rank == 0:
             shutil.rmtree(self.checkpoint_dir)
+            self.checkpoint_dir.mkdir()
             (Path(c.output) / "train_log.jsonl").unlink(missing_ok=True)
         self._barrier()
 
@@ -224,7 +249,9 @@ class Trainer:
                             "--overwrite to replace it")
 
     def _setup_target(self) -> None:
-        self.target = TargetModel.from_pretrained(self.config.target, dtype="auto", device=self.device)
+        from dflash.api import load_target
+
+        self.target = load_target(self.config.target, dtype="auto", device=self.device)
         for p in self.target.model.parameters():
             p.requires_grad_(False)
         self.tokenizer = self.target.tokenizer
@@ -472,8 +499,13 @@ class Trainer:
         directory = Path(self.config.feature_cache)
         directory.mkdir(parents=True, exist_ok=True)
         tmp = directory / f".{key}.pt.tmp{self.rank}"
-        torch.save(features, tmp)
-        os.replace(tmp, directory / f"{key}.pt")
+        try:
+            torch.save(features, tmp)
+            os.replace(tmp, directory / f"{key}.pt")
+        except (OSError, RuntimeError) as err:
+            tmp.unlink(missing_ok=True)
+            raise UserError(f"could not write to the feature cache {directory} ({in_brief(err)}; is the disk full?): "
+                            "free some space, or pass --feature-cache memory (or leave the option out)") from None
         return features
 
     def _loss(self, batch: Batch, epoch: int, decoding_anchors: bool = False):
@@ -583,40 +615,49 @@ class Trainer:
 
     # ---- the loop ------------------------------------------------------------------------------------------
     def train(self) -> dict:
-        """Train to the last step, then evaluate, checkpoint and export. Ctrl-C (or SIGTERM) stops after the
-        current step with a checkpoint to --resume from, and raises KeyboardInterrupt."""
-        c = self.config
+        """Train to the last step, then checkpoint, evaluate and export. Ctrl-C (or SIGTERM) stops after the
+        current step with a checkpoint to --resume from, and raises KeyboardInterrupt; from the last step on, it
+        lets the run finish (a second one stops at once, the last step saved). The output is unlocked at the end."""
         self._log({"event": "start", "steps": self.total_steps, "train_examples": len(self.train_examples),
                    "eval_examples": len(self.eval_examples), "world_size": self.world,
                    "drafter": self.drafter_config.to_dict()})
-        window_tokens, window_start = 0, time.perf_counter()
         start = time.perf_counter()
-        with StopRequest(announce=self.rank == 0) as stop:
-            while self.step < self.total_steps:
-                epoch, offset = divmod(self.step, self.batches_per_epoch)
-                for indices in epoch_batches(len(self.train_examples), self.global_batch, epoch, c.seed)[offset:]:
-                    stats = self._train_step(indices, epoch)
-                    self._check_finite(stats)
-                    window_tokens += stats["tokens"]
-                    if self.step % c.log_every == 0 or self.step == self.total_steps:
-                        self._log(self._train_record(stats, window_tokens, time.perf_counter() - window_start))
-                        window_tokens, window_start = 0, time.perf_counter()
-                    if self.eval_examples and c.eval_every and self.step % c.eval_every == 0:
-                        self._log({"step": self.step, **self.evaluate()})
-                    saved = c.checkpoint_every and self.step % c.checkpoint_every == 0 and self.step < self.total_steps
-                    if saved:
-                        self.save_checkpoint()
-                    if self._stop_requested(stop):
-                        self._stop(saved)
-                    if self.step >= self.total_steps:
-                        break
-        final = {"step": self.step, "train_time_s": round(time.perf_counter() - start, 1)}
-        if self.eval_examples:
-            final.update(self.evaluate())
-        self.save_checkpoint()
-        self.export()
+        try:
+            with StopRequest(announce=self.rank == 0) as stop:
+                self._train_steps(stop)
+                self.save_checkpoint()  # the last step, before the final evaluation: an interrupt loses no step
+                final = {"step": self.step, "train_time_s": round(time.perf_counter() - start, 1)}
+                if self.eval_examples:
+                    final.update(self.evaluate())
+                self.export()
+        finally:
+            self._unlock_output()
         self._log({"event": "done", **final})
         return final
+
+    def _train_steps(self, stop: StopRequest) -> None:
+        """The steps from the current one to the last: log, evaluate and checkpoint as configured; stop with a
+        checkpoint when asked to."""
+        c = self.config
+        window_tokens, window_start = 0, time.perf_counter()
+        while self.step < self.total_steps:
+            epoch, offset = divmod(self.step, self.batches_per_epoch)
+            for indices in epoch_batches(len(self.train_examples), self.global_batch, epoch, c.seed)[offset:]:
+                stats = self._train_step(indices, epoch)
+                self._check_finite(stats)
+                window_tokens += stats["tokens"]
+                if self.step % c.log_every == 0 or self.step == self.total_steps:
+                    self._log(self._train_record(stats, window_tokens, time.perf_counter() - window_start))
+                    window_tokens, window_start = 0, time.perf_counter()
+                if self.eval_examples and c.eval_every and self.step % c.eval_every == 0:
+                    self._log({"step": self.step, **self.evaluate()})
+                saved = c.checkpoint_every and self.step % c.checkpoint_every == 0 and self.step < self.total_steps
+                if saved:
+                    self.save_checkpoint()
+                if self._stop_requested(stop):
+                    self._stop(saved)
+                if self.step >= self.total_steps:
+                    break
 
     def _check_finite(self, stats: dict) -> None:
         """Stop at the first step whose loss or gradient norm is not a finite number (a too high --lr, or bfloat16
@@ -713,8 +754,7 @@ class Trainer:
         final = self.checkpoint_dir / f"step-{self.step:08d}"
         tmp = self.checkpoint_dir / f".tmp-step-{self.step:08d}"
         shutil.rmtree(tmp, ignore_errors=True)
-        tmp.mkdir(parents=True)
-        torch.save({
+        state = {
             "step": self.step,
             "drafter": self.drafter.state_dict(),
             "optimizer": self.optimizer.state_dict(),
@@ -723,7 +763,17 @@ class Trainer:
             "drafter_config": self.drafter_config.to_dict(),
             "data": self.data_fingerprint,  # a resume must see the same examples in the same order
             "world_size": self.world,
-        }, tmp / "training_state.pt")
+        }
+        try:
+            tmp.mkdir(parents=True)
+            torch.save(state, tmp / "training_state.pt")
+        except (OSError, RuntimeError) as err:  # a full disk fails inside torch's writer as a RuntimeError
+            shutil.rmtree(tmp, ignore_errors=True)
+            kept = self._checkpoints()
+            kept = (f"the newest checkpoint, {kept[-1]}, is kept: free some space and rerun with --resume to continue "
+                    "from it" if kept else "no earlier checkpoint was written: free some space and rerun")
+            raise UserError(f"could not write checkpoint step {self.step} into {self.checkpoint_dir} ({in_brief(err)}; "
+                            f"is the disk full?); {kept}") from None
         shutil.rmtree(final, ignore_errors=True)
         os.replace(tmp, final)
         for old in self._checkpoints()[: -self.config.keep_checkpoints]:
@@ -812,6 +862,9 @@ class Trainer:
         optimizer state would otherwise keep); a warning names every change."""
         c = self.config
         changed = [f"{k} {old.get(k)!r} -> {getattr(c, k)!r}" for k in RESUMABLE_CHANGES if old.get(k) != getattr(c, k)]
+        if absolute_if_local(old.get("target")) != absolute_if_local(c.target):  # the drafter learns its features
+            changed.insert(0, f"target {old.get('target')!r} -> {c.target!r} (the drafter now learns another model's "
+                              "features; if that is a mistake, stop and resume with the checkpoint's target)")
         if changed:
             self._warn(f"resuming with other settings than the checkpoint's: {'; '.join(changed)}; the run continues "
                        "with the new values")
@@ -823,12 +876,18 @@ class Trainer:
     def export(self) -> None:
         """The output directory in the public format (what this package, vLLM and SGLang load)."""
         if self.rank == 0:
-            save_drafter(self.drafter, self.config.output)
             trained_with = self.trained_with or self.config.portable_dict()
-            (Path(self.config.output) / "training_config.yaml").write_text(yaml.safe_dump(trained_with))
+            try:
+                save_drafter(self.drafter, self.config.output)
+                (Path(self.config.output) / "training_config.yaml").write_text(yaml.safe_dump(trained_with))
+            except (OSError, RuntimeError) as err:
+                raise UserError(f"could not export the drafter into {self.config.output} ({in_brief(err)}; is the "
+                                f"disk full?); step {self.step} is saved in {self.checkpoint_dir}: free some space and "
+                                "rerun the same command with --resume to export it") from None
         self._barrier()
 
     def cleanup(self) -> None:
+        self._unlock_output()
         if dist.is_initialized():
             dist.destroy_process_group()
 

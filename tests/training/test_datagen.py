@@ -449,3 +449,32 @@ def test_a_local_dataset_directory_that_fails_does_not_blame_the_network(tmp_pat
                                    split="test"))
     assert 'Unknown split "test". Should be one of [\'train\']' in str(err.value)
     assert "Offline" not in str(err.value)
+
+
+def test_an_output_in_a_missing_folder_is_created(tiny_pair, prompts, tmp_path):
+    out = tmp_path / "new" / "sub" / "data.jsonl"
+    config = DatagenConfig(target=str(tiny_pair[0]), prompts=str(prompts), output=str(out), max_new_tokens=4,
+                           limit=1, device="cpu")
+    assert run_datagen(config).written == 1 and len(read(out)) == 1
+
+
+def test_a_full_disk_keeps_the_answers_written_and_says_a_rerun_continues(tiny_pair, prompts, tmp_path, monkeypatch):
+    out = tmp_path / "data.jsonl"
+    config = DatagenConfig(target=str(tiny_pair[0]), prompts=str(prompts), output=str(out), max_new_tokens=4,
+                           batch_size=1, device="cpu")
+    real_dumps, written = json.dumps, []
+
+    def full_after_two(record, *args, **kwargs):
+        if isinstance(record, dict) and "response_ids" in record:
+            if len(written) == 2:
+                raise OSError(28, "No space left on device")
+            written.append(record)
+        return real_dumps(record, *args, **kwargs)
+
+    monkeypatch.setattr(datagen.json, "dumps", full_after_two)
+    with pytest.raises(UserError, match=r"could not write to .*data.jsonl \(OSError: \[Errno 28\] No space left "
+                                        r"on device\); the 2 answers written this run are kept: free some space"):
+        run_datagen(config)
+    monkeypatch.undo()
+    assert len(read(out)) == 2
+    assert run_datagen(config).written == 3 and len(read(out)) == 5

@@ -611,6 +611,7 @@ def test_resume_refuses_another_data_order_and_names_changed_settings(tiny_pair,
     assert "lr 0.003 -> 0.001; max_steps 6 -> 8" in capsys.readouterr().err  # the schedule now ends at step 8
     assert longer.scheduler.base_lrs == [1e-3]  # the new value, not the one in the optimizer state
     assert all(g["initial_lr"] == 1e-3 for g in longer.optimizer.param_groups)
+    longer.cleanup()  # a trainer set up holds its output until it has trained, or until this
     Trainer(config(tiny_pair, train_data, out, resume=True, max_steps=3)).setup()
     assert "newest checkpoint is at step 6, past the last step of this run (3" in capsys.readouterr().err
     done = Trainer(config(tiny_pair, train_data, out, resume=True, lr=1e-3)).setup()  # step 6 of 6: nothing to run
@@ -775,9 +776,9 @@ def test_a_damaged_feature_cache_file_is_computed_again_with_a_warning(tiny_pair
 ])
 def test_train_paths_that_cannot_be_used_name_their_flag_before_the_target_loads(tiny_pair, train_data, tmp_path,
                                                                                  capsys, monkeypatch, flags, message):
-    import dflash.training.trainer as trainer_module
+    from dflash.model.target import TargetModel
 
-    monkeypatch.setattr(trainer_module.TargetModel, "from_pretrained", lambda *a, **k: pytest.fail("target loaded"))
+    monkeypatch.setattr(TargetModel, "from_pretrained", lambda *a, **k: pytest.fail("target loaded"))
     (tmp_path / "a_file").write_text("")
     names = {"a_file": tmp_path / "a_file", "tmp": tmp_path}
     flags = ["--output", str(tmp_path / "o")] + [f.format(**names) for f in flags]  # a later --output wins
@@ -824,3 +825,89 @@ def test_a_diverging_run_stops_and_keeps_its_checkpoints(tiny_pair, train_data, 
     with pytest.raises(UserError, match="the drafter's weights are no longer finite numbers at step 5"):
         poisoned.train()
     assert checkpoint_names(out) == ["step-00000003", "step-00000004"]
+
+
+# ---- interruptions, a second run, a full disk ----------------------------------------------------------------
+def test_an_interrupt_in_the_final_evaluation_keeps_the_last_step(tiny_pair, train_data, tmp_path, monkeypatch):
+    """The last step is saved before the final evaluation, which can take long: a stop there (a second Ctrl-C, a
+    job's time limit) loses no step, and the run resumes from it."""
+    out = tmp_path / "out"
+    trainer = Trainer(config(tiny_pair, train_data, out)).setup()  # checkpoints at step 3; 6 steps
+
+    def interrupted():
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(trainer, "evaluate", interrupted)
+    with pytest.raises(KeyboardInterrupt):
+        trainer.train()
+    assert trainer._checkpoints()[-1].name == "step-00000006"
+    resumed = Trainer(config(tiny_pair, train_data, out, resume=True)).setup()  # the lock went with the run
+    assert resumed.step == 6
+
+
+def test_a_second_run_on_the_same_output_is_refused_until_the_first_ends(tiny_pair, train_data, tmp_path):
+    out = tmp_path / "out"
+    first = Trainer(config(tiny_pair, train_data, out, max_steps=2)).setup()
+    with pytest.raises(UserError, match=f"another dflash train is writing {out}; let it finish"):
+        Trainer(config(tiny_pair, train_data, out, max_steps=2)).setup()
+    first.train()
+    assert [json.loads(line).get("event") for line in (out / "train_log.jsonl").read_text().splitlines()].count(
+        "start") == 1
+    Trainer(config(tiny_pair, train_data, out, max_steps=2, resume=True)).setup()  # free again
+
+
+def test_overwrite_deletes_nothing_when_the_new_run_cannot_start(tiny_pair, train_data, tmp_path):
+    out = tmp_path / "out"
+    Trainer(config(tiny_pair, train_data, out)).setup().train()
+    before = sorted(p.name for p in (out / "checkpoints").iterdir())
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text('{"id": 0}\n')
+    with pytest.raises(UserError, match="bad.jsonl"):
+        Trainer(config(tiny_pair, bad, out, overwrite=True)).setup()
+    assert sorted(p.name for p in (out / "checkpoints").iterdir()) == before
+    assert (out / "train_log.jsonl").is_file()
+    Trainer(config(tiny_pair, train_data, out, overwrite=True, max_steps=2)).setup().train()
+    assert sorted(p.name for p in (out / "checkpoints").iterdir()) == ["step-00000002"]
+
+
+def test_a_checkpoint_that_cannot_be_written_is_a_clear_error_keeping_the_last_one(tiny_pair, train_data, tmp_path,
+                                                                                   monkeypatch):
+    out = tmp_path / "out"
+    trainer = Trainer(config(tiny_pair, train_data, out)).setup()
+    real_save = torch.save
+
+    def disk_full_at_step_6(obj, path, *args, **kwargs):
+        if "step-00000006" in str(path):  # what torch's writer raises when the disk fills
+            raise RuntimeError("[enforce fail at inline_container.cc:672] . unexpected pos 4288 vs 4176")
+        return real_save(obj, path, *args, **kwargs)
+
+    monkeypatch.setattr(torch, "save", disk_full_at_step_6)
+    with pytest.raises(UserError, match=r"could not write checkpoint step 6 .*is the disk full\?\); the newest "
+                                        r"checkpoint, .*step-00000003, is kept: free some space and rerun with "
+                                        r"--resume"):
+        trainer.train()
+    assert sorted(p.name for p in (out / "checkpoints").iterdir()) == ["step-00000003"]  # no half-written one
+
+
+def test_a_target_with_damaged_weights_is_a_clear_error(tiny_pair, train_data, tmp_path):
+    damaged = tmp_path / "target"
+    shutil.copytree(tiny_pair[0], damaged)
+    (damaged / "model.safetensors").write_bytes(b"")
+    with pytest.raises(UserError, match=re.escape(str(damaged))):
+        Trainer(config(tiny_pair, train_data, tmp_path / "out", target=str(damaged))).setup()
+
+
+def test_resuming_with_another_target_names_it(tiny_pair, train_data, tmp_path, capsys):
+    out = tmp_path / "out"
+    Trainer(config(tiny_pair, train_data, out, max_steps=3)).setup().train()
+    other = tmp_path / "other_target"
+    shutil.copytree(tiny_pair[0], other)
+    Trainer(config(tiny_pair, train_data, out, max_steps=4, resume=True, target=str(other))).setup()
+    assert f"target {str(tiny_pair[0])!r} -> {str(other)!r} (the drafter now learns another model's" in \
+        capsys.readouterr().err
+
+
+def test_the_exported_weights_are_readable_as_other_new_files_are(tiny_pair, train_data, tmp_path):
+    out = tmp_path / "out"
+    Trainer(config(tiny_pair, train_data, out, max_steps=1)).setup().train()
+    assert (out / "model.safetensors").stat().st_mode & 0o777 == (out / "config.json").stat().st_mode & 0o777
