@@ -436,7 +436,9 @@ def rotary_embedding(fields: dict[str, Any]) -> nn.Module:
 def rope_fields(config: Any) -> dict[str, Any]:
     """The rope settings of a transformers config, in the form its own constructor takes back, for one kind of
     attention: a config that keeps them per layer kind (Gemma3's `rope_parameters` of "full_attention" and
-    "sliding_attention") gives its full-attention ones, the kind of every drafter layer."""
+    "sliding_attention") gives its full-attention ones, the kind of every drafter layer. A partial rotary factor
+    (GPT-NeoX, Phi, StableLM, GLM) is left out: the drafter rotates its whole head, and an engine that read the
+    factor from its config.json (vLLM, SGLang) would rotate it otherwise than it was trained."""
     out: dict[str, Any] = {}
     for key in ("rope_theta", "rope_scaling", "rope_parameters"):
         value = getattr(config, key, None)
@@ -445,5 +447,7 @@ def rope_fields(config: Any) -> dict[str, Any]:
     for key in ("rope_scaling", "rope_parameters"):  # transformers 5 reads one as the other
         per_kind = out.get(key)
         if isinstance(per_kind, dict) and per_kind and all(isinstance(v, dict) for v in per_kind.values()):
-            out[key] = dict(per_kind.get("full_attention") or next(iter(per_kind.values())))
+            per_kind = out[key] = dict(per_kind.get("full_attention") or next(iter(per_kind.values())))
+        if isinstance(per_kind, dict) and "partial_rotary_factor" in per_kind:
+            out[key] = {k: v for k, v in per_kind.items() if k != "partial_rotary_factor"}
     return out

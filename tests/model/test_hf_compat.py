@@ -1,4 +1,5 @@
 import copy
+import json
 
 import pytest
 import torch
@@ -163,3 +164,5 @@ def test_a_drafter_for_every_family_gets_one_kind_of_rope(family):
     drafter = DFlashDraftModel(config)  # builds its rotary embedding from those fields
     cos, _ = drafter.rotary_emb(torch.zeros(1, 3, config.hidden_size), torch.arange(3)[None])
     assert cos.shape == (1, 3, config.head_dim)
+    saved = config.to_dict()  # what vLLM and SGLang read: the whole head rotates, as in training
+    assert "partial_rotary_factor" not in json.dumps({k: saved.get(k) for k in ("rope_scaling", "rope_parameters")})
