@@ -77,6 +77,7 @@ def run_command(args: argparse.Namespace, prog: str, flag_names: dict[str, str] 
 
     _quiet_libraries()
     _show_our_warnings(prog)
+    previous = _terminate_as_interrupt()
     try:
         return importlib.import_module(args.module).run(args) or 0
     except UserError as err:
@@ -96,6 +97,9 @@ def run_command(args: argparse.Namespace, prog: str, flag_names: dict[str, str] 
     except (FileNotFoundError, OSError) as err:
         print(f"{prog}: error: {err}", file=sys.stderr)
         return 2
+    except Terminated:
+        print(f"{prog}: terminated", file=sys.stderr)
+        return 143  # 128 + SIGTERM
     except KeyboardInterrupt:
         print(f"{prog}: interrupted", file=sys.stderr)
         return 130
@@ -106,6 +110,30 @@ def run_command(args: argparse.Namespace, prog: str, flag_names: dict[str, str] 
               "(a smaller --batch-size, --max-length, --max-new-tokens or --max-batch-size, a smaller model), or "
               "run where there is more memory", file=sys.stderr)
         return 1
+    finally:
+        if previous is not None:
+            import signal
+
+            signal.signal(signal.SIGTERM, previous)
+
+
+class Terminated(KeyboardInterrupt):
+    """SIGTERM (a job scheduler's stop, `kill`): the same clean stop as Ctrl-C, with what is done kept and the way
+    to resume said (datagen, bench; train checkpoints first), instead of dying mid-write without a word."""
+
+
+def _terminate_as_interrupt():
+    """SIGTERM raises Terminated while a command runs; returns the handler to put back (None off the main thread,
+    where signals cannot be handled)."""
+    import signal
+    import threading
+
+    def terminated(signum, frame):
+        raise Terminated
+
+    if threading.current_thread() is not threading.main_thread():
+        return None
+    return signal.signal(signal.SIGTERM, terminated)
 
 
 def _show_our_warnings(prog: str) -> None:

@@ -232,7 +232,13 @@ def launch(engine: str, command: EngineCommand) -> int:
         argv = [sys.executable, *argv[1:]]
     shown = EngineCommand(argv, command.env).shown()
     print(f"dflash serve: launching {shown}", file=sys.stderr, flush=True)
+    engine_process = subprocess.Popen(argv, env={**os.environ, **command.env})
     try:
-        return subprocess.call(argv, env={**os.environ, **command.env})
-    except KeyboardInterrupt:
-        return 130
+        return engine_process.wait()
+    except KeyboardInterrupt:  # Ctrl-C reached the engine too; SIGTERM (ours, as Terminated) did not: pass it on
+        engine_process.terminate()
+        try:
+            engine_process.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            engine_process.kill()
+        raise

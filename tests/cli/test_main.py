@@ -61,3 +61,36 @@ def test_an_unknown_flag_gets_the_subcommands_usage_and_a_hint(argv, hint, capsy
     err = capsys.readouterr().err
     assert err.startswith(f"usage: dflash {argv[0]} ") and f"dflash {argv[0]}: error: " in err
     assert hint in err
+
+
+def test_sigterm_stops_a_command_as_ctrl_c_does_and_says_so(monkeypatch, capsys):
+    """A scheduler's SIGTERM runs the commands' own stop paths (datagen says how to resume, bench keeps its
+    results) and ends in one line and status 143, instead of killing the process mid-write without a word."""
+    import argparse
+    import os
+    import signal
+    import sys
+    import time
+    import types
+
+    from dflash.cli.main import run_command
+
+    stopped = []
+    command = types.ModuleType("a_command")
+
+    def run(args):
+        try:
+            os.kill(os.getpid(), signal.SIGTERM)
+            time.sleep(10)  # the signal arrives long before
+        except KeyboardInterrupt:
+            stopped.append(True)  # what datagen and bench catch to keep their work
+            raise
+        return 0
+
+    command.run = run
+    monkeypatch.setitem(sys.modules, "a_command", command)
+    before = signal.getsignal(signal.SIGTERM)
+    assert run_command(argparse.Namespace(module="a_command"), "dflash datagen") == 143
+    assert stopped == [True]
+    assert capsys.readouterr().err.strip() == "dflash datagen: terminated"
+    assert signal.getsignal(signal.SIGTERM) is before  # put back once the command ends

@@ -8,7 +8,7 @@ import shutil
 
 import pytest
 
-from dflash.cli.main import main
+from dflash.cli.main import Terminated, main
 from dflash.serve import handoff
 
 
@@ -53,10 +53,41 @@ def test_vllm_gets_the_api_key_from_its_environment(tiny_pair, monkeypatch, caps
     target, draft = map(str, tiny_pair)
     launched = {}
     monkeypatch.setattr(handoff, "ensure_installed", lambda engine: None)
-    monkeypatch.setattr(handoff.subprocess, "call", lambda argv, env: launched.update(argv=argv, env=env) or 0)
+    monkeypatch.setattr(handoff.subprocess, "Popen", lambda argv, env: launched.update(argv=argv, env=env) or
+                        FakeEngine())
     assert main(["serve", "--target", target, "--draft", draft, "--engine", "vllm", "--api-key", "s3cret"]) == 0
     assert launched["env"]["VLLM_API_KEY"] == "s3cret" and "s3cret" not in launched["argv"]
     assert "s3cret" not in capsys.readouterr().err
+
+
+class FakeEngine:
+    """A launched engine: exits at once, or is stopped by our SIGTERM while it runs."""
+
+    def __init__(self, stops: bool = False):
+        self.stops, self.signals = stops, []
+
+    def wait(self, timeout=None):
+        if self.stops and not self.signals:
+            raise Terminated  # our SIGTERM, arriving while we wait for the engine
+        return 0
+
+    def terminate(self):
+        self.signals.append("TERM")
+
+    def kill(self):
+        self.signals.append("KILL")
+
+
+def test_a_sigterm_to_the_hand_off_stops_the_engine_too(tiny_pair, monkeypatch, capsys):
+    """Ctrl-C reaches the engine with us (one process group); a SIGTERM to our process alone would leave it
+    running without us: it is passed on."""
+    target, draft = map(str, tiny_pair)
+    engine = FakeEngine(stops=True)
+    monkeypatch.setattr(handoff, "ensure_installed", lambda engine: None)
+    monkeypatch.setattr(handoff.subprocess, "Popen", lambda argv, env: engine)
+    assert main(["serve", "--target", target, "--draft", draft, "--engine", "vllm"]) == 143
+    assert engine.signals == ["TERM"]
+    assert "dflash serve: terminated" in capsys.readouterr().err
 
 
 def test_an_empty_api_key_variable_means_no_key(tiny_pair, capsys, monkeypatch):
