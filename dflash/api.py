@@ -21,7 +21,7 @@ from pathlib import Path
 from typing import Any, Iterator, Union
 
 import torch
-from jinja2 import TemplateError
+from jinja2 import TemplateError, TemplateSyntaxError
 from safetensors import SafetensorError
 
 from dflash.decoding.detokenizer import TextDeltas
@@ -70,6 +70,10 @@ def render_chat(tokenizer, messages: list[dict], **options) -> Any:
     when it raises on them."""
     try:
         return tokenizer.apply_chat_template(messages, tokenize=True, **options)
+    except TemplateSyntaxError as err:  # the template itself is broken, whatever the messages
+        where = getattr(tokenizer, "name_or_path", "") or "the model"
+        raise TemplateRefusal(f"the chat template of {where} is not a valid Jinja template ({err}, line {err.lineno}); "
+                              "fix its chat_template.jinja (or chat_template in tokenizer_config.json)") from None
     except TemplateError as err:  # templates refuse some conversations (roles, order) by raising
         raise TemplateRefusal(f"the model's chat template refused these messages: {err}") from None
 

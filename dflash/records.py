@@ -59,8 +59,7 @@ def _json_line(raw: bytes, path: Path, number: int) -> dict | None:
     try:
         record = json.loads(line)
     except json.JSONDecodeError as err:
-        raise UserError(f"{path}:{number} is not valid JSON ({err.msg}); the file must be JSONL, one JSON object "
-                        "per line") from None
+        raise UserError(f"{path}:{number} is not valid JSON ({err.msg}); {_jsonl_hint(raw, line, number)}") from None
     except RecursionError:
         raise UserError(f"{path}:{number} is nested too deeply to read (arrays or objects inside each other "
                         "beyond Python's recursion limit); fix or remove that line") from None
@@ -68,6 +67,21 @@ def _json_line(raw: bytes, path: Path, number: int) -> dict | None:
         raise UserError(f"{path}:{number} is {shown(record)}, not a JSON object; each line must be one object "
                         'such as {"prompt": ...}')
     return record
+
+
+def _jsonl_hint(raw: bytes, line: str, number: int) -> str:
+    """What a line that is not JSON most likely is, and what to do about it."""
+    start = line.strip()[:1]
+    if not raw.endswith(b"\n") and start == "{":
+        return ("it is the last line and ends without a newline, cut short: a `dflash datagen` run that was stopped "
+                "while writing leaves one; rerun it to finish the file (it continues where it stopped), or remove "
+                "that line")
+    if number == 1 and start == "[":
+        return ("the file looks like one JSON array; JSONL holds one JSON object per line: write each element on a "
+                "line of its own")
+    if start not in ("{", '"') and "," in line:
+        return "the file looks like CSV; JSONL holds one JSON object per line, such as {\"prompt\": \"...\"}"
+    return "the file must be JSONL, one JSON object per line"
 
 
 def shown(value, width: int = 60) -> str:

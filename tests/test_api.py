@@ -145,6 +145,14 @@ def test_a_conversation_the_chat_template_refuses_is_a_generation_error(tiny_pai
         strict.generate([{"role": "assistant", "content": "x"}], max_new_tokens=2)
 
 
+def test_a_broken_chat_template_is_named_as_the_template_not_the_messages(tiny_pair, monkeypatch):
+    broken = DFlash.from_pretrained(tiny_pair[0], no_draft=True, device="cpu")
+    monkeypatch.setattr(broken.tokenizer, "chat_template", "{% for m in messages %}{{ m['content'] }}")
+    with pytest.raises(GenerationError, match=r"chat template of .* is not a valid Jinja template \(.*\); fix its "
+                                              r"chat_template.jinja"):
+        broken.generate("hi", max_new_tokens=2)
+
+
 def test_pairs_that_cannot_be_meant_are_refused_before_loading(tiny_pair, pipe):
     target_dir, draft_dir = tiny_pair
     with pytest.raises(UserError, match="no_draft is True or False"):

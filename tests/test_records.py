@@ -1,4 +1,5 @@
-"""Shared JSON readers: a file too deeply nested to parse is a UserError naming it, never a RecursionError."""
+"""Shared JSON readers: a file too deeply nested to parse is a UserError naming it, never a RecursionError; a
+line that is not JSON says what the file most likely is."""
 
 from __future__ import annotations
 
@@ -20,3 +21,18 @@ def test_a_jsonl_line_nested_too_deeply_is_named_by_its_line(tmp_path):
     path.write_text('{"prompt": "fine"}\n' + '{"a": ' * 100000 + "\n")
     with pytest.raises(UserError, match="data.jsonl:2 is nested too deeply to read"):
         read_jsonl(path, missing="unused")
+
+
+@pytest.mark.parametrize("content, hint", [
+    ('{"prompt": "a"}\n{"prompt": "cut sh', "it is the last line and ends without a newline, cut short: a `dflash "
+                                           "datagen` run that was stopped"),
+    ('[\n  {"prompt": "a"},\n  {"prompt": "b"}\n]\n', "the file looks like one JSON array"),
+    ("prompt,answer\nhow many?,3\n", "the file looks like CSV"),
+    ('{"prompt": "a"}\n{prompt: b}\n', "the file must be JSONL, one JSON object per line"),
+])
+def test_a_line_that_is_not_json_says_what_the_file_most_likely_is(tmp_path, content, hint):
+    path = tmp_path / "data.jsonl"
+    path.write_text(content)
+    with pytest.raises(UserError, match="is not valid JSON") as caught:
+        read_jsonl(path, missing="unused")
+    assert hint in str(caught.value)

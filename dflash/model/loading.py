@@ -14,7 +14,7 @@ from safetensors.torch import load_file, save_file
 from dflash import hub
 from dflash.errors import UserError, in_brief
 from dflash.model import hf_compat
-from dflash.model.config import DrafterConfig, DrafterConfigError
+from dflash.model.config import DrafterConfig, DrafterConfigError, is_dflash2
 from dflash.model.drafter import DFlashDraftModel
 
 _DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16,
@@ -251,12 +251,20 @@ def portable_tokenizer_config(config: dict) -> tuple[dict, list[str]]:
     return config, edits
 
 
+# the files a tokenizer is built from (fast, sentencepiece, BPE, WordPiece); a directory with none has no tokenizer
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json", "spiece.model", "vocab.txt", "tekken.json")
+
+
 def tokenizer_failure(directory: Path, err: BaseException) -> CheckpointError | None:
     """Why transformers could not load the tokenizer in `directory` (raising `err`), where that can be told
     better than its own message does; None otherwise.
     - A tokenizer JSON file that does not parse is damaged: transformers then falls back to other ways of building
       the tokenizer and fails with an unrelated error (4.57: "requires the protobuf library").
-    - A tokenizer saved by transformers 5 cannot be read by 4.x (`portable_tokenizer_config`)."""
+    - A tokenizer saved by transformers 5 cannot be read by 4.x (`portable_tokenizer_config`).
+    - A directory with no tokenizer file at all (transformers: "Couldn't instantiate the backend tokenizer")."""
+    if not any((directory / name).is_file() for name in TOKENIZER_FILES):
+        return CheckpointError(f"{directory} holds no tokenizer ({', '.join(TOKENIZER_FILES[:3])}, ...): copy the "
+                               "tokenizer files of the model it was saved from into it (tokenizer.save_pretrained)")
     parsed = {}
     for name in ("tokenizer.json", "tokenizer_config.json"):
         file = directory / name
@@ -353,9 +361,12 @@ def load_drafter(
     missing, unexpected = model.load_state_dict(state, strict=False)
     missing = [k for k in missing if "rotary_emb" not in k]
     if missing or unexpected:
+        dflash2 = any(k.startswith("candidate_selector.") for k in unexpected)
+        hint = ('; these are a DFlash2 drafter\'s weights: its config.json needs "architectures": '
+                '["DFlash2DraftModel"]' if dflash2 and not is_dflash2(raw.get("architectures") or []) else "")
         raise CheckpointError(
             f"{directory} does not match the DFlash drafter layout: missing {missing[:5]}, unexpected "
-            f"{unexpected[:5]}{' ...' if len(missing) + len(unexpected) > 10 else ''}"
+            f"{unexpected[:5]}{' ...' if len(missing) + len(unexpected) > 10 else ''}{hint}"
         )
     torch_dtype = parse_dtype(dtype) or parse_dtype(config.dtype) or next(iter(state.values())).dtype
     model.source = str(path_or_id)

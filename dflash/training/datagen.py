@@ -244,6 +244,9 @@ def done_ids(output: Path) -> dict[int, str | None]:
         if record is None and ours and line.startswith(RECORD_START):
             raise UserError(f"{output}:{n} is a broken record; only the last line can be half-written (by an "
                             f"interrupted run). Remove line {n} (its prompt is then generated again) and rerun")
+        if record is None and ours:
+            raise UserError(f"{output}:{n} is not a dflash datagen record, but the file's other lines are: remove "
+                            f"line {n} (written there by something else) and rerun")
         if record is None:
             raise UserError(f"{output} is not dflash datagen output (line {n} is not a record); pass another "
                             "--output (a rerun of dflash datagen appends to its own output)")

@@ -325,3 +325,30 @@ def test_a_model_the_hub_does_not_have_is_a_checkpoint_error(empty_hub):
     with pytest.raises(CheckpointError, match="^org/no-such-model is neither a local path nor a repository on the "
                                               "Hugging Face hub .*, or pass a local directory$"):
         resolve_model_dir("org/no-such-model")
+
+
+def test_a_target_without_tokenizer_files_says_so(tiny_pair, tmp_path):
+    import shutil
+
+    from dflash.model.target import TargetModel
+
+    target = tmp_path / "target"
+    shutil.copytree(tiny_pair[0], target)
+    (target / "tokenizer.json").unlink()
+    with pytest.raises(CheckpointError, match=f"{target} holds no tokenizer \\(tokenizer.json, tokenizer.model, "
+                                              "vocab.json, ...\\): copy the tokenizer files"):
+        TargetModel.from_pretrained(target)
+
+
+def test_a_dflash2_drafter_whose_config_lost_its_architecture_is_told_what_to_add(tmp_path):
+    import shutil
+
+    from dflash.api import DEFAULT_DRAFT
+
+    drafter = tmp_path / "drafter"
+    shutil.copytree(DEFAULT_DRAFT, drafter)
+    config = json.loads((drafter / "config.json").read_text())
+    del config["architectures"]
+    (drafter / "config.json").write_text(json.dumps(config))
+    with pytest.raises(CheckpointError, match=r'its config.json needs "architectures": \["DFlash2DraftModel"\]'):
+        load_drafter(drafter)

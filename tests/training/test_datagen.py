@@ -234,6 +234,15 @@ def test_a_broken_line_before_the_last_is_an_error_naming_it(answered, tmp_path)
     assert out.read_text() == lines[0][:30] + "\n" + lines[1]
 
 
+def test_a_foreign_line_among_records_is_named(answered, tmp_path):
+    out = tmp_path / "data.jsonl"
+    lines = out.read_text().splitlines(True)
+    out.write_text(lines[0] + "# a note\n" + "".join(lines[1:]))
+    with pytest.raises(UserError, match="data.jsonl:2 is not a dflash datagen record, but the file's other lines "
+                                        "are: remove line 2"):
+        done_ids(out)
+
+
 @pytest.mark.parametrize("flags, message", [
     (["--batch-size", "0"], "--batch-size is the number of prompts decoded together, >= 1; got 0"),
     (["--batch-size", "-1"], "got -1"),
