@@ -313,7 +313,7 @@ def is_draft_model(path_or_id: str | os.PathLike) -> bool:
 def check_drafter_precision(precision: Any) -> str:
     if precision not in PRECISIONS:
         raise UserError(f"drafter precision {precision!r} is not one of {', '.join(PRECISIONS)} (auto: bfloat16 "
-                        "matrix products where this CPU drafts faster so)")
+                        "matrix products where they draft faster on this CPU)")
     return precision
 
 
