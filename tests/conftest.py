@@ -58,8 +58,9 @@ def _family_fields(family: str, layers: int) -> dict:
         "falcon": dict(new_decoder_architecture=True, num_kv_heads=2),
         "bloom": {},  # ALiBi: positions come from the padding mask
         "mpt": dict(expansion_ratio=2),  # ALiBi by cache slot
+        # local layers: windows of cache slots; num_layers, as transformers 4.57 checks the types against it first
         "gpt_neo": dict(attention_types=[[["global", "local"], layers // 2]] + [[["global"], 1]] * (layers % 2),
-                        window_size=SLIDING_WINDOW),  # local layers: windows of cache slots
+                        num_layers=layers, window_size=SLIDING_WINDOW),
         "qwen3_next": {},  # linear-attention layers
         "lfm2": dict(layer_types=(["conv", "full_attention"] * layers)[:layers]),
         "llama4_text": dict(attention_chunk_size=8, intermediate_size_mlp=128, num_local_experts=2,
