@@ -8,6 +8,7 @@ checkout, or the package alone.
 from __future__ import annotations
 
 import importlib.util
+import sys
 
 from dflash.errors import UserError
 
@@ -29,8 +30,14 @@ class MissingExtraError(UserError):
 def require(modules: list[str], needed_for: str) -> None:
     """Raise MissingExtraError naming the first of `modules` that is not installed (before any work starts)."""
     for module in modules:
-        if importlib.util.find_spec(module) is None:
+        if not _installed(module):
             raise MissingExtraError(missing_message(module, needed_for))
+
+
+def _installed(module: str) -> bool:
+    if sys.modules.get(module) is not None:  # imported already (or put there, as a test does)
+        return True
+    return importlib.util.find_spec(module) is not None
 
 
 def missing_message(module: str, needed_for: str) -> str:

@@ -20,6 +20,7 @@ from typing import Callable, Iterable
 
 from dflash import hub
 from dflash.errors import UserError
+from dflash.extras import require
 from dflash.records import RecordError, messages_field, read_jsonl, text_field, texts_field
 
 BUNDLED_DIR = Path(__file__).parent / "data"
@@ -198,11 +199,8 @@ def _data_dirs(options: DataOptions) -> list[Path]:
 def load_from_hub(spec: DatasetSpec) -> list[dict]:
     """The dataset from the Hugging Face Hub, or the local `datasets` cache alone when the hub cannot be reached
     (`hub.unreachable`, asked once with a bounded wait)."""
-    try:
-        import datasets
-    except ImportError:
-        raise UserError(f"{_missing_message(spec, None)} (reading it from the hub needs `pip install datasets`)"
-                        ) from None
+    require(["datasets"], f"{_missing_message(spec, None)}; reading it from the hub")
+    import datasets
     try:
         unreachable = None if hub.offline() else hub.unreachable(spec.hub.path, repo_type="dataset")
     except hub.RepoError as err:  # the hub answered that it has no such dataset (or hides it)

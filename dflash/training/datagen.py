@@ -25,6 +25,7 @@ from typing import IO, Iterator
 
 from dflash import hub
 from dflash.errors import UserError, in_brief
+from dflash.extras import require
 from dflash.records import messages_field, read_json_object, read_jsonl, text_field, texts_field
 from dflash.training.lock import lock_or_refuse
 
@@ -198,10 +199,8 @@ def is_hub_id(name: str) -> bool:
 def _load_dataset(config: DatagenConfig, source: str, local: bool = False) -> list[dict]:
     """Rows of a hub dataset or a local dataset directory (`local`: data files, or a `save_to_disk` copy). A hub
     dataset comes from the local `datasets` cache alone when the hub cannot be reached (`hub.unreachable`)."""
-    try:
-        import datasets
-    except ImportError:
-        raise UserError("reading a dataset needs `pip install datasets`; or pass a JSONL file") from None
+    require(["datasets"], "reading a dataset instead of a JSONL file")
+    import datasets
     try:
         unreachable = None if local or hub.offline() else hub.unreachable(source, repo_type="dataset",
                                                                           instead="pass a local JSONL file")
