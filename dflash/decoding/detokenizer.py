@@ -1,10 +1,37 @@
-"""Text deltas for a stream: the pieces always add up to the final (non-streamed) text.
+"""Text of a growing output without decoding all of it again for every token.
 
-Text that may be the start of a stop string is held back until it is clear, and so is half a multi-byte
-character, so nothing sent ever has to be taken back.
+Decoding the whole output for every new token (to look for stop strings) or every step (to stream) costs time in
+proportion to its length, so a long answer pays for its length once per token. Both decode only its last tokens
+instead: `tail_text` for stop strings, `TextDeltas` for a stream. A tokenizer's decoding is local, except at the
+start of what it decodes (a leading space dropped, half a multi-byte character), so a window that reaches a few
+tokens further back than needed gives the end of the text exactly.
+
+Text deltas for a stream: the pieces always add up to the final (non-streamed) text. Text that may be the start
+of a stop string is held back until it is clear, and so is half a multi-byte character, so nothing sent ever has
+to be taken back.
 """
 
 from __future__ import annotations
+
+from typing import Sequence
+
+# What decoding a window from one of the output's tokens gets wrong is its first few characters (a dropped
+# leading space, up to three replacement characters for half a character); a window reaches this much further.
+TAIL_MARGIN_CHARS = 16
+OVERLAP_TOKENS = 8  # tokens decoded again before a stream's new ones, to find where the new text starts
+
+
+def tail_text(tokenizer, ids: Sequence[int], end: int, min_chars: int) -> tuple[str, bool]:
+    """The decoded text of the last tokens of ids[:end], at least min_chars + TAIL_MARGIN_CHARS long unless
+    it is all of them, and whether it is all of them. Its last min_chars characters are those of the whole."""
+    want = min_chars + TAIL_MARGIN_CHARS
+    count = want  # tokens; most decode to at least a character
+    while True:
+        start = max(0, end - count)
+        text = tokenizer.decode(list(ids[start:end]), skip_special_tokens=True)
+        if start == 0 or len(text) >= want:
+            return text, start == 0
+        count *= 2
 
 
 class TextDeltas:
@@ -12,12 +39,13 @@ class TextDeltas:
         self._tokenizer = tokenizer
         self._stops = [s for s in stop_strings if s]
         self._ids: list[int] = []
+        self._text = ""  # the decoded text of self._ids
         self.sent = ""
 
     def add(self, tokens: list[int]) -> str:
         """The new text that is safe to send after these tokens ('' when nothing is)."""
-        self._ids.extend(tokens)
-        text = self._tokenizer.decode(self._ids, skip_special_tokens=True)
+        self._text = self._extended_text(len(self._ids), tokens)
+        text = self._text
         safe = self._safe_length(text)
         if safe <= len(self.sent) or not text.startswith(self.sent):
             return ""
@@ -31,14 +59,31 @@ class TextDeltas:
         self.sent += piece
         return piece
 
+    def _extended_text(self, old_end: int, tokens: list[int]) -> str:
+        """The text of the output with `tokens` added: the text so far plus what the new tokens add after the last
+        few old ones. Half a character at the end of the text so far (replacement characters) is decoded again
+        with the bytes that complete it. The whole output is decoded again only at the start, or when the overlap
+        holds no whole character."""
+        self._ids.extend(tokens)
+        start = old_end - OVERLAP_TOKENS
+        if start > 0:
+            decode = self._tokenizer.decode
+            before = decode(self._ids[start:old_end], skip_special_tokens=True).rstrip("\ufffd")
+            after = decode(self._ids[start:], skip_special_tokens=True)
+            settled = before.lstrip("\ufffd")  # the window may start in half a character too
+            text = self._text.rstrip("\ufffd")
+            if settled and after.startswith(before) and text.endswith(settled):
+                return text + after[len(before):]
+        return self._tokenizer.decode(self._ids, skip_special_tokens=True)
+
     def _safe_length(self, text: str) -> int:
         hits = [i for i in (text.find(s) for s in self._stops) if i >= 0]
         if hits:
             return min(hits)
-        safe = len(text) - 1 if text.endswith("\ufffd") else len(text)
+        safe = len(text.rstrip("\ufffd"))  # half a character decodes to one replacement character per byte
         for stop in self._stops:  # a tail that could begin a stop string waits for the next tokens
             for n in range(min(len(stop) - 1, safe), 0, -1):
-                if text[:safe].endswith(stop[:n]):
+                if text.endswith(stop[:n], 0, safe):
                     safe -= n
                     break
         return safe

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from dflash.decoding.detokenizer import tail_text
+
 
 @dataclass
 class StopDecision:
@@ -19,6 +21,7 @@ class StopChecker:
             raise ValueError("stop strings need a tokenizer to decode the output")
         self.stop_token_ids = set(stop_token_ids)
         self.stop_strings = [s for s in stop_strings if s]
+        self._longest_stop = max((len(s) for s in self.stop_strings), default=0)
         self.max_new_tokens = max_new_tokens
         self.tokenizer = tokenizer
 
@@ -26,20 +29,27 @@ class StopChecker:
         """output_ids: tokens kept so far (before new_tokens). The new tokens are checked one at a time, in order,
         so that a step of several tokens stops where decoding them one at a time would: at the first token that
         is a stop token, completes a stop string, or goes past max_new_tokens."""
+        ids = output_ids + new_tokens if self.stop_strings else []
         for i, token in enumerate(new_tokens):
             if len(output_ids) + i + 1 > self.max_new_tokens:
                 return StopDecision(i, "length")
-            if token in self.stop_token_ids or self._completes_stop_string(output_ids, new_tokens[: i + 1]):
+            if token in self.stop_token_ids or self._completes_stop_string(ids, len(output_ids) + i + 1):
                 return StopDecision(i + 1, "stop")
         keep = len(new_tokens)
         if len(output_ids) + keep >= self.max_new_tokens:
             return StopDecision(keep, "length")
         return StopDecision(keep, None)
 
-    def _completes_stop_string(self, output_ids: list[int], new_tokens: list[int]) -> bool:
-        """Whether the output so far with `new_tokens` holds a stop string (the ids are joined only when there are
-        stop strings to look for: this runs for every new token of every step)."""
-        return bool(self.stop_strings) and self.find_stop(output_ids + new_tokens) is not None
+    def _completes_stop_string(self, ids: list[int], end: int) -> bool:
+        """Whether the output ids[:end] holds a stop string. This runs for every new token of every step, and the
+        output before held none, so a stop string it holds ends in its last characters: only those are decoded
+        (`tail_text`), and the whole output only to confirm a hit."""
+        if not self.stop_strings:
+            return False
+        tail, whole = tail_text(self.tokenizer, ids, end, self._longest_stop)
+        if not any(s in tail for s in self.stop_strings):
+            return False
+        return whole or self.find_stop(ids[:end]) is not None
 
     def find_stop(self, output_ids: list[int]) -> int | None:
         """Character index where the first stop string starts in the decoded output, if any."""

@@ -1,0 +1,138 @@
+"""Stop strings and stream deltas read only the end of a long output, and agree with decoding all of it."""
+
+from __future__ import annotations
+
+import random
+from pathlib import Path
+
+import pytest
+
+from dflash.decoding.detokenizer import TextDeltas, tail_text
+from dflash.decoding.stopping import StopChecker
+from tests.conftest import make_tokenizer
+
+ASSETS = Path(__file__).resolve().parents[2] / "dflash" / "assets" / "target"
+TEXT = ("Natalia sold 48 clips in April, héllo wörld, 中文字 🙂 and then half as many in May. "
+        "Weng earns $12 an hour; ça fait 0.2 × 50 = 10. ")
+
+
+def byte_fallback_tokenizer():
+    """A Llama-style tokenizer: ASCII letters as tokens, every other character as its UTF-8 bytes (so a character
+    can take several tokens), a leading space dropped when decoding."""
+    from tokenizers import Tokenizer, decoders, models, normalizers
+    from transformers import PreTrainedTokenizerFast
+
+    pieces = ["<unk>", "<s>", "</s>"] + [f"<0x{b:02X}>" for b in range(256)]
+    pieces += [chr(c) for c in range(ord("a"), ord("z") + 1)] + ["\u2581"]
+    tok = Tokenizer(models.BPE(vocab={p: i for i, p in enumerate(pieces)}, merges=[], byte_fallback=True))
+    tok.normalizer = normalizers.Sequence([normalizers.Prepend("\u2581"), normalizers.Replace(" ", "\u2581")])
+    tok.decoder = decoders.Sequence([decoders.Replace("\u2581", " "), decoders.ByteFallback(), decoders.Fuse(),
+                                     decoders.Strip(" ", 1, 0)])
+    return PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="<unk>", bos_token="<s>", eos_token="</s>")
+
+
+def embedded_tokenizer():
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(ASSETS)
+
+
+TOKENIZERS = {"byte-level (embedded)": embedded_tokenizer, "metaspace": make_tokenizer,
+              "byte fallback": byte_fallback_tokenizer}
+
+
+@pytest.fixture(params=list(TOKENIZERS), scope="module")
+def tokenizer(request):
+    return TOKENIZERS[request.param]()
+
+
+def output_ids(tokenizer, repeats: int = 3) -> list[int]:
+    """A long output with special tokens between its sentences (decoding skips them)."""
+    ids: list[int] = []
+    for _ in range(repeats):
+        ids += tokenizer(TEXT, add_special_tokens=False)["input_ids"] + [tokenizer.eos_token_id]
+    return ids
+
+
+def whole(tokenizer, ids) -> str:
+    return tokenizer.decode(ids, skip_special_tokens=True)
+
+
+def test_the_tail_ends_as_the_whole_text_does(tokenizer):
+    ids = output_ids(tokenizer)
+    for end in range(1, len(ids) + 1):
+        text = whole(tokenizer, ids[:end])
+        for min_chars in (1, 4):
+            tail, is_whole = tail_text(tokenizer, ids, end, min_chars)
+            assert tail[-min_chars:] == text[-min_chars:], (end, tail, text)
+            assert is_whole == (tail == text) or not is_whole
+
+
+def first_stop(tokenizer, ids, stops) -> int | None:
+    """How many tokens decoding one at a time keeps when it stops at a stop string: the first prefix holding one."""
+    for end in range(1, len(ids) + 1):
+        if any(s in whole(tokenizer, ids[:end]) for s in stops):
+            return end
+    return None
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_a_stop_string_stops_where_the_whole_text_first_holds_it(tokenizer, seed):
+    rng = random.Random(seed)
+    ids = output_ids(tokenizer)
+    text = whole(tokenizer, ids)
+    start = rng.randrange(len(text) // 3, len(text) - 4)  # late in the output, so the tail is short of it
+    stops = [text[start: start + rng.randint(1, 4)], "not in the text"]
+    expected = first_stop(tokenizer, ids, stops)
+    checker = StopChecker([], stops, max_new_tokens=10_000, tokenizer=tokenizer)
+    kept: list[int] = []
+    while len(kept) < len(ids):
+        step = ids[len(kept): len(kept) + rng.randint(1, 6)]  # steps of several tokens, as drafted steps give
+        decision = checker.check(kept, step)
+        kept += step[: decision.keep]
+        if decision.reason:
+            break
+    assert (len(kept), decision.reason) == (expected, "stop"), stops
+    assert checker.final_text(kept) == text[: text.find(stops[0])]
+
+
+@pytest.mark.parametrize("seed", range(3))
+def test_stream_deltas_never_take_text_back_and_add_up_to_the_whole_text(tokenizer, seed):
+    rng = random.Random(seed)
+    ids = output_ids(tokenizer)
+    final = whole(tokenizer, ids)
+    deltas = TextDeltas(tokenizer, stop_strings=["zzz"])  # never in the text, nor is a "z" that could start it
+    done = 0
+    while done < len(ids):
+        step = ids[done: done + rng.randint(1, 6)]
+        deltas.add(step)
+        done += len(step)
+        # what was sent stays; only half a character at the end (replacement characters) waits
+        assert final.startswith(deltas.sent), (deltas.sent, final)
+        assert len(deltas.sent) >= len(whole(tokenizer, ids[:done]).rstrip("\ufffd"))
+    assert deltas.sent + deltas.finish(final) == final
+
+
+class CountingTokenizer:
+    """Counts the token ids it is asked to decode."""
+
+    def __init__(self, tokenizer):
+        self.tokenizer = tokenizer
+        self.decoded = 0
+
+    def decode(self, ids, skip_special_tokens=True):
+        self.decoded += len(ids)
+        return self.tokenizer.decode(ids, skip_special_tokens=skip_special_tokens)
+
+
+def test_a_long_output_is_not_decoded_again_for_every_token():
+    """Checking 1,500 tokens one at a time used to decode ~1.1M token ids (the whole output each time)."""
+    counting = CountingTokenizer(embedded_tokenizer())
+    ids = output_ids(counting.tokenizer, repeats=30)[:1500]
+    checker = StopChecker([], ["never said"], max_new_tokens=10_000, tokenizer=counting)
+    deltas = TextDeltas(counting, stop_strings=["never said"])
+    for end in range(len(ids)):
+        assert checker.check(ids[:end], [ids[end]]).reason is None
+        deltas.add([ids[end]])
+    assert counting.decoded < 60 * len(ids)
+    assert deltas.sent + deltas.finish(whole(counting.tokenizer, ids)) == whole(counting.tokenizer, ids)
