@@ -792,11 +792,7 @@ class Trainer:
             self._warn(f"--resume: no checkpoint found in {self.checkpoint_dir}, so training starts from scratch")
             return
         state = self._read_checkpoint(checkpoints[-1])
-        self._check_resumable(state, checkpoints[-1])
-        self.drafter.load_state_dict(state["drafter"])
-        self.optimizer.load_state_dict(state["optimizer"])
-        self.scheduler.load_state_dict(state["scheduler"])
-        self._continue_with_given_settings(state["config"])
+        self._restore(state, checkpoints[-1])
         self.step = state["step"]
         self._log({"event": "resume", "step": self.step, "checkpoint": str(checkpoints[-1])})
         if self.step > self.total_steps:
@@ -826,6 +822,22 @@ class Trainer:
         raise UserError(f"checkpoint {checkpoint} is damaged or incomplete ({path.name}: {problem}); delete that "
                         "step directory to resume from the previous checkpoint, or run without --resume and with "
                         "--overwrite to start over")
+
+    def _restore(self, state: dict, checkpoint: Path) -> None:
+        """Load a checkpoint's drafter, optimizer and schedule. One that reads but does not fit together (edited by
+        hand, or written by something else) is an error that says how to go on, as a damaged one is."""
+        try:
+            self._check_resumable(state, checkpoint)
+            self.drafter.load_state_dict(state["drafter"])
+            self.optimizer.load_state_dict(state["optimizer"])
+            self.scheduler.load_state_dict(state["scheduler"])
+            self._continue_with_given_settings(state["config"])
+        except UserError:
+            raise
+        except Exception as err:  # wrong types, shapes or keys fail in any of torch's or our ways
+            raise UserError(f"checkpoint {checkpoint} does not hold a training state this version can resume "
+                            f"(training_state.pt: {in_brief(err)}); delete that step directory to resume from the "
+                            "previous checkpoint, or run without --resume and with --overwrite to start over") from None
 
     def _check_resumable(self, state: dict, checkpoint: Path) -> None:
         """Refuse a resume that would not continue the same training: another drafter shape, other examples or

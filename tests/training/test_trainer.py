@@ -12,6 +12,7 @@ import signal
 import socket
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -740,6 +741,32 @@ def test_a_damaged_checkpoint_names_itself_and_how_to_go_on(tiny_pair, train_dat
     damage(newest / "training_state.pt")
     with pytest.raises(UserError, match=re.escape(f"checkpoint {newest} is damaged or incomplete") + ".*delete that "
                                         "step directory to resume from the previous checkpoint.*--overwrite"):
+        Trainer(config(tiny_pair, train_data, out, max_steps=2, resume=True, eval_fraction=0.0)).setup()
+    shutil.rmtree(newest)  # as the message says
+    assert Trainer(config(tiny_pair, train_data, out, max_steps=2, resume=True, eval_fraction=0.0)).setup().step == 1
+
+
+def _edit_state(path: Path, edit) -> None:
+    state = torch.load(path, weights_only=False)
+    edit(state)
+    torch.save(state, path)
+
+
+@pytest.mark.parametrize("edit", [
+    lambda state: state["drafter"].popitem(),  # a weight removed
+    lambda state: state["drafter"].update({k: v[:1] for k, v in state["drafter"].items()}),  # other shapes
+    lambda state: state.update(optimizer={"state": {}}),  # no param_groups
+    lambda state: state.update(drafter_config="qwen3"),  # not a config
+    lambda state: state.update(config=None),
+])
+def test_a_checkpoint_that_reads_but_does_not_fit_names_itself_and_how_to_go_on(tiny_pair, train_data, tmp_path,
+                                                                                 edit):
+    out = tmp_path / "out"
+    Trainer(config(tiny_pair, train_data, out, max_steps=2, checkpoint_every=1, eval_fraction=0.0)).setup().train()
+    newest = out / "checkpoints" / "step-00000002"
+    _edit_state(newest / "training_state.pt", edit)
+    with pytest.raises(UserError, match=re.escape(f"checkpoint {newest} does not hold a training state this version "
+                                                  "can resume") + ".*delete that step directory.*--overwrite"):
         Trainer(config(tiny_pair, train_data, out, max_steps=2, resume=True, eval_fraction=0.0)).setup()
     shutil.rmtree(newest)  # as the message says
     assert Trainer(config(tiny_pair, train_data, out, max_steps=2, resume=True, eval_fraction=0.0)).setup().step == 1
