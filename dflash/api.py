@@ -76,6 +76,10 @@ def render_chat(tokenizer, messages: list[dict], **options) -> Any:
                               "fix its chat_template.jinja (or chat_template in tokenizer_config.json)") from None
     except TemplateError as err:  # templates refuse some conversations (roles, order) by raising
         raise TemplateRefusal(f"the model's chat template refused these messages: {err}") from None
+    except ValueError as err:  # transformers, when the template changes the final message it is to continue
+        if not options.get("continue_final_message"):
+            raise
+        raise TemplateRefusal(f"the last message cannot be continued: {err}") from None
 
 
 class DFlash:
@@ -163,11 +167,12 @@ class DFlash:
         return cls(target_model, drafter, block_size, chat_template_kwargs, drafter_precision, branch_length)
 
     # ---- prompts ------------------------------------------------------------------------------------
-    def encode(self, prompt: Prompt, raw: bool = False,
-               chat_template_kwargs: dict[str, Any] | None = None) -> list[int]:
+    def encode(self, prompt: Prompt, raw: bool = False, chat_template_kwargs: dict[str, Any] | None = None, *,
+               continue_final_message: bool = False) -> list[int]:
         """Token ids for a prompt: ids as given; chat messages and (unless raw) text via the chat template, with
         the pipeline's template variables updated by `chat_template_kwargs`. A tokenizer without a chat template
-        gets text as it is."""
+        gets text as it is. `continue_final_message`: the messages end with the start of the assistant's answer,
+        which generation continues (no new turn is opened)."""
         if isinstance(raw, (dict, GenerationConfig)):
             raise GenerationError("generation options are keywords: generate(prompt, max_new_tokens=64, ...), or "
                                   "generate(prompt, **options) for a dict of them")
@@ -184,6 +189,9 @@ class DFlash:
             if not has_template:
                 raise GenerationError("the tokenizer has no chat template; send plain text with raw=True")
             variables = {**self.chat_template_kwargs, **check_template_kwargs(chat_template_kwargs)}
+            if continue_final_message:
+                return _as_ids(render_chat(self.tokenizer, list(prompt), add_generation_prompt=False,
+                                           continue_final_message=True, **variables))
             return _as_ids(render_chat(self.tokenizer, list(prompt), add_generation_prompt=True, **variables))
         check_text(prompt)
         if has_template and not raw:

@@ -30,6 +30,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     net.add_argument("--port", type=int, default=8000)
     net.add_argument("--api-key", default=os.environ.get("DFLASH_API_KEY") or None,  # exported but empty: none
                      help="require 'Authorization: Bearer KEY' on /v1 (default: $DFLASH_API_KEY, else none)")
+    net.add_argument("--allowed-origins", type=_origins, default=(), metavar="ORIGINS",
+                     help="browser origins that may call the API, comma-separated (e.g. http://localhost:3000), "
+                     "or '*' for any (default: none, no CORS headers)")
     net.add_argument("--served-model-name", help="the model id clients send (default: the --target value)")
     net.add_argument("--max-model-len", type=int, help="context limit, prompt + max_tokens (default: the target's)")
     net.add_argument("--max-batch-size", type=int,
@@ -69,6 +72,19 @@ def _threshold(value: str) -> str | float:
         return float(value)
     except ValueError:
         raise argparse.ArgumentTypeError(f"expected a number or 'auto', got {value!r}") from None
+
+
+def _origins(value: str) -> tuple[str, ...]:
+    """'*' or origins like https://app.example.com (scheme://host[:port], as a browser sends them)."""
+    origins = tuple(o.strip().rstrip("/") for o in value.split(",") if o.strip())
+    if not origins:
+        raise argparse.ArgumentTypeError("expected origins like http://localhost:3000, comma-separated, or '*'")
+    for origin in origins:
+        scheme, sep, rest = origin.partition("://")
+        if origin != "*" and (scheme not in ("http", "https") or not sep or not rest or "/" in rest):
+            raise argparse.ArgumentTypeError(f"{origin!r} is not an origin: give scheme://host[:port], e.g. "
+                                             "http://localhost:3000, or '*' for any")
+    return origins
 
 
 def run(args: argparse.Namespace) -> int:
@@ -139,9 +155,9 @@ def _hand_off(args: argparse.Namespace) -> int:
 
 
 # this server's own flags: the engines have their own ways (or none) for what they set
-NATIVE_ONLY_FLAGS = ("device", "drafter_precision", "max_queue", "max_request_bytes", "fallback_min_acceptance",
-                     "fallback_window", "fallback_probe_after", "fallback_probe_window", "fallback_hysteresis",
-                     "adaptive_block_size")
+NATIVE_ONLY_FLAGS = ("device", "allowed_origins", "drafter_precision", "max_queue", "max_request_bytes",
+                     "fallback_min_acceptance", "fallback_window", "fallback_probe_after", "fallback_probe_window",
+                     "fallback_hysteresis", "adaptive_block_size")
 
 
 def _refuse_native_only_flags(args: argparse.Namespace) -> None:
@@ -175,6 +191,7 @@ def _serve(args: argparse.Namespace) -> int:
     config = ServeConfig(
         served_model_name=args.served_model_name or args.target or "dflash",
         api_key=args.api_key,
+        allowed_origins=args.allowed_origins,
         max_model_len=args.max_model_len,
         max_request_bytes=args.max_request_bytes or DEFAULT_MAX_REQUEST_BYTES,
         scheduler=SchedulerConfig(args.max_batch_size or DEFAULT_MAX_BATCH_SIZE, args.max_queue),

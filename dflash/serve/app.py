@@ -19,8 +19,10 @@ import time
 from collections.abc import Mapping
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
+from functools import partial
 
 from fastapi import FastAPI, Request
+from fastapi.middleware.cors import CORSMiddleware
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.concurrency import run_in_threadpool
 from starlette.exceptions import HTTPException as StarletteHTTPException
@@ -58,6 +60,7 @@ RETRY_AFTER_S = 1  # what a 429 (every batch slot and queue place taken) tells t
 class ServeConfig:
     served_model_name: str = "dflash"
     api_key: str | None = None
+    allowed_origins: tuple[str, ...] = ()  # browser origins allowed to call the API (CORS); "*" for any; none: no CORS
     max_model_len: int | None = None  # None: the target's context
     max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES  # larger bodies are answered 413 before they are parsed
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
@@ -104,16 +107,17 @@ class Server:
                 raise _too_large(limit)
         return bytes(body)
 
-    async def encode_chat(self, messages: list[dict[str, str]], template_kwargs: dict | None = None) -> list[int]:
+    async def encode_chat(self, req: ChatCompletionRequest) -> list[int]:
         """Template and tokenise on a worker thread: a long prompt takes a while, and the event loop must go on
-        answering /health and streaming other requests meanwhile. `template_kwargs` update the server's own
-        (`--enable-thinking`)."""
+        answering /health and streaming other requests meanwhile. The request's `chat_template_kwargs` update the
+        server's own (`--enable-thinking`)."""
         try:
-            check_template_kwargs(template_kwargs)
+            check_template_kwargs(req.chat_template_kwargs)
         except UserError as err:
             raise APIError(400, str(err), param="chat_template_kwargs") from None
         try:
-            return await run_in_threadpool(self.pipe.encode, messages, False, template_kwargs)
+            return await run_in_threadpool(partial(self.pipe.encode, req.chat(), False, req.chat_template_kwargs,
+                                                   continue_final_message=req.continue_final_message))
         except TemplateRefusal as err:  # templates refuse some conversations (roles, order) by raising
             raise APIError(400, str(err), param="messages") from None
 
@@ -155,9 +159,20 @@ class Server:
         max_tokens = self.token_budget(req, prompt_len, kind, default_max)
         return GenerationConfig(
             max_new_tokens=max_tokens, temperature=req.temperature, top_p=req.top_p, top_k=max(req.top_k, 0),
-            seed=req.seed, stop_token_ids=[] if req.ignore_eos else None, stop_strings=req.stop_strings,
+            seed=req.seed, stop_token_ids=self.stop_token_ids(req), stop_strings=req.stop_strings,
             branch_length=getattr(self.pipe, "branch_length", 0),
         )
+
+    def stop_token_ids(self, req: SamplingRequest) -> list[int] | None:
+        """The target's EOS ids (None) unless ignore_eos, and the request's stop_token_ids besides, as in vLLM."""
+        if not req.stop_token_ids:
+            return [] if req.ignore_eos else None
+        try:
+            check_token_ids(req.stop_token_ids, self.pipe.target.vocab_size, "stop_token_ids")
+        except UserError as err:
+            raise APIError(400, str(err), param="stop_token_ids") from None
+        eos = [] if req.ignore_eos else self.pipe.target.eos_token_ids()
+        return list(dict.fromkeys([*eos, *req.stop_token_ids]))
 
     def submit(self, req: SamplingRequest, prompt_ids: list[int], kind: str, default_max: int | None) -> Decoding:
         config = self.generation_config(req, len(prompt_ids), kind, default_max)
@@ -262,6 +277,9 @@ def create_app(pipe, config: ServeConfig | None = None) -> FastAPI:
 
     app = FastAPI(title="DFlash", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None)
     app.add_middleware(_WithoutTrailingSlash)
+    if server.config.allowed_origins:  # outermost: a browser's preflight is answered before authorization
+        app.add_middleware(CORSMiddleware, allow_origins=list(server.config.allowed_origins), allow_methods=["*"],
+                           allow_headers=["*"])
     app.state.server = server
     _add_error_handlers(app)
 
@@ -291,7 +309,7 @@ def create_app(pipe, config: ServeConfig | None = None) -> FastAPI:
         req = parse_request(await server.read_body(http), ChatCompletionRequest)
         server.check_model(req.model)
         req.check_supported()
-        prompt_ids = await server.encode_chat(req.chat(), req.chat_template_kwargs)
+        prompt_ids = await server.encode_chat(req)
         return await server.answer(http, req, prompt_ids, "chat", default_max=None)
 
     @app.post("/v1/completions")

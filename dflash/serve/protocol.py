@@ -3,8 +3,8 @@ and OpenAI-style error objects `{"error": {"message", "type", "param", "code"}}`
 
 Requests are validated strictly (a string where a number belongs is a 400, never coerced); null means the
 default, as in OpenAI's API. Unknown fields are ignored, as OpenAI clients send fields this server has no use
-for; known options it cannot honour (penalties, logit bias, tools, JSON output, n > 1, ...) are refused with a
-400 naming the field unless left at their defaults.
+for; known options it cannot honour (penalties, logit bias, tools, JSON output, n > 1, ..., and vLLM's own
+sampling and guided-decoding extensions) are refused with a 400 naming the field unless left at their defaults.
 """
 
 from __future__ import annotations
@@ -89,6 +89,10 @@ class ContentPart(_Strict):
 class ChatMessage(_Strict):
     role: str
     content: str | list[ContentPart] | None = None
+    # passed on to the chat template, which may render them (a speaker's name, an earlier turn's tool calls)
+    name: str | None = None
+    tool_calls: list[Any] | None = None
+    tool_call_id: str | None = None
 
     @field_validator("role")
     @classmethod
@@ -96,6 +100,17 @@ class ChatMessage(_Strict):
         if role not in ROLES:
             raise ValueError(f"{role!r} is not a role; use one of {', '.join(ROLES)}")
         return role
+
+    @model_validator(mode="after")
+    def _content_unless_calling_tools(self):
+        if self.content is None and self.role != "assistant":  # an assistant turn may hold tool calls only
+            raise ValueError(f"a {self.role} message needs its content (a string or a list of text parts)")
+        return self
+
+    def for_template(self) -> dict[str, Any]:
+        message = {"role": self.template_role(), "content": self.text()}
+        extras = {"name": self.name, "tool_calls": self.tool_calls, "tool_call_id": self.tool_call_id}
+        return {**message, **{k: v for k, v in extras.items() if v is not None}}
 
     def text(self) -> str:
         """The message's text; text parts are joined with newlines, as other OpenAI-compatible servers do."""
@@ -127,7 +142,7 @@ class SamplingRequest(_Strict):
     """Fields both endpoints share. `ignore_eos` is an extension (as in vLLM) for fixed-length benchmarks."""
 
     model: str | None = None
-    max_tokens: int | None = Field(default=None, ge=1)
+    max_tokens: int | None = Field(default=None, ge=0)  # 0 is refused after the options (see `check_supported`)
     temperature: float = Field(default=1.0, ge=0.0, le=2.0, allow_inf_nan=False)
     top_p: float = Field(default=1.0, gt=0.0, le=1.0, allow_inf_nan=False)
     top_k: int = Field(default=0, ge=-1)  # 0 or -1: no top-k
@@ -136,6 +151,7 @@ class SamplingRequest(_Strict):
     stream: bool = False
     stream_options: StreamOptions | None = None
     ignore_eos: bool = False
+    stop_token_ids: list[int] | None = None  # as in vLLM: stop at these ids too (besides EOS unless ignore_eos)
     user: str | None = None
     # accepted at their defaults only (see `check_supported`)
     n: int = Field(default=1, ge=1)
@@ -144,6 +160,26 @@ class SamplingRequest(_Strict):
     presence_penalty: float | None = Field(default=None, allow_inf_nan=False)
     frequency_penalty: float | None = Field(default=None, allow_inf_nan=False)
     logit_bias: dict[str, float] | None = None
+    # vLLM's sampling and output extensions; a client moving from vLLM sends them, and ignoring one would change
+    # the answer unseen (any type: the refusal names the field whatever its value)
+    repetition_penalty: Any = None
+    min_p: Any = None
+    min_tokens: Any = None
+    bad_words: Any = None
+    allowed_token_ids: Any = None
+    logits_processors: Any = None
+    use_beam_search: Any = None
+    length_penalty: Any = None
+    prompt_logprobs: Any = None
+    truncate_prompt_tokens: Any = None
+    include_stop_str_in_output: Any = None
+    skip_special_tokens: Any = None
+    spaces_between_special_tokens: Any = None
+    guided_json: Any = None
+    guided_regex: Any = None
+    guided_choice: Any = None
+    guided_grammar: Any = None
+    structured_outputs: Any = None
 
     _UNSUPPORTED: ClassVar[Refusals] = {
         "n": (lambda v: v == 1, "this server returns one choice per request; send n=1 or leave it out"),
@@ -153,14 +189,43 @@ class SamplingRequest(_Strict):
         "presence_penalty": (_unset, "this server applies no penalties; leave presence_penalty out or send 0"),
         "frequency_penalty": (_unset, "this server applies no penalties; leave frequency_penalty out or send 0"),
         "logit_bias": (_unset, "this server applies no logit bias; leave logit_bias out"),
+        "repetition_penalty": (lambda v: v in (None, 1), "this server applies no penalties; leave repetition_penalty "
+                               "out or send 1"),
+        "min_p": (_unset, "this server samples with temperature, top_p and top_k only; leave min_p out or send 0"),
+        "min_tokens": (_unset, "this server stops at EOS whenever it comes; leave min_tokens out, or send "
+                       "ignore_eos=true for a fixed length"),
+        "bad_words": (_unset, "this server bans no words; leave bad_words out"),
+        "allowed_token_ids": (_unset, "this server does not restrict the vocabulary; leave allowed_token_ids out"),
+        "logits_processors": (_unset, "this server runs no logits processors; leave logits_processors out"),
+        "use_beam_search": (_unset, "this server does not search beams; leave use_beam_search out"),
+        "length_penalty": (lambda v: v in (None, 1), "this server does not search beams; leave length_penalty out"),
+        "prompt_logprobs": (lambda v: v is None, "this server returns no log probabilities; leave prompt_logprobs "
+                            "out"),
+        "truncate_prompt_tokens": (lambda v: v is None, "this server does not cut prompts; shorten the prompt "
+                                   "yourself and leave truncate_prompt_tokens out"),
+        "include_stop_str_in_output": (_unset, "this server cuts the answer before the stop string; leave "
+                                       "include_stop_str_in_output out and add the stop string yourself"),
+        "skip_special_tokens": (lambda v: v in (None, True), "this server's text leaves special tokens out; leave "
+                                "skip_special_tokens out"),
+        "spaces_between_special_tokens": (lambda v: v in (None, True), "this server's text leaves special tokens "
+                                          "out; leave spaces_between_special_tokens out"),
+        **{name: (lambda v: v is None, f"this server does not constrain its output; leave {name} out")
+           for name in ("guided_json", "guided_regex", "guided_choice", "guided_grammar", "structured_outputs")},
     }
 
     def check_supported(self) -> None:
-        """Refuse options this server would otherwise silently ignore."""
+        """Refuse options this server would otherwise silently ignore, then a limit of no new tokens (a client
+        that scores prompts sends max_tokens=0 with echo or logprobs, which the refusals name first)."""
+        if self.stream_options is not None and not self.stream:
+            raise APIError(400, "stream_options is only allowed with stream=true (as in OpenAI's API and vLLM); leave "
+                                "it out or send stream=true", param="stream_options")
         for name, (at_default, advice) in self._UNSUPPORTED.items():
             value = getattr(self, name)
             if not at_default(value):
                 raise APIError(400, f"{name}={_show(value)} is not supported: {advice}", param=name)
+        if self.token_limit == 0:
+            raise APIError(400, f"{self.token_limit_field}: must be at least 1 (the number of new tokens to "
+                                "generate)", param=self.token_limit_field)
 
     @field_validator("stop")
     @classmethod
@@ -205,7 +270,7 @@ def _no_tool_choice(choice: Any) -> bool:
 
 class ChatCompletionRequest(SamplingRequest):
     messages: list[ChatMessage] = Field(min_length=1)
-    max_completion_tokens: int | None = Field(default=None, ge=1)  # the newer name for max_tokens
+    max_completion_tokens: int | None = Field(default=None, ge=0)  # the newer name for max_tokens
     top_logprobs: int | None = Field(default=None, ge=0)
     response_format: ResponseFormat | None = None
     tools: list[Any] | None = None
@@ -213,6 +278,11 @@ class ChatCompletionRequest(SamplingRequest):
     functions: list[Any] | None = None  # the deprecated form of tools
     function_call: str | dict[str, Any] | None = None
     chat_template_kwargs: dict[str, Any] | None = None  # template variables, as in vLLM (e.g. enable_thinking)
+    # as in vLLM: continue_final_message=true (with add_generation_prompt=false) continues the last assistant message
+    add_generation_prompt: bool = True
+    continue_final_message: bool = False
+    chat_template: Any = None
+    documents: Any = None
 
     _UNSUPPORTED: ClassVar[Refusals] = {
         **SamplingRequest._UNSUPPORTED,
@@ -224,10 +294,24 @@ class ChatCompletionRequest(SamplingRequest):
         "tool_choice": (_no_tool_choice, "this server does not call tools; leave tool_choice out"),
         "functions": (_unset, "this server does not call functions; leave functions out"),
         "function_call": (_no_tool_choice, "this server does not call functions; leave function_call out"),
+        "chat_template": (lambda v: v is None, "this server renders with the model's own chat template; leave "
+                          "chat_template out, or start the server with a model whose template you want"),
+        "documents": (_unset, "this server's chat template gets no documents; leave documents out and put "
+                      "them in a message"),
     }
 
-    def chat(self) -> list[dict[str, str]]:
-        return [{"role": m.template_role(), "content": m.text()} for m in self.messages]
+    def check_supported(self) -> None:
+        super().check_supported()
+        if self.continue_final_message and self.add_generation_prompt:
+            raise APIError(400, "continue_final_message=true continues the last message, and add_generation_prompt="
+                                "true would start a new one: send add_generation_prompt=false with it (as vLLM "
+                                "requires)", param="continue_final_message")
+        if self.continue_final_message and self.messages[-1].role != "assistant":
+            raise APIError(400, "continue_final_message=true continues the last message, which must then be the "
+                                f"assistant's (it is the {self.messages[-1].role}'s)", param="continue_final_message")
+
+    def chat(self) -> list[dict[str, Any]]:
+        return [m.for_template() for m in self.messages]
 
     @property
     def token_limit(self) -> int | None:
@@ -299,7 +383,7 @@ def _ignored_inside(data: dict) -> list[str]:
 
 
 # message fields of OpenAI's API that a chat template has no use for here: no warning for them
-MESSAGE_EXTRAS = {"name", "tool_calls", "tool_call_id", "refusal", "audio", "function_call"}
+MESSAGE_EXTRAS = {"refusal", "audio", "function_call"}
 
 
 def known_fields(model: type[_Strict]) -> set[str]:

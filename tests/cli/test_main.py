@@ -94,3 +94,14 @@ def test_sigterm_stops_a_command_as_ctrl_c_does_and_says_so(monkeypatch, capsys)
     assert stopped == [True]
     assert capsys.readouterr().err.strip() == "dflash datagen: terminated"
     assert signal.getsignal(signal.SIGTERM) is before  # put back once the command ends
+
+
+def test_python_dash_m_dflash_is_the_dflash_command():
+    import subprocess
+    import sys
+
+    done = subprocess.run([sys.executable, "-m", "dflash", "serve", "--allowed-origins", "ftp://x", "--no-draft"],
+                          capture_output=True, text=True, timeout=120)
+    assert done.returncode == 2 and done.stdout == ""
+    assert "usage: dflash serve" in done.stderr  # the command's own name, not __main__.py
+    assert "'ftp://x' is not an origin: give scheme://host[:port]" in done.stderr

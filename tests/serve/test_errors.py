@@ -43,7 +43,7 @@ def test_ignored_fields_are_answered_and_logged(server, caplog):
     with caplog.at_level("WARNING", logger="dflash.serve"):
         response = post(server, "chat/completions", json={
             "messages": [{"role": "user", "content": "hello", "nmae": "x", "name": "ok"}], "max_token": 2,
-            "max_tokens": 2, "stream_options": {"include_usage": False, "inclde": True}})
+            "max_tokens": 2, "stream": True, "stream_options": {"include_usage": False, "inclde": True}})
     assert response.status_code == 200
     assert ("request fields this server ignores: max_token, messages[0].nmae, stream_options.inclde"
             in caplog.text)  # a message's `name` is OpenAI's own field: no warning
@@ -281,3 +281,102 @@ def test_a_trailing_slash_reaches_the_same_endpoint(server):
     response = httpx.post(f"{server.url}/v1/completions/", json={"model": MODEL, "prompt": "hi", "max_tokens": 2})
     assert response.status_code == 200 and response.json()["usage"]["completion_tokens"] <= 2
     assert httpx.get(f"{server.url}/v1/models/").json()["data"][0]["id"] == MODEL
+
+
+# ---- what clients moving from vLLM send ---------------------------------------------------------------------
+VLLM_REFUSED = [
+    ("repetition_penalty", 1.3), ("min_p", 0.1), ("min_tokens", 5), ("bad_words", ["x"]),
+    ("allowed_token_ids", [1, 2]), ("use_beam_search", True), ("prompt_logprobs", 1), ("truncate_prompt_tokens", 8),
+    ("include_stop_str_in_output", True), ("skip_special_tokens", False), ("spaces_between_special_tokens", False),
+    ("guided_json", {"type": "object"}), ("guided_regex", "a+"), ("guided_choice", ["a", "b"]),
+    ("structured_outputs", {"json": {}}), ("chat_template", "{{ messages }}"), ("documents", [{"text": "x"}]),
+]
+
+
+@pytest.mark.parametrize("field,value", VLLM_REFUSED)
+def test_vllm_options_this_server_cannot_honour_are_refused_by_name(server, field, value):
+    error = assert_error(post(server, "chat/completions", json={"messages": MESSAGES, field: value}), 400, field)
+    assert "not supported" in error["message"] and f"leave {field} out" in error["message"]
+
+
+def test_vllm_options_at_their_defaults_are_accepted(server):
+    defaults = {"repetition_penalty": 1.0, "min_p": 0.0, "min_tokens": 0, "use_beam_search": False,
+                "include_stop_str_in_output": False, "skip_special_tokens": True, "guided_json": None,
+                "add_generation_prompt": True, "continue_final_message": False, "stop_token_ids": []}
+    response = post(server, "chat/completions", json={"messages": MESSAGES, "max_tokens": 2, **defaults})
+    assert response.status_code == 200, response.text
+
+
+def test_a_prompt_scoring_request_is_refused_for_what_it_asks_not_for_max_tokens_0(server):
+    """lm-eval's log-likelihood requests: max_tokens=0 with echo and logprobs; the refusal names one of those."""
+    body = {"prompt": [[5, 6, 7]], "max_tokens": 0, "echo": True, "logprobs": 1}
+    assert assert_error(post(server, "completions", json=body), 400)["param"] in ("echo", "logprobs")
+    error = assert_error(post(server, "completions", json={"prompt": "hi", "max_tokens": 0}), 400, "max_tokens")
+    assert "at least 1" in error["message"]
+    assert_error(post(server, "chat/completions", json={"messages": MESSAGES, "max_completion_tokens": 0}), 400,
+                 "max_completion_tokens")
+
+
+def test_stream_options_without_stream_is_400(server):
+    body = {"messages": MESSAGES, "max_tokens": 2, "stream_options": {"include_usage": True}}
+    error = assert_error(post(server, "chat/completions", json=body), 400, "stream_options")
+    assert "stream=true" in error["message"]
+
+
+@pytest.mark.parametrize("role", ["user", "system", "tool"])
+def test_a_message_without_content_is_400_unless_an_assistant_calls_tools(server, role):
+    assert_error(post(server, "chat/completions", json={"messages": [{"role": role, "content": None}]}), 400)
+    calls = [{"id": "c1", "type": "function", "function": {"name": "f", "arguments": "{}"}}]
+    history = [*MESSAGES, {"role": "assistant", "content": None, "tool_calls": calls},
+               {"role": "tool", "content": "42", "tool_call_id": "c1"}, {"role": "user", "content": "and?"}]
+    response = post(server, "chat/completions", json={"messages": history, "max_tokens": 2})
+    assert response.status_code == 200, response.text
+
+
+def test_continue_final_message_continues_the_assistants_answer(server):
+    tokenizer = server.pipe.tokenizer
+    messages = [*MESSAGES, {"role": "assistant", "content": "The answer is"}]
+    body = {"messages": messages, "max_tokens": 6, "temperature": 0, "ignore_eos": True,
+            "continue_final_message": True, "add_generation_prompt": False}
+    response = post(server, "chat/completions", json=body)
+    assert response.status_code == 200, response.text
+    ids = tokenizer.apply_chat_template(messages, tokenize=False, continue_final_message=True)
+    assert ids.endswith("The answer is")  # no new turn opened after the prefill
+    expected_ids = server.pipe.encode(messages, continue_final_message=True)
+    assert response.json()["usage"]["prompt_tokens"] == len(expected_ids)
+    opened = post(server, "chat/completions", json={**body, "continue_final_message": False,
+                                                    "add_generation_prompt": True})
+    assert opened.json()["usage"]["prompt_tokens"] != len(expected_ids)
+    expected = server.pipe.generate(expected_ids, max_new_tokens=6, stop_token_ids=[]).text
+    assert response.json()["choices"][0]["message"]["content"] == expected
+    both = {**body, "add_generation_prompt": True}
+    assert "add_generation_prompt=false" in assert_error(post(server, "chat/completions", json=both), 400,
+                                                         "continue_final_message")["message"]
+    after_user = {**body, "messages": MESSAGES}
+    assert_error(post(server, "chat/completions", json=after_user), 400, "continue_final_message")
+
+
+def test_stop_token_ids_stop_the_answer_at_that_token(server):
+    ids = server.pipe.encode(MESSAGES)
+    plain = server.pipe.generate(ids, max_new_tokens=12, stop_token_ids=[])
+    stop_at = plain.output_ids[4]
+    first = plain.output_ids.index(stop_at)
+    body = {"prompt": ids, "max_tokens": 12, "temperature": 0, "stop_token_ids": [stop_at], "ignore_eos": True}
+    out = post(server, "completions", json=body).json()
+    assert out["usage"]["completion_tokens"] == first + 1 and out["choices"][0]["finish_reason"] == "stop"
+    assert_error(post(server, "completions", json={**body, "stop_token_ids": [10**9]}), 400, "stop_token_ids")
+
+
+def test_cors_headers_only_for_the_allowed_origins(start_server, server):
+    preflight = {"Origin": "http://localhost:3000", "Access-Control-Request-Method": "POST",
+                 "Access-Control-Request-Headers": "authorization,content-type"}
+    assert "access-control-allow-origin" not in httpx.options(f"{server.url}/v1/chat/completions",
+                                                              headers=preflight).headers
+    open_to_one = start_server(allowed_origins=("http://localhost:3000",), api_key="k")
+    answer = httpx.options(f"{open_to_one.url}/v1/chat/completions", headers=preflight)
+    assert answer.status_code == 200 and answer.headers["access-control-allow-origin"] == "http://localhost:3000"
+    other = httpx.options(f"{open_to_one.url}/v1/chat/completions", headers={**preflight, "Origin": "http://evil"})
+    assert "access-control-allow-origin" not in other.headers
+    response = httpx.post(f"{open_to_one.url}/v1/chat/completions", headers={"Origin": "http://localhost:3000",
+                          "Authorization": "Bearer k"}, json={"messages": MESSAGES, "max_tokens": 2}, timeout=30)
+    assert response.status_code == 200 and response.headers["access-control-allow-origin"] == "http://localhost:3000"

@@ -250,6 +250,7 @@ def test_a_branch_length_with_a_hand_off_is_refused(tiny_pair, capsys):
      "--max-queue, --no-adaptive-block-size are this server's own and do"),
     (["--fallback-min-acceptance", "2", "--drafter-precision", "bfloat16"],
      "--drafter-precision, --fallback-min-acceptance are this server's own and do"),
+    (["--allowed-origins", "*"], "--allowed-origins is this server's own and does"),
 ])
 def test_flags_only_this_server_reads_are_refused_not_dropped(tiny_pair, capsys, flags, named):
     target, draft = map(str, tiny_pair)
