@@ -9,6 +9,10 @@ class UserError(ValueError):
     (a prompt or generation option the engine cannot serve)."""
 
 
+class GenerationError(UserError):
+    """A request the engine cannot serve as given; the message says what to change."""
+
+
 class DFlashWarning(UserWarning):
     """A likely mistake that does not stop the work (e.g. a drafter trained for another target: decoding stays
     lossless, only slower); the CLI prints it as one line."""

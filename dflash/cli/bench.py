@@ -170,8 +170,8 @@ def _check_numbers(args: argparse.Namespace) -> None:
                         f"got {args.temperature}")
     if not (math.isfinite(args.top_p) and 0 < args.top_p <= 1):
         raise UserError(f"--top-p must be in (0, 1] (1 = off), got {args.top_p}")
-    if args.top_k < 0:
-        raise UserError(f"--top-k must be >= 0 (0 = off), got {args.top_k}")
+    if args.top_k < -1:
+        raise UserError(f"--top-k must be >= 0 (0 or -1 = off), got {args.top_k}")
     if args.branch_length < 0:
         raise UserError(f"--branch-length must be >= 0 (0 = no branch), got {args.branch_length}")
     if args.warmup_tokens is not None and args.warmup_tokens < 0:

@@ -135,7 +135,7 @@ def _check_arguments(args: argparse.Namespace, prompt: str) -> dict:
     options = dict(max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_p=args.top_p,
                    top_k=args.top_k, seed=args.seed, stop_strings=args.stop)
     make_config(**options)
-    sampling = [flag for flag, given in (("--top-p", args.top_p != 1.0), ("--top-k", args.top_k != 0),
+    sampling = [flag for flag, given in (("--top-p", args.top_p != 1.0), ("--top-k", args.top_k not in (0, -1)),
                                          ("--seed", args.seed is not None)) if given]
     if args.temperature == 0 and sampling:
         one = len(sampling) == 1

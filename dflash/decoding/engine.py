@@ -33,7 +33,7 @@ from dflash.decoding.slots import (
 )
 from dflash.decoding.stopping import StopChecker
 from dflash.decoding.verify import greedy_verify, matching_prefix, rejection_sample, sample_target_only
-from dflash.errors import UserError
+from dflash.errors import GenerationError
 from dflash.model import hf_compat
 from dflash.model.target import TargetModel
 
@@ -41,10 +41,6 @@ AUTO = "auto"  # block_size: chosen before every step from measured step costs a
 
 # Block size "auto" times steps of up to this many rows; costs of larger batches are extrapolated from them.
 _AUTO_TIMED_ROWS = 8
-
-
-class GenerationError(UserError):
-    """A request the engine cannot serve as given; the message says what to change."""
 
 
 SEED_RANGE = (-(2**63), 2**64)  # what torch generators take; a seed beyond it would wrap onto another one

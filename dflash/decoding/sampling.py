@@ -7,12 +7,16 @@ from dataclasses import dataclass
 
 import torch
 
+from dflash.errors import GenerationError
+
 MAX_TEMPERATURE = 100.0  # far past any useful one (all but uniform there), far below float32's overflow
+MIN_TEMPERATURE = 1e-5  # a smaller one samples at this (all but greedy), so logits / T stays finite
 
 
 @dataclass(frozen=True)
 class SamplingParams:
-    """temperature 0 means greedy; top_k 0 and top_p 1 mean no truncation."""
+    """temperature 0 means greedy (one in (0, 1e-5) samples at 1e-5, all but greedy); top_k 0 (or -1, as vLLM
+    says it) and top_p 1 mean no truncation."""
 
     temperature: float = 0.0
     top_p: float = 1.0
@@ -24,8 +28,10 @@ class SamplingParams:
                              f"{MAX_TEMPERATURE:g}, got {self.temperature}")
         if not 0 < self.top_p <= 1:
             raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
+        if self.top_k == -1:
+            object.__setattr__(self, "top_k", 0)
         if self.top_k < 0:
-            raise ValueError(f"top_k must be >= 0 (0 disables it), got {self.top_k}")
+            raise ValueError(f"top_k must be >= 0 (0 or -1 disables it), got {self.top_k}")
 
     @property
     def greedy(self) -> bool:
@@ -36,9 +42,14 @@ def to_probs(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
     """logits (..., vocab) -> probabilities (..., vocab) after temperature, top-k and top-p.
 
     Target and drafter go through this same transform, which is what keeps rejection sampling lossless
-    with respect to the transformed target distribution.
+    with respect to the transformed target distribution. A +inf logit (a float16 overflow, or a model that
+    forces a token) takes all the probability, shared with any other +inf; a NaN is an error that says how to
+    load the model instead.
     """
-    logits = logits.float() / max(params.temperature, 1e-5)
+    logits = logits.float()
+    if not bool(torch.isfinite(logits).all()):
+        logits = _where_infinite(logits)
+    logits = logits / max(params.temperature, MIN_TEMPERATURE)
     if params.top_k and params.top_k < logits.shape[-1]:
         kth = torch.topk(logits, params.top_k, dim=-1).values[..., -1:]
         logits = logits.masked_fill(logits < kth, float("-inf"))
@@ -53,48 +64,88 @@ def to_probs(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
     return logits.softmax(-1)
 
 
+def _where_infinite(logits: torch.Tensor) -> torch.Tensor:
+    """Rows with a +inf: 0 there, -inf elsewhere (the +inf tokens share the probability). NaN, or a row with no
+    finite logit, is refused: no distribution is left to sample from."""
+    if bool(torch.isnan(logits).any()) or bool((logits == float("-inf")).all(-1).any()):
+        raise GenerationError("the model's logits are NaN (or -inf everywhere), so there is no distribution to "
+                              "sample from; in float16 that is usually an overflow: load the model in bfloat16 or "
+                              "float32 (--dtype, or dtype= in the Python API)")
+    forced = logits == float("inf")
+    return torch.where(forced.any(-1, keepdim=True), torch.where(forced, 0.0, float("-inf")), logits)
+
+
 def sample(probs: torch.Tensor, generator: torch.Generator | None) -> torch.Tensor:
     """probs (n, vocab) -> token ids (n,)."""
     return torch.multinomial(probs, 1, generator=generator).squeeze(-1)
 
 
 _MASK64 = (1 << 64) - 1
+_GOLDEN = 0x9E3779B97F4A7C15  # splitmix64's counter step
+_MIX = (0xBF58476D1CE4E5B9, 0x94D049BB133111EB)
 
 
 def _mix64(x: int) -> int:
     """splitmix64's finalizer: spreads neighbouring inputs over the whole 64-bit range."""
-    x = (x ^ (x >> 30)) * 0xBF58476D1CE4E5B9 & _MASK64
-    x = (x ^ (x >> 27)) * 0x94D049BB133111EB & _MASK64
+    x = (x ^ (x >> 30)) * _MIX[0] & _MASK64
+    x = (x ^ (x >> 27)) * _MIX[1] & _MASK64
     return x ^ (x >> 31)
+
+
+def _signed(x: int) -> int:
+    """A 64-bit pattern as the int64 that holds it."""
+    return x - (1 << 64) if x >= 1 << 63 else x
+
+
+def _shift_right(x: torch.Tensor, n: int) -> torch.Tensor:
+    """Logical right shift of int64 patterns (torch's >> keeps the sign)."""
+    return (x >> n) & ((1 << (64 - n)) - 1)
+
+
+def _mix64_tensor(x: torch.Tensor) -> torch.Tensor:
+    """`_mix64` on an int64 tensor, whose products wrap modulo 2**64 as the integer's do."""
+    x = (x ^ _shift_right(x, 30)) * _signed(_MIX[0])
+    x = (x ^ _shift_right(x, 27)) * _signed(_MIX[1])
+    return x ^ _shift_right(x, 31)
+
+
+def hashed_exponentials(key: int, vocab: int, device: torch.device | str = "cpu") -> torch.Tensor:
+    """(vocab,) float32 Exp(1) draws that are a function of the 64-bit key alone: splitmix64 of the counters
+    key + (x + 1) * golden, their top 24 bits a uniform in (0, 1) (float32's precision), E = -log(u). Integers
+    all the way to the logarithm, so the same on every device, and no generator's 32-bit seed between the key
+    and the noise."""
+    counters = torch.arange(1, vocab + 1, dtype=torch.int64, device=device) * _signed(_GOLDEN) + _signed(key)
+    bits = _shift_right(_mix64_tensor(counters), 40)  # (vocab,) in [0, 2**24): exact in float32
+    uniform = (bits.float() + 0.5) * 2.0 ** -24
+    return -torch.log(uniform)
 
 
 class PositionNoise:
     """Seeded sampling that does not depend on drafting: the token at sequence position t is
 
-        argmax_x  p_t(x) / E_t(x),    E_t(x) ~ Exp(1) i.i.d., drawn from a generator keyed on (seed, t)
+        argmax_x  p_t(x) / E_t(x),    E_t(x) ~ Exp(1) i.i.d., a hash of (seed, t, x)
 
     (the exponential race, i.e. Gumbel-max sampling), an exact draw from p_t. The noise belongs to the position,
     not to a step, so the tokens are a function of the seed and the target alone: the same seed gives the same
-    text at any block size, in any batch, with the drafter or without it. The drafter proposes with the same
-    noise on its own distribution, argmax_x q_t(x) / E_t(x), and verification keeps the longest prefix of
-    proposals equal to the target's tokens, as in greedy decoding. Such a proposal is accepted with probability
-    at least (1 - TV(p, q)) / (1 + TV(p, q)) (Daliri, Musco and Suresh, "Coupling without communication and
-    drafter-invariant speculative decoding", 2024), against 1 - TV(p, q) for rejection sampling, which decoding
-    without a seed keeps.
+    text at any block size, in any batch, with the drafter or without it, on any device. The drafter proposes
+    with the same noise on its own distribution, argmax_x q_t(x) / E_t(x), and verification keeps the longest
+    prefix of proposals equal to the target's tokens, as in greedy decoding. Such a proposal is accepted with
+    probability at least (1 - TV(p, q)) / (1 + TV(p, q)) (Daliri, Musco and Suresh, "Coupling without
+    communication and drafter-invariant speculative decoding", 2024), against 1 - TV(p, q) for rejection
+    sampling, which decoding without a seed keeps.
     """
 
     def __init__(self, seed: int, device: torch.device | str = "cpu"):
         self.seed = seed & _MASK64
-        self.generator = torch.Generator(device=device)
+        self.device = torch.device(device)
         self._cache: dict[int, torch.Tensor] = {}  # position -> (vocab,) noise; the drafter and target share it
 
     def exponentials(self, position: int, vocab: int) -> torch.Tensor:
         """E_position, (vocab,): the same tensor every time it is asked for."""
         noise = self._cache.get(position)
         if noise is None or noise.shape[0] != vocab:
-            self.generator.manual_seed(_mix64(self.seed ^ _mix64(position + 1)))
-            noise = torch.empty(vocab, device=self.generator.device).exponential_(generator=self.generator)
-            self._cache[position] = noise.clamp_min_(torch.finfo(noise.dtype).tiny)
+            noise = hashed_exponentials(_mix64(self.seed ^ _mix64(position + 1)), vocab, self.device)
+            self._cache[position] = noise
         return noise
 
     def choose(self, probs: torch.Tensor, first_position: int) -> torch.Tensor:

@@ -56,3 +56,41 @@ def test_top_p_keeps_at_least_the_most_likely_token(top_p):
     probs = to_probs(logits, SamplingParams(temperature=1.0, top_p=top_p))
     assert torch.isfinite(probs).all()
     assert torch.equal(probs, torch.tensor([[1.0, 0, 0, 0], [0, 1.0, 0, 0]]))
+
+
+def test_the_noise_is_splitmix64_of_the_full_64_bit_key():
+    """Every bit of the key counts: torch's CPU generator took 32 bits of its seed, so keys 2**32 apart drew the
+    same noise. The tensor arithmetic (int64 products that wrap) matches the integers'."""
+    import math
+
+    from dflash.decoding.sampling import _GOLDEN, _MASK64, _mix64, hashed_exponentials
+
+    key = _mix64(2024)
+    expected = [-math.log(((_mix64((key + (x + 1) * _GOLDEN) & _MASK64) >> 40) + 0.5) * 2**-24) for x in range(8)]
+    assert torch.allclose(hashed_exponentials(key, 8).double(), torch.tensor(expected, dtype=torch.float64),
+                          rtol=1e-6)
+    assert not torch.equal(hashed_exponentials(key, 64), hashed_exponentials((key + 2**32) & _MASK64, 64))
+    draws = hashed_exponentials(_mix64(7), 100_000).double()  # Exp(1): mean 1, variance 1
+    assert abs(draws.mean().item() - 1) < 0.02 and abs(draws.var().item() - 1) < 0.05 and draws.min() > 0
+
+
+def test_an_infinite_logit_takes_all_the_probability_and_nan_is_a_clear_error():
+    from dflash.errors import GenerationError
+
+    inf, nan = float("inf"), float("nan")
+    probs = to_probs(torch.tensor([[0.0, inf, 3.0, inf], [1.0, 2.0, -inf, 0.0]]), SamplingParams(0.7, top_k=2))
+    assert torch.equal(probs[0], torch.tensor([0.0, 0.5, 0.0, 0.5]))  # the two +inf tokens share it
+    assert torch.allclose(probs[1], to_probs(torch.tensor([[1.0, 2.0, -inf, 0.0]]), SamplingParams(0.7, top_k=2))[0])
+    assert int(PositionNoise(0).choose(to_probs(torch.tensor([[0.0, 0.0, inf]]), SamplingParams(1.0)), 0)[0]) == 2
+    for bad in ([0.0, nan, 1.0], [-inf, -inf, -inf]):
+        with pytest.raises(GenerationError, match="load the model in bfloat16 or float32"):
+            to_probs(torch.tensor([bad]), SamplingParams(1.0))
+
+
+def test_top_k_minus_one_is_no_top_k_as_in_vllm():
+    from dflash.decoding.engine import GenerationConfig
+
+    assert SamplingParams(1.0, top_k=-1) == SamplingParams(1.0, top_k=0)
+    assert GenerationConfig(temperature=1.0, top_k=-1).sampling.top_k == 0
+    with pytest.raises(ValueError, match="0 or -1 disables it"):
+        SamplingParams(1.0, top_k=-2)
