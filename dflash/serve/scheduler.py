@@ -25,6 +25,7 @@ from typing import Callable
 from dflash.decoding.block_policy import BlockSizePolicy
 from dflash.decoding.engine import Batch, Sequence, SpeculativeEngine
 from dflash.decoding.proposer import NoDraftProposer
+from dflash.errors import UserError
 from dflash.serve.fallback import AdaptiveFallback, FallbackConfig
 from dflash.serve.metrics import ServerMetrics
 
@@ -202,10 +203,10 @@ class Scheduler:
                 for decoder in list(self._running):
                     self._step(decoder)
                 self._move_rows()
-            except Exception:  # a bug, not a client's mistake: fail what is decoding, keep serving
-                log.exception("decode loop error; failing the running requests")
+            except Exception as err:  # a bug, or the model's (NaN logits), not a client's mistake: fail what is
+                log.exception("decode loop error; failing the running requests")  # decoding, keep serving
                 for decoder in list(self._running):
-                    self._fail_batch(decoder, "internal error while decoding")
+                    self._fail_batch(decoder, _failure(err, "internal error while decoding"))
 
     def _admit(self) -> list[Request] | None:
         """Waiting requests that get a row now (cancelled ones are finished here); None to stop."""
@@ -241,7 +242,7 @@ class Scheduler:
                 batch = self.engine.prefill(seq, self._proposers[decoder])
             except Exception as err:
                 log.exception("prefill failed")
-                self._finish(request, "error", f"prefill failed: {type(err).__name__}")
+                self._finish(request, "error", _failure(err, f"prefill failed: {type(err).__name__}"))
                 continue
             self.metrics.decoded.labels(decoder=decoder).inc()
             self.metrics.prompt_tokens.inc(len(seq.prompt_ids))
@@ -289,7 +290,8 @@ class Scheduler:
             except Exception as err:
                 log.exception("moving a row to %s decoding failed", decoder)
                 self._requests.pop(id(request.seq))
-                self._finish(request, "error", f"moving the row to {decoder} decoding failed: {type(err).__name__}")
+                self._finish(request, "error", _failure(err, f"moving the row to {decoder} decoding failed: "
+                                                             f"{type(err).__name__}"))
                 continue
             if request.decoder == DRAFT:
                 self.fallback.finished(request.workload)
@@ -404,3 +406,9 @@ class Scheduler:
             self._waiting.clear()
         for request in left:
             self._finish(request, "error", SHUTTING_DOWN, unavailable=True)
+
+
+def _failure(err: Exception, internal: str) -> str:
+    """What a failed request is told: a `UserError`'s own message (the model's NaN logits and how to load it),
+    else that the failure was the server's own."""
+    return str(err) if isinstance(err, UserError) else internal

@@ -188,3 +188,18 @@ def test_only_streamed_requests_get_an_event_per_step(fresh_pipe):
     assert [t for e in stream_events for t in e.tokens] == streamed.output_ids
     assert len(whole_events) == 1 and whole_events[0].done and whole_events[0].finish_reason == "length"
     assert whole.output_ids == streamed.output_ids
+
+
+def test_nan_logits_fail_the_batch_with_the_models_fix_and_the_server_goes_on(start_server, monkeypatch):
+    """A model that overflows (NaN logits) fails what is decoding with the error that says how to load it, not
+    'internal error', and the next request is served."""
+    import dflash.decoding.engine as engine_module
+    from dflash.decoding.sampling import to_probs
+
+    server = start_server()
+    body = {"model": "tiny", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 8, "temperature": 1.0}
+    monkeypatch.setattr(engine_module, "to_probs", lambda logits, params: to_probs(logits * float("nan"), params))
+    failed = httpx.post(f"{server.url}/v1/chat/completions", json=body, timeout=60)
+    assert failed.status_code == 500 and "load the model in bfloat16 or float32" in failed.json()["error"]["message"]
+    monkeypatch.undo()
+    assert httpx.post(f"{server.url}/v1/chat/completions", json=body, timeout=60).status_code == 200
