@@ -21,16 +21,19 @@ TAIL_MARGIN_CHARS = 16
 OVERLAP_TOKENS = 8  # tokens decoded again before a stream's new ones, to find where the new text starts
 
 
-def tail_text(tokenizer, ids: Sequence[int], end: int, min_chars: int) -> tuple[str, bool]:
-    """The decoded text of the last tokens of ids[:end], at least min_chars + TAIL_MARGIN_CHARS long unless
-    it is all of them, and whether it is all of them. Its last min_chars characters are those of the whole."""
+def tail_text(tokenizer, ids: Sequence[int], end: int, min_chars: int, since: int | None = None) -> tuple[str, bool]:
+    """The decoded text of the last tokens of ids[:end], and whether it is all of them. It holds the text of
+    tokens ids[since:end] (default: none) and at least min_chars + TAIL_MARGIN_CHARS characters before it, unless
+    it is all of them; all but its first TAIL_MARGIN_CHARS characters are those of the whole text."""
+    since = end if since is None else since
     want = min_chars + TAIL_MARGIN_CHARS
-    count = want  # tokens; most decode to at least a character
+    count = want // 4 + 8  # tokens before `since`; most hold several characters
     while True:
-        start = max(0, end - count)
-        text = tokenizer.decode(list(ids[start:end]), skip_special_tokens=True)
-        if start == 0 or len(text) >= want:
-            return text, start == 0
+        start = max(0, since - count)
+        if start == 0:
+            return tokenizer.decode(list(ids[:end]), skip_special_tokens=True), True
+        if len(tokenizer.decode(list(ids[start:since]), skip_special_tokens=True)) >= want:
+            return tokenizer.decode(list(ids[start:end]), skip_special_tokens=True), False
         count *= 2
 
 
@@ -38,6 +41,9 @@ class TextDeltas:
     def __init__(self, tokenizer, stop_strings: list[str]):
         self._tokenizer = tokenizer
         self._stops = [s for s in stop_strings if s]
+        # per stop string: its last character -> the lengths n (longest first) of its prefixes stop[:n] ending so,
+        # so a text's tail is compared only with the prefixes it could be
+        self._prefix_ends = [_prefix_lengths_by_last_char(stop) for stop in self._stops]
         self._ids: list[int] = []
         self._text = ""  # the decoded text of self._ids
         self.sent = ""
@@ -81,9 +87,17 @@ class TextDeltas:
         if hits:
             return min(hits)
         safe = len(text.rstrip("\ufffd"))  # half a character decodes to one replacement character per byte
-        for stop in self._stops:  # a tail that could begin a stop string waits for the next tokens
-            for n in range(min(len(stop) - 1, safe), 0, -1):
-                if text.endswith(stop[:n], 0, safe):
+        for stop, ends in zip(self._stops, self._prefix_ends):  # a tail that could begin a stop string waits
+            for n in ends.get(text[safe - 1], ()) if safe else ():
+                if n <= safe and text.endswith(stop[:n], 0, safe):
                     safe -= n
                     break
         return safe
+
+
+def _prefix_lengths_by_last_char(stop: str) -> dict[str, list[int]]:
+    """{c: [n, ...]}: the lengths n < len(stop) of stop's prefixes that end in c, longest first."""
+    ends: dict[str, list[int]] = {}
+    for n in range(len(stop) - 1, 0, -1):
+        ends.setdefault(stop[n - 1], []).append(n)
+    return ends

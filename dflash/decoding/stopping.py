@@ -30,15 +30,24 @@ class StopChecker:
         so that a step of several tokens stops where decoding them one at a time would: at the first token that
         is a stop token, completes a stop string, or goes past max_new_tokens."""
         ids = output_ids + new_tokens if self.stop_strings else []
+        strings = self._step_may_complete_a_stop_string(ids, len(output_ids))
         for i, token in enumerate(new_tokens):
             if len(output_ids) + i + 1 > self.max_new_tokens:
                 return StopDecision(i, "length")
-            if token in self.stop_token_ids or self._completes_stop_string(ids, len(output_ids) + i + 1):
+            if token in self.stop_token_ids or (strings and self._completes_stop_string(ids, len(output_ids) + i + 1)):
                 return StopDecision(i + 1, "stop")
         keep = len(new_tokens)
         if len(output_ids) + keep >= self.max_new_tokens:
             return StopDecision(keep, "length")
         return StopDecision(keep, None)
+
+    def _step_may_complete_a_stop_string(self, ids: list[int], since: int) -> bool:
+        """Whether the text of the step's new tokens ids[since:], with the characters before it that a stop string
+        could start in, holds one: one decode per step; the tokens are checked one by one only then."""
+        if not self.stop_strings:
+            return False
+        text, _ = tail_text(self.tokenizer, ids, len(ids), self._longest_stop, since=since)
+        return any(s in text for s in self.stop_strings)
 
     def _completes_stop_string(self, ids: list[int], end: int) -> bool:
         """Whether the output ids[:end] holds a stop string. This runs for every new token of every step, and the

@@ -134,5 +134,22 @@ def test_a_long_output_is_not_decoded_again_for_every_token():
     for end in range(len(ids)):
         assert checker.check(ids[:end], [ids[end]]).reason is None
         deltas.add([ids[end]])
-    assert counting.decoded < 60 * len(ids)
+    assert counting.decoded < 120 * len(ids)  # a few windows of tens of tokens each, whatever the length
     assert deltas.sent + deltas.finish(whole(counting.tokenizer, ids)) == whole(counting.tokenizer, ids)
+
+
+def test_long_stop_strings_hold_back_only_what_could_begin_one():
+    """16 stop strings of 1,000 characters (the server's limit): held-back text is found from the text's last
+    character, not by trying every prefix length of every stop string."""
+    tokenizer = embedded_tokenizer()
+    ids = output_ids(tokenizer, repeats=10)
+    stops = [("x" * 999) + str(i) for i in range(10)] + ["9" * 1000, "a" * 1000, ". " * 500, "e" * 1000,
+                                                          "5" * 1000, "0" * 1000]
+    deltas = TextDeltas(tokenizer, stops)
+    for token in ids:
+        deltas.add([token])
+    final = whole(tokenizer, ids)
+    assert deltas.sent + deltas.finish(final) == final
+    held = TextDeltas(tokenizer, ["May. Weng", "ab"])
+    sent = held.add(tokenizer("in May. We", add_special_tokens=False)["input_ids"])
+    assert sent == "in " and held.add(tokenizer("ng", add_special_tokens=False)["input_ids"]) == ""
