@@ -39,6 +39,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                      help=f"requests decoded together (default: {DEFAULT_MAX_BATCH_SIZE}; with --engine, the engine's)")
     net.add_argument("--max-queue", type=int, default=64,
                      help="requests waiting for a batch slot; more are answered 429 (default: 64)")
+    net.add_argument("--max-prefill-tokens", type=int, default=1024,
+                     help="prompt tokens prefilled between two decode steps while requests decode (at least one "
+                     "prompt), so a burst of long prompts does not hold every stream (default: 1024)")
     net.add_argument("--max-request-bytes", type=int,
                      help="larger request bodies are answered 413 (default: 4 MiB)")
     net.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
@@ -99,7 +102,8 @@ def _check_args(args: argparse.Namespace) -> None:
         raise UserError("--draft needs --target (the drafter must be paired with the target it was trained for)")
     batch = args.max_batch_size if args.max_batch_size is not None else DEFAULT_MAX_BATCH_SIZE
     for flag, value, low in (("--max-batch-size", batch, 1), ("--max-queue", args.max_queue, 0),
-                             ("--port", args.port, 0), ("--fallback-window", args.fallback_window, 1),
+                             ("--max-prefill-tokens", args.max_prefill_tokens, 1), ("--port", args.port, 0),
+                             ("--fallback-window", args.fallback_window, 1),
                              ("--fallback-probe-after", args.fallback_probe_after, 1),
                              ("--fallback-probe-window", args.fallback_probe_window, 1)):
         if value < low:
@@ -155,9 +159,9 @@ def _hand_off(args: argparse.Namespace) -> int:
 
 
 # this server's own flags: the engines have their own ways (or none) for what they set
-NATIVE_ONLY_FLAGS = ("device", "allowed_origins", "drafter_precision", "max_queue", "max_request_bytes",
-                     "fallback_min_acceptance", "fallback_window", "fallback_probe_after", "fallback_probe_window",
-                     "fallback_hysteresis", "adaptive_block_size")
+NATIVE_ONLY_FLAGS = ("device", "allowed_origins", "drafter_precision", "max_queue", "max_prefill_tokens",
+                     "max_request_bytes", "fallback_min_acceptance", "fallback_window", "fallback_probe_after",
+                     "fallback_probe_window", "fallback_hysteresis", "adaptive_block_size")
 
 
 def _refuse_native_only_flags(args: argparse.Namespace) -> None:
@@ -194,7 +198,8 @@ def _serve(args: argparse.Namespace) -> int:
         allowed_origins=args.allowed_origins,
         max_model_len=args.max_model_len,
         max_request_bytes=args.max_request_bytes or DEFAULT_MAX_REQUEST_BYTES,
-        scheduler=SchedulerConfig(args.max_batch_size or DEFAULT_MAX_BATCH_SIZE, args.max_queue),
+        scheduler=SchedulerConfig(args.max_batch_size or DEFAULT_MAX_BATCH_SIZE, args.max_queue,
+                                  args.max_prefill_tokens),
         fallback=_fallback_config(args),
         adaptive_block_size=args.adaptive_block_size,
         decode_thread=False,

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import math
 import threading
 import time
 from collections import deque
@@ -49,12 +50,17 @@ class SchedulerClosed(Exception):
 class SchedulerConfig:
     max_batch_size: int = 8  # rows decoded together
     max_queue: int = 64  # requests waiting for a row beyond those decoding
+    # prompt tokens prefilled between two decode steps while rows are decoding (at least one prompt): a burst of
+    # long prompts would otherwise hold every running stream for the time of all their prefills
+    max_prefill_tokens: int = 1024
 
     def __post_init__(self) -> None:
         if self.max_batch_size < 1:
             raise ValueError(f"max batch size must be >= 1, got {self.max_batch_size}")
         if self.max_queue < 0:
             raise ValueError(f"max queue must be >= 0, got {self.max_queue}")
+        if self.max_prefill_tokens < 1:
+            raise ValueError(f"max prefill tokens must be >= 1, got {self.max_prefill_tokens}")
 
 
 @dataclass
@@ -209,7 +215,9 @@ class Scheduler:
                     self._fail_batch(decoder, _failure(err, "internal error while decoding"))
 
     def _admit(self) -> list[Request] | None:
-        """Waiting requests that get a row now (cancelled ones are finished here); None to stop."""
+        """Waiting requests that get a row now (cancelled ones are finished here); None to stop. While rows are
+        decoding, their prompts add up to at most `max_prefill_tokens` (or are one prompt): the rest wait for the
+        next turn, after a decode step."""
         with self._cond:
             while not self._stopping and not self._running and not self._waiting:
                 # a timeout, not an endless wait: a signal the kernel hands to another thread (Ctrl-C, SIGTERM)
@@ -217,9 +225,16 @@ class Scheduler:
                 self._cond.wait(timeout=IDLE_WAKE_S)
             if self._stopping:
                 return None
-            free = self.config.max_batch_size - self._running_rows()
-            taken = []
+            decoding = self._running_rows()
+            free = self.config.max_batch_size - decoding
+            taken: list[Request] = []
+            budget = self.config.max_prefill_tokens if decoding else math.inf
             while self._waiting and len(taken) < free:
+                head = self._waiting[0]
+                cost = 0 if head.cancelled else len(head.seq.prompt_ids)
+                if taken and cost > budget:  # first come, first served: it goes first next turn
+                    break
+                budget -= cost
                 taken.append(self._waiting.popleft())
             self.metrics.waiting.set(len(self._waiting))
         admitted = []

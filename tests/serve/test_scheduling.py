@@ -203,3 +203,46 @@ def test_nan_logits_fail_the_batch_with_the_models_fix_and_the_server_goes_on(st
     assert failed.status_code == 500 and "load the model in bfloat16 or float32" in failed.json()["error"]["message"]
     monkeypatch.undo()
     assert httpx.post(f"{server.url}/v1/chat/completions", json=body, timeout=60).status_code == 200
+
+
+def test_a_burst_of_long_prompts_is_prefilled_between_decode_steps(fresh_pipe):
+    """While rows decode, each turn prefills prompts of at most max_prefill_tokens (or one prompt), then steps:
+    a burst of long prompts no longer holds a running stream for all their prefills."""
+    pipe = fresh_pipe
+    calls: list[int | None] = []  # a prompt's length per prefill, None per step
+    prefill, step = pipe.engine.prefill, pipe.engine.step
+
+    def recording_prefill(seq, proposer):
+        calls.append(len(seq.prompt_ids))
+        return prefill(seq, proposer)
+
+    def recording_step(batch, choose=None):
+        calls.append(None)
+        return step(batch, choose)
+
+    pipe.engine.prefill, pipe.engine.step = recording_prefill, recording_step
+    scheduler = Scheduler(pipe.engine, SchedulerConfig(max_batch_size=8, max_prefill_tokens=100))
+
+    async def burst():
+        config = GenerationConfig(max_new_tokens=40, stop_token_ids=[])
+        running = scheduler.submit(pipe.engine.new_sequence([5, 6, 7], config), "chat/greedy")
+        await asyncio.wait_for(running.events.get(), 30)  # prefilled: it decodes from now on
+        prompts = [[5 + i] * n for i, n in enumerate((60, 30, 60, 20, 150))]
+        burst = [scheduler.submit(pipe.engine.new_sequence(p, GenerationConfig(max_new_tokens=4)), "chat/greedy")
+                 for p in prompts]
+        for request in [running, *burst]:
+            while not (await asyncio.wait_for(request.events.get(), 60)).done:
+                pass
+
+    scheduler.start()
+    try:
+        asyncio.run(burst())
+    finally:
+        scheduler.stop()
+    turns: list[list[int]] = [[]]  # the prompts prefilled between two steps
+    for call in calls:
+        if call is None:
+            turns.append([])
+        else:
+            turns[-1].append(call)
+    assert [t for t in turns if t] == [[3], [60, 30], [60, 20], [150]]  # in order, 100 a turn or one prompt
