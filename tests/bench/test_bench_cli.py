@@ -163,7 +163,7 @@ SERVER = ["--base-url", "http://127.0.0.1:9/v1"]  # nothing listens there: every
     (["--temperature", "inf"], "--temperature must be a finite number >= 0"),
     (["--temperature", "-0.5"], "--temperature must be a finite number >= 0"),
     (["--top-p", "0"], "--top-p must be in (0, 1]"),
-    (["--top-k", "-1"], "--top-k must be >= 0"),
+    (["--top-k", "-2"], "--top-k must be >= 0 (0 or -1 = off), got -2"),
     (["--warmup-tokens", "-3"], "--warmup-tokens must be >= 0"),
     (SERVER + ["--duration", "0"], "--duration must be a finite number of seconds > 0"),
     (SERVER + ["--duration", "inf"], "--duration must be a finite number of seconds > 0"),
