@@ -80,7 +80,10 @@ def compact_cache(cache, valid: torch.Tensor) -> torch.Tensor:
 
 
 def select_cache_rows(cache, rows: torch.Tensor) -> None:
-    """Keep the rows `rows` (indices) of `cache`."""
+    """Keep the rows `rows` (indices) of `cache`: in place when its layers grow in place and the rows keep their
+    order (a finished row leaving: the rows after it move up), else by copying the kept rows out."""
+    if hf_compat.keep_cache_rows_in_place(cache, rows.tolist()):
+        return
     hf_compat.set_cache_tensors(cache, [(k[rows], v[rows]) for k, v in hf_compat.cache_tensors(cache)])
 
 

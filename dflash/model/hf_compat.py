@@ -72,6 +72,12 @@ class GrowingLayer(DynamicLayer):
     def get_seq_length(self) -> int:
         return self._keys.length
 
+    def keep_rows(self, rows: list[int]) -> None:
+        """Keep batch rows `rows` (ascending) in place (`SlotBuffer.keep_rows`)."""
+        if self._keys.view is not None:
+            self._keys.keep_rows(rows)
+            self._values.keep_rows(rows)
+
     def crop(self, length_or_removed: int) -> None:
         """transformers 5.x passes minus the number of slots to drop, 4.x the number of slots to keep."""
         keep = self._keys.length + length_or_removed if length_or_removed <= 0 else length_or_removed
@@ -351,6 +357,16 @@ def cache_tensors(cache: DynamicCache) -> list[tuple[torch.Tensor, torch.Tensor]
 def set_cache_tensors(cache: DynamicCache, tensors: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
     for layer, (k, v) in zip(cache.layers, tensors):
         layer.keys, layer.values = k, v
+
+
+def keep_cache_rows_in_place(cache: DynamicCache, rows: list[int]) -> bool:
+    """Keep batch rows `rows` of a cache whose layers all grow in place, without copying the kept rows that do
+    not move; False (nothing done) for other caches or rows out of order."""
+    if not all(isinstance(layer, GrowingLayer) for layer in cache.layers) or rows != sorted(set(rows)):
+        return False
+    for layer in cache.layers:
+        layer.keep_rows(rows)
+    return True
 
 
 # `scaled_dot_product_attention(..., enable_gqa=True)` exists from torch 2.5

@@ -55,6 +55,15 @@ class SlotBuffer:
         self._data[:, :, self.length : self.length + m] = scratch
         return self._data[:, :, : self.length + m]
 
+    def keep_rows(self, rows: list[int]) -> None:
+        """Keep batch rows `rows` (ascending) in place: each moves up over a dropped one. Only the rows after a
+        dropped one are copied, nothing is allocated, and the spare room stays for the next appends."""
+        with torch.inference_mode(self._data.is_inference()):  # a cache written under inference mode
+            for i, row in enumerate(rows):
+                if i != row:
+                    self._data[i, :, : self.length] = self._data[row, :, : self.length]
+            self._data = self._data[: len(rows)]
+
     def truncate(self, length: int) -> None:
         """Keep the first `length` slots."""
         self.length = min(self.length, max(length, 0))

@@ -45,3 +45,43 @@ def test_truncate_keeps_a_prefix_and_later_appends_follow_it():
     buffer.truncate(4)
     new = kv(slots=1, seed=3)
     assert torch.equal(buffer.append(new), torch.cat([start[:, :, :4], new], dim=2))
+
+
+def test_keeping_rows_moves_them_up_in_place_and_keeps_the_room():
+    """A finished row leaving copied every kept row out and left no room, so the next append copied them again."""
+    buffer = SlotBuffer()
+    whole = kv(b=5, slots=40)
+    buffer.append(whole)
+    storage, capacity = buffer._data.data_ptr(), buffer.capacity
+    buffer.keep_rows([0, 2, 3])
+    assert torch.equal(buffer.view, whole[[0, 2, 3]])
+    assert buffer._data.data_ptr() == storage and buffer.capacity == capacity  # nothing allocated
+    more = kv(b=3, slots=2, seed=1)
+    assert torch.equal(buffer.append(more), torch.cat([whole[[0, 2, 3]], more], dim=2))
+    assert buffer._data.data_ptr() == storage  # the room was still there
+
+
+def test_a_cache_keeps_rows_in_place_only_when_they_keep_their_order():
+    from transformers import DynamicCache
+
+    from dflash.decoding.slots import select_cache_rows
+    from dflash.model.hf_compat import GrowingLayer
+
+    def cache():
+        c = DynamicCache()
+        c.layers = [GrowingLayer(), GrowingLayer()]
+        for i, layer in enumerate(c.layers):
+            layer.update(kv(b=4, slots=9, seed=i), kv(b=4, slots=9, seed=10 + i))
+        return c
+
+    kept = cache()
+    before = [(layer.keys.clone(), layer.values.clone(), layer.keys.data_ptr()) for layer in kept.layers]
+    select_cache_rows(kept, torch.tensor([1, 3]))
+    for layer, (k, v, storage) in zip(kept.layers, before):
+        assert torch.equal(layer.keys, k[[1, 3]]) and torch.equal(layer.values, v[[1, 3]])
+        assert layer.keys.data_ptr() == storage
+    swapped = cache()
+    before = [(layer.keys.clone(), layer.values.clone()) for layer in swapped.layers]
+    select_cache_rows(swapped, torch.tensor([3, 0]))  # out of order: copied out, still right
+    for layer, (k, v) in zip(swapped.layers, before):
+        assert torch.equal(layer.keys, k[[3, 0]]) and torch.equal(layer.values, v[[3, 0]])
