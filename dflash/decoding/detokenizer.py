@@ -50,8 +50,9 @@ class TextDeltas:
 
     def add(self, tokens: list[int]) -> str:
         """The new text that is safe to send after these tokens ('' when nothing is)."""
-        self._text = self._extended_text(len(self._ids), tokens)
-        text = self._text
+        old_end = len(self._ids)
+        self._ids.extend(tokens)
+        self._text = text = self._extended_text(old_end)
         safe = self._safe_length(text)
         if safe <= len(self.sent) or not text.startswith(self.sent):
             return ""
@@ -65,12 +66,11 @@ class TextDeltas:
         self.sent += piece
         return piece
 
-    def _extended_text(self, old_end: int, tokens: list[int]) -> str:
-        """The text of the output with `tokens` added: the text so far plus what the new tokens add after the last
-        few old ones. Half a character at the end of the text so far (replacement characters) is decoded again
-        with the bytes that complete it. The whole output is decoded again only at the start, or when the overlap
-        holds no whole character."""
-        self._ids.extend(tokens)
+    def _extended_text(self, old_end: int) -> str:
+        """The text of the output now that tokens were added after `old_end`: the text so far plus what the new
+        tokens add after the last few old ones. Half a character at the end of the text so far (replacement
+        characters) is decoded again with the bytes that complete it. The whole output is decoded again only at
+        the start, or when the overlap holds no whole character."""
         start = old_end - OVERLAP_TOKENS
         if start > 0:
             decode = self._tokenizer.decode

@@ -158,19 +158,16 @@ class Server:
                           default_max: int | None) -> GenerationConfig:
         max_tokens = self.token_budget(req, prompt_len, kind, default_max)
         return GenerationConfig(
-            max_new_tokens=max_tokens, temperature=req.temperature, top_p=req.top_p, top_k=max(req.top_k, 0),
+            max_new_tokens=max_tokens, temperature=req.temperature, top_p=req.top_p, top_k=req.top_k,
             seed=req.seed, stop_token_ids=self.stop_token_ids(req), stop_strings=req.stop_strings,
             branch_length=getattr(self.pipe, "branch_length", 0),
         )
 
     def stop_token_ids(self, req: SamplingRequest) -> list[int] | None:
-        """The target's EOS ids (None) unless ignore_eos, and the request's stop_token_ids besides, as in vLLM."""
+        """The target's EOS ids (None) unless ignore_eos, and the request's stop_token_ids besides, as in vLLM
+        (`new_sequence` refuses ids outside the vocabulary)."""
         if not req.stop_token_ids:
             return [] if req.ignore_eos else None
-        try:
-            check_token_ids(req.stop_token_ids, self.pipe.target.vocab_size, "stop_token_ids")
-        except UserError as err:
-            raise APIError(400, str(err), param="stop_token_ids") from None
         eos = [] if req.ignore_eos else self.pipe.target.eos_token_ids()
         return list(dict.fromkeys([*eos, *req.stop_token_ids]))
 
