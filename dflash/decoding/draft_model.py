@@ -85,6 +85,13 @@ class DraftModelProposer:
         pass  # the rows' own tokens tell the draft cache what to read
 
     @torch.inference_mode()
+    def prefill(self, state: DraftBatch, tokens: list[int]) -> None:
+        """The draft model reads the prompt now, for this row alone: in the first draft of the batch the row
+        joins, it would be read padded to every row's width. The anchor (the prefill's token) is read then."""
+        state.rows[0].confirmed += len(tokens)
+        self._read(state, [tokens])
+
+    @torch.inference_mode()
     def propose(self, state: DraftBatch, anchors, anchor_positions, rows) -> Draft:
         """k draft tokens after each row's anchor (its last token), and their proposal distributions (k, vocab)
         for rows that sample without a seed."""

@@ -354,6 +354,7 @@ class SpeculativeEngine:
         valid = torch.ones_like(ids, dtype=torch.bool)
         if out.features is not None:
             proposer.observe(state, PendingContext(out.features, positions, valid))
+        proposer.prefill(state, tokens)
         batch = Batch(
             sequences=[seq], proposer=proposer, target_cache=cache, target_valid=valid, draft_state=state,
             anchors=torch.zeros(1, dtype=torch.long, device=device),

@@ -14,10 +14,11 @@ import torch
 import torch.nn.functional as F
 
 from dflash.decoding.sampling import sample, to_probs
-from dflash.decoding.slots import compaction_index, gather_slots, pad_and_concat
+from dflash.decoding.slots import compaction_index, gather_slots, pad_and_concat, padded_width
 from dflash.errors import UserError
 from dflash.model.dflash2 import Lattice, path_confidence, walk
 from dflash.model.drafter import DFlashDraftModel, DrafterCache
+from dflash.model.slot_buffer import capacity_for
 from dflash.model.target import TargetModel, check_compatible
 
 
@@ -66,6 +67,10 @@ class Proposer(Protocol):
     def new_state(self) -> object: ...
 
     def observe(self, state: object, context: PendingContext) -> None: ...
+
+    def prefill(self, state: object, tokens: list[int]) -> None:
+        """A new one-row state reads what its prefill gave it (`tokens`, the features observed) before the row
+        joins a batch: alone, where the batch's next draft would read it padded to every row's width."""
 
     def propose(self, state: object, anchors: torch.Tensor, anchor_positions: torch.Tensor, rows: list) -> Draft:
         """anchors (b,), anchor_positions (b,); rows: the batch's `Sequence`s (tokens, sampling params)."""
@@ -177,6 +182,9 @@ class NoDraftProposer:
     def observe(self, state, context) -> None:
         pass
 
+    def prefill(self, state, tokens) -> None:
+        pass
+
     def propose(self, state, anchors, anchor_positions, rows) -> Draft:
         return Draft(tokens=anchors.new_zeros(anchors.shape[0], 0), probs=[None] * anchors.shape[0])
 
@@ -241,6 +249,17 @@ class DFlashProposer:
         state.pending = context  # injected by the next draft; the engine drafts after every observation
 
     @torch.inference_mode()
+    def prefill(self, state: DFlashState, tokens: list[int]) -> None:
+        """Put the prompt's context into the drafter's cache now. Left pending, it would be read in the first
+        draft of the batch the row joins, padded to every row: a 1,000-token prompt joining 7 decoding rows
+        made that draft read 8,000 context slots (7,000 of them padding) and left as many holes in every row's
+        cache (`benchmarks/batch_membership.py`)."""
+        p = state.pending
+        context = self.drafter.project_context(p.features.to(self.drafter.dtype))  # (1, c, h)
+        self.drafter.read_context(context, p.positions, p.valid, state.cache)
+        state.pending = PendingContext(p.features[:, :0], p.positions[:, :0], p.valid[:, :0])  # nothing left
+
+    @torch.inference_mode()
     def propose(self, state: DFlashState, anchors, anchor_positions, rows) -> Draft:
         pending = state.pending
         state.pending = None
@@ -291,8 +310,13 @@ class DFlashProposer:
 
         merged = self.new_state()
         caches = [s.cache for s in states]
+        width = padded_width([c.valid for c in caches], 1)
+        room = capacity_for(width) - width  # spare slots: the next draft appends without copying these again
         for i in range(len(merged.cache.keys)):
-            merged.cache.set_layer(i, pad([c.keys[i] for c in caches], 2), pad([c.values[i] for c in caches], 2))
+            keys = pad_and_concat([c.keys[i] for c in caches], batch_sizes, 2, room)
+            values = pad_and_concat([c.values[i] for c in caches], batch_sizes, 2, room)
+            if keys is not None:
+                merged.cache.set_layer(i, keys, values, length=width)
         merged.cache.valid = pad([c.valid for c in caches], 1)
         merged.cache.positions = pad([c.positions for c in caches], 1)
         pendings = [s.pending for s in states]

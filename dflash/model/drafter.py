@@ -179,8 +179,9 @@ class DrafterCache:
     def values(self) -> list[torch.Tensor | None]:
         return [buffer.view for buffer in self._values]
 
-    def set_layer(self, layer: int, keys: torch.Tensor, values: torch.Tensor) -> None:
-        self._keys[layer], self._values[layer] = SlotBuffer(keys), SlotBuffer(values)
+    def set_layer(self, layer: int, keys: torch.Tensor, values: torch.Tensor, length: int | None = None) -> None:
+        """The layer's new storage, of which the first `length` slots (default: all) are filled."""
+        self._keys[layer], self._values[layer] = SlotBuffer(keys, length), SlotBuffer(values, length)
 
     @property
     def num_slots(self) -> int:
@@ -189,6 +190,11 @@ class DrafterCache:
     def add_slots(self, valid: torch.Tensor, positions: torch.Tensor) -> None:
         self.valid = valid if self.valid is None else torch.cat([self.valid, valid], dim=1)
         self.positions = positions if self.positions is None else torch.cat([self.positions, positions], dim=1)
+
+    def keep(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> None:
+        """Keep context k/v (b, kv_heads, c, d) after the layer's cached slots."""
+        self._keys[layer].append(k)
+        self._values[layer].append(v)
 
     def update(self, layer: int, k: torch.Tensor, v: torch.Tensor, block_k: torch.Tensor, block_v: torch.Tensor,
                ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -264,6 +270,20 @@ class DFlashDraftModel(nn.Module):
     def project_context(self, features: torch.Tensor) -> torch.Tensor:
         """features (b, c, len(target_layer_ids) * hidden) -> context (b, c, hidden)."""
         return self.hidden_norm(self.fc(features))
+
+    def read_context(
+        self,
+        context: torch.Tensor,  # (b, c, h): projected context (`project_context`)
+        context_positions: torch.Tensor,  # (b, c)
+        context_valid: torch.Tensor,  # (b, c) bool
+        cache: DrafterCache,
+    ) -> None:
+        """Keep the context's keys and values in `cache` without drafting a block. A layer's context keys come
+        from the context alone, so the next forward drafts as if it had been given this context itself."""
+        cache.add_slots(context_valid, context_positions)
+        cos, sin = self.rotary_emb(context, context_positions)  # (b, c, d)
+        for i, layer in enumerate(self.layers):
+            cache.keep(i, *layer.self_attn.keys_values(context, cos, sin))
 
     def forward(
         self,

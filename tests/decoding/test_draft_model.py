@@ -169,6 +169,8 @@ def test_a_batch_drafts_in_k_forwards_whatever_its_rows(target, monkeypatch):
     monkeypatch.setattr(draft, "forward", lambda ids, *a, **kw: (calls.append(ids.shape[0]), forward(ids, *a, **kw))[1])
     engine = SpeculativeEngine(target, DraftModelProposer(draft, target, 5))
     engine.generate(random_prompts(4, seed=36), GenerationConfig(max_new_tokens=6, stop_token_ids=[]))
+    prefills, calls = calls[:4], calls[4:]
+    assert prefills == [1, 1, 1, 1]  # each prompt is read alone, before its row joins the batch
     steps = [calls[i:i + 4] for i in range(0, len(calls), 4)]  # 1 catch-up + 3 draft forwards per step
     assert len(calls) == 4 * len(steps) and steps[0] == [4, 4, 4, 4]  # every forward carries the rows together
     assert all(len(set(step)) == 1 for step in steps)  # (fewer once some rows have finished)

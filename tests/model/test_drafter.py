@@ -23,6 +23,23 @@ def test_context_injected_in_pieces_through_the_cache_equals_all_at_once(target)
     assert cache.num_slots == 9  # only context is cached, never the block
 
 
+def test_context_read_ahead_into_the_cache_drafts_as_if_given_to_the_forward(target):
+    """`read_context` keeps a prompt's keys without drafting (a prefill), so a row joining a batch does not make
+    the batch's next draft read its prompt padded to every row."""
+    drafter = tiny_drafter(target, layers=2)
+    embeds, positions, features, ctx_positions = block_inputs(drafter, b=2)
+    context = drafter.project_context(features)
+    full = drafter(embeds, positions, context, ctx_positions)
+    cache = DrafterCache(2)
+    drafter.read_context(context[:, :6], ctx_positions[:, :6], torch.ones(2, 6, dtype=torch.bool), cache)
+    assert cache.num_slots == 6 and all(k.shape[2] == 6 for k in cache.keys)
+    ahead = drafter(embeds, positions, context[:, 6:], ctx_positions[:, 6:], cache=cache)
+    assert torch.allclose(full, ahead, atol=1e-5)
+    empty = DrafterCache(2)  # guards the check: without the read-ahead context the draft differs
+    assert not torch.allclose(full, drafter(embeds, positions, context[:, 6:], ctx_positions[:, 6:], cache=empty),
+                              atol=1e-3)
+
+
 def test_invalid_context_slots_are_ignored(target):
     drafter = tiny_drafter(target)
     embeds, positions, features, ctx_positions = block_inputs(drafter)
