@@ -11,6 +11,7 @@ from __future__ import annotations
 import torch
 
 from dflash.model import hf_compat
+from dflash.model.slot_buffer import capacity_for
 
 # Compact a cache once this share of its slots are holes (and it has at least this many slots).
 COMPACT_HOLE_SHARE = 0.5
@@ -27,36 +28,46 @@ def compaction_index(valid: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return index, new_valid
 
 
-def gather_slots(tensor: torch.Tensor, index: torch.Tensor, dim: int) -> torch.Tensor:
-    """Pick slots per row: tensor has batch at dim 0 and slots at `dim`; index (b, s')."""
+def gather_slots(tensor: torch.Tensor, index: torch.Tensor, dim: int, room: int = 0) -> torch.Tensor:
+    """Pick slots per row: tensor has batch at dim 0 and slots at `dim`; index (b, s'). With `room`, the result
+    has that many more slots along `dim`, after the picked ones and not written."""
     shape = [index.shape[0]] + [1] * (tensor.dim() - 1)
     shape[dim] = index.shape[1]
     expanded = index.view(shape).expand(*[s if i != dim else index.shape[1] for i, s in enumerate(tensor.shape)])
-    return torch.gather(tensor, dim, expanded)
+    if not room:
+        return torch.gather(tensor, dim, expanded)
+    out = tensor.new_empty(*[s if i != dim else index.shape[1] + room for i, s in enumerate(expanded.shape)])
+    torch.gather(tensor, dim, expanded, out=out.narrow(dim, 0, index.shape[1]))
+    return out
 
 
-def pad_and_concat(tensors: list[torch.Tensor | None], batch_sizes: list[int], dim: int) -> torch.Tensor | None:
-    """Left-pad each part with zero (= invalid) slots to the widest, then concatenate rows.
+def padded_width(tensors: list[torch.Tensor | None], dim: int) -> int:
+    return max((t.shape[dim] for t in tensors if t is not None), default=0)
+
+
+def pad_and_concat(tensors: list[torch.Tensor | None], batch_sizes: list[int], dim: int,
+                   room: int = 0) -> torch.Tensor | None:
+    """Left-pad each part with zero (= invalid) slots to the widest, then concatenate rows; written once into one
+    allocation. With `room`, the result has that many more slots along `dim`, after the others and not written.
 
     A None part stands for rows that have no slots yet.
     """
     ref = next((t for t in tensors if t is not None), None)
     if ref is None:
         return None
-    width = max(t.shape[dim] for t in tensors if t is not None)
-    parts = []
+    width = padded_width(tensors, dim)
+    shape = list(ref.shape)
+    shape[0], shape[dim] = sum(batch_sizes), width + room
+    out = ref.new_empty(shape)
+    start = 0
     for t, rows in zip(tensors, batch_sizes):
-        if t is None:
-            shape = list(ref.shape)
-            shape[0], shape[dim] = rows, 0
-            t = ref.new_zeros(shape)
-        missing = width - t.shape[dim]
-        if missing:
-            shape = list(t.shape)
-            shape[dim] = missing
-            t = torch.cat([t.new_zeros(shape), t], dim=dim)
-        parts.append(t)
-    return torch.cat(parts, dim=0)
+        part = out[start : start + rows]
+        filled = 0 if t is None else t.shape[dim]
+        part.narrow(dim, 0, width - filled).zero_()
+        if filled:
+            part.narrow(dim, width - filled, filled).copy_(t)
+        start += rows
+    return out
 
 
 # ---- a transformers KV cache in this layout (the target's, a draft model's) ------------------------------
@@ -72,10 +83,13 @@ def has_gaps(valid: torch.Tensor) -> bool:
 
 
 def compact_cache(cache, valid: torch.Tensor) -> torch.Tensor:
-    """Squeeze every row's holes out of `cache`; returns the new valid mask."""
+    """Squeeze every row's holes out of `cache` into tensors with spare room (the next step appends without
+    copying them again); returns the new valid mask."""
     index, new_valid = compaction_index(valid)
-    hf_compat.set_cache_tensors(cache, [(gather_slots(k, index, 2), gather_slots(v, index, 2))
-                                        for k, v in hf_compat.cache_tensors(cache)])
+    width = index.shape[1]
+    room = capacity_for(width) - width
+    hf_compat.set_cache_tensors(cache, [(gather_slots(k, index, 2, room), gather_slots(v, index, 2, room))
+                                        for k, v in hf_compat.cache_tensors(cache)], length=width)
     return new_valid
 
 
@@ -88,12 +102,15 @@ def select_cache_rows(cache, rows: torch.Tensor) -> None:
 
 
 def merge_caches(caches: list, batch_sizes: list[int]) -> object:
-    """The rows of all `caches` in the first non-empty one, slots left-padded to equal width; a None cache
-    stands for rows with no slots yet."""
+    """The rows of all `caches` in the first non-empty one, slots left-padded to equal width, with spare room
+    (the next step appends without copying them again); a None cache stands for rows with no slots yet."""
     layers = [None if c is None else hf_compat.cache_tensors(c) for c in caches]
     first = next(i for i, kv in enumerate(layers) if kv is not None)
+    width = padded_width([kv[0][0] for kv in layers if kv is not None], 2)
+    room = capacity_for(width) - width
     hf_compat.set_cache_tensors(caches[first], [
-        tuple(pad_and_concat([None if kv is None else kv[i][j] for kv in layers], batch_sizes, 2) for j in (0, 1))
+        tuple(pad_and_concat([None if kv is None else kv[i][j] for kv in layers], batch_sizes, 2, room)
+              for j in (0, 1))
         for i in range(len(layers[first]))
-    ])
+    ], length=width)
     return caches[first]

@@ -72,6 +72,10 @@ class GrowingLayer(DynamicLayer):
     def get_seq_length(self) -> int:
         return self._keys.length
 
+    def hold(self, keys: torch.Tensor, values: torch.Tensor, length: int) -> None:
+        """Take (b, kv_heads, capacity, d) tensors whose first `length` slots are filled as the storage."""
+        self._keys, self._values = SlotBuffer(keys, length), SlotBuffer(values, length)
+
     def keep_rows(self, rows: list[int]) -> None:
         """Keep batch rows `rows` (ascending) in place (`SlotBuffer.keep_rows`)."""
         if self._keys.view is not None:
@@ -354,9 +358,17 @@ def cache_tensors(cache: DynamicCache) -> list[tuple[torch.Tensor, torch.Tensor]
     return [(layer.keys, layer.values) for layer in cache.layers]
 
 
-def set_cache_tensors(cache: DynamicCache, tensors: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
+def set_cache_tensors(cache: DynamicCache, tensors: list[tuple[torch.Tensor, torch.Tensor]],
+                      length: int | None = None) -> None:
+    """Per layer (keys, values) as the cache's new storage. With `length`, only their first `length` slots are
+    filled: a layer that grows in place keeps the rest as spare room (`slot_buffer.capacity_for`)."""
     for layer, (k, v) in zip(cache.layers, tensors):
-        layer.keys, layer.values = k, v
+        if length is None:
+            layer.keys, layer.values = k, v
+        elif isinstance(layer, GrowingLayer):
+            layer.hold(k, v, length)
+        else:
+            layer.keys, layer.values = k[:, :, :length], v[:, :, :length]
 
 
 def keep_cache_rows_in_place(cache: DynamicCache, rows: list[int]) -> bool:

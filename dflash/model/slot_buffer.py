@@ -15,10 +15,17 @@ SLOT_DIM = 2  # tensors are (batch, heads, slots, head_dim)
 _MIN_RESERVE = 64  # slots reserved beyond the need when the buffer grows
 
 
+def capacity_for(slots: int) -> int:
+    """The slots to allocate for `slots` filled ones: an eighth more, at least `_MIN_RESERVE` more."""
+    return slots + max(slots // 8, _MIN_RESERVE)
+
+
 class SlotBuffer:
-    def __init__(self, tensor: torch.Tensor | None = None):
-        self._data = tensor  # (b, heads, capacity, d); slots [0, length) are filled
-        self.length = 0 if tensor is None else tensor.shape[SLOT_DIM]
+    def __init__(self, tensor: torch.Tensor | None = None, length: int | None = None):
+        """Hold `tensor` (b, heads, capacity, d), of which the first `length` slots (default: all) are filled
+        and the rest are spare room (an allocation made with `capacity_for`, by a merge or a compaction)."""
+        self._data = tensor
+        self.length = 0 if tensor is None else tensor.shape[SLOT_DIM] if length is None else length
 
     @property
     def capacity(self) -> int:
@@ -33,9 +40,8 @@ class SlotBuffer:
         """Make the allocation hold `slots` slots shaped like `new`, keeping the filled ones."""
         if self._data is not None and slots <= self.capacity:
             return
-        capacity = slots + max(slots // 8, _MIN_RESERVE)
         b, heads, _, d = new.shape
-        data = new.new_empty(b, heads, capacity, d)
+        data = new.new_empty(b, heads, capacity_for(slots), d)
         if self.length:
             data[:, :, : self.length] = self._data[:, :, : self.length]
         self._data = data

@@ -108,6 +108,36 @@ def test_joining_a_running_batch_is_lossless(target):
     assert [s.output_ids for s in seqs] == expected
 
 
+def kv_storage(batch) -> list[int]:
+    """Where every KV buffer of the batch's target and drafter caches lives."""
+    buffers = [b for layer in batch.target_cache.layers for b in (layer._keys, layer._values)]
+    buffers += batch.draft_state.cache._keys + batch.draft_state.cache._values
+    return [b._data.data_ptr() for b in buffers]
+
+
+def test_a_joining_row_brings_its_prompt_read_and_the_merged_caches_keep_room(target):
+    """A row joining a batch has its prompt in the drafter's cache already, so the batch's next draft reads only
+    the step's new context (before, it read the prompt padded to every row, and kept those holes); and the
+    merged caches have spare room, so that step writes into them instead of copying them again."""
+    engine = SpeculativeEngine(target, DFlashProposer(tiny_drafter(target, block_size=8), target))
+    config = GenerationConfig(max_new_tokens=24, stop_token_ids=[])
+    short, long = random_prompts(2, seed=13, low=5, high=8)
+    long = (long * 10)[:60]
+    seqs = [engine.new_sequence(short, config), engine.new_sequence(long, config)]
+    batch = engine.prefill(seqs[0])
+    for _ in range(2):
+        engine.step(batch)
+    joining = engine.prefill(seqs[1])
+    assert joining.draft_state.cache.num_slots == len(long) and joining.draft_state.pending.features.shape[1] == 0
+    batch = engine.merge([batch, joining])
+    slots, storage = batch.draft_state.cache.num_slots, kv_storage(batch)
+    engine.step(batch)
+    assert batch.draft_state.cache.num_slots <= slots + 8  # the step's accepted tokens at most, not the prompt
+    assert kv_storage(batch) == storage  # nothing was reallocated
+    decode_to_the_end(engine, batch)
+    assert [s.output_ids for s in seqs] == [engine.generate([p], config)[0].output_ids for p in (short, long)]
+
+
 def test_moving_rows_between_plain_and_drafted_decoding_is_lossless(target):
     """What the server's fallback does: rows leave their batch and rejoin one of the other proposer."""
     engine, seqs, expected = oracle_decoding(target, prompt_seed=4, correct=lambda rng: rng.randint(2, 7), seed=2)
