@@ -133,8 +133,8 @@ def test_generate_cli_with_a_draft_model(draft_model_pair, capsys):
 
 
 def test_rows_joining_leaving_and_compacted_mid_decode_stay_lossless(target, monkeypatch):
-    """Continuous batching with a draft model: rows join a running batch with an empty draft cache, leave when
-    they finish, and the shared draft cache is compacted often (hidden slots of padding and rejected drafts)."""
+    """Continuous batching with a draft model: rows join a running batch with their prompt read (the draft model
+    reads it at the prefill), leave when they finish, and the shared draft cache is compacted often (hidden slots of padding and rejected drafts)."""
     import dflash.decoding.slots as slots
 
     monkeypatch.setattr(slots, "COMPACT_MIN_SLOTS", 4)
@@ -151,7 +151,7 @@ def test_rows_joining_leaving_and_compacted_mid_decode_stay_lossless(target, mon
     batch = engine.merge([engine.prefill(seqs[0]), engine.prefill(seqs[1])])
     for _ in range(3):
         engine.step(batch)
-    batch = engine.merge([batch, engine.prefill(seqs[2])])  # joins with an empty draft cache
+    batch = engine.merge([batch, engine.prefill(seqs[2])])  # joins with its prompt read
     while batch is not None:
         engine.step(batch)
         batch = engine.drop_finished(batch)  # the short row leaves first
