@@ -21,7 +21,7 @@ import torch
 
 from dflash.config_types import type_mismatch
 from dflash.decoding.branch import Branch, accept_branch, block_visibility, most_likely_first_miss
-from dflash.decoding.proposer import Draft, NoDraftProposer, PendingContext, Proposer
+from dflash.decoding.proposer import Draft, NoDraftProposer, PendingContext, Proposer, check_proposer
 from dflash.decoding.sampling import PositionNoise, SamplingParams, to_probs
 from dflash.decoding.slots import (
     compact_cache,
@@ -228,6 +228,7 @@ class SpeculativeEngine:
         target.check_decodable()
         self.target = target
         self.proposer = proposer or NoDraftProposer()
+        check_proposer(self.proposer)
         self.tokenizer = tokenizer if tokenizer is not None else target.tokenizer
         self.profile = StepProfile()
         self._block_policy = None  # BlockSizePolicy for block_size "auto", timed on first use

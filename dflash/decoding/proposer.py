@@ -84,6 +84,17 @@ class Proposer(Protocol):
     def merge(self, states: list[object], batch_sizes: list[int]) -> object: ...
 
 
+def check_proposer(proposer: object) -> None:
+    """Refuse a proposer that lacks part of the `Proposer` interface, naming what it lacks, before it is used."""
+    members = [name for name in Proposer.__annotations__] + [
+        name for name, value in vars(Proposer).items() if callable(value) and not name.startswith("_")]
+    missing = [name for name in members if not hasattr(proposer, name)]
+    if missing:
+        raise UserError(f"{type(proposer).__name__} is not a complete proposer: it lacks {', '.join(missing)}; "
+                        "implement every member of dflash.decoding.proposer.Proposer (or subclass DFlashProposer "
+                        "or NoDraftProposer and override what differs)")
+
+
 def draft_per_position(logits: torch.Tensor, rows: list) -> Draft:
     """DFlash: each position's token on its own, from logits (b, k, vocab): the argmax (greedy rows), the row's
     noise on the drafter's distribution (seeded rows), or a draw from it (the rest, whose probs are kept)."""

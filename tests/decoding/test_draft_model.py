@@ -134,7 +134,8 @@ def test_generate_cli_with_a_draft_model(draft_model_pair, capsys):
 
 def test_rows_joining_leaving_and_compacted_mid_decode_stay_lossless(target, monkeypatch):
     """Continuous batching with a draft model: rows join a running batch with their prompt read (the draft model
-    reads it at the prefill), leave when they finish, and the shared draft cache is compacted often (hidden slots of padding and rejected drafts)."""
+    reads it at the prefill), leave when they finish, and the shared draft cache is compacted often (hidden slots
+    of padding and rejected drafts)."""
     import dflash.decoding.slots as slots
 
     monkeypatch.setattr(slots, "COMPACT_MIN_SLOTS", 4)

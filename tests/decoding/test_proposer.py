@@ -65,3 +65,24 @@ def test_a_greedy_draft_says_how_sure_the_drafter_is_of_each_token_and_cuts_to_a
     cut = draft.first(3)
     assert torch.equal(cut.tokens, draft.tokens[:, :3]) and torch.equal(cut.confidence, draft.confidence[:, :3])
     assert cut.probs == [None]
+
+
+def test_an_incomplete_proposer_is_refused_naming_what_it_lacks():
+    """A proposer written against an older interface failed deep in a prefill (AttributeError); now the engine
+    names the missing members when it is built."""
+    import pytest
+
+    from dflash.decoding.proposer import NoDraftProposer
+    from dflash.errors import UserError
+
+    target = TargetModel(tiny_target_model("qwen3"))
+    SpeculativeEngine(target, NoDraftProposer())  # complete: accepted
+
+    class Partial:
+        kind, block_size, drafts_in_one_forward, feature_layer_ids = "mine", 2, False, []
+
+        def new_state(self):
+            return None
+
+    with pytest.raises(UserError, match=r"Partial is not a complete proposer: it lacks observe, prefill, propose"):
+        SpeculativeEngine(target, Partial())
