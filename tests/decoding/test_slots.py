@@ -69,3 +69,23 @@ def test_merged_and_compacted_caches_keep_spare_room_for_the_next_step():
     assert torch.equal(compact_cache(merged, valid), new_valid)
     assert all(torch.equal(layer.keys, keys) for layer, keys in zip(merged.layers, squeezed))
     assert appends_in_place(merged)
+
+
+def test_a_cache_of_transformers_own_layers_is_merged_to_the_exact_width():
+    """Layers that cannot keep spare room (transformers' own) get the merged slots without it."""
+    from transformers import DynamicCache
+
+    torch.manual_seed(2)
+    caches, parts = [], []
+    for rows, slots in ((2, 6), (1, 4)):
+        cache = DynamicCache()
+        k, v = torch.randn(rows, 2, slots, 4), torch.randn(rows, 2, slots, 4)
+        cache.update(k, v, 0)
+        caches.append(cache)
+        parts.append((k, v))
+    merged = merge_caches(caches, [2, 1])
+    keys, values = merged.layers[0].keys, merged.layers[0].values
+    assert not isinstance(merged.layers[0], GrowingLayer)
+    assert keys.shape == (3, 2, 6, 4) and merged.get_seq_length() == 6
+    assert torch.equal(keys, pad_and_concat([parts[0][0], parts[1][0]], [2, 1], 2))
+    assert torch.equal(values, pad_and_concat([parts[0][1], parts[1][1]], [2, 1], 2))
