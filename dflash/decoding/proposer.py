@@ -14,11 +14,11 @@ import torch
 import torch.nn.functional as F
 
 from dflash.decoding.sampling import sample, to_probs
-from dflash.decoding.slots import compaction_index, gather_slots, pad_and_concat, padded_width
+from dflash.decoding.slots import compaction_index, pad_and_concat, padded_width
 from dflash.errors import UserError
 from dflash.model.dflash2 import Lattice, path_confidence, walk
 from dflash.model.drafter import DFlashDraftModel, DrafterCache
-from dflash.model.slot_buffer import capacity_for
+from dflash.model.slot_buffer import spare_room
 from dflash.model.target import TargetModel, check_compatible
 
 
@@ -301,7 +301,7 @@ class DFlashProposer:
         return F.linear(hidden.to(head.dtype), head).float()
 
     def select_rows(self, state: DFlashState, rows: torch.Tensor) -> None:
-        state.cache.map_slots(lambda t, dim: t[rows])
+        state.cache.select_rows(rows.tolist())
         if state.pending is not None:
             p = state.pending
             state.pending = PendingContext(p.features[rows], p.positions[rows], p.valid[rows])
@@ -310,9 +310,7 @@ class DFlashProposer:
         """Squeeze the slots of rejected tokens out of the drafter's context cache."""
         if state.cache.valid is None or bool(state.cache.valid.all()):
             return
-        index, new_valid = compaction_index(state.cache.valid)
-        state.cache.map_slots(lambda t, dim: gather_slots(t, index, dim))
-        state.cache.valid = new_valid
+        state.cache.compact(*compaction_index(state.cache.valid))
 
     def merge(self, states: list[DFlashState], batch_sizes: list[int]) -> DFlashState:
         """One state holding the rows of all `states`, slot layouts left-padded to equal width."""
@@ -322,7 +320,7 @@ class DFlashProposer:
         merged = self.new_state()
         caches = [s.cache for s in states]
         width = padded_width([c.valid for c in caches], 1)
-        room = capacity_for(width) - width  # spare slots: the next draft appends without copying these again
+        room = spare_room(width)  # the next draft appends without copying these again
         for i in range(len(merged.cache.keys)):
             keys = pad_and_concat([c.keys[i] for c in caches], batch_sizes, 2, room)
             values = pad_and_concat([c.values[i] for c in caches], batch_sizes, 2, room)

@@ -11,7 +11,7 @@ from __future__ import annotations
 import torch
 
 from dflash.model import hf_compat
-from dflash.model.slot_buffer import capacity_for
+from dflash.model.slot_buffer import gather_slots, spare_room
 
 # Compact a cache once this share of its slots are holes (and it has at least this many slots).
 COMPACT_HOLE_SHARE = 0.5
@@ -26,19 +26,6 @@ def compaction_index(valid: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     index = order[:, valid.shape[1] - width:]
     new_valid = torch.arange(width, device=valid.device)[None, :] >= (width - counts)[:, None]
     return index, new_valid
-
-
-def gather_slots(tensor: torch.Tensor, index: torch.Tensor, dim: int, room: int = 0) -> torch.Tensor:
-    """Pick slots per row: tensor has batch at dim 0 and slots at `dim`; index (b, s'). With `room`, the result
-    has that many more slots along `dim`, after the picked ones and not written."""
-    shape = [index.shape[0]] + [1] * (tensor.dim() - 1)
-    shape[dim] = index.shape[1]
-    expanded = index.view(shape).expand(*[s if i != dim else index.shape[1] for i, s in enumerate(tensor.shape)])
-    if not room:
-        return torch.gather(tensor, dim, expanded)
-    out = tensor.new_empty(*[s if i != dim else index.shape[1] + room for i, s in enumerate(expanded.shape)])
-    torch.gather(tensor, dim, expanded, out=out.narrow(dim, 0, index.shape[1]))
-    return out
 
 
 def padded_width(tensors: list[torch.Tensor | None], dim: int) -> int:
@@ -87,7 +74,7 @@ def compact_cache(cache, valid: torch.Tensor) -> torch.Tensor:
     copying them again); returns the new valid mask."""
     index, new_valid = compaction_index(valid)
     width = index.shape[1]
-    room = capacity_for(width) - width
+    room = spare_room(width)
     hf_compat.set_cache_tensors(cache, [(gather_slots(k, index, 2, room), gather_slots(v, index, 2, room))
                                         for k, v in hf_compat.cache_tensors(cache)], length=width)
     return new_valid
@@ -107,7 +94,7 @@ def merge_caches(caches: list, batch_sizes: list[int]) -> object:
     layers = [None if c is None else hf_compat.cache_tensors(c) for c in caches]
     first = next(i for i, kv in enumerate(layers) if kv is not None)
     width = padded_width([kv[0][0] for kv in layers if kv is not None], 2)
-    room = capacity_for(width) - width
+    room = spare_room(width)
     hf_compat.set_cache_tensors(caches[first], [
         tuple(pad_and_concat([None if kv is None else kv[i][j] for kv in layers], batch_sizes, 2, room)
               for j in (0, 1))

@@ -20,7 +20,7 @@ from dflash.model import hf_compat
 from dflash.model.config import DrafterConfig
 from dflash.model.cpu_precision import CastingLinear
 from dflash.model.dflash2 import CandidateSelector, GroupedDynamicConv, block_conv
-from dflash.model.slot_buffer import SlotBuffer
+from dflash.model.slot_buffer import SlotBuffer, gather_slots, spare_room
 
 
 class RMSNorm(nn.Module):
@@ -201,14 +201,30 @@ class DrafterCache:
         """Keep the new context's k/v (b, kv_heads, c, d); returns [every context slot ; the block's k/v]."""
         return self._keys[layer].append(k, scratch=block_k), self._values[layer].append(v, scratch=block_v)
 
-    def map_slots(self, fn) -> None:
-        """Apply `fn(tensor, slot_dim)` to every slot-indexed tensor (used to select rows, compact or merge)."""
+    def select_rows(self, rows: list[int]) -> None:
+        """Keep batch rows `rows`: in place when they keep their order (a finished row leaving), as the target's
+        cache does (`SlotBuffer.keep_rows`), else by copying them out."""
+        in_place = rows == sorted(set(rows))
+        for buffers in (self._keys, self._values):
+            for i, buffer in enumerate(buffers):
+                if buffer.view is None:
+                    continue
+                if in_place:
+                    buffer.keep_rows(rows)
+                else:
+                    buffers[i] = SlotBuffer(buffer.view[rows])
+        if self.valid is not None:
+            self.valid, self.positions = self.valid[rows], self.positions[rows]
+
+    def compact(self, index: torch.Tensor, new_valid: torch.Tensor) -> None:
+        """Keep each row's slots `index` (b, s') in order (`slots.compaction_index`), into buffers with spare room
+        (the next draft appends without copying them again)."""
+        width = index.shape[1]
+        room = spare_room(width)
         for layer, (k, v) in enumerate(zip(self.keys, self.values)):
             if k is not None:
-                self.set_layer(layer, fn(k, 2), fn(v, 2))
-        if self.valid is not None:
-            self.valid = fn(self.valid, 1)
-            self.positions = fn(self.positions, 1)
+                self.set_layer(layer, gather_slots(k, index, 2, room), gather_slots(v, index, 2, room), length=width)
+        self.valid, self.positions = new_valid, self.positions.gather(1, index)
 
 
 def init_weights(module: nn.Module, std: float = 0.02) -> None:

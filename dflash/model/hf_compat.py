@@ -361,7 +361,7 @@ def cache_tensors(cache: DynamicCache) -> list[tuple[torch.Tensor, torch.Tensor]
 def set_cache_tensors(cache: DynamicCache, tensors: list[tuple[torch.Tensor, torch.Tensor]],
                       length: int | None = None) -> None:
     """Per layer (keys, values) as the cache's new storage. With `length`, only their first `length` slots are
-    filled: a layer that grows in place keeps the rest as spare room (`slot_buffer.capacity_for`)."""
+    filled: a layer that grows in place keeps the rest as spare room (`slot_buffer.spare_room`)."""
     for layer, (k, v) in zip(cache.layers, tensors):
         if length is None:
             layer.keys, layer.values = k, v

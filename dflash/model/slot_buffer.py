@@ -15,15 +15,28 @@ SLOT_DIM = 2  # tensors are (batch, heads, slots, head_dim)
 _MIN_RESERVE = 64  # slots reserved beyond the need when the buffer grows
 
 
-def capacity_for(slots: int) -> int:
-    """The slots to allocate for `slots` filled ones: an eighth more, at least `_MIN_RESERVE` more."""
-    return slots + max(slots // 8, _MIN_RESERVE)
+def spare_room(slots: int) -> int:
+    """The unwritten slots to allocate past `slots` filled ones: an eighth more, at least `_MIN_RESERVE`."""
+    return max(slots // 8, _MIN_RESERVE)
+
+
+def gather_slots(tensor: torch.Tensor, index: torch.Tensor, dim: int, room: int = 0) -> torch.Tensor:
+    """Pick slots per row: tensor has batch at dim 0 and slots at `dim`; index (b, s'). With `room`, the result
+    has that many more slots along `dim`, after the picked ones and not written."""
+    shape = [index.shape[0]] + [1] * (tensor.dim() - 1)
+    shape[dim] = index.shape[1]
+    expanded = index.view(shape).expand(*[s if i != dim else index.shape[1] for i, s in enumerate(tensor.shape)])
+    if not room:
+        return torch.gather(tensor, dim, expanded)
+    out = tensor.new_empty(*[s if i != dim else index.shape[1] + room for i, s in enumerate(expanded.shape)])
+    torch.gather(tensor, dim, expanded, out=out.narrow(dim, 0, index.shape[1]))
+    return out
 
 
 class SlotBuffer:
     def __init__(self, tensor: torch.Tensor | None = None, length: int | None = None):
         """Hold `tensor` (b, heads, capacity, d), of which the first `length` slots (default: all) are filled
-        and the rest are spare room (an allocation made with `capacity_for`, by a merge or a compaction)."""
+        and the rest are spare room (`spare_room`, left by a merge or a compaction)."""
         self._data = tensor
         self.length = 0 if tensor is None else tensor.shape[SLOT_DIM] if length is None else length
 
@@ -41,7 +54,7 @@ class SlotBuffer:
         if self._data is not None and slots <= self.capacity:
             return
         b, heads, _, d = new.shape
-        data = new.new_empty(b, heads, capacity_for(slots), d)
+        data = new.new_empty(b, heads, slots + spare_room(slots), d)
         if self.length:
             data[:, :, : self.length] = self._data[:, :, : self.length]
         self._data = data

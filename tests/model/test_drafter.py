@@ -40,6 +40,32 @@ def test_context_read_ahead_into_the_cache_drafts_as_if_given_to_the_forward(tar
                               atol=1e-3)
 
 
+def test_the_context_cache_drops_rows_in_place_and_compacts_into_spare_room(target):
+    """As the target's cache does: a finished row leaves without copying the kept ones, and a compaction leaves
+    room, so the next draft's context is written in place (both rebuilt exactly-sized buffers before)."""
+    from dflash.decoding.slots import compaction_index
+
+    drafter = tiny_drafter(target, layers=2)
+    _, _, features, positions = block_inputs(drafter, b=3, ctx=12)
+    valid = torch.rand(3, 12, generator=torch.Generator().manual_seed(0)) > 0.5
+    valid[:, -2:] = True
+    cache = DrafterCache(2)
+    with torch.no_grad():  # as decoding runs it
+        drafter.read_context(drafter.project_context(features), positions, valid, cache)
+    keys, storage = cache.keys[0].clone(), cache._keys[0]._data.data_ptr()
+    cache.select_rows([0, 2])
+    assert torch.equal(cache.keys[0], keys[[0, 2]]) and torch.equal(cache.valid, valid[[0, 2]])
+    assert cache._keys[0]._data.data_ptr() == storage
+    index, new_valid = compaction_index(cache.valid)
+    expected = keys[[0, 2]].gather(2, index[:, None, :, None].expand(-1, keys.shape[1], -1, keys.shape[3]))
+    cache.compact(index, new_valid)
+    assert torch.equal(cache.keys[0], expected) and torch.equal(cache.valid, new_valid)
+    assert torch.equal(cache.positions, positions[[0, 2]].gather(1, index))
+    storage = cache._keys[0]._data.data_ptr()
+    cache.keep(0, torch.zeros(2, keys.shape[1], 3, keys.shape[3]), torch.zeros(2, keys.shape[1], 3, keys.shape[3]))
+    assert cache._keys[0]._data.data_ptr() == storage  # the room was there
+
+
 def test_invalid_context_slots_are_ignored(target):
     drafter = tiny_drafter(target)
     embeds, positions, features, ctx_positions = block_inputs(drafter)
