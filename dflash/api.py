@@ -65,7 +65,7 @@ class TemplateRefusal(GenerationError):
     """The target's chat template raised on a conversation (a role or an order it does not take)."""
 
 
-def render_chat(tokenizer, messages: list[dict], **options) -> Any:
+def render_chat(tokenizer, messages: list[dict], /, **options) -> Any:
     """The tokenizer's chat template applied to `messages` (token ids); a `TemplateRefusal` quoting the template
     when it raises on them."""
     try:

@@ -128,6 +128,33 @@ def _check_args(args: argparse.Namespace) -> None:
         raise UserError("--dry-run prints the command of a hand-off; use it with --engine vllm or --engine sglang")
     if args.api_key is not None and not args.api_key:
         raise UserError("--api-key is empty; give a key or leave the flag out")
+    _check_drafting_flags(args)
+
+
+# the flags that tune drafting on this server: the fallback to plain decoding and the adaptive block size
+DRAFTING_FLAGS = ("fallback_min_acceptance", "fallback_window", "fallback_probe_after", "fallback_probe_window",
+                  "fallback_hysteresis", "adaptive_block_size")
+
+
+def _check_drafting_flags(args: argparse.Namespace) -> None:
+    """Refuse, before any model loads, drafting flags that cannot apply: given with --no-draft, or a fallback
+    threshold left to `auto` without the step costs the adaptive block size measures."""
+    if args.engine != "dflash":
+        return  # a hand-off refuses every one of them (`_refuse_native_only_flags`)
+    if args.no_draft:
+        given = changed_flags(args, add_arguments, DRAFTING_FLAGS)
+        if given:
+            flags = ", ".join(_flag(name) for name in given)
+            raise UserError(f"{flags} tune{'s' if len(given) == 1 else ''} drafting, and --no-draft serves the "
+                            "target alone: drop one or the other")
+    elif not args.adaptive_block_size and args.fallback_min_acceptance == "auto":
+        raise UserError("the automatic fallback threshold needs the step costs the adaptive block size measures: "
+                        "drop --no-adaptive-block-size, or give --fallback-min-acceptance a number (0 never "
+                        "falls back)")
+
+
+def _flag(name: str) -> str:
+    return "--no-adaptive-block-size" if name == "adaptive_block_size" else "--" + name.replace("_", "-")
 
 
 def _hand_off(args: argparse.Namespace) -> int:
@@ -146,6 +173,7 @@ def _hand_off(args: argparse.Namespace) -> int:
         host=args.host, port=args.port, api_key=args.api_key, max_model_len=args.max_model_len,
         served_model_name=args.served_model_name, max_batch_size=args.max_batch_size,
         dtype=None if args.dtype == "auto" else args.dtype, chat_template_kwargs=chat_template_kwargs(args),
+        log_level=None if args.log_level == "info" else args.log_level,  # info: both engines' default
     )
     command = handoff.engine_command(args.engine, target, draft, args.block_size, options)
     _warn_if_open(args)
@@ -168,8 +196,7 @@ def _refuse_native_only_flags(args: argparse.Namespace) -> None:
     """A hand-off cannot carry these over: one given with another value than its default is refused, not dropped."""
     given = changed_flags(args, add_arguments, NATIVE_ONLY_FLAGS)
     if given:
-        flags = ", ".join("--no-adaptive-block-size" if name == "adaptive_block_size" else
-                          "--" + name.replace("_", "-") for name in given)
+        flags = ", ".join(_flag(name) for name in given)
         one = len(given) == 1
         raise UserError(f"{flags} {'is' if one else 'are'} this server's own and {'does' if one else 'do'} not carry "
                         f"over to {args.engine}: drop {'it' if one else 'them'}, or set the engine's own options "

@@ -27,7 +27,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.concurrency import run_in_threadpool
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from dflash.api import TemplateRefusal, check_template_kwargs
+from dflash.api import check_template_kwargs
 from dflash.decoding.block_policy import BlockSizePolicy
 from dflash.decoding.detokenizer import TextDeltas
 from dflash.decoding.engine import GenerationConfig, check_token_ids
@@ -118,7 +118,7 @@ class Server:
         try:
             return await run_in_threadpool(partial(self.pipe.encode, req.chat(), False, req.chat_template_kwargs,
                                                    continue_final_message=req.continue_final_message))
-        except TemplateRefusal as err:  # templates refuse some conversations (roles, order) by raising
+        except UserError as err:  # a conversation the template refuses (roles, order), text that is not Unicode
             raise APIError(400, str(err), param="messages") from None
 
     async def encode_text(self, prompt: str | list[int]) -> list[int]:
@@ -164,10 +164,13 @@ class Server:
         )
 
     def stop_token_ids(self, req: SamplingRequest) -> list[int] | None:
-        """The target's EOS ids (None) unless ignore_eos, and the request's stop_token_ids besides, as in vLLM
-        (`new_sequence` refuses ids outside the vocabulary)."""
+        """The target's EOS ids (None) unless ignore_eos, and the request's stop_token_ids besides, as in vLLM."""
         if not req.stop_token_ids:
             return [] if req.ignore_eos else None
+        try:
+            check_token_ids(req.stop_token_ids, self.pipe.target.vocab_size, "stop_token_ids")
+        except UserError as err:
+            raise APIError(400, str(err), param="stop_token_ids") from None
         eos = [] if req.ignore_eos else self.pipe.target.eos_token_ids()
         return list(dict.fromkeys([*eos, *req.stop_token_ids]))
 
@@ -273,6 +276,7 @@ def create_app(pipe, config: ServeConfig | None = None) -> FastAPI:
         server.scheduler.stop()
 
     app = FastAPI(title="DFlash", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None)
+    app.add_middleware(_AnswersUnexpectedErrors)
     app.add_middleware(_WithoutTrailingSlash)
     if server.config.allowed_origins:  # outermost: a browser's preflight is answered before authorization
         app.add_middleware(CORSMiddleware, allow_origins=list(server.config.allowed_origins), allow_methods=["*"],
@@ -352,14 +356,49 @@ class _WithoutTrailingSlash:
         await self.app(scope, receive, send)
 
 
+class _AnswersUnexpectedErrors:
+    """A bug answers 500 with an error object, and the connection serves the client's next request.
+
+    Starlette's handler for `Exception` sends its response and then raises the error again, for the server to log;
+    uvicorn then drops the keep-alive connection without a `Connection: close`, and the client's next request on it
+    fails with a reset. Here the error is logged and answered, and goes no further. A response that has started
+    (a stream) cannot be answered again: that error goes on, and the connection closes."""
+
+    def __init__(self, app):
+        self.app = app
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        started = False
+
+        async def send_tracked(message):
+            nonlocal started
+            started = started or message["type"] == "http.response.start"
+            await send(message)
+
+        try:
+            await self.app(scope, receive, send_tracked)
+        except Exception as err:
+            if started:
+                raise
+            log.exception("unexpected error answering a request")
+            answer = _error_response(APIError(500, f"internal server error ({type(err).__name__})",
+                                              type="server_error"))
+            await answer(scope, receive, send)
+
+
+def _error_response(err: APIError, headers: Mapping[str, str] | None = None) -> JSONResponse:
+    sent = dict(headers or {})  # an HTTP error's own, e.g. a 405's Allow (RFC 9110 requires it)
+    if err.status == 401:
+        sent["WWW-Authenticate"] = "Bearer"
+    elif err.status == 429:
+        sent["Retry-After"] = str(RETRY_AFTER_S)
+    return JSONResponse(err.body(), status_code=err.status, headers=sent or None)
+
+
 def _add_error_handlers(app: FastAPI) -> None:
-    def error(err: APIError, headers: Mapping[str, str] | None = None) -> JSONResponse:
-        sent = dict(headers or {})  # an HTTP error's own, e.g. a 405's Allow (RFC 9110 requires it)
-        if err.status == 401:
-            sent["WWW-Authenticate"] = "Bearer"
-        elif err.status == 429:
-            sent["Retry-After"] = str(RETRY_AFTER_S)
-        return JSONResponse(err.body(), status_code=err.status, headers=sent or None)
+    error = _error_response
 
     @app.exception_handler(APIError)
     async def api_error(_, err: APIError):
@@ -382,7 +421,3 @@ def _add_error_handlers(app: FastAPI) -> None:
         kind = "not_found_error" if err.status_code == 404 else "invalid_request_error"
         return error(APIError(err.status_code, str(err.detail), type=kind), err.headers)
 
-    @app.exception_handler(Exception)
-    async def unexpected(_, err: Exception):
-        log.exception("unexpected error answering a request")
-        return error(APIError(500, f"internal server error ({type(err).__name__})", type="server_error"))

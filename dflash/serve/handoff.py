@@ -48,6 +48,7 @@ class HandoffOptions:
     max_batch_size: int | None = None
     dtype: str | None = None
     chat_template_kwargs: dict | None = None  # --enable-thinking: the default for requests that send none
+    log_level: str | None = None  # debug, info, warning or error (vLLM: its HTTP server's, SGLang: its own)
 
 
 @dataclass
@@ -170,7 +171,8 @@ def vllm_command(target: str, draft: str | None, block_size: int, options: Hando
         cmd += ["--speculative-config", json.dumps(spec)]
     cmd += ["--host", options.host, "--port", str(options.port)]
     cmd += _optional({"--max-model-len": options.max_model_len, "--served-model-name": options.served_model_name,
-                      "--max-num-seqs": options.max_batch_size, "--dtype": options.dtype})
+                      "--max-num-seqs": options.max_batch_size, "--dtype": options.dtype,
+                      "--uvicorn-log-level": options.log_level})
     if options.chat_template_kwargs:
         cmd += ["--default-chat-template-kwargs", json.dumps(options.chat_template_kwargs)]
     env = {VLLM_API_KEY_ENV: options.api_key} if options.api_key is not None else {}
@@ -190,7 +192,8 @@ def sglang_command(target: str, draft: str | None, block_size: int, options: Han
     cmd += ["--host", options.host, "--port", str(options.port)]
     cmd += _optional({"--api-key": options.api_key, "--context-length": options.max_model_len,
                       "--served-model-name": options.served_model_name,
-                      "--max-running-requests": options.max_batch_size, "--dtype": options.dtype})
+                      "--max-running-requests": options.max_batch_size, "--dtype": options.dtype,
+                      "--log-level": options.log_level})
     return EngineCommand(cmd)
 
 
@@ -212,6 +215,9 @@ def engine_command(engine: str, target: str, draft: str | None, block_size: int 
         check_max_model_len(options.max_model_len, facts.max_position_embeddings)
     if draft is not None:
         block_size = check_pair(facts, draft, block_size)
+    elif block_size is not None:
+        raise UserError("--block-size sets the drafter's block, and --no-draft hands over the target alone: drop "
+                        "one or the other")
     build = vllm_command if engine == "vllm" else sglang_command
     return build(target, draft, block_size or 0, options)
 

@@ -136,3 +136,31 @@ def test_a_taken_port_or_a_foreign_host_is_named_before_the_models_load(tiny_pai
         port = taken.getsockname()[1]
         assert main(["serve", "--target", target, "--draft", draft, "--host", host, "--port", str(port)]) == 2
     assert message in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--no-draft", "--fallback-min-acceptance", "3"],
+     "--fallback-min-acceptance tunes drafting, and --no-draft serves the target alone"),
+    (["--no-draft", "--no-adaptive-block-size", "--fallback-window", "5"],
+     "--fallback-window, --no-adaptive-block-size tune drafting"),
+    (["--no-adaptive-block-size"], "drop --no-adaptive-block-size, or give --fallback-min-acceptance a number"),
+    (["--no-adaptive-block-size", "--fallback-min-acceptance", "0"], None),  # allowed: goes on to load the models
+    (["--no-draft"], None),
+])
+def test_drafting_flags_that_cannot_apply_are_refused_before_the_models_load(tiny_pair, capsys, monkeypatch, args,
+                                                                              message):
+    """With --no-draft they were ignored without a word; --no-adaptive-block-size with the automatic fallback
+    threshold was refused only after the models had loaded."""
+    import dflash.cli.serve
+    from dflash.cli.main import main
+    from dflash.errors import UserError
+
+    def loaded(args):
+        raise UserError("the models would load now")
+
+    monkeypatch.setattr(dflash.cli.serve, "load_pipeline", loaded)
+    target, draft = map(str, tiny_pair)
+    pair = ["--target", target] + ([] if "--no-draft" in args else ["--draft", draft])
+    assert main(["serve", *pair, *args, "--port", "0"]) == 2
+    err = capsys.readouterr().err
+    assert (message or "the models would load now") in err and len(err.strip().splitlines()) == 1

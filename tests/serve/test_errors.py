@@ -135,6 +135,12 @@ def test_messages_say_what_the_field_must_be(server, body, param, says):
     assert not any(tag in message for tag in (".str", ".bool", ".int", "list[", "ContentPart", "Input should"))
 
 
+def test_a_lone_surrogate_in_a_message_names_the_messages(server):
+    body = b'{"messages": [{"role": "user", "content": "a\\ud800"}], "max_tokens": 2}'  # JSON escapes it; UTF-8 cannot
+    response = post(server, "chat/completions", content=body, headers={"content-type": "application/json"})
+    assert "a message's content is not valid text" in assert_error(response, 400, "messages")["message"]
+
+
 @pytest.mark.parametrize("body,param,says", [
     ({"prompt": 5}, "prompt", "must be a string, a list of one string, or a list of token ids"),
     ({"prompt": [1, "a"]}, "prompt", "must be a string, a list of one string, or a list of token ids"),
@@ -364,8 +370,9 @@ def test_stop_token_ids_stop_the_answer_at_that_token(server):
     body = {"prompt": ids, "max_tokens": 12, "temperature": 0, "stop_token_ids": [stop_at], "ignore_eos": True}
     out = post(server, "completions", json=body).json()
     assert out["usage"]["completion_tokens"] == first + 1 and out["choices"][0]["finish_reason"] == "stop"
-    error = assert_error(post(server, "completions", json={**body, "stop_token_ids": [10**9]}), 400)
-    assert "stop_token_ids [1000000000] are outside the vocabulary" in error["message"]
+    for bad in (10**9, -1):
+        error = assert_error(post(server, "completions", json={**body, "stop_token_ids": [bad]}), 400, "stop_token_ids")
+        assert f"stop_token_ids [{bad}] are outside the vocabulary" in error["message"]
 
 
 def test_cors_headers_only_for_the_allowed_origins(start_server, server):
@@ -381,3 +388,50 @@ def test_cors_headers_only_for_the_allowed_origins(start_server, server):
     response = httpx.post(f"{open_to_one.url}/v1/chat/completions", headers={"Origin": "http://localhost:3000",
                           "Authorization": "Bearer k"}, json={"messages": MESSAGES, "max_tokens": 2}, timeout=30)
     assert response.status_code == 200 and response.headers["access-control-allow-origin"] == "http://localhost:3000"
+
+
+def test_a_template_variable_named_like_an_argument_of_dflashs_own_is_no_500(server):
+    """`tokenizer` (and `messages`, reserved) are render_chat's own parameter names: a template variable of that
+    name once reached it as a second value for its argument, a TypeError and a 500."""
+    response = post(server, "chat/completions", json={
+        "messages": MESSAGES, "max_tokens": 2, "chat_template_kwargs": {"tokenizer": 1}})
+    assert response.status_code == 200, response.text
+    assert_error(post(server, "chat/completions", json={
+        "messages": MESSAGES, "max_tokens": 2, "chat_template_kwargs": {"messages": 1}}), 400, "chat_template_kwargs")
+
+
+def test_after_an_unexpected_error_the_connection_serves_the_next_request(start_server, monkeypatch, caplog):
+    """A bug answers 500 with an error object, logged; the client's next request on the same keep-alive
+    connection is answered. (Starlette's handler raised the error again after answering, and uvicorn dropped the
+    connection without saying so: the next request on it failed with a reset.)"""
+    import http.client
+    import json
+
+    import dflash.api
+
+    live = start_server()
+    body = json.dumps({"model": MODEL, "messages": MESSAGES, "max_tokens": 2})
+    connection = http.client.HTTPConnection("127.0.0.1", live.port, timeout=60)
+
+    def ask() -> tuple[int, dict]:
+        connection.request("POST", "/v1/chat/completions", body, {"Content-Type": "application/json"})
+        response = connection.getresponse()
+        return response.status, json.loads(response.read())
+
+    def broken(*args, **kwargs):
+        raise RuntimeError("a bug")
+
+    try:
+        assert ask()[0] == 200
+        monkeypatch.setattr(dflash.api, "render_chat", broken)
+        with caplog.at_level("ERROR"):
+            status, answer = ask()
+        assert status == 500 and answer["error"]["message"] == "internal server error (RuntimeError)"
+        assert "RuntimeError: a bug" in caplog.text
+        monkeypatch.undo()
+        socket_before = connection.sock
+        status, answer = ask()  # raised RemoteDisconnected / ConnectionResetError before
+        assert status == 200 and answer["choices"][0]["message"]["content"] is not None
+        assert connection.sock is socket_before  # the same connection, not a new one
+    finally:
+        connection.close()

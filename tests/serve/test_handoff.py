@@ -279,3 +279,17 @@ def test_a_hub_id_without_the_hub_fails_at_once_saying_how_to_get_it(capsys, mon
     err = capsys.readouterr().err
     assert "org/target-model is not a local directory, and it cannot be downloaded: HF_HUB_OFFLINE is set" in err
     assert "`hf download org/target-model`" in err
+
+
+def test_the_log_level_carries_over_and_a_block_size_without_a_drafter_is_refused(tiny_pair, capsys):
+    """--log-level was dropped without a word, and --block-size with --no-draft too (the native server refuses it)."""
+    target, draft = map(str, tiny_pair)
+    vllm = dry_run(capsys, "--target", target, "--draft", draft, "--engine", "vllm", "--log-level", "debug")
+    assert vllm[vllm.index("--uvicorn-log-level") + 1] == "debug"
+    sglang = dry_run(capsys, "--target", target, "--draft", draft, "--engine", "sglang", "--log-level", "warning")
+    assert sglang[sglang.index("--log-level") + 1] == "warning"
+    for engine, flag in (("vllm", "--uvicorn-log-level"), ("sglang", "--log-level")):  # info: the engines' default
+        assert flag not in dry_run(capsys, "--target", target, "--draft", draft, "--engine", engine)
+        assert main(["serve", "--target", target, "--no-draft", "--block-size", "4", "--engine", engine,
+                     "--dry-run"]) == 2
+        assert "--no-draft hands over the target alone" in capsys.readouterr().err
