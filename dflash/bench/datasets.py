@@ -14,12 +14,13 @@ from __future__ import annotations
 
 import os
 import random
-from dataclasses import dataclass, field
+import warnings
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Callable, Iterable
 
 from dflash import hub
-from dflash.errors import UserError
+from dflash.errors import DFlashWarning, UserError
 from dflash.extras import require
 from dflash.records import RecordError, messages_field, read_jsonl, text_field, texts_field
 
@@ -145,7 +146,21 @@ def load_samples(name: str, options: DataOptions) -> list[Sample]:
     samples = [_to_sample(spec, record, i) for i, record in enumerate(_read(source, spec))]
     if not samples:
         raise UserError(f"{spec.name}: {describe(source)} has no records; give a file with one JSON object per line")
-    return subset(samples, options.max_samples, options.seed)
+    return subset(_distinct_ids(samples), options.max_samples, options.seed)
+
+
+def _distinct_ids(samples: list[Sample]) -> list[Sample]:
+    """Samples whose ids repeat an earlier one's get ' (2)', ' (3)', ...: answers are matched by id."""
+    seen: set[str] = set()
+    out = []
+    for sample in samples:
+        sample_id, n = sample.id, 1
+        while sample_id in seen:
+            n += 1
+            sample_id = f"{sample.id} ({n})"
+        seen.add(sample_id)
+        out.append(sample if sample_id == sample.id else replace(sample, id=sample_id))
+    return out
 
 
 def data_source(name: str, options: DataOptions) -> str:
@@ -165,14 +180,26 @@ def subset(samples: list[Sample], max_samples: int | None, seed: int) -> list[Sa
 def find_source(spec: DatasetSpec, options: DataOptions) -> Path | HubSource:
     if options.data_file:
         return Path(options.data_file)
-    for directory in _data_dirs(options):
+    dirs = _data_dirs(options)
+    for directory in dirs:
         for relative in spec.files:
             path = directory / relative
             if path.is_file():
-                return path
+                return _noted(spec, options, directory, path)
     if spec.hub is not None and options.use_hub:
-        return spec.hub
+        return _noted(spec, options, None, spec.hub)
     raise UserError(_missing_message(spec, options))
+
+
+def _noted(spec: DatasetSpec, options: DataOptions, directory: Path | None, source: Path | HubSource):
+    """`source`; a warning when the user gave a data directory and the dataset comes from elsewhere (a wrong
+    directory would otherwise measure the bundled copy unnoticed)."""
+    given = options.data_dir or os.environ.get(DATA_DIR_ENV)
+    if given and directory != Path(given):
+        flag = "--data-dir" if options.data_dir else f"${DATA_DIR_ENV}"
+        warnings.warn(f"{flag} {given} has no {' or '.join(spec.files)}; {spec.name} comes from {describe(source)}",
+                      DFlashWarning, stacklevel=2)
+    return source
 
 
 def describe(source: Path | HubSource) -> str:
@@ -191,7 +218,9 @@ def _data_dirs(options: DataOptions) -> list[Path]:
     given = options.data_dir or os.environ.get(DATA_DIR_ENV)
     if given:
         if not Path(given).is_dir():
-            raise UserError(f"data directory {given} does not exist; fix --data-dir or ${DATA_DIR_ENV}")
+            what = "is a file, not a directory" if Path(given).is_file() else "does not exist"
+            raise UserError(f"data directory {given} {what}; fix --data-dir or ${DATA_DIR_ENV} (a directory holding "
+                            "gsm8k/test.jsonl, ...; a single file goes to --data-file)")
         dirs.append(Path(given))
     return dirs + list(options.extra_dirs)
 

@@ -457,10 +457,22 @@ class ServerBackend:
         self.warmed_up = config.warmup_tokens == 0
         exposition, problem = fetch_exposition(self.metrics_url)
         self.drafter = served_drafter(exposition)
+        if self.drafter == "none":
+            self.warnings.append(self._plain_server_warning())
         problem = counters_in(self.metrics_url, exposition, problem)[1]
         if problem:
             self.warnings.append(f"{problem}: tau and the acceptance histogram will be missing"
                                  + ("" if config.metrics_url else "; point --metrics-url at the server's metrics"))
+
+    def _plain_server_warning(self) -> str:
+        """The --base-url server says it drafts with nothing (`dflash serve --no-draft`): its figures are plain
+        decoding's, and a speedup would compare two plain servers, or the pair the wrong way round."""
+        said = (f"the --base-url server says it drafts with nothing (dflash:drafter_info at {self.metrics_url}): "
+                "its figures are plain decoding's, not DFlash's")
+        baseline = self.config.baseline_url
+        if baseline and served_drafter(fetch_exposition(default_metrics_url(baseline))[0]) != "none":
+            return said + "; --base-url and --baseline-url look swapped: the DFlash server goes to --base-url"
+        return said + "; point --base-url at a server that drafts (dflash serve without --no-draft)"
 
     def num_prompts(self, samples: list[Sample]) -> int:
         return self.config.num_prompts or len(samples)
@@ -519,6 +531,9 @@ async def _one_request(client: Client, sample: Sample) -> RequestRecord:
 
 
 def _check_config(config: ServerConfig) -> None:
+    if config.baseline_url and _server_root(config.baseline_url) == _server_root(config.base_url):
+        raise UserError(f"--baseline-url and --base-url name the same server ({config.base_url}); the baseline is "
+                        "the same target served without a drafter (dflash serve --no-draft) on another port")
     if config.endpoint not in ("chat", "completions"):
         raise UserError(f"--endpoint must be 'chat' or 'completions', not {config.endpoint!r}")
     if not config.concurrency or any(c < 1 for c in config.concurrency):
@@ -533,6 +548,14 @@ def _check_config(config: ServerConfig) -> None:
         raise UserError(f"--request-timeout must be a finite number of seconds > 0, got {config.timeout_s}")
     if config.warmup_tokens < 0:
         raise UserError(f"--warmup-tokens must be >= 0 (0 = no warm-up), got {config.warmup_tokens}")
+
+
+def _server_root(url: str) -> str:
+    """http://HOST:PORT/v1/ -> http://host:port: two spellings of one server compare equal."""
+    parts = urlsplit(url.strip())
+    path = parts.path.rstrip("/")
+    path = path[: -len("/v1")] if path.endswith("/v1") else path
+    return urlunsplit((parts.scheme.lower(), parts.netloc.lower(), path, "", ""))
 
 
 def pooled(loads: list[LoadResult]) -> LoadResult:

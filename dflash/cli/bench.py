@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import copy
+import json
 import math
 import os
 from pathlib import Path
@@ -111,7 +112,8 @@ def bench_config(args: argparse.Namespace):
 
         api_key = args.api_key or os.environ.get("OPENAI_API_KEY")
         server = ServerConfig(base_url=args.base_url, model=args.model, endpoint=args.endpoint or "chat",
-                              api_key=api_key, concurrency=args.concurrency or [1], num_prompts=args.num_prompts,
+                              api_key=api_key, concurrency=_distinct(args.concurrency) or [1],
+                              num_prompts=args.num_prompts,
                               duration_s=args.duration, timeout_s=_or(args.request_timeout, 600.0),
                               metrics_url=args.metrics_url, baseline_url=args.baseline_url,
                               rounds=_or(args.rounds, 1), chat_template_kwargs=chat_template_kwargs(args),
@@ -122,7 +124,7 @@ def bench_config(args: argparse.Namespace):
     return BenchConfig(
         datasets=names,
         data=data,
-        backend=backend, block_sizes=args.block_size or [None], max_new_tokens=args.max_new_tokens,
+        backend=backend, block_sizes=_distinct(args.block_size) or [None], max_new_tokens=args.max_new_tokens,
         temperature=args.temperature, top_p=args.top_p, top_k=args.top_k, seed=args.seed,
         branch_length=args.branch_length, warmup_tokens=_or(args.warmup_tokens, 16), server=server,
         output_dir=args.output_dir,
@@ -131,13 +133,19 @@ def bench_config(args: argparse.Namespace):
 
 
 def _check_data(names: list[str], data) -> None:
-    """Every dataset has somewhere to come from (--data-file, --data-dir, the bundled files or the hub)."""
-    from dflash.bench.datasets import data_source
+    """Every dataset has somewhere to come from (--data-file, --data-dir, the bundled files or the hub), and its
+    records read: before any model loads, which can take minutes."""
+    from dflash.bench.datasets import load_samples
 
     if data.data_file and not Path(data.data_file).is_file():
         raise UserError(f"--data-file {data.data_file} is not a file; pass an existing JSONL file")
     for name in names:
-        data_source(name, data)  # a UserError naming what is missing
+        load_samples(name, data)  # a UserError naming what is missing, or the file and line of a bad record
+
+
+def _distinct(values: list | None) -> list:
+    """A sweep's values in the order given, each once (`8,8` measures 8 once)."""
+    return list(dict.fromkeys(values or []))
 
 
 def _or(value, default):
@@ -178,6 +186,10 @@ def _check_numbers(args: argparse.Namespace) -> None:
         raise UserError(f"--warmup-tokens must be >= 0 (0 = no warm-up), got {args.warmup_tokens}")
     if args.gpu_hourly_usd is not None and not (math.isfinite(args.gpu_hourly_usd) and args.gpu_hourly_usd > 0):
         raise UserError(f"--gpu-hourly-usd must be a finite price > 0, got {args.gpu_hourly_usd}")
+    for size in args.block_size or []:
+        if size != "auto" and size < 2:
+            raise UserError(f"--block-size {size} is too small: a block holds the anchor and at least one draft token "
+                            "(2 or more, or auto)")
     for flag, values, example in (("--block-size", args.block_size, "16 or auto,8,16"),
                                   ("--concurrency", args.concurrency, "1 or 1,4,8")):
         if values == []:
@@ -189,7 +201,7 @@ def _check_output_dir(path: Path, overwrite: bool = False) -> None:
     run's results unasked."""
     if path.exists() and not path.is_dir():
         raise UserError(f"--output-dir {path} is a file; give a directory (it is created if missing)")
-    if (path / "results.json").is_file() and not overwrite:
+    if _holds_results(path / "results.json") and not overwrite:
         raise UserError(f"--output-dir {path} holds an earlier run's results (results.json); pass another "
                         "--output-dir, or --overwrite to replace them")
     try:
@@ -200,10 +212,23 @@ def _check_output_dir(path: Path, overwrite: bool = False) -> None:
         raise UserError(f"--output-dir {path} is not writable; pick another directory")
 
 
+def _holds_results(path: Path) -> bool:
+    """Whether results.json holds an earlier run's results: one that measured nothing left `[]`."""
+    if not path.is_file():
+        return False
+    try:
+        return json.loads(path.read_text()) != []
+    except (OSError, ValueError):  # unreadable or not JSON: not ours to replace unasked
+        return True
+
+
 def _load_pair(args: argparse.Namespace):
     """The pair at the drafter's own block size; the sweep sets the block size per run."""
     if args.no_draft:
         raise UserError("dflash bench measures DFlash against plain decoding itself; drop --no-draft")
+    if args.target and not args.draft:
+        raise UserError("--target needs --draft, the DFlash drafter trained for it: dflash bench measures it against "
+                        "plain decoding of the same target")
     if not args.target:
         from dflash.api import DEFAULT_DRAFT, DEFAULT_TARGET
 

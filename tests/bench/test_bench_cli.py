@@ -150,6 +150,7 @@ SERVER = ["--base-url", "http://127.0.0.1:9/v1"]  # nothing listens there: every
     (["--dataset", ","], "no dataset given"),
     (["--dataset", ""], "no dataset given"),
     (["--block-size", "99"], "block size 99"),
+    (["--block-size", "8,1"], "--block-size 1 is too small: a block holds the anchor and at least one draft token"),
     (["--block-size", ","], "--block-size was given no value"),
     (["--no-draft"], "drop --no-draft"),
     (["--backend", "server"], "needs --base-url"),
@@ -323,3 +324,53 @@ def test_a_missing_data_source_fails_before_any_model_loads(tiny_pair, capsys, m
     assert main(["bench", "--target", str(target), "--draft", str(draft), "--dataset", "gsm8k", *flags,
                  "--no-progress"]) == 2
     assert message in capsys.readouterr().err
+
+
+def test_a_bad_record_fails_before_any_model_loads(tiny_pair, tmp_path, capsys, monkeypatch):
+    """The data file's records were read only after the models had loaded (minutes, for a real model)."""
+    import dflash.cli.bench
+
+    monkeypatch.setattr(dflash.cli.bench, "_load_pair", lambda args: pytest.fail("loaded the models first"))
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text('{"prompt": "fine"}\nnot json\n')
+    target, draft = tiny_pair
+    assert main(["bench", "--target", str(target), "--draft", str(draft), "--data-file", str(bad),
+                 "--no-progress"]) == 2
+    err = capsys.readouterr().err
+    assert f"{bad}:2" in err and len(err.strip().splitlines()) == 1
+
+
+def test_a_target_without_a_drafter_is_not_told_to_use_no_draft(tiny_pair, capsys):
+    """bench refuses --no-draft, so its hint for --target alone must not suggest it."""
+    target, _ = tiny_pair
+    assert main(["bench", "--target", str(target), "--no-progress", "--max-samples", "1"]) == 2
+    err = capsys.readouterr().err
+    assert "--target needs --draft" in err and "--no-draft" not in err
+
+
+def test_a_run_that_measured_nothing_does_not_block_the_next(tiny_pair, data_dir, tmp_path, capsys):
+    """A run that failed before measuring left results.json = [], and the next run into that directory was
+    refused as holding an earlier run's results."""
+    from dflash.cli.bench import _check_output_dir
+
+    out = tmp_path / "out"
+    out.mkdir()
+    (out / "results.json").write_text("[]")
+    _check_output_dir(out)  # no error
+    (out / "results.json").write_text('[{"dataset": "gsm8k"}]')
+    with pytest.raises(UserError, match="holds an earlier run's results"):
+        _check_output_dir(out)
+    (out / "results.json").write_text("{truncated")
+    with pytest.raises(UserError, match="holds an earlier run's results"):
+        _check_output_dir(out)
+
+
+def test_repeated_sweep_values_are_measured_once(tiny_pair, data_dir):
+    import argparse
+
+    from dflash.cli.bench import add_arguments, bench_config
+
+    parser = argparse.ArgumentParser()
+    add_arguments(parser)
+    config = bench_config(parser.parse_args(["--data-dir", str(data_dir), "--block-size", "auto,8,auto,8,16"]))
+    assert config.block_sizes == ["auto", 8, 16]

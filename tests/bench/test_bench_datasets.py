@@ -199,3 +199,33 @@ def test_a_hub_dataset_when_the_hub_does_not_answer_is_a_clear_error_in_seconds(
                                         r"in 0.5 s.*the local datasets cache has no copy of dflash-tests/no-such-set"):
         load_samples("gsm8k", DataOptions(extra_dirs=[]))
     assert time.monotonic() - start < 15
+
+
+def test_repeated_ids_become_distinct(tmp_path):
+    """Answers are matched by id: two records with one id made the server backend compare the second answer with
+    the first's and count a mismatch."""
+    path = tmp_path / "dup.jsonl"
+    write_jsonl(path, [{"id": "x", "prompt": "a"}, {"id": "x", "prompt": "b"}, {"id": "x (2)", "prompt": "c"},
+                       {"id": "y", "prompt": "d"}])
+    samples = load_samples("gsm8k", DataOptions(data_file=str(path), use_hub=False))
+    assert [s.id for s in samples] == ["x", "x (2)", "x (2) (2)", "y"]
+    assert [s.turns[0] for s in samples] == ["a", "b", "c", "d"]
+
+
+def test_a_given_data_dir_without_the_dataset_is_named_where_the_data_comes_from(data_dir, tmp_path, monkeypatch):
+    """A wrong --data-dir silently measured the bundled copy; now a warning says where each dataset comes from."""
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    with pytest.warns(datasets.DFlashWarning, match=r"--data-dir .*empty has no gsm8k/test.jsonl; gsm8k comes "
+                                                     r"from .*dflash/bench/data/gsm8k/test.jsonl"):
+        assert len(load_samples("gsm8k", DataOptions(data_dir=str(empty), use_hub=False, max_samples=2))) == 2
+    monkeypatch.setenv(datasets.DATA_DIR_ENV, str(empty))
+    with pytest.warns(datasets.DFlashWarning, match=r"\$DFLASH_DATA_DIR .*empty has no mt-bench/question.jsonl"):
+        load_samples("mt-bench", DataOptions(use_hub=False))
+    import warnings
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # found where the user said: no warning
+        load_samples("gsm8k", DataOptions(data_dir=str(data_dir), use_hub=False))
+        monkeypatch.delenv(datasets.DATA_DIR_ENV)
+        load_samples("gsm8k", DataOptions(use_hub=False))  # no directory given: the bundled copy, no warning

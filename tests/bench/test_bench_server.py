@@ -281,3 +281,28 @@ def test_the_served_drafter_is_read_from_the_metrics_and_defaults_to_dflash():
     assert served_drafter('dflash:drafter_info{kind="DFlash"} 1.0\n') == "DFlash"
     assert served_drafter("vllm:spec_decode_num_drafts_total 3\n") == "DFlash"  # vLLM does not say
     assert served_drafter(None) == "DFlash"
+
+
+def test_a_base_url_server_that_does_not_draft_is_a_warning_and_one_url_twice_an_error(openai_server, monkeypatch):
+    """A --no-draft server on --base-url was reported as DFlash with a 'speedup' over the other server."""
+    from dflash.bench import server as server_module
+
+    dflash_server, plain = openai_server(), openai_server()
+    kinds = {dflash_server.base_url.removesuffix("/v1"): "DFlash", plain.base_url.removesuffix("/v1"): "none"}
+    exposition = server_module.fetch_exposition
+
+    def fetch(url, timeout_s=10.0):
+        text, problem = exposition(url, timeout_s)
+        kind = kinds[url.removesuffix("/metrics")]
+        return (text or "") + f'dflash:drafter_info{{kind="{kind}"}} 1.0\n', problem
+
+    monkeypatch.setattr(server_module, "fetch_exposition", fetch)
+    swapped = ServerBackend(config(plain, baseline_url=dflash_server.base_url))
+    assert swapped.drafter == "none"
+    assert any("--base-url and --baseline-url look swapped" in w for w in swapped.warnings)
+    alone = ServerBackend(config(plain))
+    assert any("drafts with nothing" in w and "point --base-url at a server that drafts" in w for w in alone.warnings)
+    assert not any("drafts with nothing" in w
+                   for w in ServerBackend(config(dflash_server, baseline_url=plain.base_url)).warnings)
+    with pytest.raises(UserError, match="--baseline-url and --base-url name the same server"):
+        ServerBackend(config(dflash_server, baseline_url=dflash_server.base_url.removesuffix("/v1") + "/"))
