@@ -68,6 +68,10 @@ def drafter_config_for(target: TargetModel, config: TrainConfig, mask_token_id: 
     heads = tc.num_attention_heads
     layers = config.draft_layers or 1
     layer_ids = config.target_layer_ids or default_target_layer_ids(target.num_layers, layers)
+    outside = [i for i in layer_ids if not 0 <= i < target.num_layers]
+    if outside:  # here, at setup: found at the first step, an --overwrite had already cleared the earlier run
+        raise UserError(f"--target-layer-ids {outside} are outside the target's {target.num_layers} layers "
+                        f"(0..{target.num_layers - 1})")
     return DrafterConfig(
         hidden_size=target.hidden_size,
         intermediate_size=config.intermediate_size or getattr(tc, "intermediate_size", 4 * target.hidden_size),

@@ -593,11 +593,12 @@ class Trainer:
                 walk_taus.append(walk_tau)
         max_norm = c.grad_clip or math.inf  # 0: no clipping (the norm is still measured)
         grad_norm = torch.nn.utils.clip_grad_norm_(self.drafter.parameters(), max_norm)
+        lr = self.scheduler.get_last_lr()[0]  # the rate this step took (after scheduler.step(): the next one's)
         self.optimizer.step()
         self.scheduler.step()
         self.step += 1
         walk = sum(walk_taus) / len(walk_taus) if walk_taus else None
-        return {**stats, "grad_norm": float(grad_norm), "walk_tau": walk}
+        return {**stats, "grad_norm": float(grad_norm), "walk_tau": walk, "lr": lr}
 
     def _train_record(self, stats: dict, window_tokens: int, elapsed: float) -> dict:
         """The log line of a step: loss, tau and walk_tau averaged over every process, tokens/s of them all."""
@@ -606,7 +607,7 @@ class Trainer:
             [stats["loss"], window_tokens, stats["accepted"], stats["blocks"], walk or 0.0])
         record = {"step": self.step, "epoch": round(self.step / self.batches_per_epoch, 3),
                   "loss": round(loss / self.world, 4), "grad_norm": round(stats["grad_norm"], 3),
-                  "lr": self.scheduler.get_last_lr()[0],
+                  "lr": stats["lr"],
                   "tau_estimate": round(estimated_acceptance_length(accepted, blocks), 3),
                   "tokens_per_s": round(tokens / max(elapsed, 1e-9), 1)}
         if walk is not None:

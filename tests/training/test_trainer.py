@@ -893,6 +893,13 @@ def test_overwrite_deletes_nothing_when_the_new_run_cannot_start(tiny_pair, trai
         Trainer(config(tiny_pair, bad, out, overwrite=True)).setup()
     assert sorted(p.name for p in (out / "checkpoints").iterdir()) == before
     assert (out / "train_log.jsonl").is_file()
+    log = (out / "train_log.jsonl").read_text()
+    layers = Trainer(config(tiny_pair, train_data, tmp_path / "probe")).setup().target.num_layers
+    # the range was checked at the first step, after --overwrite had cleared the earlier run
+    with pytest.raises(UserError, match=rf"--target-layer-ids \[{layers}\] are outside the target's {layers} layers"):
+        Trainer(config(tiny_pair, train_data, out, overwrite=True, target_layer_ids=[layers])).setup()
+    assert sorted(p.name for p in (out / "checkpoints").iterdir()) == before
+    assert (out / "train_log.jsonl").read_text() == log
     Trainer(config(tiny_pair, train_data, out, overwrite=True, max_steps=2)).setup().train()
     assert sorted(p.name for p in (out / "checkpoints").iterdir()) == ["step-00000002"]
 
@@ -938,3 +945,18 @@ def test_the_exported_weights_are_readable_as_other_new_files_are(tiny_pair, tra
     out = tmp_path / "out"
     Trainer(config(tiny_pair, train_data, out, max_steps=1)).setup().train()
     assert (out / "model.safetensors").stat().st_mode & 0o777 == (out / "config.json").stat().st_mode & 0o777
+
+
+def test_each_logged_step_shows_the_learning_rate_it_took(tiny_pair, train_data, tmp_path):
+    """The log read the rate after the scheduler had moved on: every line showed the next step's, and the last
+    step, which trained at a small rate, showed 0."""
+    out = tmp_path / "out"
+    trainer = Trainer(config(tiny_pair, train_data, out, log_every=1, max_steps=5, checkpoint_every=0)).setup()
+    trainer.train()
+    rule = trainer.scheduler.lr_lambdas[0]  # step s (1-based) trains at lr * rule(s - 1)
+    logged = [json.loads(line) for line in (out / "train_log.jsonl").read_text().splitlines()]
+    rates = {r["step"]: r["lr"] for r in logged if "lr" in r and "step" in r}
+    assert sorted(rates) == [1, 2, 3, 4, 5]
+    for step, rate in rates.items():
+        assert rate == pytest.approx(3e-3 * rule(step - 1))
+    assert rates[5] > 0
