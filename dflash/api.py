@@ -146,7 +146,8 @@ class DFlash:
         if no_draft:
             _refuse_drafting_options({"block_size": isinstance(block_size, int), "mask_token_id": mask_token_id
                                       is not None, "branch_length": bool(branch_length)},
-                                     "no_draft (--no-draft) decodes with the target alone: drop one or the other")
+                                     "no_draft (--no-draft) decodes with the target alone: drop one or the other",
+                                     with_flags=True)
         # the cheap checks first: a typo should not wait for a model to load
         torch_device = resolve_device(device)
         parse_dtype(dtype)
@@ -281,9 +282,12 @@ def make_config(**options: Any) -> GenerationConfig:
     return GenerationConfig(**options)
 
 
-def _refuse_drafting_options(given: dict[str, bool], why: str, error: type[UserError] = UserError) -> None:
-    """Refuse the options among `given` (name -> given) that only shape drafting, where there is none: `why`."""
-    named = [name for name, was_given in given.items() if was_given]
+def _refuse_drafting_options(given: dict[str, bool], why: str, error: type[UserError] = UserError,
+                             with_flags: bool = False) -> None:
+    """Refuse the options among `given` (name -> given) that only shape drafting, where there is none: `why`.
+    `with_flags`: name each option's command-line flag too (the options of a pipeline, which the CLI sets)."""
+    named = [f"{name} (--{name.replace('_', '-')})" if with_flags else name
+             for name, was_given in given.items() if was_given]
     if named:
         raise error(f"{', '.join(named)} {'shapes' if len(named) == 1 else 'shape'} drafting, and {why}")
 

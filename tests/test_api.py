@@ -107,6 +107,17 @@ def test_token_ids_may_be_a_tuple_or_numpy_integers(pipe):
     assert all(type(t) is int for t in pipe.encode([np.int64(t) for t in ids]))
 
 
+def test_numpy_integer_options_decode_as_python_integers(pipe):
+    """A numpy seed overflowed in the seeded noise's 64-bit arithmetic (a traceback, not a draw)."""
+    options = dict(max_new_tokens=6, temperature=0.8, stop_token_ids=[])
+    expected = pipe.generate("How many clips?", seed=3, **options).output_ids
+    for seed in (np.int64(3), np.uint64(3), np.int32(3)):
+        assert pipe.generate("How many clips?", seed=seed, **options).output_ids == expected
+    big = 2**64 - 5
+    assert (pipe.generate("How many clips?", seed=np.uint64(big), **options).output_ids
+            == pipe.generate("How many clips?", seed=big, **options).output_ids)
+
+
 def test_batches_and_streams_are_used_as_documented(pipe):
     assert pipe.generate_batch([], max_new_tokens=2) == []
     with pytest.raises(GenerationError, match="for one prompt call generate"):
@@ -308,9 +319,10 @@ def test_the_target_adapter_refuses_what_the_pipeline_refuses(tiny_pair):
 
 
 def test_options_that_shape_drafting_are_refused_without_a_drafter_and_empty_paths_are_named(tiny_pair):
-    with pytest.raises(UserError, match=r"block_size, branch_length shape drafting, and no_draft \(--no-draft\)"):
+    with pytest.raises(UserError, match=r"block_size \(--block-size\), branch_length \(--branch-length\) shape "
+                                        r"drafting, and no_draft \(--no-draft\)"):
         DFlash.from_pretrained(tiny_pair[0], no_draft=True, block_size=4, branch_length=2)
-    with pytest.raises(UserError, match="mask_token_id shapes drafting"):
+    with pytest.raises(UserError, match=r"mask_token_id \(--mask-token-id\) shapes drafting"):
         DFlash.from_pretrained(tiny_pair[0], no_draft=True, mask_token_id=3)
     with pytest.raises(UserError, match="target is an empty path"):
         DFlash.from_pretrained("", no_draft=True)

@@ -103,7 +103,7 @@ def _read_file(path: Path) -> str:
         raise UserError(f"--prompt-file {path} {'is a directory' if path.is_dir() else 'does not exist'}; give the "
                         "path of a text file holding the prompt")
     try:
-        return path.read_text(encoding="utf-8")
+        return path.read_text(encoding="utf-8-sig")  # without the byte order mark some editors write
     except UnicodeDecodeError as err:
         raise UserError(f"--prompt-file {path} is not UTF-8 text (byte {err.start}); save it as UTF-8") from None
 
@@ -194,7 +194,9 @@ def compare_with_plain(pipe, prompt_ids: list[int], options: dict, out) -> dict:
         "fastest_decode_tokens_per_s": round(max(ours), 2),
         "compare_rounds": COMPARE_ROUNDS,
         "speedup": round(max(ours) / max(theirs), 2) if timed else None,
-        "matches_baseline": baseline.output_ids == out.output_ids,
+        # sampled without a seed, two decodes draw different text whatever decodes them: nothing to compare
+        "matches_baseline": (baseline.output_ids == out.output_ids
+                             if config.sampling.greedy or config.seed is not None else None),
     }
 
 
@@ -225,7 +227,8 @@ def stats_line(report: dict) -> str:
         parts.append("no decode step to measure")
     parts.append(f"TTFT {report['time_to_first_token_s'] * 1000:.0f} ms")
     if "matches_baseline" in report:
-        same = "identical output" if report["matches_baseline"] else "OUTPUT DIFFERS"
+        same = {True: "identical output", False: "OUTPUT DIFFERS",
+                None: "output not compared (sampled without --seed; add one to compare)"}[report["matches_baseline"]]
         if report["speedup"] is None:
             parts.append(f"plain decoding: {same}")
         else:

@@ -50,7 +50,7 @@ from dflash.decoding.engine import GenerationConfig, SpeculativeEngine
 from dflash.decoding.proposer import Draft, NoDraftProposer, Proposer
 from dflash.timing import fastest_times
 
-log = logging.getLogger("dflash.serve")
+log = logging.getLogger(__name__)
 
 
 @dataclass

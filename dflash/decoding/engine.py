@@ -68,6 +68,8 @@ class GenerationConfig:
         if isinstance(self.stop_strings, str):  # one stop string, not its characters
             self.stop_strings = [self.stop_strings]
         self._check_types()
+        if self.seed is not None:
+            self.seed = int(self.seed)  # a numpy integer would overflow in the seeded noise's 64-bit arithmetic
         if any(s == "" for s in self.stop_strings):
             raise GenerationError("a stop string is empty (every text would stop before its first token); drop it")
         if self.max_new_tokens < 1:

@@ -110,9 +110,10 @@ def test_stop_strings_read_escapes_as_the_readme_writes_them(capsys):
                                       "greedily: add a --temperature above 0, e.g. 0.7, or drop them"),
     (["--seed", "3"], "--seed shapes sampling, and --temperature 0 (the default) decodes greedily: add a "
                       "--temperature above 0, e.g. 0.7, or drop it"),
-    (["--block-size", "4", "--mask-token-id", "3"], "block_size, mask_token_id shape drafting, and no_draft "
-                                                    "(--no-draft) decodes with the target alone"),
-    (["--branch-length", "2"], "branch_length shapes drafting, and no_draft (--no-draft)"),
+    (["--block-size", "4", "--mask-token-id", "3"], "block_size (--block-size), mask_token_id (--mask-token-id) "
+                                                    "shape drafting, and no_draft (--no-draft) decodes with the "
+                                                    "target alone"),
+    (["--branch-length", "2"], "branch_length (--branch-length) shapes drafting, and no_draft (--no-draft)"),
     (["--raw", "--enable-thinking"], "drop one of them"),
     (["--max-new-tokens", "0"], "max_new_tokens must be >= 1"),
     (["--device", "bogus"], "unknown device 'bogus'"),
@@ -208,6 +209,22 @@ def test_stats_line_reads_well():
                                            "of 3: 391.0 tok/s, plain decoding 256.5 tok/s -> 1.52x, identical output]")
 
 
+def test_compare_of_a_sample_without_a_seed_says_it_cannot_compare(tiny_pair, capsys):
+    """Two unseeded samples differ whatever decodes them: --compare printed OUTPUT DIFFERS, which read as a
+    losslessness failure."""
+    base = _args(tiny_pair, "--prompt", "How many clips?", "--max-new-tokens", "12", "--json", "--compare",
+                 "--temperature", "0.9")
+    assert main(base) == 0
+    assert json.loads(capsys.readouterr().out)["matches_baseline"] is None
+    assert main([*base, "--seed", "3"]) == 0
+    assert json.loads(capsys.readouterr().out)["matches_baseline"] is True  # seeded: the target's own sample
+    report = {"num_output_tokens": 12, "acceptance_lengths": [1, 4], "mean_acceptance_length": 4.0,
+              "decode_tokens_per_s": 300.0, "time_to_first_token_s": 0.008, "baseline_decode_tokens_per_s": 200.0,
+              "fastest_decode_tokens_per_s": 300.0, "compare_rounds": 3, "speedup": 1.5, "matches_baseline": None}
+    assert generate.stats_line(report).endswith("1.50x, output not compared (sampled without --seed; add one to "
+                                                "compare)]")
+
+
 def test_compare_takes_turns_and_counts_each_sides_fastest_run(tiny_pair, capsys, monkeypatch):
     """A plain decode caught by other work once read as a 37x speedup: plain decoding and DFlash decode in turns,
     and the report (and the speedup) takes each side's fastest run, so one slow run cannot fake a speedup."""
@@ -251,6 +268,9 @@ def test_the_prompt_can_come_from_standard_input_or_a_file(tiny_pair, capsys, mo
     assert _json_text(capsys) == expected
     (tmp_path / "prompt.txt").write_text(text, encoding="utf-8")
     assert main(_args(tiny_pair, "--prompt-file", str(tmp_path / "prompt.txt"), "--max-new-tokens", "6", "--json")) == 0
+    assert _json_text(capsys) == expected
+    (tmp_path / "bom.txt").write_bytes(b"\xef\xbb\xbf" + text.encode())  # the byte order mark Notepad writes
+    assert main(_args(tiny_pair, "--prompt-file", str(tmp_path / "bom.txt"), "--max-new-tokens", "6", "--json")) == 0
     assert _json_text(capsys) == expected
 
 
