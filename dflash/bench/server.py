@@ -291,7 +291,7 @@ class Client:
             async for chunk in _sse_chunks(response):
                 if "error" in chunk:
                     return RequestRecord(sample_id, turn, time.perf_counter() - start, 0, "".join(pieces),
-                                         f"error event in the stream: {str(chunk['error'])[:200]}")
+                                         f"error event in the stream: {_cut(str(chunk['error']))}")
                 piece = _chunk_text(chunk, self.config.endpoint)
                 if piece and ttft is None:
                     ttft = time.perf_counter() - start
@@ -342,8 +342,20 @@ async def _sse_chunks(response: httpx.Response):
         yield json.loads(data)  # a ValueError is the request's error, as for a broken non-streamed body
 
 
+ERROR_CHARS = 600  # of a server's error, kept in a record (the whole message of an OpenAI error object, mostly)
+
+
 def _http_error(status: int, text: str) -> str:
-    return f"HTTP {status}: {text[:200]}"
+    """'HTTP 400: <the error's message>': an OpenAI error object's message, else the body, each cut where long."""
+    try:
+        message = json.loads(text)["error"]["message"]
+    except (ValueError, TypeError, KeyError):
+        message = None
+    return f"HTTP {status}: {_cut(message if isinstance(message, str) else text)}"
+
+
+def _cut(text: str) -> str:
+    return text if len(text) <= ERROR_CHARS else text[:ERROR_CHARS] + "..."
 
 
 NO_STREAM_USAGE = ("the stream carried no usage chunk, so its output tokens are unknown: the server does not honour "

@@ -121,6 +121,9 @@ def _check_args(args: argparse.Namespace) -> None:
         raise UserError(f"--fallback-min-acceptance must be a number >= 0 or auto, got {threshold}")
     if args.served_model_name is not None and not args.served_model_name.strip():
         raise UserError("--served-model-name is empty; give the name clients send, or leave the flag out")
+    if args.served_model_name is not None and args.served_model_name != args.served_model_name.strip():
+        raise UserError(f"--served-model-name {args.served_model_name!r} starts or ends with spaces, which every "
+                        "client would have to send too; drop them")
     if args.branch_length and args.engine != "dflash":
         raise UserError(f"--branch-length is this package's engine's; {args.engine} verifies the block alone: drop it "
                         "or serve with --engine dflash")

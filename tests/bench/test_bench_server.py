@@ -306,3 +306,16 @@ def test_a_base_url_server_that_does_not_draft_is_a_warning_and_one_url_twice_an
                    for w in ServerBackend(config(dflash_server, baseline_url=plain.base_url)).warnings)
     with pytest.raises(UserError, match="--baseline-url and --base-url name the same server"):
         ServerBackend(config(dflash_server, baseline_url=dflash_server.base_url.removesuffix("/v1") + "/"))
+
+
+def test_a_servers_error_keeps_its_whole_message():
+    """Errors were cut at 200 characters of the raw body, mid-sentence and mostly JSON punctuation."""
+    import json
+
+    from dflash.bench.server import ERROR_CHARS, _http_error
+
+    message = "prompt (300 tokens) + max_tokens (2000) exceeds the context of 2032 tokens; " * 3
+    body = json.dumps({"error": {"message": message, "type": "invalid_request_error", "param": "max_tokens"}})
+    assert _http_error(400, body) == f"HTTP 400: {message}"
+    assert _http_error(502, "x" * 5000) == f"HTTP 502: {'x' * ERROR_CHARS}..."
+    assert _http_error(500, '{"error": "boom"}') == 'HTTP 500: {"error": "boom"}'  # not an error object's shape

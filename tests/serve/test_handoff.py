@@ -198,7 +198,8 @@ def test_flag_mistakes(tiny_pair, capsys):
                            (["--port", "99999"], "at most 65535"), (["--port", "-1"], "--port"),
                            (["--max-request-bytes", "0"], "--max-request-bytes"),
                            (["--fallback-min-acceptance", "nan"], "--fallback-min-acceptance must be a number"),
-                           (["--served-model-name", " "], "--served-model-name is empty")]:
+                           (["--served-model-name", " "], "--served-model-name is empty"),
+                           (["--served-model-name", " x "], "--served-model-name ' x ' starts or ends with spaces")]:
         assert main(["serve", *args]) == 2
         assert expected in capsys.readouterr().err
 
