@@ -71,6 +71,10 @@ def to_bench_argv(argv: list[str]) -> list[str]:
             raise UserError(f"--num-prompts {num_prompts} and --max-samples {max_samples} both set the number of "
                             "samples with an in-process backend; give one")
         max_samples, num_prompts = num_prompts, None
+    if args.base_url and not server:
+        raise UserError(f"--base-url is a server's address, and --backend {args.backend} decodes in this process: "
+                        "benchmark the server with --backend vllm or sglang (any OpenAI-compatible server, dflash "
+                        "serve too), or drop --base-url")
     if args.timeout_s is not None and not server:
         raise UserError("--timeout-s is the per-request timeout of a server backend (--backend vllm or sglang); "
                         "drop it for an in-process run")

@@ -307,6 +307,9 @@ def test_python_m_dflash_benchmark_errors_are_under_its_own_name(tiny_pair, caps
                                               "server benchmark")
     assert benchmark_main(["--backend", "hf", "--model", str(target)]) == 2  # errors name the flags as typed
     assert capsys.readouterr().err.startswith("python -m dflash.benchmark: error: --model needs --draft-model")
+    assert benchmark_main(["--backend", "transformers", "--base-url", "http://127.0.0.1:9"]) == 2
+    assert ("--base-url is a server's address, and --backend transformers decodes in this process: benchmark the "
+            "server with --backend vllm or sglang") in capsys.readouterr().err
     assert benchmark_main(["--backend", "vllm", "--base-url", "http://127.0.0.1:9", "--timeout-s", "-1"]) == 2
     assert "error: --timeout-s must be a finite number of seconds > 0" in capsys.readouterr().err
     with pytest.raises(SystemExit):
