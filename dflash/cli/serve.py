@@ -214,6 +214,7 @@ def _warn_if_open(args: argparse.Namespace) -> None:
 
 def _serve(args: argparse.Namespace) -> int:
     import uvicorn
+    from prometheus_client import disable_created_metrics
 
     from dflash.serve.app import ServeConfig, create_app
     from dflash.serve.limits import DEFAULT_MAX_REQUEST_BYTES
@@ -221,6 +222,7 @@ def _serve(args: argparse.Namespace) -> int:
 
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     check_address(args.host, args.port)  # before the models load, which can take minutes
+    disable_created_metrics()  # as vLLM's server does: no `*_created` series beside every counter and histogram
     pipe = load_pipeline(args)
     config = ServeConfig(
         served_model_name=args.served_model_name or args.target or "dflash",

@@ -54,6 +54,8 @@ def test_dflash_serve_process(tiny_pair, stop_signal):
         out = client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "hi"}],
                                              max_tokens=6, temperature=0)
         assert out.choices[0].finish_reason in ("stop", "length") and out.usage.completion_tokens >= 1
+        metrics = httpx.get(f"http://127.0.0.1:{port}/metrics").text  # as vLLM's: no *_created series
+        assert "dflash:generation_tokens_total" in metrics and "_created" not in metrics
     finally:
         proc.send_signal(stop_signal)
         try:
