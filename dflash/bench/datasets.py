@@ -143,6 +143,7 @@ def load_samples(name: str, options: DataOptions) -> list[Sample]:
     """The samples of one dataset, from the first source that has it, subset by max_samples/seed."""
     spec = DATASETS[resolve_names([name])[0]]
     source = find_source(spec, options)
+    _warn_if_not_in_the_given_dir(spec, options, source)
     samples = [_to_sample(spec, record, i) for i, record in enumerate(_read(source, spec))]
     if not samples:
         raise UserError(f"{spec.name}: {describe(source)} has no records; give a file with one JSON object per line")
@@ -180,26 +181,25 @@ def subset(samples: list[Sample], max_samples: int | None, seed: int) -> list[Sa
 def find_source(spec: DatasetSpec, options: DataOptions) -> Path | HubSource:
     if options.data_file:
         return Path(options.data_file)
-    dirs = _data_dirs(options)
-    for directory in dirs:
+    for directory in _data_dirs(options):
         for relative in spec.files:
             path = directory / relative
             if path.is_file():
-                return _noted(spec, options, directory, path)
+                return path
     if spec.hub is not None and options.use_hub:
-        return _noted(spec, options, None, spec.hub)
+        return spec.hub
     raise UserError(_missing_message(spec, options))
 
 
-def _noted(spec: DatasetSpec, options: DataOptions, directory: Path | None, source: Path | HubSource):
-    """`source`; a warning when the user gave a data directory and the dataset comes from elsewhere (a wrong
-    directory would otherwise measure the bundled copy unnoticed)."""
-    given = options.data_dir or os.environ.get(DATA_DIR_ENV)
-    if given and directory != Path(given):
-        flag = "--data-dir" if options.data_dir else f"${DATA_DIR_ENV}"
-        warnings.warn(f"{flag} {given} has no {' or '.join(spec.files)}; {spec.name} comes from {describe(source)}",
-                      DFlashWarning, stacklevel=2)
-    return source
+def _warn_if_not_in_the_given_dir(spec: DatasetSpec, options: DataOptions, source: Path | HubSource) -> None:
+    """A warning when the user gave a data directory and the dataset comes from elsewhere: a wrong directory
+    would otherwise measure the bundled copy unnoticed."""
+    given = _given_data_dir(options)
+    if options.data_file or not given or (isinstance(source, Path) and source.is_relative_to(given)):
+        return
+    flag = "--data-dir" if options.data_dir else f"${DATA_DIR_ENV}"
+    warnings.warn(f"{flag} {given} has no {' or '.join(spec.files)}; {spec.name} comes from {describe(source)}",
+                  DFlashWarning, stacklevel=3)
 
 
 def describe(source: Path | HubSource) -> str:
@@ -213,9 +213,13 @@ def _read(source: Path | HubSource, spec: DatasetSpec) -> list[Record]:
     return [Record(fields, f"{source}:{number}") for number, fields in rows]
 
 
+def _given_data_dir(options: DataOptions) -> str | None:
+    return options.data_dir or os.environ.get(DATA_DIR_ENV)
+
+
 def _data_dirs(options: DataOptions) -> list[Path]:
     dirs = []
-    given = options.data_dir or os.environ.get(DATA_DIR_ENV)
+    given = _given_data_dir(options)
     if given:
         if not Path(given).is_dir():
             what = "is a file, not a directory" if Path(given).is_file() else "does not exist"

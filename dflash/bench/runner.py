@@ -46,13 +46,19 @@ class BenchConfig:
     show_progress: bool = True
 
 
+def load_data(config: BenchConfig) -> dict[str, list[Sample]]:
+    """Each dataset's samples (a UserError names a missing source, or the file and line of a bad record)."""
+    return {name: load_samples(name, config.data) for name in resolve_names(config.datasets)}
+
+
 def run_bench(config: BenchConfig, pipe=None, console: Console | None = None,
-              stdout: Console | None = None) -> list[BenchResult]:
+              stdout: Console | None = None, data: dict[str, list[Sample]] | None = None) -> list[BenchResult]:
     """Run, print the table (to `stdout`; progress and warnings to `console`, stderr), write the output
-    directory; `pipe` (a `DFlash`) for the local backend."""
+    directory; `pipe` (a `DFlash`) for the local backend; `data`: `load_data(config)` when the caller read it
+    already (before loading the models)."""
     console = console or Console(stderr=True)
     stdout = stdout or Console()
-    data = {name: load_samples(name, config.data) for name in resolve_names(config.datasets)}
+    data = load_data(config) if data is None else data
     if config.backend == "server":
         runs = _server_runs(config, _server_backend(config, console), data, console)
     else:

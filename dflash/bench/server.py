@@ -186,13 +186,18 @@ def _check_http(url: str, flag: str, example: str):
     return parts
 
 
+def server_root(url: str) -> str:
+    """http://HOST:PORT/v1/ -> http://host:port: where a server's /metrics is, and two spellings of one server
+    compare equal."""
+    parts = urlsplit(url.strip())
+    path = parts.path.rstrip("/")
+    path = path[: -len("/v1")] if path.endswith("/v1") else path
+    return urlunsplit((parts.scheme.lower(), parts.netloc.lower(), path, "", ""))
+
+
 def default_metrics_url(base_url: str) -> str:
     """http://host:port/v1 -> http://host:port/metrics"""
-    parts = urlsplit(base_url)
-    path = parts.path.rstrip("/")
-    if path.endswith("/v1"):
-        path = path[: -len("/v1")]
-    return urlunsplit((parts.scheme, parts.netloc, path + "/metrics", "", ""))
+    return server_root(base_url) + "/metrics"
 
 
 def scrape(url: str, timeout_s: float = 10.0) -> SpecDecodeCounters | None:
@@ -543,7 +548,7 @@ async def _one_request(client: Client, sample: Sample) -> RequestRecord:
 
 
 def _check_config(config: ServerConfig) -> None:
-    if config.baseline_url and _server_root(config.baseline_url) == _server_root(config.base_url):
+    if config.baseline_url and server_root(config.baseline_url) == server_root(config.base_url):
         raise UserError(f"--baseline-url and --base-url name the same server ({config.base_url}); the baseline is "
                         "the same target served without a drafter (dflash serve --no-draft) on another port")
     if config.endpoint not in ("chat", "completions"):
@@ -560,14 +565,6 @@ def _check_config(config: ServerConfig) -> None:
         raise UserError(f"--request-timeout must be a finite number of seconds > 0, got {config.timeout_s}")
     if config.warmup_tokens < 0:
         raise UserError(f"--warmup-tokens must be >= 0 (0 = no warm-up), got {config.warmup_tokens}")
-
-
-def _server_root(url: str) -> str:
-    """http://HOST:PORT/v1/ -> http://host:port: two spellings of one server compare equal."""
-    parts = urlsplit(url.strip())
-    path = parts.path.rstrip("/")
-    path = path[: -len("/v1")] if path.endswith("/v1") else path
-    return urlunsplit((parts.scheme.lower(), parts.netloc.lower(), path, "", ""))
 
 
 def pooled(loads: list[LoadResult]) -> LoadResult:

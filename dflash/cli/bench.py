@@ -77,11 +77,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from dflash.bench.runner import run_bench
+    from dflash.bench.runner import load_data, run_bench
 
     config = bench_config(args)
+    data = load_data(config)  # a bad record is named before the models load, which can take minutes
     pipe = None if config.backend == "server" else _load_pair(args)
-    results = run_bench(config, pipe)
+    results = run_bench(config, pipe, data=data)
     return 1 if any(r.mismatches or r.errors for r in results) else 0
 
 
@@ -133,14 +134,13 @@ def bench_config(args: argparse.Namespace):
 
 
 def _check_data(names: list[str], data) -> None:
-    """Every dataset has somewhere to come from (--data-file, --data-dir, the bundled files or the hub), and its
-    records read: before any model loads, which can take minutes."""
-    from dflash.bench.datasets import load_samples
+    """Every dataset has somewhere to come from (--data-file, --data-dir, the bundled files or the hub)."""
+    from dflash.bench.datasets import data_source
 
     if data.data_file and not Path(data.data_file).is_file():
         raise UserError(f"--data-file {data.data_file} is not a file; pass an existing JSONL file")
     for name in names:
-        load_samples(name, data)  # a UserError naming what is missing, or the file and line of a bad record
+        data_source(name, data)  # a UserError naming what is missing
 
 
 def _distinct(values: list | None) -> list:

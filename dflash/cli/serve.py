@@ -151,9 +151,9 @@ def _check_drafting_flags(args: argparse.Namespace) -> None:
             raise UserError(f"{flags} tune{'s' if len(given) == 1 else ''} drafting, and --no-draft serves the "
                             "target alone: drop one or the other")
     elif not args.adaptive_block_size and args.fallback_min_acceptance == "auto":
-        raise UserError("the automatic fallback threshold needs the step costs the adaptive block size measures: "
-                        "drop --no-adaptive-block-size, or give --fallback-min-acceptance a number (0 never "
-                        "falls back)")
+        from dflash.serve.fallback import AUTO_NEEDS_STEP_COSTS
+
+        raise UserError(AUTO_NEEDS_STEP_COSTS)
 
 
 def _flag(name: str) -> str:

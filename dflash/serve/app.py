@@ -33,7 +33,7 @@ from dflash.decoding.detokenizer import TextDeltas
 from dflash.decoding.engine import GenerationConfig, check_token_ids
 from dflash.decoding.proposer import NoDraftProposer
 from dflash.errors import UserError
-from dflash.serve.fallback import FallbackConfig
+from dflash.serve.fallback import AUTO_NEEDS_STEP_COSTS, FallbackConfig
 from dflash.serve.limits import DEFAULT_MAX_REQUEST_BYTES, ContextLimit, check_max_model_len
 from dflash.serve.metrics import ServerMetrics
 from dflash.serve.protocol import (
@@ -85,8 +85,7 @@ class Server:
         self.metrics = ServerMetrics.for_proposer(self.engine.proposer)
         drafting = not isinstance(self.engine.proposer, NoDraftProposer)
         if drafting and config.fallback.auto and not config.adaptive_block_size:
-            raise UserError("the automatic fallback threshold needs the step costs the adaptive block size "
-                            "measures: drop --no-adaptive-block-size, or give --fallback-min-acceptance a number")
+            raise UserError(AUTO_NEEDS_STEP_COSTS)
         policy = None
         if drafting and config.adaptive_block_size:
             policy = BlockSizePolicy.calibrate(self.engine, config.scheduler.max_batch_size)
@@ -398,26 +397,24 @@ def _error_response(err: APIError, headers: Mapping[str, str] | None = None) -> 
 
 
 def _add_error_handlers(app: FastAPI) -> None:
-    error = _error_response
-
     @app.exception_handler(APIError)
     async def api_error(_, err: APIError):
-        return error(err)
+        return _error_response(err)
 
     @app.exception_handler(UserError)
     async def user_error(_, err: UserError):
-        return error(APIError(400, str(err)))
+        return _error_response(APIError(400, str(err)))
 
     @app.exception_handler(QueueFull)
     async def queue_full(_, err: QueueFull):
-        return error(APIError(429, str(err), type="rate_limit_error", code="queue_full"))
+        return _error_response(APIError(429, str(err), type="rate_limit_error", code="queue_full"))
 
     @app.exception_handler(SchedulerClosed)
     async def closed(_, err: SchedulerClosed):
-        return error(APIError(503, str(err), type="server_error", code="unavailable"))
+        return _error_response(APIError(503, str(err), type="server_error", code="unavailable"))
 
     @app.exception_handler(StarletteHTTPException)
     async def http_error(_, err: StarletteHTTPException):
         kind = "not_found_error" if err.status_code == 404 else "invalid_request_error"
-        return error(APIError(err.status_code, str(err.detail), type=kind), err.headers)
+        return _error_response(APIError(err.status_code, str(err.detail), type=kind), err.headers)
 

@@ -28,6 +28,11 @@ from typing import Callable
 log = logging.getLogger("dflash.serve")
 
 
+AUTO_NEEDS_STEP_COSTS = ("the automatic fallback threshold needs the step costs the adaptive block size measures: "
+                         "drop --no-adaptive-block-size, or give --fallback-min-acceptance a number (0 never falls "
+                         "back)")
+
+
 @dataclass
 class FallbackConfig:
     min_acceptance_length: float = 0.0  # tokens per verify forward; 0 disables the fallback

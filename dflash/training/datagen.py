@@ -65,14 +65,7 @@ class DatagenConfig:
             raise UserError(f"--limit must be >= 1 (leave it out for every prompt), got {self.limit}")
         if self.max_new_tokens < 1:
             raise UserError(f"--max-new-tokens must be >= 1, got {self.max_new_tokens}")
-        try:
-            make_config(temperature=self.temperature, top_p=self.top_p)  # their ranges
-        except UserError as err:  # "temperature must be ...", "top_p must be ...": named as the flags
-            message = str(err)
-            for name, flag in (("temperature", "--temperature"), ("top_p", "--top-p")):
-                if message.startswith(name):
-                    message = flag + message[len(name):]
-            raise UserError(message) from None
+        make_config(temperature=self.temperature, top_p=self.top_p)  # their ranges, named
         output = Path(self.output).expanduser()
         if output.suffix == ".gz":
             raise UserError(f"--output {self.output}: dflash datagen writes plain JSONL (it appends as it goes, and a "

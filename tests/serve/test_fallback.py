@@ -157,3 +157,16 @@ def test_verdicts_change_only_past_the_hysteresis_band():
     assert fb.drafting("w")
     with pytest.raises(ValueError, match="hysteresis"):
         FallbackConfig(min_acceptance_length=2.0, hysteresis=1.0)
+
+
+def test_an_app_with_the_auto_threshold_needs_the_adaptive_block_size(fresh_pipe):
+    """The app refuses what the CLI refuses before loading (`dflash serve --no-adaptive-block-size`), in the same
+    words."""
+    from dflash.errors import UserError
+    from dflash.serve import ServeConfig, create_app
+    from dflash.serve.fallback import AUTO_NEEDS_STEP_COSTS
+
+    config = ServeConfig(adaptive_block_size=False, fallback=FallbackConfig(auto=True), decode_thread=False)
+    with pytest.raises(UserError) as err:
+        create_app(fresh_pipe, config)
+    assert str(err.value) == AUTO_NEEDS_STEP_COSTS
