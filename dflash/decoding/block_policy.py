@@ -287,7 +287,7 @@ class StepCosts:
         new_tokens = steps * largest + 1
         limit = engine.context_length
         if limit:  # a short context: a shorter prompt, and the rows start again when their room runs out
-            context = max(1, min(context, limit // 4))
+            context = max(1, min(context, limit // 4, limit - largest - 1))  # leaves room for one new token
             new_tokens = max(1, min(new_tokens, limit - context - largest))
         config = GenerationConfig(max_new_tokens=new_tokens, stop_token_ids=[])
         prompt = [(7 * i + 11) % vocab for i in range(context)]  # any valid ids: only the time counts

@@ -69,6 +69,9 @@ class DraftModelProposer:
         self.target = target
         self.block_size = block_size
         self.vocab_size = target.vocab_size
+        # ids it can read: a draft model's embedding may have fewer rows than the target's (Qwen2.5-0.5B's 151,936
+        # against Qwen2.5-7B's 152,064, one tokenizer); the target's padding rows are never text
+        self.readable = draft.model.get_input_embeddings().weight.shape[0]
 
     def with_block_size(self, block_size: int | None) -> "DraftModelProposer":
         if block_size is None or block_size == self.block_size:
@@ -113,7 +116,7 @@ class DraftModelProposer:
             self.compact(state)
         probs = [torch.stack(d) if d else None for d in dists]
         return Draft(tokens=torch.tensor(tokens, dtype=torch.long, device=anchors.device).view(len(rows), k),
-                     probs=probs)
+                     probs=probs, forwards=k)  # the catch-up read and one per draft token after the first
 
     def _catch_up(self, state: DraftBatch, rows) -> list[list[int]]:
         """Keep each row's draft tokens the target accepted and hide the slots of the others; the tokens each row
@@ -150,6 +153,8 @@ class DraftModelProposer:
             positions[r] = start  # the padding's, never seen
             positions[r, width - len(read):] = torch.arange(start, start + len(read))
             new_valid[r, width - len(read):] = True
+        ids[ids >= self.readable] = 0  # an id past its embedding (a target's padding row) reads as id 0: it only
+        # changes what the draft model proposes after it, which verification checks
         ids, positions, new_valid = ids.to(device), positions.to(device), new_valid.to(device)
         valid = new_valid if state.valid is None else torch.cat([state.valid, new_valid], dim=1)
         mask = None if bool(valid.all()) else valid.long()

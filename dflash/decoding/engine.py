@@ -238,8 +238,9 @@ class SpeculativeEngine:
     # ---- requests ---------------------------------------------------------------------------------------
     @property
     def context_length(self) -> int | None:
-        """The target's context (max_position_embeddings); None when its config states none."""
-        return getattr(self.target.config, "max_position_embeddings", None)
+        """The target's context (max_position_embeddings, or less: `TargetModel.context_length`); None when its
+        config states none."""
+        return self.target.context_length
 
     def room(self, prompt_len: int, block_size: int | None = None) -> int | None:
         """The most new tokens a prompt of `prompt_len` tokens may ask for: every position a decode step writes
@@ -259,7 +260,8 @@ class SpeculativeEngine:
         if room is not None and config.max_new_tokens > room:
             raise GenerationError(
                 f"a prompt of {len(prompt_ids)} tokens leaves room for at most {max(room, 0)} new tokens, not "
-                f"max_new_tokens={config.max_new_tokens}: the target's context is {self.context_length} tokens, and "
+                f"max_new_tokens={config.max_new_tokens}: the target's context is {self.context_length} tokens"
+                f"{self.target.context_note}, and "
                 f"decoding keeps one block ({block_size} tokens) free past the last one; shorten the prompt or "
                 "lower max_new_tokens"
             )
@@ -396,8 +398,8 @@ class SpeculativeEngine:
             num_accepted = matching_prefix(draft.tokens, target_tokens[:, : block.shape[1]])
             new_tokens, kept_slots = accept_branch(num_accepted, target_tokens, branch, block.shape[1])
             batch.accepted = num_accepted.tolist()
-        self._commit(batch, new_tokens, out.features, positions, drafted=draft.tokens.shape[1] > 0,
-                     kept_slots=kept_slots)
+        self._commit(batch, new_tokens, out.features, positions,
+                     drafter_forwards=draft.forwards if draft.tokens.shape[1] > 0 else 0, kept_slots=kept_slots)
         kept = [seq.record(new, tokens.shape[1]) for seq, new in zip(rows, new_tokens)]
         batch.block_size, batch.branched, batch.verified = block.shape[1], branch is not None, tokens.shape[1]
         self.profile.steps += 1
@@ -471,7 +473,7 @@ class SpeculativeEngine:
                 new_tokens.append(rejection_sample(draft.tokens[r], q, p, seq.generator))
         return new_tokens
 
-    def _commit(self, batch: Batch, new_tokens: list[list[int]], features, positions, drafted: bool,
+    def _commit(self, batch: Batch, new_tokens: list[list[int]], features, positions, drafter_forwards: int,
                 kept_slots: torch.Tensor | None = None) -> None:
         """Keep the slots of accepted tokens, pass their features on, and move every anchor. kept_slots (b, q):
         the forward's slots that stay (a branch's accepted tokens, past the block's rejected ones); None: the
@@ -498,7 +500,7 @@ class SpeculativeEngine:
         batch.anchor_positions = batch.anchor_positions + produced
         for seq in batch.sequences:
             seq.stats.target_forwards += 1
-            seq.stats.drafter_forwards += int(drafted)
+            seq.stats.drafter_forwards += drafter_forwards
         self._maybe_compact(batch)
 
     def _maybe_compact(self, batch: Batch) -> None:
@@ -562,6 +564,8 @@ class SpeculativeEngine:
         configs = config if isinstance(config, list) else [config or GenerationConfig()] * len(prompts)
         if len(configs) != len(prompts):
             raise GenerationError(f"{len(configs)} generation configs for {len(prompts)} prompts")
+        if not prompts:
+            return []
         proposer = self.proposer_for(configs[0])
         policy = self.block_policy_for(configs[0], len(prompts))  # before any request's clock starts
         sequences = [self._new_row(i, p, c, len(prompts), proposer.block_size)

@@ -32,6 +32,7 @@ class Draft:
     # branch_fn(start (b,), length) -> (b, length): a second path leaving the draft at each row's draft position
     # `start`, with the drafter's next-best token there (`branch`); None: the proposer has none
     branch_fn: Callable[[torch.Tensor, int], torch.Tensor] | None = None
+    forwards: int = 1  # the drafter's forwards this draft took (a draft model's: one per draft token)
 
     @property
     def confidence(self) -> torch.Tensor | None:
@@ -44,7 +45,8 @@ class Draft:
         verifying all of it (each target distribution depends only on the tokens before it)."""
         full = self.confidence_fn
         return Draft(tokens=self.tokens[:, :n], probs=[None if p is None else p[:n] for p in self.probs],
-                     confidence_fn=None if full is None else (lambda: full()[:, :n]), branch_fn=self.branch_fn)
+                     confidence_fn=None if full is None else (lambda: full()[:, :n]), branch_fn=self.branch_fn,
+                     forwards=self.forwards)
 
 
 @dataclass

@@ -149,6 +149,43 @@ def rollback_problem(config: Any) -> str | None:
     return "; ".join(problems) or None
 
 
+def cache_problem(model: nn.Module) -> str | None:
+    """Why a model's forward cannot be decoded with a key/value cache (None: it can). A recurrent model (RWKV,
+    xLSTM) takes its state under its own keyword, and would swallow `past_key_values` in `**kwargs` unseen."""
+    params = inspect.signature(model.forward).parameters
+    if "cache" in params or "past_key_values" in params:
+        return None
+    return ("its forward takes no key/value cache (`past_key_values`): it keeps a recurrent state, which takes in "
+            "every draft token, and a rejected one cannot be taken out again")
+
+
+def rope_switch_length(config: Any) -> int | None:
+    """Where a `longrope` rotary embedding (Phi-3 and Phi-3.5 128k, Phi-4-mini) changes its frequencies, when that
+    is inside the context; None for any other rotary.
+
+    transformers picks the short or the long factors once per forward, from the forward's largest position: a
+    forward that reaches `original_max_position_embeddings` rotates every token in it with the long factors.
+    Decoding one token at a time rotates a token with the long factors only from that position on, so a verified
+    block, a batch or a re-read that straddles it would rotate some tokens otherwise, and change the output."""
+    text = text_config(config)
+    for key in ("rope_parameters", "rope_scaling"):  # transformers 5 names them `rope_parameters`
+        params = getattr(text, key, None)
+        if not isinstance(params, dict):
+            continue
+        kinds = [params] + [v for v in params.values() if isinstance(v, dict)]  # per layer kind (Gemma 3's form)
+        for kind in kinds:
+            if (kind.get("rope_type") or kind.get("type")) != "longrope":
+                continue
+            if kind.get("long_factor") is not None and kind.get("long_factor") == kind.get("short_factor"):
+                continue  # the same frequencies either way
+            switch = kind.get("original_max_position_embeddings") or getattr(text, "original_max_position_embeddings",
+                                                                             None)
+            limit = getattr(text, "max_position_embeddings", None)
+            if switch is not None and (limit is None or switch < limit):
+                return int(switch)
+    return None
+
+
 def _rollback_layer(layer: Any) -> Any:
     """Our slot-keeping replacement of a transformers cache layer (the layer itself if it has none)."""
     if type(layer) is DynamicLayer:

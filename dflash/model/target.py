@@ -7,6 +7,7 @@ with forward hooks, so only those layers' hidden states exist, never all of them
 from __future__ import annotations
 
 import inspect
+import logging
 import os
 import threading
 from dataclasses import dataclass
@@ -27,6 +28,8 @@ from dflash.model.loading import (
     resolve_model_dir,
     tokenizer_failure,
 )
+
+log = logging.getLogger(__name__)
 
 
 class IncompatibleDrafterError(UserError):
@@ -50,7 +53,12 @@ class TargetModel:
         self.tokenizer = tokenizer
         self.config = hf_compat.text_config(model.config)
         self.layers = hf_compat.decoder_layers(model)
-        self.rollback_problem = hf_compat.rollback_problem(model.config)  # None: every layer's cache can be cropped
+        # None: every layer's cache can be cropped
+        self.rollback_problem = hf_compat.rollback_problem(model.config) or hf_compat.cache_problem(model)
+        self.rope_switch = hf_compat.rope_switch_length(model.config)  # longrope: see `context_length`
+        if self.rope_switch is not None:
+            log.warning("%s: DFlash decodes within its first %d tokens%s", type(model).__name__, self.rope_switch,
+                        self.context_note)
         self._sliding = self.rollback_problem is None and hf_compat.has_sliding_layers(model.config)
         self.positions_by_slot = hf_compat.positions_by_slot(model.config)  # its batches keep no holes between tokens
         self._cache_kwarg = hf_compat.cache_kwarg_name(model)
@@ -112,6 +120,23 @@ class TargetModel:
     @property
     def dtype(self) -> torch.dtype:
         return next(self.model.parameters()).dtype
+
+    @property
+    def context_length(self) -> int | None:
+        """The tokens DFlash decodes within: the target's context (`max_position_embeddings`; None when its config
+        states none), or, for a `longrope` target, the position where its rotary frequencies switch
+        (`hf_compat.rope_switch_length`): past it, a verified block would rotate tokens otherwise than decoding one
+        at a time does."""
+        limit = getattr(self.config, "max_position_embeddings", None)
+        return self.rope_switch if self.rope_switch is not None else limit
+
+    @property
+    def context_note(self) -> str:
+        """Why `context_length` is shorter than the target's context, in words ("" when it is not)."""
+        if self.rope_switch is None:
+            return ""
+        return (f" (its longrope rotary switches to its long factors at {self.rope_switch} tokens, and a block "
+                "verified across that point would change the output, so DFlash decodes within it)")
 
     def eos_token_ids(self) -> list[int]:
         ids: set[int] = set()

@@ -77,7 +77,8 @@ class Server:
         self.config = config
         self.engine = pipe.engine
         target_context = self.engine.context_length
-        self.context = ContextLimit(check_max_model_len(config.max_model_len, target_context), target_context,
+        why = self.engine.target.context_note or " (max_position_embeddings in its config.json)"
+        self.context = ContextLimit(check_max_model_len(config.max_model_len, target_context, why), target_context,
                                     self.engine.room(0))
         self.max_model_len = self.context.usable  # the most prompt + max_tokens may add up to
         if self.context.usable < self.context.configured:

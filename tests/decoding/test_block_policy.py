@@ -355,6 +355,22 @@ def test_generate_with_auto_block_size_is_lossless_and_uses_several_sizes(target
     assert engine._block_policy is policy  # timed once, then reused
 
 
+def test_auto_block_size_serves_what_a_fixed_block_serves_in_a_context_barely_longer_than_a_block():
+    """20 positions and a block of 16: a 2-token prompt has room for 2 new tokens, and the start-up timing's own
+    rows must fit as well (they were a 5-token prompt, refused in the user's name)."""
+    from transformers import AutoModelForCausalLM
+
+    from dflash.model import TargetModel
+
+    config = tiny_target_config("qwen3")
+    config.max_position_embeddings = 20
+    torch.manual_seed(0)
+    target = TargetModel(AutoModelForCausalLM.from_config(config, dtype=torch.float32).eval())
+    engine = SpeculativeEngine(target, DFlashProposer(tiny_drafter(target, block_size=16), target))
+    fixed = engine.generate([[1, 2]], GenerationConfig(max_new_tokens=2, block_size=16))[0].output_ids
+    assert engine.generate([[1, 2]], GenerationConfig(max_new_tokens=2, block_size="auto"))[0].output_ids == fixed
+
+
 @pytest.mark.parametrize("family", ["gpt2", "qwen3"])
 def test_auto_block_size_on_a_target_with_a_short_context(family, monkeypatch):
     """The start-up timing of block size auto fits any context: on a target of 160 positions (all its timed steps

@@ -85,6 +85,31 @@ def test_a_smaller_draft_vocabulary_never_drafts_the_missing_ids():
     assert fit_vocabulary(torch.zeros(2, 7), 5).shape == (2, 5)
 
 
+def test_a_draft_model_with_a_smaller_embedding_reads_the_targets_padding_ids_and_stays_lossless(target):
+    """Qwen2.5-0.5B has 151,936 embedding rows and Qwen2.5-7B 152,064, with one tokenizer: a prompt or target token
+    past the draft model's rows (the target's padding) must not crash its read, and the output stays the target's."""
+    import copy
+
+    small = copy.deepcopy(perturbed_copy(target, 0.3).model)
+    small.resize_token_embeddings(target.vocab_size - 8)
+    draft = TargetModel(small)
+    prompts = [[5, 17, 33, target.vocab_size - 1], random_prompts(1, seed=33)[0]]
+    config = GenerationConfig(max_new_tokens=12, stop_token_ids=[])
+    plain = [o.output_ids for o in SpeculativeEngine(target).generate(prompts, config)]
+    outs = SpeculativeEngine(target, DraftModelProposer(draft, target, 4)).generate(prompts, config)
+    assert [o.output_ids for o in outs] == plain
+
+
+def test_drafter_forwards_counts_a_draft_models_forwards(target):
+    """A draft model drafts k tokens in k forwards a step (a catch-up read, then one per draft token after the
+    first); DFlash drafts a block in one."""
+    k = 4
+    out = SpeculativeEngine(target, DraftModelProposer(target, target, k + 1)).generate(
+        [random_prompts(1, seed=34)[0]], GenerationConfig(max_new_tokens=20, stop_token_ids=[]))[0]
+    steps = out.stats.target_forwards - 1  # the prefill's forward drafts nothing
+    assert steps > 1 and out.stats.drafter_forwards == k * steps
+
+
 def test_draft_models_that_cannot_draft_for_the_target_are_refused(target):
     short = TargetModel(tiny_target_model("llama", seed=3, layers=1))
     short.model.config.max_position_embeddings = 16

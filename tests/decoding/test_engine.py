@@ -252,6 +252,11 @@ def test_bad_requests_are_refused_clearly(target, bad):
         engine.generate([bad["prompt"]], bad["config"])
 
 
+def test_no_prompts_decode_to_no_outputs(target):
+    engine = SpeculativeEngine(target, DFlashProposer(tiny_drafter(target), target))
+    assert engine.generate([], GenerationConfig(max_new_tokens=4)) == []
+
+
 def test_a_request_beyond_the_context_is_told_how_many_tokens_fit(target):
     engine = SpeculativeEngine(target, DFlashProposer(tiny_drafter(target), target))  # block 16, context 1024
     with pytest.raises(GenerationError, match=r"a prompt of 2 tokens leaves room for at most 1006 new tokens, not "

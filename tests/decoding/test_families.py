@@ -18,6 +18,7 @@ from conftest import (
     tiny_target_model,
 )
 from dflash.decoding import GenerationConfig, NoDraftProposer, SpeculativeEngine
+from dflash.errors import GenerationError
 from dflash.model.target import TargetModel, UnsupportedTargetError
 
 # families with sliding-window layers (conftest._family_fields): they decode without branches
@@ -85,3 +86,60 @@ def test_targets_whose_state_cannot_be_rolled_back_are_refused_up_front(family):
     for proposer in (None, NoDraftProposer()):
         with pytest.raises(UnsupportedTargetError, match=r"layers \[0(, 1)?\] are '\w+' layers: .+full or sliding"):
             SpeculativeEngine(target, proposer)
+
+
+def test_a_recurrent_target_that_takes_no_kv_cache_is_refused_up_front():
+    """RWKV keeps its state under its own keyword: the engine's cache would vanish into its `**kwargs`, and every
+    forward would see only its own tokens (other text than transformers' generate, with or without a drafter)."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    config = AutoConfig.for_model("rwkv", vocab_size=128, hidden_size=64, num_hidden_layers=2,
+                                  attention_hidden_size=64, intermediate_size=128)
+    target = TargetModel(AutoModelForCausalLM.from_config(config).eval())
+    for proposer in (None, NoDraftProposer()):
+        with pytest.raises(UnsupportedTargetError, match=r"RwkvForCausalLM .+takes no key/value cache"):
+            SpeculativeEngine(target, proposer)
+
+
+def _longrope_target(switch: int) -> TargetModel:
+    """A tiny Phi-3 whose longrope rotary switches from its short to its long factors at `switch` tokens (Phi-3 and
+    Phi-3.5 128k's form, in a context of 1,024), with factors far enough apart to change its greedy text."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from conftest import tiny_target_config
+
+    config = tiny_target_config("phi3", layers=2)
+    config.sliding_window = None
+    half = config.hidden_size // config.num_attention_heads // 2
+    factors = dict(short_factor=[1.0] * half, long_factor=[1.0 + 3.0 * i for i in range(half)])
+    config.original_max_position_embeddings = switch
+    if hasattr(config, "rope_parameters"):  # transformers 5
+        config.rope_parameters = dict(rope_type="longrope", rope_theta=10000.0, original_max_position_embeddings=switch,
+                                      **factors)
+    else:
+        config.rope_scaling = dict(type="longrope", **factors)
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32).eval()
+    with torch.no_grad():
+        model.get_output_embeddings().weight.mul_(2.0)
+    return TargetModel(model)
+
+
+def test_a_longrope_target_decodes_within_its_switch_and_losslessly():
+    """transformers picks a longrope target's factors once per forward, from its largest position: a verified block
+    or a batch reaching past the switch would rotate the tokens before it with the long factors, which decoding one
+    token at a time does not (4 of 12 prompts changed their text that way). DFlash decodes within the switch,
+    says why when a request does not fit, and is lossless there, alone and in a ragged batch."""
+    switch = 24
+    target = _longrope_target(switch)
+    prompts = random_prompts(4, seed=1, low=4, high=8)
+    block = 4
+    max_new = switch - max(map(len, prompts)) - block
+    refs = {tuple(p): hf_greedy(target, p, max_new) for p in prompts}
+    engine = SpeculativeEngine(target, OracleProposer(tiny_drafter(target, block_size=block), target, refs))
+    assert engine.context_length == switch
+    config = GenerationConfig(max_new_tokens=max_new, block_size=block, stop_token_ids=[])
+    assert [o.output_ids for o in engine.generate(prompts, config)] == [refs[tuple(p)] for p in prompts]
+    with pytest.raises(GenerationError, match=r"context is 24 tokens \(its longrope rotary switches .+ at 24 tokens"):
+        engine.generate([prompts[0]], GenerationConfig(max_new_tokens=switch, block_size=block))

@@ -166,3 +166,26 @@ def test_a_drafter_for_every_family_gets_one_kind_of_rope(family):
     assert cos.shape == (1, 3, config.head_dim)
     saved = config.to_dict()  # what vLLM and SGLang read: the whole head rotates, as in training
     assert "partial_rotary_factor" not in json.dumps({k: saved.get(k) for k in ("rope_scaling", "rope_parameters")})
+
+
+def test_rope_switch_length_is_where_a_longrope_rotary_changes_its_factors_inside_the_context():
+    from types import SimpleNamespace
+
+    def config(original=4096, context=131072, long=(1.0, 2.0), key="rope_parameters", **fields):
+        rope = dict(rope_type="longrope", short_factor=[1.0, 1.0], long_factor=list(long),
+                    original_max_position_embeddings=original)
+        return SimpleNamespace(max_position_embeddings=context, **{key: rope}, **fields)
+
+    assert hf_compat.rope_switch_length(config()) == 4096  # Phi-3.5-mini's form
+    assert hf_compat.rope_switch_length(config(original=4096, context=4096)) is None  # never reached
+    assert hf_compat.rope_switch_length(config(long=(1.0, 1.0))) is None  # the same factors either way
+    older = SimpleNamespace(max_position_embeddings=131072, original_max_position_embeddings=4096,
+                            rope_scaling=dict(type="longrope", short_factor=[1.0], long_factor=[2.0]))
+    assert hf_compat.rope_switch_length(older) == 4096  # transformers 4's form
+    per_kind = SimpleNamespace(max_position_embeddings=1024, rope_parameters={
+        "full_attention": dict(rope_type="longrope", short_factor=[1.0], long_factor=[2.0],
+                               original_max_position_embeddings=256),
+        "sliding_attention": dict(rope_type="default")})
+    assert hf_compat.rope_switch_length(per_kind) == 256
+    yarn = SimpleNamespace(max_position_embeddings=131072, rope_parameters=dict(rope_type="yarn", factor=4.0))
+    assert hf_compat.rope_switch_length(yarn) is None
