@@ -30,7 +30,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--intermediate-size", type=int,
                         help="the drafter's MLP width (default: the target's); with --init-from, a larger value "
                              "widens the drafter's MLP (new units start silent, so the drafter starts unchanged)")
-    parser.add_argument("--dflash2", action="store_true", default=None,
+    parser.add_argument("--dflash2", action=argparse.BooleanOptionalAction, default=None,
                         help="train a DFlash2 drafter: an in-block convolution around every sublayer and a candidate "
                              "selector (architecture DFlash2DraftModel); with --init-from a DFlash drafter, both are "
                              "added in a form that starts by drafting as it did")
@@ -55,8 +55,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--distill-weight", type=float,
                         help="weight w of the soft labels: each position's loss is (1 - w) * cross-entropy on the "
                              "target's token + w * KL(target's distribution || drafter's); default 0 (hard labels)")
-    parser.add_argument("--epochs", type=float)
-    parser.add_argument("--max-steps", type=int)
+    parser.add_argument("--epochs", type=float,
+                        help="passes over --data (default 6); --max-steps, when set, decides instead (and an --epochs "
+                             "flag drops a --config file's max_steps)")
+    parser.add_argument("--max-steps", type=int, help="optimizer steps to train; overrides --epochs")
     parser.add_argument("--batch-size", type=int, help="sequences per process per forward (default 4)")
     parser.add_argument("--grad-accum", type=int,
                         help="forwards whose gradients add up before each optimizer step (default 1): a step then "
@@ -77,7 +79,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--feature-cache",
                         help="'memory' or a directory: reuse target features across epochs (a directory keeps a "
                              "manifest of the target, examples and feature layers, and refuses a run with others)")
-    parser.add_argument("--resume", action="store_true", default=None,
+    parser.add_argument("--resume", action=argparse.BooleanOptionalAction, default=None,
                         help="continue from the newest checkpoint in OUTPUT/checkpoints (same data and batch size)")
     parser.add_argument("--overwrite", action="store_true", default=None,
                         help="start afresh in an --output that holds an earlier run's checkpoints or a model: delete "

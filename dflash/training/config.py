@@ -140,14 +140,25 @@ class TrainConfig:
         return asdict(self)
 
     def portable_dict(self) -> dict[str, Any]:
-        """`to_dict` with every local path absolute: the exported training_config.yaml names the target and data it
-        was trained with, and `dflash train --config` reads it back from any folder."""
-        values = self.to_dict()
-        for key in ("target", "data", "output", "init_from", "feature_cache"):
+        """The settings for the exported training_config.yaml (`portable_settings`)."""
+        return portable_settings(self.to_dict())
+
+
+# What a run does with its output rather than how it trains: never written to training_config.yaml, so reading that
+# file back with --config cannot delete a run's checkpoints (overwrite) or continue one by surprise (resume)
+RUN_ACTIONS = ("resume", "overwrite")
+
+
+def portable_settings(values: dict[str, Any]) -> dict[str, Any]:
+    """A run's settings with every local path absolute and without `RUN_ACTIONS`: the exported training_config.yaml
+    names the target and data it was trained with, and `dflash train --config` reads it back from any folder."""
+    values = {k: v for k, v in values.items() if k not in RUN_ACTIONS}
+    for key in ("target", "data", "output", "init_from", "feature_cache"):
+        if key in values:
             values[key] = absolute_if_local(values[key])
-        if values["extra_train_data"]:
-            values["extra_train_data"] = [absolute_if_local(path) for path in values["extra_train_data"]]
-        return values
+    if values.get("extra_train_data"):
+        values["extra_train_data"] = [absolute_if_local(path) for path in values["extra_train_data"]]
+    return values
 
 
 def absolute_if_local(value: str | None) -> str | None:
@@ -169,8 +180,12 @@ def load_config(yaml_path: str | None = None, overrides: dict[str, Any] | None =
         values.update({str(k).replace("-", "_"): v for k, v in loaded.items()})
         _read_numbers(values)
         _check_types(values, path)
+        if values.get("overwrite"):
+            raise UserError(f"{path} sets overwrite: true, which deletes an earlier run's checkpoints; it is taken "
+                            "only as the --overwrite flag: drop it from the file (and pass --overwrite if you mean it)")
     given = {k: v for k, v in (overrides or {}).items() if v is not None}
     values.update(given)
+    _flags_win_over_the_file(values, given)
     unknown = sorted(set(values) - {f.name for f in fields(TrainConfig)})
     if unknown:
         where = f" in {yaml_path}" if yaml_path and not set(unknown) & set(given) else ""
@@ -180,6 +195,17 @@ def load_config(yaml_path: str | None = None, overrides: dict[str, Any] | None =
     config = TrainConfig(**values)
     config.validate()
     return config
+
+
+def _flags_win_over_the_file(values: dict[str, Any], given: dict[str, Any]) -> None:
+    """Options that exclude one another: the one a flag gives overrides the file's other one. --epochs on the command
+    line is not undone by the file's max_steps (which would win over it), nor --overwrite by the file's resume."""
+    if "epochs" in given and "max_steps" not in given:
+        values.pop("max_steps", None)
+    if given.get("overwrite") and "resume" not in given:
+        values["resume"] = False
+    if given.get("resume") and "overwrite" not in given:
+        values["overwrite"] = False
 
 
 # Other trainers' names for ours.

@@ -33,7 +33,13 @@ from dflash.model.loading import load_drafter, resolve_model_dir, save_drafter
 from dflash.model.target import check_compatible
 from dflash.records import read_json_object
 from dflash.training import datagen
-from dflash.training.config import DEFAULT_BLOCK_SIZE, DEFAULT_MAX_LENGTH, TrainConfig, absolute_if_local
+from dflash.training.config import (
+    DEFAULT_BLOCK_SIZE,
+    DEFAULT_MAX_LENGTH,
+    TrainConfig,
+    absolute_if_local,
+    portable_settings,
+)
 from dflash.training.data import Batch, Example, collate, epoch_batches, fingerprint, read_examples, split_examples
 from dflash.training.drafter_setup import (
     check_kept_options,
@@ -803,7 +809,7 @@ class Trainer:
         elif self.step == self.total_steps:
             self._note(f"the newest checkpoint is at the last step ({self.step}): it is evaluated and exported")
         if self.step >= self.total_steps:  # no step runs with the settings given now: export what trained it
-            self.trained_with = state["config"]
+            self.trained_with = portable_settings(state["config"])
 
     def _read_checkpoint(self, checkpoint: Path) -> dict:
         """The training state of checkpoints/step-N; one that cannot be read (a truncated copy, a damaged disk, a

@@ -101,3 +101,38 @@ def test_an_option_set_twice_in_the_yaml_file_is_refused(tmp_path, text):
     path.write_text(text)
     with pytest.raises(UserError, match="is set twice"):
         load_config(str(path), {})
+
+
+def test_a_config_file_cannot_delete_checkpoints(tmp_path):
+    """training_config.yaml files exported before 2026-12-05 hold `overwrite: true` after an --overwrite run: read
+    back with --config, they deleted the new run's checkpoints unasked."""
+    path = tmp_path / "train.yaml"
+    path.write_text("target: t\ndata: d.jsonl\noutput: o\noverwrite: true\n")
+    with pytest.raises(UserError, match=r"sets overwrite: true.+taken only as the --overwrite flag: drop it"):
+        load_config(str(path))
+    path.write_text("target: t\ndata: d.jsonl\noutput: o\noverwrite: false\n")
+    assert load_config(str(path)).overwrite is False
+
+
+def test_flags_override_the_options_of_the_file_they_exclude(tmp_path):
+    path = tmp_path / "train.yaml"
+    path.write_text("target: t\ndata: d.jsonl\noutput: o\nmax_steps: 3\nresume: true\n")
+    assert load_config(str(path)).max_steps == 3
+    by_epochs = load_config(str(path), {"epochs": 2.0})
+    assert by_epochs.max_steps is None and by_epochs.epochs == 2.0  # the file's max_steps would have won
+    assert load_config(str(path), {"epochs": 2.0, "max_steps": 5}).max_steps == 5
+    fresh = load_config(str(path), {"overwrite": True})
+    assert fresh.overwrite and not fresh.resume  # not "--resume continues what --overwrite would delete"
+    assert not load_config(str(path), {"resume": False}).resume  # --no-resume
+
+
+def test_no_resume_and_no_dflash2_flags_reach_the_config():
+    import argparse
+
+    from dflash.cli.train import add_arguments
+
+    parser = argparse.ArgumentParser()
+    add_arguments(parser)
+    args = parser.parse_args(["--no-resume", "--no-dflash2"])
+    assert args.resume is False and args.dflash2 is False
+    assert parser.parse_args([]).resume is None  # not given: the file's value stands
