@@ -84,7 +84,8 @@ class DatagenConfig:
         """What decides the answers: a rerun that resumes an output must repeat these."""
         return {"target": target_name(self.target), "max_new_tokens": self.max_new_tokens,
                 "temperature": self.temperature, "top_p": self.top_p, "seed": self.seed,
-                "prompt_suffix": self.prompt_suffix, "chat_template_kwargs": self.chat_template_kwargs()}
+                "prompt_suffix": self.prompt_suffix, "chat_template_kwargs": self.chat_template_kwargs(),
+                "dtype": self.dtype}  # None: the checkpoint's own, and what a settings file from before it reads as
 
     def chat_template_kwargs(self) -> dict | None:
         """The chat template variables set; None (the template's defaults) reads the same as a settings file from
@@ -201,6 +202,8 @@ def _load_dataset(config: DatagenConfig, source: str, local: bool = False) -> li
     dataset comes from the local `datasets` cache alone when the hub cannot be reached (`hub.unreachable`)."""
     require(["datasets"], "reading a dataset instead of a JSONL file")
     import datasets
+    if local and any((Path(source) / name).exists() for name in ("state.json", "dataset_dict.json")):
+        return _saved_dataset(source, config.split)
     try:
         unreachable = None if local or hub.offline() else hub.unreachable(source, repo_type="dataset",
                                                                           instead="pass a local JSONL file")
@@ -217,6 +220,22 @@ def _load_dataset(config: DatagenConfig, source: str, local: bool = False) -> li
         offline = ("" if local else f"; there is no local file or directory named {source!r} either. Offline? Pass "
                    "a local JSONL file with `prompt`, `turns` or `messages`, or a downloaded dataset directory")
         raise UserError(f"could not load dataset {source!r}, split {config.split!r}: {reason}{hint}{offline}") from None
+
+
+def _saved_dataset(source: str, split: str) -> list[dict]:
+    """The rows of a `save_to_disk` directory: a Dataset, or `split` of a DatasetDict."""
+    import datasets
+
+    try:
+        saved = datasets.load_from_disk(source)
+    except Exception as err:
+        raise UserError(f"could not read the saved dataset {source!r}: {in_brief(err)}") from None
+    if isinstance(saved, datasets.DatasetDict):
+        if split not in saved:
+            raise UserError(f"--prompts {source} holds the splits {', '.join(saved)}, not {split!r}; pick one with "
+                            "--split")
+        saved = saved[split]
+    return list(saved)
 
 
 # ---- the output: what is done, and whether a rerun continues the same job --------------------------------------
@@ -250,12 +269,20 @@ def done_ids(output: Path) -> dict[int, str | None]:
             raise UserError(f"{output} is not dflash datagen output (line {n} is not a record); pass another "
                             "--output (a rerun of dflash datagen appends to its own output)")
     if tail.strip():
-        if not tail.startswith(RECORD_START):
+        if not tail.startswith(RECORD_START) or (_is_json(tail) and _output_record(tail) is None):  # whole, not ours
             raise UserError(f"{output} is not dflash datagen output (line {len(lines) + 1} is not a record); pass "
                             "another --output")
         with output.open("r+b") as f:  # the interrupted write of a record: it is generated again
             f.truncate(len(data) - len(tail))
     return {record["id"]: record.get("prompt_hash") for _, _, record in parsed}
+
+
+def _is_json(line: bytes) -> bool:
+    try:
+        json.loads(line.decode("utf-8"))
+    except (UnicodeDecodeError, json.JSONDecodeError, RecursionError):
+        return False
+    return True
 
 
 def _output_record(line: bytes) -> dict | None:

@@ -198,6 +198,8 @@ def test_a_rerun_with_other_prompts_or_settings_is_refused(answered, prompts, tm
         run_datagen(DatagenConfig(**{**vars(answered), "temperature": 0.7, "seed": 3}))
     with pytest.raises(UserError, match="other settings \\(chat_template_kwargs None, now \\{'enable_thinking': False"):
         run_datagen(DatagenConfig(**{**vars(answered), "enable_thinking": False}))
+    with pytest.raises(UserError, match="other settings \\(dtype None, now 'bfloat16'\\)"):  # other answers on 8B
+        run_datagen(DatagenConfig(**{**vars(answered), "dtype": "bfloat16"}))
     with pytest.raises(UserError, match="answer to prompt 1, but there are only 1 prompts"):
         run_datagen(DatagenConfig(**{**vars(answered), "prompts": str(write_jsonl(tmp_path / "one.jsonl", rows[:1])),
                                      "limit": None}))
@@ -215,7 +217,8 @@ def test_an_output_of_an_older_version_resumes_with_a_warning(answered, capsys, 
 
 
 @pytest.mark.parametrize("content", [b'{"prompt": "mine"}\n', b'{"prompt": "mine, no newline"}', b"notes\n",
-                                     b"\xff\xfe\n", b"[" * 100000 + b"\n"])
+                                     b"\xff\xfe\n", b"[" * 100000 + b"\n",
+                                     b'{"id": 7, "prompt": "my only copy, no newline"}'])  # whole: not half-written
 def test_an_output_that_is_not_datagen_output_is_refused_and_left_alone(tiny_pair, prompts, tmp_path, content):
     out = tmp_path / "notes.jsonl"
     out.write_bytes(content)
@@ -307,6 +310,17 @@ def test_a_local_dataset_directory_is_read_with_datasets(tmp_path):
     (tmp_path / "test.jsonl").write_text('{"question": "t?"}\n')
     assert [p.turns[0][0]["content"] for p in read_prompts(config_for(str(tmp_path), split="test"))] == ["t?"]
     assert [p.turns[0][0]["content"] for p in read_prompts(config_for(str(tmp_path)))] == ["a?", "b?"]
+
+
+def test_a_dataset_saved_with_save_to_disk_is_read(tmp_path):
+    datasets = pytest.importorskip("datasets")
+    rows = datasets.Dataset.from_list([{"question": "a?"}, {"question": "b?"}])
+    rows.save_to_disk(str(tmp_path / "one"))
+    assert [p.turns[0][0]["content"] for p in read_prompts(config_for(str(tmp_path / "one")))] == ["a?", "b?"]
+    datasets.DatasetDict(train=rows, test=rows.select([1])).save_to_disk(str(tmp_path / "both"))
+    assert [p.turns[0][0]["content"] for p in read_prompts(config_for(str(tmp_path / "both"), split="test"))] == ["b?"]
+    with pytest.raises(UserError, match=r"holds the splits train, test, not 'dev'; pick one with --split"):
+        read_prompts(config_for(str(tmp_path / "both"), split="dev"))
 
 
 @pytest.mark.parametrize("missing", ["prompts.jsonl", "./prompts", "data/2024/prompts", "~/nowhere.json", "nope.txt",
