@@ -23,6 +23,28 @@ def lock_or_refuse(fd: int, busy: str) -> None:
         pass
 
 
+def being_written(path: str | os.PathLike) -> bool:
+    """Whether another process holds `lock_or_refuse`'s lock on the file `path` (a dflash datagen writing it). False
+    where locks are not available, or the file cannot be opened."""
+    try:
+        import fcntl
+    except ImportError:
+        return False
+    try:
+        fd = os.open(path, os.O_RDONLY)
+    except OSError:
+        return False
+    try:
+        fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
+    except BlockingIOError:
+        return True
+    except OSError:
+        return False
+    finally:
+        os.close(fd)  # closing drops a lock taken here
+    return False
+
+
 class DirectoryLock:
     """The directory `path` locked for this process (`lock_or_refuse`) until `release`, or until the lock is
     garbage collected."""

@@ -55,7 +55,7 @@ from dflash.training.drafter_setup import (
     widen_mlp,
 )
 from dflash.training.drafting_head import DraftingHead, DraftOutput
-from dflash.training.lock import DirectoryLock
+from dflash.training.lock import DirectoryLock, being_written
 from dflash.training.objective import (
     Blocks,
     block_hits,
@@ -290,6 +290,9 @@ class Trainer:
     def _read(self, flag: str, path: str) -> list[Example]:
         """The examples of one data file; records that leave nothing to train on are named in a warning, and so is
         another target's datagen output."""
+        if being_written(path):
+            raise UserError(f"{flag} {path} is still being written by dflash datagen; let it finish, then train (a run "
+                            "on part of it could not be resumed once the file has grown)")
         loaded = read_examples(path, self.tokenizer, self.config.max_length, self.target.vocab_size, flag)
         self._check_data_target(flag, path)
         if loaded.dropped:

@@ -966,3 +966,15 @@ def test_each_logged_step_shows_the_learning_rate_it_took(tiny_pair, train_data,
     for step, rate in rates.items():
         assert rate == pytest.approx(3e-3 * rule(step - 1))
     assert rates[5] > 0
+
+
+def test_data_that_dflash_datagen_is_still_writing_is_refused(tiny_pair, train_data, tmp_path):
+    """A run on part of a datagen output trains on what happened to be written, and cannot be resumed once the
+    file has grown: datagen's lock on the file says it is not done."""
+    from dflash.training.lock import lock_or_refuse
+
+    with open(train_data, "a") as writing:
+        lock_or_refuse(writing.fileno(), "busy")
+        with pytest.raises(UserError, match=r"--data .+ is still being written by dflash datagen; let it finish"):
+            Trainer(config(tiny_pair, train_data, tmp_path / "out", max_steps=1)).setup()
+    Trainer(config(tiny_pair, train_data, tmp_path / "out", max_steps=1)).setup().cleanup()  # done: it trains
