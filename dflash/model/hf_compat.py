@@ -515,4 +515,10 @@ def rope_fields(config: Any) -> dict[str, Any]:
             per_kind = out[key] = dict(per_kind.get("full_attention") or next(iter(per_kind.values())))
         if isinstance(per_kind, dict) and "partial_rotary_factor" in per_kind:
             out[key] = {k: v for k, v in per_kind.items() if k != "partial_rotary_factor"}
+    if "rope_theta" not in out:  # transformers 5 keeps it inside rope_parameters; an engine on transformers 4 reads
+        for key in ("rope_parameters", "rope_scaling"):  # it at the top level, else rotates with base 10,000
+            theta = out.get(key, {}).get("rope_theta") if isinstance(out.get(key), dict) else None
+            if theta is not None:
+                out["rope_theta"] = theta
+                break
     return out

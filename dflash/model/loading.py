@@ -374,17 +374,21 @@ def load_drafter(
 
 
 def save_drafter(model: DFlashDraftModel, directory: str | os.PathLike, dtype: torch.dtype | None = None) -> None:
-    """Write config.json + model.safetensors with the public key names (what vLLM and SGLang read)."""
+    """Write config.json + model.safetensors with the public key names (what vLLM and SGLang read). Each file is
+    written beside its place and then moved there, so a stop midway (a kill, a full disk) leaves each one whole: the
+    earlier export's, or this one's."""
     directory = Path(directory)
     directory.mkdir(parents=True, exist_ok=True)
     state = {k: v.detach().to(dtype or v.dtype).contiguous().cpu() for k, v in model.state_dict().items()
              if "rotary_emb" not in k}
     config = model.config
     config.dtype = str(dtype or next(model.parameters()).dtype).removeprefix("torch.")
-    weights = directory / "model.safetensors"
+    weights, settings = directory / "model.safetensors.tmp", directory / "config.json.tmp"
     save_file(state, weights, metadata={"format": "pt"})
     _as_umask_allows(weights)
-    (directory / "config.json").write_text(json.dumps(config.to_dict(), indent=2) + "\n")
+    settings.write_text(json.dumps(config.to_dict(), indent=2) + "\n")
+    os.replace(weights, directory / "model.safetensors")
+    os.replace(settings, directory / "config.json")
 
 
 def _as_umask_allows(path: Path) -> None:

@@ -166,6 +166,10 @@ def test_a_drafter_for_every_family_gets_one_kind_of_rope(family):
     assert cos.shape == (1, 3, config.head_dim)
     saved = config.to_dict()  # what vLLM and SGLang read: the whole head rotates, as in training
     assert "partial_rotary_factor" not in json.dumps({k: saved.get(k) for k in ("rope_scaling", "rope_parameters")})
+    rope = fields.get("rope_parameters") or fields.get("rope_scaling") or {}
+    theta = getattr(target.config, "rope_theta", None) or rope.get("rope_theta")
+    if theta is not None:  # at the top level too, where an engine on transformers 4 reads it (else: base 10,000)
+        assert saved["rope_theta"] == theta
 
 
 def test_rope_switch_length_is_where_a_longrope_rotary_changes_its_factors_inside_the_context():

@@ -7,6 +7,7 @@ import subprocess
 import sys
 import threading
 import time
+from pathlib import Path
 
 import pytest
 import torch
@@ -120,6 +121,25 @@ def test_save_then_load_gives_the_same_outputs(tmp_path, target):
     args = dict(block_embeds=torch.randn(2, 8, H), block_positions=torch.arange(5, 13).repeat(2, 1),
                 context=torch.randn(2, 5, H), context_positions=torch.arange(5).repeat(2, 1))
     assert torch.equal(drafter(**args), again(**args))
+
+
+def test_an_export_stopped_midway_leaves_the_earlier_one_whole(tmp_path, target, monkeypatch):
+    """The weights and config.json are written beside their places and moved there: a stop while writing (a kill, a
+    full disk) leaves the earlier export loadable, not half a file."""
+    from dflash.model import loading
+
+    tiny_drafter(target, layers=1).save_pretrained(tmp_path / "out")
+    before = {name: (tmp_path / "out" / name).read_bytes() for name in ("model.safetensors", "config.json")}
+
+    def stopped(state, path, metadata=None):
+        Path(path).write_bytes(b"half a file")
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(loading, "save_file", stopped)
+    with pytest.raises(OSError):
+        tiny_drafter(target, layers=2).save_pretrained(tmp_path / "out")
+    assert {name: (tmp_path / "out" / name).read_bytes() for name in before} == before
+    load_drafter(tmp_path / "out")
 
 
 def test_mismatched_weights_are_refused(tmp_path):
