@@ -12,8 +12,9 @@ from dflash.training.datagen import DatagenConfig, read_prompts, run_datagen
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--target", help="target model: directory or hub id (default: the embedded target)")
     parser.add_argument("--prompts", required=True,
-                        help="JSONL with `prompt`, `turns` or `messages` per line, a dataset directory, or a "
-                        "Hugging Face dataset name (org/name)")
+                        help="JSONL with `prompt`, `turns` or `messages` per line, a parquet, CSV or Arrow file, a "
+                        "dataset directory (data files or a save_to_disk copy), or a Hugging Face dataset name "
+                        "(org/name)")
     parser.add_argument("--output", required=True,
                         help="output JSONL; re-running the same command resumes it (the generation settings are "
                              "kept next to it in OUTPUT.datagen.json, and a rerun with others is refused)")

@@ -176,6 +176,9 @@ def read_prompts(config: DatagenConfig) -> list[Prompt]:
 
 def _read_rows(config: DatagenConfig) -> list[tuple[str, dict]]:
     path = Path(config.prompts).expanduser()
+    if path.is_file() and path.suffix.lower() in DATASET_FILES:  # a hub dataset's own file, as downloaded
+        rows = _load_dataset_file(path)[: config.limit]
+        return [(f"{path} row {i}", dict(row)) for i, row in enumerate(rows)]
     if path.is_file():
         rows = read_jsonl(path, missing="give a JSONL file, a dataset directory or a Hugging Face dataset name",
                           limit=config.limit)
@@ -220,6 +223,22 @@ def _load_dataset(config: DatagenConfig, source: str, local: bool = False) -> li
         offline = ("" if local else f"; there is no local file or directory named {source!r} either. Offline? Pass "
                    "a local JSONL file with `prompt`, `turns` or `messages`, or a downloaded dataset directory")
         raise UserError(f"could not load dataset {source!r}, split {config.split!r}: {reason}{hint}{offline}") from None
+
+
+# data files `datasets` reads (its builder for each) that are not JSONL
+DATASET_FILES = {".parquet": "parquet", ".csv": "csv", ".arrow": "arrow"}
+
+
+def _load_dataset_file(path: Path) -> list[dict]:
+    """The rows of one parquet, CSV or Arrow file."""
+    require(["datasets"], f"reading a {path.suffix} file instead of a JSONL file")
+    import datasets
+
+    try:
+        with hub.datasets_offline(True):
+            return list(datasets.load_dataset(DATASET_FILES[path.suffix.lower()], data_files=str(path), split="train"))
+    except Exception as err:
+        raise UserError(f"could not read --prompts {path} as a {path.suffix} file: {in_brief(err)}") from None
 
 
 def _saved_dataset(source: str, split: str) -> list[dict]:

@@ -312,6 +312,19 @@ def test_a_local_dataset_directory_is_read_with_datasets(tmp_path):
     assert [p.turns[0][0]["content"] for p in read_prompts(config_for(str(tmp_path)))] == ["a?", "b?"]
 
 
+def test_a_parquet_or_csv_file_of_prompts_is_read(tmp_path):
+    datasets = pytest.importorskip("datasets")
+    rows = datasets.Dataset.from_list([{"question": "a?"}, {"question": "b?"}])
+    rows.to_parquet(str(tmp_path / "train-00000-of-00001.parquet"))
+    rows.to_csv(str(tmp_path / "prompts.csv"), index=False)
+    for name in ("train-00000-of-00001.parquet", "prompts.csv"):
+        read = read_prompts(config_for(str(tmp_path / name)))
+        assert [p.turns[0][0]["content"] for p in read] == ["a?", "b?"] and read[1].where.endswith(f"{name} row 1")
+    (tmp_path / "broken.parquet").write_bytes(b"not parquet")
+    with pytest.raises(UserError, match=r"could not read --prompts .+broken.parquet as a .parquet file"):
+        read_prompts(config_for(str(tmp_path / "broken.parquet")))
+
+
 def test_a_dataset_saved_with_save_to_disk_is_read(tmp_path):
     datasets = pytest.importorskip("datasets")
     rows = datasets.Dataset.from_list([{"question": "a?"}, {"question": "b?"}])
