@@ -105,3 +105,15 @@ def test_python_dash_m_dflash_is_the_dflash_command():
     assert done.returncode == 2 and done.stdout == ""
     assert "usage: dflash serve" in done.stderr  # the command's own name, not __main__.py
     assert "'ftp://x' is not an origin: give scheme://host[:port]" in done.stderr
+
+
+def test_integer_lists_take_a_trailing_comma_but_not_an_empty_item():
+    import argparse
+
+    from dflash.cli.common import int_list
+
+    assert int_list("1,9,17") == [1, 9, 17] and int_list("1,9,") == [1, 9] and int_list(" 4 , 8") == [4, 8]
+    assert int_list(",") == [] == int_list("")  # the flag's own check names it ("--concurrency was given no value")
+    for typo in ("1,,2", ",1", "1;2"):
+        with pytest.raises(argparse.ArgumentTypeError, match="expected integers separated by commas"):
+            int_list(typo)
