@@ -17,6 +17,13 @@ COMMANDS = {
 }
 
 
+# The generation options as the Python API names them in its errors (GenerationConfig, SamplingParams), and the flags
+# that set them in the commands that decode: their errors there name the flag
+GENERATION_FLAGS = {"max_new_tokens": "--max-new-tokens", "block_size": "--block-size",
+                    "branch_length": "--branch-length", "temperature": "--temperature", "top_p": "--top-p",
+                    "top_k": "--top-k"}
+DECODING_COMMANDS = ("generate", "datagen", "bench", "serve")
+
 # Other tools' names for our flags (the reference benchmark's, vLLM's), for a hint when one is given.
 FLAG_ALIASES = {"--draft-model": "--draft", "--model": "--target", "--speculative-model": "--draft",
                 "--max-tokens": "--max-new-tokens", "--num-speculative-tokens": "--block-size"}
@@ -42,7 +49,8 @@ def main(argv: list[str] | None = None) -> int:
     if unknown:  # the subcommand's usage and a hint, where argparse would print the top level's usage alone
         command = parser.commands[args.command]
         command.error(f"unrecognized arguments: {' '.join(unknown)}{unknown_flag_hint(unknown, command)}")
-    return run_command(args, f"dflash {args.command}{_rank_tag()}")
+    flags = GENERATION_FLAGS if args.command in DECODING_COMMANDS else None
+    return run_command(args, f"dflash {args.command}{_rank_tag()}", flag_names=flags)
 
 
 def unknown_flag_hint(unknown: list[str], parser: argparse.ArgumentParser) -> str:
@@ -157,7 +165,8 @@ def _show_our_warnings(prog: str) -> None:
 def _respelled(message: str, flag_names: dict[str, str]) -> str:
     """`message` with each of our flags in `flag_names` written as the user's own (whole flags only)."""
     for ours, theirs in flag_names.items():
-        message = re.sub(rf"(?<![\w-]){re.escape(ours)}(?![\w-])", theirs, message)
+        # whole names only: not dflash_config.block_size, nor a name the message spells out already: "top_p (--top-p)"
+        message = re.sub(rf"(?<![\w.-]){re.escape(ours)}(?![\w-]| \(--)", theirs, message)
     return message
 
 

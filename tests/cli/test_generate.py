@@ -36,7 +36,7 @@ def test_user_errors_are_one_line(tiny_pair, capsys):
                  "--block-size", "99"]) == 2
     assert "block size 99" in capsys.readouterr().err
     assert main(["generate", "--target", str(target), "--no-draft", "--prompt", "x", "--top-p", "0"]) == 2
-    assert "top_p" in capsys.readouterr().err
+    assert "--top-p must be in (0, 1]" in capsys.readouterr().err
     assert main(["generate", "--draft", str(draft), "--prompt", "x"]) == 2
     assert "--draft needs --target" in capsys.readouterr().err
     assert main(["generate", "--target", str(target), "--draft", str(draft), "--prompt", "  "]) == 2
@@ -105,7 +105,7 @@ def test_stop_strings_read_escapes_as_the_readme_writes_them(capsys):
     (["--temperature", "nan"], "temperature must be a finite number"),
     (["--temperature", "inf"], "temperature must be a finite number"),
     (["--temperature", "1e39"], "at most 100"),
-    (["--top-p", "0"], "top_p"),
+    (["--top-p", "0"], "--top-p must be in (0, 1]"),
     (["--seed", "3", "--top-k", "3"], "--top-k, --seed shape sampling, and --temperature 0 (the default) decodes "
                                       "greedily: add a --temperature above 0, e.g. 0.7, or drop them"),
     (["--seed", "3"], "--seed shapes sampling, and --temperature 0 (the default) decodes greedily: add a "
@@ -115,7 +115,7 @@ def test_stop_strings_read_escapes_as_the_readme_writes_them(capsys):
                                                     "target alone"),
     (["--branch-length", "2"], "branch_length (--branch-length) shapes drafting, and no_draft (--no-draft)"),
     (["--raw", "--enable-thinking"], "drop one of them"),
-    (["--max-new-tokens", "0"], "max_new_tokens must be >= 1"),
+    (["--max-new-tokens", "0"], "--max-new-tokens must be >= 1"),
     (["--device", "bogus"], "unknown device 'bogus'"),
 ])
 def test_bad_options_are_refused_before_any_model_loads(flags, message, capsys):
@@ -263,10 +263,10 @@ def test_the_prompt_can_come_from_standard_input_or_a_file(tiny_pair, capsys, mo
     text = "How many clips did Natalia sell?\nSay it twice."
     assert main(_args(tiny_pair, "--prompt", text, "--max-new-tokens", "6", "--json")) == 0
     expected = _json_text(capsys)
-    monkeypatch.setattr("sys.stdin", io.StringIO(text))
+    monkeypatch.setattr("sys.stdin", io.StringIO(text + "\n"))  # echo's line break
     assert main(_args(tiny_pair, "--prompt", "-", "--max-new-tokens", "6", "--json")) == 0
     assert _json_text(capsys) == expected
-    (tmp_path / "prompt.txt").write_text(text, encoding="utf-8")
+    (tmp_path / "prompt.txt").write_text(text + "\n", encoding="utf-8")  # an editor's
     assert main(_args(tiny_pair, "--prompt-file", str(tmp_path / "prompt.txt"), "--max-new-tokens", "6", "--json")) == 0
     assert _json_text(capsys) == expected
     (tmp_path / "bom.txt").write_bytes(b"\xef\xbb\xbf" + text.encode())  # the byte order mark Notepad writes
@@ -302,3 +302,16 @@ def test_a_system_message_goes_before_the_prompt_through_the_chat_template(tiny_
     capsys.readouterr()
     assert main(_args(tiny_pair, "--prompt", "How many?", "--system", "Be brief.", "--raw")) == 2
     assert "--system adds a message for the chat template, and --raw" in capsys.readouterr().err
+
+
+def test_a_prompt_files_or_the_inputs_one_final_line_break_is_dropped(tmp_path, monkeypatch):
+    import argparse
+
+    from dflash.cli.generate import read_prompt
+
+    for written, read in (("x\n", "x"), ("x\r\n", "x"), ("x\n\n", "x\n"), ("x", "x"), ("a\nb\n", "a\nb")):
+        (tmp_path / "p.txt").write_bytes(written.encode())
+        assert read_prompt(argparse.Namespace(prompt_file=str(tmp_path / "p.txt"), prompt=None)) == read
+        monkeypatch.setattr("sys.stdin", io.StringIO(written))
+        assert read_prompt(argparse.Namespace(prompt_file=None, prompt="-")) == read.replace("\r", "")
+    assert read_prompt(argparse.Namespace(prompt_file=None, prompt="x\n")) == "x\n"  # --prompt TEXT is as given

@@ -117,3 +117,15 @@ def test_integer_lists_take_a_trailing_comma_but_not_an_empty_item():
     for typo in ("1,,2", ",1", "1;2"):
         with pytest.raises(argparse.ArgumentTypeError, match="expected integers separated by commas"):
             int_list(typo)
+
+
+def test_the_decoding_commands_name_the_flags_in_the_api_errors(capsys):
+    """GenerationConfig's errors name its fields (block_size, top_p ...); from the command line they name the flag."""
+    assert main(["generate", "--prompt", "x", "--block-size", "1"]) == 2
+    assert "error: --block-size is at least 2 (the anchor and one draft token), got 1" in capsys.readouterr().err
+    assert main(["generate", "--prompt", "x", "--temperature", "0.7", "--branch-length", "-1"]) == 2
+    assert "error: --branch-length is a number of tokens >= 0" in capsys.readouterr().err
+    from dflash.cli.main import GENERATION_FLAGS, _respelled
+
+    kept = "dflash_config.block_size 5000 exceeds ...; top_p (--top-p) ...; max_new_tokens_left"
+    assert _respelled(kept, GENERATION_FLAGS) == kept  # a config key, a name spelled out already, a longer word

@@ -252,8 +252,8 @@ def test_a_foreign_line_among_records_is_named(answered, tmp_path):
     (["--limit", "0"], "--limit must be >= 1 (leave it out for every prompt), got 0"),
     (["--limit", "-2"], "got -2"),
     (["--max-new-tokens", "0"], "--max-new-tokens must be >= 1"),
-    (["--temperature", "-1"], "temperature must be a finite number >= 0"),
-    (["--top-p", "0"], "top_p must be in (0, 1]"),
+    (["--temperature", "-1"], "--temperature must be a finite number >= 0"),
+    (["--top-p", "0"], "--top-p must be in (0, 1]"),
 ])
 def test_datagen_cli_refuses_bad_numbers_without_a_traceback(prompts, tmp_path, capsys, flags, message):
     assert main(["datagen", "--prompts", str(prompts), "--output", str(tmp_path / "o.jsonl"), *flags]) == 2
