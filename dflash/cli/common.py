@@ -66,8 +66,10 @@ def add_model_arguments(parser: argparse.ArgumentParser, block_size_sweep: bool 
                                 "the acceptance seen so far, for one greedy or seeded row after drafting, from how "
                                 "sure the drafter is of each token")
     else:
-        group.add_argument("--block-size", type=int,
-                           help="tokens verified per step: the anchor + draft tokens (<= the drafter's block size)")
+        group.add_argument("--block-size", type=block_size,
+                           help="the most tokens a step verifies: the anchor + draft tokens (<= the drafter's block "
+                                "size; default and 'auto': the drafter's, with the adaptive block size choosing up to "
+                                "it)")
     group.add_argument("--branch-length", type=int, default=0, metavar="N",
                        help="with each greedy or seeded step's block, also verify a branch of N tokens where the "
                             "draft's first "

@@ -131,6 +131,11 @@ def _check_args(args: argparse.Namespace) -> None:
         raise UserError("--dry-run prints the command of a hand-off; use it with --engine vllm or --engine sglang")
     if args.api_key is not None and not args.api_key:
         raise UserError("--api-key is empty; give a key or leave the flag out")
+    if args.block_size == "auto":  # as in dflash generate: the adaptive block size, up to the drafter's
+        if not args.adaptive_block_size:
+            raise UserError("--block-size auto chooses each step's block size, and --no-adaptive-block-size verifies "
+                            "the full block every step: drop one of them")
+        args.block_size = None
     _check_drafting_flags(args)
 
 

@@ -148,6 +148,9 @@ def test_a_taken_port_or_a_foreign_host_is_named_before_the_models_load(tiny_pai
     (["--no-adaptive-block-size"], "drop --no-adaptive-block-size, or give --fallback-min-acceptance a number"),
     (["--no-adaptive-block-size", "--fallback-min-acceptance", "0"], None),  # allowed: goes on to load the models
     (["--no-draft"], None),
+    (["--block-size", "auto"], None),  # as in dflash generate: the adaptive block size, up to the drafter's
+    (["--block-size", "auto", "--no-adaptive-block-size", "--fallback-min-acceptance", "0"],
+     "--block-size auto chooses each step's block size, and --no-adaptive-block-size verifies the full block"),
 ])
 def test_drafting_flags_that_cannot_apply_are_refused_before_the_models_load(tiny_pair, capsys, monkeypatch, args,
                                                                               message):
