@@ -85,11 +85,20 @@ def run(args: argparse.Namespace) -> int:
 
 
 def read_prompt(args: argparse.Namespace) -> str:
-    """The prompt text: --prompt's, standard input's for `--prompt -`, or --prompt-file's."""
+    """The prompt text: --prompt's, standard input's for `--prompt -`, or --prompt-file's. A file's or the input's
+    one final line break is dropped: `echo` and editors end the text with one (a shell's `$(cat FILE)` drops it too)."""
     if args.prompt_file is not None:
-        return _read_file(Path(args.prompt_file).expanduser())
-    if args.prompt != "-":
-        return args.prompt
+        return _without_final_newline(_read_file(Path(args.prompt_file).expanduser()))
+    if args.prompt == "-":
+        return _without_final_newline(_read_stdin())
+    return args.prompt
+
+
+def _without_final_newline(text: str) -> str:
+    return text[:-2] if text.endswith("\r\n") else text[:-1] if text.endswith("\n") else text
+
+
+def _read_stdin() -> str:
     if sys.stdin is None or sys.stdin.closed:
         raise UserError("--prompt - reads the prompt from standard input, and there is none; pipe the text in "
                         "(`echo \"What is 7 * 8?\" | dflash generate --prompt -`) or pass it as --prompt TEXT")
