@@ -20,9 +20,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "kept next to it in OUTPUT.datagen.json, and a rerun with others is refused)")
     parser.add_argument("--max-new-tokens", type=int, default=512,
                         help="answer length limit; answers also stop at the end of the target's context")
-    parser.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
-    parser.add_argument("--top-p", type=float, default=1.0)
-    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--temperature", type=float, default=0.0,
+                        help="0 = greedy (default); above 0, each prompt is sampled with its own seed")
+    parser.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling at --temperature > 0 (1 = off)")
+    parser.add_argument("--seed", type=int, default=0,
+                        help="sampling at --temperature > 0: prompt i is sampled with seed SEED + i (default 0)")
     parser.add_argument("--batch-size", type=int, default=16, help="prompts decoded together")
     parser.add_argument("--limit", type=int, help="only the first N prompts")
     parser.add_argument("--split", default="train", help="dataset split (datasets)")

@@ -66,6 +66,9 @@ class DatagenConfig:
         if self.max_new_tokens < 1:
             raise UserError(f"--max-new-tokens must be >= 1, got {self.max_new_tokens}")
         make_config(temperature=self.temperature, top_p=self.top_p)  # their ranges, named
+        if self.temperature == 0 and self.top_p != 1.0:  # as dflash generate: refused rather than ignored
+            raise UserError("--top-p shapes sampling, and --temperature 0 (the default) answers greedily: add a "
+                            "--temperature above 0, e.g. 0.7, or drop it")
         output = Path(self.output).expanduser()
         if output.suffix == ".gz":
             raise UserError(f"--output {self.output}: dflash datagen writes plain JSONL (it appends as it goes, and a "
@@ -217,7 +220,8 @@ def _load_dataset(config: DatagenConfig, source: str, local: bool = False) -> li
             return list(datasets.load_dataset(source, config.subset, split=config.split))
     except Exception as err:
         hint = (" (does it need --subset, e.g. --subset main for openai/gsm8k?)"
-                if "config" in str(err).lower() and config.subset is None else "")
+                if "config" in str(err).lower() and config.subset is None else
+                " (pick one of its splits with --split)" if "unknown split" in str(err).lower() else "")
         reason = (f"the Hugging Face hub is not reachable ({unreachable}) and the local datasets cache has no copy"
                   if unreachable is not None else in_brief(err))
         offline = ("" if local else f"; there is no local file or directory named {source!r} either. Offline? Pass "

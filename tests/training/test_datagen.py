@@ -254,6 +254,7 @@ def test_a_foreign_line_among_records_is_named(answered, tmp_path):
     (["--max-new-tokens", "0"], "--max-new-tokens must be >= 1"),
     (["--temperature", "-1"], "--temperature must be a finite number >= 0"),
     (["--top-p", "0"], "--top-p must be in (0, 1]"),
+    (["--top-p", "0.9"], "--top-p shapes sampling, and --temperature 0 (the default) answers greedily"),
 ])
 def test_datagen_cli_refuses_bad_numbers_without_a_traceback(prompts, tmp_path, capsys, flags, message):
     assert main(["datagen", "--prompts", str(prompts), "--output", str(tmp_path / "o.jsonl"), *flags]) == 2
@@ -310,6 +311,8 @@ def test_a_local_dataset_directory_is_read_with_datasets(tmp_path):
     (tmp_path / "test.jsonl").write_text('{"question": "t?"}\n')
     assert [p.turns[0][0]["content"] for p in read_prompts(config_for(str(tmp_path), split="test"))] == ["t?"]
     assert [p.turns[0][0]["content"] for p in read_prompts(config_for(str(tmp_path)))] == ["a?", "b?"]
+    with pytest.raises(UserError, match=r"Unknown split \"dev\".+\(pick one of its splits with --split\)"):
+        read_prompts(config_for(str(tmp_path), split="dev"))
 
 
 def test_a_parquet_or_csv_file_of_prompts_is_read(tmp_path):
