@@ -146,13 +146,20 @@ def _server_backend(config: BenchConfig, console: Console) -> ServerBackend:
 
 def _server_runs(config: BenchConfig, backend: ServerBackend, data: dict[str, list[Sample]],
                  console: Console) -> Iterator[BenchResult]:
+    from dflash.bench.server import short_answers_warning
+
     server = config.server
+    warned = False
     for name, samples in data.items():
         for concurrency in server.concurrency:
             total = sum(len(s.turns) for s in samples) * backend.num_prompts(samples) // len(samples)
             total *= (2 if server.baseline_url else 1) * server.rounds
             with _progress(config, f"{name} c={concurrency}", total, console) as advance:
                 result = backend.run_level(name, samples, concurrency, on_request=advance)
+            warning = None if warned else short_answers_warning(result, server)
+            if warning:
+                console.print(f"warning: {warning}", style="yellow", highlight=False, soft_wrap=True)
+                warned = True
             yield result
 
 

@@ -609,6 +609,22 @@ def summarize_load(dataset: str, load: LoadResult, base: LoadResult | None, coun
     return result
 
 
+SHORT_ANSWERS = 2.0  # mean output tokens per answer below which a load measures requests, not decoding
+
+
+def short_answers_warning(result: BenchResult, config: ServerConfig) -> str | None:
+    """What to say when the answers were too short to measure decoding (None: they were not): the usual cause is a
+    chat model given raw text by --endpoint completions, which may end its answer at once."""
+    answered = result.num_requests - result.errors
+    if answered <= 0 or result.dflash_output_tokens / answered >= SHORT_ANSWERS:
+        return None
+    why = (" --endpoint completions sends the prompt without the chat template, and a chat model may end its answer "
+           "at once: --endpoint chat applies it" if config.endpoint == "completions" else
+           " check --max-new-tokens and the server's own limits")
+    return (f"the answers of {config.base_url} averaged {result.dflash_output_tokens / answered:.1f} tokens, too few "
+            f"to measure decoding;{why}")
+
+
 def _check_some_answered(load: LoadResult, url: str, flag: str) -> None:
     if load.records and all(r.error is not None for r in load.records):
         raise UserError(f"every request to {url} ({flag}) failed; the first: {load.records[0].error}")

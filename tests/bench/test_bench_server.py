@@ -319,3 +319,19 @@ def test_a_servers_error_keeps_its_whole_message():
     assert _http_error(400, body) == f"HTTP 400: {message}"
     assert _http_error(502, "x" * 5000) == f"HTTP 502: {'x' * ERROR_CHARS}..."
     assert _http_error(500, '{"error": "boom"}') == 'HTTP 500: {"error": "boom"}'  # not an error object's shape
+
+
+def test_answers_too_short_to_measure_decoding_are_warned_about(openai_server):
+    """A chat model given raw text by --endpoint completions may end at once: ~20 tokens/s of one-token answers
+    and no acceptance figures, which read as a measurement without a word."""
+    from dflash.bench.metrics import BenchResult
+    from dflash.bench.server import short_answers_warning
+
+    server = openai_server()
+    for endpoint, hint in (("completions", "--endpoint chat applies it"), ("chat", "check --max-new-tokens")):
+        short = BenchResult(dataset="gsm8k", backend="server", num_prompts=4, num_requests=4, dflash_output_tokens=5)
+        warning = short_answers_warning(short, config(server, endpoint=endpoint))
+        assert "averaged 1.2 tokens, too few to measure decoding" in warning and hint in warning
+    answered = ServerBackend(config(server)).run_level("gsm8k", SAMPLES[:2], 1)
+    assert answered.dflash_output_tokens >= 2 * answered.num_requests
+    assert short_answers_warning(answered, config(server)) is None
