@@ -192,9 +192,12 @@ class DrafterConfig:
         _check_given_mask(mask_token_id, own, raw["vocab_size"])
         mask = mask_token_id if mask_token_id is not None else own
         if mask is None:
+            form = ("its dflash_config has no mask_token_id" if "dflash_config" in raw
+                    else "legacy format without dflash_config")
             raise DrafterConfigError(
-                "this drafter checkpoint does not name its mask token (legacy format without dflash_config); "
-                "pass it explicitly, e.g. --mask-token-id ID or load_drafter(..., mask_token_id=ID)"
+                f"this drafter checkpoint does not name its mask token ({form}); pass it explicitly, e.g. "
+                "--mask-token-id ID or load_drafter(..., mask_token_id=ID), or write it into config.json's "
+                "dflash_config (vLLM and SGLang read it there)"
             )
         n_layers = raw["num_hidden_layers"]
         n_target = raw.get("num_target_layers", dflash.get("num_target_layers"))

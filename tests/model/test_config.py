@@ -34,8 +34,10 @@ def test_top_level_block_size_and_round_trip():
 
 def test_legacy_form_uses_formula_and_needs_a_mask_token():
     raw = {**BASE, "num_target_layers": 36, "block_size": 16}
-    with pytest.raises(DrafterConfigError, match="mask-token-id"):
+    with pytest.raises(DrafterConfigError, match=r"\(legacy format without dflash_config\); .+--mask-token-id"):
         DrafterConfig.from_dict(raw)
+    with pytest.raises(DrafterConfigError, match=r"\(its dflash_config has no mask_token_id\); .+--mask-token-id"):
+        DrafterConfig.from_dict({**raw, "dflash_config": {"target_layer_ids": [1, 33]}})
     config = DrafterConfig.from_dict(raw, mask_token_id=5)
     assert config.target_layer_ids == [1, 33] and config.mask_token_id == 5
 
