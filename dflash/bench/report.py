@@ -207,8 +207,10 @@ def markdown(results: list[BenchResult], setup: dict) -> str:
               "|" + "|".join("---" for _ in columns) + "|"]
     lines += ["| " + " | ".join(cell(c.get(r), c.fmt) for c in columns) + " |" for r in results]
     label = drafted_by(results)
-    lines += ["", f"tok/s: output tokens per second of generation time; speedup: {label} tok/s / baseline tok/s "
-              "(with rounds, the median of the rounds' speedups; speedup range: their min-max); "
+    rounds = (" (with rounds, the median of the rounds' speedups; speedup range: their min-max)"
+              if any(r.speedup_per_round for r in results) else "")
+    lines += ["", f"tok/s: output tokens per second of generation time; speedup: {label} tok/s / baseline tok/s"
+              f"{rounds}; "
               f"tau: mean acceptance length (tokens per verify step); TTFT: mean time to the first token ({label}); "
               "TPOT: mean time per output token after the first; mismatches: outputs (greedy, or sampled "
               "with the same seed) that differ "

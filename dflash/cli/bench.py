@@ -96,7 +96,7 @@ def bench_config(args: argparse.Namespace):
     if backend == "server" and not args.base_url:
         raise UserError("the server backend needs --base-url, e.g. http://127.0.0.1:8000/v1")
     require(["httpx"] if backend == "server" else [], "benchmarking a server")
-    require(["matplotlib"] if args.output_dir else [], "the plots that --output-dir holds")
+    require(["matplotlib"] if args.output_dir else [], "the plots written into --output-dir")
     _check_backend_flags(args, backend)
     _check_numbers(args)
     names = resolve_names(args.dataset)

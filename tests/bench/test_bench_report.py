@@ -113,3 +113,11 @@ def test_plots_have_titles_whole_number_ticks_and_a_label_for_every_line():
     assert labels == ["gsm8k, DFlash", "gsm8k, plain decoding"] and len(ax.get_lines()) == len(labels)
     for figure in (histograms, speedup, throughput):
         plt.close(figure)
+
+
+def test_the_legend_explains_the_speedup_range_only_where_rounds_give_one():
+    plain = markdown([local("gsm8k")], {})
+    assert "speedup: DFlash tok/s / baseline tok/s; tau" in plain and "min-max" not in plain
+    rounds = local("gsm8k")
+    rounds.speedup_per_round = [1.9, 2.1, 2.0]
+    assert "(with rounds, the median of the rounds' speedups; speedup range: their min-max)" in markdown([rounds], {})
