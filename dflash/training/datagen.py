@@ -66,6 +66,10 @@ class DatagenConfig:
         if self.max_new_tokens < 1:
             raise UserError(f"--max-new-tokens must be >= 1, got {self.max_new_tokens}")
         make_config(temperature=self.temperature, top_p=self.top_p)  # their ranges, named
+        if self.device is not None:  # before the output and its settings file are created
+            from dflash.model.loading import resolve_device
+
+            resolve_device(self.device)
         if self.temperature == 0 and self.top_p != 1.0:  # as dflash generate: refused rather than ignored
             raise UserError("--top-p shapes sampling, and --temperature 0 (the default) answers greedily: add a "
                             "--temperature above 0, e.g. 0.7, or drop it")

@@ -255,11 +255,12 @@ def test_a_foreign_line_among_records_is_named(answered, tmp_path):
     (["--temperature", "-1"], "--temperature must be a finite number >= 0"),
     (["--top-p", "0"], "--top-p must be in (0, 1]"),
     (["--top-p", "0.9"], "--top-p shapes sampling, and --temperature 0 (the default) answers greedily"),
+    (["--device", "bogus"], "unknown device 'bogus'"),  # before the output and its settings file exist
 ])
 def test_datagen_cli_refuses_bad_numbers_without_a_traceback(prompts, tmp_path, capsys, flags, message):
     assert main(["datagen", "--prompts", str(prompts), "--output", str(tmp_path / "o.jsonl"), *flags]) == 2
     assert message in capsys.readouterr().err
-    assert not (tmp_path / "o.jsonl").exists()
+    assert not (tmp_path / "o.jsonl").exists() and not (tmp_path / "o.jsonl.datagen.json").exists()
 
 
 def test_a_missing_target_is_named_before_any_progress_bar_or_output(prompts, tmp_path, capsys):
