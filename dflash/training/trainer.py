@@ -977,7 +977,9 @@ def _model_files(name: str) -> dict[str, list[int]]:
 
 
 def _manifest_changes(saved: dict, now: dict) -> list[str]:
-    what = {"target_files": lambda: f"target {saved.get('target')!r}, now {now['target']!r} (its files differ)",
+    what = {"target_files": lambda: f"target {saved.get('target')!r}, now {now['target']!r} (its config or weight "
+                                    "files differ in size or modification time: a copy made without keeping the "
+                                    "times reads as changed)",
             "target_dtype": lambda: f"target dtype {saved.get('target_dtype')}, now {now['target_dtype']}",
             "feature_layer_ids": lambda: f"feature layers {saved.get('feature_layer_ids')}, now "
                                          f"{now['feature_layer_ids']}",

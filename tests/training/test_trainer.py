@@ -652,6 +652,10 @@ def test_a_feature_cache_directory_serves_only_the_setup_it_was_made_for(tiny_pa
                        target_layer_ids=[0, 3])).setup()
     with pytest.raises(UserError, match="the examples differ"):
         Trainer(config(tiny_pair, train_data, tmp_path / "d", feature_cache=str(cache), max_length=20)).setup()
+    copy = tmp_path / "copy"  # `cp -r`: the same bytes, new modification times
+    shutil.copytree(tiny_pair[0], copy, copy_function=shutil.copy)
+    with pytest.raises(UserError, match=r"differ in size or modification time: a copy made without keeping the times"):
+        Trainer(config((copy, tiny_pair[1]), train_data, tmp_path / "f", feature_cache=str(cache))).setup()
     legacy = tmp_path / "legacy"
     legacy.mkdir()
     torch.save(torch.zeros(3, 64), legacy / "train-0.pt")
