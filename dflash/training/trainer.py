@@ -303,8 +303,11 @@ class Trainer:
         return loaded.examples
 
     def _check_data_target(self, flag: str, path: str) -> None:
-        """Warn when `dflash datagen` wrote the file with another target (its settings file says which)."""
+        """Warn when `dflash datagen` wrote the file with another target (its settings file says which; for a
+        gzipped X.jsonl.gz, the X.jsonl.datagen.json that datagen wrote beside X.jsonl)."""
         settings = datagen.settings_path(Path(path))
+        if not settings.exists() and path.endswith(".gz"):
+            settings = datagen.settings_path(Path(path[: -len(".gz")]))
         try:
             wrote_with = json.loads(settings.read_text()).get("target")
         except (OSError, ValueError, AttributeError):  # no settings file (data from elsewhere), or not ours

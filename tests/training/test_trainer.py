@@ -299,6 +299,12 @@ def test_another_targets_answers_are_named_in_a_warning(tiny_pair, train_data, t
     Trainer(config(tiny_pair, data, tmp_path / "other")).setup()
     assert (f"--data {data} holds the answers of another target (/models/other-target, says answers.jsonl.datagen"
             f".json), and this drafter is trained for {tiny_pair[0].resolve()}") in capsys.readouterr().err
+    import gzip  # gzipped afterwards: datagen's settings file still sits beside the name without .gz
+
+    zipped = tmp_path / "answers.jsonl.gz"
+    zipped.write_bytes(gzip.compress(data.read_bytes()))
+    Trainer(config(tiny_pair, zipped, tmp_path / "zipped")).setup()
+    assert f"--data {zipped} holds the answers of another target" in capsys.readouterr().err
 
 
 def test_a_missing_extra_file_names_its_own_flag(tiny_pair, train_data, tmp_path):
