@@ -142,7 +142,8 @@ class SamplingRequest(_Strict):
     """Fields both endpoints share. `ignore_eos` is an extension (as in vLLM) for fixed-length benchmarks."""
 
     model: str | None = None
-    max_tokens: int | None = Field(default=None, ge=0)  # 0 is refused after the options (see `check_supported`)
+    max_tokens: int | None = None  # >= 0 here (`_tokens_not_negative`); 0 is refused after the options
+    # (see `check_supported`)
     temperature: float = Field(default=1.0, ge=0.0, le=2.0, allow_inf_nan=False)
     top_p: float = Field(default=1.0, gt=0.0, le=1.0, allow_inf_nan=False)
     top_k: int = Field(default=0, ge=-1)  # 0 or -1: no top-k
@@ -227,6 +228,11 @@ class SamplingRequest(_Strict):
             raise APIError(400, f"{self.token_limit_field}: must be at least 1 (the number of new tokens to "
                                 "generate)", param=self.token_limit_field)
 
+    @field_validator("max_tokens")
+    @classmethod
+    def _tokens_not_negative(cls, value):
+        return _not_negative_tokens(value)
+
     @field_validator("stop")
     @classmethod
     def _few_stops(cls, stop):
@@ -270,7 +276,12 @@ def _no_tool_choice(choice: Any) -> bool:
 
 class ChatCompletionRequest(SamplingRequest):
     messages: list[ChatMessage] = Field(min_length=1)
-    max_completion_tokens: int | None = Field(default=None, ge=0)  # the newer name for max_tokens
+    max_completion_tokens: int | None = None  # the newer name for max_tokens
+
+    @field_validator("max_completion_tokens")
+    @classmethod
+    def _completion_tokens_not_negative(cls, value):
+        return _not_negative_tokens(value)
     top_logprobs: int | None = Field(default=None, ge=0)
     response_format: ResponseFormat | None = None
     tools: list[Any] | None = None
@@ -388,6 +399,13 @@ MESSAGE_EXTRAS = {"refusal", "audio", "function_call"}
 
 def known_fields(model: type[_Strict]) -> set[str]:
     return {f.alias or name for name, f in model.model_fields.items()}
+
+
+def _not_negative_tokens(value: int | None) -> int | None:
+    """A negative token limit, said as a limit of 0 is (`SamplingRequest.check_supported`)."""
+    if value is not None and value < 0:
+        raise ValueError(f"must be at least 1 (the number of new tokens to generate), got {value}")
+    return value
 
 
 def _describe(errors: list[dict]) -> tuple[str | None, str]:

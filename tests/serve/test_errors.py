@@ -3,6 +3,8 @@ keeps serving after it. Options it cannot honour are refused by name, never sile
 
 from __future__ import annotations
 
+import json
+
 import httpx
 import openai
 import pytest
@@ -435,3 +437,16 @@ def test_after_an_unexpected_error_the_connection_serves_the_next_request(start_
         assert connection.sock is socket_before  # the same connection, not a new one
     finally:
         connection.close()
+
+
+def test_a_negative_token_limit_is_said_as_a_limit_of_zero_is():
+    """-5 said "must be greater than or equal to 0", while 0 said "must be at least 1"."""
+    from dflash.serve.protocol import APIError, ChatCompletionRequest, parse_request
+
+    for field in ("max_tokens", "max_completion_tokens"):
+        for value in (-5, 0):
+            with pytest.raises(APIError) as caught:
+                body = json.dumps({"messages": MESSAGES, field: value}).encode()
+                parse_request(body, ChatCompletionRequest).check_supported()
+            assert caught.value.param == field
+            assert str(caught.value.message).startswith(f"{field}: must be at least 1 (the number of new tokens")
