@@ -92,7 +92,8 @@ class DatagenConfig:
         return {"target": target_name(self.target), "max_new_tokens": self.max_new_tokens,
                 "temperature": self.temperature, "top_p": self.top_p, "seed": self.seed,
                 "prompt_suffix": self.prompt_suffix, "chat_template_kwargs": self.chat_template_kwargs(),
-                "dtype": self.dtype}  # None: the checkpoint's own, and what a settings file from before it reads as
+                # None: the checkpoint's own ("auto", the flag's default), and what a settings file from before reads
+                "dtype": None if self.dtype in (None, "auto") else self.dtype}
 
     def chat_template_kwargs(self) -> dict | None:
         """The chat template variables set; None (the template's defaults) reads the same as a settings file from
@@ -332,7 +333,10 @@ def check_rerun(config: DatagenConfig, prompts: list[Prompt], done: dict[int, st
     if done and path.exists():
         saved = read_json_object(path, "a dflash datagen settings file", "delete it (the output's settings are "
                                  "then not checked) or pass another --output")
-        changed = [f"{k} {saved.get(k)!r}, now {v!r}" for k, v in settings.items() if saved.get(k) != v]
+        greedy = saved.get("temperature") == 0 and settings["temperature"] == 0
+        moot = {"top_p", "seed"} if greedy else set()  # greedy answers depend on neither
+        changed = [f"{k} {saved.get(k)!r}, now {v!r}" for k, v in settings.items()
+                   if saved.get(k) != v and k not in moot]
         if changed:
             raise UserError(f"{output} was generated with other settings ({'; '.join(changed)}); rerun with the "
                             "same ones to resume it, or pass another --output")

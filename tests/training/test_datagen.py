@@ -188,6 +188,20 @@ def answered(tiny_pair, prompts, tmp_path):
     return config
 
 
+def test_an_output_of_an_older_version_resumes_from_the_command_line(answered, tmp_path):
+    """Settings files from before `dtype` was one of the settings lack it, and one made greedily with --top-p (then
+    saved and ignored, now refused at temperature 0) holds a top_p and seed that greedy answers never used: the
+    command line's defaults (--dtype auto, --top-p 1, --seed 0) resume both."""
+    out = tmp_path / "data.jsonl"
+    settings = json.loads(settings_path(out).read_text())
+    del settings["dtype"]
+    settings.update(top_p=0.9, seed=5)
+    settings_path(out).write_text(json.dumps(settings))
+    assert main(["datagen", "--target", answered.target, "--prompts", answered.prompts, "--output", str(out),
+                 "--max-new-tokens", "4", "--limit", "3", "--device", "cpu"]) == 0
+    assert len(read(out)) == 3
+
+
 def test_a_rerun_with_other_prompts_or_settings_is_refused(answered, prompts, tmp_path):
     rows = read(prompts)
     reordered = write_jsonl(tmp_path / "reordered.jsonl", [rows[1], rows[0]] + rows[2:])
