@@ -29,9 +29,17 @@ MASK_MAKERS_SEE_ROWS = TORCH_VERSION >= (2, 6)
 
 
 def cache_kwarg_name(model: nn.Module) -> str:
-    """The forward keyword a model takes its KV cache under (`cache` in 5.x, `past_key_values` before)."""
-    params = inspect.signature(model.forward).parameters
+    """The forward keyword a model takes its KV cache under (`cache` in 5.x, `past_key_values` before), read
+    through a wrapper (`unwrapped`) that passes it on in its `**kwargs`."""
+    params = inspect.signature(unwrapped(model).forward).parameters
     return "cache" if "cache" in params else "past_key_values"
+
+
+def unwrapped(model: nn.Module) -> nn.Module:
+    """The transformers model inside a wrapper whose forward takes everything as `**kwargs`: torch.compile's
+    OptimizedModule (`_orig_mod`), PEFT's (`get_base_model`)."""
+    inner = getattr(model, "_orig_mod", model)
+    return inner.get_base_model() if hasattr(inner, "get_base_model") else inner
 
 
 class GrowingLayer(DynamicLayer):
@@ -149,11 +157,17 @@ def rollback_problem(config: Any) -> str | None:
     return "; ".join(problems) or None
 
 
+# the keywords recurrent models take their state under, in place of a key/value cache
+_STATE_KEYWORDS = ("state", "cache_params", "rnn_state")
+
+
 def cache_problem(model: nn.Module) -> str | None:
-    """Why a model's forward cannot be decoded with a key/value cache (None: it can). A recurrent model (RWKV,
-    xLSTM) takes its state under its own keyword, and would swallow `past_key_values` in `**kwargs` unseen."""
-    params = inspect.signature(model.forward).parameters
-    if "cache" in params or "past_key_values" in params:
+    """Why a model's forward cannot be decoded with a key/value cache, from its signature (None: nothing says so).
+    A recurrent model (RWKV) takes its state under its own keyword and would swallow `past_key_values` in its
+    `**kwargs` unseen. Wrappers (`torch.compile`, PEFT) are looked through; `TargetModel.check_decodable` also
+    tries one forward, for a model whose signature does not tell (xLSTM's own `cache`)."""
+    params = inspect.signature(unwrapped(model).forward).parameters
+    if "cache" in params or "past_key_values" in params or not any(k in params for k in _STATE_KEYWORDS):
         return None
     return ("its forward takes no key/value cache (`past_key_values`): it keeps a recurrent state, which takes in "
             "every draft token, and a rejected one cannot be taken out again")

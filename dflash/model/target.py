@@ -55,6 +55,7 @@ class TargetModel:
         self.layers = hf_compat.decoder_layers(model)
         # None: every layer's cache can be cropped
         self.rollback_problem = hf_compat.rollback_problem(model.config) or hf_compat.cache_problem(model)
+        self._cache_probed = False  # `check_decodable` tries one forward with a cache, once
         self.rope_switch = hf_compat.rope_switch_length(model.config)  # longrope: see `context_length`
         if self.rope_switch is not None:
             log.warning("%s: DFlash decodes within its first %d tokens%s", type(model).__name__, self.rope_switch,
@@ -155,6 +156,9 @@ class TargetModel:
 
     def check_decodable(self) -> None:
         """Refuse, before any decoding, a target whose cache cannot be put back to the accepted tokens."""
+        if self.rollback_problem is None and not self._cache_probed:
+            self.rollback_problem = self._cache_probe_problem()
+            self._cache_probed = True
         if self.rollback_problem is not None:
             name = type(self.model).__name__
             raise UnsupportedTargetError(
@@ -162,6 +166,22 @@ class TargetModel:
                 f"decodes targets whose every layer is full or sliding-window attention; decode {name} without "
                 "DFlash (e.g. transformers' generate), or pick such a target."
             )
+
+    @torch.inference_mode()
+    def _cache_probe_problem(self) -> str | None:
+        """One token through the model with the cache DFlash gives it: the cache must then hold that token's keys
+        and values (a model that keeps its own state instead fails here, or leaves the cache empty)."""
+        ids = torch.zeros(1, 1, dtype=torch.long, device=self.device)
+        cache = self.new_cache()
+        try:
+            self.forward(ids, torch.zeros_like(ids), cache, logits_to_keep=1)
+        except Exception as err:  # noqa: BLE001 - any failure here means the same: it cannot decode this way
+            return (f"its forward fails with a key/value cache ({type(err).__name__}: {str(err).splitlines()[0][:200]}"
+                    "): it keeps a state of its own")
+        if hf_compat.cache_length(cache) != 1:
+            return ("its forward keeps nothing in the key/value cache it is given: it keeps a state of its own, which "
+                    "takes in every draft token")
+        return None
 
     # ---- feature capture ----------------------------------------------------------------------------
     def _ensure_hooks(self, layer_ids: list[int]) -> None:

@@ -101,6 +101,53 @@ def test_a_recurrent_target_that_takes_no_kv_cache_is_refused_up_front():
             SpeculativeEngine(target, proposer)
 
 
+def test_a_model_that_keeps_its_own_state_under_cache_is_refused_after_one_forward():
+    """xLSTM takes `cache` as a KV model does, and keeps a recurrent state there: one forward with DFlash's cache
+    tells (it crashed mid-decode)."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    try:
+        config = AutoConfig.for_model("xlstm", vocab_size=128, hidden_size=64, num_hidden_layers=2, num_heads=4)
+    except ValueError:
+        pytest.skip("this transformers has no xLSTM")
+    target = TargetModel(AutoModelForCausalLM.from_config(config).eval())
+    with pytest.raises(UnsupportedTargetError, match=r"xLSTMForCausalLM .+ keeps a (state of its own|recurrent state)"):
+        SpeculativeEngine(target)
+
+
+def test_a_wrapped_target_whose_forward_takes_kwargs_still_decodes():
+    """A wrapper's forward (PEFT's, torch.compile's) takes the cache in **kwargs: nothing in its signature says
+    recurrent, and one forward shows the cache filling."""
+    import torch
+    from torch import nn
+
+    model = tiny_target_model("qwen3", layers=2)
+
+    class Wrapper(nn.Module):  # the shape of PEFT's PeftModelForCausalLM
+        def __init__(self, inner):
+            super().__init__()
+            self.inner, self.config = inner, inner.config
+
+        def get_base_model(self):
+            return self.inner
+
+        def get_input_embeddings(self):
+            return self.inner.get_input_embeddings()
+
+        def get_output_embeddings(self):
+            return self.inner.get_output_embeddings()
+
+        def forward(self, input_ids=None, attention_mask=None, **kwargs):
+            return self.inner(input_ids=input_ids, attention_mask=attention_mask, **kwargs)
+
+    wrapped = TargetModel(Wrapper(model))
+    wrapped.layers = TargetModel(model).layers
+    prompt = random_prompts(1, seed=2)[0]
+    with torch.inference_mode():
+        out = SpeculativeEngine(wrapped).generate([prompt], GenerationConfig(max_new_tokens=8, stop_token_ids=[]))
+    assert out[0].output_ids == hf_greedy(TargetModel(model), prompt, 8)
+
+
 def _longrope_target(switch: int) -> TargetModel:
     """A tiny Phi-3 whose longrope rotary switches from its short to its long factors at `switch` tokens (Phi-3 and
     Phi-3.5 128k's form, in a context of 1,024), with factors far enough apart to change its greedy text."""
