@@ -49,8 +49,7 @@ def main(argv: list[str] | None = None) -> int:
     if unknown:  # the subcommand's usage and a hint, where argparse would print the top level's usage alone
         command = parser.commands[args.command]
         command.error(f"unrecognized arguments: {' '.join(unknown)}{unknown_flag_hint(unknown, command)}")
-    flags = GENERATION_FLAGS if args.command in DECODING_COMMANDS else None
-    return run_command(args, f"dflash {args.command}{_rank_tag()}", flag_names=flags)
+    return run_command(args, f"dflash {args.command}{_rank_tag()}")
 
 
 def unknown_flag_hint(unknown: list[str], parser: argparse.ArgumentParser) -> str:
@@ -89,7 +88,7 @@ def run_command(args: argparse.Namespace, prog: str, flag_names: dict[str, str] 
     try:
         return importlib.import_module(args.module).run(args) or 0
     except UserError as err:
-        print(f"{prog}: error: {_respelled(str(err), flag_names or {})}", file=sys.stderr)
+        print(f"{prog}: error: {_respelled(_as_flags(err, args), flag_names or {})}", file=sys.stderr)
         return 2
     except ModuleNotFoundError as err:  # an optional package (serve, bench) not installed: name the extra
         from dflash.extras import as_missing_extra
@@ -162,11 +161,23 @@ def _show_our_warnings(prog: str) -> None:
     warnings.showwarning = show
 
 
+def _as_flags(err, args: argparse.Namespace) -> str:
+    """A GenerationError's message (a generation option out of range, a request too long) with each option named
+    as the flag that sets it, in a command that decodes; any other error as it is (its paths and file fields are
+    no flags)."""
+    from dflash.errors import GenerationError
+
+    message = str(err)
+    if isinstance(err, GenerationError) and getattr(args, "command", None) in DECODING_COMMANDS:
+        return _respelled(message, GENERATION_FLAGS)
+    return message
+
+
 def _respelled(message: str, flag_names: dict[str, str]) -> str:
     """`message` with each of our flags in `flag_names` written as the user's own (whole flags only)."""
     for ours, theirs in flag_names.items():
         # whole names only: not dflash_config.block_size, nor a name the message spells out already: "top_p (--top-p)"
-        message = re.sub(rf"(?<![\w.-]){re.escape(ours)}(?![\w-]| \(--)", theirs, message)
+        message = re.sub(rf"(?<![\w./\\-]){re.escape(ours)}(?![\w/\\-]| \(--)", theirs, message)
     return message
 
 

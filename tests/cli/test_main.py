@@ -127,5 +127,8 @@ def test_the_decoding_commands_name_the_flags_in_the_api_errors(capsys):
     assert "error: --branch-length is a number of tokens >= 0" in capsys.readouterr().err
     from dflash.cli.main import GENERATION_FLAGS, _respelled
 
-    kept = "dflash_config.block_size 5000 exceeds ...; top_p (--top-p) ...; max_new_tokens_left"
-    assert _respelled(kept, GENERATION_FLAGS) == kept  # a config key, a name spelled out already, a longer word
+    kept = "dflash_config.block_size 5000 exceeds ...; top_p (--top-p) ...; max_new_tokens_left; runs/top_p/q.txt"
+    assert _respelled(kept, GENERATION_FLAGS) == kept  # a config key, a name spelled out already, a word, a path
+    # only the generation options' own errors: a path or a drafter's config.json field is no flag
+    assert main(["datagen", "--prompts", "sweeps/temperature/prompts.jsonl", "--output", "o.jsonl"]) == 2
+    assert "--prompts sweeps/temperature/prompts.jsonl: there is no local file" in capsys.readouterr().err
