@@ -97,7 +97,8 @@ class LocalBackend:
         fix = (f"lower --max-new-tokens to {most_new_tokens} or less, or leave them out of the data (--data-file)"
                if most_new_tokens >= 1 else "leave them out of the data (--data-file)")
         shown = ", ".join(f"{key} ({n} tokens)" for key, n in too_long[:10])
-        return (f"{len(too_long)} prompt(s) do not fit the target's context of {limit} tokens with --max-new-tokens "
+        return (f"{len(too_long)} prompt(s) do not fit the target's context of {limit} tokens"
+                f"{engine.target.context_note} with --max-new-tokens "
                 f"{config.max_new_tokens} and a block of {block}: {shown}{' ...' if len(too_long) > 10 else ''}; "
                 f"{fix}")
 

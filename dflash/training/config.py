@@ -147,14 +147,15 @@ class TrainConfig:
 # What a run does with its output rather than how it trains: never written to training_config.yaml, so reading that
 # file back with --config cannot delete a run's checkpoints (overwrite) or continue one by surprise (resume)
 RUN_ACTIONS = ("resume", "overwrite")
+PATH_OPTIONS = ("target", "data", "extra_train_data", "output", "init_from", "feature_cache")  # local paths, or not
 
 
 def portable_settings(values: dict[str, Any]) -> dict[str, Any]:
     """A run's settings with every local path absolute and without `RUN_ACTIONS`: the exported training_config.yaml
     names the target and data it was trained with, and `dflash train --config` reads it back from any folder."""
     values = {k: v for k, v in values.items() if k not in RUN_ACTIONS}
-    for key in ("target", "data", "output", "init_from", "feature_cache"):
-        if key in values:
+    for key in PATH_OPTIONS:
+        if key in values and key != "extra_train_data":
             values[key] = absolute_if_local(values[key])
     if values.get("extra_train_data"):
         values["extra_train_data"] = [absolute_if_local(path) for path in values["extra_train_data"]]
@@ -180,10 +181,10 @@ def load_config(yaml_path: str | None = None, overrides: dict[str, Any] | None =
         values.update({str(k).replace("-", "_"): v for k, v in loaded.items()})
         _read_numbers(values)
         _check_types(values, path)
-        if values.get("overwrite"):
-            raise UserError(f"{path} sets overwrite: true, which deletes an earlier run's checkpoints; it is taken "
-                            "only as the --overwrite flag: drop it from the file (and pass --overwrite if you mean it)")
     given = {k: v for k, v in (overrides or {}).items() if v is not None}
+    if values.get("overwrite") and not given.get("overwrite"):  # a file exported before 2026-12-05 holds it
+        raise UserError(f"{yaml_path} sets overwrite: true, which deletes an earlier run's checkpoints; it is taken "
+                        "only as the --overwrite flag: drop it from the file (and pass --overwrite if you mean it)")
     values.update(given)
     _flags_win_over_the_file(values, given)
     unknown = sorted(set(values) - {f.name for f in fields(TrainConfig)})

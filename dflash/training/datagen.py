@@ -442,6 +442,7 @@ class _Generator:
     def __init__(self, pipe, config: DatagenConfig):
         self.pipe, self.config = pipe, config
         self.context = pipe.engine.context_length
+        self.context_note = pipe.engine.target.context_note
         self.raw = pipe.tokenizer is not None and not getattr(pipe.tokenizer, "chat_template", None)
         if self.raw:
             _warn("the target's tokenizer has no chat template: prompts are sent as plain text, as `dflash "
@@ -478,7 +479,8 @@ class _Generator:
                 ids[p.id] = prompt_ids
                 continue
             result.skipped.append(f"{p.where} (output id {p.id}): its prompt of {len(prompt_ids)} tokens leaves no "
-                                  f"room for an answer in the target's context of {self.context} tokens")
+                                  f"room for an answer in the target's context of {self.context} tokens"
+                                  f"{self.context_note}")
             if len(result.skipped) <= MAX_WARNINGS:
                 _warn(f"skipped {result.skipped[-1]}")
             elif len(result.skipped) == MAX_WARNINGS + 1:
@@ -500,8 +502,8 @@ class _Generator:
                 ids = first_ids.pop(p.id) if turn == 0 else self.encode_turn(p, messages)
                 if self.room(ids) < 1:
                     _warn(f"{p.where} (output id {p.id}): turn {turn + 1} of {len(p.turns)} ({len(ids)} tokens) "
-                          f"leaves no room for an answer in the target's context of {self.context} tokens; its "
-                          f"record keeps the first {turn}")
+                          f"leaves no room for an answer in the target's context of {self.context} tokens"
+                          f"{self.context_note}; its record keeps the first {turn}")
                     ended.add(p.id)
                     continue
                 conversations[p.id] = messages

@@ -36,6 +36,7 @@ from dflash.training import datagen
 from dflash.training.config import (
     DEFAULT_BLOCK_SIZE,
     DEFAULT_MAX_LENGTH,
+    PATH_OPTIONS,
     TrainConfig,
     absolute_if_local,
     portable_settings,
@@ -264,10 +265,10 @@ class Trainer:
 
     def _setup_data(self) -> None:
         c = self.config
-        self.context = getattr(self.target.config, "max_position_embeddings", None)
+        self.context = self.target.context_length  # what decoding reaches (a longrope target: its switch)
         if self.context and c.max_length and c.max_length > self.context:
-            self._note(f"--max-length {c.max_length} is beyond the target's context of {self.context} tokens; "
-                       f"sequences are cut at {self.context}")
+            self._note(f"--max-length {c.max_length} is beyond the target's context of {self.context} tokens"
+                       f"{self.target.context_note}; sequences are cut at {self.context}")
         limit = c.max_length or DEFAULT_MAX_LENGTH
         c.max_length = min(limit, self.context) if self.context else limit
         train, self.eval_examples = split_examples(self._read("--data", c.data), c.eval_fraction, c.seed)
@@ -815,7 +816,10 @@ class Trainer:
         elif self.step == self.total_steps:
             self._note(f"the newest checkpoint is at the last step ({self.step}): it is evaluated and exported")
         if self.step >= self.total_steps:  # no step runs with the settings given now: export what trained it
-            self.trained_with = portable_settings(state["config"])
+            # its settings, with this run's paths: the checkpoint keeps them as its run gave them (relative to where
+            # that ran), and this run's name the same files (the data were checked by their fingerprint)
+            here = self.config.portable_dict()
+            self.trained_with = {**portable_settings(state["config"]), **{k: here[k] for k in PATH_OPTIONS}}
 
     def _read_checkpoint(self, checkpoint: Path) -> dict:
         """The training state of checkpoints/step-N; one that cannot be read (a truncated copy, a damaged disk, a

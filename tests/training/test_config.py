@@ -110,6 +110,7 @@ def test_a_config_file_cannot_delete_checkpoints(tmp_path):
     path.write_text("target: t\ndata: d.jsonl\noutput: o\noverwrite: true\n")
     with pytest.raises(UserError, match=r"sets overwrite: true.+taken only as the --overwrite flag: drop it"):
         load_config(str(path))
+    assert load_config(str(path), {"overwrite": True}).overwrite  # asked for on the command line too
     path.write_text("target: t\ndata: d.jsonl\noutput: o\noverwrite: false\n")
     assert load_config(str(path)).overwrite is False
 

@@ -77,11 +77,15 @@ def test_the_exported_config_names_local_paths_absolutely_and_reads_back_anywher
     assert saved["data"] == str(train_data) and saved["extra_train_data"] == [str(train_data)]
     assert saved["output"] == str(train_data.parent / "out") and saved["target"] == str(tiny_pair[0].resolve())
     assert "resume" not in saved and "overwrite" not in saved  # what a run did to its output, not how it trained
-    # a run stopped early, exported with --resume --max-steps STEP: the checkpoint's settings, as portable
-    Trainer(config(tiny_pair, train_data.name, "out", max_steps=1, extra_train_data=[train_data.name],
+    # a run stopped early, exported with --resume --max-steps STEP from another folder: the checkpoint's settings,
+    # with paths that name the same files from anywhere (its own are relative to where it ran)
+    monkeypatch.chdir(tmp_path)
+    Trainer(config(tiny_pair, train_data, exported.parent, max_steps=1, extra_train_data=[str(train_data)],
                    resume=True)).setup().train()
     saved = yaml.safe_load(exported.read_text())
-    assert saved["data"] == str(train_data) and "resume" not in saved
+    assert saved["data"] == str(train_data) and saved["extra_train_data"] == [str(train_data)]
+    assert "resume" not in saved and saved["output"] == str(exported.parent)
+    monkeypatch.chdir(train_data.parent)
     monkeypatch.chdir(tmp_path)  # another folder: the same run's settings
     again = load_config(str(exported), {"output": str(tmp_path / "again")})
     assert (again.data, again.target) == (saved["data"], saved["target"])
