@@ -376,7 +376,8 @@ def load_drafter(
 def save_drafter(model: DFlashDraftModel, directory: str | os.PathLike, dtype: torch.dtype | None = None) -> None:
     """Write config.json + model.safetensors with the public key names (what vLLM and SGLang read). Each file is
     written beside its place and then moved there, so a stop midway (a kill, a full disk) leaves each one whole: the
-    earlier export's, or this one's."""
+    earlier export's, or this one's (a stop between the two moves, a moment, leaves the new weights beside the
+    earlier config.json). A write that fails takes its partial files away."""
     directory = Path(directory)
     directory.mkdir(parents=True, exist_ok=True)
     state = {k: v.detach().to(dtype or v.dtype).contiguous().cpu() for k, v in model.state_dict().items()
@@ -384,9 +385,14 @@ def save_drafter(model: DFlashDraftModel, directory: str | os.PathLike, dtype: t
     config = model.config
     config.dtype = str(dtype or next(model.parameters()).dtype).removeprefix("torch.")
     weights, settings = directory / "model.safetensors.tmp", directory / "config.json.tmp"
-    save_file(state, weights, metadata={"format": "pt"})
-    _as_umask_allows(weights)
-    settings.write_text(json.dumps(config.to_dict(), indent=2) + "\n")
+    try:
+        save_file(state, weights, metadata={"format": "pt"})
+        _as_umask_allows(weights)
+        settings.write_text(json.dumps(config.to_dict(), indent=2) + "\n")
+    except BaseException:
+        weights.unlink(missing_ok=True)  # a partial file the size of a model would hold the space a rerun needs
+        settings.unlink(missing_ok=True)
+        raise
     os.replace(weights, directory / "model.safetensors")
     os.replace(settings, directory / "config.json")
 

@@ -139,6 +139,7 @@ def test_an_export_stopped_midway_leaves_the_earlier_one_whole(tmp_path, target,
     with pytest.raises(OSError):
         tiny_drafter(target, layers=2).save_pretrained(tmp_path / "out")
     assert {name: (tmp_path / "out" / name).read_bytes() for name in before} == before
+    assert sorted(p.name for p in (tmp_path / "out").iterdir()) == sorted(before)  # no partial file left
     load_drafter(tmp_path / "out")
 
 
