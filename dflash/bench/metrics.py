@@ -48,6 +48,7 @@ class BenchResult:
     dflash_latency_ms: dict[str, float] | None = None
     requests_per_s: float | None = None
     errors: int = 0  # failed requests, on either server
+    dflash_answers: int | None = None  # server: requests the DFlash server answered (num_requests less its failures)
     first_error: str | None = None
     baseline_cost_per_1m_tokens_usd: float | None = None
     dflash_cost_per_1m_tokens_usd: float | None = None

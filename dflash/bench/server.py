@@ -588,7 +588,7 @@ def summarize_load(dataset: str, load: LoadResult, base: LoadResult | None, coun
         speedup=ratio(fast_tps, base_tps), dflash_output_tokens=sum(r.output_tokens for r in ok),
         dflash_latency_ms=_latency_ms(load), requests_per_s=len(ok) / load.wall_s if load.wall_s > 0 else None,
         dflash_ttft_ms=mean_ms([r.ttft_s for r in ok]), dflash_tpot_ms=mean_ms([r.tpot_s for r in ok]),
-        errors=len(failed), first_error=failed[0].error if failed else None,
+        errors=len(failed), first_error=failed[0].error if failed else None, dflash_answers=len(ok),
     )
     if base is not None:
         answered = [r for r in base.records if r.error is None]
@@ -615,8 +615,8 @@ SHORT_ANSWERS = 2.0  # mean output tokens per answer below which a load measures
 def short_answers_warning(result: BenchResult, config: ServerConfig) -> str | None:
     """What to say when the answers were too short to measure decoding (None: they were not): the usual cause is a
     chat model given raw text by --endpoint completions, which may end its answer at once."""
-    answered = result.num_requests - result.errors
-    if answered <= 0 or result.dflash_output_tokens / answered >= SHORT_ANSWERS:
+    answered = result.dflash_answers  # the DFlash server's alone: the baseline's failures count in `errors` too
+    if not answered or result.dflash_output_tokens / answered >= SHORT_ANSWERS:
         return None
     why = (" --endpoint completions sends the prompt without the chat template, and a chat model may end its answer "
            "at once: --endpoint chat applies it" if config.endpoint == "completions" else

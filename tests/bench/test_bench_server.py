@@ -329,9 +329,11 @@ def test_answers_too_short_to_measure_decoding_are_warned_about(openai_server):
 
     server = openai_server()
     for endpoint, hint in (("completions", "--endpoint chat applies it"), ("chat", "check --max-new-tokens")):
-        short = BenchResult(dataset="gsm8k", backend="server", num_prompts=4, num_requests=4, dflash_output_tokens=5)
+        short = BenchResult(dataset="gsm8k", backend="server", num_prompts=4, num_requests=4, dflash_output_tokens=5,
+                            dflash_answers=4, errors=3)  # the baseline's 3 failures do not thin the DFlash answers
         warning = short_answers_warning(short, config(server, endpoint=endpoint))
         assert "averaged 1.2 tokens, too few to measure decoding" in warning and hint in warning
     answered = ServerBackend(config(server)).run_level("gsm8k", SAMPLES[:2], 1)
+    assert answered.dflash_answers == answered.num_requests == 2
     assert answered.dflash_output_tokens >= 2 * answered.num_requests
     assert short_answers_warning(answered, config(server)) is None
