@@ -37,8 +37,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from rich.progress import Progress
-
     from dflash.model.loading import check_target_dir, resolve_model_dir
 
     config = DatagenConfig(**{k: v for k, v in vars(args).items() if k in DatagenConfig.__dataclass_fields__})
@@ -46,15 +44,39 @@ def run(args: argparse.Namespace) -> int:
     prompts = read_prompts(config)  # once, and every record checked before the target loads
     if config.target is not None:  # found (or fetched) before the progress bar is drawn
         check_target_dir(resolve_model_dir(config.target))
+    bar = _Bar(len(prompts))
     try:
-        with Progress(transient=False) as progress:
-            task = progress.add_task("datagen", total=len(prompts))
-            result = run_datagen(config, progress=lambda n: progress.advance(task, n), prompts=prompts)
+        result = run_datagen(config, progress=bar.advance, prompts=prompts)
     except KeyboardInterrupt:  # every answer is written whole and flushed: a rerun continues after the last one
+        bar.stop()
         print(f"dflash datagen: stopped; the answers written to {config.output} are kept: rerun the same command to "
               "resume", file=sys.stderr, flush=True)
         raise
+    finally:
+        bar.stop()
     skipped = (f"; {len(result.skipped)} skipped: too long for the target's context (named above; a rerun skips "
                "them again)" if result.skipped else "")
     print(f"wrote {result.written} new records to {config.output} ({len(prompts)} prompts in all{skipped})")
     return 0
+
+
+class _Bar:
+    """The progress bar, drawn from the first prompt accounted for: after the output and its settings are checked,
+    so a refusal (another job's output, other settings) is not preceded by an empty bar."""
+
+    def __init__(self, total: int):
+        self.total, self.progress, self.task = total, None, None
+
+    def advance(self, n: int) -> None:
+        if self.progress is None:
+            from rich.progress import Progress
+
+            self.progress = Progress(transient=False)
+            self.progress.start()
+            self.task = self.progress.add_task("datagen", total=self.total)
+        self.progress.advance(self.task, n)
+
+    def stop(self) -> None:
+        if self.progress is not None:
+            self.progress.stop()
+            self.progress = None

@@ -285,6 +285,17 @@ def test_a_missing_target_is_named_before_any_progress_bar_or_output(prompts, tm
     assert "datagen" not in captured.out.replace("dflash datagen", "") and not out.exists()
 
 
+def test_a_refused_rerun_draws_no_progress_bar(answered, capsys):
+    """The bar starts once the output and its settings are checked: a refusal was preceded by an empty one."""
+    args = ["datagen", "--target", answered.target, "--prompts", answered.prompts, "--output", answered.output,
+            "--device", "cpu"]
+    assert main(args + ["--max-new-tokens", "8"]) == 2
+    captured = capsys.readouterr()
+    assert "was generated with other settings" in captured.err and "datagen" not in captured.out
+    assert main(args + ["--max-new-tokens", "4", "--limit", "3"]) == 0
+    assert "datagen" in capsys.readouterr().out.replace("dflash datagen", "")  # the bar, once it runs
+
+
 def test_datagen_cli_refuses_writing_over_its_prompts(prompts, capsys):
     assert main(["datagen", "--prompts", str(prompts), "--output", str(prompts)]) == 2
     assert "is the --prompts file" in capsys.readouterr().err
