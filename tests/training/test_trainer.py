@@ -992,3 +992,16 @@ def test_data_that_dflash_datagen_is_still_writing_is_refused(tiny_pair, train_d
         with pytest.raises(UserError, match=r"--data .+ is still being written by dflash datagen; let it finish"):
             Trainer(config(tiny_pair, train_data, tmp_path / "out", max_steps=1)).setup()
     Trainer(config(tiny_pair, train_data, tmp_path / "out", max_steps=1)).setup().cleanup()  # done: it trains
+
+
+def test_max_length_is_capped_at_the_context_decoding_reaches(tiny_pair, train_data, tmp_path, monkeypatch, capsys):
+    """A longrope target decodes within its switch (`TargetModel.context_length`): training on longer sequences
+    would learn features, rotated with the long factors, that decoding never shows the drafter."""
+    from dflash.model.target import TargetModel
+
+    monkeypatch.setattr(TargetModel, "context_length", property(lambda self: 20))
+    monkeypatch.setattr(TargetModel, "context_note", property(lambda self: " (its longrope rotary switches ...)"))
+    trainer = Trainer(config(tiny_pair, train_data, tmp_path / "out", max_length=64)).setup()
+    assert trainer.config.max_length == 20
+    assert "beyond the target's context of 20 tokens (its longrope rotary switches ...)" in capsys.readouterr().out
+    trainer.cleanup()
