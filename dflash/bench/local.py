@@ -92,13 +92,13 @@ class LocalBackend:
 
     def _too_long_message(self, too_long: list[tuple[str, int]], config: LocalConfig) -> str:
         engine = self.pipe.engine
-        limit, block = engine.context_length, engine.proposer.block_size
+        block = engine.proposer.block_size
         most_new_tokens = engine.room(max(n for _, n in too_long))
         fix = (f"lower --max-new-tokens to {most_new_tokens} or less, or leave them out of the data (--data-file)"
                if most_new_tokens >= 1 else "leave them out of the data (--data-file)")
         shown = ", ".join(f"{key} ({n} tokens)" for key, n in too_long[:10])
-        return (f"{len(too_long)} prompt(s) do not fit the target's context of {limit} tokens"
-                f"{engine.target.context_note} with --max-new-tokens "
+        return (f"{len(too_long)} prompt(s) do not fit the target's context of {engine.target.context_words} with "
+                "--max-new-tokens "
                 f"{config.max_new_tokens} and a block of {block}: {shown}{' ...' if len(too_long) > 10 else ''}; "
                 f"{fix}")
 

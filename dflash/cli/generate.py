@@ -162,9 +162,9 @@ def _check_room(engine: SpeculativeEngine, prompt_tokens: int, max_new_tokens: i
     why = f"(a decode step writes a block of {engine.proposer.block_size} tokens past the last one)"
     if room < 1:
         raise UserError(f"the prompt ({prompt_tokens} tokens) leaves no room for an answer in the target's context "
-                        f"of {engine.context_length} tokens{engine.target.context_note} {why}; shorten the prompt")
+                        f"of {engine.target.context_words} {why}; shorten the prompt")
     raise UserError(f"the prompt ({prompt_tokens} tokens) leaves room for at most {room} new tokens in the target's "
-                    f"context of {engine.context_length}{engine.target.context_note} {why}; lower --max-new-tokens to "
+                    f"context of {engine.target.context_words} {why}; lower --max-new-tokens to "
                     f"{room} or shorten the prompt")
 
 

@@ -153,8 +153,8 @@ class DraftModelProposer:
             positions[r] = start  # the padding's, never seen
             positions[r, width - len(read):] = torch.arange(start, start + len(read))
             new_valid[r, width - len(read):] = True
-        ids[ids >= self.readable] = 0  # an id past its embedding (a target's padding row) reads as id 0: it only
-        # changes what the draft model proposes after it, which verification checks
+        if self.readable < self.vocab_size:  # an id past its embedding (a target's padding row) reads as id 0: it
+            ids[ids >= self.readable] = 0  # only changes what the draft model proposes after it
         ids, positions, new_valid = ids.to(device), positions.to(device), new_valid.to(device)
         valid = new_valid if state.valid is None else torch.cat([state.valid, new_valid], dim=1)
         mask = None if bool(valid.all()) else valid.long()

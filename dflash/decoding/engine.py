@@ -260,8 +260,7 @@ class SpeculativeEngine:
         if room is not None and config.max_new_tokens > room:
             raise GenerationError(
                 f"a prompt of {len(prompt_ids)} tokens leaves room for at most {max(room, 0)} new tokens, not "
-                f"max_new_tokens={config.max_new_tokens}: the target's context is {self.context_length} tokens"
-                f"{self.target.context_note}, and "
+                f"max_new_tokens={config.max_new_tokens}: the target's context is {self.target.context_words}, and "
                 f"decoding keeps one block ({block_size} tokens) free past the last one; shorten the prompt or "
                 "lower max_new_tokens"
             )

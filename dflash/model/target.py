@@ -63,7 +63,8 @@ class TargetModel:
         self._sliding = self.rollback_problem is None and hf_compat.has_sliding_layers(model.config)
         self.positions_by_slot = hf_compat.positions_by_slot(model.config)  # its batches keep no holes between tokens
         self._cache_kwarg = hf_compat.cache_kwarg_name(model)
-        self._takes_logits_to_keep = "logits_to_keep" in inspect.signature(model.forward).parameters
+        forward = inspect.signature(hf_compat.unwrapped(model).forward).parameters  # through a wrapper's **kwargs
+        self._takes_logits_to_keep = "logits_to_keep" in forward
         self._hooks: dict[int, object] = {}
         self._hooks_lock = threading.Lock()
         # what a forward wants captured and what it captured, per thread: the hooks run on the thread of the forward,
@@ -138,6 +139,11 @@ class TargetModel:
             return ""
         return (f" (its longrope rotary switches to its long factors at {self.rope_switch} tokens, and a block "
                 "verified across that point would change the output, so DFlash decodes within it)")
+
+    @property
+    def context_words(self) -> str:
+        """`context_length` for a message: "4096 tokens", with `context_note` after it."""
+        return f"{self.context_length} tokens{self.context_note}"
 
     def eos_token_ids(self) -> list[int]:
         ids: set[int] = set()

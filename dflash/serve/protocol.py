@@ -228,10 +228,13 @@ class SamplingRequest(_Strict):
             raise APIError(400, f"{self.token_limit_field}: must be at least 1 (the number of new tokens to "
                                 "generate)", param=self.token_limit_field)
 
-    @field_validator("max_tokens")
+    @field_validator("max_tokens", "max_completion_tokens", check_fields=False)  # the latter: chat requests only
     @classmethod
     def _tokens_not_negative(cls, value):
-        return _not_negative_tokens(value)
+        """A negative token limit, said as a limit of 0 is (`check_supported`)."""
+        if value is not None and value < 0:
+            raise ValueError(f"must be at least 1 (the number of new tokens to generate), got {value}")
+        return value
 
     @field_validator("stop")
     @classmethod
@@ -276,12 +279,7 @@ def _no_tool_choice(choice: Any) -> bool:
 
 class ChatCompletionRequest(SamplingRequest):
     messages: list[ChatMessage] = Field(min_length=1)
-    max_completion_tokens: int | None = None  # the newer name for max_tokens
-
-    @field_validator("max_completion_tokens")
-    @classmethod
-    def _completion_tokens_not_negative(cls, value):
-        return _not_negative_tokens(value)
+    max_completion_tokens: int | None = None  # the newer name for max_tokens (checked with it, `_tokens_not_negative`)
     top_logprobs: int | None = Field(default=None, ge=0)
     response_format: ResponseFormat | None = None
     tools: list[Any] | None = None
@@ -399,13 +397,6 @@ MESSAGE_EXTRAS = {"refusal", "audio", "function_call"}
 
 def known_fields(model: type[_Strict]) -> set[str]:
     return {f.alias or name for name, f in model.model_fields.items()}
-
-
-def _not_negative_tokens(value: int | None) -> int | None:
-    """A negative token limit, said as a limit of 0 is (`SamplingRequest.check_supported`)."""
-    if value is not None and value < 0:
-        raise ValueError(f"must be at least 1 (the number of new tokens to generate), got {value}")
-    return value
 
 
 def _describe(errors: list[dict]) -> tuple[str | None, str]:

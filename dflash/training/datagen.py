@@ -284,7 +284,7 @@ def done_ids(output: Path) -> dict[int, str | None]:
                         "can read and write") from None
     lines = data.split(b"\n")
     tail = lines.pop()  # b"" when the file ends with a newline
-    parsed = [(n, line, _output_record(line)) for n, line in enumerate(lines, 1) if line.strip()]
+    parsed = [(n, line, _output_record(_json(line))) for n, line in enumerate(lines, 1) if line.strip()]
     ours = any(record is not None for _, _, record in parsed)
     for n, line, record in parsed:
         if record is None and ours and line.startswith(RECORD_START):
@@ -297,7 +297,8 @@ def done_ids(output: Path) -> dict[int, str | None]:
             raise UserError(f"{output} is not dflash datagen output (line {n} is not a record); pass another "
                             "--output (a rerun of dflash datagen appends to its own output)")
     if tail.strip():
-        if not tail.startswith(RECORD_START) or (_is_json(tail) and _output_record(tail) is None):  # whole, not ours
+        whole = _json(tail)  # a whole line without its newline: written by something else, never half ours
+        if not tail.startswith(RECORD_START) or (whole is not _NOT_JSON and _output_record(whole) is None):
             raise UserError(f"{output} is not dflash datagen output (line {len(lines) + 1} is not a record); pass "
                             "another --output")
         with output.open("r+b") as f:  # the interrupted write of a record: it is generated again
@@ -305,22 +306,21 @@ def done_ids(output: Path) -> dict[int, str | None]:
     return {record["id"]: record.get("prompt_hash") for _, _, record in parsed}
 
 
-def _is_json(line: bytes) -> bool:
+_NOT_JSON = object()
+
+
+def _json(line: bytes):
+    """The line's JSON value, or _NOT_JSON (text that is not JSON, not UTF-8, or nested too deeply)."""
     try:
-        json.loads(line.decode("utf-8"))
+        return json.loads(line.decode("utf-8"))
     except (UnicodeDecodeError, json.JSONDecodeError, RecursionError):
-        return False
-    return True
+        return _NOT_JSON
 
 
-def _output_record(line: bytes) -> dict | None:
-    """An output line as a record, or None when it is not one."""
-    try:
-        record = json.loads(line.decode("utf-8"))
-    except (UnicodeDecodeError, json.JSONDecodeError, RecursionError):  # nested too deeply: never our record
-        return None
-    if isinstance(record, dict) and isinstance(record.get("id"), int) and "response_ids" in record:
-        return record
+def _output_record(value) -> dict | None:
+    """A parsed output line (`_json`) as a record, or None when it is not one."""
+    if isinstance(value, dict) and isinstance(value.get("id"), int) and "response_ids" in value:
+        return value
     return None
 
 
@@ -441,8 +441,7 @@ class _Generator:
 
     def __init__(self, pipe, config: DatagenConfig):
         self.pipe, self.config = pipe, config
-        self.context = pipe.engine.context_length
-        self.context_note = pipe.engine.target.context_note
+        self.context_words = pipe.engine.target.context_words  # for the messages of prompts that do not fit
         self.raw = pipe.tokenizer is not None and not getattr(pipe.tokenizer, "chat_template", None)
         if self.raw:
             _warn("the target's tokenizer has no chat template: prompts are sent as plain text, as `dflash "
@@ -479,8 +478,7 @@ class _Generator:
                 ids[p.id] = prompt_ids
                 continue
             result.skipped.append(f"{p.where} (output id {p.id}): its prompt of {len(prompt_ids)} tokens leaves no "
-                                  f"room for an answer in the target's context of {self.context} tokens"
-                                  f"{self.context_note}")
+                                  f"room for an answer in the target's context of {self.context_words}")
             if len(result.skipped) <= MAX_WARNINGS:
                 _warn(f"skipped {result.skipped[-1]}")
             elif len(result.skipped) == MAX_WARNINGS + 1:
@@ -502,8 +500,8 @@ class _Generator:
                 ids = first_ids.pop(p.id) if turn == 0 else self.encode_turn(p, messages)
                 if self.room(ids) < 1:
                     _warn(f"{p.where} (output id {p.id}): turn {turn + 1} of {len(p.turns)} ({len(ids)} tokens) "
-                          f"leaves no room for an answer in the target's context of {self.context} tokens"
-                          f"{self.context_note}; its record keeps the first {turn}")
+                          f"leaves no room for an answer in the target's context of {self.context_words}; its "
+                          f"record keeps the first {turn}")
                     ended.add(p.id)
                     continue
                 conversations[p.id] = messages
