@@ -78,8 +78,8 @@ class LocalBackend:
         return self.pipe.engine.proposer_for(GenerationConfig(block_size=requested)).block_size
 
     def fits(self, prompt_len: int, config: LocalConfig) -> bool:
-        """Whether a prompt this long leaves max_new_tokens of room (`SpeculativeEngine.room`: the drafting
-        engine's, which keeps a block more than plain decoding needs)."""
+        """Whether a prompt this long leaves max_new_tokens of room in the target's context
+        (`SpeculativeEngine.room`)."""
         room = self.pipe.engine.room(prompt_len)
         return room is None or config.max_new_tokens <= room
 
@@ -92,14 +92,13 @@ class LocalBackend:
 
     def _too_long_message(self, too_long: list[tuple[str, int]], config: LocalConfig) -> str:
         engine = self.pipe.engine
-        block = engine.proposer.block_size
         most_new_tokens = engine.room(max(n for _, n in too_long))
         fix = (f"lower --max-new-tokens to {most_new_tokens} or less, or leave them out of the data (--data-file)"
                if most_new_tokens >= 1 else "leave them out of the data (--data-file)")
         shown = ", ".join(f"{key} ({n} tokens)" for key, n in too_long[:10])
         return (f"{len(too_long)} prompt(s) do not fit the target's context of {engine.target.context_words} with "
                 "--max-new-tokens "
-                f"{config.max_new_tokens} and a block of {block}: {shown}{' ...' if len(too_long) > 10 else ''}; "
+                f"{config.max_new_tokens}: {shown}{' ...' if len(too_long) > 10 else ''}; "
                 f"{fix}")
 
     def run(self, dataset: str, samples: list[Sample], config: LocalConfig,

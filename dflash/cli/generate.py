@@ -159,13 +159,12 @@ def _check_room(engine: SpeculativeEngine, prompt_tokens: int, max_new_tokens: i
     room = engine.room(prompt_tokens)
     if room is None or max_new_tokens <= room:
         return
-    why = f"(a decode step writes a block of {engine.proposer.block_size} tokens past the last one)"
     if room < 1:
         raise UserError(f"the prompt ({prompt_tokens} tokens) leaves no room for an answer in the target's context "
-                        f"of {engine.target.context_words} {why}; shorten the prompt")
+                        f"of {engine.target.context_words}; shorten the prompt")
     raise UserError(f"the prompt ({prompt_tokens} tokens) leaves room for at most {room} new tokens in the target's "
-                    f"context of {engine.target.context_words} {why}; lower --max-new-tokens to "
-                    f"{room} or shorten the prompt")
+                    f"context of {engine.target.context_words}; lower --max-new-tokens to {room} or shorten the "
+                    "prompt")
 
 
 def _stream(pipe, prompt_ids: list[int], options: dict):

@@ -41,6 +41,7 @@ AUTO = "auto"  # block_size: chosen before every step from measured step costs a
 
 # Block size "auto" times steps of up to this many rows; costs of larger batches are extrapolated from them.
 _AUTO_TIMED_ROWS = 8
+_NO_LIMIT = 2**62  # positions left for a target whose config states no context
 
 
 SEED_RANGE = (-(2**63), 2**64)  # what torch generators take; a seed beyond it would wrap onto another one
@@ -242,27 +243,25 @@ class SpeculativeEngine:
         config states none."""
         return self.target.context_length
 
-    def room(self, prompt_len: int, block_size: int | None = None) -> int | None:
-        """The most new tokens a prompt of `prompt_len` tokens may ask for: every position a decode step writes
-        (the anchor and the draft tokens, a block of `block_size` past the last token; None: the proposer's
-        block) stays within the target's context. None when the target states no context."""
+    def room(self, prompt_len: int) -> int | None:
+        """The most new tokens a prompt of `prompt_len` tokens may ask for: prompt and output fill the target's
+        context at most, as in plain decoding (the steps near its end verify shorter blocks). None when the target
+        states no context."""
         limit = self.context_length
-        return limit - prompt_len - (block_size or self.proposer.block_size) if limit else None
+        return limit - prompt_len if limit else None
 
-    def new_sequence(self, prompt_ids: list[int], config: GenerationConfig, block_size: int | None = None) -> Sequence:
-        """A sequence to decode, refused when its prompt or max_new_tokens does not fit: `block_size`, the tokens
-        its steps verify (None: its config's)."""
+    def new_sequence(self, prompt_ids: list[int], config: GenerationConfig) -> Sequence:
+        """A sequence to decode, refused when its prompt, max_new_tokens or block size does not fit."""
         if not prompt_ids:
             raise GenerationError("the prompt is empty; give at least one token")
         check_token_ids(prompt_ids, self.target.vocab_size)
-        block_size = block_size or self.proposer_for(config).block_size  # may exceed the engine's proposer's
-        room = self.room(len(prompt_ids), block_size)
+        self.proposer_for(config)  # refuses a block size the drafter cannot verify
+        room = self.room(len(prompt_ids))
         if room is not None and config.max_new_tokens > room:
             raise GenerationError(
                 f"a prompt of {len(prompt_ids)} tokens leaves room for at most {max(room, 0)} new tokens, not "
-                f"max_new_tokens={config.max_new_tokens}: the target's context is {self.target.context_words}, and "
-                f"decoding keeps one block ({block_size} tokens) free past the last one; shorten the prompt or "
-                "lower max_new_tokens"
+                f"max_new_tokens={config.max_new_tokens}: the target's context is {self.target.context_words}; "
+                "shorten the prompt or lower max_new_tokens"
             )
         if config.stop_token_ids is not None:  # an id outside the vocabulary is never generated: a stop never met
             check_token_ids(config.stop_token_ids, self.target.vocab_size, "stop_token_ids")
@@ -270,11 +269,10 @@ class SpeculativeEngine:
         stop = StopChecker(stop_ids, config.stop_strings, config.max_new_tokens, self.tokenizer)
         return Sequence(prompt_ids, config, stop, self.target.device)
 
-    def _new_row(self, index: int, prompt_ids: list[int], config: GenerationConfig, rows: int,
-                 block_size: int) -> Sequence:
+    def _new_row(self, index: int, prompt_ids: list[int], config: GenerationConfig, rows: int) -> Sequence:
         """`new_sequence` for row `index` of a batch of `rows`: a problem names the prompt when there are several."""
         try:
-            return self.new_sequence(prompt_ids, config, block_size)
+            return self.new_sequence(prompt_ids, config)
         except GenerationError as err:
             if rows == 1:
                 raise
@@ -372,10 +370,14 @@ class SpeculativeEngine:
         size to verify, picked from the draft (its first draft tokens are verified); None: all of it."""
         t0 = time.perf_counter()
         rows = batch.sequences
-        draft = batch.proposer.propose(batch.draft_state, batch.anchors, batch.anchor_positions, rows)
+        fit = self._positions_left(rows)
+        proposer = batch.proposer if fit >= batch.proposer.block_size else batch.proposer.with_block_size(max(fit, 2))
+        draft = proposer.propose(batch.draft_state, batch.anchors, batch.anchor_positions, rows)
         if choose is not None:
             draft = draft.first(choose(draft) - 1)
-        branch = self._branch(batch, draft)
+        if draft.tokens.shape[1] >= fit:  # the anchor takes one of the positions left
+            draft = draft.first(fit - 1)
+        branch = self._branch(batch, draft, min(proposer.block_size, fit))
         t1 = time.perf_counter()
         block = torch.cat([batch.anchors[:, None], draft.tokens], dim=1)  # (b, block_size)
         offsets = torch.arange(block.shape[1], device=block.device)
@@ -407,12 +409,18 @@ class SpeculativeEngine:
         self.profile.total_s += time.perf_counter() - t0
         return kept
 
-    def _branch(self, batch: Batch, draft: Draft) -> Branch | None:
+    def _positions_left(self, rows: list[Sequence]) -> int:
+        """How many positions this step may write into the target's cache, from the anchor on, so that no row
+        writes past the context: a step near the end verifies a shorter block, and the last a plain step."""
+        limit = self.context_length
+        return limit - max(seq.next_position for seq in rows) + 1 if limit else _NO_LIMIT
+
+    def _branch(self, batch: Batch, draft: Draft, width: int) -> Branch | None:
         """The branch this step verifies with its block, or None: every row asks for one (`branch_length`) and is
         greedy or seeded (its target tokens do not depend on the drafts offered), the draft can give one, the
         target takes a tree-shaped mask, and a draft token can be replaced. It leaves the draft where its first
-        miss is likeliest, and stays within the proposer's block of positions past the anchor (the room
-        `new_sequence` keeps)."""
+        miss is likeliest, and stays within `width` positions from the anchor (the proposer's block, or fewer
+        at the end of the context)."""
         rows = batch.sequences
         length = min(seq.config.branch_length for seq in rows)
         drafted = draft.tokens.shape[1]
@@ -422,7 +430,7 @@ class SpeculativeEngine:
         confidence = draft.confidence
         start = (most_likely_first_miss(confidence, drafted) if confidence is not None
                  else torch.zeros(len(rows), dtype=torch.long, device=draft.tokens.device))  # (b,)
-        length = min(length, batch.proposer.block_size - 1 - int(start.max()))
+        length = min(length, width - 1 - int(start.max()))
         if length < 1:
             return None
         return Branch(start, draft.branch_fn(start, length))
@@ -567,7 +575,7 @@ class SpeculativeEngine:
             return []
         proposer = self.proposer_for(configs[0])
         policy = self.block_policy_for(configs[0], len(prompts))  # before any request's clock starts
-        sequences = [self._new_row(i, p, c, len(prompts), proposer.block_size)
+        sequences = [self._new_row(i, p, c, len(prompts))
                      for i, (p, c) in enumerate(zip(prompts, configs))]
         batch = self.merge([self.prefill(s, proposer) for s in sequences])
         batch = self.drop_finished(batch)

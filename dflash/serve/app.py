@@ -34,7 +34,7 @@ from dflash.decoding.engine import GenerationConfig, check_token_ids
 from dflash.decoding.proposer import NoDraftProposer
 from dflash.errors import UserError
 from dflash.serve.fallback import AUTO_NEEDS_STEP_COSTS, FallbackConfig
-from dflash.serve.limits import DEFAULT_MAX_REQUEST_BYTES, ContextLimit, check_max_model_len
+from dflash.serve.limits import DEFAULT_MAX_REQUEST_BYTES, check_max_model_len
 from dflash.serve.metrics import ServerMetrics
 from dflash.serve.protocol import (
     APIError,
@@ -78,11 +78,7 @@ class Server:
         self.engine = pipe.engine
         target_context = self.engine.context_length
         why = self.engine.target.context_note or " (max_position_embeddings in its config.json)"
-        self.context = ContextLimit(check_max_model_len(config.max_model_len, target_context, why), target_context,
-                                    self.engine.room(0))
-        self.max_model_len = self.context.usable  # the most prompt + max_tokens may add up to
-        if self.context.usable < self.context.configured:
-            log.info("prompt + max_tokens may add up to %s", self.context.describe())
+        self.max_model_len = check_max_model_len(config.max_model_len, target_context, why)  # prompt + max_tokens
         self.metrics = ServerMetrics.for_proposer(self.engine.proposer)
         drafting = not isinstance(self.engine.proposer, NoDraftProposer)
         if drafting and config.fallback.auto and not config.adaptive_block_size:
@@ -136,11 +132,11 @@ class Server:
                            param="model", code="model_not_found")
 
     def token_budget(self, req: SamplingRequest, prompt_len: int, kind: str, default_max: int | None) -> int:
-        """max_tokens for this request: the one asked for, or the default, within the usable context."""
-        room = self.context.usable - prompt_len
+        """max_tokens for this request: the one asked for, or the default, within the context."""
+        room = self.max_model_len - prompt_len
         if room < 1:
-            raise APIError(400, f"the prompt ({prompt_len} tokens) leaves no room for new tokens in "
-                                f"{self.context.describe()}; shorten it",
+            raise APIError(400, f"the prompt ({prompt_len} tokens) leaves no room for new tokens in the context of "
+                                f"{self.max_model_len} tokens; shorten it",
                            param="messages" if kind == "chat" else "prompt", code="context_length_exceeded")
         field, asked = req.token_limit_field, req.token_limit
         if asked is None and default_max is None:
@@ -149,8 +145,8 @@ class Server:
         asked = default_max if default else asked
         if asked > room:
             named = f"{field} ({asked}, the default for completions)" if default else f"{field} ({asked})"
-            raise APIError(400, f"prompt ({prompt_len} tokens) + {named} exceeds {self.context.describe()}; "
-                                f"shorten the prompt or set {field} to at most {room}",
+            raise APIError(400, f"prompt ({prompt_len} tokens) + {named} exceeds the context of "
+                                f"{self.max_model_len} tokens; shorten the prompt or set {field} to at most {room}",
                            param=field, code="context_length_exceeded")
         return asked
 

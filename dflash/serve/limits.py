@@ -1,15 +1,12 @@
 """Limits on what a request may ask: how long a sequence may grow (the one rule `dflash serve` and its hand-off
 apply to `--max-model-len`) and how large a request body may be.
 
-A request's prompt + max_tokens must fit the usable context: `--max-model-len` (default: the target's context,
-`max_position_embeddings`), but never closer to the target's context than one block. A decode step writes the
-anchor and its draft tokens, `block_size` positions from the row's last token on (1 without a drafter), and
-the engine keeps every position it writes within the target's context.
+A request's prompt + max_tokens must fit `--max-model-len` (default: the target's context, `max_position_embeddings`,
+or less where DFlash decodes within less: `TargetModel.context_length`), as in vLLM. The steps near the end of the
+context verify shorter blocks, so a sequence may fill it exactly.
 """
 
 from __future__ import annotations
-
-from dataclasses import dataclass
 
 from dflash.errors import UserError
 
@@ -28,25 +25,3 @@ def check_max_model_len(max_model_len: int | None, target_context: int | None,
         raise UserError("the target's config.json has no max_position_embeddings; give --max-model-len")
     return limit
 
-
-@dataclass(frozen=True)
-class ContextLimit:
-    configured: int  # --max-model-len, or the target's context
-    target_context: int | None  # the target's max_position_embeddings
-    engine_room: int | None  # the most prompt + new tokens the engine decodes (`SpeculativeEngine.room(0)`)
-
-    @property
-    def usable(self) -> int:
-        """The most tokens prompt + max_tokens may add up to."""
-        if self.engine_room is None:
-            return self.configured
-        return max(min(self.configured, self.engine_room), 0)
-
-    def describe(self) -> str:
-        """'the context of N tokens', saying why when a decode step's room makes it less than configured."""
-        if self.usable == self.configured:
-            return f"the context of {self.usable} tokens"
-        kept = self.target_context - self.engine_room
-        positions = f"{kept} position{'s' if kept != 1 else ''}"
-        return (f"the usable context of {self.usable} tokens (the target's {self.target_context}, less the "
-                f"{positions} a decode step writes past a sequence's last token)")

@@ -126,20 +126,19 @@ def test_first_turns_past_the_context_fail_before_any_decoding(pipe):
     config = LocalConfig(max_new_tokens=256)
     with pytest.raises(UserError) as err:
         backend.check_context(data, config)
-    message, block = str(err.value), pipe.engine.proposer.block_size
+    message = str(err.value)
     n = len(pipe.encode([{"role": "user", "content": long.turns[0]}]))
     assert message.startswith(f"1 prompt(s) do not fit the target's context of 1024 tokens with --max-new-tokens "
-                              f"256 and a block of {block}: gsm8k sample long-one ({n} tokens); lower --max-new-tokens "
-                              f"to {1024 - n - block} or less")
+                              f"256: gsm8k sample long-one ({n} tokens); lower --max-new-tokens to {1024 - n} or less")
     assert recorder.prompts == []  # nothing decoded
-    backend.check_context(data, LocalConfig(max_new_tokens=1024 - n - block))  # the advice is right
+    backend.check_context(data, LocalConfig(max_new_tokens=1024 - n))  # the advice is right
 
 
 def test_a_later_turn_past_the_context_ends_its_conversation(pipe, monkeypatch):
     sample = Sample("81", ("Write about clips.", "Now write much more: " + "clips and pens " * 60))
     first = len(pipe.encode([{"role": "user", "content": sample.turns[0]}]))
     config = LocalConfig(max_new_tokens=8, warmup_tokens=0)
-    room = first + 8 + pipe.engine.proposer.block_size + 8  # the first turn fits, the second cannot
+    room = first + 8 + 8  # the first turn fits, the second cannot
     monkeypatch.setattr(pipe.target.config, "max_position_embeddings", room)
     backend = LocalBackend(pipe)
     backend.check_context({"mt-bench": [sample]}, config)

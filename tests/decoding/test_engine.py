@@ -6,10 +6,9 @@ from __future__ import annotations
 
 import pytest
 
-from conftest import VOCAB, OracleProposer, hf_greedy, random_prompts, tiny_drafter, tiny_target_model
+from conftest import VOCAB, OracleProposer, hf_greedy, random_prompts, tiny_drafter
 from dflash.decoding import DFlashProposer, GenerationConfig, NoDraftProposer, SpeculativeEngine
 from dflash.decoding.engine import GenerationError
-from dflash.model.target import TargetModel
 
 MAX_NEW = 48
 
@@ -259,22 +258,16 @@ def test_no_prompts_decode_to_no_outputs(target):
 
 def test_a_request_beyond_the_context_is_told_how_many_tokens_fit(target):
     engine = SpeculativeEngine(target, DFlashProposer(tiny_drafter(target), target))  # block 16, context 1024
-    with pytest.raises(GenerationError, match=r"a prompt of 2 tokens leaves room for at most 1006 new tokens, not "
-                                              r"max_new_tokens=5000: .* one block \(16 tokens\)"):
+    with pytest.raises(GenerationError, match=r"a prompt of 2 tokens leaves room for at most 1022 new tokens, not "
+                                              r"max_new_tokens=5000: the target's context is 1024 tokens"):
         engine.generate([[1, 2]], GenerationConfig(max_new_tokens=5000))
 
 
-def test_the_room_left_is_counted_with_the_block_size_the_request_decodes_at():
-    """A request's own block size, larger than the engine's, needs that block's positions: gpt2's absolute position
-    table ends at the context, and a position past it was an IndexError."""
-    target = TargetModel(tiny_target_model("gpt2"))  # context 1024
-    engine = SpeculativeEngine(target, DFlashProposer(tiny_drafter(target), target, block_size=2))
-    prompt = random_prompts(1, seed=3, low=1000, high=1000)[0]
-    config = GenerationConfig(max_new_tokens=22, block_size=16, stop_token_ids=[])
-    with pytest.raises(GenerationError, match=r"room for at most 8 new tokens, not max_new_tokens=22: .*16 tokens"):
-        engine.generate([prompt], config)
-    config.max_new_tokens = 8
-    assert len(engine.generate([prompt], config)[0].output_ids) == 8
+def test_a_block_size_the_drafter_cannot_verify_is_refused_in_any_rows_config(target):
+    engine = SpeculativeEngine(target, DFlashProposer(tiny_drafter(target), target))
+    configs = [GenerationConfig(max_new_tokens=4), GenerationConfig(max_new_tokens=4, block_size=17)]
+    with pytest.raises(GenerationError, match="prompt 1: block size 17 is not usable with this drafter"):
+        engine.generate([[1, 2], [3, 4]], configs)
 
 
 @pytest.mark.parametrize("field,value", [

@@ -1,4 +1,4 @@
-"""What a request may ask: prompt + max_tokens within the usable context (one rule, stated in the error), and a
+"""What a request may ask: prompt + max_tokens within the context (one rule, stated in the error), and a
 body no larger than --max-request-bytes (413). Tokenising a long prompt does not stall the event loop."""
 
 from __future__ import annotations
@@ -10,7 +10,7 @@ import httpx
 import pytest
 
 from dflash.errors import UserError
-from dflash.serve.limits import ContextLimit, check_max_model_len
+from dflash.serve.limits import check_max_model_len
 
 MODEL = "tiny"  # the served model name the fixtures use
 IDS = list(range(10, 110))  # token ids inside the tiny vocabulary
@@ -61,24 +61,19 @@ def test_max_completion_tokens_is_named_when_it_is_the_one_given(short):
     assert "max_completion_tokens (500)" in message and "max_tokens (" not in message
 
 
-def test_the_usable_context_says_why_it_is_less_than_the_targets(server):
-    """Without --max-model-len, a decode step's block must still fit the target's 1024 positions."""
-    usable = server.server_state.max_model_len
-    assert usable == 1024 - 8
-    assert complete(server, prompt=(IDS * 11)[: usable - 1], max_tokens=1).status_code == 200
-    message = refused(complete(server, prompt=(IDS * 11)[:usable], max_tokens=1), "prompt")
-    assert f"usable context of {usable} tokens" in message and "the target's 1024" in message
-    assert "8 positions a decode step writes" in message
+def test_without_max_model_len_a_sequence_may_fill_the_targets_context(server):
+    """The steps near the context's end verify shorter blocks: prompt + max_tokens may reach the target's 1024."""
+    assert server.server_state.max_model_len == 1024
+    response = complete(server, prompt=(IDS * 11)[:1000], max_tokens=24)
+    assert response.status_code == 200, response.text
+    assert response.json()["usage"]["total_tokens"] == 1024
+    message = refused(complete(server, prompt=(IDS * 11)[:1024], max_tokens=1), "prompt")
+    assert "the prompt (1024 tokens) leaves no room for new tokens in the context of 1024 tokens" in message
 
 
-def test_context_limit_rule():
-    assert ContextLimit(64, 1024, 1008).usable == 64  # the engine's room: the context less a block of 16
-    assert ContextLimit(1024, 1024, 1008).usable == 1008
-    assert ContextLimit(1020, 1024, 1008).usable == 1008
-    assert ContextLimit(1020, None, None).usable == 1020
-    assert ContextLimit(1024, 1024, 1023).describe().endswith("less the 1 position a decode step writes past a "
-                                                            "sequence's last token)")
+def test_max_model_len_rule():
     assert check_max_model_len(None, 1024) == 1024
+    assert check_max_model_len(1000, 1024) == 1000
     with pytest.raises(UserError, match="exceeds the target's context of 1024"):
         check_max_model_len(2048, 1024)
     with pytest.raises(UserError, match="--max-model-len"):

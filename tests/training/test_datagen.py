@@ -158,9 +158,9 @@ def test_prompts_too_long_for_the_context_are_skipped_by_name_and_answers_stop_a
     assert "prompts.jsonl:2 (output id 1)" in err and "context of 48 tokens" in err
     assert "prompts.jsonl:3 (output id 2): turn 2 of 3" in err  # a later turn that no longer fits ends the conversation
     records = {r["id"]: r for r in read(out)}
-    for r in records.values():
-        assert len(r["prompt_ids"]) + len(r["response_ids"]) <= 47  # one position left for the last step
-        assert r["finish_reason"] == "length" or len(r["response_ids"]) < 500
+    lengths = [len(r["prompt_ids"]) + len(r["response_ids"]) for r in records.values()]
+    assert max(lengths) == 48  # an answer cut by the context fills it, as plain decoding would
+    assert all(r["finish_reason"] == "length" or len(r["response_ids"]) < 500 for r in records.values())
     assert [m["role"] for m in records[2]["messages"]] == ["user", "assistant"]
     assert run_datagen(config).written == 0  # the rerun skips it again and generates nothing
     assert "prompts.jsonl:2 (output id 1)" in capsys.readouterr().err
