@@ -77,9 +77,17 @@ def render_chat(tokenizer, messages: list[dict], /, **options) -> Any:
     except TemplateError as err:  # templates refuse some conversations (roles, order) by raising
         raise TemplateRefusal(f"the model's chat template refused these messages: {err}") from None
     except ValueError as err:  # transformers, when the template changes the final message it is to continue
-        if not options.get("continue_final_message"):
-            raise
-        raise TemplateRefusal(f"the last message cannot be continued: {err}") from None
+        if options.get("continue_final_message"):
+            raise TemplateRefusal(f"the last message cannot be continued: {err}") from None
+        raise TemplateRefusal(_cannot_render(err)) from None
+    except (TypeError, KeyError, AttributeError, IndexError) as err:  # e.g. `arguments | tojson` of a tool call
+        raise TemplateRefusal(_cannot_render(err)) from None
+
+
+def _cannot_render(err: Exception) -> str:
+    """A template that fails on the messages' contents (a field missing or of another type than it reads)."""
+    return (f"the model's chat template cannot render these messages ({type(err).__name__}: {err}); check each "
+            "message's fields against OpenAI's chat format (e.g. a tool call's function needs a name and arguments)")
 
 
 class DFlash:
@@ -169,11 +177,12 @@ class DFlash:
 
     # ---- prompts ------------------------------------------------------------------------------------
     def encode(self, prompt: Prompt, raw: bool = False, chat_template_kwargs: dict[str, Any] | None = None, *,
-               continue_final_message: bool = False) -> list[int]:
+               continue_final_message: bool = False, add_generation_prompt: bool = True) -> list[int]:
         """Token ids for a prompt: ids as given; chat messages and (unless raw) text via the chat template, with
         the pipeline's template variables updated by `chat_template_kwargs`. A tokenizer without a chat template
         gets text as it is. `continue_final_message`: the messages end with the start of the assistant's answer,
-        which generation continues (no new turn is opened)."""
+        which generation continues (no new turn is opened). `add_generation_prompt=False`: the messages are
+        rendered without the template's opening of the assistant's turn (as vLLM's request field)."""
         if isinstance(raw, (dict, GenerationConfig)):
             raise GenerationError("generation options are keywords: generate(prompt, max_new_tokens=64, ...), or "
                                   "generate(prompt, **options) for a dict of them")
@@ -193,7 +202,8 @@ class DFlash:
             if continue_final_message:
                 return _as_ids(render_chat(self.tokenizer, list(prompt), add_generation_prompt=False,
                                            continue_final_message=True, **variables))
-            return _as_ids(render_chat(self.tokenizer, list(prompt), add_generation_prompt=True, **variables))
+            return _as_ids(render_chat(self.tokenizer, list(prompt), add_generation_prompt=add_generation_prompt,
+                                       **variables))
         check_text(prompt)
         if has_template and not raw:
             return self.encode([{"role": "user", "content": prompt}], chat_template_kwargs=chat_template_kwargs)

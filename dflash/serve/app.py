@@ -42,6 +42,7 @@ from dflash.serve.protocol import (
     CompletionRequest,
     ResponseShape,
     SamplingRequest,
+    check_content_type,
     model_card,
     model_list,
     parse_request,
@@ -90,6 +91,12 @@ class Server:
         self.created = int(time.time())
 
     # ---- request -> sequence ----------------------------------------------------------------------------
+    async def read_request(self, http: Request, model: type):
+        """The validated request of a JSON body, parsed on a worker thread: a body of megabytes takes a second to
+        read, and the event loop must go on answering /health and streaming other requests meanwhile."""
+        check_content_type(http.headers.get("content-type"))
+        return await run_in_threadpool(parse_request, await self.read_body(http), model)
+
     async def read_body(self, http: Request) -> bytes:
         """The request body, refused with a 413 as soon as it is known to exceed --max-request-bytes."""
         limit = self.config.max_request_bytes
@@ -113,7 +120,8 @@ class Server:
             raise APIError(400, str(err), param="chat_template_kwargs") from None
         try:
             return await run_in_threadpool(partial(self.pipe.encode, req.chat(), False, req.chat_template_kwargs,
-                                                   continue_final_message=req.continue_final_message))
+                                                   continue_final_message=req.continue_final_message,
+                                                   add_generation_prompt=req.add_generation_prompt))
         except UserError as err:  # a conversation the template refuses (roles, order), text that is not Unicode
             raise APIError(400, str(err), param="messages") from None
 
@@ -303,7 +311,7 @@ def create_app(pipe, config: ServeConfig | None = None) -> FastAPI:
     @app.post("/v1/chat/completions")
     async def chat_completions(http: Request):
         authorize(http)
-        req = parse_request(await server.read_body(http), ChatCompletionRequest)
+        req = await server.read_request(http, ChatCompletionRequest)
         server.check_model(req.model)
         req.check_supported()
         prompt_ids = await server.encode_chat(req)
@@ -312,7 +320,7 @@ def create_app(pipe, config: ServeConfig | None = None) -> FastAPI:
     @app.post("/v1/completions")
     async def completions(http: Request):
         authorize(http)
-        req = parse_request(await server.read_body(http), CompletionRequest)
+        req = await server.read_request(http, CompletionRequest)
         server.check_model(req.model)
         req.check_supported()
         prompt_ids = await server.encode_text(req.prompt)

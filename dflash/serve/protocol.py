@@ -357,6 +357,19 @@ class CompletionRequest(SamplingRequest):
         return prompt
 
 
+def check_content_type(content_type: str | None) -> None:
+    """Refuse a body declared as anything but JSON (415). A browser posts text/plain and form bodies to any site
+    without asking it first (no CORS preflight), so taking them as JSON would let any web page a user visits make
+    a server without --api-key decode for it. No declared type is taken as JSON."""
+    if content_type is None:
+        return
+    media = content_type.split(";", 1)[0].strip().lower()
+    if media == "application/json" or (media.startswith("application/") and media.endswith("+json")):
+        return
+    raise APIError(415, f"the request body is declared as {media or 'nothing'!r}; send it as JSON with the header "
+                        "Content-Type: application/json (curl: -H 'Content-Type: application/json')")
+
+
 def parse_request(raw: bytes, model: type[_Strict]) -> Any:
     """Body bytes -> a validated request; every problem becomes a 400 naming the field."""
     try:
@@ -370,12 +383,19 @@ def parse_request(raw: bytes, model: type[_Strict]) -> Any:
         raise APIError(400, f"the request body must be a JSON object, not {type(data).__name__}")
     ignored = sorted(set(data) - known_fields(model)) + _ignored_inside(data)
     if ignored:  # accepted, as OpenAI's API does, but a typo (max_token) would change the answer unseen
-        log.warning("request fields this server ignores: %s", ", ".join(map(str, ignored)))
+        log.warning("request fields this server ignores: %s", _names(ignored))
     try:
         return model.model_validate(data)
     except ValidationError as err:
         param, message = _describe(err.errors())
         raise APIError(400, f"{param}: {message}" if param else message, param=param) from None
+
+
+def _names(names: list[str], most: int = 20, longest: int = 60) -> str:
+    """Field names for one log line, as a client sent them: quoted and escaped (a newline in a key would forge a
+    log line), each cut to `longest` characters, the first `most` of them."""
+    shown = ", ".join(repr(n if len(n) <= longest else n[:longest] + "...") for n in names[:most])
+    return shown + (f" and {len(names) - most} more" if len(names) > most else "")
 
 
 def _ignored_inside(data: dict) -> list[str]:

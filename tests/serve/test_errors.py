@@ -47,8 +47,53 @@ def test_ignored_fields_are_answered_and_logged(server, caplog):
             "messages": [{"role": "user", "content": "hello", "nmae": "x", "name": "ok"}], "max_token": 2,
             "max_tokens": 2, "stream": True, "stream_options": {"include_usage": False, "inclde": True}})
     assert response.status_code == 200
-    assert ("request fields this server ignores: max_token, messages[0].nmae, stream_options.inclde"
+    assert ("request fields this server ignores: 'max_token', 'messages[0].nmae', 'stream_options.inclde'"
             in caplog.text)  # a message's `name` is OpenAI's own field: no warning
+
+
+def test_ignored_field_names_cannot_forge_or_flood_a_log_line(server, caplog):
+    forged = "a\n2026-12-05 10:00:00,000 ERROR dflash.serve: forged"
+    many = {f"field{i:03d}" + "y" * 100: 1 for i in range(50)}
+    with caplog.at_level("WARNING", logger="dflash.serve"):
+        response = post(server, "chat/completions", json={"messages": MESSAGES, "max_tokens": 1, forged: 1, **many})
+    assert response.status_code == 200
+    logged = [r.getMessage() for r in caplog.records if "ignores" in r.getMessage()]
+    assert len(logged) == 1 and "\n" not in logged[0] and "\\n2026" in logged[0]
+    assert "and 31 more" in logged[0] and len(logged[0]) < 2000
+
+
+@pytest.mark.parametrize("content_type", ["text/plain", "application/x-www-form-urlencoded", "multipart/form-data"])
+def test_a_body_not_declared_as_json_is_415(server, content_type):
+    """What a browser posts to any site without a CORS preflight: taking it as JSON would let any web page use a
+    server that has no API key."""
+    body = json.dumps({"messages": MESSAGES, "max_tokens": 1})
+    error = assert_error(post(server, "chat/completions", content=body, headers={"content-type": content_type}), 415)
+    assert "Content-Type: application/json" in error["message"]
+
+
+@pytest.mark.parametrize("headers", [{}, {"content-type": "application/json; charset=utf-8"},
+                                     {"content-type": "application/vnd.api+json"}])
+def test_json_bodies_and_bodies_without_a_declared_type_are_read(server, headers):
+    body = json.dumps({"model": MODEL, "prompt": "hi", "max_tokens": 1}).encode()
+    assert post(server, "completions", content=body, headers=headers).status_code == 200
+
+
+def test_a_request_body_is_parsed_off_the_event_loop(server, monkeypatch):
+    """A body of megabytes takes a second to parse: on the event loop it would stall /health and every stream."""
+    import threading
+
+    import dflash.serve.app as app
+
+    threads = []
+    parse = app.parse_request
+
+    def spy(raw, model):
+        threads.append(threading.current_thread())
+        return parse(raw, model)
+
+    monkeypatch.setattr(app, "parse_request", spy)
+    assert post(server, "chat/completions", json={"messages": MESSAGES, "max_tokens": 1}).status_code == 200
+    assert len(threads) == 1 and threads[0] is not server._thread  # the thread uvicorn runs the event loop on
 
 
 def test_health_answers_head_requests_too(server):
@@ -73,6 +118,32 @@ def test_a_conversation_the_chat_template_refuses_is_400(server, monkeypatch):
     body = {"messages": [{"role": "assistant", "content": "hi"}]}
     error = assert_error(post(server, "chat/completions", json=body), 400, "messages")
     assert "chat template refused these messages: No user query found" in error["message"]
+
+
+TOOL_TEMPLATE = (  # how Qwen's templates write an assistant's tool calls
+    "{% for m in messages %}{{ m['role'] }}: {{ m['content'] or '' }}{% if m.tool_calls %}{% for call in "
+    "m.tool_calls %}{% if call.function is defined %}{% set call = call.function %}{% endif %}<tool_call>"
+    "{{ call.name }} {{ call.arguments | tojson }}</tool_call>{% endfor %}{% endif %}\n{% endfor %}"
+    "{% if add_generation_prompt %}assistant:{% endif %}")
+
+
+@pytest.mark.parametrize("calls", [[{"function": {"name": "f"}}], [1]])  # no arguments; not an object
+def test_a_tool_call_the_template_cannot_render_is_400(server, monkeypatch, calls):
+    monkeypatch.setattr(server.pipe.tokenizer, "chat_template", TOOL_TEMPLATE)
+    messages = [*MESSAGES, {"role": "assistant", "content": None, "tool_calls": calls}]
+    response = post(server, "chat/completions", json={"messages": messages, "max_tokens": 1})
+    error = assert_error(response, 400, "messages")
+    assert "chat template cannot render these messages" in error["message"]
+
+
+def test_add_generation_prompt_false_renders_without_the_assistants_opening(server):
+    opened = post(server, "chat/completions", json={"messages": MESSAGES, "max_tokens": 1, "temperature": 0})
+    plain = post(server, "chat/completions", json={"messages": MESSAGES, "max_tokens": 1, "temperature": 0,
+                                                   "add_generation_prompt": False})
+    expected = server.pipe.tokenizer.apply_chat_template(MESSAGES, tokenize=True, add_generation_prompt=False)
+    expected = expected["input_ids"] if hasattr(expected, "keys") else expected  # transformers 5: an encoding
+    assert plain.json()["usage"]["prompt_tokens"] == len(expected)
+    assert opened.json()["usage"]["prompt_tokens"] > len(expected)
 
 
 CHAT_BAD = [
