@@ -99,8 +99,9 @@ def is_dflash2(architectures: list[str]) -> bool:
 
 
 def is_causal_lm(architectures: list[str]) -> bool:
-    """A plain Hugging Face causal LM (a target, or a draft model for classic speculative decoding), not a drafter."""
-    return any(name.endswith("ForCausalLM") for name in architectures)
+    """A plain Hugging Face causal LM (a target, or a draft model for classic speculative decoding), not a drafter:
+    its class ends in ForCausalLM, or in LMHeadModel as the GPT-2 family's do (GPT2LMHeadModel, distilgpt2's)."""
+    return any(name.endswith(("ForCausalLM", "LMHeadModel")) for name in architectures)
 
 
 def default_target_layer_ids(num_target_layers: int, num_draft_layers: int) -> list[int]:

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from conftest import hf_greedy, perturbed_copy, random_prompts, tiny_target_model
+from conftest import hf_greedy, perturbed_copy, random_prompts, save_tiny_pair, tiny_target_model
 from dflash import DFlash
 from dflash.cli.main import main
 from dflash.decoding import GenerationConfig, SpeculativeEngine
@@ -132,6 +132,19 @@ def test_from_pretrained_takes_a_causal_lm_as_the_draft(draft_model_pair):
     assert DFlash.from_pretrained(target_dir, draft_dir, block_size=3).engine.proposer.block_size == 3
     with pytest.raises(UserError, match="drafts without a mask token"):
         DFlash.from_pretrained(target_dir, draft_dir, mask_token_id=3)
+
+
+def test_a_gpt2_family_draft_model_is_a_causal_lm_too(tmp_path):
+    """GPT-2's classes end in LMHeadModel, not ForCausalLM (gpt2 drafted by distilgpt2, transformers' own pair)."""
+    target_dir, _ = save_tiny_pair(tmp_path, family="gpt2")
+    target = TargetModel.from_pretrained(target_dir)
+    perturbed_copy(target, 0.3).model.save_pretrained(tmp_path / "draft_model")
+    target.tokenizer.save_pretrained(tmp_path / "draft_model")
+    pipe = DFlash.from_pretrained(target_dir, tmp_path / "draft_model")
+    assert isinstance(pipe.engine.proposer, DraftModelProposer)
+    plain = DFlash.from_pretrained(target_dir, no_draft=True)
+    a, b = pipe.generate("How many clips?", max_new_tokens=24), plain.generate("How many clips?", max_new_tokens=24)
+    assert a.output_ids == b.output_ids and a.stats.drafter_forwards > 0
 
 
 def test_a_draft_model_with_another_tokenizer_is_refused(draft_model_pair, tmp_path):
