@@ -176,6 +176,11 @@ class DFlash:
         return cls(target_model, drafter, block_size, chat_template_kwargs, drafter_precision, branch_length)
 
     # ---- prompts ------------------------------------------------------------------------------------
+    @property
+    def has_chat_template(self) -> bool:
+        """Whether the target's tokenizer has a chat template (a base model's has none)."""
+        return bool(getattr(self.tokenizer, "chat_template", None))
+
     def encode(self, prompt: Prompt, raw: bool = False, chat_template_kwargs: dict[str, Any] | None = None, *,
                continue_final_message: bool = False, add_generation_prompt: bool = True) -> list[int]:
         """Token ids for a prompt: ids as given; chat messages and (unless raw) text via the chat template, with
@@ -193,7 +198,7 @@ class DFlash:
             return [int(t) for t in prompt]
         if self.tokenizer is None:
             raise GenerationError("this target has no tokenizer; pass token ids instead of text")
-        has_template = bool(getattr(self.tokenizer, "chat_template", None))
+        has_template = self.has_chat_template
         if kind == "messages":
             _check_messages(prompt)
             if not has_template:

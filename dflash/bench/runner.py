@@ -62,7 +62,7 @@ def run_bench(config: BenchConfig, pipe=None, console: Console | None = None,
     if config.backend == "server":
         runs = _server_runs(config, _server_backend(config, console), data, console)
     else:
-        runs = _local_runs(config, _local_backend(config, data, pipe), data, console)
+        runs = _local_runs(config, _local_backend(config, data, pipe, console), data, console)
     info = setup(config, pipe, data)
     if config.output_dir:
         report.write_outputs([], config.output_dir, info)  # this run's config; no stale results or plots
@@ -111,9 +111,14 @@ def _local_config(config: BenchConfig, block_size: int | str | None) -> LocalCon
                        branch_length=config.branch_length)
 
 
-def _local_backend(config: BenchConfig, data: dict[str, list[Sample]], pipe) -> LocalBackend:
+def _local_backend(config: BenchConfig, data: dict[str, list[Sample]], pipe,
+                   console: Console) -> LocalBackend:
     """The pair, with every block size and every first turn checked before any decoding."""
     backend = LocalBackend(pipe)
+    if pipe.tokenizer is not None and not pipe.has_chat_template:
+        console.print("warning: the target's tokenizer has no chat template (a base model): prompts are sent as "
+                      "plain text, a conversation's turns and answers joined by blank lines, as `dflash datagen` "
+                      "does", style="yellow", highlight=False, soft_wrap=True)
     widest = max(config.block_sizes, key=backend.block_size)  # raises for a size the drafter cannot use
     backend.check_context(data, _local_config(config, widest))
     return backend

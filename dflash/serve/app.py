@@ -114,6 +114,10 @@ class Server:
         """Template and tokenise on a worker thread: a long prompt takes a while, and the event loop must go on
         answering /health and streaming other requests meanwhile. The request's `chat_template_kwargs` update the
         server's own (`--enable-thinking`)."""
+        if not self.pipe.has_chat_template:
+            raise APIError(400, "this model's tokenizer has no chat template (a base model), so chat messages "
+                                "cannot be turned into its prompt; send the text to /v1/completions instead",
+                           param="messages")
         try:
             check_template_kwargs(req.chat_template_kwargs)
         except UserError as err:

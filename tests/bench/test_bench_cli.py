@@ -52,6 +52,23 @@ def test_local_bench_writes_json_markdown_and_plots(tiny_pair, data_dir, tmp_pat
     assert "dflash bench" in captured.out and "dflash bench" not in captured.err  # the table, on stdout
 
 
+def test_a_base_model_without_a_chat_template_is_benchmarked_on_plain_text(tiny_pair, data_dir, tmp_path, capsys):
+    """As datagen gives it such a target: a conversation's turns (and answers) joined by blank lines."""
+    import shutil
+
+    target = tmp_path / "base"
+    shutil.copytree(tiny_pair[0], target)
+    (target / "chat_template.jinja").unlink()
+    out = tmp_path / "out"
+    code = main(["bench", "--target", str(target), "--draft", str(tiny_pair[1]), "--dataset", "gsm8k,mt-bench",
+                 "--data-dir", str(data_dir), "--max-samples", "1", "--max-new-tokens", "8", "--warmup-tokens", "2",
+                 "--block-size", "4", "--output-dir", str(out), "--no-progress"])
+    assert code == 0, capsys.readouterr().err
+    results = json.loads((out / "results.json").read_text())
+    assert [r["mismatches"] for r in results] == [0, 0] and results[1]["num_requests"] == 2
+    assert "no chat template (a base model): prompts are sent as plain text" in capsys.readouterr().err
+
+
 def test_an_earlier_runs_results_are_replaced_only_with_overwrite(tiny_pair, data_dir, tmp_path, capsys):
     target, draft = tiny_pair
     out = tmp_path / "out"

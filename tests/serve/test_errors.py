@@ -136,6 +136,15 @@ def test_a_tool_call_the_template_cannot_render_is_400(server, monkeypatch, call
     assert "chat template cannot render these messages" in error["message"]
 
 
+def test_chat_with_a_base_model_points_to_completions(server, monkeypatch):
+    monkeypatch.setattr(server.pipe.tokenizer, "chat_template", None)
+    error = assert_error(post(server, "chat/completions", json={"messages": MESSAGES, "max_tokens": 1}), 400,
+                         "messages")
+    assert "no chat template" in error["message"] and "/v1/completions" in error["message"]
+    assert "raw=True" not in error["message"]  # the Python API's advice, which an HTTP client cannot take
+    assert post(server, "completions", json={"prompt": "hello", "max_tokens": 1}).status_code == 200
+
+
 def test_add_generation_prompt_false_renders_without_the_assistants_opening(server):
     opened = post(server, "chat/completions", json={"messages": MESSAGES, "max_tokens": 1, "temperature": 0})
     plain = post(server, "chat/completions", json={"messages": MESSAGES, "max_tokens": 1, "temperature": 0,
