@@ -141,6 +141,7 @@ class DFlash:
         chat_template_kwargs: dict[str, Any] | None = None,
         drafter_precision: str = "auto",
         branch_length: int = 0,
+        trust_remote_code: bool = False,
     ) -> "DFlash":
         """Load a target and its drafter from local directories or Hugging Face hub ids.
 
@@ -149,6 +150,8 @@ class DFlash:
         "float32", "float16" or "bfloat16"; `device`: "cpu", "cuda", "cuda:N", ... (default: cuda when a GPU is
         visible, else cpu). A hub id is looked up once with a timeout (HF_HUB_ETAG_TIMEOUT, 10 s); when the hub
         cannot be reached, or HF_HUB_OFFLINE=1, only the local cache serves. `drafter_precision`: see `DFlash`.
+        `trust_remote_code`: run the Python code a target (or draft model) ships for an architecture transformers
+        lacks; only for checkpoints whose source you trust.
         """
         target, draft = _pair_paths(target, draft, no_draft)
         if no_draft:
@@ -162,14 +165,15 @@ class DFlash:
         make_config(block_size=block_size, branch_length=branch_length)
         check_template_kwargs(chat_template_kwargs)
         check_drafter_precision(drafter_precision)
-        target_model = load_target(target, dtype, torch_device)
+        target_model = load_target(target, dtype, torch_device, trust_remote_code=trust_remote_code)
         drafter = None
         if draft is not None:
             draft = resolve_model_dir(draft)  # once: a hub id is looked up over the network
         if draft is not None and is_draft_model(draft):
             if mask_token_id is not None:
                 raise UserError(f"{draft} is a causal LM, which drafts without a mask token: leave mask_token_id out")
-            drafter = load_target(draft, dtype=target_model.dtype, device=torch_device, what="the draft model")
+            drafter = load_target(draft, dtype=target_model.dtype, device=torch_device, what="the draft model",
+                                  trust_remote_code=trust_remote_code)
         elif draft is not None:
             drafter = load_drafter(draft, mask_token_id=mask_token_id, dtype=target_model.dtype, device=torch_device)
             _warn_if_trained_for_another(draft, target)
@@ -318,12 +322,13 @@ def _warn_if_trained_for_another(draft: Path, target: str | os.PathLike) -> None
 
 
 def load_target(path_or_id: str | os.PathLike, dtype: str | torch.dtype | None = None,
-                device: str | torch.device = "cpu", what: str = "the target") -> TargetModel:
+                device: str | torch.device = "cpu", what: str = "the target",
+                trust_remote_code: bool = False) -> TargetModel:
     """A causal LM and its tokenizer (the target, or a draft model) from a directory or hub id; a checkpoint that
     is not one, or whose files cannot be read, is a CheckpointError naming the directory."""
     directory = resolve_model_dir(path_or_id)
     try:
-        return TargetModel.from_pretrained(directory, dtype=dtype, device=device)
+        return TargetModel.from_pretrained(directory, dtype=dtype, device=device, trust_remote_code=trust_remote_code)
     except UserError:
         raise
     except (OSError, ValueError, RuntimeError, SafetensorError) as err:  # transformers' and torch's load failures

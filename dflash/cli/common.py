@@ -78,11 +78,18 @@ def add_model_arguments(parser: argparse.ArgumentParser, block_size_sweep: bool 
     group.add_argument("--dtype", choices=["auto", "float32", "float16", "bfloat16"], default="auto",
                        help="weights' dtype (default: auto, the checkpoint's own)")
     group.add_argument("--device", help="cpu, cuda, cuda:1, ... (default: cuda if a GPU is visible, else cpu)")
+    add_trust_remote_code_argument(group)
     group.add_argument("--drafter-precision", choices=["auto", "float32", "bfloat16"], default="auto",
                        help="a float32 DFlash drafter's matrix products (only the drafts can change, never the "
                             "text): auto (default) times drafts both ways when the pipeline is built and keeps "
                             "bfloat16 where it drafts faster on this CPU")
     add_thinking_argument(group)
+
+
+def add_trust_remote_code_argument(parser) -> None:
+    parser.add_argument("--trust-remote-code", action="store_true",
+                        help="run the Python code a checkpoint ships for an architecture transformers lacks (its "
+                             "config.json's auto_map); only for checkpoints whose source you trust")
 
 
 def add_thinking_argument(parser) -> None:
@@ -110,4 +117,5 @@ def load_pipeline(args: argparse.Namespace):
         args.target, args.draft, no_draft=args.no_draft, dtype=args.dtype, device=args.device,
         block_size=args.block_size, mask_token_id=args.mask_token_id, chat_template_kwargs=chat_template_kwargs(args),
         drafter_precision=args.drafter_precision, branch_length=args.branch_length,
+        trust_remote_code=args.trust_remote_code,
     )

@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-from dflash.cli.common import add_thinking_argument
+from dflash.cli.common import add_thinking_argument, add_trust_remote_code_argument
 from dflash.training.datagen import DatagenConfig, read_prompts, run_datagen
 
 
@@ -34,6 +34,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     add_thinking_argument(parser)
     parser.add_argument("--dtype", choices=["auto", "float32", "float16", "bfloat16"], default="auto")
     parser.add_argument("--device")
+    add_trust_remote_code_argument(parser)
 
 
 def run(args: argparse.Namespace) -> int:

@@ -182,6 +182,7 @@ def _hand_off(args: argparse.Namespace) -> int:
         served_model_name=args.served_model_name, max_batch_size=args.max_batch_size,
         dtype=None if args.dtype == "auto" else args.dtype, chat_template_kwargs=chat_template_kwargs(args),
         log_level=None if args.log_level == "info" else args.log_level,  # info: both engines' default
+        trust_remote_code=args.trust_remote_code,
     )
     command = handoff.engine_command(args.engine, target, draft, args.block_size, options)
     _warn_if_open(args)

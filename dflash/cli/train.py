@@ -90,6 +90,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                                             "(their fc columns start at zero, so the drafter starts unchanged), "
                                             "--intermediate-size widen its MLP and --draft-layers add layers")
     parser.add_argument("--device", help="cpu, cuda or cuda:N (default: this process's GPU when there is one)")
+    parser.add_argument("--trust-remote-code", action=argparse.BooleanOptionalAction, default=None,
+                        help="run the Python code the target ships for an architecture transformers lacks (its "
+                             "config.json's auto_map); only for checkpoints whose source you trust")
 
 
 def run(args: argparse.Namespace) -> int:

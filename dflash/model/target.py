@@ -46,6 +46,10 @@ class TargetOutput:
     features: torch.Tensor | None  # (b, q, len(target_layer_ids) * hidden) or None without feature layers
 
 
+NEEDS_ITS_OWN_CODE = ("{path} needs the Python code it ships (its config.json's auto_map names classes transformers "
+                      "lacks), which runs only when asked: add --trust-remote-code (Python: trust_remote_code=True) "
+                      "if you trust its source")
+
 class TargetModel:
     def __init__(self, model: nn.Module, tokenizer=None):
         self.model = model.eval()
@@ -78,24 +82,32 @@ class TargetModel:
         dtype: str | torch.dtype | None = None,
         device: str | torch.device = "cpu",
         revision: str | None = None,
+        trust_remote_code: bool = False,
     ) -> "TargetModel":
+        """`trust_remote_code`: run the Python code a checkpoint ships for an architecture transformers lacks
+        (its config.json's `auto_map`); off by default, as in transformers and vLLM."""
         from transformers import AutoModelForCausalLM, AutoTokenizer
 
         directory = resolve_model_dir(path_or_id, revision)
         check_target_dir(directory)
         device = resolve_device(device)
         torch_dtype = parse_dtype(dtype) or "auto"
+        code = {"trust_remote_code": trust_remote_code}  # False, not None: transformers would ask on a terminal
         try:
-            model = AutoModelForCausalLM.from_pretrained(directory, dtype=torch_dtype).to(device)
+            model = AutoModelForCausalLM.from_pretrained(directory, dtype=torch_dtype, **code).to(device)
         except ValueError as err:  # transformers' word for a config it cannot build a causal LM from
+            if "trust_remote_code" in str(err):
+                raise CheckpointError(NEEDS_ITS_OWN_CODE.format(path=path_or_id)) from None
             raise CheckpointError(f"could not load {path_or_id} as a causal LM: {str(err).splitlines()[0]}") from None
         except RuntimeError as err:
             if "mismatched" not in str(err) and "size mismatch" not in str(err):
                 raise
             raise _mismatch_error(directory) from None
         try:
-            tokenizer = AutoTokenizer.from_pretrained(directory)
+            tokenizer = AutoTokenizer.from_pretrained(directory, **code)
         except Exception as err:
+            if "trust_remote_code" in str(err):
+                raise CheckpointError(NEEDS_ITS_OWN_CODE.format(path=path_or_id)) from None
             explained = tokenizer_failure(directory, err)
             if explained is None:
                 raise

@@ -49,6 +49,7 @@ class HandoffOptions:
     dtype: str | None = None
     chat_template_kwargs: dict | None = None  # --enable-thinking: the default for requests that send none
     log_level: str | None = None  # debug, info, warning or error (vLLM: its HTTP server's, SGLang: its own)
+    trust_remote_code: bool = False  # both engines take --trust-remote-code as dflash does
 
 
 @dataclass
@@ -175,6 +176,7 @@ def vllm_command(target: str, draft: str | None, block_size: int, options: Hando
                       "--uvicorn-log-level": options.log_level})
     if options.chat_template_kwargs:
         cmd += ["--default-chat-template-kwargs", json.dumps(options.chat_template_kwargs)]
+    cmd += ["--trust-remote-code"] if options.trust_remote_code else []
     env = {VLLM_API_KEY_ENV: options.api_key} if options.api_key is not None else {}
     return EngineCommand(cmd, env)
 
@@ -194,6 +196,7 @@ def sglang_command(target: str, draft: str | None, block_size: int, options: Han
                       "--served-model-name": options.served_model_name,
                       "--max-running-requests": options.max_batch_size, "--dtype": options.dtype,
                       "--log-level": options.log_level})
+    cmd += ["--trust-remote-code"] if options.trust_remote_code else []
     return EngineCommand(cmd)
 
 

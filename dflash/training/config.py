@@ -64,6 +64,7 @@ class TrainConfig:
     overwrite: bool = False  # a fresh run into an output with an earlier run's checkpoints (deleted first) or a model
     init_from: str | None = None  # a drafter checkpoint (public format) to start from instead of random weights
     device: str | None = None
+    trust_remote_code: bool = False  # run the Python code the target ships (its config.json's auto_map)
 
     def validate(self) -> None:
         if not self.target:  # like every command that takes a model: the embedded target

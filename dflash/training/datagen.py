@@ -55,6 +55,7 @@ class DatagenConfig:
     enable_thinking: bool | None = None  # the chat template's enable_thinking, as it will be served; None: its own
     dtype: str | None = None
     device: str | None = None
+    trust_remote_code: bool = False  # run the Python code the target ships (its config.json's auto_map)
 
     def validate(self) -> None:
         from dflash.api import make_config
@@ -396,7 +397,8 @@ def _answer(config: DatagenConfig, todo: list[Prompt], f, result: DatagenResult,
     from dflash.api import DFlash
 
     pipe = DFlash.from_pretrained(config.target, no_draft=True, dtype=config.dtype, device=config.device,
-                                  chat_template_kwargs=config.chat_template_kwargs())
+                                  chat_template_kwargs=config.chat_template_kwargs(),
+                                  trust_remote_code=config.trust_remote_code)
     generator = _Generator(pipe, config)
     first_ids = generator.first_turns(todo, result)
     if progress:

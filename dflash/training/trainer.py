@@ -258,7 +258,8 @@ class Trainer:
     def _setup_target(self) -> None:
         from dflash.api import load_target
 
-        self.target = load_target(self.config.target, dtype="auto", device=self.device)
+        self.target = load_target(self.config.target, dtype="auto", device=self.device,
+                                  trust_remote_code=self.config.trust_remote_code)
         for p in self.target.model.parameters():
             p.requires_grad_(False)
         self.tokenizer = self.target.tokenizer
