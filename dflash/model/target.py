@@ -46,6 +46,27 @@ class TargetOutput:
     features: torch.Tensor | None  # (b, q, len(target_layer_ids) * hidden) or None without feature layers
 
 
+# generation_config.json options that change which tokens transformers' generate picks, and their neutral values
+_LOGIT_OPTIONS = {"repetition_penalty": 1.0, "no_repeat_ngram_size": 0, "encoder_repetition_penalty": 1.0,
+                  "bad_words_ids": None, "suppress_tokens": None, "begin_suppress_tokens": None, "sequence_bias": None,
+                  "forced_bos_token_id": None, "forced_eos_token_id": None, "min_new_tokens": None, "min_length": 0,
+                  "num_beams": 1, "typical_p": 1.0, "epsilon_cutoff": 0.0, "eta_cutoff": 0.0, "min_p": None}
+
+
+def unapplied_generation_options(generation_config) -> list[str]:
+    """'name=value' for each option of a model's generation config that changes its tokens and that DFlash does
+    not apply (its sampling defaults included: DFlash decodes greedily unless a request asks otherwise)."""
+    if generation_config is None:
+        return []
+    found = [f"{name}={getattr(generation_config, name)!r}" for name, neutral in _LOGIT_OPTIONS.items()
+             if getattr(generation_config, name, neutral) not in (neutral, None, [], {})]
+    if getattr(generation_config, "do_sample", False):
+        found.append("do_sample=True" + "".join(
+            f", {name}={getattr(generation_config, name)!r}" for name in ("temperature", "top_p", "top_k")
+            if getattr(generation_config, name, None) is not None))
+    return found
+
+
 NEEDS_ITS_OWN_CODE = ("{path} needs the Python code it ships (its config.json's auto_map names classes transformers "
                       "lacks), which runs only when asked: add --trust-remote-code (Python: trust_remote_code=True) "
                       "if you trust its source")
@@ -64,6 +85,11 @@ class TargetModel:
         if self.rope_switch is not None:
             log.warning("%s: DFlash decodes within its first %d tokens%s", type(model).__name__, self.rope_switch,
                         self.context_note)
+        unapplied = unapplied_generation_options(getattr(model, "generation_config", None))
+        if unapplied:
+            log.warning("%s: its generation_config.json sets %s, which DFlash does not apply (transformers' generate "
+                        "would): the output is the target's plain greedy decoding, or sampling with the options a "
+                        "request gives", type(model).__name__, ", ".join(unapplied))
         self._sliding = self.rollback_problem is None and hf_compat.has_sliding_layers(model.config)
         self.positions_by_slot = hf_compat.positions_by_slot(model.config)  # its batches keep no holes between tokens
         self._cache_kwarg = hf_compat.cache_kwarg_name(model)

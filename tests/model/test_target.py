@@ -61,3 +61,17 @@ def test_a_config_that_does_not_fit_the_weights_names_the_mismatch(tiny_pair, tm
     with pytest.raises(CheckpointError, match=r"do not fit its config.json \(model.layers.0.mlp.\w+_proj.weight: "
                                               r"file \[\d+, \d+\], config \[\d+, \d+\].*and \d+ more"):
         TargetModel.from_pretrained(target)
+
+
+def test_generation_config_options_dflash_does_not_apply_are_named_in_a_warning(caplog):
+    """Qwen2.5-Instruct ships repetition_penalty 1.05, which transformers' generate applies and DFlash does not."""
+    model = tiny_target_model("qwen3")
+    with caplog.at_level("WARNING", logger="dflash.model.target"):
+        TargetModel(model)
+    assert "generation_config" not in caplog.text  # nothing set: nothing said
+    model.generation_config.repetition_penalty = 1.05
+    model.generation_config.do_sample, model.generation_config.temperature = True, 0.7
+    with caplog.at_level("WARNING", logger="dflash.model.target"):
+        TargetModel(model)
+    assert "sets repetition_penalty=1.05, do_sample=True, temperature=0.7" in caplog.text
+    assert "DFlash does not apply" in caplog.text
