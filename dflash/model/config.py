@@ -182,8 +182,9 @@ class DrafterConfig:
         architectures = raw.get("architectures") or []
         if architectures and not any("DFlash" in a for a in architectures):
             raise DrafterConfigError(
-                f"this checkpoint is a {architectures[0]} model, not a DFlash drafter; pass the drafter directory "
-                "as the draft model (and the full model as the target)"
+                f"this checkpoint is a {architectures[0]} model, not a DFlash drafter; give the directory of a "
+                "DFlash drafter here (one `dflash train` exports, or a published one such as "
+                "z-lab/Qwen3-8B-DFlash-b16)"
             )
         missing = [k for k in ("hidden_size", "num_hidden_layers", "num_attention_heads", "vocab_size") if k not in raw]
         if missing:

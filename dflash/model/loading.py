@@ -186,6 +186,16 @@ def _training_checkpoint_error(directory: Path) -> CheckpointError:
         f"ends, or export this checkpoint by running that training command again with --resume --max-steps {step}")
 
 
+def _unexported_run_error(directory: Path) -> CheckpointError:
+    """A `dflash train` --output whose run stopped before it exported the drafter (only checkpoints/ in it)."""
+    steps = sorted(p.name for p in (directory / "checkpoints").glob("step-*"))
+    last = (steps[-1].removeprefix("step-").lstrip("0") or "0") if steps else "STEP"
+    return CheckpointError(
+        f"{directory} is the output of a `dflash train` run that stopped before exporting the drafter (it holds only "
+        f"checkpoints/): export the newest checkpoint by running that training command again with --resume "
+        f"--max-steps {last}, or let the run finish")
+
+
 def trained_for(drafter_dir: Path) -> Path | None:
     """The local target directory `dflash train` recorded for this drafter (its training_config.yaml), when the
     record is an absolute path to a directory here; None otherwise (no record, a hub id, another machine's path)."""
@@ -205,6 +215,8 @@ def read_config(directory: Path, what: str = "a model checkpoint") -> dict:
     file = directory / "config.json"
     if not file.is_file() and (directory / "training_state.pt").is_file():
         raise _training_checkpoint_error(directory)
+    if not file.is_file() and (directory / "checkpoints").is_dir():
+        raise _unexported_run_error(directory)
     if not file.is_file():
         raise CheckpointError(f"{directory} has no config.json; is it {what} directory?")
     try:

@@ -43,8 +43,10 @@ def test_legacy_form_uses_formula_and_needs_a_mask_token():
 
 
 def test_a_plain_model_is_not_a_drafter():
-    with pytest.raises(DrafterConfigError, match="not a DFlash drafter"):
+    """What `dflash train --init-from` says of a causal LM: no advice about a draft-model option train lacks."""
+    with pytest.raises(DrafterConfigError, match="not a DFlash drafter; give the directory of a DFlash drafter") as err:
         DrafterConfig.from_dict({**BASE, "architectures": ["Qwen3ForCausalLM"]})
+    assert "as the draft model" not in str(err.value)
 
 
 def test_sliding_layers_need_a_window():

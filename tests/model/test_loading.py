@@ -327,6 +327,14 @@ def test_a_training_checkpoint_given_as_a_model_says_where_the_drafter_is(tmp_pa
         load_drafter(step)
 
 
+def test_a_run_that_stopped_before_its_export_says_how_to_export(tmp_path):
+    """What --draft gets after a training run was stopped: only checkpoints/ in its --output."""
+    for step in ("step-00000040", "step-00000080"):
+        (tmp_path / "run" / "checkpoints" / step).mkdir(parents=True)
+    with pytest.raises(CheckpointError, match="stopped before exporting the drafter .*--resume --max-steps 80,"):
+        load_drafter(tmp_path / "run")
+
+
 def test_a_mistyped_path_inside_a_local_folder_names_the_folder_first(silent_hub, monkeypatch, tmp_path):
     """"drafters/lama" reads as a hub id too; when the hub has no such model, the local folder is the likelier
     meaning."""
