@@ -172,6 +172,7 @@ class Sequence:
             self.generator.seed()  # a fresh non-deterministic seed, leaving torch's global RNG alone
         self.output_ids: list[int] = []
         self.finish_reason: str | None = None
+        self.long_rotated = False  # a longrope target's cache of this row holds its long factors' rotation
         self.stats = GenerationStats(prompt_tokens=len(prompt_ids))
         self.started = time.perf_counter()
 
@@ -349,8 +350,9 @@ class SpeculativeEngine:
         ids = torch.tensor([tokens], device=device)  # (1, n)
         positions = torch.arange(ids.shape[1], device=device)[None]
         cache = self.target.new_cache()
+        seq.long_rotated = self._past_rope_switch(seq)
         out = self.target.forward(ids, positions, cache, logits_to_keep=1,
-                                  feature_layer_ids=proposer.feature_layer_ids)
+                                  feature_layer_ids=proposer.feature_layer_ids, long_rope_rows=[seq.long_rotated])
         seq.stats.target_forwards += 1
         state = proposer.new_state()
         valid = torch.ones_like(ids, dtype=torch.bool)
@@ -369,6 +371,7 @@ class SpeculativeEngine:
         """One draft-verify-accept round for every row; returns the tokens each row kept. `choose`: the block
         size to verify, picked from the draft (its first draft tokens are verified); None: all of it."""
         t0 = time.perf_counter()
+        self._read_again_past_rope_switch(batch)
         rows = batch.sequences
         fit = self._positions_left(rows)
         proposer = batch.proposer if fit >= batch.proposer.block_size else batch.proposer.with_block_size(max(fit, 2))
@@ -389,7 +392,8 @@ class SpeculativeEngine:
         if batch.has_holes:
             mask = torch.cat([batch.target_valid, torch.ones_like(tokens, dtype=torch.bool)], dim=1).long()
         out = self.target.forward(tokens, positions, batch.target_cache, attention_mask=mask,
-                                  feature_layer_ids=batch.proposer.feature_layer_ids, visibility=visibility)
+                                  feature_layer_ids=batch.proposer.feature_layer_ids, visibility=visibility,
+                                  long_rope_rows=[seq.long_rotated for seq in rows])
         t2 = time.perf_counter()
         if branch is None:
             new_tokens = self._verify(draft, out.logits, rows)
@@ -411,9 +415,37 @@ class SpeculativeEngine:
 
     def _positions_left(self, rows: list[Sequence]) -> int:
         """How many positions this step may write into the target's cache, from the anchor on, so that no row
-        writes past the context: a step near the end verifies a shorter block, and the last a plain step."""
+        writes past the context, nor a longrope target's row past its switch before it is read again there
+        (`_read_again_past_rope_switch`): a step near either verifies a shorter block, and the last a plain step."""
         limit = self.context_length
-        return limit - max(seq.next_position for seq in rows) + 1 if limit else _NO_LIMIT
+        fit = limit - max(seq.next_position for seq in rows) + 1 if limit else _NO_LIMIT
+        switch = self.target.rope_rows_switch
+        below = [seq.next_position for seq in rows if switch is not None and seq.next_position <= switch]
+        return min(fit, switch - max(below) + 1) if below else fit
+
+    def _past_rope_switch(self, seq: Sequence) -> bool:
+        """Whether a longrope target's row has reached past its switch: its anchor (or prompt) stands there."""
+        switch = self.target.rope_rows_switch
+        return switch is not None and seq.next_position > switch
+
+    def _read_again_past_rope_switch(self, batch: Batch) -> None:
+        """Rows of a longrope target that have just reached its switch are read again with the long factors, as
+        transformers' generate does there (its rotary switches for a whole forward, so it recomputes the cache);
+        the batch keeps its rows in their order."""
+        rows = batch.sequences
+        crossing = [i for i, seq in enumerate(rows) if self._past_rope_switch(seq) and not seq.long_rotated]
+        if not crossing:
+            return
+        kept = [i for i in range(len(rows)) if i not in crossing]
+        read_again = [self.rejoin(rows[i], batch.proposer) for i in crossing]
+        rest = self.select_rows(batch, kept) if kept else None
+        merged = self.merge(([rest] if rest is not None else []) + read_again)
+        order = kept + crossing  # the batch index of each merged row
+        if order != sorted(order):
+            self._take_rows(merged, [order.index(i) for i in range(len(order))])
+        for name in ("sequences", "target_cache", "target_valid", "draft_state", "anchors", "anchor_positions",
+                     "has_holes"):
+            setattr(batch, name, getattr(merged, name))
 
     def _branch(self, batch: Batch, draft: Draft, width: int) -> Branch | None:
         """The branch this step verifies with its block, or None: every row asks for one (`branch_length`) and is
@@ -551,13 +583,18 @@ class SpeculativeEngine:
             return batch
         if not keep:
             return None
+        self._take_rows(batch, keep)
+        return batch
+
+    @staticmethod
+    def _take_rows(batch: Batch, keep: list[int]) -> None:
+        """Keep these rows of the batch, in this order (a subset, or a reordering)."""
         rows = torch.tensor(keep, device=batch.anchors.device)
         select_cache_rows(batch.target_cache, rows)
         batch.proposer.select_rows(batch.draft_state, rows)
         batch.sequences = [batch.sequences[i] for i in keep]
         batch.target_valid = batch.target_valid[rows]
         batch.anchors, batch.anchor_positions = batch.anchors[rows], batch.anchor_positions[rows]
-        return batch
 
     # ---- whole generations --------------------------------------------------------------------------------
     def generate(

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import functools
 import inspect
-from typing import Any
+from typing import Any, Callable
 
 import torch
 import transformers
@@ -198,6 +198,43 @@ def rope_switch_length(config: Any) -> int | None:
             if switch is not None and (limit is None or switch < limit):
                 return int(switch)
     return None
+
+
+def rotate_rows(model: Any, switch: int, long_rows: Callable[[], Any]) -> int:
+    """Let each row of a forward choose `model`'s longrope factors: returns how many rotary modules it changed (0:
+    none found, and the caller must keep its forwards within the switch).
+
+    transformers picks the short or the long factors once per forward, from its largest position, and its
+    `generate` reads a sequence again with the long factors when it first reaches past the switch. A batch of
+    rows on either side of the switch needs each row's own choice: `long_rows()` gives it during one of DFlash's
+    forwards ((b,) bool); None outside them, where the module works as transformers wrote it. Both factor sets come
+    from the module's own forward (the short set for the positions with the long rows' zeroed, all below the
+    switch; the long set for the positions with the switch appended), so every value is the one transformers
+    computes for that position."""
+    changed = 0
+    for module in unwrapped(model).modules():
+        if not type(module).__name__.endswith("RotaryEmbedding") or "longrope" not in str(getattr(module, "rope_type",
+                                                                                                   "")):
+            continue
+        module.forward = _rotary_by_row(module.forward, switch, long_rows)
+        changed += 1
+    return changed
+
+
+def _rotary_by_row(original: Callable, switch: int, long_rows: Callable[[], Any]) -> Callable:
+    def forward(x, position_ids, *args, **kwargs):
+        rows = long_rows()
+        if rows is None:
+            return original(x, position_ids, *args, **kwargs)
+        position_ids = position_ids.expand(rows.shape[0], -1)  # (b, q)
+        use_long = rows.to(position_ids.device)[:, None].expand_as(position_ids)  # (b, q)
+        forced = torch.cat([position_ids, position_ids.new_full((rows.shape[0], 1), switch)], dim=1)
+        long_cos, long_sin = (t[:, :-1] for t in original(x, forced, *args, **kwargs))  # (b, q, d) each
+        short_cos, short_sin = original(x, position_ids.masked_fill(use_long, 0), *args, **kwargs)
+        pick = use_long[..., None]
+        return torch.where(pick, long_cos, short_cos), torch.where(pick, long_sin, short_sin)
+
+    return forward
 
 
 def _rollback_layer(layer: Any) -> Any:

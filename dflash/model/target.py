@@ -81,8 +81,13 @@ class TargetModel:
         # None: every layer's cache can be cropped
         self.rollback_problem = hf_compat.rollback_problem(model.config) or hf_compat.cache_problem(model)
         self._cache_probed = False  # `check_decodable` tries one forward with a cache, once
-        self.rope_switch = hf_compat.rope_switch_length(model.config)  # longrope: see `context_length`
-        if self.rope_switch is not None:
+        # longrope: each row of a forward rotated with its own factors (`forward`'s long_rope_rows), the engine
+        # keeping a row's blocks below the switch and reading it again when it reaches it, as transformers' generate
+        # does (`rope_rows_switch`); where the rotary module is not found, DFlash decodes within the switch instead
+        self.rope_switch = hf_compat.rope_switch_length(model.config)
+        self._capped_at = None
+        if self.rope_switch is not None and not hf_compat.rotate_rows(model, self.rope_switch, self._long_rope_rows):
+            self._capped_at = self.rope_switch
             log.warning("%s: DFlash decodes within its first %d tokens%s", type(model).__name__, self.rope_switch,
                         self.context_note)
         unapplied = unapplied_generation_options(getattr(model, "generation_config", None))
@@ -164,18 +169,24 @@ class TargetModel:
     @property
     def context_length(self) -> int | None:
         """The tokens DFlash decodes within: the target's context (`max_position_embeddings`; None when its config
-        states none), or, for a `longrope` target, the position where its rotary frequencies switch
-        (`hf_compat.rope_switch_length`): past it, a verified block would rotate tokens otherwise than decoding one
-        at a time does."""
+        states none), or, for a `longrope` target whose rotary module was not found (`hf_compat.rotate_as_decoded`),
+        the position where its rotary frequencies switch: past it, a verified block would rotate tokens otherwise
+        than decoding one at a time does."""
         limit = getattr(self.config, "max_position_embeddings", None)
-        return self.rope_switch if self.rope_switch is not None else limit
+        return self._capped_at if self._capped_at is not None else limit
+
+    @property
+    def rope_rows_switch(self) -> int | None:
+        """A longrope target whose forwards take each row's factors (`hf_compat.rotate_rows`): where they switch.
+        A row is rotated with the long factors once it has reached past that position, and read again then."""
+        return self.rope_switch if self.rope_switch is not None and self._capped_at is None else None
 
     @property
     def context_note(self) -> str:
         """Why `context_length` is shorter than the target's context, in words ("" when it is not)."""
-        if self.rope_switch is None:
+        if self._capped_at is None:
             return ""
-        return (f" (its longrope rotary switches to its long factors at {self.rope_switch} tokens, and a block "
+        return (f" (its longrope rotary switches to its long factors at {self._capped_at} tokens, and a block "
                 "verified across that point would change the output, so DFlash decodes within it)")
 
     @property
@@ -274,9 +285,13 @@ class TargetModel:
         logits_to_keep: int = 0,  # 0 = logits for every position
         feature_layer_ids: list[int] | tuple = (),  # outputs of these layers, concatenated in this order
         visibility: torch.Tensor | None = None,  # (b, q, q) bool: which new tokens each sees; None = causal
+        long_rope_rows: list[bool] | None = None,  # a longrope target: the rows rotated with its long factors
     ) -> TargetOutput:
         self._ensure_hooks(list(feature_layer_ids))
         self._start_capture(feature_layer_ids)
+        self._capture.long_rope_rows = None
+        if self.rope_rows_switch is not None and long_rope_rows is not None:
+            self._capture.long_rope_rows = torch.tensor(long_rope_rows, device=input_ids.device)  # (b,)
         b, q = input_ids.shape
         if attention_mask is None and (visibility is not None or hf_compat.padding_mask_needed(b)):
             attention_mask = torch.ones(b, hf_compat.cache_length(cache) + q, dtype=torch.long,
@@ -288,13 +303,20 @@ class TargetModel:
         kwargs = {self._cache_kwarg: cache, "use_cache": True}
         if self._takes_logits_to_keep:
             kwargs["logits_to_keep"] = logits_to_keep
-        out = self.model(input_ids=input_ids, position_ids=position_ids, attention_mask=attention_mask, **kwargs)
+        try:
+            out = self.model(input_ids=input_ids, position_ids=position_ids, attention_mask=attention_mask, **kwargs)
+        finally:
+            self._capture.long_rope_rows = None  # the model's own forwards (generate ...) rotate as transformers does
         logits = out.logits
         if logits_to_keep and logits.shape[1] > logits_to_keep:
             logits = logits[:, -logits_to_keep:]
         captured = self._end_capture(feature_layer_ids)
         features = torch.cat(captured, dim=-1) if captured else None
         return TargetOutput(logits=logits.float(), features=features)
+
+    def _long_rope_rows(self) -> torch.Tensor | None:
+        """(b,) bool during a `forward` given `long_rope_rows`; None otherwise."""
+        return getattr(self._capture, "long_rope_rows", None)
 
 
     @torch.no_grad()

@@ -173,20 +173,52 @@ def _longrope_target(switch: int) -> TargetModel:
     return TargetModel(model)
 
 
-def test_a_longrope_target_decodes_within_its_switch_and_losslessly():
-    """transformers picks a longrope target's factors once per forward, from its largest position: a verified block
-    or a batch reaching past the switch would rotate the tokens before it with the long factors, which decoding one
-    token at a time does not (4 of 12 prompts changed their text that way). DFlash decodes within the switch,
-    says why when a request does not fit, and is lossless there, alone and in a ragged batch."""
+@pytest.mark.parametrize("block", [4, 16])
+def test_a_longrope_target_decodes_across_its_switch_losslessly(block):
+    """transformers picks a longrope target's factors once per forward, from its largest position: a verified block,
+    a batch or a re-read reaching past the switch would rotate the tokens before it with the long factors, which
+    decoding one token at a time does not (4 of 12 prompts changed their text that way). Each position is rotated
+    as decoded instead (`hf_compat.rotate_as_decoded`): prompts shorter and longer than the switch, decoded across
+    it in one ragged batch, whole blocks straddling it, give transformers' own text."""
     switch = 24
     target = _longrope_target(switch)
-    prompts = random_prompts(4, seed=1, low=4, high=8)
-    block = 4
-    max_new = switch - max(map(len, prompts)) - block
+    assert target.context_length == 1024 and target.context_note == ""  # not capped at the switch
+    prompts = random_prompts(6, seed=1, low=4, high=8) + random_prompts(2, seed=2, low=30, high=40)
+    max_new = 40
     refs = {tuple(p): hf_greedy(target, p, max_new) for p in prompts}
-    engine = SpeculativeEngine(target, OracleProposer(tiny_drafter(target, block_size=block), target, refs))
-    assert engine.context_length == switch
     config = GenerationConfig(max_new_tokens=max_new, block_size=block, stop_token_ids=[])
-    assert [o.output_ids for o in engine.generate(prompts, config)] == [refs[tuple(p)] for p in prompts]
+    for proposer in (OracleProposer(tiny_drafter(target), target, refs), partial_oracle(target, refs, block)):
+        engine = SpeculativeEngine(target, proposer.with_block_size(block))
+        outs = engine.generate(prompts, config)
+        assert [o.output_ids for o in outs] == [refs[tuple(p)] for p in prompts]
+    assert max(n for o in outs for n in o.stats.acceptance_lengths) > 2  # blocks were accepted
+
+
+def test_a_longrope_target_whose_rotary_is_not_found_decodes_within_its_switch(monkeypatch):
+    """Without a way to give each row its factors, DFlash stays below the switch and says why."""
+    from dflash.model import hf_compat
+
+    monkeypatch.setattr(hf_compat, "rotate_rows", lambda model, switch, rows: 0)
+    target = _longrope_target(24)
+    assert target.context_length == 24 and target.rope_rows_switch is None
+    engine = SpeculativeEngine(target)
     with pytest.raises(GenerationError, match=r"context is 24 tokens \(its longrope rotary switches .+ at 24 tokens"):
-        engine.generate([prompts[0]], GenerationConfig(max_new_tokens=switch, block_size=block))
+        engine.generate([[5, 6, 7]], GenerationConfig(max_new_tokens=22))
+
+
+def test_a_longrope_row_read_again_past_its_switch_goes_on_as_decoded():
+    """The server's fallback reads a row's prompt and answer again in one forward: a prompt below the switch and an
+    answer past it keep their two rotations."""
+    switch = 24
+    target = _longrope_target(switch)
+    prompt = random_prompts(1, seed=3, low=6, high=6)[0]
+    ref = hf_greedy(target, prompt, 40)
+    engine = SpeculativeEngine(target, OracleProposer(tiny_drafter(target), target, {tuple(prompt): ref}))
+    seq = engine.new_sequence(prompt, GenerationConfig(max_new_tokens=40, block_size=4, stop_token_ids=[]))
+    batch = engine.prefill(seq, NoDraftProposer())
+    while seq.next_position < switch + 6:
+        engine.step(batch)
+    batch = engine.rejoin(seq, engine.proposer)
+    while not seq.finished:
+        engine.step(batch)
+    assert seq.output_ids == ref
