@@ -48,7 +48,7 @@ from dflash.model.loading import (
     resolve_model_dir,
     trained_for,
 )
-from dflash.model.target import TargetModel
+from dflash.model.target import TargetModel, warn_unapplied_generation_options
 
 ASSETS = Path(__file__).parent / "assets"
 DEFAULT_TARGET = ASSETS / "target"
@@ -166,6 +166,7 @@ class DFlash:
         check_template_kwargs(chat_template_kwargs)
         check_drafter_precision(drafter_precision)
         target_model = load_target(target, dtype, torch_device, trust_remote_code=trust_remote_code)
+        warn_unapplied_generation_options(target_model)
         drafter = None
         if draft is not None:
             draft = resolve_model_dir(draft)  # once: a hub id is looked up over the network
@@ -215,7 +216,8 @@ class DFlash:
                                        **variables))
         check_text(prompt)
         if has_template and not raw:
-            return self.encode([{"role": "user", "content": prompt}], chat_template_kwargs=chat_template_kwargs)
+            return self.encode([{"role": "user", "content": prompt}], chat_template_kwargs=chat_template_kwargs,
+                               add_generation_prompt=add_generation_prompt)
         return self.tokenizer(prompt, add_special_tokens=True)["input_ids"]
 
     # ---- generation -----------------------------------------------------------------------------------

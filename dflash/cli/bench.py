@@ -23,7 +23,8 @@ SERVER_FLAGS = {"base_url": "--base-url", "api_key": "--api-key", "model": "--mo
                 "no_stream": "--no-stream"}
 LOCAL_FLAGS = {"target": "--target", "draft": "--draft", "no_draft": "--no-draft", "mask_token_id": "--mask-token-id",
                "block_size": "--block-size", "device": "--device", "branch_length": "--branch-length",
-               "dtype": "--dtype", "drafter_precision": "--drafter-precision"}
+               "dtype": "--dtype", "drafter_precision": "--drafter-precision",
+               "trust_remote_code": "--trust-remote-code"}
 LOCAL_INSTEAD = {"--model": "--target names the model", "--num-prompts": "--max-samples sets how many samples"}
 
 

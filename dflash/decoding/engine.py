@@ -244,15 +244,16 @@ class SpeculativeEngine:
         config states none."""
         return self.target.context_length
 
-    def room(self, prompt_len: int) -> int | None:
+    def room(self, prompt_len: int, block_size: int | None = None) -> int | None:
         """The most new tokens a prompt of `prompt_len` tokens may ask for: prompt and output fill the target's
-        context at most, as in plain decoding (the steps near its end verify shorter blocks). None when the target
-        states no context."""
+        context at most, as in plain decoding, whatever the block size (the steps near its end verify shorter
+        blocks; `block_size` is taken for callers of earlier versions). None when the target states no context."""
         limit = self.context_length
         return limit - prompt_len if limit else None
 
-    def new_sequence(self, prompt_ids: list[int], config: GenerationConfig) -> Sequence:
-        """A sequence to decode, refused when its prompt, max_new_tokens or block size does not fit."""
+    def new_sequence(self, prompt_ids: list[int], config: GenerationConfig, block_size: int | None = None) -> Sequence:
+        """A sequence to decode, refused when its prompt, max_new_tokens or block size does not fit (`block_size`
+        is taken for callers of earlier versions: the room no longer depends on it)."""
         if not prompt_ids:
             raise GenerationError("the prompt is empty; give at least one token")
         check_token_ids(prompt_ids, self.target.vocab_size)
@@ -416,7 +417,7 @@ class SpeculativeEngine:
     def _positions_left(self, rows: list[Sequence]) -> int:
         """How many positions this step may write into the target's cache, from the anchor on, so that no row
         writes past the context, nor a longrope target's row past its switch before it is read again there
-        (`_read_again_past_rope_switch`): a step near either verifies a shorter block, and the last a plain step."""
+        (`_read_again_past_rope_switch`): a step near either verifies a shorter block."""
         limit = self.context_length
         fit = limit - max(seq.next_position for seq in rows) + 1 if limit else _NO_LIMIT
         switch = self.target.rope_rows_switch

@@ -20,8 +20,9 @@ from dflash.model.drafter import DFlashDraftModel
 _DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16,
            "fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
 
-# What a hub download fetches: configs, weights, tokenizer files and chat templates.
-_HUB_PATTERNS = ["*.json", "*.safetensors", "*.txt", "*.model", "*.jinja", "*.tiktoken"]
+# What a hub download fetches: configs, weights, tokenizer files and chat templates, and the Python code a
+# checkpoint ships (run only with --trust-remote-code).
+_HUB_PATTERNS = ["*.json", "*.safetensors", "*.txt", "*.model", "*.jinja", "*.tiktoken", "*.py"]
 
 # Any of these makes a directory hold a tokenizer that AutoTokenizer can load.
 _TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json", "vocab.txt",
@@ -334,8 +335,8 @@ def causal_lm_shape_mismatches(directory: Path) -> list[str]:
     from safetensors import safe_open
     from transformers import AutoConfig, AutoModelForCausalLM
 
-    with torch.device("meta"):
-        model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(directory))
+    with torch.device("meta"):  # a checkpoint's own code is never run here (nor a question asked about it)
+        model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(directory, trust_remote_code=False))
     expected = {k: list(v.shape) for k, v in model.state_dict().items()}
     found = []
     for file in sorted(directory.glob("*.safetensors")):

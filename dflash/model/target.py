@@ -55,16 +55,26 @@ _LOGIT_OPTIONS = {"repetition_penalty": 1.0, "no_repeat_ngram_size": 0, "encoder
 
 def unapplied_generation_options(generation_config) -> list[str]:
     """'name=value' for each option of a model's generation config that changes its tokens and that DFlash does
-    not apply (its sampling defaults included: DFlash decodes greedily unless a request asks otherwise)."""
+    not apply: its logit options, and its sampling defaults (each command and request brings its own)."""
     if generation_config is None:
         return []
     found = [f"{name}={getattr(generation_config, name)!r}" for name, neutral in _LOGIT_OPTIONS.items()
-             if getattr(generation_config, name, neutral) not in (neutral, None, [], {})]
+             if getattr(generation_config, name, neutral) not in (neutral, None, [], {}, 0)]
     if getattr(generation_config, "do_sample", False):
         found.append("do_sample=True" + "".join(
             f", {name}={getattr(generation_config, name)!r}" for name in ("temperature", "top_p", "top_k")
             if getattr(generation_config, name, None) is not None))
     return found
+
+
+def warn_unapplied_generation_options(target: "TargetModel") -> None:
+    """Name, once a target is loaded to decode, the generation_config.json options DFlash leaves out."""
+    unapplied = unapplied_generation_options(getattr(target.model, "generation_config", None))
+    if unapplied:
+        log.warning("%s: its generation_config.json sets %s, which DFlash does not apply (transformers' generate "
+                    "and vLLM would): every command and request decodes with the options it gives (greedy unless "
+                    "a temperature is given to dflash generate, bench or datagen; OpenAI's defaults for a request "
+                    "to dflash serve)", type(target.model).__name__, ", ".join(unapplied))
 
 
 NEEDS_ITS_OWN_CODE = ("{path} needs the Python code it ships (its config.json's auto_map names classes transformers "
@@ -90,11 +100,6 @@ class TargetModel:
             self._capped_at = self.rope_switch
             log.warning("%s: DFlash decodes within its first %d tokens%s", type(model).__name__, self.rope_switch,
                         self.context_note)
-        unapplied = unapplied_generation_options(getattr(model, "generation_config", None))
-        if unapplied:
-            log.warning("%s: its generation_config.json sets %s, which DFlash does not apply (transformers' generate "
-                        "would): the output is the target's plain greedy decoding, or sampling with the options a "
-                        "request gives", type(model).__name__, ", ".join(unapplied))
         self._sliding = self.rollback_problem is None and hf_compat.has_sliding_layers(model.config)
         self.positions_by_slot = hf_compat.positions_by_slot(model.config)  # its batches keep no holes between tokens
         self._cache_kwarg = hf_compat.cache_kwarg_name(model)
@@ -365,7 +370,10 @@ def check_compatible(target: TargetModel, config: DrafterConfig) -> None:
 
 
 def _mismatch_error(directory: Path) -> CheckpointError:
-    mismatches = causal_lm_shape_mismatches(directory)
+    try:
+        mismatches = causal_lm_shape_mismatches(directory)
+    except (ValueError, OSError):  # a config only the checkpoint's own code builds: the shapes go unnamed
+        mismatches = []
     shown = "; ".join(mismatches[:3]) + (f" (and {len(mismatches) - 3} more)" if len(mismatches) > 3 else "")
     return CheckpointError(f"the weights in {directory} do not fit its config.json ({shown or 'shapes differ'}): "
                            "restore the config.json that came with these weights")

@@ -358,16 +358,15 @@ class CompletionRequest(SamplingRequest):
 
 
 def check_content_type(content_type: str | None) -> None:
-    """Refuse a body declared as anything but JSON (415). A browser posts text/plain and form bodies to any site
+    """Refuse a body not declared as JSON (415). A browser posts text/plain, form and untyped bodies to any site
     without asking it first (no CORS preflight), so taking them as JSON would let any web page a user visits make
-    a server without --api-key decode for it. No declared type is taken as JSON."""
-    if content_type is None:
-        return
-    media = content_type.split(";", 1)[0].strip().lower()
+    a server without --api-key decode for it."""
+    media = (content_type or "").split(";", 1)[0].strip().lower()
     if media == "application/json" or (media.startswith("application/") and media.endswith("+json")):
         return
-    raise APIError(415, f"the request body is declared as {media or 'nothing'!r}; send it as JSON with the header "
-                        "Content-Type: application/json (curl: -H 'Content-Type: application/json')")
+    declared = f"is declared as {media!r}" if media else "has no Content-Type"
+    raise APIError(415, f"the request body {declared}; send it as JSON with the header Content-Type: "
+                        "application/json (curl: -H 'Content-Type: application/json')")
 
 
 def parse_request(raw: bytes, model: type[_Strict]) -> Any:

@@ -145,9 +145,10 @@ class TrainConfig:
         return portable_settings(self.to_dict())
 
 
-# What a run does with its output rather than how it trains: never written to training_config.yaml, so reading that
-# file back with --config cannot delete a run's checkpoints (overwrite) or continue one by surprise (resume)
-RUN_ACTIONS = ("resume", "overwrite")
+# What a run does with its output rather than how it trains, and what it lets run: never written to
+# training_config.yaml, so reading that file back with --config cannot delete a run's checkpoints (overwrite),
+# continue one by surprise (resume) or run a checkpoint's own code unasked (trust_remote_code)
+RUN_ACTIONS = ("resume", "overwrite", "trust_remote_code")
 PATH_OPTIONS = ("target", "data", "extra_train_data", "output", "init_from", "feature_cache")  # local paths, or not
 
 
@@ -186,6 +187,10 @@ def load_config(yaml_path: str | None = None, overrides: dict[str, Any] | None =
     if values.get("overwrite") and not given.get("overwrite"):  # a file exported before 2026-12-05 holds it
         raise UserError(f"{yaml_path} sets overwrite: true, which deletes an earlier run's checkpoints; it is taken "
                         "only as the --overwrite flag: drop it from the file (and pass --overwrite if you mean it)")
+    if values.get("trust_remote_code") and not given.get("trust_remote_code"):
+        raise UserError(f"{yaml_path} sets trust_remote_code: true, which runs the target's own Python code; it is "
+                        "taken only as the --trust-remote-code flag: drop it from the file (and pass the flag if you "
+                        "trust the target's source)")
     values.update(given)
     _flags_win_over_the_file(values, given)
     unknown = sorted(set(values) - {f.name for f in fields(TrainConfig)})

@@ -203,6 +203,7 @@ SERVER = ["--base-url", "http://127.0.0.1:9/v1"]  # nothing listens there: every
      "--base-url, --api-key only apply to a server benchmark"),
     (SERVER + ["--dtype", "bfloat16"], "--dtype only applies to the local backend"),
     (SERVER + ["--drafter-precision", "bfloat16"], "--drafter-precision only applies to the local backend"),
+    (SERVER + ["--trust-remote-code"], "--trust-remote-code only applies to the local backend"),
 ])
 def test_user_errors_are_one_line(tiny_pair, data_dir, capsys, argv, message):
     target, draft = tiny_pair

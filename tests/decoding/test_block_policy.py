@@ -356,8 +356,8 @@ def test_generate_with_auto_block_size_is_lossless_and_uses_several_sizes(target
 
 
 def test_auto_block_size_serves_what_a_fixed_block_serves_in_a_context_barely_longer_than_a_block():
-    """20 positions and a block of 16: a 2-token prompt has room for 2 new tokens, and the start-up timing's own
-    rows must fit as well (they were a 5-token prompt, refused in the user's name)."""
+    """20 positions and a block of 16: the start-up timing's own rows must fit as well (they were a 5-token prompt,
+    refused in the user's name when a block was kept free at the context's end)."""
     from transformers import AutoModelForCausalLM
 
     from dflash.model import TargetModel

@@ -133,7 +133,7 @@ def test_a_dflash2_drafters_branches_are_lossless(target):
 
 
 def test_a_branch_that_would_pass_the_block_is_cut():
-    """The branch's positions stay within the proposer's block past the anchor: the room a request keeps."""
+    """The branch's positions stay within the proposer's block past the anchor (and within the context)."""
     target = TargetModel(tiny_target_model("qwen3"))
     prompts = random_prompts(1, seed=33)
     refs = {tuple(p): hf_greedy(target, p, MAX_NEW) for p in prompts}

@@ -1,5 +1,5 @@
 """A sequence may fill the target's context exactly, as in plain decoding: the steps near its end verify shorter
-blocks, the last ones plain, and no step writes a position past the context. gpt2's absolute position table ends
+blocks, and no step writes a position past the context. gpt2's absolute position table ends
 at its context, so a position past it is an IndexError there, not a silent extrapolation."""
 
 from __future__ import annotations

@@ -91,3 +91,23 @@ def test_datagen_takes_the_flag(custom_code_target, tmp_path):
         run_datagen(config)
     config.trust_remote_code = True
     assert run_datagen(config).written == 1
+
+
+def test_a_hub_checkpoint_brings_its_code_along(custom_code_target, tmp_path, monkeypatch):
+    """A hub download fetches the checkpoint's .py files too: without them transformers finds no code to run."""
+    import fnmatch
+    import shutil
+
+    import huggingface_hub
+
+    def snapshot_download(repo_id, revision=None, allow_patterns=(), local_files_only=False, **kwargs):
+        snapshot = tmp_path / "snapshot"
+        snapshot.mkdir(exist_ok=True)
+        for file in custom_code_target[0].iterdir():
+            if any(fnmatch.fnmatch(file.name, pattern) for pattern in allow_patterns):
+                shutil.copy(file, snapshot / file.name)
+        return str(snapshot)
+
+    monkeypatch.setattr(huggingface_hub, "snapshot_download", snapshot_download)
+    pipe = DFlash.from_pretrained("someone/shipped-model", no_draft=True, trust_remote_code=True)
+    assert type(pipe.target.model).__name__ == "ShippedForCausalLM"

@@ -3,7 +3,7 @@ import torch
 
 from conftest import MORE_FAMILIES, tiny_target_model
 from dflash.model.hf_compat import cache_length, crop_cache
-from dflash.model.target import TargetModel
+from dflash.model.target import TargetModel, warn_unapplied_generation_options
 
 
 def assert_features_are_layer_outputs(target, layer_ids: list[int]) -> None:
@@ -66,12 +66,13 @@ def test_a_config_that_does_not_fit_the_weights_names_the_mismatch(tiny_pair, tm
 def test_generation_config_options_dflash_does_not_apply_are_named_in_a_warning(caplog):
     """Qwen2.5-Instruct ships repetition_penalty 1.05, which transformers' generate applies and DFlash does not."""
     model = tiny_target_model("qwen3")
+    model.generation_config.min_p, model.generation_config.min_new_tokens = 0.0, 0  # neutral values
     with caplog.at_level("WARNING", logger="dflash.model.target"):
-        TargetModel(model)
+        warn_unapplied_generation_options(TargetModel(model))
     assert "generation_config" not in caplog.text  # nothing set: nothing said
     model.generation_config.repetition_penalty = 1.05
     model.generation_config.do_sample, model.generation_config.temperature = True, 0.7
     with caplog.at_level("WARNING", logger="dflash.model.target"):
-        TargetModel(model)
+        warn_unapplied_generation_options(TargetModel(model))
     assert "sets repetition_penalty=1.05, do_sample=True, temperature=0.7" in caplog.text
-    assert "DFlash does not apply" in caplog.text
+    assert "DFlash does not apply" in caplog.text and "OpenAI's defaults for a request to dflash serve" in caplog.text

@@ -137,3 +137,16 @@ def test_no_resume_and_no_dflash2_flags_reach_the_config():
     args = parser.parse_args(["--no-resume", "--no-dflash2"])
     assert args.resume is False and args.dflash2 is False
     assert parser.parse_args([]).resume is None  # not given: the file's value stands
+
+
+def test_trust_remote_code_is_a_flag_never_read_from_a_file(tmp_path):
+    """An exported training_config.yaml read back with --config must not run a checkpoint's code unasked."""
+    from dflash.training.config import load_config, portable_settings
+
+    assert "trust_remote_code" not in portable_settings({"trust_remote_code": True, "lr": 1e-3})
+    path = tmp_path / "run.yaml"
+    path.write_text("data: d.jsonl\noutput: out\ntrust_remote_code: true\n")
+    with pytest.raises(UserError, match="trust_remote_code: true, which runs the target's own Python code"):
+        load_config(str(path))
+    assert load_config(str(path), {"trust_remote_code": True}).trust_remote_code is True
+
