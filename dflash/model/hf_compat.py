@@ -202,7 +202,8 @@ def rope_switch_length(config: Any) -> int | None:
 
 def rotate_rows(model: Any, switch: int, long_rows: Callable[[], Any]) -> int:
     """Let each row of a forward choose `model`'s longrope factors: returns how many rotary modules it changed (0:
-    none found, and the caller must keep its forwards within the switch).
+    none it can change, or a class whose `generate` does not read a sequence again at the switch; the caller must
+    then keep its forwards within the switch).
 
     transformers picks the short or the long factors once per forward, from its largest position, and its
     `generate` reads a sequence again with the long factors when it first reaches past the switch. A batch of
@@ -211,14 +212,22 @@ def rotate_rows(model: Any, switch: int, long_rows: Callable[[], Any]) -> int:
     from the module's own forward (the short set for the positions with the long rows' zeroed, all below the
     switch; the long set for the positions with the switch appended), so every value is the one transformers
     computes for that position."""
-    changed = 0
-    for module in unwrapped(model).modules():
-        if not type(module).__name__.endswith("RotaryEmbedding") or "longrope" not in str(getattr(module, "rope_type",
-                                                                                                   "")):
-            continue
+    inner = unwrapped(model)
+    kinds = {getattr(inner.config, "model_type", None), getattr(text_config(inner.config), "model_type", None)}
+    if not kinds & _RECOMPUTE_AT_SWITCH:
+        return 0  # its generate keeps the short rotation before the switch: the caller stays within it
+    modules = [m for m in inner.modules() if type(m).__name__.endswith("RotaryEmbedding")
+               and "longrope" in str(getattr(m, "rope_type", ""))]
+    if not modules or any("position_ids" not in inspect.signature(m.forward).parameters for m in modules):
+        return 0  # e.g. transformers 4's Phi-3.5-MoE rotary, which takes a sequence length
+    for module in modules:
         module.forward = _rotary_by_row(module.forward, switch, long_rows)
-        changed += 1
-    return changed
+    return len(modules)
+
+
+# Model types whose `generate` reads a sequence again with the long factors when it first passes the switch
+# (their prepare_inputs_for_generation drops the cache there): Phi-3 and Phi-3.5, Phi-3.5-MoE, Phi-4-multimodal
+_RECOMPUTE_AT_SWITCH = {"phi3", "phimoe", "phi4_multimodal"}
 
 
 def _rotary_by_row(original: Callable, switch: int, long_rows: Callable[[], Any]) -> Callable:

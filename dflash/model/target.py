@@ -174,7 +174,7 @@ class TargetModel:
     @property
     def context_length(self) -> int | None:
         """The tokens DFlash decodes within: the target's context (`max_position_embeddings`; None when its config
-        states none), or, for a `longrope` target whose rotary module was not found (`hf_compat.rotate_as_decoded`),
+        states none), or, for a `longrope` target whose rotary module was not found (`hf_compat.rotate_rows`),
         the position where its rotary frequencies switch: past it, a verified block would rotate tokens otherwise
         than decoding one at a time does."""
         limit = getattr(self.config, "max_position_embeddings", None)

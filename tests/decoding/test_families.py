@@ -148,7 +148,7 @@ def test_a_wrapped_target_whose_forward_takes_kwargs_still_decodes():
     assert out[0].output_ids == hf_greedy(TargetModel(model), prompt, 8)
 
 
-def _longrope_target(switch: int) -> TargetModel:
+def _longrope_target(switch: int, family: str = "phi3") -> TargetModel:
     """A tiny Phi-3 whose longrope rotary switches from its short to its long factors at `switch` tokens (Phi-3 and
     Phi-3.5 128k's form, in a context of 1,024), with factors far enough apart to change its greedy text."""
     import torch
@@ -156,7 +156,7 @@ def _longrope_target(switch: int) -> TargetModel:
 
     from conftest import tiny_target_config
 
-    config = tiny_target_config("phi3", layers=2)
+    config = tiny_target_config(family, layers=2)
     config.sliding_window = None
     half = config.hidden_size // config.num_attention_heads // 2
     factors = dict(short_factor=[1.0] * half, long_factor=[1.0 + 3.0 * i for i in range(half)])
@@ -178,7 +178,8 @@ def test_a_longrope_target_decodes_across_its_switch_losslessly(block):
     """transformers picks a longrope target's factors once per forward, from its largest position: a verified block,
     a batch or a re-read reaching past the switch would rotate the tokens before it with the long factors, which
     decoding one token at a time does not (4 of 12 prompts changed their text that way). Each position is rotated
-    as decoded instead (`hf_compat.rotate_as_decoded`): prompts shorter and longer than the switch, decoded across
+    with its own factors instead (`hf_compat.rotate_rows`), and a row read again at the switch as `generate`
+    reads it: prompts shorter and longer than the switch, decoded across
     it in one ragged batch, whole blocks straddling it, give transformers' own text."""
     switch = 24
     target = _longrope_target(switch)
@@ -192,6 +193,19 @@ def test_a_longrope_target_decodes_across_its_switch_losslessly(block):
         outs = engine.generate(prompts, config)
         assert [o.output_ids for o in outs] == [refs[tuple(p)] for p in prompts]
     assert max(n for o in outs for n in o.stats.acceptance_lengths) > 2  # blocks were accepted
+
+
+def test_a_longrope_llama_whose_generate_does_not_read_again_decodes_within_its_switch():
+    """Only Phi-3's classes read a sequence again at the switch in `generate`; a Llama given a longrope config
+    keeps the short rotation before it, which DFlash's re-read would not match: it stays within the switch."""
+    target = _longrope_target(24, family="llama")
+    assert target.context_length == 24 and target.rope_rows_switch is None
+    prompts = random_prompts(3, seed=1, low=4, high=8)
+    refs = {tuple(p): hf_greedy(target, p, 24 - len(p)) for p in prompts}
+    engine = SpeculativeEngine(target, partial_oracle(target, refs, 4).with_block_size(4))
+    outs = engine.generate(prompts, [GenerationConfig(max_new_tokens=24 - len(p), block_size=4, stop_token_ids=[])
+                                     for p in prompts])
+    assert [o.output_ids for o in outs] == [refs[tuple(p)] for p in prompts]
 
 
 def test_a_longrope_target_whose_rotary_is_not_found_decodes_within_its_switch(monkeypatch):
