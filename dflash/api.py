@@ -190,9 +190,10 @@ class DFlash:
                continue_final_message: bool = False, add_generation_prompt: bool = True) -> list[int]:
         """Token ids for a prompt: ids as given; chat messages and (unless raw) text via the chat template, with
         the pipeline's template variables updated by `chat_template_kwargs`. A tokenizer without a chat template
-        gets text as it is. `continue_final_message`: the messages end with the start of the assistant's answer,
-        which generation continues (no new turn is opened). `add_generation_prompt=False`: the messages are
-        rendered without the template's opening of the assistant's turn (as vLLM's request field)."""
+        (a base model) gets text as it is, and messages as `plain_conversation`. `continue_final_message`: the
+        messages end with the start of the assistant's answer, which generation continues (no new turn is
+        opened). `add_generation_prompt=False`: the messages are rendered without the template's opening of the
+        assistant's turn (as vLLM's request field)."""
         if isinstance(raw, (dict, GenerationConfig)):
             raise GenerationError("generation options are keywords: generate(prompt, max_new_tokens=64, ...), or "
                                   "generate(prompt, **options) for a dict of them")
@@ -206,8 +207,8 @@ class DFlash:
         has_template = self.has_chat_template
         if kind == "messages":
             _check_messages(prompt)
-            if not has_template:
-                raise GenerationError("the tokenizer has no chat template; send plain text with raw=True")
+            if not has_template:  # a base model: the turns as plain text
+                return self.encode(plain_conversation(prompt), raw=True)
             variables = {**self.chat_template_kwargs, **check_template_kwargs(chat_template_kwargs)}
             if continue_final_message:
                 return _as_ids(render_chat(self.tokenizer, list(prompt), add_generation_prompt=False,
@@ -457,6 +458,12 @@ def _check_unicode(text: str, what: str) -> None:
     except UnicodeEncodeError as err:
         raise GenerationError(f"{what} is not valid text: character {err.start} ({text[err.start]!r}) stands for a "
                               "byte that was not UTF-8; pass UTF-8 text") from None
+
+
+def plain_conversation(messages: list[dict]) -> str:
+    """A conversation as plain text for a target without a chat template (a base model): the messages' contents
+    joined by blank lines."""
+    return "\n\n".join(m["content"] for m in messages)
 
 
 def _check_messages(messages: list | tuple) -> None:

@@ -134,8 +134,3 @@ def read_json_object(path: Path, what: str, fix: str) -> dict:
         raise UserError(f"{path} is not {what}; {fix}")
     return value
 
-
-def plain_conversation(messages: list[dict]) -> str:
-    """A conversation as plain text for a target without a chat template (a base model): the messages' contents
-    joined by blank lines, what `dflash datagen` and `dflash bench` send such a target."""
-    return "\n\n".join(m["content"] for m in messages)

@@ -23,6 +23,14 @@ def test_text_messages_and_ids_encode_consistently(pipe):
     assert pipe.encode("How many clips?", raw=True) != text_ids  # no chat template
 
 
+def test_a_base_models_messages_are_its_turns_as_plain_text(pipe, monkeypatch):
+    """No chat template: what datagen trains on and bench measures, through this one rule."""
+    monkeypatch.setattr(pipe.tokenizer, "chat_template", None)
+    messages = [{"role": "user", "content": "How many clips?"}, {"role": "assistant", "content": "72"},
+                {"role": "user", "content": "And pens?"}]
+    assert pipe.encode(messages) == pipe.encode("How many clips?\n\n72\n\nAnd pens?", raw=True)
+
+
 def test_generate_matches_plain_decoding(tiny_pair, pipe):
     plain = DFlash.from_pretrained(tiny_pair[0], no_draft=True, device="cpu")
     a = pipe.generate("How many clips did Natalia sell?", max_new_tokens=20)

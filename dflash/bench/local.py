@@ -30,7 +30,6 @@ from dflash.bench.metrics import (
 from dflash.decoding.engine import AUTO, GenerationConfig, GenerationOutput, SpeculativeEngine
 from dflash.errors import UserError
 from dflash.model.target import TargetModel
-from dflash.records import plain_conversation
 
 
 class Engine(Protocol):
@@ -147,10 +146,8 @@ class LocalBackend:
         return conversation
 
     def encode(self, messages: list[dict]) -> list[int]:
-        """The chat template's tokens, or for a target without one (a base model) the plain text of the turns
-        (`plain_conversation`), as `dflash datagen` gives it."""
-        if self.pipe.tokenizer is not None and not self.pipe.has_chat_template:
-            return self.pipe.encode(plain_conversation(messages), raw=True)
+        """The chat template's tokens, or for a target without one (a base model) the turns as plain text, as
+        `dflash datagen` gives them (`DFlash.encode`)."""
         return self.pipe.encode(messages)
 
     def answer_text(self, output: GenerationOutput) -> str:

@@ -231,6 +231,7 @@ class SpeculativeEngine:
     def __init__(self, target: TargetModel, proposer: Proposer | None = None, tokenizer=None):
         target.check_decodable()
         self.target = target
+        self._rope_switch = target.rope_rows_switch  # a longrope target's rows switch factors here; None: no such
         self.proposer = proposer or NoDraftProposer()
         check_proposer(self.proposer)
         self.tokenizer = tokenizer if tokenizer is not None else target.tokenizer
@@ -353,7 +354,7 @@ class SpeculativeEngine:
         cache = self.target.new_cache()
         seq.long_rotated = self._past_rope_switch(seq)
         out = self.target.forward(ids, positions, cache, logits_to_keep=1,
-                                  feature_layer_ids=proposer.feature_layer_ids, long_rope_rows=[seq.long_rotated])
+                                  feature_layer_ids=proposer.feature_layer_ids, long_rope_rows=self._rope_rows([seq]))
         seq.stats.target_forwards += 1
         state = proposer.new_state()
         valid = torch.ones_like(ids, dtype=torch.bool)
@@ -372,7 +373,8 @@ class SpeculativeEngine:
         """One draft-verify-accept round for every row; returns the tokens each row kept. `choose`: the block
         size to verify, picked from the draft (its first draft tokens are verified); None: all of it."""
         t0 = time.perf_counter()
-        self._read_again_past_rope_switch(batch)
+        if self._rope_switch is not None:
+            self._read_again_past_rope_switch(batch)
         rows = batch.sequences
         fit = self._positions_left(rows)
         proposer = batch.proposer if fit >= batch.proposer.block_size else batch.proposer.with_block_size(max(fit, 2))
@@ -394,7 +396,7 @@ class SpeculativeEngine:
             mask = torch.cat([batch.target_valid, torch.ones_like(tokens, dtype=torch.bool)], dim=1).long()
         out = self.target.forward(tokens, positions, batch.target_cache, attention_mask=mask,
                                   feature_layer_ids=batch.proposer.feature_layer_ids, visibility=visibility,
-                                  long_rope_rows=[seq.long_rotated for seq in rows])
+                                  long_rope_rows=self._rope_rows(rows))
         t2 = time.perf_counter()
         if branch is None:
             new_tokens = self._verify(draft, out.logits, rows)
@@ -420,14 +422,18 @@ class SpeculativeEngine:
         (`_read_again_past_rope_switch`): a step near either verifies a shorter block."""
         limit = self.context_length
         fit = limit - max(seq.next_position for seq in rows) + 1 if limit else _NO_LIMIT
-        switch = self.target.rope_rows_switch
-        below = [seq.next_position for seq in rows if switch is not None and seq.next_position <= switch]
-        return min(fit, switch - max(below) + 1) if below else fit
+        if self._rope_switch is None:
+            return fit
+        below = [seq.next_position for seq in rows if seq.next_position <= self._rope_switch]
+        return min(fit, self._rope_switch - max(below) + 1) if below else fit
 
     def _past_rope_switch(self, seq: Sequence) -> bool:
         """Whether a longrope target's row has reached past its switch: its anchor (or prompt) stands there."""
-        switch = self.target.rope_rows_switch
-        return switch is not None and seq.next_position > switch
+        return self._rope_switch is not None and seq.next_position > self._rope_switch
+
+    def _rope_rows(self, rows: list[Sequence]) -> list[bool] | None:
+        """For a longrope target's forward: which rows are rotated with its long factors; None for any other."""
+        return None if self._rope_switch is None else [seq.long_rotated for seq in rows]
 
     def _read_again_past_rope_switch(self, batch: Batch) -> None:
         """Rows of a longrope target that have just reached its switch are read again with the long factors, as
@@ -444,9 +450,7 @@ class SpeculativeEngine:
         order = kept + crossing  # the batch index of each merged row
         if order != sorted(order):
             self._take_rows(merged, [order.index(i) for i in range(len(order))])
-        for name in ("sequences", "target_cache", "target_valid", "draft_state", "anchors", "anchor_positions",
-                     "has_holes"):
-            setattr(batch, name, getattr(merged, name))
+        vars(batch).update(vars(merged))  # the caller's batch object, now holding the merged rows
 
     def _branch(self, batch: Batch, draft: Draft, width: int) -> Branch | None:
         """The branch this step verifies with its block, or None: every row asks for one (`branch_length`) and is

@@ -26,7 +26,7 @@ from typing import IO, Iterator
 from dflash import hub
 from dflash.errors import UserError, in_brief
 from dflash.extras import require
-from dflash.records import messages_field, plain_conversation, read_json_object, read_jsonl, text_field, texts_field
+from dflash.records import messages_field, read_json_object, read_jsonl, text_field, texts_field
 from dflash.training.lock import lock_or_refuse
 
 PROMPT_FIELDS = ("prompt", "question", "instruction", "text")  # looked for in this order without --prompt-field
@@ -444,20 +444,14 @@ class _Generator:
     def __init__(self, pipe, config: DatagenConfig):
         self.pipe, self.config = pipe, config
         self.context_words = pipe.engine.target.context_words  # for the messages of prompts that do not fit
-        self.raw = pipe.tokenizer is not None and not pipe.has_chat_template
-        if self.raw:
+        if pipe.tokenizer is not None and not pipe.has_chat_template:  # `DFlash.encode` joins the turns then
             _warn("the target's tokenizer has no chat template: prompts are sent as plain text, as `dflash "
                   "generate` does (a conversation's turns and answers joined by blank lines)")
 
-    def encode(self, conversation: list[dict]) -> list[int]:
-        if self.raw:
-            return self.pipe.encode(plain_conversation(conversation), raw=True)
-        return self.pipe.encode(conversation)
-
     def encode_turn(self, prompt: Prompt, conversation: list[dict]) -> list[int]:
-        """`encode`, with an error that names the prompt's record when the chat template refuses it."""
+        """`DFlash.encode`, with an error that names the prompt's record when the chat template refuses it."""
         try:
-            return self.encode(conversation)
+            return self.pipe.encode(conversation)
         except UserError as err:  # the template's refusal (`TemplateRefusal`), or the pipeline's check of the messages
             message = str(err)
         except Exception as err:  # the template's other checks (e.g. roles it does not take) raise anything

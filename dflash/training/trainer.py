@@ -268,8 +268,8 @@ class Trainer:
         c = self.config
         self.context = self.target.context_length  # what decoding reaches (a longrope target: its switch)
         if self.context and c.max_length and c.max_length > self.context:
-            self._note(f"--max-length {c.max_length} is beyond the target's context of {self.context} tokens"
-                       f"{self.target.context_note}; sequences are cut at {self.context}")
+            self._note(f"--max-length {c.max_length} is beyond the target's context of {self.target.context_words}; "
+                       f"sequences are cut at {self.context}")
         limit = c.max_length or DEFAULT_MAX_LENGTH
         c.max_length = min(limit, self.context) if self.context else limit
         train, self.eval_examples = split_examples(self._read("--data", c.data), c.eval_fraction, c.seed)
