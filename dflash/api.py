@@ -142,6 +142,7 @@ class DFlash:
         drafter_precision: str = "auto",
         branch_length: int = 0,
         trust_remote_code: bool = False,
+        warn_unapplied: bool = True,
     ) -> "DFlash":
         """Load a target and its drafter from local directories or Hugging Face hub ids.
 
@@ -151,7 +152,8 @@ class DFlash:
         visible, else cpu). A hub id is looked up once with a timeout (HF_HUB_ETAG_TIMEOUT, 10 s); when the hub
         cannot be reached, or HF_HUB_OFFLINE=1, only the local cache serves. `drafter_precision`: see `DFlash`.
         `trust_remote_code`: run the Python code a target (or draft model) ships for an architecture transformers
-        lacks; only for checkpoints whose source you trust.
+        lacks; only for checkpoints whose source you trust. `warn_unapplied`: log the target's generation_config.json
+        options DFlash does not apply (False: the caller says it, as `dflash serve` does).
         """
         target, draft = _pair_paths(target, draft, no_draft)
         if no_draft:
@@ -166,7 +168,8 @@ class DFlash:
         check_template_kwargs(chat_template_kwargs)
         check_drafter_precision(drafter_precision)
         target_model = load_target(target, dtype, torch_device, trust_remote_code=trust_remote_code)
-        warn_unapplied_generation_options(target_model)
+        if warn_unapplied:
+            warn_unapplied_generation_options(target_model)
         drafter = None
         if draft is not None:
             draft = resolve_model_dir(draft)  # once: a hub id is looked up over the network

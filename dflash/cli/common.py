@@ -104,7 +104,7 @@ def chat_template_kwargs(args: argparse.Namespace) -> dict | None:
     return None if thinking is None else {"enable_thinking": thinking}
 
 
-def load_pipeline(args: argparse.Namespace):
+def load_pipeline(args: argparse.Namespace, warn_unapplied: bool = True):
     from dflash.api import DFlash
     from dflash.errors import UserError
 
@@ -117,5 +117,5 @@ def load_pipeline(args: argparse.Namespace):
         args.target, args.draft, no_draft=args.no_draft, dtype=args.dtype, device=args.device,
         block_size=args.block_size, mask_token_id=args.mask_token_id, chat_template_kwargs=chat_template_kwargs(args),
         drafter_precision=args.drafter_precision, branch_length=args.branch_length,
-        trust_remote_code=args.trust_remote_code,
+        trust_remote_code=args.trust_remote_code, warn_unapplied=warn_unapplied,
     )

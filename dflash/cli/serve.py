@@ -44,6 +44,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                      "prompt), so a burst of long prompts does not hold every stream (default: 1024)")
     net.add_argument("--max-request-bytes", type=int,
                      help="larger request bodies are answered 413 (default: 4 MiB)")
+    net.add_argument("--generation-config", default="auto", metavar="auto|vllm|DIR",
+                     help="what a request that leaves out temperature, top_p or top_k gets: auto = what the "
+                     "target's generation_config.json sets, whose max_new_tokens also caps max_tokens (as vLLM and "
+                     "SGLang do by default); vllm (or openai) = OpenAI's defaults; DIR = the generation_config.json "
+                     "in that directory (default: auto)")
     net.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
     fb = parser.add_argument_group("adaptive drafting (a fallback to plain decoding, and the block size of each step)")
     fb.add_argument("--fallback-min-acceptance", type=_threshold, default="auto", metavar="TAU|auto",
@@ -129,6 +134,7 @@ def _check_args(args: argparse.Namespace) -> None:
                         "or serve with --engine dflash")
     if args.dry_run and args.engine == "dflash":
         raise UserError("--dry-run prints the command of a hand-off; use it with --engine vllm or --engine sglang")
+    _check_generation_config(args.generation_config)
     if args.api_key is not None and not args.api_key:
         raise UserError("--api-key is empty; give a key or leave the flag out")
     if args.block_size == "auto":  # as in dflash generate: the adaptive block size, up to the drafter's
@@ -161,6 +167,14 @@ def _check_drafting_flags(args: argparse.Namespace) -> None:
         raise UserError(AUTO_NEEDS_STEP_COSTS)
 
 
+def _check_generation_config(choice: str) -> None:
+    """A directory given to --generation-config is read now, before any model loads."""
+    from dflash.serve.sampling_defaults import NEUTRAL_CHOICES, from_generation_config, read_generation_config
+
+    if choice != "auto" and choice not in NEUTRAL_CHOICES:
+        from_generation_config(read_generation_config(choice), f"--generation-config {choice}")
+
+
 def _flag(name: str) -> str:
     return "--no-adaptive-block-size" if name == "adaptive_block_size" else "--" + name.replace("_", "-")
 
@@ -182,7 +196,7 @@ def _hand_off(args: argparse.Namespace) -> int:
         served_model_name=args.served_model_name, max_batch_size=args.max_batch_size,
         dtype=None if args.dtype == "auto" else args.dtype, chat_template_kwargs=chat_template_kwargs(args),
         log_level=None if args.log_level == "info" else args.log_level,  # info: both engines' default
-        trust_remote_code=args.trust_remote_code,
+        trust_remote_code=args.trust_remote_code, generation_config=args.generation_config,
     )
     command = handoff.engine_command(args.engine, target, draft, args.block_size, options)
     _warn_if_open(args)
@@ -224,12 +238,14 @@ def _serve(args: argparse.Namespace) -> int:
 
     from dflash.serve.app import ServeConfig, create_app
     from dflash.serve.limits import DEFAULT_MAX_REQUEST_BYTES
+    from dflash.serve.sampling_defaults import sampling_defaults
     from dflash.serve.scheduler import SchedulerConfig
 
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     check_address(args.host, args.port)  # before the models load, which can take minutes
     disable_created_metrics()  # as vLLM's server does: no `*_created` series beside every counter and histogram
-    pipe = load_pipeline(args)
+    pipe = load_pipeline(args, warn_unapplied=False)  # the server says what it leaves out (`Server`)
+    defaults = sampling_defaults(args.generation_config, getattr(pipe.target.model, "generation_config", None))
     config = ServeConfig(
         served_model_name=args.served_model_name or args.target or "dflash",
         api_key=args.api_key,
@@ -240,6 +256,7 @@ def _serve(args: argparse.Namespace) -> int:
                                   args.max_prefill_tokens),
         fallback=_fallback_config(args),
         adaptive_block_size=args.adaptive_block_size,
+        sampling_defaults=defaults,
         decode_thread=False,
     )
     app = create_app(pipe, config)

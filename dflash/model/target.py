@@ -53,14 +53,15 @@ _LOGIT_OPTIONS = {"repetition_penalty": 1.0, "no_repeat_ngram_size": 0, "encoder
                   "num_beams": 1, "typical_p": 1.0, "epsilon_cutoff": 0.0, "eta_cutoff": 0.0, "min_p": None}
 
 
-def unapplied_generation_options(generation_config) -> list[str]:
+def unapplied_generation_options(generation_config, sampling_defaults: bool = True) -> list[str]:
     """'name=value' for each option of a model's generation config that changes its tokens and that DFlash does
-    not apply: its logit options, and its sampling defaults (each command and request brings its own)."""
+    not apply: its logit options, and (`sampling_defaults`) its sampling defaults, which each command brings its own
+    of (`dflash serve` applies them: see `dflash.serve.sampling_defaults`)."""
     if generation_config is None:
         return []
     found = [f"{name}={getattr(generation_config, name)!r}" for name, neutral in _LOGIT_OPTIONS.items()
              if getattr(generation_config, name, neutral) not in (neutral, None, [], {}, 0)]
-    if getattr(generation_config, "do_sample", False):
+    if sampling_defaults and getattr(generation_config, "do_sample", False):
         found.append("do_sample=True" + "".join(
             f", {name}={getattr(generation_config, name)!r}" for name in ("temperature", "top_p", "top_k")
             if getattr(generation_config, name, None) is not None))
@@ -72,9 +73,9 @@ def warn_unapplied_generation_options(target: "TargetModel") -> None:
     unapplied = unapplied_generation_options(getattr(target.model, "generation_config", None))
     if unapplied:
         log.warning("%s: its generation_config.json sets %s, which DFlash does not apply (transformers' generate "
-                    "and vLLM would): every command and request decodes with the options it gives (greedy unless "
-                    "a temperature is given to dflash generate, bench or datagen; OpenAI's defaults for a request "
-                    "to dflash serve)", type(target.model).__name__, ", ".join(unapplied))
+                    "and vLLM would): every command decodes with the options it gives (greedy unless a temperature "
+                    "is given to dflash generate, bench or datagen; dflash serve applies its sampling defaults, see "
+                    "--generation-config)", type(target.model).__name__, ", ".join(unapplied))
 
 
 NEEDS_ITS_OWN_CODE = ("{path} needs the Python code it ships (its config.json's auto_map names classes transformers "

@@ -48,6 +48,7 @@ from dflash.serve.protocol import (
     parse_request,
     sse,
 )
+from dflash.serve.sampling_defaults import SamplingDefaults
 from dflash.serve.scheduler import Event, QueueFull, Scheduler, SchedulerClosed, SchedulerConfig
 from dflash.serve.scheduler import Request as Decoding
 
@@ -67,6 +68,7 @@ class ServeConfig:
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
     fallback: FallbackConfig = field(default_factory=FallbackConfig)
     adaptive_block_size: bool = False  # measure step costs at start-up, then pick each step's block size
+    sampling_defaults: SamplingDefaults = field(default_factory=SamplingDefaults)  # for fields a request leaves out
     decode_thread: bool = True  # the app starts a decode thread; False: the caller runs `scheduler.run()`
 
 
@@ -88,6 +90,9 @@ class Server:
         if drafting and config.adaptive_block_size:
             policy = BlockSizePolicy.calibrate(self.engine, config.scheduler.max_batch_size)
         self.scheduler = Scheduler(self.engine, config.scheduler, self.metrics, config.fallback, policy)
+        log.info("sampling defaults: %s", config.sampling_defaults.describe())
+        if warning := config.sampling_defaults.unapplied_warning():
+            log.warning("%s", warning)
         self.created = int(time.time())
 
     # ---- request -> sequence ----------------------------------------------------------------------------
@@ -151,8 +156,9 @@ class Server:
                                 f"{self.max_model_len} tokens; shorten it",
                            param="messages" if kind == "chat" else "prompt", code="context_length_exceeded")
         field, asked = req.token_limit_field, req.token_limit
+        cap = self.config.sampling_defaults.max_tokens or room  # generation_config's max_new_tokens, as in vLLM
         if asked is None and default_max is None:
-            return room
+            return min(room, cap)
         default = asked is None
         asked = default_max if default else asked
         if asked > room:
@@ -160,13 +166,15 @@ class Server:
             raise APIError(400, f"prompt ({prompt_len} tokens) + {named} exceeds the context of "
                                 f"{self.max_model_len} tokens; shorten the prompt or set {field} to at most {room}",
                            param=field, code="context_length_exceeded")
-        return asked
+        return min(asked, cap)
 
     def generation_config(self, req: SamplingRequest, prompt_len: int, kind: str,
                           default_max: int | None) -> GenerationConfig:
         max_tokens = self.token_budget(req, prompt_len, kind, default_max)
+        defaults = self.config.sampling_defaults
         return GenerationConfig(
-            max_new_tokens=max_tokens, temperature=req.temperature, top_p=req.top_p, top_k=req.top_k,
+            max_new_tokens=max_tokens, temperature=_given(req.temperature, defaults.temperature),
+            top_p=_given(req.top_p, defaults.top_p), top_k=_given(req.top_k, defaults.top_k),
             seed=req.seed, stop_token_ids=self.stop_token_ids(req), stop_strings=req.stop_strings,
             branch_length=getattr(self.pipe, "branch_length", 0),
         )
@@ -236,6 +244,11 @@ class Server:
             yield sse("[DONE]")
         finally:
             decoding.cancel()
+
+
+def _given(value, default):
+    """A request's sampling value, or the server's default where the request left it out."""
+    return default if value is None else value
 
 
 def _too_large(limit: int) -> APIError:

@@ -23,6 +23,7 @@ from dflash.model.config import DrafterConfig, is_causal_lm, is_dflash2
 from dflash.model.loading import hub_file, is_hub_id, read_config
 from dflash.model.target import check_compatible
 from dflash.serve.limits import check_max_model_len
+from dflash.serve.sampling_defaults import NEUTRAL_CHOICES
 
 ENGINES = ("vllm", "sglang")
 API_KEY_ENV = "DFLASH_API_KEY"  # where --dry-run's printed command reads the key, so it is never printed
@@ -50,6 +51,7 @@ class HandoffOptions:
     chat_template_kwargs: dict | None = None  # --enable-thinking: the default for requests that send none
     log_level: str | None = None  # debug, info, warning or error (vLLM: its HTTP server's, SGLang: its own)
     trust_remote_code: bool = False  # both engines take --trust-remote-code as dflash does
+    generation_config: str = "auto"  # --generation-config: auto (both engines' default), vllm / openai, or a directory
 
 
 @dataclass
@@ -177,6 +179,9 @@ def vllm_command(target: str, draft: str | None, block_size: int, options: Hando
     if options.chat_template_kwargs:
         cmd += ["--default-chat-template-kwargs", json.dumps(options.chat_template_kwargs)]
     cmd += ["--trust-remote-code"] if options.trust_remote_code else []
+    if options.generation_config != "auto":
+        neutral = options.generation_config in NEUTRAL_CHOICES
+        cmd += ["--generation-config", "vllm" if neutral else options.generation_config]
     env = {VLLM_API_KEY_ENV: options.api_key} if options.api_key is not None else {}
     return EngineCommand(cmd, env)
 
@@ -187,6 +192,10 @@ def sglang_command(target: str, draft: str | None, block_size: int, options: Han
         raise UserError("--enable-thinking / --no-enable-thinking have no SGLang server flag here: drop it, and "
                         "send "
                         "\"chat_template_kwargs\": {\"enable_thinking\": ...} with each chat request instead")
+    if options.generation_config not in ("auto", *NEUTRAL_CHOICES):
+        raise UserError(f"--generation-config {options.generation_config}: SGLang reads sampling defaults from the "
+                        "target's own generation_config.json only; copy that file into the target's directory, or "
+                        "give auto or vllm")
     cmd = ["python", "-m", "sglang.launch_server", "--model-path", target]
     if draft is not None:
         cmd += ["--speculative-algorithm", "DFLASH", "--speculative-draft-model-path", draft,
@@ -197,6 +206,7 @@ def sglang_command(target: str, draft: str | None, block_size: int, options: Han
                       "--max-running-requests": options.max_batch_size, "--dtype": options.dtype,
                       "--log-level": options.log_level})
     cmd += ["--trust-remote-code"] if options.trust_remote_code else []
+    cmd += ["--sampling-defaults", "openai"] if options.generation_config in NEUTRAL_CHOICES else []
     return EngineCommand(cmd)
 
 

@@ -144,9 +144,10 @@ class SamplingRequest(_Strict):
     model: str | None = None
     max_tokens: int | None = None  # >= 0 here (`_tokens_not_negative`); 0 is refused after the options
     # (see `check_supported`)
-    temperature: float = Field(default=1.0, ge=0.0, le=2.0, allow_inf_nan=False)
-    top_p: float = Field(default=1.0, gt=0.0, le=1.0, allow_inf_nan=False)
-    top_k: int = Field(default=0, ge=-1)  # 0 or -1: no top-k
+    # None (left out): the server's default (`sampling_defaults`: the target's generation_config.json, or OpenAI's)
+    temperature: float | None = Field(default=None, ge=0.0, le=2.0, allow_inf_nan=False)
+    top_p: float | None = Field(default=None, gt=0.0, le=1.0, allow_inf_nan=False)
+    top_k: int | None = Field(default=None, ge=-1)  # 0 or -1: no top-k
     seed: int | None = Field(default=None, ge=SEED_RANGE[0], lt=SEED_RANGE[1])  # the range torch generators take
     stop: str | list[str] | None = None
     stream: bool = False

@@ -3,7 +3,7 @@ import torch
 
 from conftest import MORE_FAMILIES, tiny_target_model
 from dflash.model.hf_compat import cache_length, crop_cache
-from dflash.model.target import TargetModel, warn_unapplied_generation_options
+from dflash.model.target import TargetModel, unapplied_generation_options, warn_unapplied_generation_options
 
 
 def assert_features_are_layer_outputs(target, layer_ids: list[int]) -> None:
@@ -75,4 +75,5 @@ def test_generation_config_options_dflash_does_not_apply_are_named_in_a_warning(
     with caplog.at_level("WARNING", logger="dflash.model.target"):
         warn_unapplied_generation_options(TargetModel(model))
     assert "sets repetition_penalty=1.05, do_sample=True, temperature=0.7" in caplog.text
-    assert "DFlash does not apply" in caplog.text and "OpenAI's defaults for a request to dflash serve" in caplog.text
+    assert "DFlash does not apply" in caplog.text and "dflash serve applies its sampling defaults" in caplog.text
+    assert unapplied_generation_options(model.generation_config, sampling_defaults=False) == ["repetition_penalty=1.05"]

@@ -130,7 +130,7 @@ def test_a_taken_port_or_a_foreign_host_is_named_before_the_models_load(tiny_pai
     import dflash.cli.serve
     from dflash.cli.main import main
 
-    monkeypatch.setattr(dflash.cli.serve, "load_pipeline", lambda args: pytest.fail("loaded the models first"))
+    monkeypatch.setattr(dflash.cli.serve, "load_pipeline", lambda args, **_: pytest.fail("loaded the models first"))
     target, draft = map(str, tiny_pair)
     with socket.socket() as taken:
         taken.bind(("127.0.0.1", 0))
@@ -160,7 +160,7 @@ def test_drafting_flags_that_cannot_apply_are_refused_before_the_models_load(tin
     from dflash.cli.main import main
     from dflash.errors import UserError
 
-    def loaded(args):
+    def loaded(args, **_):
         raise UserError("the models would load now")
 
     monkeypatch.setattr(dflash.cli.serve, "load_pipeline", loaded)

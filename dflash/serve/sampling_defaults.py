@@ -1,0 +1,126 @@
+"""What a request gets for a sampling field it leaves out (`dflash serve --generation-config`).
+
+vLLM (`--generation-config auto`, its default) and SGLang (`--sampling-defaults model`, its default) take these
+from the target's generation_config.json, where a model's authors put the settings they recommend (Qwen3: temperature
+0.6, top_p 0.95, top_k 20). `dflash serve` does the same by default, so that a client moving between this server and
+its hand-off gets the same answers:
+
+- `auto`: the values the target's generation_config.json sets (those `GenerationConfig.to_diff_dict` keeps, as vLLM
+  reads them) for temperature, top_p and top_k; its max_new_tokens caps every request's max_tokens, as in vLLM;
+- `vllm` (or `openai`): OpenAI's defaults (temperature 1, top_p 1, no top-k, no cap), the values of vLLM's
+  `--generation-config vllm` and SGLang's `--sampling-defaults openai`;
+- a directory: the generation_config.json in it, read like `auto`.
+
+A field the request sends, null aside, always wins. The file's `do_sample` is not read (vLLM does not read it either).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from pathlib import Path
+
+from dflash.errors import UserError
+from dflash.model.target import unapplied_generation_options
+
+NEUTRAL_CHOICES = ("vllm", "openai")  # OpenAI's defaults: vLLM's word for them, and SGLang's
+CHOICES_HELP = "auto, vllm (or openai), or a directory holding a generation_config.json"
+
+
+@dataclass(frozen=True)
+class SamplingDefaults:
+    """The sampling values of a request that leaves them out; `max_tokens` caps every request when set."""
+
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0  # 0: no top-k
+    max_tokens: int | None = None
+    source: str = "OpenAI's defaults"  # where they come from, for the log
+    unapplied: tuple[str, ...] = ()  # the file's logit options ('name=value'), which vLLM applies and DFlash does not
+
+    def changed(self) -> dict[str, float | int]:
+        """The values that differ from OpenAI's defaults (the cap aside)."""
+        neutral = SamplingDefaults()
+        return {name: getattr(self, name) for name in ("temperature", "top_p", "top_k")
+                if getattr(self, name) != getattr(neutral, name)}
+
+    def describe(self) -> str:
+        """One line for the server's log: what a request that leaves its sampling fields out decodes with."""
+        changed = self.changed()
+        parts = []
+        if changed:
+            values = ", ".join(f"{name}={value}" for name, value in changed.items())
+            parts.append(f"requests that leave them out decode with {values} from {self.source} (as vLLM and SGLang "
+                         "do)")
+        if self.max_tokens is not None:
+            parts.append(f"every request's max_tokens is capped at {self.max_tokens} (max_new_tokens in "
+                         f"{self.source}, as in vLLM)")
+        if not parts:
+            return f"requests that leave out temperature, top_p or top_k decode with {self.source}"
+        return "; ".join(parts) + "; --generation-config vllm gives OpenAI's defaults instead"
+
+    def unapplied_warning(self) -> str | None:
+        if not self.unapplied:
+            return None
+        return (f"{self.source} also sets {', '.join(self.unapplied)}, which vLLM and SGLang apply to every request "
+                "and this server does not (it refuses a request that sends repetition_penalty or min_p); with "
+                "--generation-config vllm neither applies them")
+
+
+def sampling_defaults(choice: str, target_generation_config=None) -> SamplingDefaults:
+    """The defaults of `--generation-config CHOICE`; `auto` reads the loaded target's generation config."""
+    if choice in NEUTRAL_CHOICES:
+        return SamplingDefaults()
+    if choice == "auto":
+        if target_generation_config is None:
+            return SamplingDefaults()
+        return from_generation_config(target_generation_config, "the target's generation_config.json")
+    return from_generation_config(read_generation_config(choice), f"{Path(choice) / 'generation_config.json'}")
+
+
+def read_generation_config(directory: str):
+    """The generation config in a directory given to --generation-config."""
+    from transformers import GenerationConfig
+
+    path = Path(directory).expanduser()
+    if not (path / "generation_config.json").is_file():
+        what = "no directory" if not path.is_dir() else "a directory without a generation_config.json"
+        raise UserError(f"--generation-config {directory}: {what}; give {CHOICES_HELP}")
+    try:
+        return GenerationConfig.from_pretrained(path)
+    except (OSError, ValueError) as err:  # not JSON, or values transformers refuses
+        raise UserError(f"--generation-config {directory}: its generation_config.json cannot be read ({err}); fix "
+                        "it, or give --generation-config auto or vllm") from None
+
+
+def from_generation_config(config, source: str) -> SamplingDefaults:
+    """The sampling values a generation config sets, checked as a request's would be."""
+    values = {k: v for k, v in config.to_diff_dict().items() if v is not None}
+    temperature, top_p, top_k = (values.get(name) for name in ("temperature", "top_p", "top_k"))
+    cap = values.get("max_new_tokens")
+    _check(source, "temperature", temperature, lambda v: _number(v) and math.isfinite(v) and v >= 0,
+           "a number >= 0")
+    _check(source, "top_p", top_p, lambda v: _number(v) and 0 < v <= 1, "a number in (0, 1]")
+    _check(source, "top_k", top_k, lambda v: _integer(v) and v >= -1, "an integer >= 0 (0 or -1: no top-k)")
+    _check(source, "max_new_tokens", cap, lambda v: _integer(v) and v >= 1, "an integer >= 1")
+    neutral = SamplingDefaults()
+    return SamplingDefaults(
+        temperature=neutral.temperature if temperature is None else float(temperature),
+        top_p=neutral.top_p if top_p is None else float(top_p),
+        top_k=neutral.top_k if top_k is None else max(int(top_k), 0),
+        max_tokens=cap, source=source,
+        unapplied=tuple(unapplied_generation_options(config, sampling_defaults=False)))
+
+
+def _number(value) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
+
+
+def _integer(value) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _check(source: str, name: str, value, valid, wanted: str) -> None:
+    if value is not None and not valid(value):
+        raise UserError(f"{source} sets {name}={value!r}, which is not {wanted}; fix the file, or serve with "
+                        "--generation-config vllm (OpenAI's defaults)")

@@ -1,0 +1,136 @@
+"""`dflash serve --generation-config`: a request that leaves out a sampling field gets the target's
+generation_config.json value (vLLM's `auto`, SGLang's `model`), or OpenAI's with `vllm`; max_new_tokens caps."""
+
+from __future__ import annotations
+
+import json
+import logging
+import shlex
+
+import httpx
+import pytest
+from transformers import GenerationConfig
+
+from dflash.cli.main import main
+from dflash.errors import UserError
+from dflash.serve.sampling_defaults import SamplingDefaults, from_generation_config, sampling_defaults
+
+PROMPT = "12 apples and 5 pears"
+
+
+def _complete(server, **fields) -> dict:
+    body = {"model": "tiny", "prompt": PROMPT, "max_tokens": 12, "ignore_eos": True, **fields}
+    answer = httpx.post(f"{server.url}/v1/completions", json=body, timeout=60)
+    assert answer.status_code == 200, answer.text
+    return answer.json()
+
+
+def test_the_values_a_generation_config_sets_are_read_and_the_rest_stay_openais():
+    config = GenerationConfig(do_sample=True, temperature=0.6, top_p=0.95, top_k=20, max_new_tokens=64,
+                              repetition_penalty=1.05)
+    defaults = from_generation_config(config, "the file")
+    assert (defaults.temperature, defaults.top_p, defaults.top_k, defaults.max_tokens) == (0.6, 0.95, 20, 64)
+    assert defaults.unapplied == ("repetition_penalty=1.05",)
+    assert "temperature=0.6, top_p=0.95, top_k=20" in defaults.describe() and "capped at 64" in defaults.describe()
+    only_top_p = from_generation_config(GenerationConfig(top_p=0.8), "the file")
+    assert (only_top_p.temperature, only_top_p.top_p, only_top_p.top_k, only_top_p.max_tokens) == (1.0, 0.8, 0, None)
+    assert sampling_defaults("vllm", config) == SamplingDefaults() == sampling_defaults("openai", config)
+    assert sampling_defaults("auto", None) == SamplingDefaults()
+    assert sampling_defaults("auto", config).changed() == {"temperature": 0.6, "top_p": 0.95, "top_k": 20}
+
+
+@pytest.mark.parametrize("field, value, expected", [("top_p", 1.5, "top_p=1.5, which is not a number in (0, 1]"),
+                                                    ("temperature", -1.0, "temperature=-1.0, which is not a number"),
+                                                    ("max_new_tokens", 0, "max_new_tokens=0, which is not an int")])
+def test_values_a_request_could_not_send_are_refused_naming_the_file_and_the_way_out(field, value, expected):
+    config = GenerationConfig()
+    setattr(config, field, value)
+    with pytest.raises(UserError) as err:
+        from_generation_config(config, "gen/generation_config.json")
+    assert expected in str(err.value) and "gen/generation_config.json" in str(err.value)
+    assert "--generation-config vllm" in str(err.value)
+
+
+def _server_with(start_server, **generation_config):
+    defaults = from_generation_config(GenerationConfig(**generation_config), "a test generation_config.json")
+    return start_server(sampling_defaults=defaults)
+
+
+def test_a_request_that_leaves_the_fields_out_gets_the_files_values_and_one_that_sends_them_its_own(start_server,
+                                                                                                    server):
+    # top_k 1 leaves one token to sample: at temperature 1 and any seed, the answer is the greedy one
+    topk1 = _server_with(start_server, top_k=1)
+    greedy = _complete(server, temperature=0)["choices"][0]["text"]
+    assert _complete(topk1, temperature=1.0, seed=3)["choices"][0]["text"] == greedy
+    sampled = [_complete(server, temperature=1.0, seed=seed)["choices"][0]["text"] for seed in (3, 4, 5)]
+    assert any(text != greedy for text in sampled)  # so without the file's top_k the seeds would differ from greedy
+    # a request's own top_k wins over the file's
+    assert [_complete(topk1, temperature=1.0, top_k=0, seed=seed)["choices"][0]["text"] for seed in (3, 4, 5)] \
+        == sampled
+    # the file's temperature: 0 is greedy; the request's own temperature wins
+    cold = _server_with(start_server, temperature=0.0)
+    assert _complete(cold, seed=3)["choices"][0]["text"] == greedy
+    assert _complete(cold, temperature=1.0, seed=4)["choices"][0]["text"] == sampled[1]
+    assert _complete(cold, temperature=None, seed=4)["choices"][0]["text"] == greedy  # null: left out
+
+
+def test_max_new_tokens_caps_every_request_as_in_vllm(start_server):
+    capped = _server_with(start_server, max_new_tokens=5)
+    answer = _complete(capped, max_tokens=12)
+    assert answer["usage"]["completion_tokens"] == 5 and answer["choices"][0]["finish_reason"] == "length"
+    chat = httpx.post(f"{capped.url}/v1/chat/completions", timeout=60,
+                      json={"model": "tiny", "messages": [{"role": "user", "content": PROMPT}], "ignore_eos": True})
+    assert chat.status_code == 200 and chat.json()["usage"]["completion_tokens"] == 5
+    assert _complete(capped, max_tokens=3)["usage"]["completion_tokens"] == 3  # below the cap: as asked
+
+
+def test_the_server_logs_its_defaults_and_warns_of_what_it_leaves_out(start_server, caplog):
+    with caplog.at_level(logging.INFO, logger="dflash.serve"):
+        _server_with(start_server, temperature=0.7, repetition_penalty=1.1, max_new_tokens=50)
+    said = caplog.text
+    assert "temperature=0.7" in said and "capped at 50" in said and "--generation-config vllm" in said
+    assert "repetition_penalty=1.1" in said and "this server does not" in said
+
+
+# ---- the command line and the hand-off -----------------------------------------------------------------------
+def _dry_run(capsys, tiny_pair, engine: str, *args: str) -> list[str]:
+    target, draft = map(str, tiny_pair)
+    assert main(["serve", "--target", target, "--draft", draft, "--engine", engine, *args, "--dry-run"]) == 0
+    return shlex.split(capsys.readouterr().out.strip())
+
+
+def test_the_choice_carries_over_to_vllm_and_sglang(tiny_pair, tmp_path, capsys):
+    GenerationConfig(temperature=0.5, do_sample=True).save_pretrained(tmp_path)
+    assert "--generation-config" not in _dry_run(capsys, tiny_pair, "vllm")  # auto: both engines' default
+    assert "--sampling-defaults" not in _dry_run(capsys, tiny_pair, "sglang")
+    vllm = _dry_run(capsys, tiny_pair, "vllm", "--generation-config", "openai")
+    assert vllm[vllm.index("--generation-config") + 1] == "vllm"
+    vllm = _dry_run(capsys, tiny_pair, "vllm", "--generation-config", str(tmp_path))
+    assert vllm[vllm.index("--generation-config") + 1] == str(tmp_path)
+    sglang = _dry_run(capsys, tiny_pair, "sglang", "--generation-config", "vllm")
+    assert sglang[sglang.index("--sampling-defaults") + 1] == "openai"
+    target, draft = map(str, tiny_pair)
+    assert main(["serve", "--target", target, "--draft", draft, "--engine", "sglang", "--generation-config",
+                 str(tmp_path), "--dry-run"]) == 2
+    assert "SGLang reads sampling defaults from the target's own generation_config.json" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("case", ["missing", "no file", "bad value", "not json"])
+def test_a_directory_that_cannot_serve_is_refused_before_the_models_load(tiny_pair, tmp_path, capsys, monkeypatch,
+                                                                          case):
+    import dflash.cli.serve
+
+    monkeypatch.setattr(dflash.cli.serve, "load_pipeline", lambda *a, **k: pytest.fail("loaded the models first"))
+    directory = tmp_path / "gen"
+    if case != "missing":
+        directory.mkdir()
+    if case == "bad value":
+        (directory / "generation_config.json").write_text(json.dumps({"top_p": 2.0}))
+    if case == "not json":
+        (directory / "generation_config.json").write_text("{top_p: ")
+    target, draft = map(str, tiny_pair)
+    assert main(["serve", "--target", target, "--draft", draft, "--generation-config", str(directory)]) == 2
+    err = capsys.readouterr().err
+    expected = {"missing": "no directory", "no file": "a directory without a generation_config.json",
+                "bad value": "top_p=2.0, which is not a number in (0, 1]", "not json": "cannot be read"}[case]
+    assert expected in err and "Traceback" not in err
