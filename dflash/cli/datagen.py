@@ -24,7 +24,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="0 = greedy (default); above 0, each prompt is sampled with its own seed")
     parser.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling at --temperature > 0 (1 = off)")
     parser.add_argument("--seed", type=int, default=0,
-                        help="sampling at --temperature > 0: prompt i is sampled with seed SEED + i (default 0)")
+                        help="at --temperature > 0: prompt i is sampled with a seed hashed from SEED and i, so "
+                        "runs with different seeds draw independent answers to every prompt (default 0)")
     parser.add_argument("--batch-size", type=int, default=16, help="prompts decoded together")
     parser.add_argument("--limit", type=int, help="only the first N prompts")
     parser.add_argument("--split", default="train", help="dataset split (datasets)")

@@ -92,6 +92,13 @@ def _mix64(x: int) -> int:
     return x ^ (x >> 31)
 
 
+def derive_seed(seed: int, index: int) -> int:
+    """A seed of its own for item `index` of a run seeded with `seed`, in [0, 2**64): a hash, so that runs with
+    neighbouring seeds do not share streams (with seed + index, item i of a run seeded 1 would draw what item
+    i + 1 of a run seeded 0 draws)."""
+    return _mix64((_mix64(seed & _MASK64) + (index + 1) * _GOLDEN) & _MASK64)
+
+
 def _signed(x: int) -> int:
     """A 64-bit pattern as the int64 that holds it."""
     return x - (1 << 64) if x >= 1 << 63 else x

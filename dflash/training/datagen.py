@@ -520,10 +520,11 @@ class _Generator:
 
     def _generation_config(self, prompt: Prompt, prompt_ids: list[int]):
         from dflash.api import make_config
+        from dflash.decoding.sampling import derive_seed
 
         c = self.config
         return make_config(max_new_tokens=self.room(prompt_ids), temperature=c.temperature, top_p=c.top_p,
-                           seed=c.seed + prompt.id)
+                           seed=derive_seed(c.seed, prompt.id))
 
 
 def _warn(message: str) -> None:

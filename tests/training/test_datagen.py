@@ -69,6 +69,23 @@ def test_generates_all_turns_with_the_target_own_answers(tiny_pair, prompts, tmp
     assert json.loads(settings_path(out).read_text())["max_new_tokens"] == 8
 
 
+def test_runs_with_neighbouring_seeds_draw_independent_answers(tiny_pair, tmp_path):
+    """Several sampled passes over the same prompts (seeds 0, 1, ...) are how a user gets more answers per prompt.
+    With seed + id as each prompt's seed, prompt 0 of the pass seeded 1 drew what prompt 1 of the pass seeded 0
+    drew, so two copies of a question got the same answer in both passes."""
+    same = write_jsonl(tmp_path / "same.jsonl", [{"prompt": "How many clips?"}] * 4)
+
+    def answers(seed: int) -> list[list[int]]:
+        out = tmp_path / f"seed{seed}.jsonl"
+        run_datagen(DatagenConfig(target=str(tiny_pair[0]), prompts=str(same), output=str(out), max_new_tokens=12,
+                                  temperature=1.5, seed=seed, device="cpu"))
+        return [r["response_ids"] for r in sorted(read(out), key=lambda r: r["id"])]
+
+    first, second = answers(0), answers(1)
+    assert answers(0) == first  # a seed still fixes the answers
+    assert len({tuple(a) for a in first + second}) == 8  # eight draws of one question, all different
+
+
 def test_rerun_resumes_without_duplicates_after_a_half_written_line(tiny_pair, prompts, tmp_path):
     out = tmp_path / "data.jsonl"
     config = DatagenConfig(target=str(tiny_pair[0]), prompts=str(prompts), output=str(out), max_new_tokens=6,
