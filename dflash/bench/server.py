@@ -310,10 +310,10 @@ class Client:
     def payload(self, messages: list[dict], seed: int) -> tuple[str, dict]:
         body = {"model": self.model, "max_tokens": self.config.max_new_tokens,
                 "temperature": self.config.temperature, "seed": seed}
-        if self.config.top_p != 1.0:
+        if self.config.temperature > 0:  # sent even at 1: a server's own default may be the model's (0.95 ...)
             body["top_p"] = self.config.top_p
-        if self.config.top_k > 0:  # not an OpenAI field: sent only when asked for (vLLM and SGLang take it)
-            body["top_k"] = self.config.top_k
+        if self.config.top_k > 0:  # not an OpenAI field: sent only when asked for (vLLM and SGLang take it); left
+            body["top_k"] = self.config.top_k  # out, the server's default applies (the model's generation config)
         if self.config.endpoint == "chat":
             if self.config.chat_template_kwargs:
                 body["chat_template_kwargs"] = self.config.chat_template_kwargs

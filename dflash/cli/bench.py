@@ -44,7 +44,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     gen.add_argument("--temperature", type=float, default=0.0, help="0 = greedy; outputs must match at any temperature "
                      "(each prompt is sampled with its own seed)")
     gen.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling at temperature > 0 (1 = off)")
-    gen.add_argument("--top-k", type=int, default=0, help="top-k sampling at temperature > 0 (0 = off)")
+    gen.add_argument("--top-k", type=int, default=0,
+                     help="top-k sampling at temperature > 0 (0 = off; against a server, 0 sends no top_k, not an "
+                     "OpenAI field, and the server's default applies: vLLM, SGLang and dflash serve take the "
+                     "model's generation_config.json)")
     gen.add_argument("--warmup-tokens", type=int, help="tokens of the untimed warm-up generation (a server: one "
                      "request to each server; default 16, 0 = none)")
     server = parser.add_argument_group("server backend (any OpenAI-compatible server)")

@@ -253,6 +253,18 @@ def test_thinking_goes_with_chat_requests_only():
     assert "chat_template_kwargs" not in body  # the template's own default unless asked
 
 
+def test_a_sampled_request_says_its_top_p_so_the_servers_default_does_not_apply_unseen():
+    from dflash.bench.server import Client, ServerConfig
+
+    _, body = Client("http://h/v1", ServerConfig(base_url="http://h/v1", temperature=0.7), "m").payload([], seed=0)
+    assert body["top_p"] == 1.0 and "top_k" not in body
+    _, body = Client("http://h/v1", ServerConfig(base_url="http://h/v1", temperature=0.7, top_k=20), "m").payload(
+        [], seed=0)
+    assert body["top_k"] == 20
+    _, body = Client("http://h/v1", ServerConfig(base_url="http://h/v1"), "m").payload([], seed=0)
+    assert body["temperature"] == 0 and "top_p" not in body  # greedy: top_p changes nothing
+
+
 def test_thinking_with_raw_completions_is_refused(capsys):
     assert main(["bench", "--base-url", "http://127.0.0.1:9/v1", "--endpoint", "completions",
                  "--no-enable-thinking"]) == 2
