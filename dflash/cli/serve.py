@@ -238,14 +238,12 @@ def _serve(args: argparse.Namespace) -> int:
 
     from dflash.serve.app import ServeConfig, create_app
     from dflash.serve.limits import DEFAULT_MAX_REQUEST_BYTES
-    from dflash.serve.sampling_defaults import sampling_defaults
     from dflash.serve.scheduler import SchedulerConfig
 
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     check_address(args.host, args.port)  # before the models load, which can take minutes
     disable_created_metrics()  # as vLLM's server does: no `*_created` series beside every counter and histogram
     pipe = load_pipeline(args, warn_unapplied=False)  # the server says what it leaves out (`Server`)
-    defaults = sampling_defaults(args.generation_config, getattr(pipe.target.model, "generation_config", None))
     config = ServeConfig(
         served_model_name=args.served_model_name or args.target or "dflash",
         api_key=args.api_key,
@@ -256,7 +254,7 @@ def _serve(args: argparse.Namespace) -> int:
                                   args.max_prefill_tokens),
         fallback=_fallback_config(args),
         adaptive_block_size=args.adaptive_block_size,
-        sampling_defaults=defaults,
+        generation_config=args.generation_config,
         decode_thread=False,
     )
     app = create_app(pipe, config)

@@ -48,7 +48,7 @@ from dflash.serve.protocol import (
     parse_request,
     sse,
 )
-from dflash.serve.sampling_defaults import SamplingDefaults
+from dflash.serve.sampling_defaults import sampling_defaults
 from dflash.serve.scheduler import Event, QueueFull, Scheduler, SchedulerClosed, SchedulerConfig
 from dflash.serve.scheduler import Request as Decoding
 
@@ -68,7 +68,9 @@ class ServeConfig:
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
     fallback: FallbackConfig = field(default_factory=FallbackConfig)
     adaptive_block_size: bool = False  # measure step costs at start-up, then pick each step's block size
-    sampling_defaults: SamplingDefaults = field(default_factory=SamplingDefaults)  # for fields a request leaves out
+    # what a request that leaves out temperature, top_p or top_k gets (`sampling_defaults`): auto (the target's
+    # generation_config.json, as vLLM and SGLang), vllm / openai (OpenAI's), or a directory with such a file
+    generation_config: str = "auto"
     decode_thread: bool = True  # the app starts a decode thread; False: the caller runs `scheduler.run()`
 
 
@@ -82,6 +84,8 @@ class Server:
         target_context = self.engine.context_length
         why = self.engine.target.context_note or " (max_position_embeddings in its config.json)"
         self.max_model_len = check_max_model_len(config.max_model_len, target_context, why)  # prompt + max_tokens
+        self.sampling = sampling_defaults(config.generation_config,
+                                          getattr(self.engine.target.model, "generation_config", None))
         self.metrics = ServerMetrics.for_proposer(self.engine.proposer)
         drafting = not isinstance(self.engine.proposer, NoDraftProposer)
         if drafting and config.fallback.auto and not config.adaptive_block_size:
@@ -90,8 +94,8 @@ class Server:
         if drafting and config.adaptive_block_size:
             policy = BlockSizePolicy.calibrate(self.engine, config.scheduler.max_batch_size)
         self.scheduler = Scheduler(self.engine, config.scheduler, self.metrics, config.fallback, policy)
-        log.info("sampling defaults: %s", config.sampling_defaults.describe())
-        if warning := config.sampling_defaults.unapplied_warning():
+        log.info("sampling defaults: %s", self.sampling.describe())
+        if warning := self.sampling.unapplied_warning():
             log.warning("%s", warning)
         self.created = int(time.time())
 
@@ -156,7 +160,7 @@ class Server:
                                 f"{self.max_model_len} tokens; shorten it",
                            param="messages" if kind == "chat" else "prompt", code="context_length_exceeded")
         field, asked = req.token_limit_field, req.token_limit
-        cap = self.config.sampling_defaults.max_tokens or room  # generation_config's max_new_tokens, as in vLLM
+        cap = self.sampling.max_tokens or room  # generation_config's max_new_tokens, as in vLLM
         if asked is None and default_max is None:
             return min(room, cap)
         default = asked is None
@@ -171,7 +175,7 @@ class Server:
     def generation_config(self, req: SamplingRequest, prompt_len: int, kind: str,
                           default_max: int | None) -> GenerationConfig:
         max_tokens = self.token_budget(req, prompt_len, kind, default_max)
-        defaults = self.config.sampling_defaults
+        defaults = self.sampling
         return GenerationConfig(
             max_new_tokens=max_tokens, temperature=_given(req.temperature, defaults.temperature),
             top_p=_given(req.top_p, defaults.top_p), top_k=_given(req.top_k, defaults.top_k),

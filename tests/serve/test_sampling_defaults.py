@@ -51,15 +51,17 @@ def test_values_a_request_could_not_send_are_refused_naming_the_file_and_the_way
     assert "--generation-config vllm" in str(err.value)
 
 
-def _server_with(start_server, **generation_config):
-    defaults = from_generation_config(GenerationConfig(**generation_config), "a test generation_config.json")
-    return start_server(sampling_defaults=defaults)
+def _server_with(start_server, tmp_path_factory, **generation_config):
+    """A server given a directory holding a generation_config.json of these values (--generation-config DIR)."""
+    directory = tmp_path_factory.mktemp("generation_config")
+    (directory / "generation_config.json").write_text(json.dumps(generation_config))  # as a model's authors write it
+    return start_server(generation_config=str(directory))
 
 
-def test_a_request_that_leaves_the_fields_out_gets_the_files_values_and_one_that_sends_them_its_own(start_server,
-                                                                                                    server):
+def test_a_request_that_leaves_the_fields_out_gets_the_files_values_and_one_that_sends_them_its_own(
+        start_server, server, tmp_path_factory):
     # top_k 1 leaves one token to sample: at temperature 1 and any seed, the answer is the greedy one
-    topk1 = _server_with(start_server, top_k=1)
+    topk1 = _server_with(start_server, tmp_path_factory, top_k=1)
     greedy = _complete(server, temperature=0)["choices"][0]["text"]
     assert _complete(topk1, temperature=1.0, seed=3)["choices"][0]["text"] == greedy
     sampled = [_complete(server, temperature=1.0, seed=seed)["choices"][0]["text"] for seed in (3, 4, 5)]
@@ -68,14 +70,14 @@ def test_a_request_that_leaves_the_fields_out_gets_the_files_values_and_one_that
     assert [_complete(topk1, temperature=1.0, top_k=0, seed=seed)["choices"][0]["text"] for seed in (3, 4, 5)] \
         == sampled
     # the file's temperature: 0 is greedy; the request's own temperature wins
-    cold = _server_with(start_server, temperature=0.0)
+    cold = _server_with(start_server, tmp_path_factory, temperature=0.0)
     assert _complete(cold, seed=3)["choices"][0]["text"] == greedy
     assert _complete(cold, temperature=1.0, seed=4)["choices"][0]["text"] == sampled[1]
     assert _complete(cold, temperature=None, seed=4)["choices"][0]["text"] == greedy  # null: left out
 
 
-def test_max_new_tokens_caps_every_request_as_in_vllm(start_server):
-    capped = _server_with(start_server, max_new_tokens=5)
+def test_max_new_tokens_caps_every_request_as_in_vllm(start_server, tmp_path_factory):
+    capped = _server_with(start_server, tmp_path_factory, max_new_tokens=5)
     answer = _complete(capped, max_tokens=12)
     assert answer["usage"]["completion_tokens"] == 5 and answer["choices"][0]["finish_reason"] == "length"
     chat = httpx.post(f"{capped.url}/v1/chat/completions", timeout=60,
@@ -84,9 +86,9 @@ def test_max_new_tokens_caps_every_request_as_in_vllm(start_server):
     assert _complete(capped, max_tokens=3)["usage"]["completion_tokens"] == 3  # below the cap: as asked
 
 
-def test_the_server_logs_its_defaults_and_warns_of_what_it_leaves_out(start_server, caplog):
+def test_the_server_logs_its_defaults_and_warns_of_what_it_leaves_out(start_server, tmp_path_factory, caplog):
     with caplog.at_level(logging.INFO, logger="dflash.serve"):
-        _server_with(start_server, temperature=0.7, repetition_penalty=1.1, max_new_tokens=50)
+        _server_with(start_server, tmp_path_factory, temperature=0.7, repetition_penalty=1.1, max_new_tokens=50)
     said = caplog.text
     assert "temperature=0.7" in said and "capped at 50" in said and "--generation-config vllm" in said
     assert "repetition_penalty=1.1" in said and "this server does not" in said
@@ -134,3 +136,32 @@ def test_a_directory_that_cannot_serve_is_refused_before_the_models_load(tiny_pa
     expected = {"missing": "no directory", "no file": "a directory without a generation_config.json",
                 "bad value": "top_p=2.0, which is not a number in (0, 1]", "not json": "cannot be read"}[case]
     assert expected in err and "Traceback" not in err
+
+
+@pytest.mark.parametrize("choice", ["auto", "vllm"])
+def test_auto_reads_the_targets_own_file_and_vllm_ignores_it(tiny_pair, tmp_path, choice):
+    """The default, `auto`, reads the generation_config.json next to the target's weights."""
+    import shutil
+
+    from dflash.api import DFlash
+    from dflash.serve import ServeConfig
+    from dflash.serve.fallback import FallbackConfig
+
+    from .conftest import LiveServer
+
+    target = tmp_path / "target"
+    shutil.copytree(tiny_pair[0], target)
+    GenerationConfig(do_sample=True, top_k=1, max_new_tokens=6).save_pretrained(target)
+    pipe = DFlash.from_pretrained(str(target), str(tiny_pair[1]), dtype="float32", device="cpu")
+    server = LiveServer(pipe, ServeConfig(served_model_name="tiny", fallback=FallbackConfig(0.0),
+                                          generation_config=choice))
+    try:
+        greedy = _complete(server, temperature=0, max_tokens=6)["choices"][0]["text"]
+        sampled = [_complete(server, temperature=1.0, seed=seed) for seed in (3, 4, 5)]
+        if choice == "auto":  # top_k 1: the greedy answer whatever the seed, cut at the file's 6 tokens
+            assert all(a["choices"][0]["text"] == greedy and a["usage"]["completion_tokens"] == 6 for a in sampled)
+        else:
+            assert any(a["choices"][0]["text"] != greedy for a in sampled)
+            assert all(a["usage"]["completion_tokens"] == 12 for a in sampled)
+    finally:
+        server.stop()
