@@ -267,6 +267,21 @@ def test_both_embedded_drafters_decode_as_the_embedded_target_alone(which):
     assert a.stats.mean_acceptance_length > 1.5  # a trained drafter: many of its tokens are accepted
 
 
+def test_a_seed_whose_noise_reaches_its_smallest_value_decodes_as_the_target_alone():
+    """Seed 3 puts the smallest noise there is at position 74 of this prompt (token 491, probability 0 there): in
+    float32 that noise was 0, the DFlash2 drafter's path search crashed, and plain decoding at top_k 1 drew the
+    zero-probability token instead of the greedy one."""
+    question = ("Natalia sold clips to 48 of her friends in April, and then she sold half as many clips in May. How "
+                "many clips did Natalia sell altogether in April and May?\nPlease reason step by step, and put your "
+                "final answer within \\boxed{}.")
+    drafted, plain = DFlash.from_pretrained(), DFlash.from_pretrained(no_draft=True)
+    assert len(drafted.encode(question)) < 74 < len(drafted.encode(question)) + 32
+    sampled = drafted.generate(question, max_new_tokens=32, temperature=0.9, seed=3)
+    assert sampled.output_ids == plain.generate(question, max_new_tokens=32, temperature=0.9, seed=3).output_ids
+    greedy = plain.generate(question, max_new_tokens=32).output_ids
+    assert plain.generate(question, max_new_tokens=32, temperature=0.9, top_k=1, seed=3).output_ids == greedy
+
+
 def test_pipelines_decode_on_several_threads_at_once(pipe):
     """Each forward captures the target's features for its own thread: concurrent calls give what each gives alone."""
     import threading
