@@ -22,26 +22,29 @@ SERVER_BACKENDS = {"server", "vllm", "sglang", "openai", "dflash"}
 
 
 def build_parser() -> argparse.ArgumentParser:
+    from dflash.cli.common import SweepOnce
+
     parser = argparse.ArgumentParser(prog=PROG, description="DFlash benchmark (reference-compatible flags; see "
                                                             "`dflash bench -h` for the rest)")
     parser.add_argument("--backend", default="transformers",
                         help=f"{', '.join(sorted(LOCAL_BACKENDS))} (in process) or "
                              f"{', '.join(sorted(SERVER_BACKENDS))} (an OpenAI-compatible server)")
-    parser.add_argument("--dataset", nargs="+", default=["gsm8k"])
+    parser.add_argument("--dataset", nargs="+", default=["gsm8k"], action=SweepOnce)
     parser.add_argument("--max-samples", type=int)
-    parser.add_argument("--num-prompts", type=int, help="server: conversations per level; in process: samples")
-    parser.add_argument("--concurrency")
+    parser.add_argument("--num-prompts", type=int, help="server: conversations per level, each a distinct sample "
+                                                       "where the dataset has that many; in process: samples")
+    parser.add_argument("--concurrency", action=SweepOnce)
     parser.add_argument("--base-url", help="the server's root or its /v1")
     parser.add_argument("--model", "--model-name-or-path", dest="model",
                         help="local: the target model; server: the model name the server knows")
     parser.add_argument("--draft-model", "--draft-name-or-path", dest="draft_model",
                         help="local: the drafter (a server uses its own)")
-    parser.add_argument("--block-size")
+    parser.add_argument("--block-size", action=SweepOnce)
     parser.add_argument("--max-new-tokens", type=int)
     parser.add_argument("--temperature", type=float)
     parser.add_argument("--top-p", type=float)
     parser.add_argument("--top-k", type=int)
-    parser.add_argument("--timeout-s", type=float, help="server: seconds per request")
+    parser.add_argument("--timeout-s", type=float, help="server: seconds per request, the whole of it")
     parser.add_argument("--enable-thinking", action="store_true",
                         help="thinking on in the chat template (as in the reference, it is off by default)")
     return parser
@@ -109,6 +112,7 @@ def main(argv: list[str] | None = None) -> int:
     bench.add_arguments(parser)
     args = parser.parse_args(bench_argv)
     args.module, args.command = "dflash.cli.bench", "bench"
+    args.timeout_flag = "--timeout-s"  # a request past the limit says which flag to raise, as the user knows it
     return run_command(args, PROG, flag_names=reference_flag_names(args.backend))
 
 

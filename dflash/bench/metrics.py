@@ -19,8 +19,9 @@ class BenchResult:
 
     dataset: str
     backend: str  # "local" or "server"
-    num_prompts: int  # conversations (an mt-bench conversation has two turns)
+    num_prompts: int  # conversations sent (an mt-bench conversation has two turns); a server: over all rounds
     num_requests: int  # generations: one per turn
+    distinct_prompts: int | None = None  # distinct samples among the conversations (fewer: prompts repeated)
     drafter: str = "DFlash"  # what drafted: "DFlash" or DRAFT_MODEL (classic; a server says so in its metrics)
     block_size: int | str | None = None  # the widest block ("auto": chosen before every step); a server: its drafter's
     mean_block_size: float | None = None  # tokens per verify forward's block (anchor + draft tokens), averaged
@@ -47,9 +48,12 @@ class BenchResult:
     baseline_latency_ms: dict[str, float] | None = None  # request latency mean/p50/p90/p99
     dflash_latency_ms: dict[str, float] | None = None
     requests_per_s: float | None = None
-    errors: int = 0  # failed requests, on either server
+    errors: int = 0  # failed requests (a server: on the DFlash server, --base-url)
+    baseline_errors: int = 0  # server: failed requests on the baseline server (--baseline-url)
     dflash_answers: int | None = None  # server: requests the DFlash server answered (num_requests less its failures)
     first_error: str | None = None
+    baseline_first_error: str | None = None
+    notes: list[str] = field(default_factory=list)  # what the backend saw that a reader of the numbers must know
     baseline_cost_per_1m_tokens_usd: float | None = None
     dflash_cost_per_1m_tokens_usd: float | None = None
 

@@ -58,10 +58,12 @@ SERVER_COLUMNS: list[Column] = [
     Column("p99 ms", lambda r: (r.dflash_latency_ms or {}).get("p99"), "{:.0f}"),
     Column("errors", lambda r: r.errors, key=True),
 ]
+BASELINE_ERRORS = Column("base errors", lambda r: r.baseline_errors, key=True)  # with --baseline-url
+DISTINCT = Column("distinct", lambda r: r.distinct_prompts)  # after prompts, when some repeated
 ROUNDS_COLUMNS: list[Column] = [Column("speedup range", lambda r: _spread(r.speedup_per_round))]
 # a narrow terminal drops these first (results.md keeps every column)
 DROP_ORDER = ("DFlash $/1M", "base $/1M", "base TPOT ms", "TPOT ms", "TTFT ms", "speedup range",
-              "p99 ms", "p50 ms", "mean B", "prompts", "base tok/s",
+              "p99 ms", "p50 ms", "mean B", "distinct", "prompts", "base tok/s",
               "DFlash tok/s")
 
 
@@ -80,6 +82,10 @@ def columns_for(results: list[BenchResult]) -> list[Column]:
     if any(r.backend == "server" for r in results):
         columns.insert(2, CONCURRENCY)
         columns += SERVER_COLUMNS
+        if any(r.baseline_tokens_per_s is not None or r.baseline_errors for r in results):
+            columns.append(BASELINE_ERRORS)
+    if any(r.distinct_prompts is not None and r.distinct_prompts < r.num_prompts for r in results):
+        columns.insert([c.header for c in columns].index("prompts") + 1, DISTINCT)
     if any(r.dflash_ttft_ms is not None for r in results):
         columns += TIMING_COLUMNS
     if any(r.speedup_per_round for r in results):
@@ -142,7 +148,7 @@ def print_table(results: list[BenchResult], console: Console | None = None) -> N
 
 def warnings(results: list[BenchResult]) -> list[str]:
     """What a reader of the numbers must know: lossy outputs, failed requests, skipped turns, a speedup
-    that timing noise must have inflated."""
+    that timing noise must have inflated, and what the backend noted (`BenchResult.notes`)."""
     out = []
     for r in results:
         where = f"{r.dataset} ({_setting(r)})"
@@ -150,7 +156,11 @@ def warnings(results: list[BenchResult]) -> list[str]:
             out.append(f"{where}: {r.mismatches} output(s) differ from plain decoding: "
                        f"{', '.join(r.mismatched_prompts[:10])}")
         if r.errors:
-            out.append(f"{where}: {r.errors} request(s) failed; the first: {r.first_error}")
+            server = " to the DFlash server (--base-url)" if r.backend == "server" else ""
+            out.append(f"{where}: {r.errors} request(s){server} failed; the first: {r.first_error}")
+        if r.baseline_errors:
+            out.append(f"{where}: {r.baseline_errors} request(s) to the baseline server (--baseline-url) failed; the "
+                       f"first: {r.baseline_first_error}")
         if r.skipped_turns:
             out.append(f"{where}: {len(r.skipped_turns)} later turn(s) left out, their conversation outgrew the "
                        f"target's context: {', '.join(r.skipped_turns[:10])} (lower --max-new-tokens to keep them)")
@@ -159,6 +169,7 @@ def warnings(results: list[BenchResult]) -> list[str]:
                        "honest measurement cannot (a verify step costs at least a plain decoding step): timing "
                        "noise, likely a busy machine; measure more with --max-samples / --max-new-tokens"
                        + (" / --rounds" if r.backend == "server" else ""))
+        out += [f"{where}: {note}" for note in r.notes]
     return out
 
 

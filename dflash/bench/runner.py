@@ -144,6 +144,7 @@ def _server_backend(config: BenchConfig, console: Console) -> ServerBackend:
     server.max_new_tokens, server.temperature, server.seed = config.max_new_tokens, config.temperature, config.seed
     server.top_p, server.top_k = config.top_p, config.top_k
     backend = ServerBackend(server)  # both servers answer and serve the model, or a UserError
+    server.model = backend.client.model  # config.json records the name sent, not None for "the first listed"
     for warning in backend.warnings:
         console.print(f"warning: {warning}", style="yellow", highlight=False, soft_wrap=True)
     return backend
@@ -156,6 +157,9 @@ def _server_runs(config: BenchConfig, backend: ServerBackend, data: dict[str, li
     server = config.server
     warned = False
     for name, samples in data.items():
+        repeats = repeated_prompts_warning(name, backend.num_prompts(samples), len(samples), config)
+        if repeats:
+            console.print(f"warning: {repeats}", style="yellow", highlight=False, soft_wrap=True)
         for concurrency in server.concurrency:
             total = sum(len(s.turns) for s in samples) * backend.num_prompts(samples) // len(samples)
             total *= (2 if server.baseline_url else 1) * server.rounds
@@ -166,6 +170,18 @@ def _server_runs(config: BenchConfig, backend: ServerBackend, data: dict[str, li
                 console.print(f"warning: {warning}", style="yellow", highlight=False, soft_wrap=True)
                 warned = True
             yield result
+
+
+def repeated_prompts_warning(name: str, conversations: int, distinct: int, config: BenchConfig) -> str | None:
+    """What to say when a level sends some samples more than once (None: it does not, or --duration cycles them
+    by design): a server's prefix cache answers a repeated prompt's prefill from memory."""
+    if conversations <= distinct or config.server.duration_s is not None:
+        return None
+    why = (f"--max-samples {config.data.max_samples} loads no more; raise it"
+           if config.data.max_samples and distinct == config.data.max_samples else f"{name} holds no more")
+    return (f"{name}: {conversations} conversations per level from {distinct} distinct samples ({why}): prompts "
+            "repeat, and a server's prefix cache answers a repeated prompt's prefill from memory, which flatters "
+            "TTFT and throughput")
 
 
 def _progress(config: BenchConfig, label: str, total: int, console: Console):

@@ -23,6 +23,7 @@ import dataclasses
 import json
 import math
 import re
+import socket
 import statistics
 import time
 from dataclasses import dataclass, field
@@ -55,13 +56,14 @@ class ServerConfig:
     api_key: str | None = None
     concurrency: list[int] = field(default_factory=lambda: [1])
     num_prompts: int | None = None  # conversations per concurrency level; None: each sample once
-    duration_s: float | None = None  # keep the load up this long instead (prompts cycle)
+    duration_s: float | None = None  # keep the load up this long instead (prompts cycle); not with num_prompts
     max_new_tokens: int = 256
     temperature: float = 0.0
     top_p: float = 1.0
     top_k: int = 0  # 0: off (not sent)
     seed: int = 0
-    timeout_s: float = 600.0
+    timeout_s: float = 600.0  # the whole request, first byte to last
+    timeout_flag: str = "--request-timeout"  # named when it fires (python -m dflash.benchmark: --timeout-s)
     metrics_url: str | None = None  # None: /metrics at the server's root
     baseline_url: str | None = None
     rounds: int = 1  # passes over each level (servers alternating who goes first); speedup = their median
@@ -86,6 +88,7 @@ class RequestRecord:
     text: str
     error: str | None = None
     ttft_s: float | None = None  # streamed requests: until the first chunk holding text
+    finish_reason: str | None = None  # as the server gave it: "stop", "length", ...
 
     @property
     def tpot_s(self) -> float | None:
@@ -99,6 +102,7 @@ class RequestRecord:
 class LoadResult:
     records: list[RequestRecord]
     wall_s: float
+    conversations: int = 0  # conversations sent (a sample sent twice counts twice)
 
 
 @dataclass
@@ -160,8 +164,9 @@ def spec_decode_counters(text: str) -> SpecDecodeCounters | None:
             continue
         per_pos: dict[int, float] = {}
         for labels, value in total(PER_POSITION):
-            position = int(labels.get("position", 0))
-            per_pos[position] = per_pos.get(position, 0.0) + value
+            position = _position(labels)
+            if position is not None:  # a label that is no position is left out (ServerBackend warns of it)
+                per_pos[position] = per_pos.get(position, 0.0) + value
         return SpecDecodeCounters(
             drafts=sum(v for _, v in drafts),
             draft_tokens=sum(v for _, v in total("num_draft_tokens")),
@@ -169,6 +174,19 @@ def spec_decode_counters(text: str) -> SpecDecodeCounters | None:
             accepted_per_pos=[per_pos.get(i, 0.0) for i in range(max(per_pos) + 1)] if per_pos else [],
         )
     return None
+
+
+def _position(labels: dict[str, str]) -> int | None:
+    """A per-position counter's draft position (0, 1, ...); None when its label is not one."""
+    text = labels.get("position", "0")
+    return int(text) if text.isascii() and text.isdigit() else None
+
+
+def bad_positions(exposition: str | None) -> list[str]:
+    """The position labels of per-position counters that are no position (a server's bug, or another metric's)."""
+    names = {f"{prefix}spec_decode_{PER_POSITION}{suffix}" for prefix in PREFIXES for suffix in ("", "_total")}
+    return [labels.get("position", "") for name, labels, _ in parse_prometheus(exposition or "")
+            if name in names and _position(labels) is None]
 
 
 def api_base_url(url: str, flag: str) -> str:
@@ -193,6 +211,30 @@ def server_root(url: str) -> str:
     path = parts.path.rstrip("/")
     path = path[: -len("/v1")] if path.endswith("/v1") else path
     return urlunsplit((parts.scheme.lower(), parts.netloc.lower(), path, "", ""))
+
+
+def same_server(url: str, other: str) -> bool:
+    """Whether two API roots are one server: the same port and path, on host names that resolve to a shared
+    address (localhost and 127.0.0.1; http://h:8000 and http://h:8000/v1)."""
+    mine, theirs = urlsplit(server_root(url)), urlsplit(server_root(other))
+    if (mine.scheme, _port(mine), mine.path) != (theirs.scheme, _port(theirs), theirs.path):
+        return False
+    return mine.hostname == theirs.hostname or bool(_addresses(mine.hostname) & _addresses(theirs.hostname))
+
+
+def _port(parts) -> int | None:
+    try:
+        return parts.port or {"http": 80, "https": 443}.get(parts.scheme)
+    except ValueError:  # not a number: list_models names the URL when it cannot connect
+        return None
+
+
+def _addresses(host: str | None) -> set[str]:
+    """The addresses a host name resolves to (none: it does not resolve, and the connection check says so)."""
+    try:
+        return {info[4][0] for info in socket.getaddrinfo(host, None)} if host else set()
+    except (OSError, UnicodeError):
+        return set()
 
 
 def default_metrics_url(base_url: str) -> str:
@@ -232,10 +274,21 @@ def counters_in(url: str, exposition: str | None, problem: str | None) -> tuple[
 def served_drafter(exposition: str | None) -> str:
     """What drafts on the server, as its `dflash:drafter_info{kind=...}` says: "DFlash", "draft model" or "none";
     "DFlash" for a server that does not say (vLLM and SGLang serve DFlash drafters under the same checkpoints)."""
+    return _said_drafter(exposition) or "DFlash"
+
+
+def _said_drafter(exposition: str | None) -> str | None:
     for name, labels, _ in parse_prometheus(exposition or ""):
         if name == "dflash:drafter_info" and labels.get("kind"):
             return labels["kind"]
-    return "DFlash"
+    return None
+
+
+def drafts(exposition: str | None) -> bool:
+    """Whether a server's metrics say it drafts: its dflash:drafter_info, else spec-decode counters at all (vLLM
+    registers them only with a speculative config)."""
+    said = _said_drafter(exposition)
+    return said != "none" if said is not None else spec_decode_counters(exposition or "") is not None
 
 
 # ---- the client ---------------------------------------------------------------------------------------
@@ -265,29 +318,42 @@ class Client:
                       seed: int) -> RequestRecord:
         url, body = self.payload(messages, seed)
         start = time.perf_counter()
-        try:
-            if self.config.stream:
-                return await self._streamed(http, url, body, sample_id, turn, start)
-            response = await http.post(url, json=body, headers=self.headers, timeout=self.config.timeout_s)
-            latency = time.perf_counter() - start
-            if response.status_code != 200:
-                return RequestRecord(sample_id, turn, latency, 0, "", _http_error(response.status_code, response.text))
-            data = response.json()
+        answer = self._streamed(http, url, body, sample_id, turn, start) if self.config.stream else \
+            self._whole(http, url, body, sample_id, turn, start)
+        try:  # httpx's timeout bounds each wait for bytes; this one bounds the whole request, as the flag says
+            return await asyncio.wait_for(answer, self.config.timeout_s)
+        except (asyncio.TimeoutError, httpx.TimeoutException):
+            return RequestRecord(sample_id, turn, time.perf_counter() - start, 0, "",
+                                 f"no whole answer within {self.config.timeout_flag} {self.config.timeout_s:g} s; "
+                                 f"raise {self.config.timeout_flag} for longer answers or a slower server")
         except httpx.ConnectError:  # it answered before the run (ServerBackend checks): it went away since
             raise UserError(f"lost the connection to {url} ({self.flag}) during the run: did the server "
                             "stop?") from None
+        except BadReply as err:
+            return RequestRecord(sample_id, turn, time.perf_counter() - start, 0, "", str(err))
         except (httpx.HTTPError, ValueError) as err:
             return RequestRecord(sample_id, turn, time.perf_counter() - start, 0, "", f"{type(err).__name__}: {err}")
-        text = _choice_text(data, self.config.endpoint)
-        tokens = int((data.get("usage") or {}).get("completion_tokens") or 0)
-        return RequestRecord(sample_id, turn, latency, tokens, text)
+
+    async def _whole(self, http: httpx.AsyncClient, url: str, body: dict, sample_id: str, turn: int,
+                     start: float) -> RequestRecord:
+        """One request answered as one JSON object (--no-stream)."""
+        response = await http.post(url, json=body, headers=self.headers, timeout=self.config.timeout_s)
+        latency = time.perf_counter() - start
+        if response.status_code != 200:
+            return RequestRecord(sample_id, turn, latency, 0, "", _http_error(response.status_code, response.text))
+        data = _json_object(response.json(), "an answer")
+        tokens = _completion_tokens(data.get("usage"))
+        text, finish = _choice_text(data, self.config.endpoint), _finish_reason(data)
+        if tokens is None:
+            return RequestRecord(sample_id, turn, latency, 0, text, _no_usage(data.get("usage"), "answer"))
+        return RequestRecord(sample_id, turn, latency, tokens, text, finish_reason=finish)
 
     async def _streamed(self, http: httpx.AsyncClient, url: str, body: dict, sample_id: str, turn: int,
                         start: float) -> RequestRecord:
         """One request as server-sent events; the token count comes from the usage chunk the stream ends with."""
         body = {**body, "stream": True, "stream_options": {"include_usage": True}}
         pieces: list[str] = []
-        ttft = usage = None
+        ttft = usage = finish = None
         async with http.stream("POST", url, json=body, headers=self.headers, timeout=self.config.timeout_s) as response:
             if response.status_code != 200:
                 text = (await response.aread()).decode("utf-8", "replace")
@@ -301,11 +367,14 @@ class Client:
                 if piece and ttft is None:
                     ttft = time.perf_counter() - start
                 pieces.append(piece)
-                usage = chunk.get("usage") or usage
+                usage = chunk["usage"] if isinstance(chunk.get("usage"), dict) else usage
+                finish = _finish_reason(chunk) or finish
         latency = time.perf_counter() - start
-        if not usage or "completion_tokens" not in usage:
-            return RequestRecord(sample_id, turn, latency, 0, "".join(pieces), NO_STREAM_USAGE)
-        return RequestRecord(sample_id, turn, latency, int(usage["completion_tokens"]), "".join(pieces), ttft_s=ttft)
+        tokens = _completion_tokens(usage)
+        if tokens is None:
+            error = NO_STREAM_USAGE if usage is None or "completion_tokens" not in usage else _no_usage(usage, "stream")
+            return RequestRecord(sample_id, turn, latency, 0, "".join(pieces), error)
+        return RequestRecord(sample_id, turn, latency, tokens, "".join(pieces), ttft_s=ttft, finish_reason=finish)
 
     def payload(self, messages: list[dict], seed: int) -> tuple[str, dict]:
         body = {"model": self.model, "max_tokens": self.config.max_new_tokens,
@@ -321,19 +390,61 @@ class Client:
         return f"{self.base_url}/completions", {**body, "prompt": "\n\n".join(m["content"] for m in messages)}
 
 
+class BadReply(ValueError):
+    """A reply that is no OpenAI answer (the request's error, said as is)."""
+
+
+def _json_object(data, what: str) -> dict:
+    if not isinstance(data, dict):
+        raise BadReply(f"the server sent {what} that is not a JSON object: {_cut(json.dumps(data))} (an "
+                       "OpenAI-compatible server sends objects)")
+    return data
+
+
+def _completion_tokens(usage) -> int | None:
+    """usage.completion_tokens, when it is a count."""
+    tokens = usage.get("completion_tokens") if isinstance(usage, dict) else None
+    return int(tokens) if isinstance(tokens, (int, float)) and not isinstance(tokens, bool) and tokens >= 0 else None
+
+
+def _no_usage(usage, where: str) -> str:
+    return (f"the {where}'s usage gave no count of output tokens (usage: {_cut(json.dumps(usage))}), so its "
+            "throughput is unknown: the server must report usage.completion_tokens")
+
+
+def _first_choice(data: dict) -> dict:
+    choices = data.get("choices")
+    choice = choices[0] if isinstance(choices, list) and choices else {}
+    return choice if isinstance(choice, dict) else {}
+
+
+def _finish_reason(data: dict) -> str | None:
+    reason = _first_choice(data).get("finish_reason")
+    return reason if isinstance(reason, str) else None
+
+
+def _message_text(message) -> str:
+    """A chat message's or delta's text: the reasoning a server's reasoning parser splits off (vLLM, SGLang:
+    `reasoning_content`, or `reasoning`) and then the content. Both are decoded tokens, timed and compared alike."""
+    if not isinstance(message, dict):
+        return ""
+    reasoning = message.get("reasoning_content") or message.get("reasoning")
+    return "".join(part for part in (reasoning, message.get("content")) if isinstance(part, str))
+
+
 def _choice_text(data: dict, endpoint: str) -> str:
-    choice = (data.get("choices") or [{}])[0]
+    choice = _first_choice(data)
     if endpoint == "chat":
-        return (choice.get("message") or {}).get("content") or ""
-    return choice.get("text") or ""
+        return _message_text(choice.get("message"))
+    return choice.get("text") if isinstance(choice.get("text"), str) else ""
 
 
 def _chunk_text(chunk: dict, endpoint: str) -> str:
     """The text a streamed chunk adds (the usage chunk at the end has no choices)."""
-    choice = (chunk.get("choices") or [{}])[0]
+    choice = _first_choice(chunk)
     if endpoint == "chat":
-        return (choice.get("delta") or {}).get("content") or ""
-    return choice.get("text") or ""
+        return _message_text(choice.get("delta"))
+    return choice.get("text") if isinstance(choice.get("text"), str) else ""
 
 
 async def _sse_chunks(response: httpx.Response):
@@ -344,7 +455,8 @@ async def _sse_chunks(response: httpx.Response):
         data = line[len("data:"):].strip()
         if data == "[DONE]":
             return
-        yield json.loads(data)  # a ValueError is the request's error, as for a broken non-streamed body
+        # a ValueError is the request's error, as for a broken non-streamed body
+        yield _json_object(json.loads(data), "a stream event")
 
 
 ERROR_CHARS = 600  # of a server's error, kept in a record (the whole message of an OpenAI error object, mostly)
@@ -454,7 +566,7 @@ async def run_load(client: Client, samples: list[Sample], concurrency: int, num_
     limits = httpx.Limits(max_connections=concurrency, max_keepalive_connections=concurrency)
     async with httpx.AsyncClient(limits=limits, timeout=client.config.timeout_s) as http:
         await asyncio.gather(*(worker(http) for _ in range(concurrency)))
-    return LoadResult(records, time.perf_counter() - start)
+    return LoadResult(records, time.perf_counter() - start, next_index)
 
 
 class ServerBackend:
@@ -472,22 +584,31 @@ class ServerBackend:
         self.metrics_url = config.metrics_url or default_metrics_url(config.base_url)
         self.warnings: list[str] = []
         self.warmed_up = config.warmup_tokens == 0
+        self.told: set[str] = set()  # topics a level's notes told once already (told again, they are noise)
         exposition, problem = fetch_exposition(self.metrics_url)
         self.drafter = served_drafter(exposition)
+        baseline_exposition = fetch_exposition(default_metrics_url(config.baseline_url))[0] if self.baseline else None
         if self.drafter == "none":
-            self.warnings.append(self._plain_server_warning())
+            self.warnings.append(self._plain_server_warning(baseline_exposition))
+        elif drafts(baseline_exposition):
+            self.warnings.append(f"the --baseline-url server's metrics ({default_metrics_url(config.baseline_url)}) "
+                                 "say it drafts, so the speedup would compare two drafting servers: serve the baseline "
+                                 "without a drafter (dflash serve --no-draft; vLLM without --speculative-config)")
         problem = counters_in(self.metrics_url, exposition, problem)[1]
         if problem:
             self.warnings.append(f"{problem}: tau and the acceptance histogram will be missing"
                                  + ("" if config.metrics_url else "; point --metrics-url at the server's metrics"))
+        if bad_positions(exposition):
+            self.warnings.append(f"{self.metrics_url} labels per-position acceptance counters with "
+                                 f"position={bad_positions(exposition)[:3]}, not draft positions 0, 1, ...: those "
+                                 "are left out of the acceptance histogram")
 
-    def _plain_server_warning(self) -> str:
+    def _plain_server_warning(self, baseline_exposition: str | None) -> str:
         """The --base-url server says it drafts with nothing (`dflash serve --no-draft`): its figures are plain
         decoding's, and a speedup would compare two plain servers, or the pair the wrong way round."""
         said = (f"the --base-url server says it drafts with nothing (dflash:drafter_info at {self.metrics_url}): "
                 "its figures are plain decoding's, not DFlash's")
-        baseline = self.config.baseline_url
-        if baseline and served_drafter(fetch_exposition(default_metrics_url(baseline))[0]) != "none":
+        if self.baseline is not None and served_drafter(baseline_exposition) != "none":
             return said + "; --base-url and --baseline-url look swapped: the DFlash server goes to --base-url"
         return said + "; point --base-url at a server that drafts (dflash serve without --no-draft)"
 
@@ -521,11 +642,33 @@ class ServerBackend:
                                 concurrency)
         result.drafter = self.drafter
         speedups = [ratio(_throughput(fast), _throughput(base)) for fast, base in zip(loads, bases)]
-        if len(speedups) > 1 and None not in speedups:  # a round without baseline tokens keeps the pooled ratio
-            result.speedup_per_round = speedups
+        if len(speedups) > 1 and None not in speedups and result.speedup is not None:  # a round without baseline
+            result.speedup_per_round = speedups  # tokens keeps the pooled ratio; failed requests, none at all
             result.speedup = statistics.median(speedups)
+        self._note(result, counters, self.num_prompts(samples), loads + bases)
         return result
 
+    def _note(self, result: BenchResult, counters: SpecDecodeCounters | None, conversations: int,
+              loads: list[LoadResult]) -> None:
+        """What the level's numbers do not show: fewer requests in flight than its concurrency, no drafting at all,
+        answers cut short by the server."""
+        level = result.concurrency
+        if self.config.duration_s is None and level > conversations:
+            result.notes.append(f"--concurrency {level} is above the level's {conversations} conversation(s), so at "
+                                f"most {conversations} request(s) were in flight: give --num-prompts {level} or more "
+                                f"to load the server at {level}")
+        if counters is not None and counters.drafts == 0 and self.drafter != "none" and result.dflash_answers:
+            result.notes.append(f"the --base-url server did no drafted step during this level (its spec-decode "
+                                f"counters at {self.metrics_url} did not move), so tau is '-' and the figures are "
+                                "plain decoding's: dflash serve's adaptive fallback decodes plainly while drafting "
+                                "does not pay (see dflash:fallback_active in its metrics)")
+        self._tell_once(result, "capped", capped_answers_warning(loads, self.config))
+
+    def _tell_once(self, result: BenchResult, topic: str, note: str | None) -> None:
+        """A note about the servers rather than the level: on the first level it applies to, not on every one."""
+        if note is not None and topic not in self.told:
+            self.told.add(topic)
+            result.notes.append(note)
 
     def warm_up(self, sample: Sample) -> None:
         """One short untimed request to each server before the first load, so that what a server does once
@@ -537,8 +680,18 @@ class ServerBackend:
             warm = Client(client.base_url, config, client.model, client.flag)
             record = asyncio.run(_one_request(warm, sample))
             if record.error is not None:
-                raise UserError(f"the warm-up request to {client.base_url} ({client.flag}) failed: {record.error}")
+                raise UserError(f"the warm-up request to {client.base_url} ({client.flag}) failed: {record.error}"
+                                + _warm_up_hint(record.error, config))
         self.warmed_up = True
+
+
+def _warm_up_hint(error: str, config: ServerConfig) -> str:
+    """How to fix what a failed warm-up says, where the bench can tell: a base model (no chat template) refuses chat
+    requests (dflash serve: "send the text to /v1/completions"; vLLM: "you must provide a chat template")."""
+    if config.endpoint == "chat" and ("chat template" in error.lower() or "/v1/completions" in error):
+        return ("; the server's model has no chat template (a base model): benchmark it with --endpoint completions, "
+                "which sends plain text")
+    return ""
 
 
 async def _one_request(client: Client, sample: Sample) -> RequestRecord:
@@ -548,9 +701,13 @@ async def _one_request(client: Client, sample: Sample) -> RequestRecord:
 
 
 def _check_config(config: ServerConfig) -> None:
-    if config.baseline_url and server_root(config.baseline_url) == server_root(config.base_url):
-        raise UserError(f"--baseline-url and --base-url name the same server ({config.base_url}); the baseline is "
-                        "the same target served without a drafter (dflash serve --no-draft) on another port")
+    if config.baseline_url and same_server(config.baseline_url, config.base_url):
+        raise UserError(f"--baseline-url and --base-url name the same server ({config.baseline_url} and "
+                        f"{config.base_url}); the baseline is the same target served without a drafter (dflash serve "
+                        "--no-draft) on another port")
+    if config.duration_s is not None and config.num_prompts is not None:
+        raise UserError("--duration and --num-prompts both say how long a level lasts (a time, or a count of "
+                        "conversations): give one")
     if config.endpoint not in ("chat", "completions"):
         raise UserError(f"--endpoint must be 'chat' or 'completions', not {config.endpoint!r}")
     if not config.concurrency or any(c < 1 for c in config.concurrency):
@@ -569,7 +726,8 @@ def _check_config(config: ServerConfig) -> None:
 
 def pooled(loads: list[LoadResult]) -> LoadResult:
     """Several loads as one: every request, and the time they took together."""
-    return LoadResult([r for load in loads for r in load.records], sum(load.wall_s for load in loads))
+    return LoadResult([r for load in loads for r in load.records], sum(load.wall_s for load in loads),
+                      sum(load.conversations for load in loads))
 
 
 def summarize_load(dataset: str, load: LoadResult, base: LoadResult | None, counters: SpecDecodeCounters | None,
@@ -578,11 +736,12 @@ def summarize_load(dataset: str, load: LoadResult, base: LoadResult | None, coun
     _check_some_answered(load, config.base_url, "--base-url")
     if base is not None:
         _check_some_answered(base, config.baseline_url, "--baseline-url")
-    failed = [r for r in load.records + (base.records if base is not None else []) if r.error is not None]
+    failed = [r for r in load.records if r.error is not None]
     fast_tps = _throughput(load)
     base_tps = _throughput(base) if base is not None else None
     result = BenchResult(
-        dataset=dataset, backend="server", num_prompts=len({r.sample_id for r in load.records}),
+        dataset=dataset, backend="server", num_prompts=load.conversations,
+        distinct_prompts=len({r.sample_id for r in load.records}),
         num_requests=len(load.records), concurrency=concurrency, temperature=config.temperature,
         max_new_tokens=config.max_new_tokens, dflash_tokens_per_s=fast_tps, baseline_tokens_per_s=base_tps,
         speedup=ratio(fast_tps, base_tps), dflash_output_tokens=sum(r.output_tokens for r in ok),
@@ -591,6 +750,14 @@ def summarize_load(dataset: str, load: LoadResult, base: LoadResult | None, coun
         errors=len(failed), first_error=failed[0].error if failed else None, dflash_answers=len(ok),
     )
     if base is not None:
+        base_failed = [r for r in base.records if r.error is not None]
+        result.baseline_errors = len(base_failed)
+        result.baseline_first_error = base_failed[0].error if base_failed else None
+        if result.errors or result.baseline_errors:  # the two servers did unequal work: no ratio of their rates
+            result.speedup = None
+            result.notes.append(f"speedup left out ('-'): {result.errors} request(s) to --base-url and "
+                                f"{result.baseline_errors} to --baseline-url failed, so the two servers did unequal "
+                                "work; fix what failed and run again")
         answered = [r for r in base.records if r.error is None]
         result.baseline_output_tokens = sum(r.output_tokens for r in answered)
         result.baseline_latency_ms = _latency_ms(base)
@@ -609,13 +776,25 @@ def summarize_load(dataset: str, load: LoadResult, base: LoadResult | None, coun
     return result
 
 
+def capped_answers_warning(loads: list[LoadResult], config: ServerConfig) -> str | None:
+    """What to say when answers ended for length short of --max-new-tokens (None: none did): the server caps
+    max_tokens itself, and a level then measures shorter answers than asked for."""
+    capped = [r.output_tokens for load in loads for r in load.records
+              if r.error is None and r.finish_reason == "length" and r.output_tokens < config.max_new_tokens]
+    if not capped:
+        return None
+    return (f"answers ended for length at {max(capped)} tokens, short of --max-new-tokens {config.max_new_tokens}: "
+            "the server caps max_tokens, likely at its model's generation_config.json max_new_tokens (dflash serve "
+            "and vLLM do); start it with --generation-config vllm to lift the cap, or lower --max-new-tokens")
+
+
 SHORT_ANSWERS = 2.0  # mean output tokens per answer below which a load measures requests, not decoding
 
 
 def short_answers_warning(result: BenchResult, config: ServerConfig) -> str | None:
     """What to say when the answers were too short to measure decoding (None: they were not): the usual cause is a
     chat model given raw text by --endpoint completions, which may end its answer at once."""
-    answered = result.dflash_answers  # the DFlash server's alone: the baseline's failures count in `errors` too
+    answered = result.dflash_answers  # the DFlash server's alone
     if not answered or result.dflash_output_tokens / answered >= SHORT_ANSWERS:
         return None
     why = (" --endpoint completions sends the prompt without the chat template, and a chat model may end its answer "

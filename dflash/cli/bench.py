@@ -9,11 +9,20 @@ import math
 import os
 from pathlib import Path
 
-from dflash.cli.common import add_model_arguments, changed_flags, chat_template_kwargs, int_list, load_pipeline
+from dflash.cli.common import (
+    SweepOnce,
+    add_model_arguments,
+    changed_flags,
+    chat_template_kwargs,
+    int_list,
+    load_pipeline,
+)
 from dflash.decoding.sampling import MAX_TEMPERATURE
 from dflash.errors import UserError
 
-DATASET_HELP = "gsm8k, math500, humaneval, mbpp, mt-bench, or all (several: space or comma separated)"
+DATASET_HELP = ("gsm8k, math500, humaneval, mbpp, mt-bench, or all (several: space or comma separated, after one "
+                "--dataset: given twice, it is refused)")
+MAX_SAMPLES = 20  # samples per dataset when neither --max-samples nor a server's --num-prompts says
 
 # flags that only one backend reads: giving one to the other backend is an error, never silently ignored
 SERVER_FLAGS = {"base_url": "--base-url", "api_key": "--api-key", "model": "--model", "endpoint": "--endpoint",
@@ -31,13 +40,15 @@ LOCAL_INSTEAD = {"--model": "--target names the model", "--num-prompts": "--max-
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     add_model_arguments(parser, block_size_sweep=True)
     data = parser.add_argument_group("data")
-    data.add_argument("--dataset", nargs="+", default=["gsm8k"], metavar="NAME", help=DATASET_HELP)
+    data.add_argument("--dataset", nargs="+", default=["gsm8k"], metavar="NAME", action=SweepOnce, help=DATASET_HELP)
     data.add_argument("--data-file", help="JSONL with the dataset's own records, or 'prompt', 'turns' or "
                                           "'messages' per line (one dataset only)")
     data.add_argument("--data-dir", help="directory laid out like gsm8k/test.jsonl, math500/test.jsonl, ... "
                                          "(default: $DFLASH_DATA_DIR)")
-    data.add_argument("--max-samples", type=int, default=20,
-                      help="samples per dataset, a deterministic subset (0 = all; default 20)")
+    data.add_argument("--max-samples", type=int,
+                      help=f"samples per dataset, a deterministic subset (0 = all; default {MAX_SAMPLES}, or against "
+                           "a server --num-prompts, so that each conversation of a level is a distinct sample where "
+                           "the dataset has that many)")
     data.add_argument("--seed", type=int, default=0, help="picks the subset; seeds sampling at temperature > 0")
     gen = parser.add_argument_group("generation")
     gen.add_argument("--max-new-tokens", type=int, default=256)
@@ -58,17 +69,22 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     server.add_argument("--model", help="model name sent to the server (default: the first it lists)")
     server.add_argument("--endpoint", choices=["chat", "completions"], help="default: chat")
     server.add_argument("--api-key", help="default: $OPENAI_API_KEY")
-    server.add_argument("--concurrency", type=int_list, help="one value or a sweep like 1,4,8 (default 1)")
+    server.add_argument("--concurrency", type=int_list, action=SweepOnce,
+                        help="one value or a sweep like 1,4,8, given once (default 1); a level above its number of "
+                             "conversations is warned of, as fewer requests were in flight")
     server.add_argument("--num-prompts", type=int,
-                        help="conversations per concurrency level (default: each sample once)")
-    server.add_argument("--duration", type=float, help="seconds of load per level instead of a prompt count")
+                        help="conversations per concurrency level, each a distinct sample where the dataset (and "
+                             "--max-samples) has enough, else repeated with a warning (default: each sample once)")
+    server.add_argument("--duration", type=float, help="seconds of load per level instead of a prompt count (not "
+                                                       "with --num-prompts; prompts cycle)")
     server.add_argument("--metrics-url", help="Prometheus metrics (default: /metrics at the server's root)")
     server.add_argument("--baseline-url", help="the same target served without a drafter, for the speedup")
     server.add_argument("--rounds", type=int,
                         help="run each level this many times (default 1); with --baseline-url the two servers take "
                              "turns to go first and the speedup is the median of the rounds' (robust on a busy "
                              "machine)")
-    server.add_argument("--request-timeout", type=float, help="seconds per request (default 600)")
+    server.add_argument("--request-timeout", type=float, help="seconds per request, the whole of it (default 600); "
+                                                              "a request past it counts as failed")
     server.add_argument("--no-stream", action="store_true",
                         help="plain JSON answers instead of server-sent events (no time to first token then); for "
                              "servers that do not send usage in a stream (stream_options.include_usage)")
@@ -87,7 +103,7 @@ def run(args: argparse.Namespace) -> int:
     data = load_data(config)  # a bad record is named before the models load, which can take minutes
     pipe = None if config.backend == "server" else _load_pair(args)
     results = run_bench(config, pipe, data=data)
-    return 1 if any(r.mismatches or r.errors for r in results) else 0
+    return 1 if any(r.mismatches or r.errors or r.baseline_errors for r in results) else 0
 
 
 def bench_config(args: argparse.Namespace):
@@ -120,10 +136,11 @@ def bench_config(args: argparse.Namespace):
                               api_key=api_key, concurrency=_distinct(args.concurrency) or [1],
                               num_prompts=args.num_prompts,
                               duration_s=args.duration, timeout_s=_or(args.request_timeout, 600.0),
+                              timeout_flag=getattr(args, "timeout_flag", "--request-timeout"),
                               metrics_url=args.metrics_url, baseline_url=args.baseline_url,
                               rounds=_or(args.rounds, 1), chat_template_kwargs=chat_template_kwargs(args),
                               stream=not args.no_stream, warmup_tokens=_or(args.warmup_tokens, 16))
-    data = DataOptions(data_file=args.data_file, data_dir=args.data_dir, max_samples=args.max_samples or None,
+    data = DataOptions(data_file=args.data_file, data_dir=args.data_dir, max_samples=_max_samples(args, backend),
                        seed=args.seed)
     _check_data(names, data)
     return BenchConfig(
@@ -145,6 +162,16 @@ def _check_data(names: list[str], data) -> None:
         raise UserError(f"--data-file {data.data_file} is not a file; pass an existing JSONL file")
     for name in names:
         data_source(name, data)  # a UserError naming what is missing
+
+
+def _max_samples(args: argparse.Namespace, backend: str) -> int | None:
+    """Samples to load per dataset (None: all): --max-samples; else, against a server, one per conversation of a
+    level (--num-prompts), as a repeated prompt would be answered from a server's prefix cache; else MAX_SAMPLES."""
+    if args.max_samples is not None:
+        return args.max_samples or None
+    if backend == "server" and args.num_prompts:
+        return args.num_prompts
+    return MAX_SAMPLES
 
 
 def _distinct(values: list | None) -> list:

@@ -42,6 +42,20 @@ def block_size_list(text: str) -> list[int | str]:
     return [block_size(x) for x in text.split(",") if x.strip()]
 
 
+SWEEP_EXAMPLES = {"dataset": "gsm8k,mbpp", "block_size": "auto,8,16", "concurrency": "1,4,8"}  # in SweepOnce's error
+
+
+class SweepOnce(argparse.Action):
+    """A sweep flag (--dataset, --block-size, --concurrency) takes its whole list at once. Given twice, argparse
+    would keep the last list alone, silently; a run that measures less than asked for is worse than an error."""
+
+    def __call__(self, parser, namespace, values, option_string=None):
+        if getattr(namespace, self.dest, None) is not self.default:
+            parser.error(f"{option_string} was given twice; give it once, with every value in one list (like "
+                         f"{option_string} {SWEEP_EXAMPLES.get(self.dest, '1,4,8')})")
+        setattr(namespace, self.dest, values)
+
+
 def add_model_arguments(parser: argparse.ArgumentParser, block_size_sweep: bool = False,
                         auto_block_size: bool = False) -> None:
     """`block_size_sweep`: --block-size takes a list (bench); `auto_block_size`: it takes 'auto', the default
@@ -55,10 +69,10 @@ def add_model_arguments(parser: argparse.ArgumentParser, block_size_sweep: bool 
     draft.add_argument("--no-draft", action="store_true", help="plain autoregressive decoding (the baseline)")
     group.add_argument("--mask-token-id", type=int, help="mask token id for legacy drafters whose config lacks it")
     if block_size_sweep:
-        group.add_argument("--block-size", type=block_size_list,
-                           help="block size(s) to measure, e.g. 16 or auto,4,8,16 (<= the drafter's; default: its "
-                                "own; auto: chosen every step from timed step costs and the acceptance seen, for one "
-                                "greedy or seeded row from that step's draft)")
+        group.add_argument("--block-size", type=block_size_list, action=SweepOnce,
+                           help="block size(s) to measure, e.g. 16 or auto,4,8,16, one list given once (<= the "
+                                "drafter's; default: its own; auto: chosen every step from timed step costs and the "
+                                "acceptance seen, for one greedy or seeded row from that step's draft)")
     elif auto_block_size:
         group.add_argument("--block-size", type=block_size, default="auto",
                            help="tokens verified per step: the anchor + draft tokens, at most the drafter's block "

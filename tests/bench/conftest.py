@@ -227,3 +227,59 @@ def fail_requests_of(monkeypatch, sample_id: str, error: str) -> None:
         return await real(self, http, messages, sample, turn, seed)
 
     monkeypatch.setattr(server.Client, "request", request)
+
+
+# ---- a scripted server: the answers a test writes, no model behind -------------------------------------
+def sse(*chunks, done: bool = True):
+    """A server-sent event stream of `chunks` (objects as JSON, strings as they are), then [DONE]."""
+    from fastapi.responses import StreamingResponse
+
+    events = [f"data: {c if isinstance(c, str) else json.dumps(c)}\n\n" for c in chunks]
+    return StreamingResponse(iter(events + (["data: [DONE]\n\n"] if done else [])), media_type="text/event-stream")
+
+
+def chat_chunks(*texts: str, tokens: int | None = None, finish: str = "stop", field: str = "content") -> list[dict]:
+    """A chat stream's chunks: each text as a delta in `field`, the finish reason, then usage (`tokens`, default
+    one per text)."""
+    chunks = [{"choices": [{"index": 0, "delta": {field: t}}]} for t in texts]
+    chunks.append({"choices": [{"index": 0, "delta": {}, "finish_reason": finish}]})
+    return chunks + [{"choices": [], "usage": {"completion_tokens": len(texts) if tokens is None else tokens}}]
+
+
+@pytest.fixture
+def scripted_server():
+    """Start a server whose chat and completions requests `answer(body)` answers (a dict is sent as JSON, a
+    list of chunks as a stream); its /metrics shows `metrics` (a string, or a function returning one)."""
+    running = []
+
+    def start(answer, metrics="", models=("fake",)) -> RunningServer:
+        from fastapi import FastAPI
+        from fastapi.responses import JSONResponse, PlainTextResponse
+
+        app = FastAPI()
+        app.state.requests = []
+
+        @app.get("/v1/models")
+        def listed():
+            return {"object": "list", "data": [{"id": m} for m in models]}
+
+        @app.post("/v1/chat/completions")
+        @app.post("/v1/completions")
+        def answered(body: dict):
+            app.state.requests.append(body)
+            reply = answer(body)
+            if isinstance(reply, list) and body.get("stream"):
+                return sse(*reply)
+            return JSONResponse(reply) if isinstance(reply, (dict, list)) else reply
+
+        @app.get("/metrics")
+        def shown():
+            return PlainTextResponse(metrics() if callable(metrics) else metrics)
+
+        server = RunningServer(app, None).__enter__()
+        running.append(server)
+        return server
+
+    yield start
+    for server in running:
+        server.__exit__(None, None, None)

@@ -187,6 +187,7 @@ SERVER = ["--base-url", "http://127.0.0.1:9/v1"]  # nothing listens there: every
     (SERVER + ["--duration", "inf"], "--duration must be a finite number of seconds > 0"),
     (SERVER + ["--request-timeout", "nan"], "--request-timeout must be a finite number of seconds > 0"),
     (SERVER + ["--num-prompts", "0"], "--num-prompts must be >= 1"),
+    (SERVER + ["--duration", "5", "--num-prompts", "4"], "--duration and --num-prompts both say how long a level"),
     (["--base-url", "127.0.0.1:8000"], "--base-url must be an http:// or https:// URL"),
     # flags the chosen backend would not read
     (["--num-prompts", "4"], "--num-prompts only applies to a server benchmark"),
@@ -407,3 +408,53 @@ def test_repeated_sweep_values_are_measured_once(tiny_pair, data_dir):
     add_arguments(parser)
     config = bench_config(parser.parse_args(["--data-dir", str(data_dir), "--block-size", "auto,8,auto,8,16"]))
     assert config.block_sizes == ["auto", 8, 16]
+
+
+@pytest.mark.parametrize("argv, flag", [(["--dataset", "gsm8k", "--dataset", "mbpp"], "--dataset"),
+                                        (["--block-size", "4", "--block-size", "8"], "--block-size"),
+                                        (SERVER + ["--concurrency", "1", "--concurrency", "4"], "--concurrency")])
+def test_a_sweep_flag_given_twice_is_refused_not_cut_to_its_last_list(capsys, argv, flag):
+    from dflash.benchmark import main as benchmark_main
+
+    with pytest.raises(SystemExit):
+        main(["bench", *argv])
+    assert f"error: {flag} was given twice; give it once, with every value in one list" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        benchmark_main(argv)  # the reference's flags too
+    assert f"{flag} was given twice" in capsys.readouterr().err
+
+
+def test_num_prompts_loads_that_many_distinct_samples_and_reports_conversations(scripted_server, data_dir, tmp_path,
+                                                                               capsys):
+    """--num-prompts 24 sent the 20 samples --max-samples' default loads, 4 of them twice, and reported 20 prompts;
+    config.json said "model": null."""
+    import argparse
+
+    from dflash.cli.bench import add_arguments, bench_config
+
+    from .conftest import chat_chunks
+
+    server = scripted_server(lambda body: chat_chunks("a ", "b"))
+    many = tmp_path / "many.jsonl"
+    many.write_text("".join(json.dumps({"prompt": f"question {i}"}) + "\n" for i in range(30)))
+    out = tmp_path / "out"
+    assert main(["bench", "--base-url", server.base_url, "--data-file", str(many), "--num-prompts", "24",
+                 "--max-new-tokens", "2", "--warmup-tokens", "0", "--output-dir", str(out), "--no-progress"]) == 0
+    [result] = json.loads((out / "results.json").read_text())
+    assert (result["num_prompts"], result["distinct_prompts"]) == (24, 24)
+    assert len({r["messages"][-1]["content"] for r in server.app.state.requests}) == 24
+    assert json.loads((out / "config.json").read_text())["model"] == "fake"
+    assert main(["bench", "--base-url", server.base_url, "--data-dir", str(data_dir), "--num-prompts", "6",
+                 "--max-new-tokens", "2", "--warmup-tokens", "0", "--output-dir", str(out), "--overwrite",
+                 "--no-progress"]) == 0
+    assert "gsm8k: 6 conversations per level from 4 distinct samples (gsm8k holds no more): prompts repeat" in (
+        capsys.readouterr().err)
+    [result] = json.loads((out / "results.json").read_text())
+    assert (result["num_prompts"], result["distinct_prompts"]) == (6, 4)
+    assert "| distinct |" in (out / "results.md").read_text()
+    parser = argparse.ArgumentParser()
+    add_arguments(parser)
+    reference = bench_config(parser.parse_args(to_bench_argv(["--backend", "vllm", "--base-url", "http://h:8000",
+                                                              "--num-prompts", "24"])))
+    assert reference.data.max_samples == 24
+    assert bench_config(parser.parse_args(["--data-dir", str(data_dir)])).data.max_samples == 20  # locally

@@ -63,7 +63,8 @@ def test_failed_requests_make_the_command_fail(openai_server, data_dir, monkeypa
     code = main(["bench", "--base-url", openai_server().base_url, "--data-dir", str(data_dir), "--max-samples", "0",
                  "--max-new-tokens", "4", "--no-progress"])
     assert code == 1
-    assert "1 request(s) failed; the first: HTTP 503: overloaded" in capsys.readouterr().err
+    assert "1 request(s) to the DFlash server (--base-url) failed; the first: HTTP 503: overloaded" in (
+        capsys.readouterr().err)
 
 
 def test_a_prompt_past_the_context_fails_before_decoding_and_names_it(tiny_pair, data_dir, tmp_path, monkeypatch,

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import pytest
+from fastapi.responses import JSONResponse
 
 from dflash.bench.datasets import Sample
 from dflash.bench.metrics import histogram_from_counters
@@ -15,7 +16,7 @@ from dflash.bench.server import (
 )
 from dflash.errors import UserError
 
-from .conftest import fail_requests_of
+from .conftest import chat_chunks, fail_requests_of, sse
 
 SAMPLES = [Sample("a", ("How many clips?",)), Sample("b", ("Weng earns",)),
            Sample("81", ("Write about clips.", "Now shorter."))]
@@ -151,7 +152,7 @@ def test_duration_keeps_the_load_up(openai_server):
     server = openai_server(delay_s=0.02)
     result = ServerBackend(config(server, duration_s=1.0)).run_level("gsm8k", SAMPLES[:1], 1)
     assert result.num_requests >= 2  # one sample, cycled until the time was up (a count would stop at 1)
-    assert result.num_prompts == 1
+    assert result.num_prompts == result.num_requests and result.distinct_prompts == 1  # conversations sent
 
 
 def test_unreachable_server_is_a_user_error():
@@ -337,3 +338,150 @@ def test_answers_too_short_to_measure_decoding_are_warned_about(openai_server):
     assert answered.dflash_answers == answered.num_requests == 2
     assert answered.dflash_output_tokens >= 2 * answered.num_requests
     assert short_answers_warning(answered, config(server)) is None
+
+
+# ---- against a scripted server (conftest: the answers a test writes, no model behind) ------------------
+def answer_chat(body, text="tok tok tok", tokens=3, finish="stop"):
+    """A stream or a JSON answer of `text`, as the request asked."""
+    if body.get("stream"):
+        return chat_chunks(*text.split(" "), tokens=tokens, finish=finish)
+    return {"choices": [{"index": 0, "message": {"role": "assistant", "content": text}, "finish_reason": finish}],
+            "usage": {"completion_tokens": tokens}}
+
+
+def one_answer(server, **kw):
+    """The record of one request to `server`, as the bench sends it."""
+    import asyncio
+
+    from dflash.bench.server import Client, _one_request
+
+    cfg = config(server, **kw)
+    return asyncio.run(_one_request(Client(cfg.base_url, cfg, "fake"), SAMPLES[0]))
+
+
+def test_a_level_above_its_conversations_and_a_level_without_drafts_are_noted(scripted_server):
+    """--concurrency 4 with 2 conversations was reported as 4 in flight; a server whose fallback decoded plainly
+    showed tau '-' without a word."""
+    server = scripted_server(answer_chat, metrics="dflash:spec_decode_num_drafts_total 5\n")
+    result = ServerBackend(config(server, num_prompts=2)).run_level("gsm8k", SAMPLES[:2], 4)
+    assert result.mean_acceptance_length is None
+    [crowded, plain] = result.notes
+    assert "--concurrency 4 is above the level's 2 conversation(s)" in crowded and "--num-prompts 4" in crowded
+    assert "did no drafted step" in plain and "did not move" in plain and "fallback" in plain
+
+
+def test_failed_requests_are_counted_per_server_and_leave_the_speedup_out(scripted_server):
+    from dflash.bench.report import markdown, warnings
+
+    def flaky(body):  # the baseline fails one of the two prompts
+        if "Weng" in body["messages"][-1]["content"]:
+            return JSONResponse({"error": {"message": "out of memory"}}, status_code=500)
+        return answer_chat(body)
+
+    server, baseline = scripted_server(answer_chat), scripted_server(flaky)
+    result = ServerBackend(config(server, baseline_url=baseline.base_url, rounds=2)).run_level("g", SAMPLES[:2], 1)
+    assert (result.errors, result.baseline_errors) == (0, 2)
+    assert result.baseline_first_error == "HTTP 500: out of memory"
+    assert result.speedup is None and result.speedup_per_round == [] and result.baseline_tokens_per_s > 0
+    said = warnings([result])
+    assert any("2 request(s) to the baseline server (--baseline-url) failed" in w for w in said)
+    assert any("speedup left out ('-'): 0 request(s) to --base-url and 2 to --baseline-url failed" in w for w in said)
+    assert "| - |" in markdown([result], {}) and "base errors" in markdown([result], {})
+
+
+@pytest.mark.parametrize("stream", [True, False])
+def test_reasoning_text_counts_as_answer_text(scripted_server, stream):
+    """vLLM / SGLang with --reasoning-parser send the thinking in reasoning_content (or reasoning): it was dropped,
+    so the first token came late and two servers' answers compared equal on the content alone."""
+    def reasoning(body):
+        if body.get("stream"):
+            return chat_chunks("think ", "more ", field="reasoning_content")[:2] + chat_chunks(
+                "hmm ", field="reasoning")[:1] + chat_chunks("42", tokens=4)
+        return {"choices": [{"index": 0, "message": {"reasoning_content": "think more hmm ", "content": "42"}}],
+                "usage": {"completion_tokens": 4}}
+
+    record = one_answer(scripted_server(reasoning), stream=stream)
+    assert record.error is None and record.text == "think more hmm 42"
+    assert (record.ttft_s is not None) == stream
+
+
+def test_one_server_spelled_two_ways_is_refused_and_a_drafting_baseline_warned_of(scripted_server):
+    from dflash.bench.server import same_server
+
+    assert same_server("http://localhost:8000", "http://127.0.0.1:8000/v1/")
+    assert same_server("http://LOCALHOST:80/v1", "http://127.0.0.1/v1")
+    assert not same_server("http://localhost:8000/v1", "http://127.0.0.1:8001/v1")
+    assert not same_server("http://127.0.0.1:8000/a/v1", "http://127.0.0.1:8000/b/v1")  # a proxy's two mounts
+    server = scripted_server(answer_chat, metrics="dflash:spec_decode_num_drafts_total 1\n")
+    with pytest.raises(UserError, match="--baseline-url and --base-url name the same server"):
+        ServerBackend(config(server, baseline_url=server.base_url.replace("127.0.0.1", "localhost")[:-3]))
+    drafting = scripted_server(answer_chat, metrics="vllm:spec_decode_num_drafts_total 3\n")
+    [warning] = ServerBackend(config(server, baseline_url=drafting.base_url)).warnings
+    assert "the --baseline-url server's metrics" in warning and "say it drafts" in warning
+    no_draft = 'dflash:drafter_info{kind="none"} 1\ndflash:spec_decode_num_drafts 0\n'  # dflash serve --no-draft
+    plain = scripted_server(answer_chat, metrics=no_draft)
+    assert ServerBackend(config(server, baseline_url=plain.base_url)).warnings == []
+
+
+def test_answers_capped_below_max_new_tokens_are_noted_once(scripted_server):
+    """dflash serve and vLLM cap max_tokens at the model's generation_config max_new_tokens (300 for the embedded
+    pair): answers ended at 300 tokens under --max-new-tokens 2048, unsaid."""
+    server = scripted_server(lambda body: answer_chat(body, finish="length"),
+                             metrics="dflash:spec_decode_num_drafts_total 0\n")
+    backend = ServerBackend(config(server))
+    first, second = (backend.run_level("gsm8k", SAMPLES[:1], c) for c in (1, 2))
+    [capped] = [n for n in first.notes if "ended for length" in n]
+    assert "at 3 tokens, short of --max-new-tokens 10" in capped and "--generation-config vllm" in capped
+    assert not any("ended for length" in n for n in second.notes)  # said once
+
+
+def test_the_whole_request_is_timed_out_and_the_flag_named(scripted_server):
+    """--request-timeout bounded each wait for bytes alone: a stream trickling forever was never cut, and a cut
+    one said `ReadTimeout: `."""
+    import asyncio
+
+    from fastapi.responses import StreamingResponse
+
+    async def trickle():
+        for _ in range(50):
+            yield 'data: {"choices": [{"index": 0, "delta": {"content": "tok "}}]}\n\n'
+            await asyncio.sleep(0.05)
+
+    server = scripted_server(lambda body: StreamingResponse(trickle(), media_type="text/event-stream"))
+    record = one_answer(server, timeout_s=0.3, timeout_flag="--timeout-s")
+    assert record.error == ("no whole answer within --timeout-s 0.3 s; raise --timeout-s for longer answers or a "
+                            "slower server")
+    assert record.latency_s < 1.5
+
+
+@pytest.mark.parametrize("stream, reply, error", [
+    (True, "42", "the server sent a stream event that is not a JSON object: 42"),  # `data: 42`
+    (True, chat_chunks("a", "b")[:-1] + [{"choices": [], "usage": {"completion_tokens": None}}],
+     'the stream\'s usage gave no count of output tokens (usage: {"completion_tokens": null})'),
+    (False, [1, 2], "the server sent an answer that is not a JSON object: [1, 2]"),
+    (False, {"choices": [{"message": {"content": "a"}}], "usage": {"completion_tokens": None}},
+     "the answer's usage gave no count of output tokens"),
+])
+def test_malformed_replies_are_the_requests_error_not_a_crash(scripted_server, stream, reply, error):
+    record = one_answer(scripted_server(lambda body: sse(reply) if reply == "42" else reply), stream=stream)
+    assert record.error is not None and error in record.error
+
+
+def test_a_metrics_position_that_is_no_number_is_left_out_with_a_warning(scripted_server):
+    from dflash.bench.server import spec_decode_counters
+
+    text = ('vllm:spec_decode_num_drafts_total 4\nvllm:spec_decode_num_accepted_tokens_per_pos_total{position="0"} 3\n'
+            'vllm:spec_decode_num_accepted_tokens_per_pos_total{position="x"} 1\n')
+    assert spec_decode_counters(text).accepted_per_pos == [3]
+    [warning] = ServerBackend(config(scripted_server(answer_chat, metrics=text))).warnings
+    assert "position=['x'], not draft positions 0, 1, ...: those are left out of the acceptance histogram" in warning
+
+
+def test_a_base_model_refusing_chat_is_told_to_use_completions(scripted_server):
+    refusal = JSONResponse({"error": {"message": "this model's tokenizer has no chat template (a base model), so "
+                                                 "chat messages cannot be turned into its prompt; send the text to "
+                                                 "/v1/completions instead"}}, status_code=400)
+    server = scripted_server(lambda body: refusal)
+    with pytest.raises(UserError, match="warm-up request .* failed: HTTP 400: .*benchmark it with --endpoint "
+                                        "completions"):
+        ServerBackend(config(server, warmup_tokens=2)).run_level("gsm8k", SAMPLES[:1], 1)
