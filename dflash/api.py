@@ -48,7 +48,7 @@ from dflash.model.loading import (
     resolve_model_dir,
     trained_for,
 )
-from dflash.model.target import TargetModel, warn_unapplied_generation_options
+from dflash.model.target import TargetModel, check_compatible, warn_unapplied_generation_options
 
 ASSETS = Path(__file__).parent / "assets"
 DEFAULT_TARGET = ASSETS / "target"
@@ -101,8 +101,8 @@ class DFlash:
         family as a `TargetModel` (classic speculative decoding, one draft forward per draft token), or None to
         decode plainly (use `from_pretrained` to load them from paths or hub ids).
         `block_size`: tokens verified per step (at most a DFlash drafter's; a draft model's default is 5), None
-        for the drafter's own, or "auto"
-        to choose it before every step from timed step costs and the acceptance seen so far.
+        for the drafter's own, or "auto" to choose it every step from timed step costs and the acceptance seen so
+        far (for one greedy or seeded row, after drafting, from how sure the drafter is of each token).
         `chat_template_kwargs`: variables for the chat template on every chat prompt, e.g.
         `{"enable_thinking": False}` for Qwen3 (default: the template's own defaults).
         `drafter_precision`: a float32 DFlash drafter's matrix products: "auto" (bfloat16 on a CPU where a draft
@@ -112,6 +112,8 @@ class DFlash:
         the draft's first miss is likeliest (`decoding.branch`; a higher acceptance length for more tokens per
         forward)."""
         _check_models(target, drafter)
+        if isinstance(drafter, DFlashDraftModel):  # before the precision check below runs a draft on the target's head
+            check_compatible(target, drafter.config)
         check_drafter_precision(drafter_precision)
         self.target = target
         self.chat_template_kwargs = check_template_kwargs(chat_template_kwargs)
@@ -227,8 +229,8 @@ class DFlash:
     # ---- generation -----------------------------------------------------------------------------------
     def generate(self, prompt: Prompt, raw: bool = False, **options: Any) -> GenerationOutput:
         """Decode one prompt. Options are `GenerationConfig` fields: max_new_tokens, temperature, top_p, top_k,
-        seed, stop_token_ids, stop_strings, block_size. Returns a `GenerationOutput`: `output_ids` (the new
-        tokens), `text`, `finish_reason` ("stop" or "length") and `stats`."""
+        seed, stop_token_ids, stop_strings, block_size, branch_length. Returns a `GenerationOutput`: `output_ids`
+        (the new tokens), `text`, `finish_reason` ("stop" or "length") and `stats`."""
         _prompt_kind(prompt)  # what is wrong with a prompt that is none of the kinds, said about one prompt
         return self.generate_batch([prompt], raw=raw, **options)[0]
 

@@ -282,6 +282,16 @@ def test_a_seed_whose_noise_reaches_its_smallest_value_decodes_as_the_target_alo
     assert plain.generate(question, max_new_tokens=32, temperature=0.9, top_k=1, seed=3).output_ids == greedy
 
 
+@pytest.mark.parametrize("precision", ["auto", "bfloat16", "float32"])
+def test_a_drafter_of_another_width_is_refused_naming_the_mismatch_at_every_precision(tiny_pair, precision):
+    """The drafter precision's timing drafts with the target's LM head: it ran before the pair was checked, and a
+    drafter of another hidden size crashed there (shapes cannot be multiplied) instead of being refused."""
+    import dflash.api
+
+    with pytest.raises(UserError, match="this drafter does not fit this target: hidden size: drafter 256"):
+        DFlash.from_pretrained(tiny_pair[0], dflash.api.DEFAULT_DRAFT, drafter_precision=precision)
+
+
 def test_pipelines_decode_on_several_threads_at_once(pipe):
     """Each forward captures the target's features for its own thread: concurrent calls give what each gives alone."""
     import threading

@@ -65,9 +65,13 @@ def run(args: argparse.Namespace) -> int:
     prompt = read_prompt(args)
     options = _check_arguments(args, prompt)
     pipe = load_pipeline(args)
-    if args.system is not None and not getattr(pipe.tokenizer, "chat_template", None):
-        raise UserError("--system adds a message for the chat template, and this target's tokenizer has none; put the "
-                        "instructions at the start of the prompt instead")
+    if not args.raw and not getattr(pipe.tokenizer, "chat_template", None):
+        if args.system is not None:
+            raise UserError("--system adds a message for the chat template, and this target's tokenizer has none; put "
+                            "the instructions at the start of the prompt instead")
+        if args.enable_thinking is not None:
+            raise UserError("--enable-thinking sets a chat template variable, and this target's tokenizer has no chat "
+                            "template (a base model) to read it: drop the flag")
     prompt_ids = pipe.encode(_conversation(prompt, args.system), raw=args.raw)
     _check_room(pipe.engine, len(prompt_ids), args.max_new_tokens)  # before the warm-up asks for fewer tokens
     pipe.generate(prompt_ids, **{**options, "max_new_tokens": 2})  # warm-up, so timings are steady-state

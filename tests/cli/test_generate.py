@@ -304,6 +304,20 @@ def test_a_system_message_goes_before_the_prompt_through_the_chat_template(tiny_
     assert "--system adds a message for the chat template, and --raw" in capsys.readouterr().err
 
 
+@pytest.mark.parametrize("flag", [["--system", "Be brief."], ["--enable-thinking"], ["--no-enable-thinking"]])
+def test_chat_template_flags_for_a_base_model_are_refused_not_ignored(tiny_pair, tmp_path, capsys, flag):
+    import shutil
+
+    base = tmp_path / "base"
+    shutil.copytree(tiny_pair[0], base)
+    config = base / "tokenizer_config.json"
+    config.write_text(re.sub(r'"chat_template": "(?:[^"\\]|\\.)*",?', "", config.read_text()))
+    (base / "chat_template.jinja").unlink(missing_ok=True)
+    args = ["generate", "--target", str(base), "--no-draft", "--prompt", "How many?", "--max-new-tokens", "2"]
+    assert main([*args, *flag]) == 2
+    assert "chat template" in capsys.readouterr().err
+
+
 def test_a_prompt_files_or_the_inputs_one_final_line_break_is_dropped(tmp_path, monkeypatch):
     import argparse
 
