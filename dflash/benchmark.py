@@ -68,6 +68,12 @@ def to_bench_argv(argv: list[str]) -> list[str]:
               "drafter it was started with", file=sys.stderr)
     elif args.draft_model:
         out += ["--draft", args.draft_model]
+    block_size = args.block_size
+    if block_size is not None and server:  # the same: the server's block is its speculative config's
+        print(f"{PROG}: note: --block-size is not used with --backend {args.backend}: the server verifies the block "
+              "it was started with (vLLM: num_speculative_tokens + 1; SGLang: --speculative-num-draft-tokens)",
+              file=sys.stderr)
+        block_size = None
     max_samples, num_prompts = args.max_samples, args.num_prompts
     if not server and num_prompts is not None:  # in process, the reference's prompt count is the sample count
         if max_samples is not None and max_samples != num_prompts:
@@ -83,7 +89,7 @@ def to_bench_argv(argv: list[str]) -> list[str]:
                         "drop it for an in-process run")
     for flag, value in (("--max-samples", max_samples), ("--num-prompts", num_prompts),
                         ("--concurrency", args.concurrency), ("--base-url", args.base_url),
-                        ("--block-size", args.block_size), ("--max-new-tokens", args.max_new_tokens),
+                        ("--block-size", block_size), ("--max-new-tokens", args.max_new_tokens),
                         ("--temperature", args.temperature), ("--top-p", args.top_p), ("--top-k", args.top_k),
                         ("--request-timeout", args.timeout_s)):
         if value is not None:

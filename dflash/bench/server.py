@@ -501,6 +501,10 @@ def list_models(base_url: str, config: ServerConfig, flag: str) -> ModelList:
                if base_url.startswith("https://") and "ssl" in str(err).lower() else "")
         raise UserError(f"cannot connect to {url} ({in_brief(err)}): is the server running? check "
                         f"{flag}{tls}") from None
+    if response.is_redirect:  # a request to the new place would go out as a GET (301, 302): no answer to time
+        raise UserError(f"{url} answered HTTP {response.status_code}, a redirect to "
+                        f"{response.headers.get('location', '(no location given)')}: give {flag} the address the "
+                        "server answers at itself")
     if response.status_code in (401, 403):
         fix = ("the server rejected the key given (--api-key, or $OPENAI_API_KEY): pass the key it was started with"
                if config.api_key else "the server wants an API key; pass --api-key (or set $OPENAI_API_KEY)")

@@ -237,9 +237,9 @@ def test_reference_flags_map_onto_dflash_bench():
         "5", "--block-size", "16", "--max-new-tokens", "64", "--temperature", "0.0", "--no-enable-thinking",
         "--output-dir", "o"]
     assert to_bench_argv(["--backend", "vllm", "--base-url", "http://h/v1", "--model", "M", "--draft-model", "D",
-                          "--num-prompts", "8", "--concurrency", "1,8", "--enable-thinking"]) == [
+                          "--num-prompts", "8", "--concurrency", "1,8", "--enable-thinking", "--block-size", "16"]) == [
         "--backend", "server", "--dataset", "gsm8k", "--model", "M", "--num-prompts", "8", "--concurrency", "1,8",
-        "--base-url", "http://h/v1", "--enable-thinking"]  # the server's drafter is its own (a note says so)
+        "--base-url", "http://h/v1", "--enable-thinking"]  # the server's drafter and block are its own (notes say so)
     # as in the reference, thinking is off unless asked for; raw completions have no chat template to tell
     assert "--no-enable-thinking" not in to_bench_argv(["--backend", "vllm", "--endpoint", "completions"])
 

@@ -184,6 +184,19 @@ def test_a_refused_key_is_told_apart_from_a_missing_one(monkeypatch, key, messag
         ServerBackend(ServerConfig(base_url="http://h/v1", api_key=key)).run_level("gsm8k", SAMPLES, 1)
 
 
+def test_a_redirect_is_named_with_where_it_points(monkeypatch):
+    """httpx does not follow it (a POST redirected by 301 or 302 would come back as a GET): say where to point."""
+    import httpx
+
+    def moved(url, **kw):
+        return httpx.Response(301, headers={"location": "https://h/v1/models"}, request=httpx.Request("GET", url))
+
+    monkeypatch.setattr(httpx, "get", moved)
+    with pytest.raises(UserError, match="answered HTTP 301, a redirect to https://h/v1/models: give --base-url the "
+                                        "address the server answers at itself"):
+        ServerBackend(ServerConfig(base_url="http://h/v1")).run_level("gsm8k", SAMPLES, 1)
+
+
 def test_prometheus_parsing_of_vllm_and_dflash_names():
     text = "\n".join([
         "# HELP vllm:spec_decode_num_drafts_total Number of spec decoding drafts.",
