@@ -80,7 +80,7 @@ def test_a_drafter_precision_that_is_not_one_is_a_user_error(target):
 
 
 def test_forced_bfloat16_with_a_head_it_cannot_copy_says_what_to_use(target, monkeypatch):
-    head = torch.nn.Linear(target.hidden_size, 7, bias=True)
+    head = torch.nn.Linear(target.hidden_size, target.vocab_size, bias=True)  # a head with a bias
     monkeypatch.setattr(target.model, "get_output_embeddings", lambda: head)
     with pytest.raises(UserError, match="use drafter precision auto or float32"):
         DFlash(target, dflash2_drafter(target), drafter_precision="bfloat16")
