@@ -6,7 +6,9 @@ from __future__ import annotations
 import argparse
 
 from dflash.cli.common import int_list
-from dflash.training.config import load_config
+from dflash.training.config import TrainConfig, load_config
+
+DEFAULTS = TrainConfig()  # the values a flag left out takes (the flags themselves default to None: "not given")
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -22,8 +24,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--block-size", type=int,
                         help="tokens per block: the anchor + the draft tokens (default 16; with --init-from, the "
                              "drafter's own)")
-    parser.add_argument("--target-layer-ids", type=int_list,
-                        help="comma-separated target layer ids (default: the published formula)")
+    parser.add_argument("--target-layer-ids", type=int_list, metavar="IDS",
+                        help="comma-separated target layer ids, each in 0..(target layers - 1), e.g. 1,9,17 (default: "
+                             "the published formula); a value that starts with '-' is written --target-layer-ids=-1,3")
     parser.add_argument("--mask-token-id", type=int,
                         help="the id blocks are filled with: one that never occurs in text, not pad or eos (default: "
                              "the tokenizer's mask token, <|mask|>, or the first unused embedding row)")
@@ -41,14 +44,18 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="DFlash2: candidates per draft position (default 16; with --init-from a DFlash2 "
                              "drafter, its own)")
     parser.add_argument("--selector-loss-weight", type=float,
-                        help="DFlash2: weight of the selector's cross-entropy next to the block loss (default 1)")
-    parser.add_argument("--anchors-per-sequence", type=int)
+                        help="DFlash2: weight of the selector's cross-entropy next to the block loss (default "
+                             f"{DEFAULTS.selector_loss_weight:g})")
+    parser.add_argument("--anchors-per-sequence", type=int,
+                        help=f"blocks trained per sequence per step (default {DEFAULTS.anchors_per_sequence})")
     parser.add_argument("--anchor-policy", choices=["uniform", "decoding"],
                         help="where blocks start: 'uniform' (default) draws anchors at random in each response; "
                              "'decoding' first replays greedy decoding with the current drafter (one extra no-grad "
                              "block per step of it) and trains at its anchors, where blocks follow a miss, then "
                              "fills up with random anchors")
-    parser.add_argument("--loss-gamma", type=float)
+    parser.add_argument("--loss-gamma", type=float,
+                        help="decay of the loss weights along a block, exp(-(k-1)/gamma) at position k (default: 7 for "
+                             "block size 16, 5 for 10, 4 for 8)")
     parser.add_argument("--max-length", type=int,
                         help="tokens of prompt + response per example; longer ones are cut (default 3072, or the "
                              "target's context when shorter)")
@@ -63,28 +70,45 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--grad-accum", type=int,
                         help="forwards whose gradients add up before each optimizer step (default 1): a step then "
                              "trains --batch-size x --grad-accum x processes sequences, with the memory of one forward")
-    parser.add_argument("--lr", type=float)
-    parser.add_argument("--weight-decay", type=float)
-    parser.add_argument("--warmup-ratio", type=float)
+    parser.add_argument("--lr", type=float, help=f"peak learning rate of AdamW (default {DEFAULTS.lr:g})")
+    parser.add_argument("--weight-decay", type=float, help=f"AdamW's weight decay (default {DEFAULTS.weight_decay:g})")
+    parser.add_argument("--warmup-ratio", type=float,
+                        help="share of the steps spent warming the learning rate up, before its cosine decay "
+                             f"(default {DEFAULTS.warmup_ratio:g})")
     parser.add_argument("--grad-clip", type=float, help="largest gradient norm kept (default 1.0; 0: no clipping)")
-    parser.add_argument("--dtype", choices=["float32", "bfloat16"])
-    parser.add_argument("--seed", type=int)
-    parser.add_argument("--eval-fraction", type=float)
-    parser.add_argument("--eval-every", type=int)
+    parser.add_argument("--dtype", choices=["float32", "bfloat16"],
+                        help=f"precision of the drafter's forward: bfloat16 autocasts, the weights stay float32 "
+                             f"(default {DEFAULTS.dtype})")
+    parser.add_argument("--seed", type=int,
+                        help=f"seed of the drafter's initial weights, the held-out split, the data order and the "
+                             f"anchors (default {DEFAULTS.seed})")
+    parser.add_argument("--eval-fraction", type=float,
+                        help=f"share of --data held out for evaluation (default {DEFAULTS.eval_fraction:g}; 0: none)")
+    parser.add_argument("--eval-every", type=int,
+                        help=f"evaluate every N steps (default {DEFAULTS.eval_every}; 0: only at the end)")
     parser.add_argument("--eval-decoding-examples", type=int,
                         help="held-out responses replayed to measure eval_tau_decoding, the acceptance length "
                              "greedy decoding would get (default 64; 0 skips it)")
-    parser.add_argument("--log-every", type=int)
-    parser.add_argument("--checkpoint-every", type=int)
+    parser.add_argument("--log-every", type=int, help=f"log every N steps (default {DEFAULTS.log_every})")
+    parser.add_argument("--checkpoint-every", type=int,
+                        help=f"save a checkpoint every N steps (default {DEFAULTS.checkpoint_every}; 0: only at the "
+                             "end); the last step is always saved")
+    parser.add_argument("--keep-checkpoints", type=int,
+                        help=f"the newest checkpoints kept in OUTPUT/checkpoints, older ones deleted (default "
+                             f"{DEFAULTS.keep_checkpoints})")
     parser.add_argument("--feature-cache",
                         help="'memory' or a directory: reuse target features across epochs (a directory keeps a "
                              "manifest of the target, examples and feature layers, and refuses a run with others)")
     parser.add_argument("--resume", action=argparse.BooleanOptionalAction, default=None,
-                        help="continue from the newest checkpoint in OUTPUT/checkpoints (same data and batch size)")
+                        help="continue from the newest checkpoint in OUTPUT/checkpoints (same data and global batch, "
+                             "--batch-size x --grad-accum x processes, which may be split differently; changed "
+                             "settings such as --lr are named and take effect); a checkpoint at the last step is "
+                             "evaluated and exported")
     parser.add_argument("--overwrite", action="store_true", default=None,
-                        help="start afresh in an --output that holds an earlier run's checkpoints or a model: delete "
-                             "the checkpoints and train_log.jsonl first, and write the drafter over the model "
-                             "(without it such a run is refused)")
+                        help="start afresh in an --output that holds an earlier run's checkpoints or a model: once "
+                             "the run has set up, delete the checkpoints, train_log.jsonl and the model "
+                             "(config.json, weights, training_config.yaml), then train (without it such a run is "
+                             "refused)")
     parser.add_argument("--init-from", help="start from this drafter (directory or hub id) instead of random weights; "
                                             "its shape and mask token are kept; --target-layer-ids may add layers "
                                             "(their fc columns start at zero, so the drafter starts unchanged), "

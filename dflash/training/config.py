@@ -58,7 +58,7 @@ class TrainConfig:
     eval_decoding_examples: int = 64  # held-out responses replayed for eval_tau_decoding (0: skip it)
     log_every: int = 10
     checkpoint_every: int = 200
-    keep_checkpoints: int = 2
+    keep_checkpoints: int = 2  # the newest checkpoints kept in checkpoints/
     feature_cache: str | None = None  # "memory" or a directory: keep target features across epochs
     resume: bool = False
     overwrite: bool = False  # a fresh run into an output with an earlier run's checkpoints (deleted first) or a model
@@ -131,7 +131,7 @@ class TrainConfig:
             (self.checkpoint_every >= 0,
              f"--checkpoint-every must be >= 0 (0: only at the end), got {self.checkpoint_every}"),
             (self.keep_checkpoints >= 1,
-             f"keep_checkpoints (a --config option) must be >= 1, got {self.keep_checkpoints}"),
+             f"--keep-checkpoints must be >= 1, got {self.keep_checkpoints}"),
             (not (self.resume and self.overwrite), "--resume continues the checkpoints that --overwrite would delete; "
                                                    "pass one of them"),
         ]
@@ -182,6 +182,7 @@ def load_config(yaml_path: str | None = None, overrides: dict[str, Any] | None =
             raise UserError(f"{path} must be a YAML mapping of training options")
         values.update({str(k).replace("-", "_"): v for k, v in loaded.items()})
         _read_numbers(values)
+        _read_id_lists(values)
         _check_types(values, path)
     given = {k: v for k, v in (overrides or {}).items() if v is not None}
     if values.get("overwrite") and not given.get("overwrite"):  # a file exported before 2026-12-05 holds it
@@ -277,6 +278,19 @@ def _read_numbers(values: dict[str, Any]) -> None:
                 pass  # not a number: _check_types names it
 
 
+def _read_id_lists(values: dict[str, Any]) -> None:
+    """`target_layer_ids: "1,9,17"`, the form the flag takes, is the list [1, 9, 17]."""
+    text = values.get("target_layer_ids")
+    if isinstance(text, str):
+        items = [x.strip() for x in text.split(",")]
+        if items and items[-1] == "" and len(items) > 1:  # a trailing comma, as the flag allows
+            items.pop()
+        try:
+            values["target_layer_ids"] = [int(x) for x in items]
+        except ValueError:
+            pass  # not integers: _check_types names it
+
+
 def _types(kind: Any) -> tuple:
     return typing.get_args(kind) if typing.get_args(kind) else (kind,)
 
@@ -285,4 +299,5 @@ def _check_types(values: dict[str, Any], path: Path | str) -> None:
     for name, value in values.items():
         expected = type_mismatch(TrainConfig, name, value)
         if expected:
-            raise UserError(f"{path}: `{name}: {value!r}` should be {expected}")
+            example = " (e.g. [1, 9, 17], or \"1,9,17\" as the flag takes it)" if name == "target_layer_ids" else ""
+            raise UserError(f"{path}: `{name}: {value!r}` should be {expected}{example}")

@@ -87,12 +87,14 @@ def parameter_groups(drafter: DFlashDraftModel, lr: float) -> list[dict]:
 
 class StopRequest:
     """Ctrl-C (SIGINT) or SIGTERM while training asks the loop to stop after the current step, so it can save a
-    checkpoint of a consistent state; a second signal acts at once. Only the main thread can take signals."""
+    checkpoint of a consistent state; once the steps are done (`finishing`), the run goes on to its evaluation and
+    export. A second signal acts at once. Only the main thread can take signals."""
 
     SIGNALS = (signal.SIGINT, signal.SIGTERM)
 
     def __init__(self, announce: bool):
         self.requested = False
+        self.finishing = False  # every step has trained: what is left is the last checkpoint, evaluation, export
         self._announce = announce
         self._previous: dict[int, object] = {}
 
@@ -108,7 +110,11 @@ class StopRequest:
     def _handle(self, signum, frame) -> None:
         self.requested = True
         signal.signal(signum, self._previous[signum])  # the next one acts at once
-        if self._announce:
+        if self._announce and self.finishing:
+            print("dflash train: the last step has trained; finishing the run (its checkpoint, the final evaluation "
+                  "and the export; again to stop at once, and --resume exports the last step saved)", file=sys.stderr,
+                  flush=True)
+        elif self._announce:
             print("dflash train: stopping after this step to save a checkpoint (again to stop at once, losing the "
                   "steps since the last checkpoint)", file=sys.stderr, flush=True)
 
@@ -132,11 +138,16 @@ class Trainer:
         self.history: list[dict] = []
         self.trained_with: dict | None = None  # a resume with no step left: the checkpoint's settings, exported
         self._output_lock: DirectoryLock | None = None  # rank 0's, on --output from setup to the end of train
+        self._setup_log: list[dict] | None = None  # while setting up: the records train_log.jsonl gets if it succeeds
+        self._stopped = False  # a Ctrl-C stopped the run after a step, and `_stop` said where
 
     # ---- setup ----------------------------------------------------------------------------------------
     def setup(self) -> "Trainer":
+        """Everything before the first step. A setup that fails leaves --output as it found it: no directory it
+        created, no line in train_log.jsonl (what it logged is written only once it has succeeded)."""
         self._setup_distributed()
         created = self._check_directories()
+        self._setup_log = []
         try:
             self._lock_output()
             self._setup_output()
@@ -149,11 +160,13 @@ class Trainer:
                 self._load_latest_checkpoint()
             self._clear_earlier_run()
         except BaseException:  # a run that never started leaves no empty directories behind
+            self._setup_log = None
             self._unlock_output()
-            for directory in reversed(created):
-                with contextlib.suppress(OSError):
-                    directory.rmdir()  # only an empty one
+            _remove_empty(created)
             raise
+        logged, self._setup_log = self._setup_log, None
+        for record in logged:
+            self._write_log(record)
         return self
 
     def _setup_distributed(self) -> None:
@@ -203,17 +216,24 @@ class Trainer:
         for _, path, _ in wanted:  # each, with the missing folders above it
             missing = [p for p in (path, *path.parents) if not p.exists()]
             created += [p for p in reversed(missing) if p not in created]
-        for flag, path, advice in wanted:
-            _make_directory(flag, path, advice)
+        try:
+            for flag, path, advice in wanted:
+                _make_directory(flag, path, advice)
+        except BaseException:  # e.g. an uncreatable --feature-cache: --output's new directories go too
+            _remove_empty(created)
+            raise
         return created
 
     def _lock_output(self) -> None:
         """Two runs on one --output would write each other's checkpoints, prune them and mix their logs: the first
-        holds a lock on the directory until it ends, and a second is refused."""
-        if self.rank == 0:
+        holds a lock on the directory until it ends, and a second is refused (on every process)."""
+
+        def lock() -> None:
             self._output_lock = DirectoryLock(Path(self.config.output), (
                 f"another dflash train is writing {self.config.output}; let it finish (or stop it with Ctrl-C: it "
                 "saves a checkpoint to --resume from), or pass another --output"))
+
+        self._on_rank_0(lock)
 
     def _unlock_output(self) -> None:
         if self._output_lock is not None:
@@ -234,22 +254,29 @@ class Trainer:
         self._refuse_a_model_output(resumable=bool(found))
 
     def _clear_earlier_run(self) -> None:
-        """--overwrite: delete the earlier run's checkpoints and log, the last thing before training starts."""
+        """--overwrite: delete the earlier run's checkpoints, log and exported model, the last thing before training
+        starts. The model goes too: a run stopped before its own export must not leave the earlier drafter to load
+        beside its checkpoints (`dflash generate` then refuses the output and says how to export them)."""
         c = self.config
-        if c.resume or not c.overwrite or not self._checkpoints():
+        if c.resume or not c.overwrite:
+            return
+        exported = [Path(c.output) / name for name in EXPORTED_FILES]
+        if not self._checkpoints() and not any(p.is_file() for p in exported):
             return
         self._barrier()  # every process has set up (and looked) before any deletes
         if self.rank == 0:
-            shutil.rmtree(self.checkpoint_dir)
-            self.checkpoint_dir.mkdir()
-            (Path(c.output) / "train_log.jsonl").unlink(missing_ok=True)
+            if self._checkpoints():
+                shutil.rmtree(self.checkpoint_dir)
+                self.checkpoint_dir.mkdir()
+            for path in [*exported, Path(c.output) / "train_log.jsonl"]:
+                path.unlink(missing_ok=True)
         self._barrier()
 
     def _refuse_a_model_output(self, resumable: bool) -> None:
         """The export writes config.json and model.safetensors into --output: over another model only when
         --overwrite says so, or when a run resumes its own checkpoints there."""
         c, output = self.config, Path(self.config.output).resolve()
-        models = sorted(p.name for p in output.iterdir() if p.name == "config.json" or p.suffix in MODEL_SUFFIXES)
+        models = sorted(p.name for p in _model_files_in(output))
         if models and not c.overwrite and not resumable:
             raise UserError(f"--output {c.output} already holds a model ({', '.join(models)}) and no checkpoints of a "
                             "run to resume: training would write the drafter over it; pass another --output, or "
@@ -607,7 +634,9 @@ class Trainer:
                 walk_taus.append(walk_tau)
         max_norm = c.grad_clip or math.inf  # 0: no clipping (the norm is still measured)
         grad_norm = torch.nn.utils.clip_grad_norm_(self.drafter.parameters(), max_norm)
-        lr = self.scheduler.get_last_lr()[0]  # the rate this step took (after scheduler.step(): the next one's)
+        # the rate this step takes: the scheduler's record of it is stale after a resume that changed --lr or
+        # --max-steps, and after scheduler.step() it is the next step's
+        lr = self.optimizer.param_groups[0]["lr"]
         self.optimizer.step()
         self.scheduler.step()
         self.step += 1
@@ -631,20 +660,28 @@ class Trainer:
     # ---- the loop ------------------------------------------------------------------------------------------
     def train(self) -> dict:
         """Train to the last step, then checkpoint, evaluate and export. Ctrl-C (or SIGTERM) stops after the
-        current step with a checkpoint to --resume from, and raises KeyboardInterrupt; from the last step on, it
-        lets the run finish (a second one stops at once, the last step saved). The output is unlocked at the end."""
+        current step with a checkpoint to --resume from, and raises KeyboardInterrupt; once the last step has
+        trained, it lets the run finish. A second one stops at once and names the newest checkpoint. The output is
+        unlocked at the end."""
         self._log({"event": "start", "steps": self.total_steps, "train_examples": len(self.train_examples),
                    "eval_examples": len(self.eval_examples), "world_size": self.world,
                    "drafter": self.drafter_config.to_dict()})
         start = time.perf_counter()
+        stop = StopRequest(announce=self.rank == 0)
         try:
-            with StopRequest(announce=self.rank == 0) as stop:
+            with stop:
                 self._train_steps(stop)
-                self.save_checkpoint()  # the last step, before the final evaluation: an interrupt loses no step
+                stop.finishing = True
+                if self.trained_with is None:  # else no step ran: the newest checkpoint is this step, as it was
+                    self.save_checkpoint()  # the last step, before the final evaluation: an interrupt loses no step
                 final = {"step": self.step, "train_time_s": round(time.perf_counter() - start, 1)}
                 if self.eval_examples:
                     final.update(self.evaluate())
                 self.export()
+        except KeyboardInterrupt:  # SIGTERM's Terminated too
+            if stop.requested and not self._stopped:  # a second signal, at once: say what is kept
+                self._stopped_at_once()
+            raise
         finally:
             self._unlock_output()
         self._log({"event": "done", **final})
@@ -706,9 +743,32 @@ class Trainer:
         checkpoint = self.checkpoint_dir / f"step-{self.step:08d}"
         self._log({"event": "interrupted", "step": self.step, "checkpoint": str(checkpoint)})
         if self.rank == 0:
-            print(f"dflash train: stopped at step {self.step} and saved {checkpoint}; run the same command with "
-                  "--resume to continue", file=sys.stderr, flush=True)
+            print(f"dflash train: stopped at step {self.step} and saved {checkpoint}; {self._resume_advice()}",
+                  file=sys.stderr, flush=True)
+        self._stopped = True
         raise KeyboardInterrupt
+
+    def _stopped_at_once(self) -> None:
+        """A second Ctrl-C (or SIGTERM) stopped the run wherever it was: name the newest checkpoint, which --resume
+        continues from (or exports, when it is the last step)."""
+        checkpoints = self._checkpoints()
+        self._log({"event": "interrupted", "step": self.step,
+                   "checkpoint": str(checkpoints[-1]) if checkpoints else None})
+        if self.rank != 0:
+            return
+        if checkpoints:
+            step = int(checkpoints[-1].name.removeprefix("step-"))
+            print(f"dflash train: stopped at once; the newest checkpoint is {checkpoints[-1]} (step {step}): "
+                  f"{self._resume_advice(step)}", file=sys.stderr, flush=True)
+        else:
+            print("dflash train: stopped at once, before the first checkpoint: nothing is saved to resume from; rerun "
+                  "with --overwrite to start afresh", file=sys.stderr, flush=True)
+
+    def _resume_advice(self, step: int | None = None) -> str:
+        step = self.step if step is None else step
+        if step >= self.total_steps:
+            return "run the same command with --resume to evaluate and export it"
+        return "run the same command with --resume to continue from it"
 
     @torch.no_grad()
     def evaluate(self) -> dict:
@@ -763,9 +823,9 @@ class Trainer:
         finite = torch.stack([torch.isfinite(p).all() for p in self.drafter.parameters()]).all()
         if not finite:  # one host sync per checkpoint; the weights are the same on every process
             self._diverged(f"the drafter's weights are no longer finite numbers at step {self.step}")
-        if self.rank != 0:
-            self._barrier()
-            return
+        self._on_rank_0(self._write_checkpoint)
+
+    def _write_checkpoint(self) -> None:
         final = self.checkpoint_dir / f"step-{self.step:08d}"
         tmp = self.checkpoint_dir / f".tmp-step-{self.step:08d}"
         shutil.rmtree(tmp, ignore_errors=True)
@@ -793,7 +853,6 @@ class Trainer:
         os.replace(tmp, final)
         for old in self._checkpoints()[: -self.config.keep_checkpoints]:
             shutil.rmtree(old, ignore_errors=True)
-        self._barrier()
 
     def _checkpoints(self) -> list[Path]:
         """checkpoints/step-N, oldest first (only directories named as this trainer names them)."""
@@ -849,7 +908,7 @@ class Trainer:
             self.drafter.load_state_dict(state["drafter"])
             self.optimizer.load_state_dict(state["optimizer"])
             self.scheduler.load_state_dict(state["scheduler"])
-            self._continue_with_given_settings(state["config"])
+            self._continue_with_given_settings(state["config"], steps_left=state["step"] < self.total_steps)
         except UserError:
             raise
         except Exception as err:  # wrong types, shapes or keys fail in any of torch's or our ways
@@ -887,17 +946,23 @@ class Trainer:
             raise UserError(f"{checkpoint} cannot be resumed with this data order: {'; '.join(order)}. Resume with "
                             f"the data and options it was trained with, or {fresh}")
 
-    def _continue_with_given_settings(self, old: dict) -> None:
+    def _continue_with_given_settings(self, old: dict, steps_left: bool) -> None:
         """Settings that may change on resume take the values given now (lr and weight decay too, which the loaded
-        optimizer state would otherwise keep); a warning names every change."""
+        optimizer state would otherwise keep); a warning names every change. With no step left to train they change
+        nothing, and the warning says so (--max-steps and --epochs, which chose to stop here, are not named)."""
         c = self.config
-        changed = [f"{k} {old.get(k)!r} -> {getattr(c, k)!r}" for k in RESUMABLE_CHANGES if old.get(k) != getattr(c, k)]
+        names = RESUMABLE_CHANGES if steps_left else [k for k in RESUMABLE_CHANGES if k not in SCHEDULE_END]
+        changed = [f"{k} {old.get(k)!r} -> {getattr(c, k)!r}" for k in names if old.get(k) != getattr(c, k)]
         if absolute_if_local(old.get("target")) != absolute_if_local(c.target):  # the drafter learns its features
-            changed.insert(0, f"target {old.get('target')!r} -> {c.target!r} (the drafter now learns another model's "
-                              "features; if that is a mistake, stop and resume with the checkpoint's target)")
-        if changed:
+            changed.insert(0, f"target {old.get('target')!r} -> {c.target!r}" + (
+                " (the drafter now learns another model's features; if that is a mistake, stop and resume with the "
+                "checkpoint's target)" if steps_left else ""))
+        if changed and steps_left:
             self._warn(f"resuming with other settings than the checkpoint's: {'; '.join(changed)}; the run continues "
                        "with the new values")
+        elif changed:
+            self._warn(f"other settings than the checkpoint's: {'; '.join(changed)}; no step is left to train, so they "
+                       "change nothing: the checkpoint is evaluated and exported with the settings that trained it")
         self.scheduler.base_lrs = [c.lr * scale for scale in self.lr_scales]  # each group keeps its share of lr
         for group, scale, base in zip(self.optimizer.param_groups, self.lr_scales, self.scheduler.base_lrs):
             group["initial_lr"], group["lr_scale"], group["weight_decay"] = base, scale, c.weight_decay
@@ -905,7 +970,8 @@ class Trainer:
 
     def export(self) -> None:
         """The output directory in the public format (what this package, vLLM and SGLang load)."""
-        if self.rank == 0:
+
+        def write() -> None:
             trained_with = self.trained_with or self.config.portable_dict()
             try:
                 save_drafter(self.drafter, self.config.output)
@@ -914,7 +980,8 @@ class Trainer:
                 raise UserError(f"could not export the drafter into {self.config.output} ({in_brief(err)}; is the "
                                 f"disk full?); step {self.step} is saved in {self.checkpoint_dir}: free some space and "
                                 "rerun the same command with --resume to export it") from None
-        self._barrier()
+
+        self._on_rank_0(write)
 
     def cleanup(self) -> None:
         self._unlock_output()
@@ -925,6 +992,23 @@ class Trainer:
     def _barrier(self) -> None:
         if dist.is_initialized():
             dist.barrier()
+
+    def _on_rank_0(self, work) -> None:
+        """Run `work` on rank 0 alone; a UserError it raises is raised on every process, with its message (the
+        others would wait at the next barrier for a process that has stopped, and die with a traceback that buries
+        the message). Every process returns only once rank 0's work is done."""
+        problem = None
+        if self.rank == 0:
+            try:
+                work()
+            except UserError as err:
+                problem = str(err)
+        if self.world > 1:
+            shared = [problem]
+            dist.broadcast_object_list(shared, src=0, device=self.device if self.device.type == "cuda" else None)
+            problem = shared[0]
+        if problem is not None:
+            raise UserError(problem)
 
     def _sum_over_processes(self, values: list[float]) -> list[float]:
         """The sums of `values` over every process (one all-reduce); the values themselves in one process."""
@@ -938,11 +1022,17 @@ class Trainer:
         self.history.append(record)
         if self.rank != 0:
             return
+        if self._setup_log is not None:  # setting up: written once the setup has succeeded
+            self._setup_log.append(record)
+        else:
+            self._write_log(record)
+        if "drafter" not in record:
+            print(json.dumps(record), flush=True)
+
+    def _write_log(self, record: dict) -> None:
         Path(self.config.output).mkdir(parents=True, exist_ok=True)
         with open(Path(self.config.output) / "train_log.jsonl", "a") as f:
             f.write(json.dumps(record) + "\n")
-        if "drafter" not in record:
-            print(json.dumps(record), flush=True)
 
     def _note(self, message: str) -> None:
         self._log({"event": "note", "message": message})
@@ -958,7 +1048,21 @@ MODEL_SUFFIXES = (".safetensors", ".bin", ".pt", ".gguf")
 CHECKPOINT_KEYS = ("step", "drafter", "optimizer", "scheduler", "config", "drafter_config")
 
 RESUMABLE_CHANGES = ("lr", "weight_decay", "warmup_ratio", "grad_clip", "anchors_per_sequence", "anchor_policy",
-                     "loss_gamma", "distill_weight", "dtype", "max_steps", "epochs")  # the last two: the schedule's end
+                     "loss_gamma", "distill_weight", "selector_loss_weight", "dtype", "max_steps", "epochs")
+SCHEDULE_END = ("max_steps", "epochs")
+EXPORTED_FILES = ("config.json", "model.safetensors", "training_config.yaml")  # what `export` writes
+
+
+def _model_files_in(directory: Path) -> list[Path]:
+    """What makes `directory` a model: config.json and weight files."""
+    return [p for p in directory.iterdir() if p.name == "config.json" or p.suffix in MODEL_SUFFIXES]
+
+
+def _remove_empty(created: list[Path]) -> None:
+    """Remove the directories a failed setup created (parents first in `created`), those that are still empty."""
+    for directory in reversed(created):
+        with contextlib.suppress(OSError):
+            directory.rmdir()
 
 
 def _make_directory(flag: str, path: Path, instead: str) -> None:

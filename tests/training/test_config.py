@@ -30,7 +30,7 @@ REQUIRED = {"target": "t", "data": "d.jsonl", "output": "o"}
     ("selector_top_k", 8, "--selector-rank and --selector-top-k shape a DFlash2 drafter's selector: add --dflash2"),
     ("log_every", 0, "--log-every must be >= 1, got 0"),
     ("checkpoint_every", -1, "--checkpoint-every must be >= 0"),
-    ("keep_checkpoints", 0, "keep_checkpoints (a --config option) must be >= 1"),
+    ("keep_checkpoints", 0, "--keep-checkpoints must be >= 1, got 0"),
     ("weight_decay", -0.1, "--weight-decay must be a finite number >= 0"),
     ("weight_decay", math.inf, "--weight-decay must be a finite number >= 0, got inf"),
     ("loss_gamma", 0.0, "--loss-gamma must be > 0"),
@@ -150,3 +150,18 @@ def test_trust_remote_code_is_a_flag_never_read_from_a_file(tmp_path):
         load_config(str(path))
     assert load_config(str(path), {"trust_remote_code": True}).trust_remote_code is True
 
+
+
+@pytest.mark.parametrize("text, expected", [('"1,9,17"', [1, 9, 17]), ("'1, 9,'", [1, 9]), ("[1, 9, 17]", [1, 9, 17])])
+def test_target_layer_ids_may_be_written_in_the_yaml_as_the_flag_takes_them(tmp_path, text, expected):
+    yaml_path = tmp_path / "train.yaml"
+    yaml_path.write_text(f"target: t\ndata: d.jsonl\noutput: o\ntarget_layer_ids: {text}\n")
+    assert load_config(str(yaml_path), {}).target_layer_ids == expected
+
+
+def test_target_layer_ids_that_are_not_integers_say_how_to_write_them(tmp_path):
+    yaml_path = tmp_path / "train.yaml"
+    yaml_path.write_text("target: t\ndata: d.jsonl\noutput: o\ntarget_layer_ids: 1,a\n")
+    with pytest.raises(UserError, match=re.escape("`target_layer_ids: '1,a'` should be a list of integers or None "
+                                                  '(e.g. [1, 9, 17], or "1,9,17" as the flag takes it)')):
+        load_config(str(yaml_path), {})

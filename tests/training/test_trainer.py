@@ -1005,3 +1005,178 @@ def test_max_length_is_capped_at_the_context_decoding_reaches(tiny_pair, train_d
     assert trainer.config.max_length == 20
     assert "beyond the target's context of 20 tokens (its longrope rotary switches ...)" in capsys.readouterr().out
     trainer.cleanup()
+
+
+# ---- a refusal on every process, --overwrite's old export, a stop at once, a failed setup --------------------
+def test_a_refusal_on_rank_0_reaches_every_process(tiny_pair, train_data, tmp_path):
+    """The output lock is rank 0's: its refusal is every process's, each with the message (rank 1 waited at a
+    barrier for a process that had stopped, and died with a traceback that buried it)."""
+    from dflash.training.lock import DirectoryLock
+
+    out = tmp_path / "out"
+    out.mkdir()
+    held = DirectoryLock(out, "busy")  # another dflash train writing it
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    proc = subprocess.run(
+        [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", str(free_port()),
+         "-m", "dflash.cli.main", "train", "--target", str(tiny_pair[0]), "--data", str(train_data), "--output",
+         str(out), "--device", "cpu", "--max-steps", "1"],
+        capture_output=True, text=True, env=env, timeout=300,
+    )
+    held.release()
+    assert proc.returncode != 0
+    for rank in (0, 1):
+        assert f"dflash train [rank {rank}/2]: error: another dflash train is writing {out}" in proc.stderr
+    assert "Connection closed" not in proc.stderr and "[rank1]: Traceback" not in proc.stderr, proc.stderr[-3000:]
+
+
+def test_overwrite_removes_the_earlier_export_so_a_stopped_run_cannot_load_it(tiny_pair, train_data, tmp_path):
+    out = tmp_path / "out"
+    Trainer(config(tiny_pair, train_data, out, max_steps=1)).setup().train()
+    stopped = Trainer(config(tiny_pair, train_data, out, overwrite=True, seed=1, checkpoint_every=0)).setup()
+    assert not any((out / name).exists() for name in ("config.json", "model.safetensors", "training_config.yaml"))
+    original = stopped._train_step
+
+    def step_then_ctrl_c(indices, epoch):
+        stats = original(indices, epoch)
+        os.kill(os.getpid(), signal.SIGINT)
+        return stats
+
+    stopped._train_step = step_then_ctrl_c
+    with pytest.raises(KeyboardInterrupt):
+        stopped.train()
+    with pytest.raises(UserError, match="stopped before exporting the drafter .*--resume --max-steps 1"):
+        load_drafter(out)  # not the earlier run's drafter, silently
+
+
+def test_ctrl_c_after_the_last_step_finishes_the_run_and_says_so(tiny_pair, train_data, tmp_path, capsys,
+                                                                  monkeypatch):
+    out = tmp_path / "out"
+    trainer = Trainer(config(tiny_pair, train_data, out, max_steps=2)).setup()
+    evaluate = trainer.evaluate
+
+    def ctrl_c_then_evaluate():
+        os.kill(os.getpid(), signal.SIGINT)
+        return evaluate()
+
+    monkeypatch.setattr(trainer, "evaluate", ctrl_c_then_evaluate)
+    assert "eval_loss" in trainer.train()
+    assert "the last step has trained; finishing the run (its checkpoint, the final evaluation and the export" in \
+        capsys.readouterr().err
+    assert load_drafter(out).config.block_size == 4
+
+
+@pytest.mark.parametrize("at_step, said", [
+    (4, "the newest checkpoint is {out}/checkpoints/step-00000003 (step 3): run the same command with --resume to "
+        "continue from it"),
+    (2, "stopped at once, before the first checkpoint: nothing is saved to resume from"),
+])
+def test_a_second_ctrl_c_stops_at_once_and_names_the_checkpoint_to_resume_from(tiny_pair, train_data, tmp_path,
+                                                                                 capsys, at_step, said):
+    out = tmp_path / "out"
+    trainer = Trainer(config(tiny_pair, train_data, out)).setup()  # checkpoints at step 3; 6 steps
+    original = trainer._train_step
+
+    def step_then_two_ctrl_cs(indices, epoch):
+        stats = original(indices, epoch)
+        if trainer.step == at_step:
+            os.kill(os.getpid(), signal.SIGINT)
+            os.kill(os.getpid(), signal.SIGINT)  # the second acts at once
+        return stats
+
+    trainer._train_step = step_then_two_ctrl_cs
+    with pytest.raises(KeyboardInterrupt):
+        trainer.train()
+    assert said.format(out=out) in capsys.readouterr().err
+
+
+def test_a_second_ctrl_c_in_the_final_evaluation_says_resume_exports_the_last_step(tiny_pair, train_data, tmp_path,
+                                                                                    capsys, monkeypatch):
+    out = tmp_path / "out"
+    trainer = Trainer(config(tiny_pair, train_data, out, max_steps=2)).setup()
+
+    def two_ctrl_cs():
+        os.kill(os.getpid(), signal.SIGINT)
+        os.kill(os.getpid(), signal.SIGINT)
+
+    monkeypatch.setattr(trainer, "evaluate", two_ctrl_cs)
+    with pytest.raises(KeyboardInterrupt):
+        trainer.train()
+    assert (f"the newest checkpoint is {out}/checkpoints/step-00000002 (step 2): run the same command with --resume "
+            "to evaluate and export it") in capsys.readouterr().err
+
+
+def test_a_resume_names_a_changed_selector_weight_and_logs_the_new_rate(tiny_pair, train_data, tmp_path, capsys):
+    options = dict(dflash2=True, selector_rank=8, selector_top_k=4, checkpoint_every=0, log_every=1)
+    out = tmp_path / "out"
+    Trainer(config(tiny_pair, train_data, out, max_steps=3, **options)).setup().train()
+    resumed = Trainer(config(tiny_pair, train_data, out, max_steps=5, lr=1e-3, selector_loss_weight=0.5, resume=True,
+                             **options)).setup()
+    assert "selector_loss_weight 1.0 -> 0.5" in capsys.readouterr().err
+    resumed.train()
+    rule = resumed.scheduler.lr_lambdas[0]  # the new schedule: 5 steps at 1e-3
+    logged = [json.loads(line) for line in (out / "train_log.jsonl").read_text().splitlines()]
+    rates = {r["step"]: r["lr"] for r in logged if "lr" in r and "step" in r}
+    assert rates[4] == pytest.approx(1e-3 * rule(3)) and rates[5] == pytest.approx(1e-3 * rule(4))
+
+
+def test_exporting_a_run_stopped_early_keeps_its_settings_and_says_nothing_trains(tiny_pair, train_data, tmp_path,
+                                                                                  capsys):
+    out = tmp_path / "out"
+    stopped = Trainer(config(tiny_pair, train_data, out, max_steps=8)).setup()  # a checkpoint at step 3
+    original = stopped._train_step
+
+    def stop_at_step_4(indices, epoch):
+        if stopped.step == 3:
+            raise KeyboardInterrupt
+        return original(indices, epoch)
+
+    stopped._train_step = stop_at_step_4
+    with pytest.raises(KeyboardInterrupt):
+        stopped.train()
+    state = out / "checkpoints" / "step-00000003" / "training_state.pt"
+    capsys.readouterr()
+    for _ in range(2):  # exported twice: the same settings, the checkpoint untouched
+        Trainer(config(tiny_pair, train_data, out, max_steps=3, resume=True)).setup().train()
+        err = capsys.readouterr().err
+        assert "continues with the new values" not in err and "max_steps" not in err
+        assert yaml.safe_load((out / "training_config.yaml").read_text())["max_steps"] == 8
+        assert torch.load(state, weights_only=False)["config"]["max_steps"] == 8
+    Trainer(config(tiny_pair, train_data, out, max_steps=3, lr=1e-3, resume=True)).setup().train()
+    assert ("other settings than the checkpoint's: lr 0.003 -> 0.001; no step is left to train, so they change "
+            "nothing") in capsys.readouterr().err
+
+
+def test_a_refused_setup_leaves_the_output_as_it_found_it(tiny_pair, train_data, tmp_path, capsys):
+    data = tmp_path / "data.jsonl"
+    empty = {"id": 99, "messages": [], "prompt_ids": [5, 6, 7], "response_ids": []}
+    data.write_text(train_data.read_text() + json.dumps(empty) + "\n")  # a warning, written before the refusal
+    out = tmp_path / "fresh"
+    with pytest.raises(UserError, match="only 14 training examples"):
+        Trainer(config(tiny_pair, data, out, batch_size=16)).setup()
+    assert "records are left out" in capsys.readouterr().err
+    assert not out.exists()
+    earlier = tmp_path / "earlier"
+    Trainer(config(tiny_pair, data, earlier, max_steps=1)).setup().train()
+    log = (earlier / "train_log.jsonl").read_text()
+    with pytest.raises(UserError, match="only 14 training examples"):
+        Trainer(config(tiny_pair, data, earlier, batch_size=16, max_steps=1, resume=True)).setup()
+    assert (earlier / "train_log.jsonl").read_text() == log
+    (tmp_path / "a_file").write_text("")
+    with pytest.raises(UserError, match="--feature-cache .*cannot be created"):
+        Trainer(config(tiny_pair, train_data, out, feature_cache=str(tmp_path / "a_file" / "x"))).setup()
+    assert not out.exists()
+
+
+def test_every_tuning_flag_shows_its_default_and_the_help_says_what_a_resume_needs(capsys):
+    from dflash.cli.main import build_parser
+
+    actions = {a.dest: a for a in build_parser().commands["train"]._actions}
+    for name in ("anchors_per_sequence", "lr", "weight_decay", "warmup_ratio", "loss_gamma", "dtype", "seed",
+                 "eval_fraction", "eval_every", "log_every", "checkpoint_every", "keep_checkpoints"):
+        assert "default" in (actions[name].help or ""), name
+    assert "(default 0.0006)" in actions["lr"].help
+    assert "global batch" in actions["resume"].help
+    assert "--target-layer-ids=-1,3" in actions["target_layer_ids"].help
+    assert main(["train", "--data", "d.jsonl", "--output", "o", "--keep-checkpoints", "0"]) == 2
+    assert "--keep-checkpoints must be >= 1, got 0" in capsys.readouterr().err
