@@ -19,7 +19,7 @@ class BenchResult:
 
     dataset: str
     backend: str  # "local" or "server"
-    num_prompts: int  # conversations sent (an mt-bench conversation has two turns); a server: over all rounds
+    num_prompts: int  # conversations sent (an mt-bench conversation has two turns); a server: in each round
     num_requests: int  # generations: one per turn
     distinct_prompts: int | None = None  # distinct samples among the conversations (fewer: prompts repeated)
     drafter: str = "DFlash"  # what drafted: "DFlash" or DRAFT_MODEL (classic; a server says so in its metrics)

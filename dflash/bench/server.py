@@ -644,6 +644,7 @@ class ServerBackend:
         counters = after - before if before is not None and after is not None else None
         result = summarize_load(dataset, pooled(loads), pooled(bases) if bases else None, counters, cfg,
                                 concurrency)
+        result.num_prompts = round(statistics.mean(load.conversations for load in loads))  # a round's, as asked
         result.drafter = self.drafter
         speedups = [ratio(_throughput(fast), _throughput(base)) for fast, base in zip(loads, bases)]
         if len(speedups) > 1 and None not in speedups and result.speedup is not None:  # a round without baseline

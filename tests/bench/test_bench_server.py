@@ -137,6 +137,8 @@ def test_rounds_alternate_which_server_goes_first_and_take_the_median_speedup(op
     result = backend.run_level("gsm8k", SAMPLES[:2], 1)
     assert order == list("DDPPPPDDDDPP")  # DFlash first, then plain first, then DFlash first
     assert result.num_requests == 6 and result.baseline_output_tokens > 0 and result.mismatches == 0
+    # a round's conversations, each a distinct prompt: no "distinct" column for prompts that did not repeat
+    assert result.num_prompts == 2 and result.distinct_prompts == 2 and "distinct" not in markdown([result], {})
     assert len(result.speedup_per_round) == 3
     assert result.speedup == sorted(result.speedup_per_round)[1]
     assert sum(result.acceptance_histogram) == dflash_server.tally.drafts  # counters of all three rounds
