@@ -115,6 +115,23 @@ def test_plots_have_titles_whole_number_ticks_and_a_label_for_every_line():
         plt.close(figure)
 
 
+def test_the_histograms_title_sits_above_every_panel():
+    """With many panels (20 results: a sweep over datasets and block sizes) the title overlapped the top row."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    results = [local(name, block_size=b) for name in ("gsm8k", "math500", "humaneval", "mbpp", "mt-bench")
+               for b in (2, 4, 8, 16)]
+    figure = plot_histograms(results)
+    figure.canvas.draw()
+    renderer = figure.canvas.get_renderer()
+    title = figure._suptitle.get_window_extent(renderer)
+    assert all(ax.get_tightbbox(renderer).y1 <= title.y0 for ax in figure.axes[:3])
+    plt.close(figure)
+
+
 def test_the_legend_explains_the_speedup_range_only_where_rounds_give_one():
     plain = markdown([local("gsm8k")], {})
     assert "speedup: DFlash tok/s / baseline tok/s; tau" in plain and "min-max" not in plain
