@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import os
 import platform
-from contextlib import nullcontext
+from contextlib import nullcontext, suppress
 from dataclasses import asdict, dataclass, field
 from typing import TYPE_CHECKING, Iterator
 
@@ -67,6 +67,7 @@ def run_bench(config: BenchConfig, pipe=None, console: Console | None = None,
     if config.output_dir:
         report.write_outputs([], config.output_dir, info)  # this run's config; no stale results or plots
     results: list[BenchResult] = []
+    written = 0  # results the output directory holds whole (its plots included)
     try:
         for result in runs:
             add_costs([result], config.gpu_hourly_usd)
@@ -74,7 +75,10 @@ def run_bench(config: BenchConfig, pipe=None, console: Console | None = None,
             if config.output_dir:
                 info["runs_finished"] = f"{len(results)} of {planned_runs(config)}"  # a stopped run says so
                 report.write_outputs(results, config.output_dir, info)
+                written = len(results)
     except (Exception, KeyboardInterrupt) as err:
+        if isinstance(err, KeyboardInterrupt) and config.output_dir and written < len(results):
+            _write_again(results, config, info)  # Ctrl-C came while the files were written: plots lagged
         _show_partial(results, config, err, console, stdout)
         raise
     report.print_table(results, stdout)
@@ -83,6 +87,13 @@ def run_bench(config: BenchConfig, pipe=None, console: Console | None = None,
         console.print(f"wrote results.json, results.md, config.json and plots to {config.output_dir}",
                       soft_wrap=True, highlight=False)
     return results
+
+
+def _write_again(results: list[BenchResult], config: BenchConfig, info: dict) -> None:
+    """Finish the write an interrupt cut short (each file is replaced whole, but results.json could be one run ahead
+    of the plots); a second Ctrl-C leaves them as they are."""
+    with suppress(Exception, KeyboardInterrupt):
+        report.write_outputs(results, config.output_dir, info)
 
 
 def planned_runs(config: BenchConfig) -> int:

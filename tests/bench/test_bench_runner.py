@@ -38,6 +38,27 @@ def test_ctrl_c_keeps_the_finished_datasets(tiny_pair, data_dir, tmp_path, monke
     assert captured.err.rstrip().endswith("dflash bench: interrupted")
 
 
+def test_ctrl_c_while_the_plots_are_drawn_leaves_them_as_the_results(tiny_pair, data_dir, tmp_path, monkeypatch,
+                                                                      capsys):
+    """Drawing the plots takes seconds once there are many results: a Ctrl-C then left results.json a run ahead of
+    them, while the message said they were saved."""
+    from dflash.bench import report
+
+    real, drawn = report.write_plots, []
+
+    def interrupted_while_drawing_the_second(results, out):
+        drawn.append(len(results))
+        if drawn == [0, 1, 2]:  # the run's start (no results yet), gsm8k, then humaneval
+            raise KeyboardInterrupt
+        return real(results, out)
+
+    monkeypatch.setattr(report, "write_plots", interrupted_while_drawing_the_second)
+    out = tmp_path / "out"
+    assert main(local_argv(tiny_pair, data_dir, out, "--dataset", "gsm8k,humaneval,math500")) == 130
+    assert [r["dataset"] for r in json.loads((out / "results.json").read_text())] == ["gsm8k", "humaneval"]
+    assert drawn == [0, 1, 2, 2]  # drawn again, whole, after the interrupt
+
+
 def test_a_server_lost_midway_keeps_the_finished_levels(openai_server, data_dir, tmp_path, monkeypatch, capsys):
     running = openai_server()
     real = server.ServerBackend.run_level
