@@ -121,13 +121,14 @@ def hashed_exponentials(key: int, vocab: int, device: torch.device | str = "cpu"
     key + (x + 1) * golden, their top 24 bits a uniform in (0, 1), E = -log(u). Integers all the way to the
     logarithm, so the same on every device, and no generator's 32-bit seed between the key and the noise.
 
-    u and its logarithm are taken in float64: in float32 the largest u, 1 - 2**-25, rounds to 1, and E = 0 made
-    p / E NaN for a token of probability 0 (which argmax then chose) and infinite for any other (which could then
-    never be drawn), at about vocab / 2**24 of the positions: one in 110 for Qwen3's vocabulary."""
+    u stays below 1: in float32 the largest, 1 - 2**-25, rounds to 1, and E = 0 made p / E NaN for a token of
+    probability 0 (which argmax then chose) and infinite for any other (which could then never be drawn), at about
+    vocab / 2**24 of the positions: one in 110 for Qwen3's vocabulary. It is held at the float32 just below 1
+    (float32 throughout: Apple's MPS has no float64)."""
     counters = torch.arange(1, vocab + 1, dtype=torch.int64, device=device) * _signed(_GOLDEN) + _signed(key)
-    bits = _shift_right(_mix64_tensor(counters), 40)  # (vocab,) in [0, 2**24)
-    uniform = (bits.double() + 0.5) * 2.0 ** -24  # in [2**-25, 1 - 2**-25]: exact in float64
-    return (-torch.log(uniform)).float()  # > 0 (the smallest, 2.98e-8, is a normal float32)
+    bits = _shift_right(_mix64_tensor(counters), 40)  # (vocab,) in [0, 2**24): exact in float32
+    uniform = ((bits.float() + 0.5) * 2.0 ** -24).clamp_(max=1 - 2.0 ** -24)  # the top pattern rounds to 1 else
+    return -torch.log(uniform)  # > 0: the smallest, -log(1 - 2**-24) = 5.96e-8, is a normal float32
 
 
 class PositionNoise:
