@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import ipaddress
 import json
 import math
 import re
@@ -89,6 +90,12 @@ class RequestRecord:
     error: str | None = None
     ttft_s: float | None = None  # streamed requests: until the first chunk holding text
     finish_reason: str | None = None  # as the server gave it: "stop", "length", ...
+    content: str | None = None  # the answer without the reasoning a server split off (None: all of `text`)
+
+    @property
+    def reply(self) -> str:
+        """What a client keeps of the answer in the conversation: its content, not its reasoning."""
+        return self.text if self.content is None else self.content
 
     @property
     def tpot_s(self) -> float | None:
@@ -214,12 +221,16 @@ def server_root(url: str) -> str:
 
 
 def same_server(url: str, other: str) -> bool:
-    """Whether two API roots are one server: the same port and path, on host names that resolve to a shared
-    address (localhost and 127.0.0.1; http://h:8000 and http://h:8000/v1)."""
+    """Whether two API roots are one server: the same port and path on one host (http://h:8000 and
+    http://h:8000/v1), or on two names for this machine (localhost and 127.0.0.1). Two names that share an address
+    elsewhere may be two services behind one load balancer, told apart by name: they are not taken as one."""
     mine, theirs = urlsplit(server_root(url)), urlsplit(server_root(other))
     if (mine.scheme, _port(mine), mine.path) != (theirs.scheme, _port(theirs), theirs.path):
         return False
-    return mine.hostname == theirs.hostname or bool(_addresses(mine.hostname) & _addresses(theirs.hostname))
+    if mine.hostname == theirs.hostname:
+        return True
+    here = [_addresses(mine.hostname), _addresses(theirs.hostname)]
+    return all(here) and all(ipaddress.ip_address(a.split("%")[0]).is_loopback for a in here[0] | here[1])
 
 
 def _port(parts) -> int | None:
@@ -311,7 +322,7 @@ class Client:
             records.append(record)
             if record.error is not None:
                 break
-            messages.append({"role": "assistant", "content": record.text})
+            messages.append({"role": "assistant", "content": record.reply})
         return records
 
     async def request(self, http: httpx.AsyncClient, messages: list[dict], sample_id: str, turn: int,
@@ -343,16 +354,17 @@ class Client:
             return RequestRecord(sample_id, turn, latency, 0, "", _http_error(response.status_code, response.text))
         data = _json_object(response.json(), "an answer")
         tokens = _completion_tokens(data.get("usage"))
-        text, finish = _choice_text(data, self.config.endpoint), _finish_reason(data)
+        (text, content), finish = _choice_text(data, self.config.endpoint), _finish_reason(data)
         if tokens is None:
             return RequestRecord(sample_id, turn, latency, 0, text, _no_usage(data.get("usage"), "answer"))
-        return RequestRecord(sample_id, turn, latency, tokens, text, finish_reason=finish)
+        return RequestRecord(sample_id, turn, latency, tokens, text, finish_reason=finish, content=content)
 
     async def _streamed(self, http: httpx.AsyncClient, url: str, body: dict, sample_id: str, turn: int,
                         start: float) -> RequestRecord:
         """One request as server-sent events; the token count comes from the usage chunk the stream ends with."""
         body = {**body, "stream": True, "stream_options": {"include_usage": True}}
         pieces: list[str] = []
+        contents: list[str] = []  # the pieces less the reasoning
         ttft = usage = finish = None
         async with http.stream("POST", url, json=body, headers=self.headers, timeout=self.config.timeout_s) as response:
             if response.status_code != 200:
@@ -363,10 +375,11 @@ class Client:
                 if "error" in chunk:
                     return RequestRecord(sample_id, turn, time.perf_counter() - start, 0, "".join(pieces),
                                          f"error event in the stream: {_cut(str(chunk['error']))}")
-                piece = _chunk_text(chunk, self.config.endpoint)
+                piece, content = _chunk_text(chunk, self.config.endpoint)
                 if piece and ttft is None:
                     ttft = time.perf_counter() - start
                 pieces.append(piece)
+                contents.append(content)
                 usage = chunk["usage"] if isinstance(chunk.get("usage"), dict) else usage
                 finish = _finish_reason(chunk) or finish
         latency = time.perf_counter() - start
@@ -374,7 +387,8 @@ class Client:
         if tokens is None:
             error = NO_STREAM_USAGE if usage is None or "completion_tokens" not in usage else _no_usage(usage, "stream")
             return RequestRecord(sample_id, turn, latency, 0, "".join(pieces), error)
-        return RequestRecord(sample_id, turn, latency, tokens, "".join(pieces), ttft_s=ttft, finish_reason=finish)
+        return RequestRecord(sample_id, turn, latency, tokens, "".join(pieces), ttft_s=ttft, finish_reason=finish,
+                             content="".join(contents))
 
     def payload(self, messages: list[dict], seed: int) -> tuple[str, dict]:
         body = {"model": self.model, "max_tokens": self.config.max_new_tokens,
@@ -404,7 +418,8 @@ def _json_object(data, what: str) -> dict:
 def _completion_tokens(usage) -> int | None:
     """usage.completion_tokens, when it is a count."""
     tokens = usage.get("completion_tokens") if isinstance(usage, dict) else None
-    return int(tokens) if isinstance(tokens, (int, float)) and not isinstance(tokens, bool) and tokens >= 0 else None
+    counted = isinstance(tokens, (int, float)) and not isinstance(tokens, bool) and math.isfinite(tokens)
+    return int(tokens) if counted and tokens >= 0 else None
 
 
 def _no_usage(usage, where: str) -> str:
@@ -423,28 +438,32 @@ def _finish_reason(data: dict) -> str | None:
     return reason if isinstance(reason, str) else None
 
 
-def _message_text(message) -> str:
-    """A chat message's or delta's text: the reasoning a server's reasoning parser splits off (vLLM, SGLang:
-    `reasoning_content`, or `reasoning`) and then the content. Both are decoded tokens, timed and compared alike."""
+def _message_text(message) -> tuple[str, str]:
+    """A chat message's or delta's (text, content): the text is the reasoning a server's reasoning parser splits
+    off (vLLM, SGLang: `reasoning_content`, or `reasoning`) and then the content, decoded tokens alike, timed and
+    compared; the content alone goes back to the server in the conversation, as clients send it."""
     if not isinstance(message, dict):
-        return ""
+        return "", ""
     reasoning = message.get("reasoning_content") or message.get("reasoning")
-    return "".join(part for part in (reasoning, message.get("content")) if isinstance(part, str))
+    content = message.get("content") if isinstance(message.get("content"), str) else ""
+    return (reasoning if isinstance(reasoning, str) else "") + content, content
 
 
-def _choice_text(data: dict, endpoint: str) -> str:
+def _choice_text(data: dict, endpoint: str) -> tuple[str, str]:
     choice = _first_choice(data)
     if endpoint == "chat":
         return _message_text(choice.get("message"))
-    return choice.get("text") if isinstance(choice.get("text"), str) else ""
+    text = choice.get("text") if isinstance(choice.get("text"), str) else ""
+    return text, text
 
 
-def _chunk_text(chunk: dict, endpoint: str) -> str:
-    """The text a streamed chunk adds (the usage chunk at the end has no choices)."""
+def _chunk_text(chunk: dict, endpoint: str) -> tuple[str, str]:
+    """The (text, content) a streamed chunk adds (the usage chunk at the end has no choices)."""
     choice = _first_choice(chunk)
     if endpoint == "chat":
         return _message_text(choice.get("delta"))
-    return choice.get("text") if isinstance(choice.get("text"), str) else ""
+    text = choice.get("text") if isinstance(choice.get("text"), str) else ""
+    return text, text
 
 
 async def _sse_chunks(response: httpx.Response):

@@ -415,18 +415,40 @@ def test_reasoning_text_counts_as_answer_text(scripted_server, stream):
         return {"choices": [{"index": 0, "message": {"reasoning_content": "think more hmm ", "content": "42"}}],
                 "usage": {"completion_tokens": 4}}
 
-    record = one_answer(scripted_server(reasoning), stream=stream)
+    server = scripted_server(reasoning)
+    record = one_answer(server, stream=stream)
     assert record.error is None and record.text == "think more hmm 42"
     assert (record.ttft_s is not None) == stream
+    # a second turn (mt-bench) sends back the content alone, as clients do: not the reasoning
+    import asyncio
+
+    from dflash.bench.server import Client
+
+    cfg = config(server, stream=stream)
+    first, second = asyncio.run(_conversation(Client(cfg.base_url, cfg, "fake"), SAMPLES[2]))
+    assert first.text == second.text == "think more hmm 42"
+    assert server.app.state.requests[-1]["messages"][1] == {"role": "assistant", "content": "42"}
 
 
-def test_one_server_spelled_two_ways_is_refused_and_a_drafting_baseline_warned_of(scripted_server):
+async def _conversation(client, sample):
+    import httpx
+
+    async with httpx.AsyncClient(timeout=30) as http:
+        return await client.conversation(http, sample, seed=0)
+
+
+def test_one_server_spelled_two_ways_is_refused_and_a_drafting_baseline_warned_of(scripted_server, monkeypatch):
     from dflash.bench.server import same_server
 
     assert same_server("http://localhost:8000", "http://127.0.0.1:8000/v1/")
     assert same_server("http://LOCALHOST:80/v1", "http://127.0.0.1/v1")
     assert not same_server("http://localhost:8000/v1", "http://127.0.0.1:8001/v1")
     assert not same_server("http://127.0.0.1:8000/a/v1", "http://127.0.0.1:8000/b/v1")  # a proxy's two mounts
+    # two services behind one load balancer share its address and are told apart by name
+    monkeypatch.setattr("dflash.bench.server._addresses", lambda host: {"203.0.113.7"})
+    assert not same_server("https://dflash.example/v1", "https://plain.example/v1")
+    assert same_server("https://dflash.example/v1", "https://DFLASH.example:443/v1/")
+    monkeypatch.undo()
     server = scripted_server(answer_chat, metrics="dflash:spec_decode_num_drafts_total 1\n")
     with pytest.raises(UserError, match="--baseline-url and --base-url name the same server"):
         ServerBackend(config(server, baseline_url=server.base_url.replace("127.0.0.1", "localhost")[:-3]))
@@ -500,3 +522,12 @@ def test_a_base_model_refusing_chat_is_told_to_use_completions(scripted_server):
     with pytest.raises(UserError, match="warm-up request .* failed: HTTP 400: .*benchmark it with --endpoint "
                                         "completions"):
         ServerBackend(config(server, warmup_tokens=2)).run_level("gsm8k", SAMPLES[:1], 1)
+
+
+def test_a_token_count_that_is_no_finite_number_is_no_count():
+    """json.loads reads a server's Infinity as a float, and int(inf) raised OverflowError: a traceback."""
+    from dflash.bench.server import _completion_tokens
+
+    assert _completion_tokens({"completion_tokens": float("inf")}) is None
+    assert _completion_tokens({"completion_tokens": float("nan")}) is None
+    assert _completion_tokens({"completion_tokens": 7}) == 7 and _completion_tokens({"completion_tokens": -1}) is None
