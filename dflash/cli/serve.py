@@ -46,9 +46,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                      help="larger request bodies are answered 413 (default: 4 MiB)")
     net.add_argument("--generation-config", default="auto", metavar="auto|vllm|DIR",
                      help="what a request that leaves out temperature, top_p or top_k gets: auto = what the "
-                     "target's generation_config.json sets, whose max_new_tokens also caps max_tokens (as vLLM and "
-                     "SGLang do by default); vllm (or openai) = OpenAI's defaults; DIR = the generation_config.json "
-                     "in that directory (default: auto)")
+                     "target's generation_config.json sets (as vLLM and SGLang do by default), whose max_new_tokens "
+                     "also caps max_tokens (as vLLM does); vllm (or openai) = OpenAI's defaults; DIR = the "
+                     "generation_config.json in that directory (default: auto)")
     net.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
     fb = parser.add_argument_group("adaptive drafting (a fallback to plain decoding, and the block size of each step)")
     fb.add_argument("--fallback-min-acceptance", type=_threshold, default="auto", metavar="TAU|auto",

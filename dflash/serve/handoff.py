@@ -181,7 +181,9 @@ def vllm_command(target: str, draft: str | None, block_size: int, options: Hando
     cmd += ["--trust-remote-code"] if options.trust_remote_code else []
     if options.generation_config != "auto":
         neutral = options.generation_config in NEUTRAL_CHOICES
-        cmd += ["--generation-config", "vllm" if neutral else options.generation_config]
+        # a directory as vLLM must find it from wherever the command runs: `~` and a relative path resolved here
+        directory = "vllm" if neutral else str(Path(options.generation_config).expanduser().resolve())
+        cmd += ["--generation-config", directory]
     env = {VLLM_API_KEY_ENV: options.api_key} if options.api_key is not None else {}
     return EngineCommand(cmd, env)
 

@@ -3,10 +3,11 @@
 vLLM (`--generation-config auto`, its default) and SGLang (`--sampling-defaults model`, its default) take these
 from the target's generation_config.json, where a model's authors put the settings they recommend (Qwen3: temperature
 0.6, top_p 0.95, top_k 20). `dflash serve` does the same by default, so that a client moving between this server and
-its hand-off gets the same answers:
+its hand-off gets the same sampling:
 
 - `auto`: the values the target's generation_config.json sets (those `GenerationConfig.to_diff_dict` keeps, as vLLM
-  reads them) for temperature, top_p and top_k; its max_new_tokens caps every request's max_tokens, as in vLLM;
+  reads them) for temperature, top_p and top_k; its max_new_tokens caps every request's max_tokens, as vLLM does
+  (SGLang does not read it);
 - `vllm` (or `openai`): OpenAI's defaults (temperature 1, top_p 1, no top-k, no cap), the values of vLLM's
   `--generation-config vllm` and SGLang's `--sampling-defaults openai`;
 - a directory: the generation_config.json in it, read like `auto`.
@@ -20,10 +21,12 @@ import math
 from dataclasses import dataclass
 from pathlib import Path
 
+from dflash.decoding.sampling import MAX_TEMPERATURE
 from dflash.errors import UserError
 from dflash.model.target import unapplied_generation_options
 
 NEUTRAL_CHOICES = ("vllm", "openai")  # OpenAI's defaults: vLLM's word for them, and SGLang's
+ENGINE_LOGIT_OPTIONS = ("repetition_penalty", "min_p")  # what vLLM and SGLang read from the file besides sampling
 CHOICES_HELP = "auto, vllm (or openai), or a directory holding a generation_config.json"
 
 
@@ -36,7 +39,7 @@ class SamplingDefaults:
     top_k: int = 0  # 0: no top-k
     max_tokens: int | None = None
     source: str = "OpenAI's defaults"  # where they come from, for the log
-    unapplied: tuple[str, ...] = ()  # the file's logit options ('name=value'), which vLLM applies and DFlash does not
+    unapplied: tuple[str, ...] = ()  # the file's logit options ('name=value'), which DFlash does not apply
 
     def changed(self) -> dict[str, float | int]:
         """The values that differ from OpenAI's defaults (the cap aside)."""
@@ -54,7 +57,7 @@ class SamplingDefaults:
                          "do)")
         if self.max_tokens is not None:
             parts.append(f"every request's max_tokens is capped at {self.max_tokens} (max_new_tokens in "
-                         f"{self.source}, as in vLLM)")
+                         f"{self.source}, as vLLM does; SGLang does not cap)")
         if not parts:
             return f"requests that leave out temperature, top_p or top_k decode with {self.source}"
         return "; ".join(parts) + "; --generation-config vllm gives OpenAI's defaults instead"
@@ -62,9 +65,11 @@ class SamplingDefaults:
     def unapplied_warning(self) -> str | None:
         if not self.unapplied:
             return None
-        return (f"{self.source} also sets {', '.join(self.unapplied)}, which vLLM and SGLang apply to every request "
-                "and this server does not (it refuses a request that sends repetition_penalty or min_p); with "
-                "--generation-config vllm neither applies them")
+        engines = [o for o in self.unapplied if o.split("=")[0] in ENGINE_LOGIT_OPTIONS]
+        also = (f"; vLLM and SGLang apply {', '.join(engines)} to every request (with --generation-config vllm, "
+                "and SGLang's --sampling-defaults openai, they do not)") if engines else ""
+        return (f"{self.source} also sets {', '.join(self.unapplied)}, which this server does not apply (it refuses "
+                f"a request that sends repetition_penalty or min_p){also}")
 
 
 def sampling_defaults(choice: str, target_generation_config=None) -> SamplingDefaults:
@@ -98,8 +103,8 @@ def from_generation_config(config, source: str) -> SamplingDefaults:
     values = {k: v for k, v in config.to_diff_dict().items() if v is not None}
     temperature, top_p, top_k = (values.get(name) for name in ("temperature", "top_p", "top_k"))
     cap = values.get("max_new_tokens")
-    _check(source, "temperature", temperature, lambda v: _number(v) and math.isfinite(v) and v >= 0,
-           "a number >= 0")
+    _check(source, "temperature", temperature, lambda v: _number(v) and math.isfinite(v) and 0 <= v <= MAX_TEMPERATURE,
+           f"a number in [0, {MAX_TEMPERATURE:g}]")
     _check(source, "top_p", top_p, lambda v: _number(v) and 0 < v <= 1, "a number in (0, 1]")
     _check(source, "top_k", top_k, lambda v: _integer(v) and v >= -1, "an integer >= 0 (0 or -1: no top-k)")
     _check(source, "max_new_tokens", cap, lambda v: _integer(v) and v >= 1, "an integer >= 1")

@@ -41,6 +41,8 @@ def test_the_values_a_generation_config_sets_are_read_and_the_rest_stay_openais(
 
 @pytest.mark.parametrize("field, value, expected", [("top_p", 1.5, "top_p=1.5, which is not a number in (0, 1]"),
                                                     ("temperature", -1.0, "temperature=-1.0, which is not a number"),
+                                                    ("temperature", 150.0, "temperature=150.0, which is not a number "
+                                                                           "in [0, 100]"),
                                                     ("max_new_tokens", 0, "max_new_tokens=0, which is not an int")])
 def test_values_a_request_could_not_send_are_refused_naming_the_file_and_the_way_out(field, value, expected):
     config = GenerationConfig()
@@ -92,6 +94,13 @@ def test_the_server_logs_its_defaults_and_warns_of_what_it_leaves_out(start_serv
     said = caplog.text
     assert "temperature=0.7" in said and "capped at 50" in said and "--generation-config vllm" in said
     assert "repetition_penalty=1.1" in said and "this server does not" in said
+    assert "vLLM and SGLang apply repetition_penalty=1.1" in said
+    # what the engines do not read either is not said to be theirs
+    caplog.clear()
+    with caplog.at_level(logging.INFO, logger="dflash.serve"):
+        _server_with(start_server, tmp_path_factory, no_repeat_ngram_size=3)
+    assert "no_repeat_ngram_size=3, which this server does not apply" in caplog.text
+    assert "vLLM and SGLang apply" not in caplog.text
 
 
 # ---- the command line and the hand-off -----------------------------------------------------------------------
@@ -101,7 +110,7 @@ def _dry_run(capsys, tiny_pair, engine: str, *args: str) -> list[str]:
     return shlex.split(capsys.readouterr().out.strip())
 
 
-def test_the_choice_carries_over_to_vllm_and_sglang(tiny_pair, tmp_path, capsys):
+def test_the_choice_carries_over_to_vllm_and_sglang(tiny_pair, tmp_path, capsys, monkeypatch):
     GenerationConfig(temperature=0.5, do_sample=True).save_pretrained(tmp_path)
     assert "--generation-config" not in _dry_run(capsys, tiny_pair, "vllm")  # auto: both engines' default
     assert "--sampling-defaults" not in _dry_run(capsys, tiny_pair, "sglang")
@@ -109,6 +118,9 @@ def test_the_choice_carries_over_to_vllm_and_sglang(tiny_pair, tmp_path, capsys)
     assert vllm[vllm.index("--generation-config") + 1] == "vllm"
     vllm = _dry_run(capsys, tiny_pair, "vllm", "--generation-config", str(tmp_path))
     assert vllm[vllm.index("--generation-config") + 1] == str(tmp_path)
+    monkeypatch.chdir(tmp_path.parent)  # a relative directory reaches vLLM as an absolute one
+    vllm = _dry_run(capsys, tiny_pair, "vllm", "--generation-config", tmp_path.name)
+    assert vllm[vllm.index("--generation-config") + 1] == str(tmp_path.resolve())
     sglang = _dry_run(capsys, tiny_pair, "sglang", "--generation-config", "vllm")
     assert sglang[sglang.index("--sampling-defaults") + 1] == "openai"
     target, draft = map(str, tiny_pair)
