@@ -996,17 +996,25 @@ class Trainer:
     def _on_rank_0(self, work) -> None:
         """Run `work` on rank 0 alone; a UserError it raises is raised on every process, with its message (the
         others would wait at the next barrier for a process that has stopped, and die with a traceback that buries
-        the message). Every process returns only once rank 0's work is done."""
-        problem = None
+        the message). Any other failure there (a bug, an interrupt) is raised as it is on rank 0, and the others
+        stop with a UserError that points to rank 0's output, instead of waiting for it until the collective's
+        timeout. Every process returns only once rank 0's work is done."""
+        problem, failure = None, None
         if self.rank == 0:
             try:
                 work()
             except UserError as err:
                 problem = str(err)
+            except BaseException as err:  # noqa: BLE001 - said to the others, then raised here as it is
+                failure = err
+                problem = (f"process 0 failed while writing {self.config.output} ({type(err).__name__}: {err}); its "
+                           "output above says why")
         if self.world > 1:
             shared = [problem]
             dist.broadcast_object_list(shared, src=0, device=self.device if self.device.type == "cuda" else None)
             problem = shared[0]
+        if failure is not None:
+            raise failure
         if problem is not None:
             raise UserError(problem)
 

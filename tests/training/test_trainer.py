@@ -1180,3 +1180,31 @@ def test_every_tuning_flag_shows_its_default_and_the_help_says_what_a_resume_nee
     assert "--target-layer-ids=-1,3" in actions["target_layer_ids"].help
     assert main(["train", "--data", "d.jsonl", "--output", "o", "--keep-checkpoints", "0"]) == 2
     assert "--keep-checkpoints must be >= 1, got 0" in capsys.readouterr().err
+
+
+def test_any_failure_of_rank_0s_work_stops_the_other_processes_saying_where_to_look(monkeypatch):
+    """Only a UserError was shared: a disk that filled during rank 0's checkpoint left the others waiting in the
+    broadcast until the collective's timeout (30 minutes on gloo)."""
+    import types
+
+    from dflash.training import trainer as trainer_module
+
+    shared_messages = []
+
+    def broadcast(objects, src, device=None):
+        shared_messages.append(objects[0])
+        objects[0] = shared_messages[0]  # what rank 0 sent
+
+    monkeypatch.setattr(trainer_module.dist, "broadcast_object_list", broadcast)
+
+    def full_disk():
+        raise OSError(28, "No space left on device")
+
+    process = types.SimpleNamespace(rank=0, world=2, device=torch.device("cpu"),
+                                    config=types.SimpleNamespace(output="out"))
+    with pytest.raises(OSError, match="No space left"):  # rank 0: the failure as it is
+        Trainer._on_rank_0(process, full_disk)
+    assert "process 0 failed while writing out (OSError" in shared_messages[0]
+    other = types.SimpleNamespace(**{**vars(process), "rank": 1})
+    with pytest.raises(UserError, match="process 0 failed while writing out"):  # the others: told, at once
+        Trainer._on_rank_0(other, full_disk)
