@@ -264,13 +264,15 @@ class Trainer:
         if not self._checkpoints() and not any(p.is_file() for p in exported):
             return
         self._barrier()  # every process has set up (and looked) before any deletes
-        if self.rank == 0:
+
+        def delete() -> None:
             if self._checkpoints():
                 shutil.rmtree(self.checkpoint_dir)
                 self.checkpoint_dir.mkdir()
             for path in [*exported, Path(c.output) / "train_log.jsonl"]:
                 path.unlink(missing_ok=True)
-        self._barrier()
+
+        self._on_rank_0(delete)  # a failure there stops every process (and ends as the barrier did)
 
     def _refuse_a_model_output(self, resumable: bool) -> None:
         """The export writes config.json and model.safetensors into --output: over another model only when
@@ -456,12 +458,15 @@ class Trainer:
             raise UserError(f"--feature-cache {directory} holds features but no manifest.json (an older dflash wrote "
                             "them): what they were computed from is unknown; delete it or pass another directory")
         self._barrier()  # every process has checked before the manifest is written
-        if self.rank == 0 and not path.exists():
-            directory.mkdir(parents=True, exist_ok=True)
-            tmp = directory / ".manifest.json.tmp"
-            tmp.write_text(json.dumps(manifest, indent=1) + "\n")
-            os.replace(tmp, path)
-        self._barrier()
+
+        def write_manifest() -> None:
+            if not path.exists():
+                directory.mkdir(parents=True, exist_ok=True)
+                tmp = directory / ".manifest.json.tmp"
+                tmp.write_text(json.dumps(manifest, indent=1) + "\n")
+                os.replace(tmp, path)
+
+        self._on_rank_0(write_manifest)  # a failure there stops every process (and ends as the barrier did)
 
     def _feature_manifest(self) -> dict:
         return {"target": self.config.target, "target_files": _model_files(self.config.target),
