@@ -883,8 +883,10 @@ class Trainer:
         if self.step >= self.total_steps:  # no step runs with the settings given now: export what trained it
             # its settings, with this run's paths: the checkpoint keeps them as its run gave them (relative to where
             # that ran), and this run's name the same files (the data were checked by their fingerprint)
-            here = self.config.portable_dict()
-            self.trained_with = {**portable_settings(state["config"]), **{k: here[k] for k in PATH_OPTIONS}}
+            here, then = self.config.portable_dict(), portable_settings(state["config"])
+            self.trained_with = {**then, **{k: here[k] for k in PATH_OPTIONS}}
+            if absolute_if_local(state["config"].get("target")) != absolute_if_local(self.config.target):
+                self.trained_with["target"] = then.get("target")  # another model now: name the one that trained it
 
     def _read_checkpoint(self, checkpoint: Path) -> dict:
         """The training state of checkpoints/step-N; one that cannot be read (a truncated copy, a damaged disk, a
@@ -961,7 +963,9 @@ class Trainer:
         if absolute_if_local(old.get("target")) != absolute_if_local(c.target):  # the drafter learns its features
             changed.insert(0, f"target {old.get('target')!r} -> {c.target!r}" + (
                 " (the drafter now learns another model's features; if that is a mistake, stop and resume with the "
-                "checkpoint's target)" if steps_left else ""))
+                "checkpoint's target)" if steps_left else " (the final evaluation reads the new target's features, "
+                "while training_config.yaml keeps the checkpoint's target, which trained the drafter; if that is a "
+                "mistake, stop and resume with the checkpoint's target)"))
         if changed and steps_left:
             self._warn(f"resuming with other settings than the checkpoint's: {'; '.join(changed)}; the run continues "
                        "with the new values")

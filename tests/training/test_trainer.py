@@ -1145,6 +1145,13 @@ def test_exporting_a_run_stopped_early_keeps_its_settings_and_says_nothing_train
     Trainer(config(tiny_pair, train_data, out, max_steps=3, lr=1e-3, resume=True)).setup().train()
     assert ("other settings than the checkpoint's: lr 0.003 -> 0.001; no step is left to train, so they change "
             "nothing") in capsys.readouterr().err
+    # another target (here a copy elsewhere): the export names the one that trained the drafter, and says so
+    trained_by = yaml.safe_load((out / "training_config.yaml").read_text())["target"]
+    other = tmp_path / "other_target"
+    shutil.copytree(tiny_pair[0], other)
+    Trainer(config((other, tiny_pair[1]), train_data, out, max_steps=3, resume=True)).setup().train()
+    assert "training_config.yaml keeps the checkpoint's target" in capsys.readouterr().err
+    assert yaml.safe_load((out / "training_config.yaml").read_text())["target"] == trained_by
 
 
 def test_a_refused_setup_leaves_the_output_as_it_found_it(tiny_pair, train_data, tmp_path, capsys):
