@@ -57,3 +57,14 @@ def _describe(kind: Any) -> str:
     if typing.get_origin(kind) is list:
         return f"a list of {_describe(typing.get_args(kind)[0]).split(' ', 1)[-1]}s"
     return _NAMES.get(kind, getattr(kind, "__name__", str(kind)))
+
+
+def parse_int_list(text: str) -> list[int]:
+    """'4,8,16' -> [4, 8, 16], as flags and config files write lists of integers: a trailing comma is allowed, no
+    value at all is [] (for the caller to name), and anything else that is not an integer is a ValueError."""
+    items = text.split(",")
+    if not any(x.strip() for x in items):
+        return []
+    if len(items) > 1 and not items[-1].strip():
+        items.pop()
+    return [int(x) for x in items]

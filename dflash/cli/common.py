@@ -4,17 +4,14 @@ from __future__ import annotations
 
 import argparse
 
+from dflash.config_types import parse_int_list
+
 
 def int_list(text: str) -> list[int]:
     """'4,8,16' -> [4, 8, 16] (a trailing comma is allowed, and no value at all is [] for the caller to name; an
     empty item between two is a typo, refused)."""
-    items = text.split(",")
-    if not any(x.strip() for x in items):
-        return []
-    if len(items) > 1 and not items[-1].strip():
-        items.pop()
     try:
-        return [int(x) for x in items]
+        return parse_int_list(text)
     except ValueError:
         raise argparse.ArgumentTypeError(f"expected integers separated by commas, got {text!r}") from None
 

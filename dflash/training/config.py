@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import math
 import typing
 from dataclasses import asdict, dataclass, fields
@@ -10,7 +11,7 @@ from typing import Any
 
 import yaml
 
-from dflash.config_types import type_mismatch
+from dflash.config_types import parse_int_list, type_mismatch
 from dflash.errors import UserError
 
 ANCHOR_POLICIES = ("uniform", "decoding")
@@ -282,13 +283,8 @@ def _read_id_lists(values: dict[str, Any]) -> None:
     """`target_layer_ids: "1,9,17"`, the form the flag takes, is the list [1, 9, 17]."""
     text = values.get("target_layer_ids")
     if isinstance(text, str):
-        items = [x.strip() for x in text.split(",")]
-        if items and items[-1] == "" and len(items) > 1:  # a trailing comma, as the flag allows
-            items.pop()
-        try:
-            values["target_layer_ids"] = [int(x) for x in items]
-        except ValueError:
-            pass  # not integers: _check_types names it
+        with contextlib.suppress(ValueError):  # not integers: _check_types names it
+            values["target_layer_ids"] = parse_int_list(text)
 
 
 def _types(kind: Any) -> tuple:
