@@ -36,7 +36,7 @@ class BenchConfig:
     max_new_tokens: int = 256
     temperature: float = 0.0
     top_p: float = 1.0
-    top_k: int = 0  # 0: off
+    top_k: int | None = None  # None: not given (off in this process; a server's own default); 0 or -1: off
     branch_length: int = 0  # local DFlash runs: a branch with each greedy block (`decoding.branch`)
     seed: int = 0
     warmup_tokens: int = 16
@@ -118,8 +118,8 @@ def _show_partial(results: list[BenchResult], config: BenchConfig, err: BaseExce
 # ---- local ----------------------------------------------------------------------------------------------
 def _local_config(config: BenchConfig, block_size: int | str | None) -> LocalConfig:
     return LocalConfig(max_new_tokens=config.max_new_tokens, temperature=config.temperature, block_size=block_size,
-                       seed=config.seed, warmup_tokens=config.warmup_tokens, top_p=config.top_p, top_k=config.top_k,
-                       branch_length=config.branch_length)
+                       seed=config.seed, warmup_tokens=config.warmup_tokens, top_p=config.top_p,
+                       top_k=config.top_k or 0, branch_length=config.branch_length)
 
 
 def _local_backend(config: BenchConfig, data: dict[str, list[Sample]], pipe,
@@ -217,7 +217,7 @@ def setup(config: BenchConfig, pipe=None, data: dict[str, list[Sample]] | None =
         "max_new_tokens": config.max_new_tokens,
         "temperature": config.temperature,
         "top_p": config.top_p if config.top_p != 1.0 else None,
-        "top_k": config.top_k or None,
+        "top_k": config.top_k,  # None: not given (against a server, its own default applied)
         "gpu_hourly_usd": config.gpu_hourly_usd,
         "machine": platform.platform(),
         "torch": torch.__version__,

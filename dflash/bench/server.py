@@ -61,7 +61,7 @@ class ServerConfig:
     max_new_tokens: int = 256
     temperature: float = 0.0
     top_p: float = 1.0
-    top_k: int = 0  # 0: off (not sent)
+    top_k: int | None = None  # None: not sent (the server's default applies); 0 or -1: off, sent as -1
     seed: int = 0
     timeout_s: float = 600.0  # the whole request, first byte to last
     timeout_flag: str = "--request-timeout"  # named when it fires (python -m dflash.benchmark: --timeout-s)
@@ -395,8 +395,9 @@ class Client:
                 "temperature": self.config.temperature, "seed": seed}
         if self.config.temperature > 0:  # sent even at 1: a server's own default may be the model's (0.95 ...)
             body["top_p"] = self.config.top_p
-        if self.config.top_k > 0:  # not an OpenAI field: sent only when asked for (vLLM and SGLang take it); left
-            body["top_k"] = self.config.top_k  # out, the server's default applies (the model's generation config)
+        top_k = self.config.top_k  # not an OpenAI field: sent only when given (vLLM and SGLang take it; -1 is off
+        if self.config.temperature > 0 and top_k is not None:  # to both); left out, the server's default applies
+            body["top_k"] = top_k if top_k > 0 else -1
         if self.config.endpoint == "chat":
             if self.config.chat_template_kwargs:
                 body["chat_template_kwargs"] = self.config.chat_template_kwargs

@@ -55,10 +55,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     gen.add_argument("--temperature", type=float, default=0.0, help="0 = greedy; outputs must match at any temperature "
                      "(each prompt is sampled with its own seed)")
     gen.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling at temperature > 0 (1 = off)")
-    gen.add_argument("--top-k", type=int, default=0,
-                     help="top-k sampling at temperature > 0 (0 = off; against a server, 0 sends no top_k, not an "
-                     "OpenAI field, and the server's default applies: vLLM, SGLang and dflash serve take the "
-                     "model's generation_config.json)")
+    gen.add_argument("--top-k", type=int,
+                     help="top-k sampling at temperature > 0 (0 or -1 = off, the default in this process; against a "
+                     "server, top_k is sent only when given, as -1 for off: left out, the server's default applies, "
+                     "which vLLM, SGLang and dflash serve take from the model's generation_config.json)")
     gen.add_argument("--warmup-tokens", type=int, help="tokens of the untimed warm-up generation (a server: one "
                      "request to each server; default 16, 0 = none)")
     server = parser.add_argument_group("server backend (any OpenAI-compatible server)")
@@ -209,7 +209,7 @@ def _check_numbers(args: argparse.Namespace) -> None:
                         f"got {args.temperature}")
     if not (math.isfinite(args.top_p) and 0 < args.top_p <= 1):
         raise UserError(f"--top-p must be in (0, 1] (1 = off), got {args.top_p}")
-    if args.top_k < -1:
+    if args.top_k is not None and args.top_k < -1:
         raise UserError(f"--top-k must be >= 0 (0 or -1 = off), got {args.top_k}")
     if args.branch_length < 0:
         raise UserError(f"--branch-length must be >= 0 (0 = no branch), got {args.branch_length}")

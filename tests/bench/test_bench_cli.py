@@ -262,6 +262,10 @@ def test_a_sampled_request_says_its_top_p_so_the_servers_default_does_not_apply_
     _, body = Client("http://h/v1", ServerConfig(base_url="http://h/v1", temperature=0.7, top_k=20), "m").payload(
         [], seed=0)
     assert body["top_k"] == 20
+    for off in (0, -1):  # --top-k 0 given: off on the server too, whatever its default (-1: off to vLLM and SGLang)
+        _, body = Client("http://h/v1", ServerConfig(base_url="http://h/v1", temperature=0.7, top_k=off),
+                         "m").payload([], seed=0)
+        assert body["top_k"] == -1
     _, body = Client("http://h/v1", ServerConfig(base_url="http://h/v1"), "m").payload([], seed=0)
     assert body["temperature"] == 0 and "top_p" not in body  # greedy: top_p changes nothing
 
