@@ -16,6 +16,7 @@ import signal
 import socket
 import sys
 import threading
+from pathlib import Path
 
 from dflash.cli.common import add_model_arguments, changed_flags, chat_template_kwargs, load_pipeline
 from dflash.errors import UserError
@@ -134,7 +135,7 @@ def _check_args(args: argparse.Namespace) -> None:
                         "or serve with --engine dflash")
     if args.dry_run and args.engine == "dflash":
         raise UserError("--dry-run prints the command of a hand-off; use it with --engine vllm or --engine sglang")
-    _check_generation_config(args.generation_config)
+    _check_generation_config(args.generation_config, args.target)
     if args.api_key is not None and not args.api_key:
         raise UserError("--api-key is empty; give a key or leave the flag out")
     if args.block_size == "auto":  # as in dflash generate: the adaptive block size, up to the drafter's
@@ -167,12 +168,25 @@ def _check_drafting_flags(args: argparse.Namespace) -> None:
         raise UserError(AUTO_NEEDS_STEP_COSTS)
 
 
-def _check_generation_config(choice: str) -> None:
-    """A directory given to --generation-config is read now, before any model loads."""
+def _check_generation_config(choice: str, target: str | None) -> None:
+    """The generation config --generation-config names is read now, before any model loads: a directory given,
+    or with auto a local target's own (a hub target's comes with its download)."""
+    from dflash.api import DEFAULT_TARGET
     from dflash.serve.sampling_defaults import NEUTRAL_CHOICES, from_generation_config, read_generation_config
 
-    if choice != "auto" and choice not in NEUTRAL_CHOICES:
+    if choice in NEUTRAL_CHOICES:
+        return
+    if choice != "auto":
         from_generation_config(read_generation_config(choice), f"--generation-config {choice}")
+        return
+    directory = Path(target).expanduser() if target else DEFAULT_TARGET
+    if not (directory / "generation_config.json").is_file():
+        return
+    try:
+        config = read_generation_config(str(directory))
+    except UserError:
+        return  # a file transformers cannot read is its loader's to name (or to pass over), as before
+    from_generation_config(config, f"{directory / 'generation_config.json'}")
 
 
 def _flag(name: str) -> str:

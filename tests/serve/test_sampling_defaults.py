@@ -177,3 +177,18 @@ def test_auto_reads_the_targets_own_file_and_vllm_ignores_it(tiny_pair, tmp_path
             assert all(a["usage"]["completion_tokens"] == 12 for a in sampled)
     finally:
         server.stop()
+
+
+def test_the_targets_own_file_is_checked_before_the_models_load(tiny_pair, tmp_path, capsys, monkeypatch):
+    import shutil
+
+    import dflash.cli.serve
+
+    monkeypatch.setattr(dflash.cli.serve, "load_pipeline", lambda *a, **k: pytest.fail("loaded the models first"))
+    target = tmp_path / "target"
+    shutil.copytree(tiny_pair[0], target)
+    (target / "generation_config.json").write_text(json.dumps({"do_sample": True, "temperature": 150.0}))
+    assert main(["serve", "--target", str(target), "--draft", str(tiny_pair[1])]) == 2
+    err = capsys.readouterr().err
+    assert f"{target / 'generation_config.json'} sets temperature=150.0" in err and "--generation-config vllm" in err
+
