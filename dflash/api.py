@@ -465,6 +465,12 @@ def _check_unicode(text: str, what: str) -> None:
                               "byte that was not UTF-8; pass UTF-8 text") from None
 
 
+# said by the commands that send a base model conversations (bench, datagen), so users know what it was given
+PLAIN_CONVERSATION_NOTE = ("the target's tokenizer has no chat template (a base model): prompts are sent as plain "
+                           "text, a conversation's turns and answers joined by blank lines (dflash.api."
+                           "plain_conversation)")
+
+
 def plain_conversation(messages: list[dict]) -> str:
     """A conversation as plain text for a target without a chat template (a base model): the messages' contents
     joined by blank lines."""

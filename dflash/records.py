@@ -133,4 +133,3 @@ def read_json_object(path: Path, what: str, fix: str) -> dict:
     if not isinstance(value, dict):
         raise UserError(f"{path} is not {what}; {fix}")
     return value
-

@@ -16,6 +16,7 @@ from typing import TYPE_CHECKING, Iterator
 
 from rich.console import Console
 
+from dflash.api import PLAIN_CONVERSATION_NOTE
 from dflash.bench import report
 from dflash.bench.datasets import DATA_DIR_ENV, DataOptions, Sample, data_source, load_samples, resolve_names
 from dflash.bench.local import LocalBackend, LocalConfig
@@ -127,9 +128,7 @@ def _local_backend(config: BenchConfig, data: dict[str, list[Sample]], pipe,
     """The pair, with every block size and every first turn checked before any decoding."""
     backend = LocalBackend(pipe)
     if pipe.tokenizer is not None and not pipe.has_chat_template:
-        console.print("warning: the target's tokenizer has no chat template (a base model): prompts are sent as "
-                      "plain text, a conversation's turns and answers joined by blank lines, as `dflash datagen` "
-                      "does", style="yellow", highlight=False, soft_wrap=True)
+        console.print(f"warning: {PLAIN_CONVERSATION_NOTE}", style="yellow", highlight=False, soft_wrap=True)
     widest = max(config.block_sizes, key=backend.block_size)  # raises for a size the drafter cannot use
     backend.check_context(data, _local_config(config, widest))
     return backend

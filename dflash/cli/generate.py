@@ -65,7 +65,7 @@ def run(args: argparse.Namespace) -> int:
     prompt = read_prompt(args)
     options = _check_arguments(args, prompt)
     pipe = load_pipeline(args)
-    if not args.raw and not getattr(pipe.tokenizer, "chat_template", None):
+    if not args.raw and not pipe.has_chat_template:
         if args.system is not None:
             raise UserError("--system adds a message for the chat template, and this target's tokenizer has none; put "
                             "the instructions at the start of the prompt instead")

@@ -8,6 +8,7 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
 import errno
 import logging
 import math
@@ -169,24 +170,17 @@ def _check_drafting_flags(args: argparse.Namespace) -> None:
 
 
 def _check_generation_config(choice: str, target: str | None) -> None:
-    """The generation config --generation-config names is read now, before any model loads: a directory given,
-    or with auto a local target's own (a hub target's comes with its download)."""
+    """Read what --generation-config names now, before any model loads: a directory given, or with auto a local
+    target's own file (a hub target's comes with its download; one transformers cannot read is its loader's to name)."""
     from dflash.api import DEFAULT_TARGET
-    from dflash.serve.sampling_defaults import NEUTRAL_CHOICES, from_generation_config, read_generation_config
+    from dflash.serve.sampling_defaults import read_generation_config, sampling_defaults
 
-    if choice in NEUTRAL_CHOICES:
-        return
-    if choice != "auto":
-        from_generation_config(read_generation_config(choice), f"--generation-config {choice}")
-        return
+    own = None
     directory = Path(target).expanduser() if target else DEFAULT_TARGET
-    if not (directory / "generation_config.json").is_file():
-        return
-    try:
-        config = read_generation_config(str(directory))
-    except UserError:
-        return  # a file transformers cannot read is its loader's to name (or to pass over), as before
-    from_generation_config(config, f"{directory / 'generation_config.json'}")
+    if choice == "auto" and (directory / "generation_config.json").is_file():
+        with contextlib.suppress(UserError):
+            own = read_generation_config(str(directory))
+    sampling_defaults(choice, own)
 
 
 def _flag(name: str) -> str:

@@ -82,6 +82,7 @@ NEEDS_ITS_OWN_CODE = ("{path} needs the Python code it ships (its config.json's 
                       "lacks), which runs only when asked: add --trust-remote-code (Python: trust_remote_code=True) "
                       "if you trust its source")
 
+
 class TargetModel:
     def __init__(self, model: nn.Module, tokenizer=None):
         self.model = model.eval()
@@ -323,7 +324,6 @@ class TargetModel:
     def _long_rope_rows(self) -> torch.Tensor | None:
         """(b,) bool during a `forward` given `long_rope_rows`; None otherwise."""
         return getattr(self._capture, "long_rope_rows", None)
-
 
     @torch.no_grad()
     def context_features(

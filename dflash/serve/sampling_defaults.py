@@ -17,11 +17,10 @@ A field the request sends, null aside, always wins. The file's `do_sample` is no
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 from pathlib import Path
 
-from dflash.decoding.sampling import MAX_TEMPERATURE
+from dflash.decoding.sampling import SamplingParams
 from dflash.errors import UserError
 from dflash.model.target import unapplied_generation_options
 
@@ -99,33 +98,19 @@ def read_generation_config(directory: str):
 
 
 def from_generation_config(config, source: str) -> SamplingDefaults:
-    """The sampling values a generation config sets, checked as a request's would be."""
+    """The sampling values a generation config sets, checked as a request's are (`SamplingParams`)."""
     values = {k: v for k, v in config.to_diff_dict().items() if v is not None}
-    temperature, top_p, top_k = (values.get(name) for name in ("temperature", "top_p", "top_k"))
-    cap = values.get("max_new_tokens")
-    _check(source, "temperature", temperature, lambda v: _number(v) and math.isfinite(v) and 0 <= v <= MAX_TEMPERATURE,
-           f"a number in [0, {MAX_TEMPERATURE:g}]")
-    _check(source, "top_p", top_p, lambda v: _number(v) and 0 < v <= 1, "a number in (0, 1]")
-    _check(source, "top_k", top_k, lambda v: _integer(v) and v >= -1, "an integer >= 0 (0 or -1: no top-k)")
-    _check(source, "max_new_tokens", cap, lambda v: _integer(v) and v >= 1, "an integer >= 1")
     neutral = SamplingDefaults()
-    return SamplingDefaults(
-        temperature=neutral.temperature if temperature is None else float(temperature),
-        top_p=neutral.top_p if top_p is None else float(top_p),
-        top_k=neutral.top_k if top_k is None else max(int(top_k), 0),
-        max_tokens=cap, source=source,
-        unapplied=tuple(unapplied_generation_options(config, sampling_defaults=False)))
-
-
-def _number(value) -> bool:
-    return isinstance(value, (int, float)) and not isinstance(value, bool)
-
-
-def _integer(value) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool)
-
-
-def _check(source: str, name: str, value, valid, wanted: str) -> None:
-    if value is not None and not valid(value):
-        raise UserError(f"{source} sets {name}={value!r}, which is not {wanted}; fix the file, or serve with "
+    try:
+        params = SamplingParams(values.get("temperature", neutral.temperature), values.get("top_p", neutral.top_p),
+                                values.get("top_k", neutral.top_k))
+    except (ValueError, TypeError) as err:
+        raise UserError(f"{source}: {err}; fix the file, or serve with --generation-config vllm (OpenAI's "
+                        "defaults)") from None
+    cap = values.get("max_new_tokens")
+    if cap is not None and not (isinstance(cap, int) and not isinstance(cap, bool) and cap >= 1):
+        raise UserError(f"{source}: max_new_tokens must be an integer >= 1, got {cap!r}; fix the file, or serve with "
                         "--generation-config vllm (OpenAI's defaults)")
+    return SamplingDefaults(temperature=float(params.temperature), top_p=float(params.top_p), top_k=int(params.top_k),
+                            max_tokens=cap, source=source,
+                            unapplied=tuple(unapplied_generation_options(config, sampling_defaults=False)))

@@ -445,8 +445,9 @@ class _Generator:
         self.pipe, self.config = pipe, config
         self.context_words = pipe.engine.target.context_words  # for the messages of prompts that do not fit
         if pipe.tokenizer is not None and not pipe.has_chat_template:  # `DFlash.encode` joins the turns then
-            _warn("the target's tokenizer has no chat template: prompts are sent as plain text, as `dflash "
-                  "generate` does (a conversation's turns and answers joined by blank lines)")
+            from dflash.api import PLAIN_CONVERSATION_NOTE
+
+            _warn(PLAIN_CONVERSATION_NOTE)
 
     def encode_turn(self, prompt: Prompt, conversation: list[dict]) -> list[int]:
         """`DFlash.encode`, with an error that names the prompt's record when the chat template refuses it."""

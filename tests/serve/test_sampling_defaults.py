@@ -39,11 +39,13 @@ def test_the_values_a_generation_config_sets_are_read_and_the_rest_stay_openais(
     assert sampling_defaults("auto", config).changed() == {"temperature": 0.6, "top_p": 0.95, "top_k": 20}
 
 
-@pytest.mark.parametrize("field, value, expected", [("top_p", 1.5, "top_p=1.5, which is not a number in (0, 1]"),
-                                                    ("temperature", -1.0, "temperature=-1.0, which is not a number"),
-                                                    ("temperature", 150.0, "temperature=150.0, which is not a number "
-                                                                           "in [0, 100]"),
-                                                    ("max_new_tokens", 0, "max_new_tokens=0, which is not an int")])
+@pytest.mark.parametrize("field, value, expected", [
+    ("top_p", 1.5, "top_p must be in (0, 1], got 1.5"),
+    ("temperature", -1.0, "temperature must be a finite number >= 0"),
+    ("temperature", 150.0, "at most 100, got 150.0"),  # as a request's is (SamplingParams)
+    ("top_k", -2, "top_k must be >= 0 (0 or -1 disables it), got -2"),
+    ("max_new_tokens", 0, "max_new_tokens must be an integer >= 1, got 0"),
+])
 def test_values_a_request_could_not_send_are_refused_naming_the_file_and_the_way_out(field, value, expected):
     config = GenerationConfig()
     setattr(config, field, value)
@@ -146,7 +148,7 @@ def test_a_directory_that_cannot_serve_is_refused_before_the_models_load(tiny_pa
     assert main(["serve", "--target", target, "--draft", draft, "--generation-config", str(directory)]) == 2
     err = capsys.readouterr().err
     expected = {"missing": "no directory", "no file": "a directory without a generation_config.json",
-                "bad value": "top_p=2.0, which is not a number in (0, 1]", "not json": "cannot be read"}[case]
+                "bad value": "top_p must be in (0, 1], got 2.0", "not json": "cannot be read"}[case]
     assert expected in err and "Traceback" not in err
 
 
@@ -190,5 +192,6 @@ def test_the_targets_own_file_is_checked_before_the_models_load(tiny_pair, tmp_p
     (target / "generation_config.json").write_text(json.dumps({"do_sample": True, "temperature": 150.0}))
     assert main(["serve", "--target", str(target), "--draft", str(tiny_pair[1])]) == 2
     err = capsys.readouterr().err
-    assert f"{target / 'generation_config.json'} sets temperature=150.0" in err and "--generation-config vllm" in err
+    assert "the target's generation_config.json: temperature must be a finite number >= 0" in err
+    assert "at most 100, got 150.0" in err and "--generation-config vllm" in err
 

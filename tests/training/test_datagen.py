@@ -188,7 +188,7 @@ def test_a_target_without_chat_template_gets_plain_text(tiny_pair, tmp_path, cap
     prompts = write_jsonl(tmp_path / "prompts.jsonl", [{"prompt": "How many clips?"}])
     out = tmp_path / "data.jsonl"
     run_datagen(DatagenConfig(target=target, prompts=str(prompts), output=str(out), max_new_tokens=4, device="cpu"))
-    assert "no chat template: prompts are sent as plain text" in capsys.readouterr().err
+    assert "no chat template (a base model): prompts are sent as plain text" in capsys.readouterr().err
     from transformers import AutoTokenizer
 
     plain = AutoTokenizer.from_pretrained(target)("How many clips?")["input_ids"]
