@@ -1,7 +1,8 @@
 """Hand a pair to vLLM or SGLang: check it from its configs (no weights loaded), then launch the engine with
 its DFlash speculative configuration (REFERENCE section 3), or print the command.
 
-    vllm serve TARGET --speculative-config '{"method": "dflash", "model": DRAFT, "num_speculative_tokens": B-1}'
+    vllm serve TARGET --speculative-config '{"method": "dflash", "model": DRAFT, "num_speculative_tokens": B-1}' \
+        --attention-backend flash_attn
     python -m sglang.launch_server --model-path TARGET --speculative-algorithm DFLASH \
         --speculative-draft-model-path DRAFT --speculative-num-draft-tokens B
 """
@@ -10,6 +11,7 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import logging
 import os
 import shlex
 import shutil
@@ -35,6 +37,11 @@ _LAYER_KEYS = ("self_attn.q_proj.weight", "self_attn.k_proj.weight", "self_attn.
                "mlp.gate_proj.weight", "mlp.up_proj.weight", "mlp.down_proj.weight",
                "input_layernorm.weight", "post_attention_layernorm.weight")
 _TOP_KEYS = ("fc.weight", "hidden_norm.weight", "norm.weight")
+# The drafter's block attends both ways: FlashAttention is the vLLM attention backend that took that in every
+# release with DFlash (FlexAttention and FlashInfer learnt it later), and DFlash's own vLLM command names it.
+VLLM_DRAFT_ATTENTION_BACKEND = "flash_attn"
+
+log = logging.getLogger("dflash")
 
 
 @dataclass
@@ -111,7 +118,7 @@ def _embedded_hint(draft: str) -> str:
     return f"; the embedded target's DFlash drafter is {HANDOFF_DRAFT} (the default of --engine without --draft)"
 
 
-def drafter_config(draft: str) -> DrafterConfig:
+def drafter_config(draft: str, engine: str) -> DrafterConfig:
     raw = _read_config(draft, "a DFlash drafter checkpoint")
     if is_dflash2(raw.get("architectures") or []):
         raise UserError(f"{draft} is a DFlash2 drafter (DFlash2DraftModel): the hand-off starts vLLM and SGLang with "
@@ -127,13 +134,31 @@ def drafter_config(draft: str) -> DrafterConfig:
         raise UserError(f"{draft} declares architectures {raw.get('architectures')}; vLLM and SGLang load DFlash "
                         f"drafters declared as {DRAFTER_ARCHITECTURE!r}")
     try:
-        return DrafterConfig.from_dict(raw)
+        config = DrafterConfig.from_dict(raw)
     except UserError as err:
         raise UserError(f"{draft}: {err} (vLLM and SGLang read the drafter's settings, the mask token id "
                         "included, from its config.json only: fix the file rather than pass flags)") from None
+    if engine == "vllm":
+        check_vllm_reads_settings(draft, raw, config)
+    return config
 
 
-def check_drafter_weights(draft: str, config: DrafterConfig) -> None:
+def check_vllm_reads_settings(draft: str, raw: dict, config: DrafterConfig) -> None:
+    """vLLM finds the target layers and the mask token only where config.json names them: without layer ids it
+    taps its model's own default layers (not the formula dflash and SGLang derive for a legacy drafter), and
+    its older releases read the mask token id from dflash_config alone."""
+    dflash = raw.get("dflash_config") or {}
+    unnamed = [name for name, named in (("target_layer_ids", "target_layer_ids" in dflash or "target_layer_ids" in raw),
+                                        ("mask_token_id", "mask_token_id" in dflash)) if not named]
+    if unnamed:
+        fields = json.dumps({"dflash_config": {**dflash, "mask_token_id": config.mask_token_id,
+                                               "target_layer_ids": config.target_layer_ids}})
+        raise UserError(f"{draft}/config.json does not name {' and '.join(unnamed)} in its dflash_config, where vLLM "
+                        "reads them (without layer ids vLLM feeds the drafter other target layers than it was "
+                        f"trained on); write the values dflash uses into the file: {fields}")
+
+
+def check_drafter_weights(draft: str, config: DrafterConfig, engine: str) -> None:
     """Read the safetensors headers of a local drafter (not the tensors) and check the key layout."""
     directory = Path(draft).expanduser()
     if not directory.is_dir():
@@ -143,10 +168,15 @@ def check_drafter_weights(draft: str, config: DrafterConfig) -> None:
         raise UserError(f"no *.safetensors weights in {directory}")
     from safetensors import safe_open
 
-    keys: set[str] = set()
+    names: set[str] = set()
     for file in files:
         with safe_open(file, framework="pt") as f:
-            keys.update(k.removeprefix("model.") for k in f.keys())
+            names.update(f.keys())
+    keys = {k.removeprefix("model.") for k in names}
+    if engine == "vllm" and any(k.startswith("model.") for k in names):
+        log.warning("%s names its weights model.*: vLLM's DFlash loader adds that prefix itself and may not find "
+                    "them (SGLang reads both); save the drafter without the prefix (dflash train exports it so)",
+                    directory)
     wanted = [*_TOP_KEYS, *(f"layers.{i}.{k}" for i in range(config.num_hidden_layers) for k in _LAYER_KEYS)]
     missing = [k for k in wanted if k not in keys]
     if missing:
@@ -154,11 +184,12 @@ def check_drafter_weights(draft: str, config: DrafterConfig) -> None:
                         f"{' ...' if len(missing) > 5 else ''}")
 
 
-def check_pair(target: TargetFacts, draft: str, block_size: int | None) -> int:
-    """Check format and compatibility from configs and headers; returns the block size to serve with."""
-    config = drafter_config(draft)
+def check_pair(target: TargetFacts, draft: str, block_size: int | None, engine: str) -> int:
+    """Check format and compatibility from configs and headers, as `engine` reads them; returns the block size
+    to serve with."""
+    config = drafter_config(draft, engine)
     check_compatible(target, config)
-    check_drafter_weights(draft, config)
+    check_drafter_weights(draft, config, engine)
     if block_size is None:
         return config.block_size
     if not 2 <= block_size <= config.block_size:
@@ -171,7 +202,7 @@ def vllm_command(target: str, draft: str | None, block_size: int, options: Hando
     cmd = ["vllm", "serve", target]
     if draft is not None:
         spec = {"method": "dflash", "model": draft, "num_speculative_tokens": block_size - 1}
-        cmd += ["--speculative-config", json.dumps(spec)]
+        cmd += ["--speculative-config", json.dumps(spec), "--attention-backend", VLLM_DRAFT_ATTENTION_BACKEND]
     cmd += ["--host", options.host, "--port", str(options.port)]
     cmd += _optional({"--max-model-len": options.max_model_len, "--served-model-name": options.served_model_name,
                       "--max-num-seqs": options.max_batch_size, "--dtype": options.dtype,
@@ -229,7 +260,7 @@ def engine_command(engine: str, target: str, draft: str | None, block_size: int 
     if options.max_model_len is not None:
         check_max_model_len(options.max_model_len, facts.max_position_embeddings)
     if draft is not None:
-        block_size = check_pair(facts, draft, block_size)
+        block_size = check_pair(facts, draft, block_size, engine)
     elif block_size is not None:
         raise UserError("--block-size sets the drafter's block, and --no-draft hands over the target alone: drop "
                         "one or the other")

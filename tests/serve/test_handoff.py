@@ -32,6 +32,8 @@ def test_vllm_command(tiny_pair, capsys):
     flags = dict(zip(argv[5::2], argv[6::2]))
     assert flags["--port"] == "9000" and flags["--host"] == "127.0.0.1" and "--api-key" not in flags
     assert flags["--max-model-len"] == "512" and flags["--max-num-seqs"] == "16"
+    assert flags["--attention-backend"] == "flash_attn"  # the drafter's block attends both ways
+    assert "--attention-backend" not in dry_run(capsys, "--target", target, "--no-draft", "--engine", "vllm")
 
 
 @pytest.mark.parametrize("engine", ["vllm", "sglang"])
@@ -179,6 +181,49 @@ def test_bad_pairs_are_refused(tiny_pair, tmp_path, capsys, case, expected):
     code = main(["serve", "--target", str(target), "--draft", str(draft), "--engine", "vllm", "--dry-run", *extra])
     err = capsys.readouterr().err
     assert code == 2 and expected in err and "Traceback" not in err and "?." not in err
+
+
+def legacy_form(config: dict, keep_layer_ids: bool = False) -> None:
+    """A drafter config.json of the legacy form: no dflash_config, the mask token id at the top level."""
+    dflash = config.pop("dflash_config")
+    config["mask_token_id"] = dflash["mask_token_id"]
+    if keep_layer_ids:
+        config["target_layer_ids"] = dflash["target_layer_ids"]
+
+
+@pytest.mark.parametrize("keep_layer_ids,unnamed", [(False, "target_layer_ids and mask_token_id"),
+                                                    (True, "mask_token_id")])
+def test_vllm_is_refused_a_drafter_whose_config_leaves_it_to_guess(tiny_pair, tmp_path, capsys, keep_layer_ids,
+                                                                   unnamed):
+    """Without layer ids vLLM taps its model's default layers, not the formula dflash and SGLang derive; its older
+    releases read the mask token id from dflash_config only. The refusal gives the fields to write; SGLang, which
+    reads the legacy form as dflash does, takes the same drafter."""
+    target, draft = tiny_pair
+    expected = json.loads((draft / "config.json").read_text())["dflash_config"]
+    legacy = broken_copy(tmp_path, draft, lambda c: legacy_form(c, keep_layer_ids))
+    assert main(["serve", "--target", str(target), "--draft", str(legacy), "--engine", "vllm", "--dry-run"]) == 2
+    err = " ".join(capsys.readouterr().err.split())
+    assert f"does not name {unnamed} in its dflash_config" in err and "Traceback" not in err
+    fields = json.loads(err[err.index("{"):err.rindex("}") + 1])["dflash_config"]
+    assert fields["target_layer_ids"] == expected["target_layer_ids"]
+    assert fields["mask_token_id"] == expected["mask_token_id"]
+    argv = dry_run(capsys, "--target", str(target), "--draft", str(legacy), "--engine", "sglang")
+    assert argv[argv.index("--speculative-draft-model-path") + 1] == str(legacy)
+
+
+def test_weights_named_under_model_are_warned_of_for_vllm(tiny_pair, tmp_path, capsys, caplog):
+    from safetensors.torch import load_file, save_file
+
+    target, draft = tiny_pair
+    prefixed = broken_copy(tmp_path, draft)
+    for file in prefixed.glob("*.safetensors"):
+        save_file({f"model.{k}": v for k, v in load_file(file).items()}, file)
+    assert dry_run(capsys, "--target", str(target), "--draft", str(prefixed), "--engine", "vllm")[0] == "vllm"
+    assert "names its weights model.*" in caplog.text
+    caplog.clear()
+    dry_run(capsys, "--target", str(target), "--draft", str(prefixed), "--engine", "sglang")
+    dry_run(capsys, "--target", str(target), "--draft", str(draft), "--engine", "vllm")
+    assert "model.*" not in caplog.text
 
 
 @pytest.mark.skipif(shutil.which("vllm") is not None, reason="vLLM is installed here")
