@@ -399,12 +399,18 @@ def _names(names: list[str], most: int = 20, longest: int = 60) -> str:
 
 
 def _ignored_inside(data: dict) -> list[str]:
-    """Unknown keys of the objects inside a request (each message, stream_options), as paths like messages[0].foo."""
+    """Unknown keys of the objects inside a request (each message and its content parts, stream_options), as paths
+    like messages[0].foo or messages[0].content[1].bar."""
     found = []
     messages = data.get("messages")
     for i, message in enumerate(messages if isinstance(messages, list) else []):
-        if isinstance(message, dict):
-            found += [f"messages[{i}].{k}" for k in sorted(set(message) - known_fields(ChatMessage) - MESSAGE_EXTRAS)]
+        if not isinstance(message, dict):
+            continue
+        found += [f"messages[{i}].{k}" for k in sorted(set(message) - known_fields(ChatMessage) - MESSAGE_EXTRAS)]
+        parts = message.get("content")
+        for j, part in enumerate(parts if isinstance(parts, list) else []):
+            if isinstance(part, dict):
+                found += [f"messages[{i}].content[{j}].{k}" for k in sorted(set(part) - known_fields(ContentPart))]
     options = data.get("stream_options")
     if isinstance(options, dict):
         found += [f"stream_options.{k}" for k in sorted(set(options) - known_fields(StreamOptions))]

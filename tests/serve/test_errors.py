@@ -44,11 +44,15 @@ def test_a_body_nested_too_deeply_says_so(server):
 def test_ignored_fields_are_answered_and_logged(server, caplog):
     with caplog.at_level("WARNING", logger="dflash.serve"):
         response = post(server, "chat/completions", json={
-            "messages": [{"role": "user", "content": "hello", "nmae": "x", "name": "ok"}], "max_token": 2,
-            "max_tokens": 2, "stream": True, "stream_options": {"include_usage": False, "inclde": True}})
+            "messages": [{"role": "user", "content": "hello", "nmae": "x", "name": "ok"},
+                         {"role": "assistant", "content": "hi"},
+                         {"role": "user", "content": [{"type": "text", "text": "a", "cache_control": {}}]}],
+            "max_token": 2, "max_tokens": 2, "stream": True,
+            "stream_options": {"include_usage": False, "inclde": True}})
     assert response.status_code == 200
-    assert ("request fields this server ignores: 'max_token', 'messages[0].nmae', 'stream_options.inclde'"
-            in caplog.text)  # a message's `name` is OpenAI's own field: no warning
+    # a message's `name` is OpenAI's own field: no warning
+    assert ("request fields this server ignores: 'max_token', 'messages[0].nmae', "
+            "'messages[2].content[0].cache_control', 'stream_options.inclde'" in caplog.text)
 
 
 def test_ignored_field_names_cannot_forge_or_flood_a_log_line(server, caplog):
