@@ -563,7 +563,10 @@ def rope_fields(config: Any) -> dict[str, Any]:
     attention: a config that keeps them per layer kind (Gemma3's `rope_parameters` of "full_attention" and
     "sliding_attention") gives its full-attention ones, the kind of every drafter layer. A partial rotary factor
     (GPT-NeoX, Phi, StableLM, GLM) is left out: the drafter rotates its whole head, and an engine that read the
-    factor from its config.json (vLLM, SGLang) would rotate it otherwise than it was trained."""
+    factor from its config.json (vLLM, SGLang) would rotate it otherwise than it was trained. Per-frequency factors
+    sized for a partly rotated head (Phi-4-mini's longrope lists) fit no whole head: the drafter rotates with the
+    target's base alone. A target without rope (GPT-2's absolute positions) gives the base every loader of the
+    format assumes when none is written (1,000,000), written out, so training and loading rotate alike."""
     out: dict[str, Any] = {}
     for key in ("rope_theta", "rope_scaling", "rope_parameters"):
         value = getattr(config, key, None)
@@ -581,4 +584,28 @@ def rope_fields(config: Any) -> dict[str, Any]:
             if theta is not None:
                 out["rope_theta"] = theta
                 break
+    if not _factors_fit(out, _head_dim(config)):
+        out = {"rope_theta": out.get("rope_theta", DEFAULT_ROPE_THETA)}
+    out.setdefault("rope_theta", DEFAULT_ROPE_THETA)
     return out
+
+
+DEFAULT_ROPE_THETA = 1_000_000.0  # what vLLM's, SGLang's and this package's DFlash loaders read when none is written
+
+
+def _head_dim(config: Any) -> int | None:
+    heads = getattr(config, "num_attention_heads", None)
+    hidden = getattr(config, "hidden_size", None)
+    return getattr(config, "head_dim", None) or (hidden // heads if hidden and heads else None)
+
+
+def _factors_fit(fields: dict[str, Any], head_dim: int | None) -> bool:
+    """Whether per-frequency rope factors (longrope's short_factor / long_factor), if any, have one entry per
+    rotated pair of a whole head of `head_dim`."""
+    for key in ("rope_scaling", "rope_parameters"):
+        params = fields.get(key)
+        for name in ("short_factor", "long_factor"):
+            factors = params.get(name) if isinstance(params, dict) else None
+            if isinstance(factors, list) and head_dim is not None and len(factors) != head_dim // 2:
+                return False
+    return True

@@ -6,6 +6,7 @@ import torch
 
 from conftest import FAMILIES, MORE_FAMILIES, REFUSED_FAMILIES, tiny_target_config, tiny_target_model
 from dflash.model import hf_compat
+from dflash.model.config import DrafterConfig
 from dflash.model.target import TargetModel
 
 
@@ -166,10 +167,35 @@ def test_a_drafter_for_every_family_gets_one_kind_of_rope(family):
     assert cos.shape == (1, 3, config.head_dim)
     saved = config.to_dict()  # what vLLM and SGLang read: the whole head rotates, as in training
     assert "partial_rotary_factor" not in json.dumps({k: saved.get(k) for k in ("rope_scaling", "rope_parameters")})
+    loaded = DFlashDraftModel(DrafterConfig.from_dict(saved))  # rotates as it trained (GPT-2: no rope of its own)
+    assert torch.equal(loaded.rotary_emb.inv_freq, drafter.rotary_emb.inv_freq)
     rope = fields.get("rope_parameters") or fields.get("rope_scaling") or {}
     theta = getattr(target.config, "rope_theta", None) or rope.get("rope_theta")
     if theta is not None:  # at the top level too, where an engine on transformers 4 reads it (else: base 10,000)
         assert saved["rope_theta"] == theta
+
+
+def test_a_drafter_for_a_partly_rotated_longrope_target_rotates_its_whole_head_with_the_base():
+    """Phi-4-mini's longrope lists have one factor per rotated pair of its partly rotated head: they fit no whole
+    head, so the drafter (which rotates all of its head) keeps the target's base alone instead of failing."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from dflash.model.drafter import DFlashDraftModel
+    from dflash.training.config import TrainConfig
+    from dflash.training.drafter_setup import drafter_config_for
+
+    config = AutoConfig.for_model(
+        "phi3", vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=4, num_attention_heads=4,
+        num_key_value_heads=2, max_position_embeddings=1024, original_max_position_embeddings=256,
+        partial_rotary_factor=0.5, rope_theta=5000.0, eos_token_id=None, pad_token_id=None, bos_token_id=None,
+        rope_scaling={"type": "longrope", "short_factor": [1.0] * 4, "long_factor": [2.0] * 4})  # 4.x: "type"
+    target = TargetModel(AutoModelForCausalLM.from_config(config))
+    assert hf_compat.rope_fields(target.config) == {"rope_theta": 5000.0}
+    drafter_config = drafter_config_for(target, TrainConfig(target="t", data="d.jsonl", output="o", block_size=4), 0)
+    drafter = DFlashDraftModel(drafter_config)
+    assert drafter.rotary_emb.inv_freq.shape == (drafter_config.head_dim // 2,)
+    loaded = DFlashDraftModel(DrafterConfig.from_dict(drafter_config.to_dict()))
+    assert torch.equal(loaded.rotary_emb.inv_freq, drafter.rotary_emb.inv_freq)
 
 
 def test_rope_switch_length_is_where_a_longrope_rotary_changes_its_factors_inside_the_context():
