@@ -156,6 +156,12 @@ def check_vllm_reads_settings(draft: str, raw: dict, config: DrafterConfig) -> N
         raise UserError(f"{draft}/config.json does not name {' and '.join(unnamed)} in its dflash_config, where vLLM "
                         "reads them (without layer ids vLLM feeds the drafter other target layers than it was "
                         f"trained on); write the values dflash uses into the file: {fields}")
+    ids = config.target_layer_ids
+    repeated = sorted({i for i in ids if ids.count(i) > 1})
+    if repeated:
+        raise UserError(f"{draft}: its target_layer_ids {ids} name layer {repeated[0]} more than once, and vLLM takes "
+                        "each target layer's output once, which would not fit the drafter's fc; serve it with "
+                        "`dflash serve` (without --engine)")
 
 
 def check_drafter_weights(draft: str, config: DrafterConfig, engine: str) -> None:

@@ -63,15 +63,26 @@ def mask_token_advice(tokenizer, vocab_size: int) -> str:
             f"never holds (not pad or eos){unused}")
 
 
+def new_drafter_layer_ids(num_target_layers: int, draft_layers: int) -> list[int]:
+    """The published formula's layers, each once: on a target of fewer than draft_layers + 4 layers the formula
+    names a layer twice (4 layers, 2 draft layers: [1, 1]), which vLLM would feed the drafter once."""
+    return sorted(set(default_target_layer_ids(num_target_layers, draft_layers)))
+
+
 def drafter_config_for(target: TargetModel, config: TrainConfig, mask_token_id: int) -> DrafterConfig:
     tc = target.config
     heads = tc.num_attention_heads
     layers = config.draft_layers or 1
-    layer_ids = config.target_layer_ids or default_target_layer_ids(target.num_layers, layers)
+    layer_ids = config.target_layer_ids or new_drafter_layer_ids(target.num_layers, layers)
     outside = [i for i in layer_ids if not 0 <= i < target.num_layers]
     if outside:  # here, at setup: found at the first step, an --overwrite had already cleared the earlier run
         raise UserError(f"--target-layer-ids {outside} are outside the target's {target.num_layers} layers "
                         f"(0..{target.num_layers - 1})")
+    repeated = sorted({i for i in layer_ids if layer_ids.count(i) > 1})
+    if repeated:
+        raise UserError(f"--target-layer-ids {','.join(map(str, layer_ids))} names layer {repeated[0]} more than once: "
+                        "vLLM takes each target layer's output once and would not fit the drafter's fc; give "
+                        "distinct layers")
     return DrafterConfig(
         hidden_size=target.hidden_size,
         intermediate_size=config.intermediate_size or getattr(tc, "intermediate_size", 4 * target.hidden_size),

@@ -211,6 +211,15 @@ def test_vllm_is_refused_a_drafter_whose_config_leaves_it_to_guess(tiny_pair, tm
     assert argv[argv.index("--speculative-draft-model-path") + 1] == str(legacy)
 
 
+def test_vllm_is_refused_a_drafter_fed_twice_by_one_target_layer(tiny_pair, tmp_path, capsys):
+    """vLLM collects each target layer's output once, while the drafter's fc takes one slice per listed id."""
+    target, draft = tiny_pair
+    twice = broken_copy(tmp_path, draft, lambda c: c["dflash_config"].update(target_layer_ids=[1, 1]))
+    assert main(["serve", "--target", str(target), "--draft", str(twice), "--engine", "vllm", "--dry-run"]) == 2
+    err = " ".join(capsys.readouterr().err.split())
+    assert "target_layer_ids [1, 1] name layer 1 more than once" in err and "Traceback" not in err
+
+
 def test_weights_named_under_model_are_warned_of_for_vllm(tiny_pair, tmp_path, capsys, caplog):
     from safetensors.torch import load_file, save_file
 

@@ -924,6 +924,27 @@ def test_overwrite_deletes_nothing_when_the_new_run_cannot_start(tiny_pair, trai
     assert sorted(p.name for p in (out / "checkpoints").iterdir()) == ["step-00000002"]
 
 
+def test_a_new_drafter_feeds_on_each_target_layer_once():
+    """The published formula names a layer twice on a target of fewer than draft layers + 4 layers; vLLM takes each
+    layer's output once and sizes fc by the list, so a new drafter lists each once, and repeats asked for are
+    refused."""
+    from conftest import tiny_target_model
+    from dflash.model import TargetModel
+    from dflash.model.config import default_target_layer_ids
+    from dflash.training.config import TrainConfig
+    from dflash.training.drafter_setup import drafter_config_for
+
+    target = TargetModel(tiny_target_model("qwen3", layers=4))
+    assert default_target_layer_ids(4, 2) == [1, 1]
+    train = dict(target="t", data="d.jsonl", output="o", block_size=4)
+    assert drafter_config_for(target, TrainConfig(**train, draft_layers=2), 0).target_layer_ids == [1]
+    assert drafter_config_for(target, TrainConfig(**train, draft_layers=1), 0).target_layer_ids == [2]
+    wide = TargetModel(tiny_target_model("qwen3", layers=8))
+    assert drafter_config_for(wide, TrainConfig(**train, draft_layers=3), 0).target_layer_ids == [1, 3, 5]
+    with pytest.raises(UserError, match="--target-layer-ids 2,1,2 names layer 2 more than once"):
+        drafter_config_for(target, TrainConfig(**train, target_layer_ids=[2, 1, 2]), 0)
+
+
 def test_a_checkpoint_that_cannot_be_written_is_a_clear_error_keeping_the_last_one(tiny_pair, train_data, tmp_path,
                                                                                    monkeypatch):
     out = tmp_path / "out"
