@@ -102,11 +102,25 @@ def _read_config(path_or_id: str, what: str) -> dict:
 def target_facts(target: str) -> TargetFacts:
     raw = _read_config(target, "a Hugging Face causal LM checkpoint")
     text = raw.get("text_config") or raw  # multimodal configs keep the language model's fields there
-    missing = [k for k in ("hidden_size", "num_hidden_layers", "vocab_size") if k not in text]
+    names = _own_names(text.get("model_type"))
+    fields = {k: text.get(k, text.get(names.get(k, k))) for k in (
+        "hidden_size", "num_hidden_layers", "vocab_size", "max_position_embeddings")}
+    missing = [k for k in ("hidden_size", "num_hidden_layers", "vocab_size") if fields[k] is None]
     if missing:
         raise UserError(f"the target's config.json lacks {', '.join(missing)}; is {target} a causal LM checkpoint?")
-    return TargetFacts(text["hidden_size"], text["num_hidden_layers"], text["vocab_size"],
-                       text.get("max_position_embeddings"))
+    return TargetFacts(fields["hidden_size"], fields["num_hidden_layers"], fields["vocab_size"],
+                       fields["max_position_embeddings"])
+
+
+def _own_names(model_type: str | None) -> dict[str, str]:
+    """transformers' names for a model type's own config fields (GPT-2: hidden_size is n_embd, num_hidden_layers
+    n_layer); none for a type it does not know."""
+    from transformers import CONFIG_MAPPING
+
+    try:
+        return dict(CONFIG_MAPPING[model_type].attribute_map)
+    except KeyError:
+        return {}
 
 
 def _embedded_hint(draft: str) -> str:

@@ -220,6 +220,19 @@ def test_vllm_is_refused_a_drafter_fed_twice_by_one_target_layer(tiny_pair, tmp_
     assert "target_layer_ids [1, 1] name layer 1 more than once" in err and "Traceback" not in err
 
 
+def test_a_target_whose_config_names_its_fields_its_own_way_is_read(tmp_path, capsys):
+    """GPT-2's config.json says n_embd and n_layer, which transformers maps to hidden_size and num_hidden_layers."""
+    from conftest import save_tiny_pair
+
+    target, draft = save_tiny_pair(tmp_path / "gpt2", family="gpt2")
+    assert "n_layer" in json.loads((target / "config.json").read_text())
+    argv = dry_run(capsys, "--target", str(target), "--draft", str(draft), "--engine", "vllm")
+    assert argv[:3] == ["vllm", "serve", str(target)]
+    wrong = broken_copy(tmp_path, draft, lambda c: c.update(num_target_layers=8))
+    assert main(["serve", "--target", str(target), "--draft", str(wrong), "--engine", "vllm", "--dry-run"]) == 2
+    assert "number of target layers" in capsys.readouterr().err
+
+
 def test_weights_named_under_model_are_warned_of_for_vllm(tiny_pair, tmp_path, capsys, caplog):
     from safetensors.torch import load_file, save_file
 
