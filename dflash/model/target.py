@@ -97,10 +97,19 @@ class TargetModel:
         # keeping a row's blocks below the switch and reading it again when it reaches it, as transformers' generate
         # does (`rope_rows_switch`); where the rotary module is not found, DFlash decodes within the switch instead
         self.rope_switch = hf_compat.rope_switch_length(model.config)
-        self._capped_at = None
+        self._capped_at, self._cap_reason = None, ""
         if self.rope_switch is not None and not hf_compat.rotate_rows(model, self.rope_switch, self._long_rope_rows):
             self._capped_at = self.rope_switch
-            log.warning("%s: DFlash decodes within its first %d tokens%s", type(model).__name__, self.rope_switch,
+            self._cap_reason = (f"its longrope rotary switches to its long factors at {self.rope_switch} tokens, and "
+                                "a block verified across that point would change the output")
+        window = getattr(self.config, "keep_window_size", None)  # Doge: each forward keeps its top-k keys
+        limit = getattr(self.config, "max_position_embeddings", None)
+        if isinstance(window, int) and (limit is None or window < limit):
+            self._capped_at = window if self._capped_at is None else min(self._capped_at, window)
+            self._cap_reason = (f"its attention keeps the {window} keys it ranks highest in each forward, and past "
+                                "that many tokens a verified block would rank them otherwise than one token at a time")
+        if self._capped_at is not None:
+            log.warning("%s: DFlash decodes within its first %d tokens%s", type(model).__name__, self._capped_at,
                         self.context_note)
         self._sliding = self.rollback_problem is None and hf_compat.has_sliding_layers(model.config)
         self.positions_by_slot = hf_compat.positions_by_slot(model.config)  # its batches keep no holes between tokens
@@ -193,8 +202,7 @@ class TargetModel:
         """Why `context_length` is shorter than the target's context, in words ("" when it is not)."""
         if self._capped_at is None:
             return ""
-        return (f" (its longrope rotary switches to its long factors at {self._capped_at} tokens, and a block "
-                "verified across that point would change the output, so DFlash decodes within it)")
+        return f" ({self._cap_reason}, so DFlash decodes within it)"
 
     @property
     def context_words(self) -> str:
@@ -217,16 +225,18 @@ class TargetModel:
         return self.rollback_problem is None and hf_compat.takes_tree_masks(self.model)
 
     def check_decodable(self) -> None:
-        """Refuse, before any decoding, a target whose cache cannot be put back to the accepted tokens."""
+        """Refuse, before any decoding, a target whose cache cannot be put back to the accepted tokens, or whose
+        logits depend on what DFlash changes about a forward: the tokens after one (a verified block's), or the
+        padding and slots around it (a batch's rows, a branch)."""
         if self.rollback_problem is None and not self._cache_probed:
-            self.rollback_problem = self._cache_probe_problem()
+            self.rollback_problem = self._cache_probe_problem() or self._order_probe_problem()
             self._cache_probed = True
         if self.rollback_problem is not None:
             name = type(self.model).__name__
             raise UnsupportedTargetError(
                 f"{name} cannot be decoded by DFlash without changing its output: {self.rollback_problem}. DFlash "
-                f"decodes targets whose every layer is full or sliding-window attention; decode {name} without "
-                "DFlash (e.g. transformers' generate), or pick such a target."
+                f"decodes causal targets whose every layer is full or sliding-window attention; decode {name} "
+                "without DFlash (e.g. transformers' generate), or pick such a target."
             )
 
     @torch.inference_mode()
@@ -238,11 +248,33 @@ class TargetModel:
         try:
             self.forward(ids, torch.zeros_like(ids), cache, logits_to_keep=1)
         except Exception as err:  # noqa: BLE001 - any failure here means the same: it cannot decode this way
-            return (f"its forward fails with a key/value cache ({type(err).__name__}: {str(err).splitlines()[0][:200]}"
-                    "): it keeps a state of its own")
-        if hf_compat.cache_length(cache) != 1:
-            return ("its forward keeps nothing in the key/value cache it is given: it keeps a state of its own, which "
-                    "takes in every draft token")
+            return (f"its forward fails with the key/value cache DFlash gives it ({type(err).__name__}: "
+                    f"{str(err).splitlines()[0][:200]}): it keeps a state of its own or needs inputs of its own")
+        held = hf_compat.cache_length(cache)
+        if held == 0:
+            return ("its forward keeps nothing in the key/value cache it is given: it keeps a state of its own (which "
+                    "takes in every draft token), or no cache at all")
+        if held != 1:
+            return f"its key/value cache holds {held} entries after one token, so it cannot be cut back to a token"
+        return None
+
+    @torch.inference_mode()
+    def _order_probe_problem(self) -> str | None:
+        """Three tokens through the model without a cache, then the first alone, then the three after padding the
+        attention mask hides: a causal target that reads the positions it is given answers each token alike."""
+        ids = torch.tensor([[1, 2, 3]], device=self.device)
+        positions = torch.arange(3, device=self.device)[None]
+        whole = self.forward(ids, positions, self.new_cache()).logits[0]  # (3, vocab)
+        first = self.forward(ids[:, :1], positions[:, :1], self.new_cache()).logits[0]
+        if _differ(first[0], whole[0], self.dtype):
+            return "its attention is not causal: a token's logits change with the tokens after it"
+        pad = torch.zeros(1, 4, dtype=torch.long, device=self.device)
+        mask = torch.cat([pad, torch.ones_like(ids)], dim=1)
+        padded = self.forward(torch.cat([pad, ids], 1), torch.cat([pad, positions], 1), self.new_cache(),
+                              attention_mask=mask).logits[0, pad.shape[1]:]
+        if _differ(padded, whole, self.dtype):
+            return ("it numbers positions by slot instead of taking the positions it is given, so a batch's padding "
+                    "or a verified branch would change its text")
         return None
 
     # ---- feature capture ----------------------------------------------------------------------------
@@ -347,8 +379,31 @@ class TargetModel:
         return torch.cat(parts, dim=-1)
 
 
+def _differ(a: torch.Tensor, b: torch.Tensor, dtype: torch.dtype) -> bool:
+    """Whether two forwards' logits for the same tokens differ by more than rounding in the target's `dtype` (a
+    forward of another shape rounds otherwise: ~1e-6 of the largest logit in float32, ~1e-2 in 16 bits)."""
+    share = 1e-3 if dtype in (torch.float32, torch.float64) else 5e-2
+    return bool((a - b).abs().max() > share * a.abs().max().clamp_min(1e-6))
+
+
+def check_drafts_in_hidden_size(target: TargetModel) -> None:
+    """A DFlash drafter reads the target's token embeddings and hands its output to the target's LM head, both in
+    the target's hidden size; refuse a target that projects between its embeddings and its layers (OPT-350m,
+    ELECTRA, RemBERT)."""
+    model, hidden = target.model, target.hidden_size
+    width = model.get_input_embeddings().embedding_dim
+    head = getattr(model.get_output_embeddings(), "in_features", hidden)
+    if width != hidden or head != hidden:
+        raise UnsupportedTargetError(
+            f"{type(model).__name__}'s token embeddings are {width} wide and its LM head reads {head}, not its hidden "
+            f"size {hidden} (it projects between them), while a DFlash drafter drafts with both in the hidden size: "
+            "decode it without a drafter (--no-draft) or with a draft model (classic speculative decoding)")
+
+
 def check_compatible(target: TargetModel, config: DrafterConfig) -> None:
     """Refuse a drafter built for another target, naming every mismatch."""
+    if isinstance(target, TargetModel):
+        check_drafts_in_hidden_size(target)
     problems = []
     if config.hidden_size != target.hidden_size:
         problems.append(f"hidden size: drafter {config.hidden_size}, target {target.hidden_size}")

@@ -13,7 +13,7 @@ from dflash.model import hf_compat
 from dflash.model.config import DFlash2Options, DrafterConfig, default_target_layer_ids
 from dflash.model.dflash2 import CandidateSelector, GroupedDynamicConv
 from dflash.model.drafter import DFlashDecoderLayer, DFlashDraftModel, init_weights
-from dflash.model.target import TargetModel
+from dflash.model.target import TargetModel, check_drafts_in_hidden_size
 from dflash.training.config import DEFAULT_SELECTOR_RANK, DEFAULT_SELECTOR_TOP_K, TrainConfig
 from dflash.training.data import Example
 
@@ -70,6 +70,7 @@ def new_drafter_layer_ids(num_target_layers: int, draft_layers: int) -> list[int
 
 
 def drafter_config_for(target: TargetModel, config: TrainConfig, mask_token_id: int) -> DrafterConfig:
+    check_drafts_in_hidden_size(target)
     tc = target.config
     heads = tc.num_attention_heads
     layers = config.draft_layers or 1

@@ -236,3 +236,77 @@ def test_a_longrope_row_read_again_past_its_switch_goes_on_as_decoded():
     while not seq.finished:
         engine.step(batch)
     assert seq.output_ids == ref
+
+
+def _tiny(model_type: str, **fields):
+    """A tiny random causal LM of `model_type` beyond conftest's families, with peaky logits."""
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    config = AutoConfig.for_model(model_type, **{**dict(
+        vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+        max_position_embeddings=1024, eos_token_id=None, bos_token_id=None, pad_token_id=None), **fields})
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(config).eval()
+    with torch.no_grad():
+        model.get_output_embeddings().weight.mul_(8.0)
+    return TargetModel(model)
+
+
+@pytest.mark.parametrize("model_type,fields,reason", [
+    # BART's decoder numbers positions by cache slot: a padded row, or a branch, would read other positions
+    ("bart", dict(d_model=64, encoder_layers=1, decoder_layers=2, encoder_attention_heads=4, decoder_attention_heads=4,
+                  encoder_ffn_dim=128, decoder_ffn_dim=128, decoder_start_token_id=2),
+     "numbers positions by slot|needs inputs of its own"),  # transformers 4's takes no position_ids at all
+    ("bert", dict(is_decoder=False), "attention is not causal"),  # BertLMHeadModel left bidirectional
+])
+def test_targets_whose_logits_depend_on_what_a_block_or_a_batch_changes_are_refused_up_front(model_type, fields,
+                                                                                               reason):
+    target = _tiny(model_type, **fields)
+    for proposer in (None, NoDraftProposer()):
+        with pytest.raises(UnsupportedTargetError, match=reason):
+            SpeculativeEngine(target, proposer)
+
+
+def test_a_bert_built_as_a_decoder_is_lossless():
+    target = _tiny("bert", is_decoder=True)
+    check_ragged_greedy(target, random_prompts(3, seed=1), MAX_NEW)
+
+
+@pytest.mark.parametrize("model_type,fields", [
+    ("opt", dict(word_embed_proj_dim=32, ffn_dim=128)),  # facebook/opt-350m's shape: embeddings 512, hidden 1024
+    ("electra", dict(embedding_size=32, is_decoder=True)),
+])
+def test_a_target_that_projects_between_its_embeddings_and_layers_gets_no_dflash_drafter(model_type, fields):
+    """A DFlash drafter drafts with the target's embeddings and LM head in its hidden size; the target still decodes
+    without one."""
+    from dflash.decoding.proposer import DFlashProposer
+    from dflash.training.config import TrainConfig
+    from dflash.training.drafter_setup import drafter_config_for
+
+    target = _tiny(model_type, **fields)
+    with pytest.raises(UnsupportedTargetError, match="are 32 wide .+ not its hidden size 64"):
+        DFlashProposer(tiny_drafter(target), target)
+    with pytest.raises(UnsupportedTargetError, match="are 32 wide"):  # dflash train refuses it at setup
+        drafter_config_for(target, TrainConfig(target="t", data="d.jsonl", output="o"), 0)
+    prompt = random_prompts(1, seed=2)[0]
+    out = SpeculativeEngine(target).generate([prompt], GenerationConfig(max_new_tokens=8, stop_token_ids=[]))
+    assert out[0].output_ids == hf_greedy(target, prompt, 8)
+
+
+def test_a_target_keeping_its_top_keys_decodes_within_that_many_tokens():
+    """Doge's attention keeps the `keep_window_size` keys it ranks highest in each forward: past that many tokens a
+    verified block ranks them otherwise than one token at a time, so DFlash decodes within them, losslessly."""
+    from dflash.model.hf_compat import TRANSFORMERS_MAJOR
+
+    target = _tiny("doge", keep_window_size=40, num_key_value_heads=2, head_dim=16, num_experts=16,
+                   num_experts_per_tok=2)
+    if TRANSFORMERS_MAJOR < 5:  # its Doge lets a token see the tokens after it when given no mask
+        with pytest.raises(UnsupportedTargetError, match="attention is not causal"):
+            SpeculativeEngine(target)
+        return
+    assert target.context_length == 40 and "keeps the 40 keys it ranks highest" in target.context_words
+    prompts = random_prompts(3, seed=1, low=3, high=8)
+    check_ragged_greedy(target, prompts, 30)
+    with pytest.raises(GenerationError, match="room for at most"):
+        SpeculativeEngine(target).generate([prompts[0]], GenerationConfig(max_new_tokens=40))
