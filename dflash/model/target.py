@@ -312,7 +312,38 @@ class TargetModel:
         return self.model.get_input_embeddings()(input_ids)
 
     def lm_head(self, hidden: torch.Tensor) -> torch.Tensor:
+        """The output embedding alone: what a drafter's hidden states go through (its argmax is the logits')."""
         return self.model.get_output_embeddings()(hidden)
+
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """The target's own logits from its final (normed) hidden states: the LM head, then what its family does
+        to it (Cohere's logit_scale, Granite's logits_scaling, Gemma's final soft-capping). `distillation_problem`
+        checks the result against the model's forward."""
+        logits = self.lm_head(hidden)
+        scale = getattr(self.config, "logit_scale", None)
+        if scale is not None:
+            logits = logits * scale
+        divisor = getattr(self.config, "logits_scaling", None)
+        if divisor:
+            logits = logits / divisor
+        cap = getattr(self.config, "final_logit_softcapping", None)
+        if cap:
+            logits = torch.tanh(logits / cap) * cap
+        return logits
+
+    @torch.inference_mode()
+    def distillation_problem(self) -> str | None:
+        """Whether `logits` of the final hidden states (what training's soft labels are made of) misses the
+        model's own logits, as a family with a transform of its own would; None when they agree."""
+        ids = torch.tensor([[1, 2, 3, 4]], device=self.device)
+        real = torch.ones_like(ids, dtype=torch.bool)
+        hidden = self.context_features(ids, real, [], with_final_hidden=True)  # (1, 4, h)
+        ours = self.logits(hidden.to(self.dtype))[0].float()
+        theirs = self.model(input_ids=ids, use_cache=False).logits[0].float()
+        if _differ(theirs, ours, self.dtype):
+            return (f"{type(self.model).__name__}'s logits are not its LM head of its final hidden states (it "
+                    "transforms them in a way DFlash does not reproduce)")
+        return None
 
     @torch.inference_mode()
     def forward(
@@ -371,7 +402,9 @@ class TargetModel:
         features on the last dimension: `lm_head` of them gives the target's logits (soft labels)."""
         self._ensure_hooks(list(feature_layer_ids))
         self._start_capture(feature_layer_ids)
-        decoder = self.model.get_decoder() if hasattr(self.model, "get_decoder") else self.model
+        decoder = self.model.get_decoder() if hasattr(self.model, "get_decoder") else None
+        if decoder is None or decoder is self.model:  # transformers 4 answers the model itself for GPT-2 and others
+            decoder = self.model.base_model
         out = decoder(input_ids=input_ids, attention_mask=attention_mask.long(), use_cache=False)
         parts = self._end_capture(feature_layer_ids)
         if with_final_hidden:

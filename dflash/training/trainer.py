@@ -292,6 +292,10 @@ class Trainer:
         for p in self.target.model.parameters():
             p.requires_grad_(False)
         self.tokenizer = self.target.tokenizer
+        problem = self.target.distillation_problem() if self.config.distill_weight > 0 else None
+        if problem:
+            raise UserError(f"--distill-weight {self.config.distill_weight}: {problem}, so the soft labels would "
+                            "not be its distribution; train without --distill-weight")
 
     def _setup_data(self) -> None:
         c = self.config
@@ -507,7 +511,7 @@ class Trainer:
         previous = (blocks.positions - 1).clamp(0, final_hidden.shape[1] - 1)  # (b, n*B)
         hidden = final_hidden.gather(1, previous[:, :, None].expand(-1, -1, final_hidden.shape[2]))
         with torch.no_grad():
-            return self.target.lm_head(hidden.to(self.target.dtype)).float()
+            return self.target.logits(hidden.to(self.target.dtype)).float()
 
     def _cached(self, key: str, shape: tuple[int, int]) -> torch.Tensor | None:
         """The cached features (T, F [+ h]) of one example, or None when they are not cached yet.

@@ -1,7 +1,7 @@
 import pytest
 import torch
 
-from conftest import MORE_FAMILIES, tiny_target_model
+from conftest import FAMILIES, MORE_FAMILIES, tiny_target_model
 from dflash.model.hf_compat import cache_length, crop_cache
 from dflash.model.target import TargetModel, unapplied_generation_options, warn_unapplied_generation_options
 
@@ -77,3 +77,20 @@ def test_generation_config_options_dflash_does_not_apply_are_named_in_a_warning(
     assert "sets repetition_penalty=1.05, do_sample=True, temperature=0.7" in caplog.text
     assert "DFlash does not apply" in caplog.text and "dflash serve applies its sampling defaults" in caplog.text
     assert unapplied_generation_options(model.generation_config, sampling_defaults=False) == ["repetition_penalty=1.05"]
+
+
+# families whose logits are more than the LM head of the final hidden states
+TRANSFORMED_LOGITS = {"gemma2": "final_logit_softcapping", "gemma3_text": "final_logit_softcapping",
+                      "cohere2": "logit_scale", "granite": "logits_scaling"}
+
+
+@pytest.mark.parametrize("family", FAMILIES + MORE_FAMILIES)
+def test_the_targets_logits_from_its_final_hidden_states_are_its_forwards(family, monkeypatch):
+    """Distillation's soft labels are `logits` of the final hidden states: the model's own distribution, its
+    family's transform included (without it Gemma's would be uncapped, Cohere's and Granite's scaled otherwise)."""
+    target = TargetModel(tiny_target_model(family))
+    assert target.distillation_problem() is None
+    if family in TRANSFORMED_LOGITS:
+        assert getattr(target.config, TRANSFORMED_LOGITS[family])
+        monkeypatch.setattr(TargetModel, "logits", TargetModel.lm_head)  # the head alone misses them
+        assert "logits are not its LM head of its final hidden states" in target.distillation_problem()

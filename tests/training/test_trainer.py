@@ -945,6 +945,16 @@ def test_a_new_drafter_feeds_on_each_target_layer_once():
         drafter_config_for(target, TrainConfig(**train, target_layer_ids=[2, 1, 2]), 0)
 
 
+def test_distillation_is_refused_for_a_target_whose_logits_it_cannot_reproduce(tiny_pair, train_data, tmp_path,
+                                                                               monkeypatch):
+    from dflash.model.target import TargetModel
+
+    monkeypatch.setattr(TargetModel, "distillation_problem", lambda self: "its logits are its own")
+    with pytest.raises(UserError, match="--distill-weight 0.5: its logits are its own, .+ train without"):
+        Trainer(config(tiny_pair, train_data, tmp_path / "out", distill_weight=0.5)).setup()
+    Trainer(config(tiny_pair, train_data, tmp_path / "out")).setup()  # without distillation it is not asked
+
+
 def test_a_checkpoint_that_cannot_be_written_is_a_clear_error_keeping_the_last_one(tiny_pair, train_data, tmp_path,
                                                                                    monkeypatch):
     out = tmp_path / "out"
