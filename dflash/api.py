@@ -48,7 +48,7 @@ from dflash.model.loading import (
     resolve_model_dir,
     trained_for,
 )
-from dflash.model.target import TargetModel, check_compatible, warn_unapplied_generation_options
+from dflash.model.target import TargetModel, check_drafter_fits, warn_unapplied_generation_options
 
 ASSETS = Path(__file__).parent / "assets"
 DEFAULT_TARGET = ASSETS / "target"
@@ -113,7 +113,7 @@ class DFlash:
         forward)."""
         _check_models(target, drafter)
         if isinstance(drafter, DFlashDraftModel):  # before the precision check below runs a draft on the target's head
-            check_compatible(target, drafter.config)
+            check_drafter_fits(target, drafter.config)
         check_drafter_precision(drafter_precision)
         self.target = target
         self.chat_template_kwargs = check_template_kwargs(chat_template_kwargs)

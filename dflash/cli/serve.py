@@ -73,6 +73,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     handoff.add_argument("--engine", choices=["dflash", "vllm", "sglang"], default="dflash",
                          help="dflash (this server), or launch vLLM / SGLang with the DFlash speculative config")
     handoff.add_argument("--dry-run", action="store_true", help="with --engine vllm|sglang: print the command only")
+    handoff.add_argument("--attention-backend", metavar="NAME",
+                         help="with --engine vllm|sglang: the engine's attention backend, for the target too, or auto "
+                         "for the engine's own choice (default: flash_attn for vLLM with a drafter, whose block "
+                         "attends both ways, but for a latent-attention target; the engine's choice otherwise)")
 
 
 def _threshold(value: str) -> str | float:
@@ -136,6 +140,9 @@ def _check_args(args: argparse.Namespace) -> None:
                         "or serve with --engine dflash")
     if args.dry_run and args.engine == "dflash":
         raise UserError("--dry-run prints the command of a hand-off; use it with --engine vllm or --engine sglang")
+    if args.attention_backend is not None and args.engine == "dflash":
+        raise UserError("--attention-backend picks vLLM's or SGLang's attention kernels; use it with --engine vllm "
+                        "or --engine sglang")
     _check_generation_config(args.generation_config, args.target)
     if args.api_key is not None and not args.api_key:
         raise UserError("--api-key is empty; give a key or leave the flag out")
@@ -205,6 +212,7 @@ def _hand_off(args: argparse.Namespace) -> int:
         dtype=None if args.dtype == "auto" else args.dtype, chat_template_kwargs=chat_template_kwargs(args),
         log_level=None if args.log_level == "info" else args.log_level,  # info: both engines' default
         trust_remote_code=args.trust_remote_code, generation_config=args.generation_config,
+        attention_backend=args.attention_backend,
     )
     command = handoff.engine_command(args.engine, target, draft, args.block_size, options)
     _warn_if_open(args)

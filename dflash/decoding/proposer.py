@@ -19,7 +19,7 @@ from dflash.errors import UserError
 from dflash.model.dflash2 import Lattice, path_confidence, walk
 from dflash.model.drafter import DFlashDraftModel, DrafterCache
 from dflash.model.slot_buffer import spare_room
-from dflash.model.target import TargetModel, check_compatible
+from dflash.model.target import TargetModel, check_drafter_fits
 
 
 @dataclass
@@ -238,7 +238,7 @@ class DFlashProposer:
     drafts_in_one_forward = True
 
     def __init__(self, drafter: DFlashDraftModel, target: TargetModel, block_size: int | None = None):
-        check_compatible(target, drafter.config)
+        check_drafter_fits(target, drafter.config)
         trained = drafter.config.block_size
         if block_size is not None and not 2 <= block_size <= trained:
             raise UserError(f"block size {block_size} is not usable with this drafter: choose 2..{trained} "

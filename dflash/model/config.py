@@ -104,6 +104,15 @@ def is_causal_lm(architectures: list[str]) -> bool:
     return any(name.endswith(("ForCausalLM", "LMHeadModel")) for name in architectures)
 
 
+# the rope base vLLM's, SGLang's and this package's DFlash loaders take when a drafter's config.json names none
+DEFAULT_ROPE_THETA = 1_000_000.0
+
+
+def repeated_layer_ids(layer_ids: list[int]) -> list[int]:
+    """The target layers `layer_ids` names more than once, in order."""
+    return sorted({i for i in layer_ids if layer_ids.count(i) > 1})
+
+
 def default_target_layer_ids(num_target_layers: int, num_draft_layers: int) -> list[int]:
     """Which target layers feed the drafter when a checkpoint does not say (REFERENCE section 1).
 
@@ -136,7 +145,7 @@ class DrafterConfig:
     max_position_embeddings: int = 32768
     layer_types: list[str] = field(default_factory=list)
     sliding_window: int | None = None
-    rope: dict[str, Any] = field(default_factory=lambda: {"rope_theta": 1_000_000.0})
+    rope: dict[str, Any] = field(default_factory=lambda: {"rope_theta": DEFAULT_ROPE_THETA})
     dtype: str | None = None
     dflash2: DFlash2Options | None = None  # None: a DFlash drafter
     extra: dict[str, Any] = field(default_factory=dict)
@@ -229,7 +238,7 @@ class DrafterConfig:
             max_position_embeddings=raw.get("max_position_embeddings", 32768),
             layer_types=list(raw.get("layer_types") or []),
             sliding_window=raw.get("sliding_window"),
-            rope=rope or {"rope_theta": 1_000_000.0},
+            rope=rope or {"rope_theta": DEFAULT_ROPE_THETA},
             dtype=raw.get("dtype") or raw.get("torch_dtype"),
             dflash2=DFlash2Options.from_dflash_config(dflash) if is_dflash2(architectures) else None,
             extra={k: v for k, v in raw.items() if k not in _OWNED},

@@ -18,6 +18,7 @@ from torch import nn
 from transformers import DynamicCache
 from transformers.cache_utils import DynamicLayer, DynamicSlidingWindowLayer
 
+from dflash.model.config import DEFAULT_ROPE_THETA
 from dflash.model.slot_buffer import SlotBuffer
 
 TRANSFORMERS_MAJOR = int(transformers.__version__.split(".")[0])
@@ -584,16 +585,14 @@ def rope_fields(config: Any) -> dict[str, Any]:
             if theta is not None:
                 out["rope_theta"] = theta
                 break
-    if not _factors_fit(out, _head_dim(config)):
+    if not _factors_fit(out, head_dim(config)):
         out = {"rope_theta": out.get("rope_theta", DEFAULT_ROPE_THETA)}
     out.setdefault("rope_theta", DEFAULT_ROPE_THETA)
     return out
 
 
-DEFAULT_ROPE_THETA = 1_000_000.0  # what vLLM's, SGLang's and this package's DFlash loaders read when none is written
-
-
-def _head_dim(config: Any) -> int | None:
+def head_dim(config: Any) -> int | None:
+    """A transformers config's attention head size: its head_dim, or hidden_size over the heads."""
     heads = getattr(config, "num_attention_heads", None)
     hidden = getattr(config, "hidden_size", None)
     return getattr(config, "head_dim", None) or (hidden // heads if hidden and heads else None)

@@ -16,7 +16,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from dflash.errors import UserError
+from dflash.errors import UserError, in_brief
 from dflash.model import hf_compat
 from dflash.model.config import DrafterConfig
 from dflash.model.loading import (
@@ -103,9 +103,9 @@ class TargetModel:
             self._cap_reason = (f"its longrope rotary switches to its long factors at {self.rope_switch} tokens, and "
                                 "a block verified across that point would change the output")
         window = getattr(self.config, "keep_window_size", None)  # Doge: each forward keeps its top-k keys
-        limit = getattr(self.config, "max_position_embeddings", None)
-        if isinstance(window, int) and (limit is None or window < limit):
-            self._capped_at = window if self._capped_at is None else min(self._capped_at, window)
+        bound = self._capped_at or getattr(self.config, "max_position_embeddings", None)
+        if isinstance(window, int) and (bound is None or window < bound):
+            self._capped_at = window
             self._cap_reason = (f"its attention keeps the {window} keys it ranks highest in each forward, and past "
                                 "that many tokens a verified block would rank them otherwise than one token at a time")
         if self._capped_at is not None:
@@ -185,9 +185,9 @@ class TargetModel:
     @property
     def context_length(self) -> int | None:
         """The tokens DFlash decodes within: the target's context (`max_position_embeddings`; None when its config
-        states none), or, for a `longrope` target whose rotary module was not found (`hf_compat.rotate_rows`),
-        the position where its rotary frequencies switch: past it, a verified block would rotate tokens otherwise
-        than decoding one at a time does."""
+        states none), or less (`context_note` says why): for a `longrope` target whose rotary module was not found
+        (`hf_compat.rotate_rows`), the position where its rotary frequencies switch, past which a verified block
+        would rotate tokens otherwise than decoding one at a time does; for Doge, its `keep_window_size`."""
         limit = getattr(self.config, "max_position_embeddings", None)
         return self._capped_at if self._capped_at is not None else limit
 
@@ -260,22 +260,30 @@ class TargetModel:
 
     @torch.inference_mode()
     def _order_probe_problem(self) -> str | None:
-        """Three tokens through the model without a cache, then the first alone, then the three after padding the
-        attention mask hides: a causal target that reads the positions it is given answers each token alike."""
-        ids = torch.tensor([[1, 2, 3]], device=self.device)
+        """Forwards of one shape, without a cache, whose logits for the same tokens must agree: two sequences that
+        share their first token (causal attention), and three tokens after and before four slots of padding the
+        attention mask hides (positions as given, not by slot)."""
+        ids = self._probe_ids(3)  # (1, 3)
         positions = torch.arange(3, device=self.device)[None]
-        whole = self.forward(ids, positions, self.new_cache()).logits[0]  # (3, vocab)
-        first = self.forward(ids[:, :1], positions[:, :1], self.new_cache()).logits[0]
-        if _differ(first[0], whole[0], self.dtype):
+        first = self.forward(ids, positions, self.new_cache()).logits[0, 0]
+        other = self.forward(torch.cat([ids[:, :1], ids[:, 1:].flip(1) + 1], 1) % self.vocab_size, positions,
+                             self.new_cache()).logits[0, 0]
+        if _differ(first, other, self.dtype):
             return "its attention is not causal: a token's logits change with the tokens after it"
         pad = torch.zeros(1, 4, dtype=torch.long, device=self.device)
-        mask = torch.cat([pad, torch.ones_like(ids)], dim=1)
-        padded = self.forward(torch.cat([pad, ids], 1), torch.cat([pad, positions], 1), self.new_cache(),
-                              attention_mask=mask).logits[0, pad.shape[1]:]
-        if _differ(padded, whole, self.dtype):
+        real = torch.ones_like(ids)
+        after = self.forward(torch.cat([pad, ids], 1), torch.cat([pad, positions], 1), self.new_cache(),
+                             attention_mask=torch.cat([pad, real], 1)).logits[0, 4:]
+        before = self.forward(torch.cat([ids, pad], 1), torch.cat([positions, pad], 1), self.new_cache(),
+                              attention_mask=torch.cat([real, pad], 1)).logits[0, :3]
+        if _differ(after, before, self.dtype):
             return ("it numbers positions by slot instead of taking the positions it is given, so a batch's padding "
                     "or a verified branch would change its text")
         return None
+
+    def _probe_ids(self, n: int) -> torch.Tensor:
+        """(1, n) ordinary token ids for a probe forward: 1..n, within the vocabulary."""
+        return (torch.arange(1, n + 1, device=self.device) % self.vocab_size)[None]
 
     # ---- feature capture ----------------------------------------------------------------------------
     def _ensure_hooks(self, layer_ids: list[int]) -> None:
@@ -317,16 +325,14 @@ class TargetModel:
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """The target's own logits from its final (normed) hidden states: the LM head, then what its family does
-        to it (Cohere's logit_scale, Granite's logits_scaling, Gemma's final soft-capping). `distillation_problem`
+        to it (Gemma's final soft-capping, Cohere's logit_scale, Granite's logits_scaling). `distillation_problem`
         checks the result against the model's forward."""
         logits = self.lm_head(hidden)
-        scale = getattr(self.config, "logit_scale", None)
-        if scale is not None:
-            logits = logits * scale
-        divisor = getattr(self.config, "logits_scaling", None)
-        if divisor:
-            logits = logits / divisor
-        cap = getattr(self.config, "final_logit_softcapping", None)
+        family = getattr(self.config, "model_type", "")
+        value = _number(getattr(self.config, _LOGIT_TRANSFORMS.get(family, ("", None))[0], None))
+        if value:
+            logits = logits * value if _LOGIT_TRANSFORMS[family][1] == "times" else logits / value
+        cap = _number(getattr(self.config, "final_logit_softcapping", None))
         if cap:
             logits = torch.tanh(logits / cap) * cap
         return logits
@@ -335,14 +341,16 @@ class TargetModel:
     def distillation_problem(self) -> str | None:
         """Whether `logits` of the final hidden states (what training's soft labels are made of) misses the
         model's own logits, as a family with a transform of its own would; None when they agree."""
-        ids = torch.tensor([[1, 2, 3, 4]], device=self.device)
-        real = torch.ones_like(ids, dtype=torch.bool)
-        hidden = self.context_features(ids, real, [], with_final_hidden=True)  # (1, 4, h)
-        ours = self.logits(hidden.to(self.dtype))[0].float()
-        theirs = self.model(input_ids=ids, use_cache=False).logits[0].float()
+        ids = self._probe_ids(4)
+        try:
+            hidden = self.context_features(ids, torch.ones_like(ids, dtype=torch.bool), [], with_final_hidden=True)
+            ours = self.logits(hidden.to(self.dtype))[0].float()  # (4, vocab)
+            theirs = self.model(input_ids=ids, use_cache=False).logits[0].float()
+        except Exception as err:  # noqa: BLE001 - a config DFlash misreads fails in any of Python's ways
+            return f"its logits could not be made from its final hidden states ({in_brief(err)})"
         if _differ(theirs, ours, self.dtype):
-            return (f"{type(self.model).__name__}'s logits are not its LM head of its final hidden states (it "
-                    "transforms them in a way DFlash does not reproduce)")
+            return (f"{type(self.model).__name__}'s forward gives other logits than its LM head of its final hidden "
+                    "states with the transforms DFlash knows of its family")
         return None
 
     @torch.inference_mode()
@@ -399,7 +407,7 @@ class TargetModel:
         """Features of whole sequences for training, (b, T, len(ids) * hidden); no cache, no LM head.
 
         With `with_final_hidden`, the decoder's final (normed) hidden states (b, T, hidden) follow the
-        features on the last dimension: `lm_head` of them gives the target's logits (soft labels)."""
+        features on the last dimension: `logits` of them gives the target's logits (soft labels)."""
         self._ensure_hooks(list(feature_layer_ids))
         self._start_capture(feature_layer_ids)
         decoder = self.model.get_decoder() if hasattr(self.model, "get_decoder") else None
@@ -413,10 +421,26 @@ class TargetModel:
 
 
 def _differ(a: torch.Tensor, b: torch.Tensor, dtype: torch.dtype) -> bool:
-    """Whether two forwards' logits for the same tokens differ by more than rounding in the target's `dtype` (a
-    forward of another shape rounds otherwise: ~1e-6 of the largest logit in float32, ~1e-2 in 16 bits)."""
+    """Whether two forwards' logits for the same tokens differ by more than rounding in the target's `dtype`
+    (other kernels round otherwise: ~1e-6 of the largest logit in float32, up to ~1e-2 in 16 bits), or are not
+    numbers at all."""
+    a, b = a.float(), b.float()
+    if not (torch.isfinite(a).all() and torch.isfinite(b).all()):
+        return True
     share = 1e-3 if dtype in (torch.float32, torch.float64) else 5e-2
     return bool((a - b).abs().max() > share * a.abs().max().clamp_min(1e-6))
+
+
+# families whose forward scales the LM head's output by a config field: (field, times or divided by)
+_LOGIT_TRANSFORMS = {"cohere": ("logit_scale", "times"), "cohere2": ("logit_scale", "times"),
+                     "granite": ("logits_scaling", "divided"), "granitemoe": ("logits_scaling", "divided"),
+                     "granitemoeshared": ("logits_scaling", "divided"),
+                     "granitemoehybrid": ("logits_scaling", "divided")}
+
+
+def _number(value) -> float | None:
+    """A config field's value when it is a number (MPT's logit_scale may be a string its forward never reads)."""
+    return float(value) if isinstance(value, (int, float)) and not isinstance(value, bool) else None
 
 
 def check_drafts_in_hidden_size(target: TargetModel) -> None:
@@ -424,19 +448,24 @@ def check_drafts_in_hidden_size(target: TargetModel) -> None:
     the target's hidden size; refuse a target that projects between its embeddings and its layers (OPT-350m,
     ELECTRA, RemBERT)."""
     model, hidden = target.model, target.hidden_size
-    width = model.get_input_embeddings().embedding_dim
-    head = getattr(model.get_output_embeddings(), "in_features", hidden)
+    width = model.get_input_embeddings().weight.shape[-1]
+    head = model.get_output_embeddings().weight.shape[-1]
     if width != hidden or head != hidden:
         raise UnsupportedTargetError(
             f"{type(model).__name__}'s token embeddings are {width} wide and its LM head reads {head}, not its hidden "
             f"size {hidden} (it projects between them), while a DFlash drafter drafts with both in the hidden size: "
-            "decode it without a drafter (--no-draft) or with a draft model (classic speculative decoding)")
+            "no DFlash drafter can draft for it; decode it alone, or with a draft model (classic speculative "
+            "decoding: --draft SMALL_CAUSAL_LM)")
+
+
+def check_drafter_fits(target: TargetModel, config: DrafterConfig) -> None:
+    """`check_compatible` for a loaded target, whose embeddings' width is known too."""
+    check_drafts_in_hidden_size(target)
+    check_compatible(target, config)
 
 
 def check_compatible(target: TargetModel, config: DrafterConfig) -> None:
     """Refuse a drafter built for another target, naming every mismatch."""
-    if isinstance(target, TargetModel):
-        check_drafts_in_hidden_size(target)
     problems = []
     if config.hidden_size != target.hidden_size:
         problems.append(f"hidden size: drafter {config.hidden_size}, target {target.hidden_size}")

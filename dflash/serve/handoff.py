@@ -17,11 +17,11 @@ import shlex
 import shutil
 import subprocess
 import sys
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 from dflash.errors import UserError
-from dflash.model.config import DrafterConfig, is_causal_lm, is_dflash2
+from dflash.model.config import DrafterConfig, is_causal_lm, is_dflash2, repeated_layer_ids
 from dflash.model.loading import hub_file, is_hub_id, read_config
 from dflash.model.target import check_compatible
 from dflash.serve.limits import check_max_model_len
@@ -38,7 +38,9 @@ _LAYER_KEYS = ("self_attn.q_proj.weight", "self_attn.k_proj.weight", "self_attn.
                "input_layernorm.weight", "post_attention_layernorm.weight")
 _TOP_KEYS = ("fc.weight", "hidden_norm.weight", "norm.weight")
 # The drafter's block attends both ways: FlashAttention is the vLLM attention backend that took that in every
-# release with DFlash (FlexAttention and FlashInfer learnt it later), and DFlash's own vLLM command names it.
+# release with DFlash (FlexAttention and FlashInfer learnt it later), and DFlash's own vLLM command names it. The
+# flag sets the target's backend too, so a target whose attention needs backends of its own (DeepSeek's latent
+# attention) is left to vLLM's choice, and --attention-backend overrides it either way.
 VLLM_DRAFT_ATTENTION_BACKEND = "flash_attn"
 
 log = logging.getLogger("dflash")
@@ -59,6 +61,9 @@ class HandoffOptions:
     log_level: str | None = None  # debug, info, warning or error (vLLM: its HTTP server's, SGLang: its own)
     trust_remote_code: bool = False  # both engines take --trust-remote-code as dflash does
     generation_config: str = "auto"  # --generation-config: auto (both engines' default), vllm / openai, or a directory
+    # --attention-backend: the engine's backend, "auto" for its own choice; None: vLLM with a drafter gets
+    # VLLM_DRAFT_ATTENTION_BACKEND (but for a latent-attention target), the rest their own choice
+    attention_backend: str | None = None
 
 
 @dataclass
@@ -84,6 +89,7 @@ class TargetFacts:
     num_layers: int
     vocab_size: int
     max_position_embeddings: int | None = None
+    latent_attention: bool = False  # DeepSeek's multi-head latent attention (kv_lora_rank): its own vLLM backends
 
 
 # ---- checking the pair ---------------------------------------------------------------------------------
@@ -109,7 +115,7 @@ def target_facts(target: str) -> TargetFacts:
     if missing:
         raise UserError(f"the target's config.json lacks {', '.join(missing)}; is {target} a causal LM checkpoint?")
     return TargetFacts(fields["hidden_size"], fields["num_hidden_layers"], fields["vocab_size"],
-                       fields["max_position_embeddings"])
+                       fields["max_position_embeddings"], latent_attention=bool(text.get("kv_lora_rank")))
 
 
 def _own_names(model_type: str | None) -> dict[str, str]:
@@ -132,7 +138,19 @@ def _embedded_hint(draft: str) -> str:
     return f"; the embedded target's DFlash drafter is {HANDOFF_DRAFT} (the default of --engine without --draft)"
 
 
-def drafter_config(draft: str, engine: str) -> DrafterConfig:
+@dataclass
+class CheckedDrafter:
+    """What the checks read of a drafter: its config.json as written and as parsed, its weight names (None for a
+    hub id, whose weights the engine reads), and the block size to serve with."""
+
+    raw: dict
+    config: DrafterConfig
+    weight_names: set[str] | None
+    block_size: int
+
+
+def drafter_config(draft: str) -> tuple[dict, DrafterConfig]:
+    """The drafter's config.json as written and as parsed, refusing what the engines' DFlash method cannot load."""
     raw = _read_config(draft, "a DFlash drafter checkpoint")
     if is_dflash2(raw.get("architectures") or []):
         raise UserError(f"{draft} is a DFlash2 drafter (DFlash2DraftModel): the hand-off starts vLLM and SGLang with "
@@ -148,41 +166,18 @@ def drafter_config(draft: str, engine: str) -> DrafterConfig:
         raise UserError(f"{draft} declares architectures {raw.get('architectures')}; vLLM and SGLang load DFlash "
                         f"drafters declared as {DRAFTER_ARCHITECTURE!r}")
     try:
-        config = DrafterConfig.from_dict(raw)
+        return raw, DrafterConfig.from_dict(raw)
     except UserError as err:
         raise UserError(f"{draft}: {err} (vLLM and SGLang read the drafter's settings, the mask token id "
                         "included, from its config.json only: fix the file rather than pass flags)") from None
-    if engine == "vllm":
-        check_vllm_reads_settings(draft, raw, config)
-    return config
 
 
-def check_vllm_reads_settings(draft: str, raw: dict, config: DrafterConfig) -> None:
-    """vLLM finds the target layers and the mask token only where config.json names them: without layer ids it
-    taps its model's own default layers (not the formula dflash and SGLang derive for a legacy drafter), and
-    its older releases read the mask token id from dflash_config alone."""
-    dflash = raw.get("dflash_config") or {}
-    unnamed = [name for name, named in (("target_layer_ids", "target_layer_ids" in dflash or "target_layer_ids" in raw),
-                                        ("mask_token_id", "mask_token_id" in dflash)) if not named]
-    if unnamed:
-        fields = json.dumps({"dflash_config": {**dflash, "mask_token_id": config.mask_token_id,
-                                               "target_layer_ids": config.target_layer_ids}})
-        raise UserError(f"{draft}/config.json does not name {' and '.join(unnamed)} in its dflash_config, where vLLM "
-                        "reads them (without layer ids vLLM feeds the drafter other target layers than it was "
-                        f"trained on); write the values dflash uses into the file: {fields}")
-    ids = config.target_layer_ids
-    repeated = sorted({i for i in ids if ids.count(i) > 1})
-    if repeated:
-        raise UserError(f"{draft}: its target_layer_ids {ids} name layer {repeated[0]} more than once, and vLLM takes "
-                        "each target layer's output once, which would not fit the drafter's fc; serve it with "
-                        "`dflash serve` (without --engine)")
-
-
-def check_drafter_weights(draft: str, config: DrafterConfig, engine: str) -> None:
-    """Read the safetensors headers of a local drafter (not the tensors) and check the key layout."""
+def check_drafter_weights(draft: str, config: DrafterConfig) -> set[str] | None:
+    """Read the safetensors headers of a local drafter (not the tensors) and check the key layout; returns the
+    weight names as written (None for a hub id)."""
     directory = Path(draft).expanduser()
     if not directory.is_dir():
-        return  # a hub id: the configs were checked; weights are read by the engine
+        return None  # a hub id: the configs were checked; weights are read by the engine
     files = sorted(directory.glob("*.safetensors"))
     if not files:
         raise UserError(f"no *.safetensors weights in {directory}")
@@ -193,28 +188,46 @@ def check_drafter_weights(draft: str, config: DrafterConfig, engine: str) -> Non
         with safe_open(file, framework="pt") as f:
             names.update(f.keys())
     keys = {k.removeprefix("model.") for k in names}
-    if engine == "vllm" and any(k.startswith("model.") for k in names):
-        log.warning("%s names its weights model.*: vLLM's DFlash loader adds that prefix itself and may not find "
-                    "them (SGLang reads both); save the drafter without the prefix (dflash train exports it so)",
-                    directory)
     wanted = [*_TOP_KEYS, *(f"layers.{i}.{k}" for i in range(config.num_hidden_layers) for k in _LAYER_KEYS)]
     missing = [k for k in wanted if k not in keys]
     if missing:
         raise UserError(f"{directory} is not in the DFlash drafter format: missing weights {missing[:5]}"
                         f"{' ...' if len(missing) > 5 else ''}")
+    return names
 
 
-def check_pair(target: TargetFacts, draft: str, block_size: int | None, engine: str) -> int:
-    """Check format and compatibility from configs and headers, as `engine` reads them; returns the block size
-    to serve with."""
-    config = drafter_config(draft, engine)
+def check_pair(target: TargetFacts, draft: str, block_size: int | None) -> CheckedDrafter:
+    """Check format and compatibility from configs and headers, as both engines read them."""
+    raw, config = drafter_config(draft)
     check_compatible(target, config)
-    check_drafter_weights(draft, config, engine)
-    if block_size is None:
-        return config.block_size
-    if not 2 <= block_size <= config.block_size:
+    names = check_drafter_weights(draft, config)
+    if block_size is not None and not 2 <= block_size <= config.block_size:
         raise UserError(f"block size {block_size} is not usable with this drafter: choose 2..{config.block_size}")
-    return block_size
+    return CheckedDrafter(raw, config, names, block_size or config.block_size)
+
+
+def check_vllm_reads(draft: str, drafter: CheckedDrafter) -> None:
+    """What vLLM alone needs of a drafter: the target layers and the mask token named in dflash_config (without
+    layer ids it taps its model's own default layers, not the formula dflash and SGLang derive for a legacy
+    drafter; its older releases read the mask token id there alone), each layer once (it takes each layer's output
+    once), and weight names without a model. prefix (its loader adds one)."""
+    dflash, config = drafter.raw.get("dflash_config") or {}, drafter.config
+    unnamed = [name for name in ("target_layer_ids", "mask_token_id") if name not in dflash]
+    if unnamed:
+        fields = json.dumps({"dflash_config": {**dflash, "mask_token_id": config.mask_token_id,
+                                               "target_layer_ids": config.target_layer_ids}})
+        raise UserError(f"{draft}/config.json does not name {' and '.join(unnamed)} in its dflash_config, where vLLM "
+                        "reads them (without layer ids vLLM feeds the drafter other target layers than it was "
+                        f"trained on); write the values dflash uses into the file: {fields}")
+    repeated = repeated_layer_ids(config.target_layer_ids)
+    if repeated:
+        raise UserError(f"{draft}: its target_layer_ids {config.target_layer_ids} name layer {repeated[0]} more than "
+                        "once, and vLLM takes each target layer's output once, which would not fit the drafter's fc; "
+                        "serve it with `dflash serve` (without --engine)")
+    if any(name.startswith("model.") for name in drafter.weight_names or ()):
+        log.warning("%s names its weights model.*: vLLM's DFlash loader adds that prefix itself and may not find "
+                    "them (SGLang reads both); save the drafter without the prefix (dflash train exports it so)",
+                    draft)
 
 
 # ---- the commands ----------------------------------------------------------------------------------------
@@ -222,7 +235,8 @@ def vllm_command(target: str, draft: str | None, block_size: int, options: Hando
     cmd = ["vllm", "serve", target]
     if draft is not None:
         spec = {"method": "dflash", "model": draft, "num_speculative_tokens": block_size - 1}
-        cmd += ["--speculative-config", json.dumps(spec), "--attention-backend", VLLM_DRAFT_ATTENTION_BACKEND]
+        cmd += ["--speculative-config", json.dumps(spec)]
+    cmd += _backend(options)
     cmd += ["--host", options.host, "--port", str(options.port)]
     cmd += _optional({"--max-model-len": options.max_model_len, "--served-model-name": options.served_model_name,
                       "--max-num-seqs": options.max_batch_size, "--dtype": options.dtype,
@@ -253,6 +267,7 @@ def sglang_command(target: str, draft: str | None, block_size: int, options: Han
     if draft is not None:
         cmd += ["--speculative-algorithm", "DFLASH", "--speculative-draft-model-path", draft,
                 "--speculative-num-draft-tokens", str(block_size)]
+    cmd += _backend(options)
     cmd += ["--host", options.host, "--port", str(options.port)]
     cmd += _optional({"--api-key": options.api_key, "--context-length": options.max_model_len,
                       "--served-model-name": options.served_model_name,
@@ -261,6 +276,11 @@ def sglang_command(target: str, draft: str | None, block_size: int, options: Han
     cmd += ["--trust-remote-code"] if options.trust_remote_code else []
     cmd += ["--sampling-defaults", "openai"] if options.generation_config in NEUTRAL_CHOICES else []
     return EngineCommand(cmd)
+
+
+def _backend(options: HandoffOptions) -> list[str]:
+    backend = options.attention_backend
+    return [] if backend in (None, "auto") else ["--attention-backend", backend]
 
 
 def _optional(flags: dict[str, object]) -> list[str]:
@@ -280,7 +300,12 @@ def engine_command(engine: str, target: str, draft: str | None, block_size: int 
     if options.max_model_len is not None:
         check_max_model_len(options.max_model_len, facts.max_position_embeddings)
     if draft is not None:
-        block_size = check_pair(facts, draft, block_size, engine)
+        drafter = check_pair(facts, draft, block_size)
+        if engine == "vllm":
+            check_vllm_reads(draft, drafter)
+            if options.attention_backend is None and not facts.latent_attention:
+                options = replace(options, attention_backend=VLLM_DRAFT_ATTENTION_BACKEND)
+        block_size = drafter.block_size
     elif block_size is not None:
         raise UserError("--block-size sets the drafter's block, and --no-draft hands over the target alone: drop "
                         "one or the other")

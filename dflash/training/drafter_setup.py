@@ -64,9 +64,9 @@ def mask_token_advice(tokenizer, vocab_size: int) -> str:
 
 
 def new_drafter_layer_ids(num_target_layers: int, draft_layers: int) -> list[int]:
-    """The published formula's layers, each once: on a target of fewer than draft_layers + 4 layers the formula
+    """The published formula's layers, each once: on a target of fewer than draft_layers + 3 layers the formula
     names a layer twice (4 layers, 2 draft layers: [1, 1]), which vLLM would feed the drafter once."""
-    return sorted(set(default_target_layer_ids(num_target_layers, draft_layers)))
+    return list(dict.fromkeys(default_target_layer_ids(num_target_layers, draft_layers)))
 
 
 def drafter_config_for(target: TargetModel, config: TrainConfig, mask_token_id: int) -> DrafterConfig:
@@ -79,18 +79,13 @@ def drafter_config_for(target: TargetModel, config: TrainConfig, mask_token_id: 
     if outside:  # here, at setup: found at the first step, an --overwrite had already cleared the earlier run
         raise UserError(f"--target-layer-ids {outside} are outside the target's {target.num_layers} layers "
                         f"(0..{target.num_layers - 1})")
-    repeated = sorted({i for i in layer_ids if layer_ids.count(i) > 1})
-    if repeated:
-        raise UserError(f"--target-layer-ids {','.join(map(str, layer_ids))} names layer {repeated[0]} more than once: "
-                        "vLLM takes each target layer's output once and would not fit the drafter's fc; give "
-                        "distinct layers")
     return DrafterConfig(
         hidden_size=target.hidden_size,
         intermediate_size=config.intermediate_size or getattr(tc, "intermediate_size", 4 * target.hidden_size),
         num_hidden_layers=layers,
         num_attention_heads=heads,
         num_key_value_heads=getattr(tc, "num_key_value_heads", None) or heads,
-        head_dim=getattr(tc, "head_dim", None) or target.hidden_size // heads,
+        head_dim=hf_compat.head_dim(tc),
         vocab_size=target.vocab_size,
         num_target_layers=target.num_layers,
         target_layer_ids=list(layer_ids),

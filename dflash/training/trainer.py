@@ -30,7 +30,7 @@ from dflash.model.config import DrafterConfig
 from dflash.model.dflash2 import GroupedDynamicConv
 from dflash.model.drafter import DFlashDraftModel
 from dflash.model.loading import load_drafter, resolve_model_dir, save_drafter
-from dflash.model.target import check_compatible
+from dflash.model.target import check_compatible, check_drafter_fits
 from dflash.records import read_json_object
 from dflash.training import datagen
 from dflash.training.config import (
@@ -406,7 +406,7 @@ class Trainer:
         --target-layer-ids may add feature layers (`widen_features`), --intermediate-size widen its MLP
         (`widen_mlp`) and --draft-layers add layers (`deepen`)."""
         drafter = load_drafter(path, dtype=torch.float32, device=self.device)
-        check_compatible(self.target, drafter.config)
+        check_drafter_fits(self.target, drafter.config)
         check_kept_options(self.config, drafter.config, path)
         self.config.block_size = drafter.config.block_size = self.config.block_size or drafter.config.block_size
         wanted = self.config.target_layer_ids
@@ -506,8 +506,8 @@ class Trainer:
         return out
 
     def _soft_targets(self, final_hidden: torch.Tensor, blocks: Blocks) -> torch.Tensor:
-        """The target's logits for each block position p: its LM head on its final hidden state at p - 1, the
-        distribution the label at p was drawn from. final_hidden (b, T, h) -> (b, n*B, vocab)."""
+        """The target's logits for each block position p: its logits (`TargetModel.logits`) of its final hidden
+        state at p - 1, the distribution the label at p was drawn from. final_hidden (b, T, h) -> (b, n*B, vocab)."""
         previous = (blocks.positions - 1).clamp(0, final_hidden.shape[1] - 1)  # (b, n*B)
         hidden = final_hidden.gather(1, previous[:, :, None].expand(-1, -1, final_hidden.shape[2]))
         with torch.no_grad():

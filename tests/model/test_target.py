@@ -93,4 +93,15 @@ def test_the_targets_logits_from_its_final_hidden_states_are_its_forwards(family
     if family in TRANSFORMED_LOGITS:
         assert getattr(target.config, TRANSFORMED_LOGITS[family])
         monkeypatch.setattr(TargetModel, "logits", TargetModel.lm_head)  # the head alone misses them
-        assert "logits are not its LM head of its final hidden states" in target.distillation_problem()
+        assert "forward gives other logits than its LM head" in target.distillation_problem()
+
+
+@pytest.mark.parametrize("logit_scale", ["inv_sqrt_d_model", 0.5])
+def test_a_field_named_like_a_transform_in_a_family_that_does_not_apply_it_is_left_alone(logit_scale):
+    """MPT's config has a logit_scale its transformers forward never reads (llm-foundry sets a string there)."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    config = AutoConfig.for_model("mpt", vocab_size=128, d_model=64, n_layers=2, n_heads=4, expansion_ratio=2,
+                                  max_seq_len=256, logit_scale=logit_scale)
+    target = TargetModel(AutoModelForCausalLM.from_config(config))
+    assert target.distillation_problem() is None

@@ -36,6 +36,27 @@ def test_vllm_command(tiny_pair, capsys):
     assert "--attention-backend" not in dry_run(capsys, "--target", target, "--no-draft", "--engine", "vllm")
 
 
+@pytest.mark.parametrize("engine,given,expected", [
+    ("vllm", [], "flash_attn"), ("vllm", ["--attention-backend", "auto"], None),
+    ("vllm", ["--attention-backend", "FLEX_ATTENTION"], "FLEX_ATTENTION"), ("sglang", [], None),
+    ("sglang", ["--attention-backend", "fa3"], "fa3")])
+def test_the_attention_backend_is_flash_attn_for_vllm_unless_given(tiny_pair, capsys, engine, given, expected):
+    target, draft = map(str, tiny_pair)
+    argv = dry_run(capsys, "--target", target, "--draft", draft, "--engine", engine, *given)
+    assert (argv[argv.index("--attention-backend") + 1] if "--attention-backend" in argv else None) == expected
+
+
+def test_a_latent_attention_target_keeps_vllms_own_backend(tiny_pair, tmp_path, capsys):
+    """The flag sets the target's backend too, and DeepSeek's latent attention (kv_lora_rank) has backends of its
+    own."""
+    target, draft = tiny_pair
+    latent = broken_copy(tmp_path, target, lambda c: c.update(kv_lora_rank=16))
+    assert "--attention-backend" not in dry_run(capsys, "--target", str(latent), "--draft", str(draft), "--engine",
+                                                "vllm")
+    assert main(["serve", "--attention-backend", "flash_attn"]) == 2
+    assert "use it with --engine vllm or --engine sglang" in capsys.readouterr().err
+
+
 @pytest.mark.parametrize("engine", ["vllm", "sglang"])
 def test_the_api_key_is_never_printed(tiny_pair, capsys, engine):
     """--dry-run reads the key from $DFLASH_API_KEY in the printed command; vLLM gets it from VLLM_API_KEY."""
@@ -192,7 +213,7 @@ def legacy_form(config: dict, keep_layer_ids: bool = False) -> None:
 
 
 @pytest.mark.parametrize("keep_layer_ids,unnamed", [(False, "target_layer_ids and mask_token_id"),
-                                                    (True, "mask_token_id")])
+                                                    (True, "target_layer_ids and mask_token_id")])
 def test_vllm_is_refused_a_drafter_whose_config_leaves_it_to_guess(tiny_pair, tmp_path, capsys, keep_layer_ids,
                                                                    unnamed):
     """Without layer ids vLLM taps its model's default layers, not the formula dflash and SGLang derive; its older

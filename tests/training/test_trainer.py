@@ -317,8 +317,8 @@ def test_a_missing_extra_file_names_its_own_flag(tiny_pair, train_data, tmp_path
         Trainer(config(tiny_pair, train_data, tmp_path / "o", extra_train_data=str(tmp_path / "nothing.jsonl"))).setup()
 
 
-def test_soft_labels_are_the_target_logits_of_the_previous_position(tiny_pair, train_data, tmp_path):
-    trainer = Trainer(config(tiny_pair, train_data, tmp_path / "soft", distill_weight=0.5)).setup()
+def check_soft_labels(trainer: Trainer) -> None:
+    """The trainer's soft labels at each labelled block position are the target's own logits one position back."""
     batch = trainer._batch("train", [0, 1])
     features, final_hidden = trainer._features(batch)
     assert final_hidden.shape[-1] == trainer.target.hidden_size
@@ -334,6 +334,20 @@ def test_soft_labels_are_the_target_logits_of_the_previous_position(tiny_pair, t
         for slot, position in enumerate(blocks.positions[row].tolist()):
             if blocks.labels[row, slot] >= 0:
                 assert torch.allclose(soft[row, slot], logits[position - 1], atol=1e-4), (row, slot)
+
+
+@pytest.mark.parametrize("family", ["gemma2", "cohere2", "granite"])
+def test_soft_labels_take_the_targets_own_transform_of_its_head(family, train_data, tmp_path):
+    """Gemma's soft-capping, Cohere's and Granite's scaling come after the LM head in their forwards."""
+    from conftest import save_tiny_pair
+
+    pair = save_tiny_pair(tmp_path / "pair", family=family)
+    check_soft_labels(Trainer(config(pair, train_data, tmp_path / "soft", distill_weight=0.5)).setup())
+
+
+def test_soft_labels_are_the_target_logits_of_the_previous_position(tiny_pair, train_data, tmp_path):
+    trainer = Trainer(config(tiny_pair, train_data, tmp_path / "soft", distill_weight=0.5)).setup()
+    check_soft_labels(trainer)
     result = trainer.train()
     assert math.isfinite(result["eval_loss"])
     Trainer(config(tiny_pair, train_data, tmp_path / "hard")).setup().train()
@@ -942,7 +956,7 @@ def test_a_new_drafter_feeds_on_each_target_layer_once():
     wide = TargetModel(tiny_target_model("qwen3", layers=8))
     assert drafter_config_for(wide, TrainConfig(**train, draft_layers=3), 0).target_layer_ids == [1, 3, 5]
     with pytest.raises(UserError, match="--target-layer-ids 2,1,2 names layer 2 more than once"):
-        drafter_config_for(target, TrainConfig(**train, target_layer_ids=[2, 1, 2]), 0)
+        TrainConfig(**train, target_layer_ids=[2, 1, 2]).validate()  # a fine-tune's (--init-from) too
 
 
 def test_distillation_is_refused_for_a_target_whose_logits_it_cannot_reproduce(tiny_pair, train_data, tmp_path,
