@@ -204,12 +204,28 @@ class Server:
     async def answer(self, http: Request, req: SamplingRequest, prompt_ids: list[int], kind: str,
                      default_max: int | None) -> Response:
         decoding = self.submit(req, prompt_ids, kind, default_max)
-        shape = ResponseShape(kind, self.config.served_model_name)
+        shape = ResponseShape(kind, self.config.served_model_name, include_usage=req.stream and req.include_usage)
         if req.stream:
             return StreamingResponse(self._stream(decoding, shape, req), media_type="text/event-stream")
-        return await self._complete(http, decoding, shape)
+        return await self._complete(http, decoding, shape, req)
 
-    async def _complete(self, http: Request, decoding: Decoding, shape: ResponseShape) -> Response:
+    def stop_reason(self, seq, req: SamplingRequest) -> str | int | None:
+        """vLLM's stop_reason: the stop string that ended the answer (the earliest in its text), or the request's
+        own stop token id it ended at; None when it ended otherwise (the target's EOS, its length)."""
+        if seq.finish_reason != "stop" or not seq.output_ids:
+            return None
+        last = seq.output_ids[-1]
+        if last in (req.stop_token_ids or ()) and last not in self.pipe.target.eos_token_ids():
+            return last
+        if req.stop_strings:
+            text = self.pipe.tokenizer.decode(seq.output_ids, skip_special_tokens=True)
+            hits = [(text.find(s), s) for s in req.stop_strings if s in text]
+            if hits:
+                return min(hits)[1]
+        return None
+
+    async def _complete(self, http: Request, decoding: Decoding, shape: ResponseShape,
+                        req: SamplingRequest) -> Response:
         watcher = asyncio.create_task(_cancel_on_disconnect(http, decoding))
         try:
             async for event in _events(decoding):
@@ -221,7 +237,7 @@ class Server:
         seq = decoding.seq
         result = seq.result()
         return JSONResponse(shape.full(result.text or "", result.finish_reason, len(seq.prompt_ids),
-                                       len(seq.output_ids)))
+                                       len(seq.output_ids), self.stop_reason(seq, req)))
 
     async def _stream(self, decoding: Decoding, shape: ResponseShape, req: SamplingRequest):
         """Server-sent events; leaving early (a disconnect cancels this generator) frees the row."""
@@ -240,7 +256,8 @@ class Server:
                     piece += deltas.finish(result.text or "")
                     if piece:
                         yield sse(shape.chunk(piece))
-                    yield sse(shape.chunk(None, finish_reason=result.finish_reason))
+                    yield sse(shape.chunk(None, finish_reason=result.finish_reason,
+                                          stop_reason=self.stop_reason(seq, req)))
                     if req.include_usage:
                         yield sse(shape.usage_chunk(len(seq.prompt_ids), len(seq.output_ids)))
                 elif piece:

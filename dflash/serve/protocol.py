@@ -485,10 +485,14 @@ def model_list(*cards: dict) -> dict:
 
 
 class ResponseShape:
-    """Builds the bodies and stream chunks of one endpoint, so the handlers don't branch on it."""
+    """Builds the bodies and stream chunks of one endpoint, so the handlers don't branch on it.
 
-    def __init__(self, kind: Literal["chat", "completion"], model: str):
-        self.kind, self.model = kind, model
+    Each choice carries vLLM's `stop_reason` (the stop string or the request's own stop token id that ended it,
+    else null), and with `include_usage` every stream chunk before the usage chunk carries `"usage": null`, as
+    OpenAI's do."""
+
+    def __init__(self, kind: Literal["chat", "completion"], model: str, include_usage: bool = False):
+        self.kind, self.model, self.include_usage = kind, model, include_usage
         self.id = new_id("chatcmpl" if kind == "chat" else "cmpl")
         self.created = int(time.time())
 
@@ -498,25 +502,27 @@ class ResponseShape:
         body.update(extra or {})
         return body
 
-    def full(self, text: str, finish_reason: str, prompt_tokens: int, completion_tokens: int) -> dict:
+    def full(self, text: str, finish_reason: str, prompt_tokens: int, completion_tokens: int,
+             stop_reason: str | int | None = None) -> dict:
+        ending = {"finish_reason": finish_reason, "stop_reason": stop_reason, "logprobs": None}
         if self.kind == "chat":
-            choice = {"index": 0, "message": {"role": "assistant", "content": text}, "finish_reason": finish_reason,
-                      "logprobs": None}
+            choice = {"index": 0, "message": {"role": "assistant", "content": text}, **ending}
             name = "chat.completion"
         else:
-            choice = {"index": 0, "text": text, "finish_reason": finish_reason, "logprobs": None}
+            choice = {"index": 0, "text": text, **ending}
             name = "text_completion"
         return self._envelope(name, choice, {"usage": usage(prompt_tokens, completion_tokens)})
 
-    def chunk(self, text: str | None, finish_reason: str | None = None, first: bool = False) -> dict:
+    def chunk(self, text: str | None, finish_reason: str | None = None, first: bool = False,
+              stop_reason: str | int | None = None) -> dict:
+        ending = {"finish_reason": finish_reason, "stop_reason": stop_reason, "logprobs": None}
+        extra = {"usage": None} if self.include_usage else None
         if self.kind == "chat":
             delta: dict[str, Any] = {"role": "assistant", "content": ""} if first else {}
             if text:
                 delta["content"] = text
-            choice = {"index": 0, "delta": delta, "finish_reason": finish_reason, "logprobs": None}
-            return self._envelope("chat.completion.chunk", choice)
-        return self._envelope("text_completion", {"index": 0, "text": text or "", "finish_reason": finish_reason,
-                                                  "logprobs": None})
+            return self._envelope("chat.completion.chunk", {"index": 0, "delta": delta, **ending}, extra)
+        return self._envelope("text_completion", {"index": 0, "text": text or "", **ending}, extra)
 
     def usage_chunk(self, prompt_tokens: int, completion_tokens: int) -> dict:
         name = "chat.completion.chunk" if self.kind == "chat" else "text_completion"

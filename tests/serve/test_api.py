@@ -3,6 +3,7 @@ and concurrent requests decode together yet answer exactly as they would alone (
 
 from __future__ import annotations
 
+import json
 import math
 from concurrent.futures import ThreadPoolExecutor
 
@@ -82,6 +83,26 @@ def test_stream_equals_non_stream(client):
     cut = chat(client, max_tokens=30, stop=[stop]).choices[0].message.content
     streamed_cut, finish_cut, _ = stream_text(chat(client, max_tokens=30, stop=[stop], stream=True))
     assert cut == plain[: plain.find(stop)] and streamed_cut == cut and finish_cut == "stop"
+
+
+def test_stop_reason_names_what_ended_the_answer_as_vllm_does(server, client):
+    """A stop string, or the request's own stop token id; null for a length limit or the target's EOS. Streams
+    with include_usage carry "usage": null until their usage chunk, as OpenAI's do."""
+    plain = chat(client, max_tokens=30, extra_body={"ignore_eos": True}).choices[0].message.content
+    stop = plain[len(plain) // 2: len(plain) // 2 + 3]
+    by_string = chat(client, max_tokens=30, stop=["never in it", stop]).model_dump()["choices"][0]
+    assert by_string["finish_reason"] == "stop" and by_string["stop_reason"] == stop
+    token = server.pipe.generate(QUESTION, max_new_tokens=5, stop_token_ids=[]).output_ids[4]
+    by_id = chat(client, max_tokens=30, extra_body={"stop_token_ids": [token]}).model_dump()["choices"][0]
+    assert by_id["finish_reason"] == "stop" and by_id["stop_reason"] == token
+    by_length = chat(client, max_tokens=3, extra_body={"ignore_eos": True}).model_dump()["choices"][0]
+    assert by_length["finish_reason"] == "length" and by_length["stop_reason"] is None
+    with httpx.stream("POST", f"{server.url}/v1/chat/completions", json={
+            "model": MODEL, "messages": QUESTION, "max_tokens": 30, "temperature": 0, "stop": [stop], "stream": True,
+            "stream_options": {"include_usage": True}}) as response:
+        chunks = [json.loads(line[6:]) for line in response.iter_lines() if line.startswith("data: {")]
+    assert all("usage" in c and c["usage"] is None for c in chunks[:-1]) and chunks[-1]["usage"]["total_tokens"]
+    assert [c["choices"][0]["stop_reason"] for c in chunks[:-1]][-1] == stop
 
 
 def test_completions(server, client):
