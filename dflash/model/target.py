@@ -91,8 +91,9 @@ class TargetModel:
         self.config = hf_compat.text_config(model.config)
         self.layers = hf_compat.decoder_layers(model)
         # None: every layer's cache can be cropped
-        self.rollback_problem = hf_compat.rollback_problem(model.config) or hf_compat.cache_problem(model)
-        self._cache_probed = False  # `check_decodable` tries one forward with a cache, once
+        # why DFlash cannot decode it losslessly, or None: from its config, then (`check_decodable`) probe forwards
+        self.decode_problem = hf_compat.rollback_problem(model.config) or hf_compat.cache_problem(model)
+        self._probed = False  # `check_decodable` runs the probe forwards once
         # longrope: each row of a forward rotated with its own factors (`forward`'s long_rope_rows), the engine
         # keeping a row's blocks below the switch and reading it again when it reaches it, as transformers' generate
         # does (`rope_rows_switch`); where the rotary module is not found, DFlash decodes within the switch instead
@@ -111,7 +112,7 @@ class TargetModel:
         if self._capped_at is not None:
             log.warning("%s: DFlash decodes within its first %d tokens%s", type(model).__name__, self._capped_at,
                         self.context_note)
-        self._sliding = self.rollback_problem is None and hf_compat.has_sliding_layers(model.config)
+        self._sliding = self.decode_problem is None and hf_compat.has_sliding_layers(model.config)
         self.positions_by_slot = hf_compat.positions_by_slot(model.config)  # its batches keep no holes between tokens
         self._cache_kwarg = hf_compat.cache_kwarg_name(model)
         forward = inspect.signature(hf_compat.unwrapped(model).forward).parameters  # through a wrapper's **kwargs
@@ -222,19 +223,19 @@ class TargetModel:
     @property
     def takes_branches(self) -> bool:
         """Whether a decode step may verify a branch with its block (a tree-shaped mask; `decoding.branch`)."""
-        return self.rollback_problem is None and hf_compat.takes_tree_masks(self.model)
+        return self.decode_problem is None and hf_compat.takes_tree_masks(self.model)
 
     def check_decodable(self) -> None:
         """Refuse, before any decoding, a target whose cache cannot be put back to the accepted tokens, or whose
         logits depend on what DFlash changes about a forward: the tokens after one (a verified block's), or the
         padding and slots around it (a batch's rows, a branch)."""
-        if self.rollback_problem is None and not self._cache_probed:
-            self.rollback_problem = self._cache_probe_problem() or self._order_probe_problem()
-            self._cache_probed = True
-        if self.rollback_problem is not None:
+        if self.decode_problem is None and not self._probed:
+            self.decode_problem = self._cache_probe_problem() or self._order_probe_problem()
+            self._probed = True
+        if self.decode_problem is not None:
             name = type(self.model).__name__
             raise UnsupportedTargetError(
-                f"{name} cannot be decoded by DFlash without changing its output: {self.rollback_problem}. DFlash "
+                f"{name} cannot be decoded by DFlash without changing its output: {self.decode_problem}. DFlash "
                 f"decodes causal targets whose every layer is full or sliding-window attention; decode {name} "
                 "without DFlash (e.g. transformers' generate), or pick such a target."
             )
