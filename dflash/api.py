@@ -264,6 +264,12 @@ class DFlash:
                                      "this pipeline decodes with the target alone (no drafter): leave drafting "
                                      "options out of the call",
                                      GenerationError)
+        ignored = greedy_ignores(options)
+        if ignored:
+            one = len(ignored) == 1
+            raise GenerationError(f"{', '.join(ignored)} {'shapes' if one else 'shape'} sampling, and temperature 0 "
+                                  "(the default) decodes greedily: pass a temperature above 0, e.g. temperature=0.7, "
+                                  f"or leave {'it' if one else 'them'} out")
         return make_config(**{"block_size": self.block_size if self.block_size == AUTO else None,
                               "branch_length": self.branch_length, **options})
 
@@ -298,6 +304,15 @@ class TextStream:
         tail = self._deltas.finish(self._result.text or "")
         if tail:
             yield tail
+
+
+def greedy_ignores(options: dict[str, Any]) -> list[str]:
+    """The sampling options (top_p, top_k, seed) given away from their neutral values with temperature 0, where
+    decoding is greedy and they would change nothing: refused rather than ignored, by the API and the CLI alike."""
+    if options.get("temperature") not in (None, 0):
+        return []
+    neutral = {"top_p": (None, 1.0), "top_k": (None, 0, -1), "seed": (None,)}
+    return [name for name, values in neutral.items() if options.get(name) not in values]
 
 
 def make_config(**options: Any) -> GenerationConfig:
