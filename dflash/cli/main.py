@@ -21,7 +21,7 @@ COMMANDS = {
 # that set them in the commands that decode: their errors there name the flag
 GENERATION_FLAGS = {"max_new_tokens": "--max-new-tokens", "block_size": "--block-size",
                     "branch_length": "--branch-length", "temperature": "--temperature", "top_p": "--top-p",
-                    "top_k": "--top-k"}
+                    "top_k": "--top-k", "seed": "--seed"}
 DECODING_COMMANDS = ("generate", "datagen", "bench", "serve")
 
 # Other tools' names for our flags (the reference benchmark's, vLLM's), for a hint when one is given.
@@ -44,7 +44,11 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = build_parser()
+    try:
+        parser = build_parser()  # imports torch and transformers: a second or two to Ctrl-C in
+    except KeyboardInterrupt:
+        print("dflash: interrupted", file=sys.stderr)
+        return 130
     args, unknown = parser.parse_known_args(argv)
     if unknown:  # the subcommand's usage and a hint, where argparse would print the top level's usage alone
         command = parser.commands[args.command]

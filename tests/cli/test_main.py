@@ -125,6 +125,8 @@ def test_the_decoding_commands_name_the_flags_in_the_api_errors(capsys):
     assert "error: --block-size is at least 2 (the anchor and one draft token), got 1" in capsys.readouterr().err
     assert main(["generate", "--prompt", "x", "--temperature", "0.7", "--branch-length", "-1"]) == 2
     assert "error: --branch-length is a number of tokens >= 0" in capsys.readouterr().err
+    assert main(["generate", "--prompt", "x", "--temperature", "1", "--seed", str(2**80)]) == 2
+    assert "error: --seed must be in [-2**63, 2**64)" in capsys.readouterr().err
     from dflash.cli.main import GENERATION_FLAGS, _respelled
 
     kept = "dflash_config.block_size 5000 exceeds ...; top_p (--top-p) ...; max_new_tokens_left; runs/top_p/q.txt"
