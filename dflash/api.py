@@ -259,8 +259,9 @@ class DFlash:
 
     def _config(self, options: dict[str, Any]) -> GenerationConfig:
         """The generation options, with the pipeline's block size and branch length unless they name them."""
-        if self.drafter is None:  # as from_pretrained(no_draft=True, ...) refuses them
-            _refuse_drafting_options({name: bool(options.get(name)) for name in ("block_size", "branch_length")},
+        if self.drafter is None:  # as from_pretrained(no_draft=True, ...) refuses them ("auto" chooses nothing there)
+            _refuse_drafting_options({"block_size": options.get("block_size") not in (None, AUTO),
+                                      "branch_length": bool(options.get("branch_length"))},
                                      "this pipeline decodes with the target alone (no drafter): leave drafting "
                                      "options out of the call",
                                      GenerationError)

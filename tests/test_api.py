@@ -42,10 +42,13 @@ def test_generate_matches_plain_decoding(tiny_pair, pipe):
 def test_a_pipeline_without_a_drafter_refuses_per_call_drafting_options(tiny_pair):
     plain = DFlash.from_pretrained(tiny_pair[0], no_draft=True, device="cpu")
     for options, named in (({"block_size": 4}, "block_size shapes"), ({"branch_length": 2}, "branch_length shapes"),
-                           ({"block_size": "auto", "branch_length": 1}, "block_size, branch_length shape")):
+                           ({"block_size": 8, "branch_length": 1}, "block_size, branch_length shape")):
         with pytest.raises(UserError, match=f"^{named} drafting, and this pipeline decodes with the target alone"):
             plain.generate("How many clips?", max_new_tokens=4, **options)
     assert plain.generate("How many clips?", max_new_tokens=4, block_size=None, branch_length=0).output_ids
+    # "auto" chooses among block sizes, and there are none to choose: taken per call as at load
+    assert DFlash.from_pretrained(tiny_pair[0], no_draft=True, device="cpu", block_size="auto").block_size == "auto"
+    assert plain.generate("How many clips?", max_new_tokens=4, block_size="auto").output_ids
 
 
 def test_auto_block_size_pipeline_matches_plain_decoding(tiny_pair):
