@@ -265,12 +265,6 @@ class DFlash:
                                      "this pipeline decodes with the target alone (no drafter): leave drafting "
                                      "options out of the call",
                                      GenerationError)
-        ignored = greedy_ignores(options)
-        if ignored:
-            one = len(ignored) == 1
-            raise GenerationError(f"{', '.join(ignored)} {'shapes' if one else 'shape'} sampling, and temperature 0 "
-                                  "(the default) decodes greedily: pass a temperature above 0, e.g. temperature=0.7, "
-                                  f"or leave {'it' if one else 'them'} out")
         return make_config(**{"block_size": self.block_size if self.block_size == AUTO else None,
                               "branch_length": self.branch_length, **options})
 
@@ -307,22 +301,30 @@ class TextStream:
             yield tail
 
 
-def greedy_ignores(options: dict[str, Any]) -> list[str]:
-    """The sampling options (top_p, top_k, seed) given away from their neutral values with temperature 0, where
-    decoding is greedy and they would change nothing: refused rather than ignored, by the API and the CLI alike."""
-    if options.get("temperature") not in (None, 0):
-        return []
-    neutral = {"top_p": (None, 1.0), "top_k": (None, 0, -1), "seed": (None,)}
-    return [name for name, values in neutral.items() if options.get(name) not in values]
-
-
 def make_config(**options: Any) -> GenerationConfig:
-    """A `GenerationConfig` from keyword options; an unknown option or a bad value is a GenerationError."""
+    """A `GenerationConfig` from keyword options; an unknown option or a bad value is a GenerationError. Sampling
+    options with temperature 0 decode greedily, as in vLLM (a program may forward an OpenAI request's seed and
+    top_p with it); the commands refuse them from a user's flags (`refuse_greedy_ignores`)."""
     known = {f.name for f in fields(GenerationConfig)}
     unknown = sorted(set(options) - known)
     if unknown:
         raise GenerationError(f"unknown generation option(s) {unknown}; known: {sorted(known)}")
     return GenerationConfig(**options)
+
+
+def refuse_greedy_ignores(options: dict[str, Any]) -> None:
+    """Refuse sampling options (top_p, top_k, seed) given away from their neutral values with temperature 0, where
+    decoding is greedy and they would change nothing: on a command line that is a forgotten --temperature (the
+    commands name the options as their flags: cli.main's respelling)."""
+    if options.get("temperature") not in (None, 0):
+        return
+    neutral = {"top_p": (None, 1.0), "top_k": (None, 0, -1), "seed": (None,)}
+    ignored = [name for name, values in neutral.items() if options.get(name) not in values]
+    if ignored:
+        one = len(ignored) == 1
+        raise GenerationError(f"{', '.join(ignored)} {'shapes' if one else 'shape'} sampling, and temperature 0 (the "
+                              "default) decodes greedily: pass a temperature above 0, e.g. temperature=0.7, or leave "
+                              f"{'it' if one else 'them'} out")
 
 
 def _refuse_drafting_options(given: dict[str, bool], why: str, error: type[UserError] = UserError,

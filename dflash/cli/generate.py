@@ -8,7 +8,7 @@ import re
 import sys
 from pathlib import Path
 
-from dflash.api import check_text, greedy_ignores, make_config
+from dflash.api import check_text, make_config, refuse_greedy_ignores
 from dflash.cli.common import add_model_arguments, load_pipeline
 from dflash.decoding.engine import SpeculativeEngine
 from dflash.errors import UserError
@@ -148,12 +148,7 @@ def _check_arguments(args: argparse.Namespace, prompt: str) -> dict:
     options = dict(max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_p=args.top_p,
                    top_k=args.top_k, seed=args.seed, stop_strings=args.stop)
     make_config(**options)
-    sampling = ["--" + name.replace("_", "-") for name in greedy_ignores(options)]
-    if sampling:
-        one = len(sampling) == 1
-        raise UserError(f"{', '.join(sampling)} {'shapes' if one else 'shape'} sampling, and --temperature 0 (the "
-                        f"default) decodes greedily: add a --temperature above 0, e.g. 0.7, or drop "
-                        f"{'it' if one else 'them'}")
+    refuse_greedy_ignores(options)
     return options
 
 

@@ -62,9 +62,12 @@ class StopChecker:
 
     def find_stop(self, output_ids: list[int]) -> int | None:
         """Character index where the first stop string starts in the decoded output, if any."""
-        text = self.tokenizer.decode(output_ids, skip_special_tokens=True)
-        hits = [text.find(s) for s in self.stop_strings]
-        hits = [h for h in hits if h >= 0]
+        first = self.first_stop(self.tokenizer.decode(output_ids, skip_special_tokens=True))
+        return None if first is None else first[0]
+
+    def first_stop(self, text: str) -> tuple[int, str] | None:
+        """The first stop string in `text` and where it starts: (character index, string), or None."""
+        hits = [(text.find(s), s) for s in self.stop_strings if s in text]
         return min(hits) if hits else None
 
     def final_text(self, output_ids: list[int]) -> str:

@@ -264,11 +264,11 @@ class TargetModel:
         """Forwards of one shape, without a cache, whose logits for the same tokens must agree: two sequences that
         share their first token (causal attention), and three tokens after and before four slots of padding the
         attention mask hides (positions as given, not by slot)."""
-        ids = self._probe_ids(3)  # (1, 3)
+        ids = self._probe_ids(3)  # (1, 3): tokens 1, 2, 3
         positions = torch.arange(3, device=self.device)[None]
         first = self.forward(ids, positions, self.new_cache()).logits[0, 0]
-        other = self.forward(torch.cat([ids[:, :1], ids[:, 1:].flip(1) + 1], 1) % self.vocab_size, positions,
-                             self.new_cache()).logits[0, 0]
+        later_others = torch.cat([ids[:, :1], self._probe_ids(2, first=4)], dim=1)  # tokens 1, 4, 5
+        other = self.forward(later_others, positions, self.new_cache()).logits[0, 0]
         if _differ(first, other, self.dtype):
             return "its attention is not causal: a token's logits change with the tokens after it"
         pad = torch.zeros(1, 4, dtype=torch.long, device=self.device)
@@ -282,9 +282,9 @@ class TargetModel:
                     "or a verified branch would change its text")
         return None
 
-    def _probe_ids(self, n: int) -> torch.Tensor:
-        """(1, n) ordinary token ids for a probe forward: 1..n, within the vocabulary."""
-        return (torch.arange(1, n + 1, device=self.device) % self.vocab_size)[None]
+    def _probe_ids(self, n: int, first: int = 1) -> torch.Tensor:
+        """(1, n) ordinary token ids for a probe forward: first, first + 1, ..., within the vocabulary."""
+        return (torch.arange(first, first + n, device=self.device) % self.vocab_size)[None]
 
     # ---- feature capture ----------------------------------------------------------------------------
     def _ensure_hooks(self, layer_ids: list[int]) -> None:
@@ -329,10 +329,9 @@ class TargetModel:
         to it (Gemma's final soft-capping, Cohere's logit_scale, Granite's logits_scaling). `distillation_problem`
         checks the result against the model's forward."""
         logits = self.lm_head(hidden)
-        family = getattr(self.config, "model_type", "")
-        value = _number(getattr(self.config, _LOGIT_TRANSFORMS.get(family, ("", None))[0], None))
-        if value:
-            logits = logits * value if _LOGIT_TRANSFORMS[family][1] == "times" else logits / value
+        scale = _logit_scale(self.config)
+        if scale is not None:
+            logits = logits * scale
         cap = _number(getattr(self.config, "final_logit_softcapping", None))
         if cap:
             logits = torch.tanh(logits / cap) * cap
@@ -432,11 +431,19 @@ def _differ(a: torch.Tensor, b: torch.Tensor, dtype: torch.dtype) -> bool:
     return bool((a - b).abs().max() > share * a.abs().max().clamp_min(1e-6))
 
 
-# families whose forward scales the LM head's output by a config field: (field, times or divided by)
-_LOGIT_TRANSFORMS = {"cohere": ("logit_scale", "times"), "cohere2": ("logit_scale", "times"),
-                     "granite": ("logits_scaling", "divided"), "granitemoe": ("logits_scaling", "divided"),
-                     "granitemoeshared": ("logits_scaling", "divided"),
-                     "granitemoehybrid": ("logits_scaling", "divided")}
+# families whose forward multiplies the LM head's output by a config field, or divides it by one
+_LOGIT_MULTIPLIERS = {"cohere": "logit_scale", "cohere2": "logit_scale"}
+_LOGIT_DIVISORS = dict.fromkeys(("granite", "granitemoe", "granitemoeshared", "granitemoehybrid"), "logits_scaling")
+
+
+def _logit_scale(config) -> float | None:
+    """The factor a family's forward applies to its LM head's output, by its model_type (the same field name may
+    mean nothing elsewhere: MPT's logit_scale); None for none."""
+    family = getattr(config, "model_type", None)
+    if family in _LOGIT_MULTIPLIERS:
+        return _number(getattr(config, _LOGIT_MULTIPLIERS[family], None))
+    divisor = _number(getattr(config, _LOGIT_DIVISORS[family], None)) if family in _LOGIT_DIVISORS else None
+    return 1.0 / divisor if divisor else None
 
 
 def _number(value) -> float | None:

@@ -217,12 +217,10 @@ class Server:
         last = seq.output_ids[-1]
         if last in (req.stop_token_ids or ()) and last not in self.pipe.target.eos_token_ids():
             return last
-        if req.stop_strings:
-            text = self.pipe.tokenizer.decode(seq.output_ids, skip_special_tokens=True)
-            hits = [(text.find(s), s) for s in req.stop_strings if s in text]
-            if hits:
-                return min(hits)[1]
-        return None
+        if not seq.stop.stop_strings:
+            return None
+        first = seq.stop.first_stop(self.pipe.tokenizer.decode(seq.output_ids, skip_special_tokens=True))
+        return None if first is None else first[1]
 
     async def _complete(self, http: Request, decoding: Decoding, shape: ResponseShape,
                         req: SamplingRequest) -> Response:

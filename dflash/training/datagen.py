@@ -58,7 +58,7 @@ class DatagenConfig:
     trust_remote_code: bool = False  # run the Python code the target ships (its config.json's auto_map)
 
     def validate(self) -> None:
-        from dflash.api import make_config
+        from dflash.api import make_config, refuse_greedy_ignores
 
         if self.batch_size < 1:
             raise UserError(f"--batch-size is the number of prompts decoded together, >= 1; got {self.batch_size}")
@@ -67,13 +67,11 @@ class DatagenConfig:
         if self.max_new_tokens < 1:
             raise UserError(f"--max-new-tokens must be >= 1, got {self.max_new_tokens}")
         make_config(temperature=self.temperature, top_p=self.top_p)  # their ranges, named
+        refuse_greedy_ignores(dict(temperature=self.temperature, top_p=self.top_p))  # as dflash generate
         if self.device is not None:  # before the output and its settings file are created
             from dflash.model.loading import resolve_device
 
             resolve_device(self.device)
-        if self.temperature == 0 and self.top_p != 1.0:  # as dflash generate: refused rather than ignored
-            raise UserError("--top-p shapes sampling, and --temperature 0 (the default) answers greedily: add a "
-                            "--temperature above 0, e.g. 0.7, or drop it")
         output = Path(self.output).expanduser()
         if output.suffix == ".gz":
             raise UserError(f"--output {self.output}: dflash datagen writes plain JSONL (it appends as it goes, and a "
@@ -520,12 +518,12 @@ class _Generator:
         return new
 
     def _generation_config(self, prompt: Prompt, prompt_ids: list[int]):
-        from dflash.api import make_config
+        from dflash.decoding.engine import GenerationConfig
         from dflash.decoding.sampling import derive_seed
 
-        c = self.config
-        return make_config(max_new_tokens=self.room(prompt_ids), temperature=c.temperature, top_p=c.top_p,
-                           seed=derive_seed(c.seed, prompt.id))
+        c = self.config  # checked by validate(); the derived seed is the run's, for every prompt, greedy or not
+        return GenerationConfig(max_new_tokens=self.room(prompt_ids), temperature=c.temperature, top_p=c.top_p,
+                                seed=derive_seed(c.seed, prompt.id))
 
 
 def _warn(message: str) -> None:

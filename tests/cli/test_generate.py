@@ -107,9 +107,10 @@ def test_stop_strings_read_escapes_as_the_readme_writes_them(capsys):
     (["--temperature", "1e39"], "at most 100"),
     (["--top-p", "0"], "--top-p must be in (0, 1]"),
     (["--seed", "3", "--top-k", "3"], "--top-k, --seed shape sampling, and --temperature 0 (the default) decodes "
-                                      "greedily: add a --temperature above 0, e.g. 0.7, or drop them"),
-    (["--seed", "3"], "--seed shapes sampling, and --temperature 0 (the default) decodes greedily: add a "
-                      "--temperature above 0, e.g. 0.7, or drop it"),
+                                      "greedily: pass a --temperature above 0, e.g. --temperature=0.7, or leave them "
+                                      "out"),
+    (["--seed", "3"], "--seed shapes sampling, and --temperature 0 (the default) decodes greedily: pass a "
+                      "--temperature above 0, e.g. --temperature=0.7, or leave it out"),
     (["--block-size", "4", "--mask-token-id", "3"], "block_size (--block-size), mask_token_id (--mask-token-id) "
                                                     "shape drafting, and no_draft (--no-draft) decodes with the "
                                                     "target alone"),
