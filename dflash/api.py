@@ -67,9 +67,10 @@ class TemplateRefusal(GenerationError):
 
 def render_chat(tokenizer, messages: list[dict], /, **options) -> Any:
     """The tokenizer's chat template applied to `messages` (token ids); a `TemplateRefusal` quoting the template
-    when it raises on them."""
+    when it raises on them. The tokenizer does not warn of a prompt longer than its model's context: the caller
+    measures that against the target's own and says what to do."""
     try:
-        return tokenizer.apply_chat_template(messages, tokenize=True, **options)
+        return tokenizer.apply_chat_template(messages, tokenize=True, tokenizer_kwargs={"verbose": False}, **options)
     except TemplateSyntaxError as err:  # the template itself is broken, whatever the messages
         where = getattr(tokenizer, "name_or_path", "") or "the model"
         raise TemplateRefusal(f"the chat template of {where} is not a valid Jinja template ({err}, line {err.lineno}); "
@@ -126,7 +127,7 @@ class DFlash:
             _set_drafter_precision(drafter, target, drafter_precision)
         self.block_size = make_config(block_size=block_size).block_size  # validated: a number, None or "auto"
         self.branch_length = make_config(branch_length=branch_length).branch_length
-        fixed = None if block_size == AUTO else block_size
+        fixed = None if self.block_size == AUTO else self.block_size
         self.engine = SpeculativeEngine(target, _proposer(target, drafter, fixed))
 
     @classmethod
@@ -148,14 +149,14 @@ class DFlash:
     ) -> "DFlash":
         """Load a target and its drafter from local directories or Hugging Face hub ids.
 
-        Neither given: the embedded pair. `target` needs `draft` (the drafter trained for it), or `no_draft=True`
-        to decode with the target alone (whatever `draft` says). `dtype`: "auto" (the checkpoint's own),
-        "float32", "float16" or "bfloat16"; `device`: "cpu", "cuda", "cuda:N", ... (default: cuda when a GPU is
-        visible, else cpu). A hub id is looked up once with a timeout (HF_HUB_ETAG_TIMEOUT, 10 s); when the hub
-        cannot be reached, or HF_HUB_OFFLINE=1, only the local cache serves. `drafter_precision`: see `DFlash`.
-        `trust_remote_code`: run the Python code a target (or draft model) ships for an architecture transformers
-        lacks; only for checkpoints whose source you trust. `warn_unapplied`: log the target's generation_config.json
-        options DFlash does not apply (False: the caller says it, as `dflash serve` does).
+        Neither given: the embedded pair. `target` needs `draft` (the drafter trained for it), or `no_draft=True` to
+        decode with the target alone (whatever `draft` says). `dtype`: "auto" (the checkpoint's own), "float32",
+        "float16", "bfloat16" or "float64" (or a torch.dtype); `device`: "cpu", "cuda", "cuda:N", ... (default: cuda
+        when a GPU is visible, else cpu). A hub id is looked up once with a timeout (HF_HUB_ETAG_TIMEOUT, 10 s); when
+        the hub cannot be reached, or HF_HUB_OFFLINE=1, only the local cache serves. `drafter_precision`: see `DFlash`.
+        `trust_remote_code`: run the Python code a target (or draft model) ships for an architecture transformers lacks;
+        only for checkpoints whose source you trust. `warn_unapplied`: log the target's generation_config.json options
+        DFlash does not apply (False: the caller says it, as `dflash serve` does).
         """
         target, draft = _pair_paths(target, draft, no_draft)
         if no_draft:
@@ -224,7 +225,7 @@ class DFlash:
         if has_template and not raw:
             return self.encode([{"role": "user", "content": prompt}], chat_template_kwargs=chat_template_kwargs,
                                add_generation_prompt=add_generation_prompt)
-        return self.tokenizer(prompt, add_special_tokens=True)["input_ids"]
+        return self.tokenizer(prompt, add_special_tokens=True, verbose=False)["input_ids"]  # length: see render_chat
 
     # ---- generation -----------------------------------------------------------------------------------
     def generate(self, prompt: Prompt, raw: bool = False, **options: Any) -> GenerationOutput:

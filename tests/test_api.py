@@ -55,6 +55,7 @@ def test_auto_block_size_pipeline_matches_plain_decoding(tiny_pair):
     auto = DFlash.from_pretrained(*tiny_pair, device="cpu", block_size="auto")
     plain = DFlash.from_pretrained(tiny_pair[0], no_draft=True, device="cpu")
     assert auto.block_size == "auto"
+    assert DFlash.from_pretrained(*tiny_pair, device="cpu", block_size=" AUTO").block_size == "auto"  # as the CLI
     a = auto.generate("How many clips did Natalia sell?", max_new_tokens=20)
     b = plain.generate("How many clips did Natalia sell?", max_new_tokens=20)
     assert a.output_ids == b.output_ids
@@ -401,3 +402,29 @@ def test_a_drafter_trained_for_another_local_target_is_a_warning(tiny_pair, tmp_
     assert main(["generate", "--target", str(target), "--draft", str(recorded), "--prompt", "hi",
                  "--max-new-tokens", "2"]) == 0
     assert f"dflash generate: warning: the drafter in {recorded} was trained for" in capsys.readouterr().err
+
+
+def test_a_prompt_beyond_the_context_is_said_once_by_dflash_not_by_the_tokenizer(tiny_pair, caplog):
+    """transformers' tokenizer warned of "indexing errors" at its own model_max_length before DFlash measured the
+    prompt against the target's context and said what to do."""
+    from transformers.utils import logging as hf_logging
+
+    pipe = DFlash.from_pretrained(*tiny_pair, device="cpu")
+    pipe.tokenizer.model_max_length = 8
+    hf_logging.enable_propagation()
+    try:
+        with caplog.at_level("WARNING"):
+            for prompt, raw in (("How many clips did Natalia sell in April and May?", False),
+                                ("How many clips did Natalia sell in April and May?", True),
+                                ([{"role": "user", "content": "How many clips did Natalia sell?"}], False)):
+                assert len(pipe.encode(prompt, raw)) > 8
+    finally:
+        hf_logging.disable_propagation()
+    assert not [r for r in caplog.records if "sequence length" in r.getMessage()]
+
+
+def test_dtype_names_float64_as_the_torch_dtype_is_taken(tiny_pair):
+    pipe = DFlash.from_pretrained(*tiny_pair, device="cpu", dtype="float64")
+    assert pipe.target.model.dtype == torch.float64
+    with pytest.raises(CheckpointError, match="unknown dtype 'float8'; use one of float32, float16, bfloat16, float64"):
+        DFlash.from_pretrained(*tiny_pair, device="cpu", dtype="float8")

@@ -69,6 +69,8 @@ class GenerationConfig:
         if isinstance(self.stop_strings, str):  # one stop string, not its characters
             self.stop_strings = [self.stop_strings]
         self._check_types()
+        if isinstance(self.block_size, str):
+            self.block_size = self.block_size.strip().lower()  # "AUTO" as the CLI's --block-size takes it
         if self.seed is not None:
             self.seed = int(self.seed)  # a numpy integer would overflow in the seeded noise's 64-bit arithmetic
         if any(s == "" for s in self.stop_strings):

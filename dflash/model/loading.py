@@ -17,7 +17,7 @@ from dflash.model import hf_compat
 from dflash.model.config import DrafterConfig, DrafterConfigError, is_dflash2
 from dflash.model.drafter import DFlashDraftModel
 
-_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16,
+_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16, "float64": torch.float64,
            "fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
 
 # What a hub download fetches: configs, weights, tokenizer files and chat templates, and the Python code a
@@ -38,7 +38,7 @@ def parse_dtype(dtype: str | torch.dtype | None) -> torch.dtype | None:
     if dtype == "auto":
         return None
     if dtype not in _DTYPES:
-        raise CheckpointError(f"unknown dtype {dtype!r}; use one of float32, float16, bfloat16")
+        raise CheckpointError(f"unknown dtype {dtype!r}; use one of float32, float16, bfloat16, float64")
     return _DTYPES[dtype]
 
 

@@ -147,7 +147,7 @@ class Server:
             raise APIError(400, str(err), param="prompt") from None
 
     def check_model(self, model: str | None) -> None:
-        if model is not None and model != self.config.served_model_name:
+        if model and model != self.config.served_model_name:  # "" is no name, as vLLM reads it
             raise APIError(404, f"model {model!r} does not exist; this server serves "
                                 f"{self.config.served_model_name!r} (see GET /v1/models)",
                            param="model", code="model_not_found")

@@ -296,6 +296,8 @@ class ChatCompletionRequest(SamplingRequest):
 
     _UNSUPPORTED: ClassVar[Refusals] = {
         **SamplingRequest._UNSUPPORTED,
+        # chat's logprobs is a boolean, and 0 reads as false (as vLLM's request model coerces it)
+        "logprobs": (lambda v: v is None or v == 0, "this server returns no log probabilities; leave logprobs out"),
         "top_logprobs": (_unset, "this server returns no log probabilities; leave top_logprobs out"),
         "response_format": (lambda v: v is None or v.type == "text",
                             "this server does not constrain output to JSON; leave response_format out or send "

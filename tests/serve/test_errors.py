@@ -275,8 +275,9 @@ def test_defaults_and_nulls_are_accepted(server):
                                "tool_choice", "top_logprobs", "stream_options", "user", "top_k", "echo")}
     defaults = {"presence_penalty": 0, "frequency_penalty": 0, "logit_bias": {}, "response_format": {"type": "text"},
                 "tools": [], "tool_choice": "none", "top_logprobs": 0, "n": 1, "logprobs": False}
-    for extra in (nulls, defaults):
-        body = {"model": MODEL, "messages": MESSAGES, **extra, "max_completion_tokens": 2}
+    as_vllm_reads = {"model": "", "logprobs": 0}  # no model name; chat's boolean logprobs, 0 read as false
+    for extra in (nulls, defaults, as_vllm_reads):
+        body = {"model": MODEL, "messages": MESSAGES, "max_completion_tokens": 2, **extra}
         response = post(server, "chat/completions", json=body)
         assert response.status_code == 200, response.text
     completion = {"model": MODEL, "prompt": "hi", "max_tokens": 2, "best_of": 1, "suffix": None, "echo": None,
