@@ -104,6 +104,19 @@ def is_causal_lm(architectures: list[str]) -> bool:
     return any(name.endswith(("ForCausalLM", "LMHeadModel")) for name in architectures)
 
 
+# dflash_config fields the dataclass owns; the others (e.g. causal, use_swa, swa_window_size) stay in `dflash_extra`
+_DFLASH_OWNED = {"mask_token_id", "target_layer_ids", "block_size", "num_target_layers", *DFlash2Options.FIELDS}
+
+
+@dataclass(frozen=True)
+class LayerAttention:
+    """How one draft layer's block attends: to the keys within `window` positions (None: the whole context), and
+    causally (a block position sees the block's positions before it, not after) or both ways."""
+
+    window: int | None
+    causal: bool
+
+
 # the rope base vLLM's, SGLang's and this package's DFlash loaders take when a drafter's config.json names none
 DEFAULT_ROPE_THETA = 1_000_000.0
 
@@ -149,6 +162,7 @@ class DrafterConfig:
     dtype: str | None = None
     dflash2: DFlash2Options | None = None  # None: a DFlash drafter
     extra: dict[str, Any] = field(default_factory=dict)
+    dflash_extra: dict[str, Any] = field(default_factory=dict)  # dflash_config's other fields, written back
 
     def __post_init__(self) -> None:
         check_sizes({name: getattr(self, name) for name in _SIZES})
@@ -166,12 +180,43 @@ class DrafterConfig:
             raise DrafterConfigError(
                 f"layer_types has {len(self.layer_types)} entries but num_hidden_layers is {self.num_hidden_layers}"
             )
-        if "sliding_attention" in self.layer_types and not self.sliding_window:
-            raise DrafterConfigError("layer_types uses 'sliding_attention' but sliding_window is not set")
+        self._check_attention_fields()
         if self.block_size < 2:
             raise DrafterConfigError(f"block_size must be >= 2 (one anchor + draft tokens), got {self.block_size}")
         if self.dflash2 is not None:
             self.dflash2.check(self.hidden_size, self.vocab_size)
+
+    def _check_attention_fields(self) -> None:
+        for name, value, expected in (("is_causal", self.extra.get("is_causal"), bool),
+                                      ("dflash_config.causal", self.dflash_extra.get("causal"), bool),
+                                      ("dflash_config.use_swa", self.dflash_extra.get("use_swa"), bool)):
+            if value is not None and not isinstance(value, expected):
+                raise DrafterConfigError(f"drafter config: {name} must be true, false or absent, got {value!r}")
+        window = self.dflash_extra.get("swa_window_size")
+        if window is not None and not is_whole_number(window):
+            raise DrafterConfigError(f"drafter config: dflash_config.swa_window_size must be a whole number >= 1, "
+                                     f"got {window!r}")
+        if any(self._sliding(i) for i in range(self.num_hidden_layers)) and not (window or self.sliding_window):
+            raise DrafterConfigError("the drafter has sliding-window layers (layer_types 'sliding_attention', or "
+                                     "dflash_config.use_swa) but sliding_window is not set; add it to config.json")
+
+    def _sliding(self, i: int) -> bool:
+        swa_everywhere = bool(self.dflash_extra.get("use_swa")) and "sliding_attention" not in self.layer_types
+        return swa_everywhere or self.layer_types[i] == "sliding_attention"
+
+    def layer_attention(self, i: int) -> LayerAttention:
+        """Draft layer i's attention, read from the checkpoint as vLLM reads it: a sliding-window layer is causal
+        and a full one bidirectional (REFERENCE section 1), unless `is_causal` (top level) or dflash_config
+        `causal` says so for every layer; dflash_config `use_swa` slides every layer of a config without sliding
+        layers, bidirectionally, within `swa_window_size` (else `sliding_window`)."""
+        sliding = self._sliding(i)
+        window = self.dflash_extra.get("swa_window_size") or self.sliding_window if sliding else None
+        causal = self.extra.get("is_causal")
+        if causal is None:
+            causal = self.dflash_extra.get("causal")
+        if causal is None:
+            causal = self.layer_types[i] == "sliding_attention"
+        return LayerAttention(window, causal)
 
     @property
     def architecture(self) -> str:
@@ -242,6 +287,7 @@ class DrafterConfig:
             dtype=raw.get("dtype") or raw.get("torch_dtype"),
             dflash2=DFlash2Options.from_dflash_config(dflash) if is_dflash2(architectures) else None,
             extra={k: v for k, v in raw.items() if k not in _OWNED},
+            dflash_extra={k: v for k, v in dflash.items() if k not in _DFLASH_OWNED},
         )
 
     def to_dict(self) -> dict[str, Any]:
@@ -267,6 +313,7 @@ class DrafterConfig:
             block_size=self.block_size,
             num_target_layers=self.num_target_layers,
             dflash_config={
+                **self.dflash_extra,
                 "mask_token_id": self.mask_token_id,
                 "target_layer_ids": self.target_layer_ids,
                 "block_size": self.block_size,

@@ -329,17 +329,30 @@ class DFlashDraftModel(nn.Module):
         if attn_mask is None:
             block_valid = torch.ones(b, q, dtype=torch.bool, device=block_embeds.device)
             attn_mask = torch.cat([key_valid, block_valid], dim=1)[:, None, :].expand(b, q, -1)
-        masks = {"full_attention": attn_mask}
-        if "sliding_attention" in self.config.layer_types:
-            all_positions = torch.cat([key_positions, block_positions], dim=1)  # (b, keys + q)
-            distance = block_positions[:, :, None] - all_positions[:, None, :]
-            masks["sliding_attention"] = attn_mask & (distance < self.config.sliding_window)
-
+        masks = self._layer_masks(attn_mask, key_positions, block_positions)
         cos, sin = self.rotary_emb(block_embeds, torch.cat([context_positions, block_positions], dim=1))
         hidden = block_embeds
         last = len(self.layers) - 1
         for i, layer in enumerate(self.layers):
             queries = outputs if i == last else slice(None)
-            hidden = layer(hidden, context, cos, sin, masks[self.config.layer_types[i]], cache, i, queries,
-                           block_width)
+            hidden = layer(hidden, context, cos, sin, masks[i], cache, i, queries, block_width)
         return self.norm(hidden)
+
+    def _layer_masks(self, attn_mask: torch.Tensor, key_positions: torch.Tensor,
+                     block_positions: torch.Tensor) -> list[torch.Tensor]:
+        """Each layer's (b, q, keys + q) mask: `attn_mask`, narrowed to the layer's window and, for a causal
+        layer, to the block positions up to each query's own (`DrafterConfig.layer_attention`)."""
+        kinds = [self.config.layer_attention(i) for i in range(len(self.layers))]
+        distance = None
+        if any(kind.window or kind.causal for kind in kinds):
+            all_positions = torch.cat([key_positions, block_positions], dim=1)  # (b, keys + q)
+            distance = block_positions[:, :, None] - all_positions[:, None, :]  # (b, q, keys + q)
+        masks = {}
+        for kind in set(kinds):
+            mask = attn_mask
+            if kind.window:
+                mask = mask & (distance < kind.window)
+            if kind.causal:
+                mask = mask & (distance >= 0)
+            masks[kind] = mask
+        return [masks[kind] for kind in kinds]

@@ -60,6 +60,43 @@ def test_sliding_layers_need_a_window():
 GOOD = {**BASE, "num_target_layers": 8, "dflash_config": {"mask_token_id": 1, "target_layer_ids": [1, 5]}}
 
 
+def _attention(layer_types=None, top=None, **dflash) -> list[tuple]:
+    raw = {**GOOD, **(top or {}), "dflash_config": {**GOOD["dflash_config"], **dflash}}
+    if layer_types:
+        raw["layer_types"] = layer_types
+    config = DrafterConfig.from_dict(raw)
+    return [(a.window, a.causal) for a in map(config.layer_attention, range(2))]
+
+
+MIXED = ["sliding_attention", "full_attention"]
+
+
+@pytest.mark.parametrize("layer_types,top,dflash,expected", [
+    (None, None, {}, [(None, False), (None, False)]),  # the published DFlash drafters: bidirectional blocks
+    (MIXED, {"sliding_window": 8}, {}, [(8, True), (None, False)]),  # a sliding layer is causal (vLLM's reading)
+    (MIXED, {"sliding_window": 8}, {"causal": False}, [(8, False), (None, False)]),
+    (None, {"is_causal": True}, {"causal": False}, [(None, True), (None, True)]),  # is_causal first
+    (None, None, {"use_swa": True, "swa_window_size": 6}, [(6, False), (6, False)]),  # every layer slides
+    (MIXED, {"sliding_window": 8}, {"use_swa": True, "swa_window_size": 6}, [(6, True), (None, False)]),
+])
+def test_each_layers_attention_is_resolved_as_vllm_resolves_it(layer_types, top, dflash, expected):
+    assert _attention(layer_types, top, **dflash) == expected
+
+
+def test_attention_fields_round_trip_and_are_checked():
+    raw = {**GOOD, "is_causal": False, "dflash_config": {**GOOD["dflash_config"], "causal": True, "use_swa": True,
+                                                         "swa_window_size": 6}}
+    config = DrafterConfig.from_dict(raw)
+    again = DrafterConfig.from_dict(config.to_dict())
+    assert again == config and again.to_dict()["dflash_config"]["swa_window_size"] == 6
+    for top, dflash, named in (({"is_causal": "yes"}, {}, "is_causal"), ({}, {"causal": 1}, "dflash_config.causal"),
+                               ({}, {"use_swa": "true"}, "dflash_config.use_swa"),
+                               ({}, {"swa_window_size": 0}, "swa_window_size"),
+                               ({}, {"use_swa": True}, "sliding_window is not set")):
+        with pytest.raises(DrafterConfigError, match=named):
+            _attention(None, top, **dflash)
+
+
 @pytest.mark.parametrize("change, message", [
     ({"hidden_size": "64"}, "hidden_size '64'; each must be a whole number >= 1"),
     ({"num_attention_heads": 0}, "num_attention_heads 0"),

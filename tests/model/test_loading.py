@@ -111,6 +111,22 @@ def test_sliding_window_and_rope_scaling_are_honoured(tmp_path):
     assert torch.allclose(inv, unscaled / 2.0)  # linear scaling factor 2
 
 
+@pytest.mark.parametrize("is_causal", [True, False])
+def test_a_causal_drafter_block_position_does_not_see_the_ones_after_it(tmp_path, is_causal):
+    """A checkpoint's is_causal (or a sliding layer, `DrafterConfig.layer_attention`) makes its block attention
+    causal, as vLLM runs it; the published drafters' blocks attend both ways."""
+    write_checkpoint(tmp_path / "c", public_config(is_causal=is_causal), public_state_dict(2, 2 * H))
+    drafter = load_drafter(tmp_path / "c", dtype="float32")
+    torch.manual_seed(0)
+    args = dict(block_embeds=torch.randn(1, 4, H), block_positions=torch.arange(6, 10)[None],
+                context=torch.randn(1, 6, H), context_positions=torch.arange(6)[None])
+    before = drafter(**args)
+    args["block_embeds"][:, -1] += 1.0  # the last block position only
+    after = drafter(**args)
+    assert torch.equal(before[:, :-1], after[:, :-1]) == is_causal
+    assert not torch.allclose(before[:, -1], after[:, -1])
+
+
 def test_save_then_load_gives_the_same_outputs(tmp_path, target):
     drafter = tiny_drafter(target, layers=2)
     drafter.save_pretrained(tmp_path / "out")
