@@ -318,7 +318,15 @@ class TargetModel:
         return hf_compat.new_dynamic_cache(self.model.config)
 
     def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
-        return self.model.get_input_embeddings()(input_ids)
+        """The drafter's token embeddings: rows of the target's embedding table, without the sqrt(hidden) scale some
+        families apply to their own inputs. Where that scale lives moved between transformers versions (Gemma and
+        Gemma 2: the model's forward in 4.x, the embedding module in 5.x), and vLLM's DFlash drafter looks its
+        tokens up in the target's table and leaves it out, so a drafter embeds alike in training, in any
+        transformers version and in vLLM."""
+        module = self.model.get_input_embeddings()
+        if isinstance(module, nn.Embedding):  # a transformers *ScaledWordEmbedding subclasses it
+            return nn.Embedding.forward(module, input_ids)
+        return module(input_ids)
 
     def lm_head(self, hidden: torch.Tensor) -> torch.Tensor:
         """The output embedding alone: what a drafter's hidden states go through (its argmax is the logits')."""

@@ -105,3 +105,14 @@ def test_a_field_named_like_a_transform_in_a_family_that_does_not_apply_it_is_le
                                   max_seq_len=256, logit_scale=logit_scale)
     target = TargetModel(AutoModelForCausalLM.from_config(config))
     assert target.distillation_problem() is None
+
+
+@pytest.mark.parametrize("family", ["qwen3", "gemma2", "gemma3_text"])
+def test_the_drafters_token_embeddings_are_the_tables_rows_in_every_transformers_version(family):
+    """transformers 5 scales Gemma 2's (and Gemma's) embeddings by sqrt(hidden) inside the module, 4.x in their
+    forward; vLLM's DFlash drafter reads the table alone. A drafter trained under one read sqrt(hidden) (48 for
+    Gemma 2 2B) times larger embeddings under the other."""
+    target = TargetModel(tiny_target_model(family))
+    ids = torch.tensor([[1, 5, 9]])
+    table = target.model.get_input_embeddings().weight
+    assert torch.equal(target.embed(ids), torch.nn.functional.embedding(ids, table))
