@@ -11,6 +11,7 @@ import math
 from dataclasses import asdict, dataclass, field
 
 DRAFT_MODEL = "draft model"  # BenchResult.drafter of classic speculative decoding with a small causal LM
+NO_DRAFT = "none"  # BenchResult.drafter of a server that says it drafts with nothing (`dflash serve --no-draft`)
 
 
 @dataclass
@@ -22,7 +23,7 @@ class BenchResult:
     num_prompts: int  # conversations sent (an mt-bench conversation has two turns); a server: in each round
     num_requests: int  # generations: one per turn
     distinct_prompts: int | None = None  # distinct samples among the conversations (fewer: prompts repeated)
-    drafter: str = "DFlash"  # what drafted: "DFlash" or DRAFT_MODEL (classic; a server says so in its metrics)
+    drafter: str = "DFlash"  # what drafted: "DFlash", DRAFT_MODEL (classic) or, a server says so, NO_DRAFT
     block_size: int | str | None = None  # the widest block ("auto": chosen before every step); a server: its drafter's
     mean_block_size: float | None = None  # tokens per verify forward's block (anchor + draft tokens), averaged
     branch_length: int = 0  # local: the branch verified with each greedy block (0: none)

@@ -16,7 +16,7 @@ from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
-from dflash.bench.metrics import DRAFT_MODEL, BenchResult
+from dflash.bench.metrics import DRAFT_MODEL, NO_DRAFT, BenchResult
 
 PLOTS = ("acceptance_histogram.png", "speedup.png", "throughput_vs_concurrency.png")
 SAMPLE_IDS_SHOWN = 50  # in results.md; config.json has them all
@@ -73,8 +73,12 @@ def _spread(values: list[float]) -> str | None:
 
 
 def drafted_by(results: list[BenchResult]) -> str:
-    """What the results' drafting is called: "DFlash", or "draft model" when every run drafted with one."""
-    return DRAFT_MODEL if results and all(r.drafter == DRAFT_MODEL for r in results) else "DFlash"
+    """What the results' drafting is called: "DFlash"; "draft model" when every run drafted with one, "no-draft"
+    when every server said it drafts with nothing (the --base-url server was a plain one)."""
+    for drafter, label in ((DRAFT_MODEL, DRAFT_MODEL), (NO_DRAFT, "no-draft")):
+        if results and all(r.drafter == drafter for r in results):
+            return label
+    return "DFlash"
 
 
 def columns_for(results: list[BenchResult]) -> list[Column]:

@@ -7,7 +7,7 @@ import io
 import pytest
 from rich.console import Console
 
-from dflash.bench.metrics import DRAFT_MODEL, BenchResult
+from dflash.bench.metrics import DRAFT_MODEL, NO_DRAFT, BenchResult
 from dflash.bench.report import markdown, plot_histograms, plot_speedup, plot_throughput, print_table, warnings
 
 
@@ -21,8 +21,9 @@ def local(dataset: str, block_size: int = 16, speedup: float = 2.5, tau: float =
     return BenchResult(**{**fields, **kw})
 
 
-def server(dataset: str, concurrency: int) -> BenchResult:
+def server(dataset: str, concurrency: int, **fields) -> BenchResult:
     return BenchResult(dataset=dataset, backend="server", num_prompts=8, num_requests=8, concurrency=concurrency,
+                       **fields,
                        baseline_tokens_per_s=100.0 * concurrency, dflash_tokens_per_s=210.0 * concurrency,
                        speedup=2.1, mean_acceptance_length=3.9, dflash_latency_ms={"p50": 800.0, "p99": 1200.0},
                        speedup_per_round=[2.0, 2.1, 2.3])
@@ -58,6 +59,8 @@ def test_columns_say_what_drafted_and_a_narrow_terminal_still_drops_them():
     assert "draft model $/1M" not in narrow and "more column(s) in results.md" in narrow
     mixed = rendered([local("gsm8k"), local("gsm8k", drafter=DRAFT_MODEL)], 250)
     assert "DFlash tok/s" in mixed  # one table of both: the usual names
+    plain = [server("gsm8k", 1, drafter=NO_DRAFT), server("gsm8k", 4, drafter=NO_DRAFT)]  # dflash serve --no-draft
+    assert "no-draft tok/s" in rendered(plain, 250) and "DFlash" not in rendered(plain, 250)
 
 
 def test_a_file_or_pipe_gets_every_column():
