@@ -54,7 +54,9 @@ def to_probs(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
         kth = torch.topk(logits, params.top_k, dim=-1).values[..., -1:]
         logits = logits.masked_fill(logits < kth, float("-inf"))
     if params.top_p < 1.0:
-        sorted_logits, order = torch.sort(logits, dim=-1, descending=True)
+        # most likely first; of tied tokens the higher id first, so the lower is dropped first, as transformers'
+        # and vLLM's top-p (an ascending stable sort they cut from the bottom) drop them
+        sorted_logits, order = (t.flip(-1) for t in torch.sort(logits, dim=-1, stable=True))
         sorted_probs = sorted_logits.softmax(-1)
         # drop a token when the tokens ranked above it already reach top_p (the first always stays)
         drop_sorted = (sorted_probs.cumsum(-1) - sorted_probs) >= params.top_p
@@ -118,17 +120,25 @@ def _mix64_tensor(x: torch.Tensor) -> torch.Tensor:
 
 def hashed_exponentials(key: int, vocab: int, device: torch.device | str = "cpu") -> torch.Tensor:
     """(vocab,) float32 Exp(1) draws that are a function of the 64-bit key alone: splitmix64 of the counters
-    key + (x + 1) * golden, their top 24 bits a uniform in (0, 1), E = -log(u). Integers all the way to the
-    logarithm, so the same on every device, and no generator's 32-bit seed between the key and the noise.
-
-    u stays below 1: in float32 the largest, 1 - 2**-25, rounds to 1, and E = 0 made p / E NaN for a token of
-    probability 0 (which argmax then chose) and infinite for any other (which could then never be drawn), at about
-    vocab / 2**24 of the positions: one in 110 for Qwen3's vocabulary. It is held at the float32 just below 1
-    (float32 throughout: Apple's MPS has no float64)."""
+    key + (x + 1) * golden, 48 of its bits a uniform, E = -log(1 - u) (`exponentials_from_bits`). Integers all the
+    way to the logarithm, so the same on every device, and no generator's 32-bit seed between the key and the
+    noise (float32 throughout: Apple's MPS has no float64)."""
     counters = torch.arange(1, vocab + 1, dtype=torch.int64, device=device) * _signed(_GOLDEN) + _signed(key)
-    bits = _shift_right(_mix64_tensor(counters), 40)  # (vocab,) in [0, 2**24): exact in float32
-    uniform = ((bits.float() + 0.5) * 2.0 ** -24).clamp_(max=1 - 2.0 ** -24)  # the top pattern rounds to 1 else
-    return -torch.log(uniform)  # > 0: the smallest, -log(1 - 2**-24) = 5.96e-8, is a normal float32
+    mixed = _mix64_tensor(counters)  # (vocab,) int64 patterns
+    return exponentials_from_bits(_shift_right(mixed, 40), _shift_right(mixed, 16) & (2**24 - 1))
+
+
+def exponentials_from_bits(high: torch.Tensor, low: torch.Tensor) -> torch.Tensor:
+    """Exp(1) draws from two 24-bit integers each: u = (high + (low + 1/2) / 2**24) / 2**24, E = -log(1 - u).
+
+    The small draws decide whether an unlikely token is drawn (it wins the race argmax p / E when its E is below
+    p times the winner's E / p), and they come from u near 0, where the low bits make the grid 2**-48 fine: with
+    only the high 24 bits the smallest E was 6e-8, so tokens below about 1e-7 (0.1% of a 150,000-token vocabulary's
+    mass at temperature 1) were almost never drawn. Near u = 1 the low bits round away in float32, which only
+    coarsens the largest draws; u is held at the float32 below 1, so E is finite: an infinite E made p / E 0 for
+    any token, and 1 - u = 0 a NaN."""
+    u = ((high.float() + (low.float() + 0.5) * 2.0 ** -24) * 2.0 ** -24).clamp_(max=1 - 2.0 ** -24)
+    return -torch.log1p(-u)  # > 0: the smallest, about 2**-49, is a normal float32
 
 
 class PositionNoise:

@@ -49,6 +49,18 @@ def test_a_temperature_that_is_no_finite_number_above_zero_is_refused(temperatur
         SamplingParams(temperature)
 
 
+@pytest.mark.parametrize("weights,top_p", [([4, 3, 3], 0.5), ([1] * 4, 0.5), ([2, 1, 1, 1], 0.7), ([1, 2, 2], 0.5)])
+def test_top_p_keeps_the_tokens_transformers_keeps_when_probabilities_tie_at_the_cut(weights, top_p):
+    """Of tokens tied at the cut, transformers' TopPLogitsWarper (and vLLM) drop the lower ids first; bfloat16
+    logits tie often."""
+    from transformers.generation.logits_process import TopPLogitsWarper
+
+    logits = torch.tensor([weights], dtype=torch.float32).log()  # (1, V): probabilities in these proportions
+    ours = to_probs(logits, SamplingParams(temperature=1.0, top_p=top_p)) > 0
+    theirs = TopPLogitsWarper(top_p)(None, logits.clone()) > float("-inf")
+    assert torch.equal(ours, theirs), (ours, theirs)
+
+
 @pytest.mark.parametrize("top_p", [1e-300, 1e-45, 0.3])
 def test_top_p_keeps_at_least_the_most_likely_token(top_p):
     """A top_p below float32's smallest number reads as 0 there; the most likely token must still stay."""
@@ -65,13 +77,28 @@ def test_the_noise_is_splitmix64_of_the_full_64_bit_key():
 
     from dflash.decoding.sampling import _GOLDEN, _MASK64, _mix64, hashed_exponentials
 
+    def exponential(bits: int) -> float:  # E = -log(1 - u), u from the top 48 bits, in float64 here
+        return -math.log1p(-((bits >> 40) + ((bits >> 16 & (2**24 - 1)) + 0.5) * 2**-24) * 2**-24)
+
     key = _mix64(2024)
-    expected = [-math.log(((_mix64((key + (x + 1) * _GOLDEN) & _MASK64) >> 40) + 0.5) * 2**-24) for x in range(8)]
+    expected = [exponential(_mix64((key + (x + 1) * _GOLDEN) & _MASK64)) for x in range(8)]
     assert torch.allclose(hashed_exponentials(key, 8).double(), torch.tensor(expected, dtype=torch.float64),
                           rtol=1e-6)
     assert not torch.equal(hashed_exponentials(key, 64), hashed_exponentials((key + 2**32) & _MASK64, 64))
     draws = hashed_exponentials(_mix64(7), 100_000).double()  # Exp(1): mean 1, variance 1
     assert abs(draws.mean().item() - 1) < 0.02 and abs(draws.var().item() - 1) < 0.05 and draws.min() > 0
+
+
+def test_the_smallest_draws_are_fine_enough_for_unlikely_tokens():
+    """With the top 24 bits alone the smallest E was 6e-8: a token of probability 1e-8 beside one of 0.999 was drawn
+    about 65 times less often than it should (a seeded sampler's QA). Now the 2**-48 grid near 0 reaches 1e-14, and
+    the largest draw stays finite."""
+    from dflash.decoding.sampling import exponentials_from_bits
+
+    high, low = torch.tensor([0, 0, 2**24 - 1]), torch.tensor([0, 2**24 - 1, 2**24 - 1])
+    smallest, next_step, largest = exponentials_from_bits(high, low).tolist()
+    assert 0 < smallest < 1e-14 and 5e-8 < next_step < 7e-8  # (0, max): just below the old smallest step
+    assert 16 < largest < 17.5
 
 
 def test_the_noise_is_never_zero_so_a_token_of_probability_zero_is_never_drawn(monkeypatch):
