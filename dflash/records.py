@@ -57,9 +57,10 @@ def _json_line(raw: bytes, path: Path, number: int) -> dict | None:
     if not line.strip():
         return None
     try:
-        record = json.loads(line)
+        record = json.loads(line.rstrip("\r\n"))  # a string cut at the line's end is unterminated, not a control
     except json.JSONDecodeError as err:
-        raise UserError(f"{path}:{number} is not valid JSON ({err.msg}); {_jsonl_hint(raw, line, number)}") from None
+        where = f"{err.msg.removesuffix(' at')} at column {err.colno}"  # some of json's messages end in "at"
+        raise UserError(f"{path}:{number} is not valid JSON ({where}); {_jsonl_hint(raw, line, number)}") from None
     except RecursionError:
         raise UserError(f"{path}:{number} is nested too deeply to read (arrays or objects inside each other "
                         "beyond Python's recursion limit); fix or remove that line") from None

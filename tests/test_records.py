@@ -36,3 +36,13 @@ def test_a_line_that_is_not_json_says_what_the_file_most_likely_is(tmp_path, con
     with pytest.raises(UserError, match="is not valid JSON") as caught:
         read_jsonl(path, missing="unused")
     assert hint in str(caught.value)
+
+
+def test_a_line_cut_short_before_the_last_says_where_json_found_it_broken(tmp_path):
+    """json's message for a string running into the line's end read "(Invalid control character at)": the
+    newline, and a position json leaves out of its message."""
+    path = tmp_path / "data.jsonl"
+    path.write_text('{"prompt": "a"}\n{"id": 9, "respo\n{"prompt": "b"}\n')
+    with pytest.raises(UserError, match=r"data.jsonl:2 is not valid JSON \(Unterminated string starting at column "
+                                        r"11\); the file must be JSONL"):
+        read_jsonl(path, missing="unused")

@@ -125,6 +125,7 @@ class Prompt:
 @dataclass
 class DatagenResult:
     written: int = 0  # new records in the output
+    held: int = 0  # records the output holds now (a rerun with a lower --limit leaves the ones beyond it)
     skipped: list[str] = field(default_factory=list)  # prompts too long for the target's context: why, each
 
 
@@ -334,7 +335,7 @@ def check_rerun(config: DatagenConfig, prompts: list[Prompt], done: dict[int, st
                                  "then not checked) or pass another --output")
         greedy = saved.get("temperature") == 0 and settings["temperature"] == 0
         moot = {"top_p", "seed"} if greedy else set()  # greedy answers depend on neither
-        changed = [f"{k} {saved.get(k)!r}, now {v!r}" for k, v in settings.items()
+        changed = [f"{k} {_setting(k, saved.get(k))}, now {_setting(k, v)}" for k, v in settings.items()
                    if saved.get(k) != v and k not in moot]
         if changed:
             raise UserError(f"{output} was generated with other settings ({'; '.join(changed)}); rerun with the "
@@ -350,6 +351,11 @@ def check_rerun(config: DatagenConfig, prompts: list[Prompt], done: dict[int, st
         os.replace(tmp, path)
     except OSError as err:
         raise _unwritable(output, err) from None
+
+
+def _setting(name: str, value) -> str:
+    """A setting as the flag took it: dtype None is the flag's default, auto (the checkpoint's own)."""
+    return "auto (the checkpoint's own)" if name == "dtype" and value is None else repr(value)
 
 
 def _unwritable(output: Path, err: OSError) -> UserError:
@@ -387,6 +393,7 @@ def run_datagen(config: DatagenConfig, progress=None, prompts: list[Prompt] | No
         result = DatagenResult()
         if todo:
             _answer(config, todo, f, result, progress)
+        result.held = len(done) + result.written
     return result
 
 

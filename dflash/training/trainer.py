@@ -133,6 +133,8 @@ class Trainer:
                             "options)) checks the options and fills in the defaults")
         self.config = config
         self.step = 0
+        self.earlier_train_time_s = 0.0  # the time the resumed checkpoint's runs trained, before this one
+        self._run_started = time.perf_counter()  # reset when training starts
         self.rank, self.world = 0, 1
         self._feature_cache: dict[str, torch.Tensor] = {}
         self.history: list[dict] = []
@@ -675,7 +677,7 @@ class Trainer:
         self._log({"event": "start", "steps": self.total_steps, "train_examples": len(self.train_examples),
                    "eval_examples": len(self.eval_examples), "world_size": self.world,
                    "drafter": self.drafter_config.to_dict()})
-        start = time.perf_counter()
+        self._run_started = time.perf_counter()
         stop = StopRequest(announce=self.rank == 0)
         try:
             with stop:
@@ -683,7 +685,7 @@ class Trainer:
                 stop.finishing = True
                 if self.trained_with is None:  # else no step ran: the newest checkpoint is this step, as it was
                     self.save_checkpoint()  # the last step, before the final evaluation: an interrupt loses no step
-                final = {"step": self.step, "train_time_s": round(time.perf_counter() - start, 1)}
+                final = {"step": self.step, **self._train_times()}
                 if self.eval_examples:
                     final.update(self.evaluate())
                 self.export()
@@ -695,6 +697,17 @@ class Trainer:
             self._unlock_output()
         self._log({"event": "done", **final})
         return final
+
+    def train_time_s(self) -> float:
+        """Seconds of training to this point, the runs before a --resume included."""
+        return self.earlier_train_time_s + time.perf_counter() - self._run_started
+
+    def _train_times(self) -> dict[str, float]:
+        """The done record's times: in all, and (after a --resume) this run's alone."""
+        total = {"train_time_s": round(self.train_time_s(), 1)}
+        if self.earlier_train_time_s:
+            total["train_time_this_run_s"] = round(self.train_time_s() - self.earlier_train_time_s, 1)
+        return total
 
     def _train_steps(self, stop: StopRequest) -> None:
         """The steps from the current one to the last: log, evaluate and checkpoint as configured; stop with a
@@ -847,6 +860,7 @@ class Trainer:
             "drafter_config": self.drafter_config.to_dict(),
             "data": self.data_fingerprint,  # a resume must see the same examples in the same order
             "world_size": self.world,
+            "train_time_s": self.train_time_s(),  # a resumed run's done record counts it in
         }
         try:
             tmp.mkdir(parents=True)
@@ -877,6 +891,7 @@ class Trainer:
         state = self._read_checkpoint(checkpoints[-1])
         self._restore(state, checkpoints[-1])
         self.step = state["step"]
+        self.earlier_train_time_s = float(state.get("train_time_s", 0.0))  # none in checkpoints of older versions
         self._log({"event": "resume", "step": self.step, "checkpoint": str(checkpoints[-1])})
         if self.step > self.total_steps:
             self._warn(f"the newest checkpoint is at step {self.step}, past the last step of this run "

@@ -205,7 +205,7 @@ def answered(tiny_pair, prompts, tmp_path):
     return config
 
 
-def test_an_output_of_an_older_version_resumes_from_the_command_line(answered, tmp_path):
+def test_an_output_of_an_older_version_resumes_from_the_command_line(answered, tmp_path, capsys):
     """Settings files from before `dtype` was one of the settings lack it, and one made greedily with --top-p (then
     saved and ignored, now refused at temperature 0) holds a top_p and seed that greedy answers never used: the
     command line's defaults (--dtype auto, --top-p 1, --seed 0) resume both."""
@@ -214,9 +214,12 @@ def test_an_output_of_an_older_version_resumes_from_the_command_line(answered, t
     del settings["dtype"]
     settings.update(top_p=0.9, seed=5)
     settings_path(out).write_text(json.dumps(settings))
-    assert main(["datagen", "--target", answered.target, "--prompts", answered.prompts, "--output", str(out),
-                 "--max-new-tokens", "4", "--limit", "3", "--device", "cpu"]) == 0
+    command = ["datagen", "--target", answered.target, "--prompts", answered.prompts, "--output", str(out),
+               "--max-new-tokens", "4", "--device", "cpu"]
+    assert main(command + ["--limit", "3"]) == 0
     assert len(read(out)) == 3
+    assert main(command + ["--limit", "1"]) == 0  # a lower limit: what the file holds is said, not just the prompts
+    assert capsys.readouterr().out.splitlines()[-1].endswith("(1 prompts in all; it holds 3)")
 
 
 def test_a_rerun_with_other_prompts_or_settings_is_refused(answered, prompts, tmp_path):
@@ -229,7 +232,7 @@ def test_a_rerun_with_other_prompts_or_settings_is_refused(answered, prompts, tm
         run_datagen(DatagenConfig(**{**vars(answered), "temperature": 0.7, "seed": 3}))
     with pytest.raises(UserError, match="other settings \\(chat_template_kwargs None, now \\{'enable_thinking': False"):
         run_datagen(DatagenConfig(**{**vars(answered), "enable_thinking": False}))
-    with pytest.raises(UserError, match="other settings \\(dtype None, now 'bfloat16'\\)"):  # other answers on 8B
+    with pytest.raises(UserError, match="other settings \\(dtype auto \\(the checkpoint's own\\), now 'bfloat16'\\)"):
         run_datagen(DatagenConfig(**{**vars(answered), "dtype": "bfloat16"}))
     with pytest.raises(UserError, match="answer to prompt 1, but there are only 1 prompts"):
         run_datagen(DatagenConfig(**{**vars(answered), "prompts": str(write_jsonl(tmp_path / "one.jsonl", rows[:1])),

@@ -134,7 +134,9 @@ def test_interrupted_then_resumed_equals_uninterrupted(tiny_pair, train_data, tm
         broken.train()
     resumed = Trainer(config(tiny_pair, train_data, tmp_path / "resumed", resume=True, **options)).setup()
     assert resumed.step == 3
-    resumed.train()
+    earlier = resumed.earlier_train_time_s  # the broken run's time to its step-3 checkpoint
+    done = resumed.train()
+    assert earlier > 0 and abs(done["train_time_s"] - earlier - done["train_time_this_run_s"]) <= 0.1  # rounded
     a, b = weights(tmp_path / "straight"), weights(tmp_path / "resumed")
     assert a.keys() == b.keys()
     for key in a:
