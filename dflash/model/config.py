@@ -187,10 +187,10 @@ class DrafterConfig:
             self.dflash2.check(self.hidden_size, self.vocab_size)
 
     def _check_attention_fields(self) -> None:
-        for name, value, expected in (("is_causal", self.extra.get("is_causal"), bool),
-                                      ("dflash_config.causal", self.dflash_extra.get("causal"), bool),
-                                      ("dflash_config.use_swa", self.dflash_extra.get("use_swa"), bool)):
-            if value is not None and not isinstance(value, expected):
+        flags = {"is_causal": self.extra.get("is_causal"), "dflash_config.causal": self.dflash_extra.get("causal"),
+                 "dflash_config.use_swa": self.dflash_extra.get("use_swa")}
+        for name, value in flags.items():
+            if value is not None and not isinstance(value, bool):
                 raise DrafterConfigError(f"drafter config: {name} must be true, false or absent, got {value!r}")
         window = self.dflash_extra.get("swa_window_size")
         if window is not None and not is_whole_number(window):
@@ -199,6 +199,16 @@ class DrafterConfig:
         if any(self._sliding(i) for i in range(self.num_hidden_layers)) and not (window or self.sliding_window):
             raise DrafterConfigError("the drafter has sliding-window layers (layer_types 'sliding_attention', or "
                                      "dflash_config.use_swa) but sliding_window is not set; add it to config.json")
+
+    def not_run_here(self) -> str | None:
+        """What of this checkpoint dflash's drafter does not implement, though vLLM's DFlash loader reads it (the
+        hand-off still takes it); None when nothing."""
+        aux = self.dflash_extra.get("use_aux_hidden_state", self.extra.get("use_aux_hidden_state"))
+        if self.extra.get("is_neox_style") is False:
+            return "rotates interleaved pairs of each head (is_neox_style false), not its halves"
+        if aux is False:
+            return "drafts from the target's last hidden state alone (use_aux_hidden_state false), without fc"
+        return None
 
     def _sliding(self, i: int) -> bool:
         swa_everywhere = bool(self.dflash_extra.get("use_swa")) and "sliding_attention" not in self.layer_types

@@ -17,7 +17,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from dflash.model import hf_compat
-from dflash.model.config import DrafterConfig
+from dflash.model.config import DrafterConfig, DrafterConfigError
 from dflash.model.cpu_precision import CastingLinear
 from dflash.model.dflash2 import CandidateSelector, GroupedDynamicConv, block_conv
 from dflash.model.slot_buffer import SlotBuffer, gather_slots, spare_room
@@ -247,6 +247,10 @@ class DFlashDraftModel(nn.Module):
 
     def __init__(self, config: DrafterConfig):
         super().__init__()
+        unsupported = config.not_run_here()
+        if unsupported:
+            raise DrafterConfigError(f"this drafter {unsupported}, which dflash's drafter does not implement; serve "
+                                     "it with vLLM (dflash serve --engine vllm hands the pair over)")
         self.config = config
         self.layers = nn.ModuleList(DFlashDecoderLayer(config) for _ in range(config.num_hidden_layers))
         self.fc = CastingLinear(config.num_features, config.hidden_size, bias=False)

@@ -127,6 +127,18 @@ def test_a_causal_drafter_block_position_does_not_see_the_ones_after_it(tmp_path
     assert not torch.allclose(before[:, -1], after[:, -1])
 
 
+@pytest.mark.parametrize("fields, named", [({"is_neox_style": False}, "is_neox_style false"),
+                                           ({"use_aux_hidden_state": False}, "use_aux_hidden_state false")])
+def test_a_drafter_vllm_reads_otherwise_is_refused_here_and_handed_over(tmp_path, fields, named):
+    """vLLM's DFlash loader honours these fields; dflash's drafter would draft as if they were absent."""
+    from dflash.model.config import DrafterConfig
+
+    write_checkpoint(tmp_path / "v", public_config(**fields), public_state_dict(2, 2 * H))
+    with pytest.raises(UserError, match=f"{named}.*serve it with vLLM"):
+        load_drafter(tmp_path / "v")
+    assert DrafterConfig.from_dict(public_config(**fields)).not_run_here()  # the hand-off's own check reads it
+
+
 def test_save_then_load_gives_the_same_outputs(tmp_path, target):
     drafter = tiny_drafter(target, layers=2)
     drafter.save_pretrained(tmp_path / "out")
