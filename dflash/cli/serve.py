@@ -208,7 +208,9 @@ def _hand_off(args: argparse.Namespace) -> int:
     _refuse_native_only_flags(args)
     options = handoff.HandoffOptions(
         host=args.host, port=args.port, api_key=args.api_key, max_model_len=args.max_model_len,
-        served_model_name=args.served_model_name, max_batch_size=args.max_batch_size,
+        # the name dflash serve gives: the --target value (the engines' default too), or dflash for the embedded pair
+        served_model_name=args.served_model_name or (None if args.target else "dflash"),
+        max_batch_size=args.max_batch_size,
         dtype=None if args.dtype == "auto" else args.dtype, chat_template_kwargs=chat_template_kwargs(args),
         log_level=None if args.log_level == "info" else args.log_level,  # info: both engines' default
         trust_remote_code=args.trust_remote_code, generation_config=args.generation_config,

@@ -67,7 +67,8 @@ class DatagenConfig:
         if self.max_new_tokens < 1:
             raise UserError(f"--max-new-tokens must be >= 1, got {self.max_new_tokens}")
         make_config(temperature=self.temperature, top_p=self.top_p)  # their ranges, named
-        refuse_greedy_ignores(dict(temperature=self.temperature, top_p=self.top_p))  # as dflash generate
+        # as dflash generate; --seed's default here is 0, not None
+        refuse_greedy_ignores(dict(temperature=self.temperature, top_p=self.top_p, seed=self.seed or None))
         if self.device is not None:  # before the output and its settings file are created
             from dflash.model.loading import resolve_device
 

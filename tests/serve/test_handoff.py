@@ -311,6 +311,7 @@ def test_the_default_hand_off_is_the_embedded_pair_with_its_dflash_drafter(capsy
     argv = dry_run(capsys, "--engine", "vllm")
     spec = json.loads(argv[argv.index("--speculative-config") + 1])
     assert argv[2] == str(DEFAULT_TARGET)
+    assert argv[argv.index("--served-model-name") + 1] == "dflash"  # the name dflash serve gives it, not a path
     assert spec == {"method": "dflash", "model": str(HANDOFF_DRAFT), "num_speculative_tokens": 15}
     argv = dry_run(capsys, "--engine", "sglang")
     assert argv[argv.index("--speculative-draft-model-path") + 1] == str(HANDOFF_DRAFT)

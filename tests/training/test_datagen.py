@@ -289,6 +289,7 @@ def test_a_foreign_line_among_records_is_named(answered, tmp_path):
     (["--temperature", "-1"], "--temperature must be a finite number >= 0"),
     (["--top-p", "0"], "--top-p must be in (0, 1]"),
     (["--top-p", "0.9"], "--top-p shapes sampling, and --temperature 0 (the default) decodes greedily"),
+    (["--seed", "3"], "--seed shapes sampling, and --temperature 0 (the default) decodes greedily"),  # was ignored
     (["--device", "bogus"], "unknown device 'bogus'"),  # before the output and its settings file exist
 ])
 def test_datagen_cli_refuses_bad_numbers_without_a_traceback(prompts, tmp_path, capsys, flags, message):
