@@ -7,9 +7,9 @@ from pathlib import Path
 
 import pytest
 
+from conftest import make_tokenizer
 from dflash.decoding.detokenizer import TextDeltas, tail_text
 from dflash.decoding.stopping import StopChecker
-from tests.conftest import make_tokenizer
 
 ASSETS = Path(__file__).resolve().parents[2] / "dflash" / "assets" / "target"
 TEXT = ("Natalia sold 48 clips in April, héllo wörld, 中文字 🙂 and then half as many in May. "
