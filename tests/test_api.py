@@ -280,10 +280,11 @@ def test_both_embedded_drafters_decode_as_the_embedded_target_alone(which):
     assert a.stats.mean_acceptance_length > 1.5  # a trained drafter: many of its tokens are accepted
 
 
-def test_a_seed_whose_noise_reaches_its_smallest_value_decodes_as_the_target_alone():
-    """Seed 3 puts the smallest noise there is at position 74 of this prompt (token 491, probability 0 there): in
+def test_a_seed_whose_noise_was_extreme_at_a_position_decodes_as_the_target_alone():
+    """Seed 3 put the smallest noise there was at position 74 of this prompt (token 491, probability 0 there): in
     float32 that noise was 0, the DFlash2 drafter's path search crashed, and plain decoding at top_k 1 drew the
-    zero-probability token instead of the greedy one."""
+    zero-probability token instead of the greedy one. (Since the noise takes 48 bits that draw is the largest;
+    a seeded decode past it still must match.)"""
     question = ("Natalia sold clips to 48 of her friends in April, and then she sold half as many clips in May. How "
                 "many clips did Natalia sell altogether in April and May?\nPlease reason step by step, and put your "
                 "final answer within \\boxed{}.")

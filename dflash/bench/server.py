@@ -35,6 +35,7 @@ import httpx
 
 from dflash.bench.datasets import Sample
 from dflash.bench.metrics import (
+    NO_DRAFT,
     BenchResult,
     acceptance_rate_per_position,
     histogram_from_counters,
@@ -299,7 +300,7 @@ def drafts(exposition: str | None) -> bool:
     """Whether a server's metrics say it drafts: its dflash:drafter_info, else spec-decode counters at all (vLLM
     registers them only with a speculative config)."""
     said = _said_drafter(exposition)
-    return said != "none" if said is not None else spec_decode_counters(exposition or "") is not None
+    return said != NO_DRAFT if said is not None else spec_decode_counters(exposition or "") is not None
 
 
 # ---- the client ---------------------------------------------------------------------------------------
@@ -612,7 +613,7 @@ class ServerBackend:
         exposition, problem = fetch_exposition(self.metrics_url)
         self.drafter = served_drafter(exposition)
         baseline_exposition = fetch_exposition(default_metrics_url(config.baseline_url))[0] if self.baseline else None
-        if self.drafter == "none":
+        if self.drafter == NO_DRAFT:
             self.warnings.append(self._plain_server_warning(baseline_exposition))
         elif drafts(baseline_exposition):
             self.warnings.append(f"the --baseline-url server's metrics ({default_metrics_url(config.baseline_url)}) "
@@ -632,7 +633,7 @@ class ServerBackend:
         decoding's, and a speedup would compare two plain servers, or the pair the wrong way round."""
         said = (f"the --base-url server says it drafts with nothing (dflash:drafter_info at {self.metrics_url}): "
                 "its figures are plain decoding's, not DFlash's")
-        if self.baseline is not None and served_drafter(baseline_exposition) != "none":
+        if self.baseline is not None and served_drafter(baseline_exposition) != NO_DRAFT:
             return said + "; --base-url and --baseline-url look swapped: the DFlash server goes to --base-url"
         return said + "; point --base-url at a server that drafts (dflash serve without --no-draft)"
 
@@ -682,7 +683,7 @@ class ServerBackend:
             result.notes.append(f"--concurrency {level} is above the level's {conversations} conversation(s), so at "
                                 f"most {conversations} request(s) were in flight: give --num-prompts {level} or more "
                                 f"to load the server at {level}")
-        if counters is not None and counters.drafts == 0 and self.drafter != "none" and result.dflash_answers:
+        if counters is not None and counters.drafts == 0 and self.drafter != NO_DRAFT and result.dflash_answers:
             result.notes.append(f"the --base-url server did no drafted step during this level (its spec-decode "
                                 f"counters at {self.metrics_url} did not move), so tau is '-' and the figures are "
                                 "plain decoding's: dflash serve's adaptive fallback decodes plainly while drafting "

@@ -15,7 +15,7 @@ _OWNED = {
     "head_dim", "vocab_size", "rms_norm_eps", "max_position_embeddings", "layer_types", "sliding_window",
     "rope_theta", "rope_scaling", "rope_parameters", "block_size", "num_target_layers", "dflash_config",
     "mask_token_id", "target_layer_ids", "architectures", "model_type", "tie_word_embeddings",
-    "torch_dtype", "dtype", "hidden_act", "attention_bias", "use_sliding_window", "max_window_layers",
+    "torch_dtype", "dtype", "hidden_act", "attention_bias",
 }
 
 
@@ -196,18 +196,24 @@ class DrafterConfig:
         if window is not None and not is_whole_number(window):
             raise DrafterConfigError(f"drafter config: dflash_config.swa_window_size must be a whole number >= 1, "
                                      f"got {window!r}")
-        if any(self._sliding(i) for i in range(self.num_hidden_layers)) and not (window or self.sliding_window):
+        if any(self._sliding(i) for i in range(self.num_hidden_layers)) and not is_whole_number(
+                window or self.sliding_window):
             raise DrafterConfigError("the drafter has sliding-window layers (layer_types 'sliding_attention', or "
-                                     "dflash_config.use_swa) but sliding_window is not set; add it to config.json")
+                                     "dflash_config.use_swa) but no window: set sliding_window (or "
+                                     "dflash_config.swa_window_size) in config.json to a whole number >= 1, got "
+                                     f"{window or self.sliding_window!r}")
 
     def not_run_here(self) -> str | None:
         """What of this checkpoint dflash's drafter does not implement, though vLLM's DFlash loader reads it (the
         hand-off still takes it); None when nothing."""
-        aux = self.dflash_extra.get("use_aux_hidden_state", self.extra.get("use_aux_hidden_state"))
+        eagle = self.extra.get("eagle_config") if isinstance(self.extra.get("eagle_config"), dict) else {}
+        aux = self.dflash_extra.get("use_aux_hidden_state", eagle.get("use_aux_hidden_state"))  # where vLLM reads it
         if self.extra.get("is_neox_style") is False:
             return "rotates interleaved pairs of each head (is_neox_style false), not its halves"
         if aux is False:
             return "drafts from the target's last hidden state alone (use_aux_hidden_state false), without fc"
+        if self.dflash_extra.get("attention_sink_bias", self.extra.get("add_swa_attention_sink_bias")):
+            return "adds a learned attention sink to each head (attention_sink_bias)"
         return None
 
     def _sliding(self, i: int) -> bool:
@@ -215,10 +221,10 @@ class DrafterConfig:
         return swa_everywhere or self.layer_types[i] == "sliding_attention"
 
     def layer_attention(self, i: int) -> LayerAttention:
-        """Draft layer i's attention, read from the checkpoint as vLLM reads it: a sliding-window layer is causal
-        and a full one bidirectional (REFERENCE section 1), unless `is_causal` (top level) or dflash_config
-        `causal` says so for every layer; dflash_config `use_swa` slides every layer of a config without sliding
-        layers, bidirectionally, within `swa_window_size` (else `sliding_window`)."""
+        """Draft layer i's attention, read from the checkpoint as vLLM's DFlash loader reads it: a full layer's block
+        attends both ways (REFERENCE section 1) and a sliding-window layer's causally (vLLM's rule), unless `is_causal`
+        (top level) or dflash_config `causal` says so for every layer; dflash_config `use_swa` slides every layer of a
+        config without sliding layers, bidirectionally, within `swa_window_size` (else `sliding_window`)."""
         sliding = self._sliding(i)
         window = self.dflash_extra.get("swa_window_size") or self.sliding_window if sliding else None
         causal = self.extra.get("is_causal")

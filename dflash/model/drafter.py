@@ -48,7 +48,8 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
 
 
 class DFlashAttention(nn.Module):
-    """Queries from the block; keys/values = [injected context ; block], bidirectional within the block."""
+    """Queries from the block; keys/values = [injected context ; block]; the layer's mask says which of them each
+    query sees (bidirectional within the block for the published drafters: `DrafterConfig.layer_attention`)."""
 
     def __init__(self, config: DrafterConfig):
         super().__init__()

@@ -2,7 +2,8 @@
 
 For each sequence, anchors are sampled inside the response. Anchor a starts the block
 `[x_a, MASK x (B-1)]` at positions a..a+B-1. The block sees the target's context features of positions
-strictly before a, all of its own block (bidirectional) and no other block. Block position k (1..B-1)
+strictly before a, all of its own block (bidirectional; a drafter whose config makes a layer causal or windowed
+narrows that layer's view, `DrafterConfig.layer_attention`) and no other block. Block position k (1..B-1)
 is labelled with x_{a+k} (same-position labels) and weighted by exp(-(k-1)/gamma); position 0 has no loss.
 Many blocks of one sequence are trained in a single drafter forward. Optionally (distillation) part of
 each position's loss is the KL from the target's own distribution for that token.

@@ -704,10 +704,11 @@ class Trainer:
 
     def _train_times(self) -> dict[str, float]:
         """The done record's times: in all, and (after a --resume) this run's alone."""
-        total = {"train_time_s": round(self.train_time_s(), 1)}
+        total = self.train_time_s()
+        times = {"train_time_s": round(total, 1)}
         if self.earlier_train_time_s:
-            total["train_time_this_run_s"] = round(self.train_time_s() - self.earlier_train_time_s, 1)
-        return total
+            times["train_time_this_run_s"] = round(total - self.earlier_train_time_s, 1)
+        return times
 
     def _train_steps(self, stop: StopRequest) -> None:
         """The steps from the current one to the last: log, evaluate and checkpoint as configured; stop with a

@@ -103,8 +103,9 @@ def test_the_smallest_draws_are_fine_enough_for_unlikely_tokens():
 
 def test_the_noise_is_never_zero_so_a_token_of_probability_zero_is_never_drawn(monkeypatch):
     """In float32, the largest uniform (24 bits all set) rounded to 1 and its noise to 0: at such a position a token
-    of probability 0 came out (p / E was NaN, which argmax takes), and the drafter's path search crashed. Seed 3 puts
-    one at position 74, token 491, of the embedded pair's vocabulary (4,096), one position in about 4,096."""
+    of probability 0 came out (p / E was NaN, which argmax takes), and the drafter's path search crashed. Seed 3 put
+    one at position 74, token 491, of the embedded pair's vocabulary (4,096); with 48 bits that draw is now the
+    largest there is (`test_the_smallest_draws_are_fine_enough_for_unlikely_tokens` checks both ends)."""
     from dflash.decoding.sampling import PositionNoise
 
     def no_float64(*args, **kwargs):

@@ -92,7 +92,8 @@ def test_attention_fields_round_trip_and_are_checked():
     for top, dflash, named in (({"is_causal": "yes"}, {}, "is_causal"), ({}, {"causal": 1}, "dflash_config.causal"),
                                ({}, {"use_swa": "true"}, "dflash_config.use_swa"),
                                ({}, {"swa_window_size": 0}, "swa_window_size"),
-                               ({}, {"use_swa": True}, "sliding_window is not set")):
+                               ({}, {"use_swa": True}, "no window: set sliding_window"),
+                               ({"sliding_window": -1}, {"use_swa": True}, "whole number >= 1, got -1")):
         with pytest.raises(DrafterConfigError, match=named):
             _attention(None, top, **dflash)
 
@@ -125,3 +126,12 @@ def test_a_given_mask_token_must_be_in_the_vocabulary_and_not_override_the_draft
                                                  ".--mask-token-id, or mask_token_id= in Python."):
         DrafterConfig.from_dict(named, mask_token_id=9)
     assert DrafterConfig.from_dict(named, mask_token_id=7).mask_token_id == 7  # the same: nothing to refuse
+
+
+def test_a_published_sliding_drafters_config_survives_a_round_trip():
+    """A fine-tune (--init-from) writes back what it read: transformers' Qwen3Config reads sliding_window only with
+    use_sliding_window, and vLLM refuses a sliding layer without a window, so dropping the flag broke the export."""
+    raw = {**GOOD, "layer_types": ["sliding_attention", "full_attention"], "sliding_window": 2048,
+           "use_sliding_window": True, "max_window_layers": 1}
+    out = DrafterConfig.from_dict(raw).to_dict()
+    assert (out["use_sliding_window"], out["max_window_layers"], out["sliding_window"]) == (True, 1, 2048)

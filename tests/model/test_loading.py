@@ -95,8 +95,8 @@ def test_legacy_checkpoint_without_dflash_config(tmp_path):
 
 
 def test_sliding_window_and_rope_scaling_are_honoured(tmp_path):
-    config = public_config(layer_types=["sliding_attention", "full_attention"], sliding_window=3,
-                           rope_scaling={"rope_type": "linear", "factor": 2.0})
+    config = public_config(layer_types=["sliding_attention", "full_attention"], sliding_window=3, is_causal=False,
+                           rope_scaling={"rope_type": "linear", "factor": 2.0})  # bidirectional: the window alone
     write_checkpoint(tmp_path / "s", config, public_state_dict(2, 2 * H))
     drafter = load_drafter(tmp_path / "s", dtype="float32")
     plain = load_drafter(tmp_path / "s", dtype="float32")
@@ -127,8 +127,15 @@ def test_a_causal_drafter_block_position_does_not_see_the_ones_after_it(tmp_path
     assert not torch.allclose(before[:, -1], after[:, -1])
 
 
-@pytest.mark.parametrize("fields, named", [({"is_neox_style": False}, "is_neox_style false"),
-                                           ({"use_aux_hidden_state": False}, "use_aux_hidden_state false")])
+DFLASH_CONFIG = {"mask_token_id": 127, "target_layer_ids": [1, 2]}
+
+
+@pytest.mark.parametrize("fields, named", [
+    ({"is_neox_style": False}, "is_neox_style false"),
+    ({"dflash_config": {**DFLASH_CONFIG, "use_aux_hidden_state": False}}, "use_aux_hidden_state false"),
+    ({"dflash_config": {**DFLASH_CONFIG, "attention_sink_bias": True}}, "attention_sink_bias"),
+    ({"add_swa_attention_sink_bias": True}, "attention_sink_bias"),
+])
 def test_a_drafter_vllm_reads_otherwise_is_refused_here_and_handed_over(tmp_path, fields, named):
     """vLLM's DFlash loader honours these fields; dflash's drafter would draft as if they were absent."""
     from dflash.model.config import DrafterConfig
@@ -137,6 +144,8 @@ def test_a_drafter_vllm_reads_otherwise_is_refused_here_and_handed_over(tmp_path
     with pytest.raises(UserError, match=f"{named}.*serve it with vLLM"):
         load_drafter(tmp_path / "v")
     assert DrafterConfig.from_dict(public_config(**fields)).not_run_here()  # the hand-off's own check reads it
+    # vLLM reads use_aux_hidden_state in dflash_config (or eagle_config) only: at the top level it is no refusal
+    assert DrafterConfig.from_dict(public_config(use_aux_hidden_state=False)).not_run_here() is None
 
 
 def test_save_then_load_gives_the_same_outputs(tmp_path, target):
