@@ -86,6 +86,7 @@ def test_stream_pieces_add_up_to_the_text_without_the_stop_string(pipe):
     pieces = list(stream)
     assert "".join(pieces) == stream.result.text == free.text[: free.text.find(stop)]
     assert stop not in "".join(pieces)
+    assert (stream.result.stop_string, free.stop_string) == (stop, None)  # what cut it (the server's stop_reason)
 
 
 def test_bad_prompts_and_options(pipe):

@@ -140,6 +140,7 @@ class GenerationOutput:
     finish_reason: str  # "stop" or "length"
     stats: GenerationStats
     text: str | None = None
+    stop_string: str | None = None  # the stop string the text was cut at (finish_reason "stop"), else None
 
 
 @dataclass
@@ -204,8 +205,8 @@ class Sequence:
         return kept
 
     def result(self) -> GenerationOutput:
-        text = self.stop.final_text(self.output_ids) if self.stop.tokenizer is not None else None
-        return GenerationOutput(list(self.output_ids), self.finish_reason or "length", self.stats, text)
+        text, stop_string = self.stop.ending(self.output_ids) if self.stop.tokenizer is not None else (None, None)
+        return GenerationOutput(list(self.output_ids), self.finish_reason or "length", self.stats, text, stop_string)
 
 
 @dataclass

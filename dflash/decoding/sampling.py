@@ -54,8 +54,8 @@ def to_probs(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
         kth = torch.topk(logits, params.top_k, dim=-1).values[..., -1:]
         logits = logits.masked_fill(logits < kth, float("-inf"))
     if params.top_p < 1.0:
-        # most likely first; of tied tokens the higher id first, so the lower is dropped first, as transformers'
-        # and vLLM's top-p (an ascending stable sort they cut from the bottom) drop them
+        # most likely first; of tied tokens the higher id first, so the lower is dropped first: a fixed order
+        # (transformers' and vLLM's unstable ascending sort drops them so where it keeps ties in id order)
         sorted_logits, order = (t.flip(-1) for t in torch.sort(logits, dim=-1, stable=True))
         sorted_probs = sorted_logits.softmax(-1)
         # drop a token when the tokens ranked above it already reach top_p (the first always stays)

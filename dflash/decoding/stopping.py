@@ -72,6 +72,10 @@ class StopChecker:
 
     def final_text(self, output_ids: list[int]) -> str:
         """The decoded output with a stop string and anything after it removed."""
+        return self.ending(output_ids)[0]
+
+    def ending(self, output_ids: list[int]) -> tuple[str, str | None]:
+        """(`final_text`, the stop string it was cut at or None), from one decode of the output."""
         text = self.tokenizer.decode(output_ids, skip_special_tokens=True)
-        cut = self.find_stop(output_ids) if self.stop_strings else None
-        return text if cut is None else text[:cut]
+        first = self.first_stop(text) if self.stop_strings else None
+        return (text, None) if first is None else (text[:first[0]], first[1])

@@ -196,12 +196,11 @@ class DrafterConfig:
         if window is not None and not is_whole_number(window):
             raise DrafterConfigError(f"drafter config: dflash_config.swa_window_size must be a whole number >= 1, "
                                      f"got {window!r}")
-        if any(self._sliding(i) for i in range(self.num_hidden_layers)) and not is_whole_number(
-                window or self.sliding_window):
+        if any(self._sliding(i) for i in range(self.num_hidden_layers)) and not is_whole_number(self._window()):
             raise DrafterConfigError("the drafter has sliding-window layers (layer_types 'sliding_attention', or "
                                      "dflash_config.use_swa) but no window: set sliding_window (or "
                                      "dflash_config.swa_window_size) in config.json to a whole number >= 1, got "
-                                     f"{window or self.sliding_window!r}")
+                                     f"{self._window()!r}")
 
     def not_run_here(self) -> str | None:
         """What of this checkpoint dflash's drafter does not implement, though vLLM's DFlash loader reads it (the
@@ -216,6 +215,10 @@ class DrafterConfig:
             return "adds a learned attention sink to each head (attention_sink_bias)"
         return None
 
+    def _window(self) -> Any:
+        """A sliding layer's window: dflash_config's swa_window_size, else sliding_window (as vLLM reads them)."""
+        return self.dflash_extra.get("swa_window_size") or self.sliding_window
+
     def _sliding(self, i: int) -> bool:
         swa_everywhere = bool(self.dflash_extra.get("use_swa")) and "sliding_attention" not in self.layer_types
         return swa_everywhere or self.layer_types[i] == "sliding_attention"
@@ -226,7 +229,7 @@ class DrafterConfig:
         (top level) or dflash_config `causal` says so for every layer; dflash_config `use_swa` slides every layer of a
         config without sliding layers, bidirectionally, within `swa_window_size` (else `sliding_window`)."""
         sliding = self._sliding(i)
-        window = self.dflash_extra.get("swa_window_size") or self.sliding_window if sliding else None
+        window = self._window() if sliding else None
         causal = self.extra.get("is_causal")
         if causal is None:
             causal = self.dflash_extra.get("causal")

@@ -30,7 +30,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from dflash.api import check_template_kwargs
 from dflash.decoding.block_policy import BlockSizePolicy
 from dflash.decoding.detokenizer import TextDeltas
-from dflash.decoding.engine import GenerationConfig, check_token_ids
+from dflash.decoding.engine import GenerationConfig, GenerationOutput, check_token_ids
 from dflash.decoding.proposer import NoDraftProposer
 from dflash.errors import UserError
 from dflash.serve.fallback import AUTO_NEEDS_STEP_COSTS, FallbackConfig
@@ -209,18 +209,15 @@ class Server:
             return StreamingResponse(self._stream(decoding, shape, req), media_type="text/event-stream")
         return await self._complete(http, decoding, shape, req)
 
-    def stop_reason(self, seq, req: SamplingRequest) -> str | int | None:
+    def stop_reason(self, result: GenerationOutput, req: SamplingRequest) -> str | int | None:
         """vLLM's stop_reason: the stop string that ended the answer (the earliest in its text), or the request's
         own stop token id it ended at; None when it ended otherwise (the target's EOS, its length)."""
-        if seq.finish_reason != "stop" or not seq.output_ids:
+        if result.finish_reason != "stop" or not result.output_ids:
             return None
-        last = seq.output_ids[-1]
+        last = result.output_ids[-1]
         if last in (req.stop_token_ids or ()) and last not in self.pipe.target.eos_token_ids():
             return last
-        if not seq.stop.stop_strings:
-            return None
-        first = seq.stop.first_stop(self.pipe.tokenizer.decode(seq.output_ids, skip_special_tokens=True))
-        return None if first is None else first[1]
+        return result.stop_string
 
     async def _complete(self, http: Request, decoding: Decoding, shape: ResponseShape,
                         req: SamplingRequest) -> Response:
@@ -235,7 +232,7 @@ class Server:
         seq = decoding.seq
         result = seq.result()
         return JSONResponse(shape.full(result.text or "", result.finish_reason, len(seq.prompt_ids),
-                                       len(seq.output_ids), self.stop_reason(seq, req)))
+                                       len(seq.output_ids), self.stop_reason(result, req)))
 
     async def _stream(self, decoding: Decoding, shape: ResponseShape, req: SamplingRequest):
         """Server-sent events; leaving early (a disconnect cancels this generator) frees the row."""
@@ -255,7 +252,7 @@ class Server:
                     if piece:
                         yield sse(shape.chunk(piece))
                     yield sse(shape.chunk(None, finish_reason=result.finish_reason,
-                                          stop_reason=self.stop_reason(seq, req)))
+                                          stop_reason=self.stop_reason(result, req)))
                     if req.include_usage:
                         yield sse(shape.usage_chunk(len(seq.prompt_ids), len(seq.output_ids)))
                 elif piece:
