@@ -492,7 +492,7 @@ class _Generator:
         """Answer every turn of every prompt in the chunk; a turn sees the target's own earlier answers. A turn
         that no longer fits in the target's context ends its conversation there (a warning says so)."""
         conversations: dict[int, list[dict]] = {p.id: [] for p in chunk}
-        last: dict[int, tuple[list[int], list[int], str]] = {}
+        answered: dict[int, list[tuple[list[int], list[int], str]]] = {p.id: [] for p in chunk}  # ids of each turn
         ended: set[int] = set()  # conversations whose next turn does not fit
         for turn in range(max(len(p.turns) for p in chunk)):
             asked, prompt_ids = [], []
@@ -515,9 +515,8 @@ class _Generator:
             configs = [self._generation_config(p, ids) for p, ids in zip(asked, prompt_ids)]
             for p, ids, out in zip(asked, prompt_ids, self.pipe.engine.generate(prompt_ids, configs)):
                 conversations[p.id].append({"role": "assistant", "content": out.text})
-                last[p.id] = (ids, out.output_ids, out.finish_reason)
-        return [{"id": p.id, "prompt_hash": p.hash, "messages": conversations[p.id], "prompt_ids": last[p.id][0],
-                 "response_ids": last[p.id][1], "finish_reason": last[p.id][2]} for p in chunk]
+                answered[p.id].append((ids, out.output_ids, out.finish_reason))
+        return [_record(p, conversations[p.id], answered[p.id]) for p in chunk]
 
     def _with_suffix(self, messages: list[dict]) -> list[dict]:
         new = [dict(m) for m in messages]
@@ -532,6 +531,18 @@ class _Generator:
         c = self.config  # checked by validate(); the derived seed is the run's, for every prompt, greedy or not
         return GenerationConfig(max_new_tokens=self.room(prompt_ids), temperature=c.temperature, top_p=c.top_p,
                                 seed=derive_seed(c.seed, prompt.id))
+
+
+def _record(prompt: Prompt, conversation: list[dict], answered: list[tuple[list[int], list[int], str]]) -> dict:
+    """A prompt's output record: the last turn's exact prompt and answer ids, and each earlier turn's in
+    `earlier_turns` (a later turn's prompt holds the earlier answers as the chat template renders their text,
+    which need not be the ids the target produced, so each turn keeps its own)."""
+    (prompt_ids, response_ids, finish_reason), earlier = answered[-1], answered[:-1]
+    record = {"id": prompt.id, "prompt_hash": prompt.hash, "messages": conversation, "prompt_ids": prompt_ids,
+              "response_ids": response_ids, "finish_reason": finish_reason}
+    if earlier:
+        record["earlier_turns"] = [{"prompt_ids": ids, "response_ids": out} for ids, out, _ in earlier]
+    return record
 
 
 def _warn(message: str) -> None:

@@ -41,7 +41,7 @@ from dflash.training.config import (
     absolute_if_local,
     portable_settings,
 )
-from dflash.training.data import Batch, Example, collate, epoch_batches, fingerprint, read_examples, split_examples
+from dflash.training.data import Batch, Example, collate, epoch_batches, fingerprint, read_examples, split_records
 from dflash.training.drafter_setup import (
     check_kept_options,
     choose_mask_token_id,
@@ -307,7 +307,7 @@ class Trainer:
                        f"sequences are cut at {self.context}")
         limit = c.max_length or DEFAULT_MAX_LENGTH
         c.max_length = min(limit, self.context) if self.context else limit
-        train, self.eval_examples = split_examples(self._read("--data", c.data), c.eval_fraction, c.seed)
+        train, self.eval_examples = split_records(self._read("--data", c.data), c.eval_fraction, c.seed)
         self.train_examples = self._without_held_out_prompts(train, "--data", c.data)  # a prompt listed twice
         for path in c.extra_train_data or []:
             self.train_examples += self._without_held_out_prompts(self._read("--extra-train-data", path),
@@ -334,7 +334,7 @@ class Trainer:
         self._check_data_target(flag, path)
         if loaded.dropped:
             lines = ", ".join(map(str, loaded.dropped[:10])) + (" ..." if len(loaded.dropped) > 10 else "")
-            self._warn(f"{flag} {path}: {len(loaded.dropped)} of {len(loaded.dropped) + len(loaded.examples)} "
+            self._warn(f"{flag} {path}: {len(loaded.dropped)} of {loaded.records} "
                        f"records are left out, their responses empty or cut below 2 tokens by --max-length "
                        f"{self.config.max_length} (lines {lines})")
         return loaded.examples

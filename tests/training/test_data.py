@@ -9,7 +9,7 @@ import re
 import pytest
 
 from dflash.errors import UserError
-from dflash.training.data import fingerprint, read_examples
+from dflash.training.data import fingerprint, read_examples, split_examples, split_records
 
 
 @pytest.fixture(scope="module")
@@ -85,3 +85,66 @@ def test_the_fingerprint_follows_the_tokens_and_their_order(tokenizer, tmp_path)
     assert fingerprint(examples) == fingerprint(read_examples(path, tokenizer, max_length=64).examples)
     assert fingerprint(examples) != fingerprint(examples[::-1])
     assert fingerprint(examples) != fingerprint(read_examples(path, tokenizer, max_length=6).examples)
+
+
+def test_every_answer_of_a_datagen_conversation_is_an_example_after_its_own_prompt(tmp_path, tokenizer):
+    """A later turn's prompt renders the earlier answers from their text, which need not be the ids the target
+    produced (here it is not): each turn trains on its own stored prompt and answer."""
+    two_turns = {"prompt_ids": [5, 6, 7, 20, 21, 9], "response_ids": [30, 31, 32],
+                 "earlier_turns": [{"prompt_ids": [5, 6, 7], "response_ids": [20, 22, 23]}]}
+    path = tmp_path / "data.jsonl"
+    short = {"prompt_ids": [5], "response_ids": [6, 7, 8]}
+    path.write_text(json.dumps(GOOD) + "\n" + json.dumps(two_turns) + "\n" + json.dumps(short) + "\n")
+    loaded = read_examples(path, tokenizer, max_length=64, vocab_size=128)
+    assert [(e.input_ids, e.response_start, e.record) for e in loaded.examples] == [
+        ([5, 6, 7, 8, 9, 10, 11], 3, 1), ([5, 6, 7, 20, 22, 23], 3, 2), ([5, 6, 7, 20, 21, 9, 30, 31, 32], 6, 2),
+        ([5, 6, 7, 8], 1, 3)]
+    assert loaded.records == 3 and loaded.dropped == []
+    # a turn cut below 2 response tokens is left out alone; a record is dropped when none is left
+    assert [e.input_ids for e in read_examples(path, tokenizer, max_length=7).examples] == [
+        [5, 6, 7, 8, 9, 10, 11], [5, 6, 7, 20, 22, 23], [5, 6, 7, 8]]
+    assert read_examples(path, tokenizer, max_length=4).dropped == [1, 2]
+
+
+@pytest.mark.parametrize("earlier, message", [
+    ({"prompt_ids": [5], "response_ids": [6, 7]}, "`earlier_turns` must be a list of"),
+    ([{"prompt_ids": [5]}], '`earlier_turns`[0] must be an object with "prompt_ids" and "response_ids"'),
+    ([{"prompt_ids": [5], "response_ids": [6, "7"]}], "`earlier_turns`[0].`response_ids` must be a list of token ids"),
+    ([{"prompt_ids": [5, 999], "response_ids": [6]}], "`earlier_turns`[0].`prompt_ids` holds ids outside the target's"),
+])
+def test_bad_earlier_turns_are_named_with_their_line(tmp_path, tokenizer, earlier, message):
+    path = tmp_path / "data.jsonl"
+    path.write_text(json.dumps(GOOD) + "\n" + json.dumps(dict(GOOD, earlier_turns=earlier)) + "\n")
+    with pytest.raises(UserError, match=re.escape("data.jsonl:2: " + message)):
+        read_examples(path, tokenizer, max_length=64, vocab_size=128)
+
+
+def test_every_assistant_turn_of_a_text_conversation_is_an_example(tmp_path, tokenizer):
+    from dflash.training.data import _apply_template, _ids
+
+    messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "How many clips?"},
+                {"role": "assistant", "content": "72 clips."}, {"role": "user", "content": "And in May?"},
+                {"role": "assistant", "content": "36 clips."}]
+    path = tmp_path / "data.jsonl"
+    path.write_text(json.dumps({"messages": messages}) + "\n")
+    examples = read_examples(path, tokenizer, max_length=512).examples
+    assert len(examples) == 2
+    for example, end in zip(examples, (3, 5)):
+        prompt = _ids(_apply_template(tokenizer, messages[: end - 1], add_generation_prompt=True))
+        assert example.input_ids == _ids(_apply_template(tokenizer, messages[:end]))
+        assert example.input_ids[: example.response_start] == prompt
+
+
+def test_the_held_out_split_keeps_a_conversation_together_and_one_turn_records_split_as_before(tmp_path, tokenizer):
+    rows = [dict(GOOD, prompt_ids=[5, 6, i]) for i in range(20)]
+    rows[3]["earlier_turns"] = [{"prompt_ids": [5], "response_ids": [6, 7]}] * 2
+    path = tmp_path / "data.jsonl"
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    examples = read_examples(path, tokenizer, max_length=64).examples
+    one_turn = [e for e in examples if e.record != 4]
+    for seed in range(8):
+        train, held = split_records(examples, 0.2, seed)
+        assert {e.record for e in train}.isdisjoint(e.record for e in held) and len(train) + len(held) == 22
+        assert len({e.record for e in held}) == 4  # a fifth of the 20 records, however many turns they hold
+        assert sum(e.record == 4 for e in held) in (0, 3)
+        assert split_records(one_turn, 0.2, seed) == split_examples(one_turn, 0.2, seed)

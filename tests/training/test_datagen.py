@@ -6,6 +6,7 @@ import time
 import pytest
 
 from dflash import hub
+from dflash.api import DFlash
 from dflash.cli.main import main
 from dflash.errors import UserError
 from dflash.training import datagen
@@ -67,6 +68,16 @@ def test_generates_all_turns_with_the_target_own_answers(tiny_pair, prompts, tmp
     for r in records.values():
         assert 1 <= len(r["response_ids"]) <= 8 and r["prompt_ids"] and r["prompt_hash"]
     assert json.loads(settings_path(out).read_text())["max_new_tokens"] == 8
+    # each earlier turn keeps the ids it was answered from and with: turn 1 of "Weng earns" is what the target
+    # answers to it alone, and the later prompt holds that answer's text
+    assert [sorted(r) == sorted(records[0]) for r in records.values()] == [True, False, True, True, False]
+    first = records[1]["earlier_turns"]
+    assert len(first) == 1 and len(records[4]["earlier_turns"]) == 1
+    pipe = DFlash.from_pretrained(tiny_pair[0], no_draft=True, device="cpu")
+    assert first[0]["prompt_ids"] == pipe.encode([{"role": "user", "content": "Weng earns"}])
+    assert first[0]["response_ids"] == pipe.generate(first[0]["prompt_ids"], max_new_tokens=8).output_ids
+    assert pipe.tokenizer.decode(first[0]["response_ids"], skip_special_tokens=True) == records[1]["messages"][1][
+        "content"]
 
 
 def test_runs_with_neighbouring_seeds_draw_independent_answers(tiny_pair, tmp_path):
