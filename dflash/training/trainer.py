@@ -947,7 +947,12 @@ class Trainer:
         """Refuse a resume that would not continue the same training: another drafter shape, other examples or
         another order of them (data, split, seed, global batch)."""
         fresh = "pass another --output, or --overwrite to delete its checkpoints and train from scratch"
-        saved = DrafterConfig.from_dict(state["drafter_config"]).to_dict()
+        saved = DrafterConfig.from_dict(state["drafter_config"])
+        # checkpoints before 2026-12-06 dropped the config fields this package does not read: the ones missing are
+        # the drafter's own, not another shape
+        saved.extra = {**self.drafter_config.extra, **saved.extra}
+        saved.dflash_extra = {**self.drafter_config.dflash_extra, **saved.dflash_extra}
+        saved = saved.to_dict()
         shape = [f"{k} {saved.get(k)!r}, now {v!r}" for k, v in self.drafter_config.to_dict().items()
                  if saved.get(k) != v]
         if shape:

@@ -671,6 +671,34 @@ def test_a_checkpoint_of_an_older_version_is_checked_by_its_options(tiny_pair, t
         Trainer(config(tiny_pair, train_data, out, resume=True, eval_fraction=0.25)).setup()
 
 
+def test_a_fine_tune_checkpointed_before_config_extras_were_kept_resumes(tiny_pair, train_data, tmp_path):
+    """Checkpoints before 2026-12-06 kept none of a drafter's config fields that this package does not read (vLLM's
+    `use_sliding_window`, `dflash_config` extras): a resume of such a fine-tune found "another shape"."""
+    first = tmp_path / "first"
+    shutil.copytree(tiny_pair[1], first)
+    raw = json.loads((first / "config.json").read_text())
+    raw.update(use_sliding_window=False, max_window_layers=2)
+    raw["dflash_config"]["swa_window_size"] = None
+    (first / "config.json").write_text(json.dumps(raw))
+    out = tmp_path / "tuned"
+    Trainer(config(tiny_pair, train_data, out, init_from=str(first), max_steps=2)).setup().train()
+
+    def forget_extras(state):
+        for key in ("use_sliding_window", "max_window_layers"):
+            del state["drafter_config"][key]
+        del state["drafter_config"]["dflash_config"]["swa_window_size"]
+
+    _edit_state(out / "checkpoints" / "step-00000002" / "training_state.pt", forget_extras)
+    resumed = Trainer(config(tiny_pair, train_data, out, init_from=str(first), max_steps=3, resume=True)).setup()
+    assert resumed.step == 2 and resumed.drafter_config.extra["max_window_layers"] == 2
+    resumed.train()
+    assert json.loads((out / "config.json").read_text())["max_window_layers"] == 2  # written back
+    _edit_state(out / "checkpoints" / "step-00000003" / "training_state.pt",
+                lambda state: state["drafter_config"].update(max_window_layers=1))
+    with pytest.raises(UserError, match="another shape .max_window_layers 1, now 2"):  # a recorded one still counts
+        Trainer(config(tiny_pair, train_data, out, init_from=str(first), max_steps=4, resume=True)).setup()
+
+
 def test_a_feature_cache_directory_serves_only_the_setup_it_was_made_for(tiny_pair, train_data, tmp_path):
     cache = tmp_path / "features"
     Trainer(config(tiny_pair, train_data, tmp_path / "a", feature_cache=str(cache), max_steps=2)).setup().train()
