@@ -117,8 +117,30 @@ class LayerAttention:
     causal: bool
 
 
-# the rope base vLLM's, SGLang's and this package's DFlash loaders take when a drafter's config.json names none
+# the rope base vLLM's and this package's DFlash loaders take when a drafter's config.json names none (SGLang takes
+# Qwen3Config's own, 10,000); exports always name theirs
 DEFAULT_ROPE_THETA = 1_000_000.0
+# model types whose configs (Qwen2Config, Qwen3Config, as both engines read a drafter's config.json) keep a
+# sliding_window only under use_sliding_window, and derive absent layer_types from it and max_window_layers
+_QWEN_WINDOW_RULES = (None, "qwen2", "qwen3")
+_QWEN_MAX_WINDOW_LAYERS = 28  # their default max_window_layers
+
+
+def _sliding_window(raw: dict[str, Any]) -> Any:
+    """The top-level window as Qwen3Config reads it: none unless use_sliding_window is true."""
+    if raw.get("model_type") in _QWEN_WINDOW_RULES and not raw.get("use_sliding_window"):
+        return None
+    return raw.get("sliding_window")
+
+
+def _layer_types(raw: dict[str, Any]) -> list[str]:
+    """Each layer's attention type as Qwen3Config reads it: layer_types, else (under use_sliding_window, with a
+    window) the layers from max_window_layers on slide; [] leaves them all full."""
+    if raw.get("layer_types") or raw.get("model_type") not in _QWEN_WINDOW_RULES or _sliding_window(raw) is None:
+        return list(raw.get("layer_types") or [])
+    first = raw.get("max_window_layers", _QWEN_MAX_WINDOW_LAYERS)
+    first = first if isinstance(first, int) else _QWEN_MAX_WINDOW_LAYERS
+    return ["sliding_attention" if i >= first else "full_attention" for i in range(raw["num_hidden_layers"])]
 
 
 def repeated_layer_ids(layer_ids: list[int]) -> list[int]:
@@ -198,9 +220,10 @@ class DrafterConfig:
                                      f"got {window!r}")
         if any(self._sliding(i) for i in range(self.num_hidden_layers)) and not is_whole_number(self._window()):
             raise DrafterConfigError("the drafter has sliding-window layers (layer_types 'sliding_attention', or "
-                                     "dflash_config.use_swa) but no window: set sliding_window (or "
-                                     "dflash_config.swa_window_size) in config.json to a whole number >= 1, got "
-                                     f"{self._window()!r}")
+                                     "dflash_config.use_swa) but no window: set sliding_window in config.json to a "
+                                     "whole number >= 1 with use_sliding_window true (without it Qwen3Config, as "
+                                     "vLLM and SGLang read the file, drops the window), or "
+                                     f"dflash_config.swa_window_size; got {self._window()!r}")
 
     def not_run_here(self) -> str | None:
         """What of this checkpoint dflash's drafter does not implement, though vLLM's DFlash loader reads it (the
@@ -300,8 +323,8 @@ class DrafterConfig:
             block_size=dflash.get("block_size", raw.get("block_size", 16)),
             rms_norm_eps=raw.get("rms_norm_eps", 1e-6),
             max_position_embeddings=raw.get("max_position_embeddings", 32768),
-            layer_types=list(raw.get("layer_types") or []),
-            sliding_window=raw.get("sliding_window"),
+            layer_types=_layer_types(raw),
+            sliding_window=_sliding_window(raw),
             rope=rope or {"rope_theta": DEFAULT_ROPE_THETA},
             dtype=raw.get("dtype") or raw.get("torch_dtype"),
             dflash2=DFlash2Options.from_dflash_config(dflash) if is_dflash2(architectures) else None,
@@ -312,6 +335,8 @@ class DrafterConfig:
     def to_dict(self) -> dict[str, Any]:
         """The public config.json (Qwen3 fields + DFlash fields) that vLLM, SGLang and this package read."""
         out: dict[str, Any] = dict(self.extra)
+        if self.sliding_window is not None:  # else Qwen3Config, and so both engines, read no window
+            out["use_sliding_window"] = True
         out.update(
             architectures=[self.architecture],
             model_type="qwen3",

@@ -54,7 +54,30 @@ def test_sliding_layers_need_a_window():
            "dflash_config": {"mask_token_id": 1}}
     with pytest.raises(DrafterConfigError, match="sliding_window"):
         DrafterConfig.from_dict(raw)
-    assert DrafterConfig.from_dict({**raw, "sliding_window": 4}).sliding_window == 4
+    # Qwen3Config, which both engines read this file with, keeps the window only under use_sliding_window
+    with pytest.raises(DrafterConfigError, match="with use_sliding_window true .without it Qwen3Config"):
+        DrafterConfig.from_dict({**raw, "sliding_window": 4})
+    config = DrafterConfig.from_dict({**raw, "sliding_window": 4, "use_sliding_window": True})
+    assert config.sliding_window == 4 and config.to_dict()["use_sliding_window"] is True
+
+
+@pytest.mark.parametrize("model_type", ["qwen3", None])
+def test_layer_types_and_window_are_read_as_qwen3config_reads_them(model_type):
+    """What transformers' Qwen3Config gives vLLM and SGLang: without layer_types, the layers from max_window_layers
+    on slide (under use_sliding_window); without use_sliding_window, no layer has a window."""
+    from transformers import Qwen3Config
+
+    raw = {**BASE, "num_hidden_layers": 3, "num_target_layers": 8, "dflash_config": {"mask_token_id": 1},
+           "model_type": model_type}
+    cases = [{"use_sliding_window": True, "sliding_window": 16, "max_window_layers": 1},
+             {"use_sliding_window": False, "sliding_window": 16, "max_window_layers": 1},
+             {"use_sliding_window": True, "sliding_window": 16},  # max_window_layers 28: none slides
+             {"sliding_window": 16, "layer_types": ["full_attention"] * 3}]
+    for case in cases:
+        config, theirs = DrafterConfig.from_dict({**raw, **case}), Qwen3Config(**{**raw, **case})
+        assert (config.layer_types, config.sliding_window) == (theirs.layer_types, theirs.sliding_window), case
+    mistral = DrafterConfig.from_dict({**raw, "model_type": "mistral", "sliding_window": 16})  # no such rule there
+    assert (mistral.layer_types, mistral.sliding_window) == (["full_attention"] * 3, 16)
 
 
 GOOD = {**BASE, "num_target_layers": 8, "dflash_config": {"mask_token_id": 1, "target_layer_ids": [1, 5]}}
@@ -69,15 +92,16 @@ def _attention(layer_types=None, top=None, **dflash) -> list[tuple]:
 
 
 MIXED = ["sliding_attention", "full_attention"]
+WINDOW_8 = {"sliding_window": 8, "use_sliding_window": True}
 
 
 @pytest.mark.parametrize("layer_types,top,dflash,expected", [
     (None, None, {}, [(None, False), (None, False)]),  # the published DFlash drafters: bidirectional blocks
-    (MIXED, {"sliding_window": 8}, {}, [(8, True), (None, False)]),  # a sliding layer is causal (vLLM's reading)
-    (MIXED, {"sliding_window": 8}, {"causal": False}, [(8, False), (None, False)]),
+    (MIXED, WINDOW_8, {}, [(8, True), (None, False)]),  # a sliding layer is causal (vLLM's reading)
+    (MIXED, WINDOW_8, {"causal": False}, [(8, False), (None, False)]),
     (None, {"is_causal": True}, {"causal": False}, [(None, True), (None, True)]),  # is_causal first
     (None, None, {"use_swa": True, "swa_window_size": 6}, [(6, False), (6, False)]),  # every layer slides
-    (MIXED, {"sliding_window": 8}, {"use_swa": True, "swa_window_size": 6}, [(6, True), (None, False)]),
+    (MIXED, WINDOW_8, {"use_swa": True, "swa_window_size": 6}, [(6, True), (None, False)]),
 ])
 def test_each_layers_attention_is_resolved_as_vllm_resolves_it(layer_types, top, dflash, expected):
     assert _attention(layer_types, top, **dflash) == expected
@@ -93,7 +117,8 @@ def test_attention_fields_round_trip_and_are_checked():
                                ({}, {"use_swa": "true"}, "dflash_config.use_swa"),
                                ({}, {"swa_window_size": 0}, "swa_window_size"),
                                ({}, {"use_swa": True}, "no window: set sliding_window"),
-                               ({"sliding_window": -1}, {"use_swa": True}, "whole number >= 1, got -1")):
+                               ({"sliding_window": -1, "use_sliding_window": True}, {"use_swa": True},
+                                "whole number >= 1.*got -1")):
         with pytest.raises(DrafterConfigError, match=named):
             _attention(None, top, **dflash)
 

@@ -96,6 +96,7 @@ def test_legacy_checkpoint_without_dflash_config(tmp_path):
 
 def test_sliding_window_and_rope_scaling_are_honoured(tmp_path):
     config = public_config(layer_types=["sliding_attention", "full_attention"], sliding_window=3, is_causal=False,
+                           use_sliding_window=True,
                            rope_scaling={"rope_type": "linear", "factor": 2.0})  # bidirectional: the window alone
     write_checkpoint(tmp_path / "s", config, public_state_dict(2, 2 * H))
     drafter = load_drafter(tmp_path / "s", dtype="float32")
