@@ -21,7 +21,7 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 from dflash.errors import UserError
-from dflash.model.config import DrafterConfig, is_causal_lm, is_dflash2, repeated_layer_ids
+from dflash.model.config import DrafterConfig, LayerAttention, is_causal_lm, is_dflash2, repeated_layer_ids
 from dflash.model.loading import hub_file, is_hub_id, read_config
 from dflash.model.target import check_compatible
 from dflash.serve.limits import check_max_model_len
@@ -30,6 +30,8 @@ from dflash.serve.sampling_defaults import NEUTRAL_CHOICES
 ENGINES = ("vllm", "sglang")
 API_KEY_ENV = "DFLASH_API_KEY"  # where --dry-run's printed command reads the key, so it is never printed
 VLLM_API_KEY_ENV = "VLLM_API_KEY"  # vLLM reads its key from here too: off the command line, out of `ps`
+# vLLM loads a drafter with both sliding-window and full layers only in its V2 model runner, which this turns on
+VLLM_V2_RUNNER_ENV = "VLLM_USE_V2_MODEL_RUNNER"
 DRAFTER_ARCHITECTURE = "DFlashDraftModel"  # what both engines load for method "dflash" / DFLASH
 # Per-layer and top-level weights a DFlash drafter checkpoint must hold (no embedding, no LM head).
 _LAYER_KEYS = ("self_attn.q_proj.weight", "self_attn.k_proj.weight", "self_attn.v_proj.weight",
@@ -68,7 +70,7 @@ class HandoffOptions:
 
 @dataclass
 class EngineCommand:
-    """The engine's argv and the variables to add to its environment (only ever the API key)."""
+    """The engine's argv and the variables to add to its environment (vLLM's API key, its V2 runner switch)."""
 
     argv: list[str]
     env: dict[str, str] = field(default_factory=dict)
@@ -78,7 +80,8 @@ class EngineCommand:
         key = f'"${API_KEY_ENV}"'
         words = [key if before == "--api-key" else shlex.quote(arg)
                  for before, arg in zip(["", *self.argv], self.argv)]
-        return " ".join([f"{name}={key}" for name in self.env] + words)
+        env = [f"{name}={key if name == VLLM_API_KEY_ENV else shlex.quote(value)}" for name, value in self.env.items()]
+        return " ".join(env + words)
 
 
 @dataclass
@@ -90,6 +93,7 @@ class TargetFacts:
     vocab_size: int
     max_position_embeddings: int | None = None
     latent_attention: bool = False  # DeepSeek's multi-head latent attention (kv_lora_rank): its own vLLM backends
+    model_type: str | None = None
 
 
 # ---- checking the pair ---------------------------------------------------------------------------------
@@ -115,7 +119,8 @@ def target_facts(target: str) -> TargetFacts:
     if missing:
         raise UserError(f"the target's config.json lacks {', '.join(missing)}; is {target} a causal LM checkpoint?")
     return TargetFacts(fields["hidden_size"], fields["num_hidden_layers"], fields["vocab_size"],
-                       fields["max_position_embeddings"], latent_attention=bool(text.get("kv_lora_rank")))
+                       fields["max_position_embeddings"], latent_attention=bool(text.get("kv_lora_rank")),
+                       model_type=text.get("model_type"))
 
 
 def _own_names(model_type: str | None) -> dict[str, str]:
@@ -200,10 +205,30 @@ def check_pair(target: TargetFacts, draft: str, block_size: int | None) -> Check
     """Check format and compatibility from configs and headers, as both engines read them."""
     raw, config = drafter_config(draft)
     check_compatible(target, config)
+    check_feature_layers(draft, config.target_layer_ids, target.num_layers)
     names = check_drafter_weights(draft, config)
     if block_size is not None and not 2 <= block_size <= config.block_size:
         raise UserError(f"block size {block_size} is not usable with this drafter: choose 2..{config.block_size}")
     return CheckedDrafter(raw, config, names, block_size or config.block_size)
+
+
+def check_feature_layers(draft: str, layer_ids: list[int], num_target_layers: int) -> None:
+    """Both engines tap target layer l's output as layer l + 1's input, once per layer, and hand the drafter the
+    taps in layer order: its ids must be distinct, ascending, and before the target's last layer."""
+    here = "serve it with `dflash serve` (without --engine)"
+    repeated = repeated_layer_ids(layer_ids)
+    if repeated:
+        raise UserError(f"{draft}: its target_layer_ids {layer_ids} name layer {repeated[0]} more than once, and vLLM "
+                        "and SGLang take each target layer's output once, which would not fit the drafter's fc; "
+                        f"{here}")
+    if layer_ids != sorted(layer_ids):
+        raise UserError(f"{draft}: its target_layer_ids {layer_ids} are not in ascending order, and vLLM and SGLang "
+                        "concatenate the target layers' outputs in layer order, not in the order its fc was trained "
+                        f"on; {here}")
+    if num_target_layers - 1 in layer_ids:
+        raise UserError(f"{draft}: its target_layer_ids {layer_ids} include the target's last layer "
+                        f"({num_target_layers - 1}), and vLLM and SGLang read a layer's output as the next layer's "
+                        f"input, which the last layer has not; {here}, or train a drafter on earlier layers")
 
 
 def check_vllm_reads(draft: str, drafter: CheckedDrafter) -> None:
@@ -219,11 +244,12 @@ def check_vllm_reads(draft: str, drafter: CheckedDrafter) -> None:
         raise UserError(f"{draft}/config.json does not name {' and '.join(unnamed)} in its dflash_config, where vLLM "
                         "reads them (without layer ids vLLM feeds the drafter other target layers than it was "
                         f"trained on); write the values dflash uses into the file: {fields}")
-    repeated = repeated_layer_ids(config.target_layer_ids)
-    if repeated:
-        raise UserError(f"{draft}: its target_layer_ids {config.target_layer_ids} name layer {repeated[0]} more than "
-                        "once, and vLLM takes each target layer's output once, which would not fit the drafter's fc; "
-                        "serve it with `dflash serve` (without --engine)")
+    taps = drafter.raw.get("eagle_aux_hidden_state_layer_ids")
+    if taps and list(taps) != [i + 1 for i in config.target_layer_ids]:
+        raise UserError(f"{draft}/config.json names eagle_aux_hidden_state_layer_ids {taps}, which vLLM taps instead "
+                        f"of the drafter's target_layer_ids {config.target_layer_ids} (it would need "
+                        f"{[i + 1 for i in config.target_layer_ids]}, each layer's output as the next one's input); "
+                        "remove that field from the file")
     if any(name.startswith("model.") for name in drafter.weight_names or ()):
         log.warning("%s names its weights model.*: vLLM's DFlash loader adds that prefix itself and may not find "
                     "them (SGLang reads both); save the drafter without the prefix (dflash train exports it so)",
@@ -251,6 +277,37 @@ def vllm_command(target: str, draft: str | None, block_size: int, options: Hando
         cmd += ["--generation-config", directory]
     env = {VLLM_API_KEY_ENV: options.api_key} if options.api_key is not None else {}
     return EngineCommand(cmd, env)
+
+
+def mixes_sliding_and_full(config: DrafterConfig) -> bool:
+    """Whether vLLM finds both sliding-window and full layers in the drafter (its V2 model runner alone loads it)."""
+    return len(set(config.layer_types)) > 1 and "sliding_attention" in config.layer_types
+
+
+def sglang_layer_attention(config: DrafterConfig, i: int) -> LayerAttention:
+    """Draft layer i's attention as SGLang's DFlash model resolves it: a top-level `is_causal` for every layer, else a
+    sliding layer causal within `sliding_window` and a full one both ways. It reads neither dflash_config's `causal`
+    nor its `use_swa` / `swa_window_size`, which vLLM and dflash read."""
+    sliding = config.layer_types[i] == "sliding_attention"
+    causal = config.extra.get("is_causal")
+    return LayerAttention(config.sliding_window if sliding else None, sliding if causal is None else causal)
+
+
+def check_sglang_reads(draft: str, drafter: CheckedDrafter) -> None:
+    """Refuse a drafter whose layers SGLang would run with other attention than they were trained with."""
+    config = drafter.config
+    for i in range(config.num_hidden_layers):
+        ours, theirs = config.layer_attention(i), sglang_layer_attention(config, i)
+        if ours != theirs:
+            raise UserError(f"{draft}: SGLang would run draft layer {i} {_described(theirs)}, and it was trained "
+                            f"{_described(ours)} (SGLang reads neither dflash_config's causal nor its use_swa and "
+                            "swa_window_size); state it in the fields SGLang reads (is_causal, or layer_types with "
+                            "sliding_window and use_sliding_window true), or hand it to vLLM (--engine vllm)")
+
+
+def _described(attention: LayerAttention) -> str:
+    window = f" within a window of {attention.window}" if attention.window else ""
+    return f"{'causally' if attention.causal else 'both ways'}{window}"
 
 
 def sglang_command(target: str, draft: str | None, block_size: int, options: HandoffOptions) -> EngineCommand:
@@ -305,12 +362,21 @@ def engine_command(engine: str, target: str, draft: str | None, block_size: int 
             check_vllm_reads(draft, drafter)
             if options.attention_backend is None and not facts.latent_attention:
                 options = replace(options, attention_backend=VLLM_DRAFT_ATTENTION_BACKEND)
+        else:
+            check_sglang_reads(draft, drafter)
+            if str(facts.model_type).startswith("gemma"):
+                log.warning("SGLang embeds a Gemma target's tokens times sqrt(hidden size) for the drafter too, and "
+                            "a drafter trained by dflash drafts from the embedding table's rows as vLLM does: expect "
+                            "fewer accepted tokens on SGLang, or hand it to vLLM (--engine vllm)")
         block_size = drafter.block_size
     elif block_size is not None:
         raise UserError("--block-size sets the drafter's block, and --no-draft hands over the target alone: drop "
                         "one or the other")
     build = vllm_command if engine == "vllm" else sglang_command
-    return build(target, draft, block_size or 0, options)
+    command = build(target, draft, block_size or 0, options)
+    if engine == "vllm" and draft is not None and mixes_sliding_and_full(drafter.config):
+        command.env[VLLM_V2_RUNNER_ENV] = "1"
+    return command
 
 
 def ensure_installed(engine: str) -> None:

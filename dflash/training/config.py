@@ -91,8 +91,11 @@ class TrainConfig:
             (self.target_layer_ids is None or len(self.target_layer_ids) > 0,
              "--target-layer-ids needs at least one layer id, e.g. 1,9,17 (leave it out for the default)"),
             (not repeated, f"--target-layer-ids {','.join(map(str, self.target_layer_ids or []))} names layer "
-                           f"{repeated[0] if repeated else None} more than once: vLLM takes each target layer's "
-                           "output once and would not fit the drafter's fc; give distinct layers"),
+                           f"{repeated[0] if repeated else None} more than once: vLLM and SGLang take each target "
+                           "layer's output once and would not fit the drafter's fc; give distinct layers"),
+            (bool(repeated) or (self.target_layer_ids or []) == sorted(self.target_layer_ids or []),
+             f"--target-layer-ids {','.join(map(str, self.target_layer_ids or []))} must be in ascending order: vLLM "
+             "and SGLang hand the drafter its target layers' outputs in layer order"),
             (self.draft_layers is None or self.draft_layers >= 1,
              f"--draft-layers must be >= 1, got {self.draft_layers}"),
             (self.intermediate_size is None or self.intermediate_size >= 1,

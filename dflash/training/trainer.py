@@ -379,6 +379,7 @@ class Trainer:
             self.drafter_config = drafter_config_for(self.target, c, mask_id)
             self.drafter = DFlashDraftModel(self.drafter_config)
             self.drafter.init_weights()
+        self._warn_untapped_layer()
         self.drafter.to(self.device, torch.float32).train()
         self.head = DraftingHead(self.drafter, self.target)
         self.model: nn.Module = self.head
@@ -386,6 +387,15 @@ class Trainer:
             ids = [self.device.index] if self.device.type == "cuda" else None
             self.model = nn.parallel.DistributedDataParallel(self.head, device_ids=ids)
         self.gamma = c.loss_gamma or loss_gamma(c.block_size)
+
+    def _warn_untapped_layer(self) -> None:
+        """vLLM and SGLang read a target layer's output as the next layer's input: the last layer's they never tap
+        (the hand-off refuses such a drafter; dflash itself drafts with it)."""
+        last = self.target.num_layers - 1
+        if last in self.drafter_config.target_layer_ids:
+            self._warn(f"the drafter's feature layers {self.drafter_config.target_layer_ids} include the target's last "
+                       f"layer ({last}), which vLLM and SGLang cannot feed it: it will serve with `dflash serve` only; "
+                       f"choose --target-layer-ids below {last} for a drafter the engines can serve")
 
     def _check_mask_token(self, mask_id: int) -> None:
         """Refuse a mask token that aliases pad, eos or text; warn when the responses hold it."""

@@ -232,13 +232,90 @@ def test_vllm_is_refused_a_drafter_whose_config_leaves_it_to_guess(tiny_pair, tm
     assert argv[argv.index("--speculative-draft-model-path") + 1] == str(legacy)
 
 
-def test_vllm_is_refused_a_drafter_fed_twice_by_one_target_layer(tiny_pair, tmp_path, capsys):
-    """vLLM collects each target layer's output once, while the drafter's fc takes one slice per listed id."""
+@pytest.mark.parametrize("engine", ["vllm", "sglang"])
+@pytest.mark.parametrize("layer_ids, refusal", [
+    ([1, 1], "target_layer_ids [1, 1] name layer 1 more than once"),
+    ([2, 1], "target_layer_ids [2, 1] are not in ascending order"),
+    ([1, 3], "target_layer_ids [1, 3] include the target's last layer (3)"),
+])
+def test_both_engines_are_refused_feature_layers_they_cannot_tap(tiny_pair, tmp_path, capsys, engine, layer_ids,
+                                                                 refusal):
+    """vLLM and SGLang tap layer l's output as layer l + 1's input, each layer once, and concatenate the taps in
+    layer order, while the drafter's fc takes one slice per listed id in its order."""
     target, draft = tiny_pair
-    twice = broken_copy(tmp_path, draft, lambda c: c["dflash_config"].update(target_layer_ids=[1, 1]))
-    assert main(["serve", "--target", str(target), "--draft", str(twice), "--engine", "vllm", "--dry-run"]) == 2
+    edited = broken_copy(tmp_path, draft, lambda c: c["dflash_config"].update(target_layer_ids=layer_ids))
+    assert main(["serve", "--target", str(target), "--draft", str(edited), "--engine", engine, "--dry-run"]) == 2
     err = " ".join(capsys.readouterr().err.split())
-    assert "target_layer_ids [1, 1] name layer 1 more than once" in err and "Traceback" not in err
+    assert refusal in err and "serve it with `dflash serve` (without --engine)" in err and "Traceback" not in err
+
+
+@pytest.mark.parametrize("taps, refused", [([2], True), ([3], False)])  # the drafter reads layer 2: tap 3
+def test_vllm_is_refused_eagle_taps_that_are_not_the_drafters_layers(tiny_pair, tmp_path, capsys, taps, refused):
+    """vLLM takes eagle_aux_hidden_state_layer_ids, when a config names them, before dflash_config's layer ids."""
+    target, draft = tiny_pair
+    edited = broken_copy(tmp_path, draft, lambda c: c.update(eagle_aux_hidden_state_layer_ids=taps))
+    code = main(["serve", "--target", str(target), "--draft", str(edited), "--engine", "vllm", "--dry-run"])
+    assert code == (2 if refused else 0)
+    assert ("names eagle_aux_hidden_state_layer_ids [2], which vLLM taps instead" in capsys.readouterr().err) == refused
+
+
+@pytest.fixture(scope="module")
+def two_layer_pair(tmp_path_factory):
+    from conftest import save_tiny_pair
+
+    target, draft = save_tiny_pair(tmp_path_factory.mktemp("two_layers"), drafter_layers=2)
+    config = json.loads((draft / "config.json").read_text())
+    config["dflash_config"]["target_layer_ids"] = [1, 2]  # the formula's [1, 1] on 4 target layers, tapped once each
+    (draft / "config.json").write_text(json.dumps(config))
+    return target, draft
+
+
+SLIDING_FIRST = {"layer_types": ["sliding_attention", "full_attention"], "sliding_window": 8,
+                 "use_sliding_window": True}
+
+
+@pytest.mark.parametrize("fields, v2_runner", [
+    (SLIDING_FIRST, True),
+    ({**SLIDING_FIRST, "layer_types": ["sliding_attention"] * 2}, False),
+    ({}, False),
+])
+def test_vllm_gets_its_v2_runner_for_a_drafter_of_sliding_and_full_layers(two_layer_pair, tmp_path, capsys, fields,
+                                                                          v2_runner):
+    """vLLM's DFlash loader raises for mixed sliding and full draft layers unless VLLM_USE_V2_MODEL_RUNNER=1."""
+    target, draft = two_layer_pair
+    edited = broken_copy(tmp_path, draft, lambda c: c.update(fields))
+    argv = dry_run(capsys, "--target", str(target), "--draft", str(edited), "--engine", "vllm", "--api-key", "k")
+    assert argv[:2] == (["VLLM_API_KEY=$DFLASH_API_KEY", "VLLM_USE_V2_MODEL_RUNNER=1"] if v2_runner
+                        else ["VLLM_API_KEY=$DFLASH_API_KEY", "vllm"])
+    assert "VLLM_USE_V2_MODEL_RUNNER=1" not in " ".join(dry_run(capsys, "--target", str(target), "--draft",
+                                                                 str(edited), "--engine", "sglang"))
+
+
+@pytest.mark.parametrize("top, dflash, refusal", [
+    ({}, {"causal": True}, "SGLang would run draft layer 0 both ways, and it was trained causally"),
+    ({}, {"use_swa": True, "swa_window_size": 6}, "draft layer 0 both ways, and it was trained both ways within a "
+                                                   "window of 6"),
+    (SLIDING_FIRST, {"causal": False}, "draft layer 0 causally within a window of 8, and it was trained both ways "
+                                       "within a window of 8"),
+    ({"is_causal": True}, {"causal": False}, None),  # is_causal first, for all three readers
+    (SLIDING_FIRST, {}, None),
+    ({**SLIDING_FIRST, "is_causal": False}, {}, None),
+])
+def test_sglang_is_refused_attention_it_would_read_otherwise(two_layer_pair, tmp_path, capsys, top, dflash, refusal):
+    """SGLang reads is_causal and layer_types, not dflash_config's causal, use_swa or swa_window_size; vLLM reads
+    them all, as dflash does."""
+    target, draft = two_layer_pair
+
+    def edit(config):
+        config.update(top)
+        config["dflash_config"].update(dflash)
+
+    edited = broken_copy(tmp_path, draft, edit)
+    args = ["serve", "--target", str(target), "--draft", str(edited), "--dry-run"]
+    assert main([*args, "--engine", "sglang"]) == (0 if refusal is None else 2)
+    err = " ".join(capsys.readouterr().err.split())
+    assert refusal is None or (refusal in err and "or hand it to vLLM (--engine vllm)" in err), err
+    assert main([*args, "--engine", "vllm"]) == 0
 
 
 def test_a_target_whose_config_names_its_fields_its_own_way_is_read(tmp_path, capsys):
@@ -267,6 +344,17 @@ def test_weights_named_under_model_are_warned_of_for_vllm(tiny_pair, tmp_path, c
     dry_run(capsys, "--target", str(target), "--draft", str(prefixed), "--engine", "sglang")
     dry_run(capsys, "--target", str(target), "--draft", str(draft), "--engine", "vllm")
     assert "model.*" not in caplog.text
+
+
+def test_a_gemma_target_on_sglang_is_warned_of_its_scaled_embeddings(tmp_path, capsys, caplog):
+    """SGLang's Gemma embedding module multiplies by sqrt(hidden); dflash and vLLM draft from the table's rows."""
+    from conftest import save_tiny_pair
+
+    target, draft = save_tiny_pair(tmp_path, family="gemma2")
+    dry_run(capsys, "--target", str(target), "--draft", str(draft), "--engine", "vllm")
+    assert "sqrt(hidden size)" not in caplog.text
+    dry_run(capsys, "--target", str(target), "--draft", str(draft), "--engine", "sglang")
+    assert "SGLang embeds a Gemma target's tokens times sqrt(hidden size)" in caplog.text
 
 
 @pytest.mark.skipif(shutil.which("vllm") is not None, reason="vLLM is installed here")
