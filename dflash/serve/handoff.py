@@ -364,8 +364,8 @@ def engine_command(engine: str, target: str, draft: str | None, block_size: int 
                 options = replace(options, attention_backend=VLLM_DRAFT_ATTENTION_BACKEND)
         else:
             check_sglang_reads(draft, drafter)
-            if str(facts.model_type).startswith("gemma"):
-                log.warning("SGLang embeds a Gemma target's tokens times sqrt(hidden size) for the drafter too, and "
+            if str(facts.model_type).startswith("gemma3"):  # its embedding module scales (Gemma, Gemma 2: the forward)
+                log.warning("SGLang embeds a Gemma 3 target's tokens times sqrt(hidden size) for the drafter too, and "
                             "a drafter trained by dflash drafts from the embedding table's rows as vLLM does: expect "
                             "fewer accepted tokens on SGLang, or hand it to vLLM (--engine vllm)")
         block_size = drafter.block_size

@@ -347,14 +347,15 @@ def test_weights_named_under_model_are_warned_of_for_vllm(tiny_pair, tmp_path, c
 
 
 def test_a_gemma_target_on_sglang_is_warned_of_its_scaled_embeddings(tmp_path, capsys, caplog):
-    """SGLang's Gemma embedding module multiplies by sqrt(hidden); dflash and vLLM draft from the table's rows."""
+    """SGLang's Gemma 3 embedding module multiplies by sqrt(hidden) (Gemma 2 scales in its forward, which the drafter
+    does not run); dflash and vLLM draft from the table's rows."""
     from conftest import save_tiny_pair
 
-    target, draft = save_tiny_pair(tmp_path, family="gemma2")
+    target, draft = save_tiny_pair(tmp_path, family="gemma3_text")
     dry_run(capsys, "--target", str(target), "--draft", str(draft), "--engine", "vllm")
     assert "sqrt(hidden size)" not in caplog.text
     dry_run(capsys, "--target", str(target), "--draft", str(draft), "--engine", "sglang")
-    assert "SGLang embeds a Gemma target's tokens times sqrt(hidden size)" in caplog.text
+    assert "SGLang embeds a Gemma 3 target's tokens times sqrt(hidden size)" in caplog.text
 
 
 @pytest.mark.skipif(shutil.which("vllm") is not None, reason="vLLM is installed here")
