@@ -108,7 +108,7 @@ def fresh_block_judged(pipe: DFlash, prompt_ids: list[int], output_ids: list[int
     whose whole block lies before the answer's last token are given, so neither a stop nor the limit cuts the
     step."""
     judged = []
-    config = GenerationConfig(max_new_tokens=1 + block_size, block_size=block_size, stop_token_ids=[])
+    config = GenerationConfig(max_new_tokens=1 + block_size, block_size=block_size, ignore_eos=True)
     for s in anchors:
         output = pipe.engine.generate([prompt_ids + output_ids[:s]], config)[0]
         if output.output_ids[0] != output_ids[s]:  # a near-tie the full prefill broke otherwise: not this anchor

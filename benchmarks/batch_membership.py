@@ -37,7 +37,7 @@ def timed(fn):
 def new_row(engine, proposer, context: int, salt: int):
     vocab = engine.target.vocab_size
     prompt = [(7 * i + 11 * salt + 3) % vocab for i in range(context)]  # any valid ids: only the time counts
-    config = GenerationConfig(max_new_tokens=20 * proposer.block_size, stop_token_ids=[])
+    config = GenerationConfig(max_new_tokens=20 * proposer.block_size, ignore_eos=True)
     return engine.prefill(engine.new_sequence(prompt, config), proposer)
 
 

@@ -29,7 +29,7 @@ from dflash.decoding.proposer import NoDraftProposer
 def batch_at_context(engine, proposer, rows: int, context: int, max_new_tokens: int):
     vocab = engine.target.vocab_size
     prompt = [(7 * i + 11) % vocab for i in range(context)]  # any valid ids: only the time counts
-    config = GenerationConfig(max_new_tokens=max_new_tokens, stop_token_ids=[])
+    config = GenerationConfig(max_new_tokens=max_new_tokens, ignore_eos=True)
     return engine.merge([engine.prefill(engine.new_sequence(prompt, config), proposer) for _ in range(rows)])
 
 

@@ -230,7 +230,8 @@ class DFlash:
     # ---- generation -----------------------------------------------------------------------------------
     def generate(self, prompt: Prompt, raw: bool = False, **options: Any) -> GenerationOutput:
         """Decode one prompt. Options are `GenerationConfig` fields: max_new_tokens, temperature, top_p, top_k,
-        seed, stop_token_ids, stop_strings, block_size, branch_length. Returns a `GenerationOutput`: `output_ids`
+        seed, stop_token_ids (besides the target's EOS ids), ignore_eos, stop_strings, block_size, branch_length.
+        Returns a `GenerationOutput`: `output_ids`
         (the new tokens), `text`, `finish_reason` ("stop" or "length") and `stats`."""
         _prompt_kind(prompt)  # what is wrong with a prompt that is none of the kinds, said about one prompt
         return self.generate_batch([prompt], raw=raw, **options)[0]
@@ -259,7 +260,10 @@ class DFlash:
         return TextStream(self, self.engine.stream(self.encode(prompt, raw), config), config.stop_strings)
 
     def _config(self, options: dict[str, Any]) -> GenerationConfig:
-        """The generation options, with the pipeline's block size and branch length unless they name them."""
+        """The generation options, with the pipeline's block size and branch length unless they name them (a
+        block_size of None names none: the pipeline's, as when it is left out)."""
+        if options.get("block_size", AUTO) is None:
+            options = {k: v for k, v in options.items() if k != "block_size"}
         if self.drafter is None:  # as from_pretrained(no_draft=True, ...) refuses them ("auto" chooses nothing there)
             _refuse_drafting_options({"block_size": options.get("block_size") not in (None, AUTO),
                                       "branch_length": bool(options.get("branch_length"))},

@@ -186,7 +186,7 @@ def check_ragged_greedy(target, prompts: list[list[int]], max_new: int) -> None:
     for block_size in (2, 8, 16):
         engine = SpeculativeEngine(target, partial_oracle(target, dict(zip(map(tuple, prompts), greedy)), block_size))
         outs = engine.generate(prompts, GenerationConfig(max_new_tokens=max_new, block_size=block_size,
-                                                         stop_token_ids=[]))
+                                                         ignore_eos=True))
         assert [o.output_ids for o in outs] == greedy, f"block size {block_size}"
         if block_size > 2:
             assert len({tuple(o.stats.acceptance_lengths) for o in outs}) > 1
@@ -236,7 +236,7 @@ def decode_with_branch_oracle(target, prompt_seed: int, correct: int, branch_rig
     engine = SpeculativeEngine(target, BranchOracle(tiny_drafter(target), target, refs, correct=correct,
                                                     branch_right=branch_right))
     outs = engine.generate(prompts, GenerationConfig(max_new_tokens=max_new, block_size=block_size,
-                                                     branch_length=branch_length, stop_token_ids=[]))
+                                                     branch_length=branch_length, ignore_eos=True))
     return outs, [refs[tuple(p)] for p in prompts]
 
 

@@ -79,10 +79,10 @@ def test_a_pipeline_branch_length_reaches_every_generation_and_a_call_may_overri
 
 
 def test_stream_pieces_add_up_to_the_text_without_the_stop_string(pipe):
-    free = pipe.generate("Weng earns", max_new_tokens=30, stop_token_ids=[])
+    free = pipe.generate("Weng earns", max_new_tokens=30, ignore_eos=True)
     assert len(free.text) > 6
     stop = free.text[4:7]
-    stream = pipe.stream("Weng earns", max_new_tokens=30, stop_token_ids=[], stop_strings=[stop])
+    stream = pipe.stream("Weng earns", max_new_tokens=30, ignore_eos=True, stop_strings=[stop])
     pieces = list(stream)
     assert "".join(pieces) == stream.result.text == free.text[: free.text.find(stop)]
     assert stop not in "".join(pieces)
@@ -122,7 +122,7 @@ def test_token_ids_may_be_a_tuple_or_numpy_integers(pipe):
 
 def test_numpy_integer_options_decode_as_python_integers(pipe):
     """A numpy seed overflowed in the seeded noise's 64-bit arithmetic (a traceback, not a draw)."""
-    options = dict(max_new_tokens=6, temperature=0.8, stop_token_ids=[])
+    options = dict(max_new_tokens=6, temperature=0.8, ignore_eos=True)
     expected = pipe.generate("How many clips?", seed=3, **options).output_ids
     for seed in (np.int64(3), np.uint64(3), np.int32(3)):
         assert pipe.generate("How many clips?", seed=seed, **options).output_ids == expected
@@ -430,3 +430,33 @@ def test_dtype_names_float64_as_the_torch_dtype_is_taken(tiny_pair):
     assert pipe.target.model.dtype == torch.float64
     with pytest.raises(CheckpointError, match="unknown dtype 'float8'; use one of float32, float16, bfloat16, float64"):
         DFlash.from_pretrained(*tiny_pair, device="cpu", dtype="float8")
+
+
+def test_a_loaded_model_a_non_float_dtype_and_stop_strings_without_a_tokenizer_are_named(tiny_pair):
+    """Each was a wall of text or a ValueError from deep inside before: the module's whole printed tree, a
+    CheckpointError blaming the checkpoint for dtype=torch.int8, a bare ValueError from the stop checker."""
+    from transformers import AutoModelForCausalLM
+
+    from dflash.model import TargetModel
+
+    model = AutoModelForCausalLM.from_pretrained(tiny_pair[0])
+    for args in ((model, tiny_pair[1]), (tiny_pair[0], model)):
+        with pytest.raises(CheckpointError, match="not a loaded Qwen3ForCausalLM; wrap a loaded model instead: "
+                                                  r"DFlash\(TargetModel\(model, tokenizer\)") as err:
+            DFlash.from_pretrained(*args, device="cpu")
+        assert len(str(err.value)) < 300
+    with pytest.raises(CheckpointError, match="dtype torch.int8 is not a floating-point type; use one of float32"):
+        DFlash.from_pretrained(*tiny_pair, dtype=torch.int8, device="cpu")
+    bare = DFlash(TargetModel(model))
+    with pytest.raises(GenerationError, match="this target has no tokenizer to decode it: give it one"):
+        bare.generate([5, 6, 7], max_new_tokens=3, stop_strings=["a"])
+    assert len(bare.generate([5, 6, 7], max_new_tokens=3).output_ids) == 3
+
+
+def test_a_block_size_of_none_in_a_call_is_the_pipelines_own(tiny_pair):
+    """None in a call meant the pipeline's fixed block size, but turned a pipeline's "auto" off."""
+    fixed = DFlash.from_pretrained(*tiny_pair, device="cpu", block_size=4)
+    assert set(fixed.generate("How many clips?", max_new_tokens=12, block_size=None).stats.block_sizes) == {4}
+    auto = DFlash.from_pretrained(*tiny_pair, device="cpu", block_size="auto")
+    assert auto._config({"block_size": None}).block_size == auto._config({}).block_size == "auto"
+    assert auto._config({"block_size": 3}).block_size == 3

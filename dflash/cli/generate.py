@@ -214,6 +214,7 @@ def summary(out) -> dict:
         "output_ids": out.output_ids,
         "num_output_tokens": s.num_output_tokens,
         "finish_reason": out.finish_reason,
+        "stop_string": out.stop_string,  # the --stop that ended the text, else null
         "acceptance_lengths": s.acceptance_lengths,
         "mean_acceptance_length": round(s.mean_acceptance_length, 3),
         "block_sizes": s.block_sizes,  # the block each verify step checked (varies under --block-size auto)

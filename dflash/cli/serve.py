@@ -343,6 +343,6 @@ def _warm_up(pipe) -> None:
     from dflash.decoding.engine import GenerationConfig, SpeculativeEngine
 
     ids = pipe.encode("Hello", raw=True) if pipe.tokenizer is not None else [0]
-    config = GenerationConfig(max_new_tokens=4, stop_token_ids=[])
+    config = GenerationConfig(max_new_tokens=4, ignore_eos=True)
     pipe.engine.generate([ids], config)
     SpeculativeEngine(pipe.target).generate([ids], config)

@@ -289,7 +289,7 @@ class StepCosts:
         if limit:  # a short context: a shorter prompt, and the rows start again when their room runs out
             context = max(1, min(context, limit // 4, limit - largest - 1))  # leaves room for one new token
             new_tokens = max(1, min(new_tokens, limit - context - largest))
-        config = GenerationConfig(max_new_tokens=new_tokens, stop_token_ids=[])
+        config = GenerationConfig(max_new_tokens=new_tokens, ignore_eos=True)
         prompt = [(7 * i + 11) % vocab for i in range(context)]  # any valid ids: only the time counts
         seconds: dict[tuple[int, int], float] = {}
         for r in rows:

@@ -60,7 +60,8 @@ class GenerationConfig:
     top_p: float = 1.0
     top_k: int = 0
     seed: int | None = None
-    stop_token_ids: list[int] | None = None  # None: the target's EOS ids
+    stop_token_ids: list[int] | None = None  # stop at these too, besides the target's EOS ids (as vLLM's)
+    ignore_eos: bool = False  # do not stop at the target's EOS ids (fixed-length outputs, as vLLM's)
     stop_strings: list[str] = field(default_factory=list)
     block_size: int | str | None = None  # None: the drafter's own block size; "auto": chosen every step
     branch_length: int = 0  # > 0: each step also verifies a branch of this many tokens (`branch`); greedy, seeded
@@ -269,11 +270,15 @@ class SpeculativeEngine:
                 f"max_new_tokens={config.max_new_tokens}: the target's context is {self.target.context_words}; "
                 "shorten the prompt or lower max_new_tokens"
             )
-        if config.stop_token_ids is not None:  # an id outside the vocabulary is never generated: a stop never met
+        if config.stop_token_ids:  # an id outside the vocabulary is never generated: a stop never met
             check_token_ids(config.stop_token_ids, self.target.vocab_size, "stop_token_ids")
-        stop_ids = config.stop_token_ids if config.stop_token_ids is not None else self.target.eos_token_ids()
-        stop = StopChecker(stop_ids, config.stop_strings, config.max_new_tokens, self.tokenizer)
+        stop = StopChecker(self.stop_ids(config), config.stop_strings, config.max_new_tokens, self.tokenizer)
         return Sequence(prompt_ids, config, stop, self.target.device)
+
+    def stop_ids(self, config: GenerationConfig) -> list[int]:
+        """The ids a sequence stops at: the target's EOS ids unless ignore_eos, and its stop_token_ids."""
+        eos = [] if config.ignore_eos else self.target.eos_token_ids()
+        return list(dict.fromkeys([*eos, *(config.stop_token_ids or ())]))
 
     def _new_row(self, index: int, prompt_ids: list[int], config: GenerationConfig, rows: int) -> Sequence:
         """`new_sequence` for row `index` of a batch of `rows`: a problem names the prompt when there are several."""

@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from dflash.decoding.detokenizer import tail_text
+from dflash.errors import GenerationError
 
 
 @dataclass
@@ -18,7 +19,9 @@ class StopChecker:
 
     def __init__(self, stop_token_ids: list[int], stop_strings: list[str], max_new_tokens: int, tokenizer=None):
         if stop_strings and tokenizer is None:
-            raise ValueError("stop strings need a tokenizer to decode the output")
+            raise GenerationError("stop strings are found in the decoded text, and this target has no tokenizer to "
+                                  "decode it: give it one (TargetModel(model, tokenizer)), or stop at token ids "
+                                  "(stop_token_ids)")
         self.stop_token_ids = set(stop_token_ids)
         self.stop_strings = [s for s in stop_strings if s]
         self._longest_stop = max((len(s) for s in self.stop_strings), default=0)

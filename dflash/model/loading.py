@@ -33,6 +33,9 @@ class CheckpointError(UserError):
 
 
 def parse_dtype(dtype: str | torch.dtype | None) -> torch.dtype | None:
+    if isinstance(dtype, torch.dtype) and not dtype.is_floating_point:
+        raise CheckpointError(f"dtype {dtype} is not a floating-point type; use one of float32, float16, bfloat16, "
+                              "float64 (quantized weights come with a checkpoint's own quantization config)")
     if dtype is None or isinstance(dtype, torch.dtype):
         return dtype
     if dtype == "auto":
@@ -85,9 +88,15 @@ def resolve_model_dir(path_or_id: str | os.PathLike, revision: str | None = None
     """A local directory as is; anything else that reads as a Hugging Face hub repo id is fetched from the hub (or
     its local cache). The hub is asked once with a timeout (HF_HUB_ETAG_TIMEOUT, 10 s by default); when it cannot
     be reached, or HF_HUB_OFFLINE is set, only the local cache serves."""
+    if isinstance(path_or_id, torch.nn.Module):  # its repr is the whole module tree
+        raise CheckpointError(f"a model is a directory path or a hub id like org/name, not a loaded "
+                              f"{type(path_or_id).__name__}; wrap a loaded model instead: "
+                              "DFlash(TargetModel(model, tokenizer), load_drafter(path))")
     if not isinstance(path_or_id, (str, os.PathLike)):
+        shown = repr(path_or_id)
+        shown = shown if len(shown) <= 80 else shown[:77] + "..."
         raise CheckpointError(f"a model is a directory path or a hub id like org/name, not {type(path_or_id).__name__}"
-                              f" {path_or_id!r}")
+                              f" {shown}")
     path = Path(path_or_id).expanduser()
     if path.is_dir():
         return path

@@ -179,20 +179,18 @@ class Server:
         return GenerationConfig(
             max_new_tokens=max_tokens, temperature=_given(req.temperature, defaults.temperature),
             top_p=_given(req.top_p, defaults.top_p), top_k=_given(req.top_k, defaults.top_k),
-            seed=req.seed, stop_token_ids=self.stop_token_ids(req), stop_strings=req.stop_strings,
-            branch_length=getattr(self.pipe, "branch_length", 0),
+            seed=req.seed, stop_token_ids=self.stop_token_ids(req), ignore_eos=req.ignore_eos,
+            stop_strings=req.stop_strings, branch_length=getattr(self.pipe, "branch_length", 0),
         )
 
     def stop_token_ids(self, req: SamplingRequest) -> list[int] | None:
-        """The target's EOS ids (None) unless ignore_eos, and the request's stop_token_ids besides, as in vLLM."""
-        if not req.stop_token_ids:
-            return [] if req.ignore_eos else None
+        """The request's stop_token_ids (the engine stops at the target's EOS ids besides, unless ignore_eos), each
+        checked to be a token of the vocabulary."""
         try:
-            check_token_ids(req.stop_token_ids, self.pipe.target.vocab_size, "stop_token_ids")
+            check_token_ids(req.stop_token_ids or [], self.pipe.target.vocab_size, "stop_token_ids")
         except UserError as err:
             raise APIError(400, str(err), param="stop_token_ids") from None
-        eos = [] if req.ignore_eos else self.pipe.target.eos_token_ids()
-        return list(dict.fromkeys([*eos, *req.stop_token_ids]))
+        return req.stop_token_ids
 
     def submit(self, req: SamplingRequest, prompt_ids: list[int], kind: str, default_max: int | None) -> Decoding:
         config = self.generation_config(req, len(prompt_ids), kind, default_max)

@@ -82,7 +82,7 @@ def test_oracle_drafts_give_full_blocks(pipe):
     """With a drafter that proposes the target's own continuation, every verify step accepts the block."""
     plain = SpeculativeEngine(pipe.target)
     prompts = [pipe.encode([{"role": "user", "content": s.turns[0]}]) for s in SAMPLES]
-    config = GenerationConfig(max_new_tokens=40, stop_token_ids=[])
+    config = GenerationConfig(max_new_tokens=40, ignore_eos=True)
     references = {tuple(p): out.output_ids for p, out in zip(prompts, plain.generate(prompts, config))}
     oracle = SpeculativeEngine(pipe.target, OracleProposer(pipe.drafter, pipe.target, references))
 
@@ -91,7 +91,7 @@ def test_oracle_drafts_give_full_blocks(pipe):
             self.engine = engine
 
         def generate(self, prompts, config):
-            config.stop_token_ids = []
+            config.ignore_eos = True
             return self.engine.generate(prompts, config)
 
     backend = LocalBackend(pipe, baseline=NoStop(plain), dflash=NoStop(oracle))

@@ -19,7 +19,11 @@ def test_json_output_has_the_documented_fields(tiny_pair, capsys):
                 "time_to_first_token_s", "decode_tokens_per_s"):
         assert key in report
     assert sum(report["acceptance_lengths"]) == report["num_output_tokens"] == len(report["output_ids"])
-    assert report["matches_baseline"] is True
+    assert report["matches_baseline"] is True and report["stop_string"] is None
+    stop = report["text"][3:5]
+    assert main(["generate", "--target", str(target), "--draft", str(draft), "--prompt", "How many clips?",
+                 "--max-new-tokens", "12", "--json", "--stop", stop]) == 0
+    assert json.loads(capsys.readouterr().out)["stop_string"] == stop
 
 
 def test_streaming_output_ends_with_a_stats_line(tiny_pair, capsys):

@@ -165,7 +165,7 @@ def test_one_greedy_or_seeded_row_chooses_after_drafting_and_the_rest_before():
 def test_seeded_sampling_at_auto_block_size_gives_the_targets_own_draws(target):
     """A seeded row's text is the target's draws, whatever the drafts and however far they are verified."""
     prompt = random_prompts(1, seed=5)[0]
-    config = dict(max_new_tokens=24, stop_token_ids=[], temperature=0.9, seed=11)
+    config = dict(max_new_tokens=24, ignore_eos=True, temperature=0.9, seed=11)
     plain = SpeculativeEngine(target).generate([prompt], GenerationConfig(**config))[0].output_ids
     engine = SpeculativeEngine(target, DFlashProposer(tiny_drafter(target, layers=2), target))
     out = engine.generate([prompt], GenerationConfig(**config, block_size="auto"))[0]
@@ -245,7 +245,7 @@ def test_changing_the_block_size_every_step_is_lossless(target):
     proposer = OracleProposer(tiny_drafter(target, layers=2), target, refs,
                               correct=lambda rng: rng.randint(0, 15), seed=3)
     engine = SpeculativeEngine(target, proposer)
-    config = GenerationConfig(max_new_tokens=40, stop_token_ids=[])
+    config = GenerationConfig(max_new_tokens=40, ignore_eos=True)
     batch = engine.merge([engine.prefill(engine.new_sequence(p, config)) for p in prompts])
     rng, used = random.Random(0), set()
     while not all(seq.finished for seq in batch.sequences):
@@ -274,7 +274,7 @@ def test_local_decoding_teaches_the_policy_what_its_steps_take(target, monkeypat
 
     monkeypatch.setattr(engine, "step", slow_step)
     engine.generate(random_prompts(1, seed=2), GenerationConfig(max_new_tokens=12, block_size="auto",
-                                                                stop_token_ids=[]))
+                                                                ignore_eos=True))
     # start-up costs put a one-row step at 0.042 s at most (block 16): each step took at least 0.018 s more
     assert policy.overhead.extra_s[True] > 0.018
 
@@ -337,7 +337,7 @@ def test_generate_with_auto_block_size_is_lossless_and_uses_several_sizes(target
 
     monkeypatch.setattr(BlockSizePolicy, "proposer_for", spy_before)
     monkeypatch.setattr(BlockSizePolicy, "choose_after_drafting", spy_after)
-    config = GenerationConfig(max_new_tokens=30, stop_token_ids=[], block_size="auto")
+    config = GenerationConfig(max_new_tokens=30, ignore_eos=True, block_size="auto")
     outputs = engine.generate(prompts, config)
     assert [o.output_ids for o in outputs] == [refs[tuple(p)] for p in prompts]
     policy = engine._block_policy
@@ -396,7 +396,7 @@ def test_auto_block_size_on_a_target_with_a_short_context(family, monkeypatch):
     starts = []
     real_start = block_policy._TimedRows._start
     monkeypatch.setattr(block_policy._TimedRows, "_start", lambda self: starts.append(1) or real_start(self))
-    out = engine.generate([prompt], GenerationConfig(max_new_tokens=24, stop_token_ids=[], block_size="auto"))[0]
+    out = engine.generate([prompt], GenerationConfig(max_new_tokens=24, ignore_eos=True, block_size="auto"))[0]
     assert out.output_ids == refs[tuple(prompt)]
     assert len(starts) > 2  # two proposers' rows, started again when their room ran out
     assert engine._block_policy is not None and engine._block_policy.costs.block_sizes

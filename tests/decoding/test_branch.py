@@ -113,7 +113,7 @@ def test_greedy_with_branches_is_lossless(target, block_size, drafting):
     proposer = (DFlashProposer(drafter, target) if drafting == "drafter"
                 else BranchOracle(drafter, target, refs, correct=1, branch_right=2))
     engine = SpeculativeEngine(target, proposer)
-    config = GenerationConfig(max_new_tokens=MAX_NEW, block_size=block_size, branch_length=3, stop_token_ids=[])
+    config = GenerationConfig(max_new_tokens=MAX_NEW, block_size=block_size, branch_length=3, ignore_eos=True)
     batch = engine.generate(prompts, config)
     singles = [engine.generate([p], config)[0] for p in prompts]
     for prompt, out, single in zip(prompts, batch, singles):
@@ -127,7 +127,7 @@ def test_greedy_with_branches_is_lossless(target, block_size, drafting):
 def test_a_dflash2_drafters_branches_are_lossless(target):
     prompts = random_prompts(3, seed=32)
     engine = SpeculativeEngine(target, DFlashProposer(dflash2_drafter(target), target))
-    outs = engine.generate(prompts, GenerationConfig(max_new_tokens=MAX_NEW, branch_length=4, stop_token_ids=[]))
+    outs = engine.generate(prompts, GenerationConfig(max_new_tokens=MAX_NEW, branch_length=4, ignore_eos=True))
     assert [o.output_ids for o in outs] == [hf_greedy(target, p, MAX_NEW) for p in prompts]
     assert all(o.stats.block_sizes[0] > 16 for o in outs)
 
@@ -139,7 +139,7 @@ def test_a_branch_that_would_pass_the_block_is_cut():
     refs = {tuple(p): hf_greedy(target, p, MAX_NEW) for p in prompts}
     engine = SpeculativeEngine(target, BranchOracle(tiny_drafter(target), target, refs, correct=5, branch_right=8))
     out = engine.generate(prompts, GenerationConfig(max_new_tokens=MAX_NEW, block_size=8, branch_length=6,
-                                                    stop_token_ids=[]))[0]
+                                                    ignore_eos=True))[0]
     assert out.output_ids == refs[tuple(prompts[0])]
     assert out.stats.block_sizes[0] == 8 + 2  # start 5 in a block of 8: two positions left before the block ends
     assert out.stats.acceptance_lengths[1] == 8  # 5 right, the branch's 2, the target's token
@@ -159,7 +159,7 @@ def test_seeded_rows_with_branches_write_the_target_alones_text(target, drafting
     that holds the target's own draws is accepted."""
     prompts = random_prompts(3, seed=37)
     config = GenerationConfig(max_new_tokens=MAX_NEW, temperature=0.9, top_p=0.95, seed=11, branch_length=3,
-                              stop_token_ids=[])
+                              ignore_eos=True)
     alone = {tuple(p): o.output_ids for p, o in zip(prompts, SpeculativeEngine(target).generate(prompts, config))}
     proposer = (DFlashProposer(dflash2_drafter(target), target) if drafting == "dflash2 drafter"
                 else BranchOracle(tiny_drafter(target), target, alone, correct=1, branch_right=2))
@@ -176,7 +176,7 @@ def test_a_target_with_sliding_windows_decodes_without_branches():
     prompts = random_prompts(2, seed=35)
     engine = SpeculativeEngine(target, DFlashProposer(tiny_drafter(target), target))
     outs = engine.generate(prompts, GenerationConfig(max_new_tokens=MAX_NEW, branch_length=3, block_size=8,
-                                                     stop_token_ids=[]))
+                                                     ignore_eos=True))
     assert [o.output_ids for o in outs] == [hf_greedy(target, p, MAX_NEW) for p in prompts]
     assert {k for o in outs for k in o.stats.block_sizes} == {8}
 
@@ -201,7 +201,7 @@ def test_steps_with_branches_teach_the_block_policy_acceptance_but_no_step_costs
     prompts = random_prompts(1, seed=38)
     refs = {tuple(p): hf_greedy(target, p, MAX_NEW) for p in prompts}
     engine = SpeculativeEngine(target, BranchOracle(tiny_drafter(target), target, refs, correct=2, branch_right=1))
-    auto = dict(max_new_tokens=MAX_NEW, block_size="auto", stop_token_ids=[])
+    auto = dict(max_new_tokens=MAX_NEW, block_size="auto", ignore_eos=True)
     engine.generate(prompts, GenerationConfig(**auto, branch_length=0))
     policy = engine._block_policy
     line, tried = list(policy.after_drafting_line.sums), sum(policy.by_confidence.tried)

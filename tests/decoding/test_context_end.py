@@ -56,7 +56,7 @@ def positions_written(target: TargetModel) -> list[int]:
 
 def filling(prompts: list[list[int]]) -> list[GenerationConfig]:
     """Each prompt's config asks for every token its context has left."""
-    return [GenerationConfig(max_new_tokens=CONTEXT - len(p), stop_token_ids=[]) for p in prompts]
+    return [GenerationConfig(max_new_tokens=CONTEXT - len(p), ignore_eos=True) for p in prompts]
 
 
 @pytest.mark.parametrize("block_size", [2, 8, 16])
@@ -130,5 +130,5 @@ def test_a_request_larger_block_than_the_engines_also_stops_at_the_context():
     target = short_context_target("gpt2")
     prompt = random_prompts(1, seed=10, low=30, high=30)[0]
     engine = SpeculativeEngine(target, DFlashProposer(tiny_drafter(target), target, block_size=2))
-    config = GenerationConfig(max_new_tokens=CONTEXT - 30, block_size=16, stop_token_ids=[])
+    config = GenerationConfig(max_new_tokens=CONTEXT - 30, block_size=16, ignore_eos=True)
     assert engine.generate([prompt], config)[0].output_ids == hf_greedy(target, prompt, CONTEXT - 30)

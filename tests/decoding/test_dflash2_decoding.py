@@ -18,14 +18,14 @@ from dflash.model.target import TargetModel
 
 MAX_NEW = 40
 DRAWS = 2000
-SEEDED = dict(max_new_tokens=MAX_NEW, temperature=0.9, top_p=0.9, top_k=50, seed=5, stop_token_ids=[])
+SEEDED = dict(max_new_tokens=MAX_NEW, temperature=0.9, top_p=0.9, top_k=50, seed=5, ignore_eos=True)
 
 
 @pytest.mark.parametrize("block_size", [2, 8, 16])
 def test_greedy_with_a_dflash2_drafter_is_lossless(target, block_size):
     prompts = random_prompts(3, seed=21)
     engine = SpeculativeEngine(target, DFlashProposer(dflash2_drafter(target), target))
-    config = GenerationConfig(max_new_tokens=MAX_NEW, block_size=block_size, stop_token_ids=[])
+    config = GenerationConfig(max_new_tokens=MAX_NEW, block_size=block_size, ignore_eos=True)
     outs = engine.generate(prompts, config)
     assert [o.output_ids for o in outs] == [hf_greedy(target, p, MAX_NEW) for p in prompts]
     assert all(o.stats.drafter_forwards > 0 for o in outs)

@@ -29,7 +29,7 @@ def draft_models(target: TargetModel) -> dict[str, TargetModel]:
 def test_greedy_with_a_draft_model_is_lossless(target, block_size):
     prompts = random_prompts(3, seed=31)
     expected = [hf_greedy(target, p, MAX_NEW) for p in prompts]
-    config = GenerationConfig(max_new_tokens=MAX_NEW, block_size=block_size, stop_token_ids=[])
+    config = GenerationConfig(max_new_tokens=MAX_NEW, block_size=block_size, ignore_eos=True)
     taus = {}
     for name, draft in draft_models(target).items():
         engine = SpeculativeEngine(target, DraftModelProposer(draft, target, block_size))
@@ -45,7 +45,7 @@ def test_greedy_with_a_draft_model_is_lossless(target, block_size):
 def test_seeded_sampling_with_a_draft_model_is_the_target_alone(target):
     prompts = random_prompts(2, seed=32)
     config = GenerationConfig(max_new_tokens=MAX_NEW, temperature=0.9, top_p=0.9, top_k=50, seed=5,
-                              stop_token_ids=[], block_size=4)
+                              ignore_eos=True, block_size=4)
     plain = [o.output_ids for o in SpeculativeEngine(target).generate(prompts, config)]
     for draft in draft_models(target).values():
         engine = SpeculativeEngine(target, DraftModelProposer(draft, target, 4))
@@ -58,7 +58,7 @@ def test_a_sampled_draft_reports_the_distribution_each_token_was_drawn_from(targ
     draft model's, after the prompt, the anchor and the draft tokens drawn before it."""
     draft = perturbed_copy(target, 0.5)
     engine = SpeculativeEngine(target, DraftModelProposer(draft, target, 6))
-    config = GenerationConfig(max_new_tokens=MAX_NEW, temperature=1.0, stop_token_ids=[])
+    config = GenerationConfig(max_new_tokens=MAX_NEW, temperature=1.0, ignore_eos=True)
     seq = engine.new_sequence(random_prompts(1, seed=33)[0], config)
     batch = engine.prefill(seq)
     engine.step(batch)  # the draft cache now holds rejected tokens to cut back
@@ -74,7 +74,7 @@ def test_a_sampled_draft_reports_the_distribution_each_token_was_drawn_from(targ
 def test_unseeded_sampling_runs_and_keeps_the_length(target):
     engine = SpeculativeEngine(target, DraftModelProposer(perturbed_copy(target, 0.5), target, 4))
     outs = engine.generate(random_prompts(3, seed=34),
-                           GenerationConfig(max_new_tokens=MAX_NEW, temperature=0.8, stop_token_ids=[]))
+                           GenerationConfig(max_new_tokens=MAX_NEW, temperature=0.8, ignore_eos=True))
     assert all(len(o.output_ids) == MAX_NEW and o.stats.drafter_forwards > 0 for o in outs)
 
 
@@ -94,7 +94,7 @@ def test_a_draft_model_with_a_smaller_embedding_reads_the_targets_padding_ids_an
     small.resize_token_embeddings(target.vocab_size - 8)
     draft = TargetModel(small)
     prompts = [[5, 17, 33, target.vocab_size - 1], random_prompts(1, seed=33)[0]]
-    config = GenerationConfig(max_new_tokens=12, stop_token_ids=[])
+    config = GenerationConfig(max_new_tokens=12, ignore_eos=True)
     plain = [o.output_ids for o in SpeculativeEngine(target).generate(prompts, config)]
     outs = SpeculativeEngine(target, DraftModelProposer(draft, target, 4)).generate(prompts, config)
     assert [o.output_ids for o in outs] == plain
@@ -108,7 +108,7 @@ def test_drafter_forwards_counts_a_draft_models_forwards(target, monkeypatch):
     calls = []
     forward = draft.forward
     monkeypatch.setattr(draft, "forward", lambda *a, **kw: (calls.append(1), forward(*a, **kw))[1])
-    out = engine.generate([random_prompts(1, seed=34)[0]], GenerationConfig(max_new_tokens=20, stop_token_ids=[]))[0]
+    out = engine.generate([random_prompts(1, seed=34)[0]], GenerationConfig(max_new_tokens=20, ignore_eos=True))[0]
     steps = out.stats.target_forwards - 1  # the prefill's forward drafts nothing
     assert steps > 1 and out.stats.drafter_forwards == len(calls) - 1  # all but the prompt's read
 
@@ -185,7 +185,7 @@ def test_rows_joining_leaving_and_compacted_mid_decode_stay_lossless(target, mon
     expected = [hf_greedy(target, p, n) for p, n in zip(prompts, lengths)]
     proposer = DraftModelProposer(perturbed_copy(target, 0.5), target, 5)
     engine = SpeculativeEngine(target, proposer)
-    seqs = [engine.new_sequence(p, GenerationConfig(max_new_tokens=n, stop_token_ids=[]))
+    seqs = [engine.new_sequence(p, GenerationConfig(max_new_tokens=n, ignore_eos=True))
             for p, n in zip(prompts, lengths)]
     compactions = []
     compact = proposer.compact
@@ -210,7 +210,7 @@ def test_a_batch_drafts_in_k_forwards_whatever_its_rows(target, monkeypatch):
     calls = []
     forward = draft.forward
     monkeypatch.setattr(draft, "forward", lambda ids, *a, **kw: (calls.append(ids.shape[0]), forward(ids, *a, **kw))[1])
-    engine.generate(random_prompts(4, seed=36), GenerationConfig(max_new_tokens=6, stop_token_ids=[]))
+    engine.generate(random_prompts(4, seed=36), GenerationConfig(max_new_tokens=6, ignore_eos=True))
     prefills, calls = calls[:4], calls[4:]
     assert prefills == [1, 1, 1, 1]  # each prompt is read alone, before its row joins the batch
     steps = [calls[i:i + 4] for i in range(0, len(calls), 4)]  # 1 catch-up + 3 draft forwards per step

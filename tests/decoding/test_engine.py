@@ -26,7 +26,7 @@ def oracle_decoding(target, prompt_seed: int, correct, seed: int, max_new: int =
     prompts = random_prompts(3, seed=prompt_seed)
     refs = {tuple(p): hf_greedy(target, p, max_new) for p in prompts}
     engine = SpeculativeEngine(target, OracleProposer(tiny_drafter(target), target, refs, correct=correct, seed=seed))
-    config = GenerationConfig(max_new_tokens=max_new, stop_token_ids=[])
+    config = GenerationConfig(max_new_tokens=max_new, ignore_eos=True)
     return engine, [engine.new_sequence(p, config) for p in prompts], [refs[tuple(p)] for p in prompts]
 
 
@@ -54,7 +54,7 @@ def test_speculative_greedy_is_lossless(target, references, block_size, drafting
         correct = None if drafting == "oracle" else (lambda rng: rng.randint(0, block_size - 1))
         proposer = OracleProposer(drafter, target, refs, correct=correct, seed=block_size)
     engine = SpeculativeEngine(target, proposer)
-    config = GenerationConfig(max_new_tokens=MAX_NEW, block_size=block_size, stop_token_ids=[])
+    config = GenerationConfig(max_new_tokens=MAX_NEW, block_size=block_size, ignore_eos=True)
     batch = engine.generate(prompts, config)
     singles = [engine.generate([p], config)[0] for p in prompts]
     for prompt, out, single in zip(prompts, batch, singles):
@@ -78,14 +78,14 @@ def test_ragged_batch_compacts_and_stays_lossless(target):
     refs = {tuple(p): hf_greedy(target, p, 120) for p in prompts}
     proposer = OracleProposer(tiny_drafter(target), target, refs, correct=lambda rng: rng.choice([0, 15]), seed=3)
     engine = SpeculativeEngine(target, proposer)
-    outs = engine.generate(prompts, GenerationConfig(max_new_tokens=120, stop_token_ids=[]))
+    outs = engine.generate(prompts, GenerationConfig(max_new_tokens=120, ignore_eos=True))
     assert [o.output_ids for o in outs] == [refs[tuple(p)] for p in prompts]
 
 
 def test_rows_finishing_at_different_times(target):
     prompts = random_prompts(3, seed=2)
     engine = SpeculativeEngine(target, DFlashProposer(tiny_drafter(target), target))
-    configs = [GenerationConfig(max_new_tokens=n, stop_token_ids=[]) for n in (5, 30, 17)]
+    configs = [GenerationConfig(max_new_tokens=n, ignore_eos=True) for n in (5, 30, 17)]
     expected = [engine.generate([p], c)[0].output_ids for p, c in zip(prompts, configs)]
     # one batch where rows leave early: simulate with per-row limits via separate sequences
     batch = engine.merge([engine.prefill(engine.new_sequence(p, c)) for p, c in zip(prompts, configs)])
@@ -119,7 +119,7 @@ def test_a_joining_row_brings_its_prompt_read_and_the_merged_caches_keep_room(ta
     the step's new context (before, it read the prompt padded to every row, and kept those holes); and the
     merged caches have spare room, so that step writes into them instead of copying them again."""
     engine = SpeculativeEngine(target, DFlashProposer(tiny_drafter(target, block_size=8), target))
-    config = GenerationConfig(max_new_tokens=24, stop_token_ids=[])
+    config = GenerationConfig(max_new_tokens=24, ignore_eos=True)
     short, long = random_prompts(2, seed=13, low=5, high=8)
     long = (long * 10)[:60]
     seqs = [engine.new_sequence(short, config), engine.new_sequence(long, config)]
@@ -156,7 +156,7 @@ def test_moving_rows_between_plain_and_drafted_decoding_is_lossless(target):
 def test_sampling_batch_equals_batch_of_one_and_seeds_repeat(target):
     prompts = random_prompts(3, seed=4)
     engine = SpeculativeEngine(target, DFlashProposer(tiny_drafter(target), target))
-    config = GenerationConfig(max_new_tokens=30, temperature=0.9, top_p=0.9, top_k=50, seed=123, stop_token_ids=[])
+    config = GenerationConfig(max_new_tokens=30, temperature=0.9, top_p=0.9, top_k=50, seed=123, ignore_eos=True)
     batch = [o.output_ids for o in engine.generate(prompts, config)]
     singles = [engine.generate([p], config)[0].output_ids for p in prompts]
     assert batch == singles
@@ -164,7 +164,7 @@ def test_sampling_batch_equals_batch_of_one_and_seeds_repeat(target):
     assert other_seed != singles[0]
 
 
-SEEDED = dict(max_new_tokens=MAX_NEW, temperature=0.9, top_p=0.9, top_k=50, seed=11, stop_token_ids=[])
+SEEDED = dict(max_new_tokens=MAX_NEW, temperature=0.9, top_p=0.9, top_k=50, seed=11, ignore_eos=True)
 
 
 @pytest.mark.parametrize("block_size", [2, 8, 16])
@@ -211,7 +211,7 @@ def test_seeded_sampling_survives_moving_between_plain_and_drafted_decoding(targ
 def test_sampling_without_a_seed_uses_rejection_sampling_and_varies(target):
     prompt = random_prompts(1, seed=9)[0]
     engine = SpeculativeEngine(target, DFlashProposer(tiny_drafter(target), target))
-    config = GenerationConfig(max_new_tokens=30, temperature=1.5, stop_token_ids=[])
+    config = GenerationConfig(max_new_tokens=30, temperature=1.5, ignore_eos=True)
     seq = engine.new_sequence(prompt, config)
     assert seq.noise is None and seq.generator is not None
     first, second = (engine.generate([prompt], config)[0].output_ids for _ in range(2))
@@ -221,18 +221,33 @@ def test_sampling_without_a_seed_uses_rejection_sampling_and_varies(target):
 def test_stop_tokens_strings_and_limits(target):
     prompt = random_prompts(1, seed=3)[0]
     engine = SpeculativeEngine(target, DFlashProposer(tiny_drafter(target), target))
-    free = engine.generate([prompt], GenerationConfig(max_new_tokens=30, stop_token_ids=[]))[0].output_ids
+    free = engine.generate([prompt], GenerationConfig(max_new_tokens=30, ignore_eos=True))[0].output_ids
     stop_at = free[10]
     out = engine.generate([prompt], GenerationConfig(max_new_tokens=30, stop_token_ids=[stop_at]))[0]
     assert out.output_ids == free[: free.index(stop_at) + 1] and out.finish_reason == "stop"
-    out = engine.generate([prompt], GenerationConfig(max_new_tokens=7, stop_token_ids=[]))[0]
+    out = engine.generate([prompt], GenerationConfig(max_new_tokens=7, ignore_eos=True))[0]
     assert out.output_ids == free[:7] and out.finish_reason == "length"
+
+
+def test_stop_token_ids_stop_besides_eos_unless_eos_is_ignored(target, monkeypatch):
+    """As vLLM's stop_token_ids and ignore_eos: a caller's stop ids add to the target's EOS, they do not replace it
+    (replacing it let an answer run on past its end into a made-up next turn)."""
+    prompt = random_prompts(1, seed=3)[0]
+    engine = SpeculativeEngine(target, DFlashProposer(tiny_drafter(target), target))
+    free = engine.generate([prompt], GenerationConfig(max_new_tokens=30, ignore_eos=True))[0].output_ids
+    eos, stop_at = list(dict.fromkeys(free))[1:4:2]  # stop_at first occurs after eos does
+    monkeypatch.setattr(target, "eos_token_ids", lambda: [eos])
+    out = engine.generate([prompt], GenerationConfig(max_new_tokens=30, stop_token_ids=[stop_at]))[0]
+    assert out.output_ids == free[: free.index(eos) + 1] and out.finish_reason == "stop"
+    out = engine.generate([prompt], GenerationConfig(max_new_tokens=30, stop_token_ids=[stop_at], ignore_eos=True))[0]
+    assert out.output_ids == free[: free.index(stop_at) + 1] and out.finish_reason == "stop"
+    assert engine.generate([prompt], GenerationConfig(max_new_tokens=30, ignore_eos=True))[0].output_ids == free
 
 
 def test_stream_yields_the_same_tokens(target):
     prompt = random_prompts(1, seed=6)[0]
     engine = SpeculativeEngine(target, DFlashProposer(tiny_drafter(target), target))
-    config = GenerationConfig(max_new_tokens=25, stop_token_ids=[])
+    config = GenerationConfig(max_new_tokens=25, ignore_eos=True)
     stream = engine.stream(prompt, config)
     pieces = list(stream)
     assert sum(pieces, []) == stream.result.output_ids == engine.generate([prompt], config)[0].output_ids

@@ -26,7 +26,7 @@ SLIDING_FAMILIES = {"mistral", "phi3", "qwen2", "gemma2", "gemma3_text", "cohere
 # their position bias or window follows the slot order, which a branch breaks
 SLOT_ORDER_FAMILIES = {"bloom", "mpt", "gpt_neo"}
 MAX_NEW = 32  # with prompts of 3-20 tokens, sequences run well past the sliding window (conftest.SLIDING_WINDOW)
-SEEDED = dict(max_new_tokens=MAX_NEW, temperature=0.9, top_p=0.9, top_k=50, seed=11, stop_token_ids=[])
+SEEDED = dict(max_new_tokens=MAX_NEW, temperature=0.9, top_p=0.9, top_k=50, seed=11, ignore_eos=True)
 
 
 @pytest.mark.parametrize("family", MORE_FAMILIES)
@@ -65,7 +65,7 @@ def test_sliding_window_survives_compaction_and_joining(family):
     refs = {tuple(p): hf_greedy(target, p, 80) for p in prompts}
     proposer = OracleProposer(tiny_drafter(target), target, refs, correct=lambda rng: rng.choice([0, 0, 15]), seed=3)
     engine = SpeculativeEngine(target, proposer)
-    seqs = [engine.new_sequence(p, GenerationConfig(max_new_tokens=80, stop_token_ids=[])) for p in prompts]
+    seqs = [engine.new_sequence(p, GenerationConfig(max_new_tokens=80, ignore_eos=True)) for p in prompts]
     batch = engine.merge([engine.prefill(seqs[0]), engine.prefill(seqs[1])])
     for _ in range(3):
         engine.step(batch)
@@ -144,7 +144,7 @@ def test_a_wrapped_target_whose_forward_takes_kwargs_still_decodes():
     wrapped.layers = TargetModel(model).layers
     prompt = random_prompts(1, seed=2)[0]
     with torch.inference_mode():
-        out = SpeculativeEngine(wrapped).generate([prompt], GenerationConfig(max_new_tokens=8, stop_token_ids=[]))
+        out = SpeculativeEngine(wrapped).generate([prompt], GenerationConfig(max_new_tokens=8, ignore_eos=True))
     assert out[0].output_ids == hf_greedy(TargetModel(model), prompt, 8)
 
 
@@ -187,7 +187,7 @@ def test_a_longrope_target_decodes_across_its_switch_losslessly(block):
     prompts = random_prompts(6, seed=1, low=4, high=8) + random_prompts(2, seed=2, low=30, high=40)
     max_new = 40
     refs = {tuple(p): hf_greedy(target, p, max_new) for p in prompts}
-    config = GenerationConfig(max_new_tokens=max_new, block_size=block, stop_token_ids=[])
+    config = GenerationConfig(max_new_tokens=max_new, block_size=block, ignore_eos=True)
     for proposer in (OracleProposer(tiny_drafter(target), target, refs), partial_oracle(target, refs, block)):
         engine = SpeculativeEngine(target, proposer.with_block_size(block))
         outs = engine.generate(prompts, config)
@@ -203,7 +203,7 @@ def test_a_longrope_llama_whose_generate_does_not_read_again_decodes_within_its_
     prompts = random_prompts(3, seed=1, low=4, high=8)
     refs = {tuple(p): hf_greedy(target, p, 24 - len(p)) for p in prompts}
     engine = SpeculativeEngine(target, partial_oracle(target, refs, 4).with_block_size(4))
-    outs = engine.generate(prompts, [GenerationConfig(max_new_tokens=24 - len(p), block_size=4, stop_token_ids=[])
+    outs = engine.generate(prompts, [GenerationConfig(max_new_tokens=24 - len(p), block_size=4, ignore_eos=True)
                                      for p in prompts])
     assert [o.output_ids for o in outs] == [refs[tuple(p)] for p in prompts]
 
@@ -228,7 +228,7 @@ def test_a_longrope_row_read_again_past_its_switch_goes_on_as_decoded():
     prompt = random_prompts(1, seed=3, low=6, high=6)[0]
     ref = hf_greedy(target, prompt, 40)
     engine = SpeculativeEngine(target, OracleProposer(tiny_drafter(target), target, {tuple(prompt): ref}))
-    seq = engine.new_sequence(prompt, GenerationConfig(max_new_tokens=40, block_size=4, stop_token_ids=[]))
+    seq = engine.new_sequence(prompt, GenerationConfig(max_new_tokens=40, block_size=4, ignore_eos=True))
     batch = engine.prefill(seq, NoDraftProposer())
     while seq.next_position < switch + 6:
         engine.step(batch)
@@ -290,7 +290,7 @@ def test_a_target_that_projects_between_its_embeddings_and_layers_gets_no_dflash
     with pytest.raises(UnsupportedTargetError, match="are 32 wide"):  # dflash train refuses it at setup
         drafter_config_for(target, TrainConfig(target="t", data="d.jsonl", output="o"), 0)
     prompt = random_prompts(1, seed=2)[0]
-    out = SpeculativeEngine(target).generate([prompt], GenerationConfig(max_new_tokens=8, stop_token_ids=[]))
+    out = SpeculativeEngine(target).generate([prompt], GenerationConfig(max_new_tokens=8, ignore_eos=True))
     assert out[0].output_ids == hf_greedy(target, prompt, 8)
 
 

@@ -101,7 +101,7 @@ def test_greedy_with_a_bfloat16_drafter_is_lossless(target, block_size):
     drafter = dflash2_drafter(target)
     use_bfloat16_matmuls(drafter, _head(target), force=True)
     engine = SpeculativeEngine(target, DFlashProposer(drafter, target))
-    config = GenerationConfig(max_new_tokens=MAX_NEW, block_size=block_size, stop_token_ids=[])
+    config = GenerationConfig(max_new_tokens=MAX_NEW, block_size=block_size, ignore_eos=True)
     outs = engine.generate(prompts, config)
     assert [o.output_ids for o in outs] == [hf_greedy(target, p, MAX_NEW) for p in prompts]
 

@@ -65,7 +65,7 @@ def test_models_and_health(server, client):
 
 def test_chat_matches_the_library(server, client):
     out = chat(client, max_tokens=20, extra_body={"ignore_eos": True})
-    expected = server.pipe.generate(QUESTION, max_new_tokens=20, stop_token_ids=[])
+    expected = server.pipe.generate(QUESTION, max_new_tokens=20, ignore_eos=True)
     assert out.choices[0].message.content == expected.text
     assert out.choices[0].finish_reason == "length"
     assert out.usage.completion_tokens == 20
@@ -92,7 +92,7 @@ def test_stop_reason_names_what_ended_the_answer_as_vllm_does(server, client):
     stop = plain[len(plain) // 2: len(plain) // 2 + 3]
     by_string = chat(client, max_tokens=30, stop=["never in it", stop]).model_dump()["choices"][0]
     assert by_string["finish_reason"] == "stop" and by_string["stop_reason"] == stop
-    token = server.pipe.generate(QUESTION, max_new_tokens=5, stop_token_ids=[]).output_ids[4]
+    token = server.pipe.generate(QUESTION, max_new_tokens=5, ignore_eos=True).output_ids[4]
     by_id = chat(client, max_tokens=30, extra_body={"stop_token_ids": [token]}).model_dump()["choices"][0]
     assert by_id["finish_reason"] == "stop" and by_id["stop_reason"] == token
     by_length = chat(client, max_tokens=3, extra_body={"ignore_eos": True}).model_dump()["choices"][0]
@@ -109,7 +109,7 @@ def test_completions(server, client):
     out = client.completions.create(model=MODEL, prompt=PROMPTS[0], max_tokens=12, temperature=0,
                                     extra_body={"ignore_eos": True})
     ids = server.pipe.encode(PROMPTS[0], raw=True)
-    assert out.choices[0].text == server.pipe.generate(ids, max_new_tokens=12, stop_token_ids=[]).text
+    assert out.choices[0].text == server.pipe.generate(ids, max_new_tokens=12, ignore_eos=True).text
     assert out.usage.prompt_tokens == len(ids) and out.usage.completion_tokens == 12
     by_ids = client.completions.create(model=MODEL, prompt=ids, max_tokens=12, temperature=0,
                                        extra_body={"ignore_eos": True})
@@ -141,7 +141,7 @@ def test_seeded_sampling_repeats_alone_in_a_batch_and_without_the_drafter(client
     with ThreadPoolExecutor(len(PROMPTS)) as pool:
         assert list(pool.map(ask, range(len(PROMPTS)))) == alone
     plain = DFlash.from_pretrained(*map(str, tiny_pair), no_draft=True, dtype="float32", device="cpu")
-    assert [plain.generate(p, raw=True, max_new_tokens=16, temperature=0.9, top_p=0.9, seed=7, stop_token_ids=[]).text
+    assert [plain.generate(p, raw=True, max_new_tokens=16, temperature=0.9, top_p=0.9, seed=7, ignore_eos=True).text
             for p in PROMPTS] == alone
 
 
@@ -253,5 +253,5 @@ def test_a_pipeline_with_branches_serves_the_target_alones_text(tiny_pair):
     finally:
         server.stop()
     plain = DFlash.from_pretrained(*map(str, tiny_pair), no_draft=True, dtype="float32", device="cpu")
-    assert served == [plain.generate(p, raw=True, max_new_tokens=12, stop_token_ids=[]).text for p in PROMPTS[:4]]
+    assert served == [plain.generate(p, raw=True, max_new_tokens=12, ignore_eos=True).text for p in PROMPTS[:4]]
     assert max(widths) > 4

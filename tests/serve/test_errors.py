@@ -445,7 +445,7 @@ def test_continue_final_message_continues_the_assistants_answer(server):
     opened = post(server, "chat/completions", json={**body, "continue_final_message": False,
                                                     "add_generation_prompt": True})
     assert opened.json()["usage"]["prompt_tokens"] != len(expected_ids)
-    expected = server.pipe.generate(expected_ids, max_new_tokens=6, stop_token_ids=[]).text
+    expected = server.pipe.generate(expected_ids, max_new_tokens=6, ignore_eos=True).text
     assert response.json()["choices"][0]["message"]["content"] == expected
     both = {**body, "add_generation_prompt": True}
     assert "add_generation_prompt=false" in assert_error(post(server, "chat/completions", json=both), 400,
@@ -456,7 +456,7 @@ def test_continue_final_message_continues_the_assistants_answer(server):
 
 def test_stop_token_ids_stop_the_answer_at_that_token(server):
     ids = server.pipe.encode(MESSAGES)
-    plain = server.pipe.generate(ids, max_new_tokens=12, stop_token_ids=[])
+    plain = server.pipe.generate(ids, max_new_tokens=12, ignore_eos=True)
     stop_at = plain.output_ids[4]
     first = plain.output_ids.index(stop_at)
     body = {"prompt": ids, "max_tokens": 12, "temperature": 0, "stop_token_ids": [stop_at], "ignore_eos": True}

@@ -163,7 +163,7 @@ def test_the_caller_runs_the_decode_loop_in_its_own_thread_until_stopped(fresh_p
     decode = threading.Thread(target=scheduler.run, kwargs={"on_start": started.set})  # plays the main thread
     decode.start()
     assert started.wait(10) and scheduler.alive
-    seq = pipe.engine.new_sequence([5, 6, 7], GenerationConfig(max_new_tokens=12, stop_token_ids=[]))
+    seq = pipe.engine.new_sequence([5, 6, 7], GenerationConfig(max_new_tokens=12, ignore_eos=True))
     events = decode_with_scheduler(scheduler, seq, stream=False)
     assert events[-1].finish_reason == "length" and len(seq.output_ids) == 12
     assert stepping_threads == {decode}
@@ -177,7 +177,7 @@ def test_only_streamed_requests_get_an_event_per_step(fresh_pipe):
     scheduler = Scheduler(pipe.engine, SchedulerConfig(max_batch_size=2))
     scheduler.start()
     try:
-        config = GenerationConfig(max_new_tokens=24, stop_token_ids=[])
+        config = GenerationConfig(max_new_tokens=24, ignore_eos=True)
         streamed = pipe.engine.new_sequence([5, 6, 7], config)
         stream_events = decode_with_scheduler(scheduler, streamed, stream=True)
         whole = pipe.engine.new_sequence([5, 6, 7], config)
@@ -224,7 +224,7 @@ def test_a_burst_of_long_prompts_is_prefilled_between_decode_steps(fresh_pipe):
     scheduler = Scheduler(pipe.engine, SchedulerConfig(max_batch_size=8, max_prefill_tokens=100))
 
     async def burst():
-        config = GenerationConfig(max_new_tokens=40, stop_token_ids=[])
+        config = GenerationConfig(max_new_tokens=40, ignore_eos=True)
         running = scheduler.submit(pipe.engine.new_sequence([5, 6, 7], config), "chat/greedy")
         await asyncio.wait_for(running.events.get(), 30)  # prefilled: it decodes from now on
         prompts = [[5 + i] * n for i, n in enumerate((60, 30, 60, 20, 150))]

@@ -113,7 +113,7 @@ def test_the_held_out_replay_anchors_blocks_where_the_engine_does(tiny_pair, gre
             walked, _ = trainer._walk(batch.input_ids, batch.attention_mask, batch.loss_mask, features)
         response = example.input_ids[example.response_start:]
         out = pipe.generate(example.input_ids[: example.response_start], max_new_tokens=len(response),
-                            stop_token_ids=[])
+                            ignore_eos=True)
         assert out.output_ids == response  # the data is the target's own greedy text
         steps = out.stats.acceptance_lengths[1:]
         engine_anchors = [example.response_start + sum(steps[:j]) for j in range(len(steps))]

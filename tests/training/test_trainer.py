@@ -97,8 +97,8 @@ def assert_decodes_as_the_target_alone(target_dir, draft_dir) -> None:
     pipe = DFlash.from_pretrained(target_dir, draft_dir, device="cpu")
     plain = DFlash.from_pretrained(target_dir, no_draft=True, device="cpu")
     for prompt in ("How many clips", "Weng earns 12 dollars"):
-        out = pipe.generate(prompt, max_new_tokens=24, stop_token_ids=[])
-        assert out.output_ids == plain.generate(prompt, max_new_tokens=24, stop_token_ids=[]).output_ids
+        out = pipe.generate(prompt, max_new_tokens=24, ignore_eos=True)
+        assert out.output_ids == plain.generate(prompt, max_new_tokens=24, ignore_eos=True).output_ids
         assert out.stats.drafter_forwards > 0
 
 
@@ -490,7 +490,7 @@ def greedy_data(tmp_path_factory, tiny_pair):
     with path.open("w") as f:
         for i in range(24):
             prompt = [rng.randrange(4, 120) for _ in range(rng.randint(4, 10))]
-            response = plain.generate(prompt, max_new_tokens=rng.randint(16, 40), stop_token_ids=[]).output_ids
+            response = plain.generate(prompt, max_new_tokens=rng.randint(16, 40), ignore_eos=True).output_ids
             f.write(json.dumps({"id": i, "messages": [], "prompt_ids": prompt, "response_ids": response}) + "\n")
     return path
 
@@ -505,7 +505,7 @@ def test_eval_tau_decoding_is_what_greedy_decoding_measures(tiny_pair, greedy_da
     for example in trainer.eval_examples:
         response = example.input_ids[example.response_start:]
         out = pipe.generate(example.input_ids[: example.response_start], max_new_tokens=len(response),
-                            stop_token_ids=[])
+                            ignore_eos=True)
         assert out.output_ids == response  # the data is the target's own greedy text
         tokens, steps = tokens + sum(out.stats.acceptance_lengths[1:]), steps + len(out.stats.acceptance_lengths) - 1
     measured = tokens / steps
