@@ -124,6 +124,39 @@ def messages_field(record: dict, name: str = "messages") -> list[dict]:
     return value
 
 
+# ShareGPT's speakers (`conversations` of {"from", "value"}), as chat roles
+SHAREGPT_ROLES = {"human": "user", "user": "user", "gpt": "assistant", "chatgpt": "assistant", "assistant": "assistant",
+                  "model": "assistant", "bing": "assistant", "bard": "assistant", "system": "system"}
+
+
+def has_chat(record: dict) -> bool:
+    return "messages" in record or "conversations" in record
+
+
+def chat_messages(record: dict) -> list[dict]:
+    """A record's chat as {"role", "content"} messages: its `messages`, or ShareGPT's `conversations` of
+    {"from": "human" | "gpt" | "system", "value": text} (or of role/content messages)."""
+    if "messages" in record:
+        return messages_field(record)
+    value = record.get("conversations")
+    if not isinstance(value, list) or not value:
+        raise RecordError(f'`conversations` must be a non-empty list of {{"from": ..., "value": ...}} objects, got '
+                          f"{shown(value)}")
+    if all(isinstance(m, dict) and "role" in m for m in value):
+        return messages_field(record, "conversations")
+    messages = []
+    for i, m in enumerate(value):
+        speaker = m.get("from") if isinstance(m, dict) else None
+        if not isinstance(speaker, str) or not isinstance(m.get("value"), str):
+            raise RecordError(f'`conversations`[{i}] needs a string "from" and a string "value", got {shown(m)}')
+        role = SHAREGPT_ROLES.get(speaker.lower())
+        if role is None:
+            raise RecordError(f'`conversations`[{i}] is from {speaker!r}; ShareGPT speakers are '
+                              f"{', '.join(sorted(SHAREGPT_ROLES))}")
+        messages.append({"role": role, "content": m["value"]})
+    return messages
+
+
 def read_json_object(path: Path, what: str, fix: str) -> dict:
     """A JSON file holding one object (a manifest, a settings file); anything else is an error saying it is not
     `what`, and `fix`."""

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 
 from dflash.errors import UserError
-from dflash.records import read_json_object, read_jsonl
+from dflash.records import RecordError, chat_messages, read_json_object, read_jsonl
 
 
 def test_a_json_file_nested_too_deeply_is_not_what_was_asked_for(tmp_path):
@@ -46,3 +46,20 @@ def test_a_line_cut_short_before_the_last_says_where_json_found_it_broken(tmp_pa
     with pytest.raises(UserError, match=r"data.jsonl:2 is not valid JSON \(Unterminated string starting at column "
                                         r"11\); the file must be JSONL"):
         read_jsonl(path, missing="unused")
+
+
+SHAREGPT = {"conversations": [{"from": "system", "value": "Be brief."}, {"from": "human", "value": "How many?"},
+                              {"from": "gpt", "value": "72."}, {"from": "Human", "value": "And May?"}]}
+AS_MESSAGES = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "How many?"},
+               {"role": "assistant", "content": "72."}, {"role": "user", "content": "And May?"}]
+
+
+def test_sharegpt_conversations_read_as_chat_messages():
+    """ShareGPT's form, the common one for drafter training prompts, besides `messages`."""
+    assert chat_messages(SHAREGPT) == AS_MESSAGES == chat_messages({"messages": AS_MESSAGES})
+    assert chat_messages({"conversations": AS_MESSAGES}) == AS_MESSAGES  # role/content under `conversations`
+    for value, message in ((["hi"], '`conversations`[0] needs a string "from" and a string "value"'),
+                           ([{"from": "tool", "value": "x"}], "`conversations`[0] is from 'tool'; ShareGPT speakers"),
+                           ([], "`conversations` must be a non-empty list")):
+        with pytest.raises(RecordError, match=message.replace("[", r"\[").replace("]", r"\]")):
+            chat_messages({"conversations": value})

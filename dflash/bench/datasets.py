@@ -22,7 +22,7 @@ from typing import Callable, Iterable
 from dflash import hub
 from dflash.errors import DFlashWarning, UserError
 from dflash.extras import require
-from dflash.records import RecordError, messages_field, read_jsonl, text_field, texts_field
+from dflash.records import RecordError, chat_messages, has_chat, read_jsonl, text_field, texts_field
 
 BUNDLED_DIR = Path(__file__).parent / "data"
 DATA_DIR_ENV = "DFLASH_DATA_DIR"
@@ -268,7 +268,7 @@ def _sample(spec: DatasetSpec, fields: dict, index: int) -> Sample:
     sample_id = str(fields.get(spec.id_field or "", fields.get("id", index)))
     if all(f in fields for f in spec.native_fields):
         return Sample(sample_id, spec.format(fields))
-    if "messages" in fields:
+    if has_chat(fields):
         history, turn = _split_messages(fields)
         return Sample(sample_id, (turn,), history)
     if "turns" in fields:
@@ -276,15 +276,16 @@ def _sample(spec: DatasetSpec, fields: dict, index: int) -> Sample:
     if "prompt" in fields:
         return Sample(sample_id, (text_field(fields, "prompt"),))
     raise RecordError(f"a {spec.name} record needs the field(s) {'/'.join(repr(f) for f in spec.native_fields)}, "
-                    f"or 'prompt', 'turns' or 'messages'; it has none of the fields (it has {sorted(fields)[:8]})")
+                    f"or 'prompt', 'turns', 'messages' or 'conversations'; it has none of the fields (it has "
+                    f"{sorted(fields)[:8]})")
 
 
 def _split_messages(fields: dict) -> tuple[tuple[dict, ...], str]:
     """Fixed history and the last user turn; trailing assistant messages (reference answers) are dropped."""
-    messages = list(messages_field(fields))
+    messages = list(chat_messages(fields))
     while messages and messages[-1]["role"] == "assistant":
         messages.pop()
     if not messages or messages[-1]["role"] != "user" or not messages[-1]["content"]:
-        raise RecordError("`messages` must end with a non-empty user message to answer (assistant messages after "
-                          "it are dropped)")
+        raise RecordError("the conversation must end with a non-empty user message to answer (assistant messages "
+                          "after it are dropped)")
     return tuple({"role": m["role"], "content": m["content"]} for m in messages[:-1]), messages[-1]["content"]

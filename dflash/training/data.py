@@ -19,7 +19,7 @@ from pathlib import Path
 import torch
 
 from dflash.errors import UserError
-from dflash.records import RecordError, messages_field, read_jsonl, shown, text_field, texts_field
+from dflash.records import RecordError, chat_messages, has_chat, read_jsonl, shown, text_field, texts_field
 
 
 @dataclass
@@ -34,10 +34,11 @@ class Example:
 
 def record_messages(record: dict) -> list[dict]:
     """The conversation of a record, response last."""
-    if "messages" in record:
-        return messages_field(record)
+    if has_chat(record):
+        return chat_messages(record)
     if "response" not in record:
-        raise UserError("a training record needs `messages` (ending with the assistant turn) or a `response`")
+        raise UserError("a training record needs `messages` or ShareGPT `conversations` (ending with the assistant "
+                        "turn), or a `response`")
     response = text_field(record, "response")
     if "prompt" in record:
         user = [{"role": "user", "content": text_field(record, "prompt")}]

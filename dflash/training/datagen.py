@@ -26,7 +26,7 @@ from typing import IO, Iterator
 from dflash import hub
 from dflash.errors import UserError, in_brief
 from dflash.extras import require
-from dflash.records import messages_field, read_json_object, read_jsonl, text_field, texts_field
+from dflash.records import chat_messages, has_chat, read_json_object, read_jsonl, text_field, texts_field
 from dflash.training.lock import lock_or_refuse
 
 PROMPT_FIELDS = ("prompt", "question", "instruction", "text")  # looked for in this order without --prompt-field
@@ -134,8 +134,8 @@ def prompt_messages(record: dict, prompt_field: str | None = None) -> list[list[
     """The user turns of a record, as the messages to add before each answer. System (and other non-user)
     messages go with the user message after them; the record's own assistant messages are dropped (the target
     writes every answer itself)."""
-    if "messages" in record:
-        return _message_turns(messages_field(record))
+    if has_chat(record):
+        return _message_turns(chat_messages(record))
     if "turns" in record:
         return [[{"role": "user", "content": t}] for t in texts_field(record, "turns")]
     if prompt_field and prompt_field not in record:
@@ -145,7 +145,7 @@ def prompt_messages(record: dict, prompt_field: str | None = None) -> list[list[
         if name in record:
             return [[{"role": "user", "content": text_field(record, name)}]]
     raise UserError(f"cannot find a prompt in record with fields {sorted(record)}; use `prompt`, `turns` or "
-                    "`messages` (or --prompt-field for a dataset column)")
+                    "`messages` (or ShareGPT `conversations`, or --prompt-field for a dataset column)")
 
 
 def _message_turns(messages: list[dict]) -> list[list[dict]]:
@@ -158,10 +158,10 @@ def _message_turns(messages: list[dict]) -> list[list[dict]]:
             turns.append(pending)
             pending = []
     if not turns:
-        raise UserError("`messages` has no user message to answer")
+        raise UserError("the conversation (`messages` or `conversations`) has no user message to answer")
     if pending:
-        raise UserError(f"`messages` has a {pending[-1]['role']} message after its last user message; end with the "
-                        "user message to answer")
+        raise UserError(f"the conversation has a {pending[-1]['role']} message after its last user message; end "
+                        "with the user message to answer")
     return turns
 
 
@@ -231,7 +231,8 @@ def _load_dataset(config: DatagenConfig, source: str, local: bool = False) -> li
         reason = (f"the Hugging Face hub is not reachable ({unreachable}) and the local datasets cache has no copy"
                   if unreachable is not None else in_brief(err))
         offline = ("" if local else f"; there is no local file or directory named {source!r} either. Offline? Pass "
-                   "a local JSONL file with `prompt`, `turns` or `messages`, or a downloaded dataset directory")
+                   "a local JSONL file with `prompt`, `turns`, `messages` or `conversations`, or a downloaded dataset "
+                   "directory")
         raise UserError(f"could not load dataset {source!r}, split {config.split!r}: {reason}{hint}{offline}") from None
 
 

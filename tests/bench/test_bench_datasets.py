@@ -62,6 +62,8 @@ def test_generic_records_prompt_turns_and_messages(tmp_path):
     assert a.turns == ("plain prompt",)  # no gsm8k format: the record is not in gsm8k's own format
     assert b.turns == ("first", "second")
     assert c.history == ({"role": "system", "content": "be brief"},) and c.turns == ("hi",)
+    write_jsonl(path, [{"conversations": [{"from": "human", "value": "hi"}, {"from": "gpt", "value": "dropped"}]}])
+    assert load_samples("gsm8k", DataOptions(data_file=str(path), use_hub=False))[0].turns == ("hi",)  # ShareGPT
 
 
 def test_data_dir_from_the_environment(data_dir, monkeypatch):

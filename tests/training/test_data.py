@@ -29,7 +29,7 @@ GOOD = {"id": 0, "messages": [], "prompt_ids": [5, 6, 7], "response_ids": [8, 9,
     ({"prompt": "q", "response": ["x"]}, "`response` must be a non-empty string"),
     ({"turns": "q", "response": "x"}, "`turns` must be a list of strings"),
     ({"turns": ["q", "and then?"], "response": "x"}, "this record has 2 `turns` and one `response`"),
-    ({"prompt": "q"}, "needs `messages` (ending with the assistant turn) or a `response`"),
+    ({"prompt": "q"}, "needs `messages` or ShareGPT `conversations` (ending with the assistant turn), or a `response`"),
     ({"messages": [{"role": "user", "content": "q"}]}, "last message of a training record must be the assistant"),
     ({"prompt_ids": [5, 6], "response_ids": "abc"}, "`response_ids` must be a list of token ids"),
     ({"prompt_ids": [5, True], "response_ids": [7, 8]}, "`prompt_ids` must be a list of token ids"),
@@ -148,3 +148,13 @@ def test_the_held_out_split_keeps_a_conversation_together_and_one_turn_records_s
         assert len({e.record for e in held}) == 4  # a fifth of the 20 records, however many turns they hold
         assert sum(e.record == 4 for e in held) in (0, 3)
         assert split_records(one_turn, 0.2, seed) == split_examples(one_turn, 0.2, seed)
+
+
+def test_a_sharegpt_conversation_trains_as_the_same_messages_would(tmp_path, tokenizer):
+    turns = [("human", "How many clips?"), ("gpt", "72 clips."), ("human", "And in May?"), ("gpt", "36 clips.")]
+    roles = {"human": "user", "gpt": "assistant"}
+    path = tmp_path / "data.jsonl"
+    path.write_text(json.dumps({"conversations": [{"from": f, "value": v} for f, v in turns]}) + "\n"
+                    + json.dumps({"messages": [{"role": roles[f], "content": v} for f, v in turns]}) + "\n")
+    examples = [(e.input_ids, e.response_start) for e in read_examples(path, tokenizer, max_length=512).examples]
+    assert len(examples) == 4 and examples[:2] == examples[2:]

@@ -80,6 +80,16 @@ def test_generates_all_turns_with_the_target_own_answers(tiny_pair, prompts, tmp
         "content"]
 
 
+def test_a_sharegpt_record_is_asked_as_its_messages_would_be():
+    from dflash.training.datagen import prompt_messages
+
+    sharegpt = {"conversations": [{"from": "system", "value": "Be brief."}, {"from": "human", "value": "Weng earns"},
+                                  {"from": "gpt", "value": "old answer"}, {"from": "human", "value": "And then?"}]}
+    assert prompt_messages(sharegpt) == prompt_messages(SYSTEM_CHAT) == [
+        [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Weng earns"}],
+        [{"role": "user", "content": "And then?"}]]
+
+
 def test_runs_with_neighbouring_seeds_draw_independent_answers(tiny_pair, tmp_path):
     """Several sampled passes over the same prompts (seeds 0, 1, ...) are how a user gets more answers per prompt.
     With seed + id as each prompt's seed, prompt 0 of the pass seeded 1 drew what prompt 1 of the pass seeded 0
