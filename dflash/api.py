@@ -212,7 +212,7 @@ class DFlash:
             raise GenerationError("this target has no tokenizer; pass token ids instead of text")
         has_template = self.has_chat_template
         if kind == "messages":
-            _check_messages(prompt)
+            prompt = _text_messages(prompt)
             if not has_template:  # a base model: the turns as plain text
                 return self.encode(plain_conversation(prompt), raw=True)
             variables = {**self.chat_template_kwargs, **check_template_kwargs(chat_template_kwargs)}
@@ -228,36 +228,41 @@ class DFlash:
         return self.tokenizer(prompt, add_special_tokens=True, verbose=False)["input_ids"]  # length: see render_chat
 
     # ---- generation -----------------------------------------------------------------------------------
-    def generate(self, prompt: Prompt, raw: bool = False, **options: Any) -> GenerationOutput:
-        """Decode one prompt. Options are `GenerationConfig` fields: max_new_tokens, temperature, top_p, top_k,
-        seed, stop_token_ids (besides the target's EOS ids), ignore_eos, stop_strings, block_size, branch_length.
-        Returns a `GenerationOutput`: `output_ids`
-        (the new tokens), `text`, `finish_reason` ("stop" or "length") and `stats`."""
+    def generate(self, prompt: Prompt, raw: bool = False, chat_template_kwargs: dict[str, Any] | None = None,
+                 **options: Any) -> GenerationOutput:
+        """Decode one prompt (`raw` and `chat_template_kwargs` as `encode` takes them). Options are
+        `GenerationConfig` fields: max_new_tokens, temperature, top_p, top_k, seed, stop_token_ids (besides the
+        target's EOS ids), ignore_eos, stop_strings, block_size, branch_length. Returns a `GenerationOutput`:
+        `output_ids` (the new tokens), `text`, `finish_reason` ("stop" or "length") and `stats`."""
         _prompt_kind(prompt)  # what is wrong with a prompt that is none of the kinds, said about one prompt
-        return self.generate_batch([prompt], raw=raw, **options)[0]
+        return self.generate_batch([prompt], raw=raw, chat_template_kwargs=chat_template_kwargs, **options)[0]
 
-    def generate_batch(self, prompts: list[Prompt], raw: bool = False, **options: Any) -> list[GenerationOutput]:
+    def generate_batch(self, prompts: list[Prompt], raw: bool = False,
+                       chat_template_kwargs: dict[str, Any] | None = None, **options: Any) -> list[GenerationOutput]:
         """Decode several prompts together (a ragged batch): one `GenerationOutput` per prompt, in order, each
         the same as `generate` gives for that prompt alone."""
         _check_batch(prompts)
         config = self._config(options)
-        ids = [self._encode_row(i, p, raw, len(prompts)) for i, p in enumerate(prompts)]
+        ids = [self._encode_row(i, p, raw, len(prompts), chat_template_kwargs) for i, p in enumerate(prompts)]
         return self.engine.generate(ids, config) if ids else []  # the engine names a row it refuses likewise
 
-    def _encode_row(self, index: int, prompt: Prompt, raw: bool, rows: int) -> list[int]:
+    def _encode_row(self, index: int, prompt: Prompt, raw: bool, rows: int,
+                    chat_template_kwargs: dict[str, Any] | None = None) -> list[int]:
         """The ids of prompt `index` of a batch of `rows`; a problem names the prompt when there are several."""
         try:
-            return self.encode(prompt, raw)
+            return self.encode(prompt, raw, chat_template_kwargs)
         except GenerationError as err:
             if rows == 1:
                 raise
             raise GenerationError(f"prompt {index}: {err}") from None
 
-    def stream(self, prompt: Prompt, raw: bool = False, **options: Any) -> "TextStream":
+    def stream(self, prompt: Prompt, raw: bool = False, chat_template_kwargs: dict[str, Any] | None = None,
+               **options: Any) -> "TextStream":
         """Decode one prompt, yielding text pieces as they are decoded (iterate once); `.result` holds the
         `GenerationOutput` once the iteration ends."""
         config = self._config(options)
-        return TextStream(self, self.engine.stream(self.encode(prompt, raw), config), config.stop_strings)
+        ids = self.encode(prompt, raw, chat_template_kwargs)
+        return TextStream(self, self.engine.stream(ids, config), config.stop_strings)
 
     def _config(self, options: dict[str, Any]) -> GenerationConfig:
         """The generation options, with the pipeline's block size and branch length unless they name them (a
@@ -500,11 +505,28 @@ def plain_conversation(messages: list[dict]) -> str:
     return "\n\n".join(m["content"] for m in messages)
 
 
-def _check_messages(messages: list | tuple) -> None:
+def _text_messages(messages: list | tuple) -> list[dict]:
+    """The messages, each with string 'role' and 'content': a content of OpenAI text parts ([{"type": "text",
+    "text": ...}]) becomes their texts joined by newlines, as `dflash serve` and other OpenAI-compatible servers
+    join them."""
+    checked = []
     for m in messages:
+        if isinstance(m, dict) and isinstance(m.get("content"), list):
+            m = {**m, "content": _joined_parts(m["content"])}
         if not isinstance(m, dict) or not isinstance(m.get("role"), str) or not isinstance(m.get("content"), str):
-            raise GenerationError(f"each message needs string 'role' and 'content', got {m!r}")
+            raise GenerationError(f"each message needs a string 'role' and a 'content' (a string or a list of text "
+                                  f"parts), got {m!r}")
         _check_unicode(m["content"], "a message's content")
+        checked.append(m)
+    return checked
+
+
+def _joined_parts(parts: list) -> str:
+    for part in parts:
+        if not isinstance(part, dict) or part.get("type") != "text" or not isinstance(part.get("text"), str):
+            raise GenerationError(f"a message's content parts must be text parts like {{'type': 'text', 'text': "
+                                  f"'...'}} (this package reads text only), got {part!r}")
+    return "\n".join(part["text"] for part in parts)
 
 
 def _check_batch(prompts: Any) -> None:

@@ -89,6 +89,13 @@ def test_stream_pieces_add_up_to_the_text_without_the_stop_string(pipe):
     assert (stream.result.stop_string, free.stop_string) == (stop, None)  # what cut it (the server's stop_reason)
 
 
+def test_openai_text_parts_are_their_texts_joined_as_the_server_joins_them(pipe):
+    parts = [{"role": "user", "content": [{"type": "text", "text": "How many"}, {"type": "text", "text": "clips?"}]}]
+    assert pipe.encode(parts) == pipe.encode([{"role": "user", "content": "How many\nclips?"}])
+    with pytest.raises(GenerationError, match="content parts must be text parts like"):
+        pipe.encode([{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}])
+
+
 def test_bad_prompts_and_options(pipe):
     with pytest.raises(UserError, match="role"):
         pipe.generate([{"content": "hi"}])
@@ -266,6 +273,14 @@ def test_chat_template_variables(tiny_pair):
     for bad in ({"truncation": True, "max_length": 3}, {"padding": "bogus"}, {"tokenizer_kwargs": 5}):
         with pytest.raises(UserError, match=f"chat_template_kwargs may not set {', '.join(sorted(bad))}: dflash"):
             pipe.encode("hi", chat_template_kwargs=bad)
+    # a call takes them as encode does, as a server request's chat_template_kwargs
+    thinking_off = pipe.generate("How many clips?", max_new_tokens=4, chat_template_kwargs={"enable_thinking": False})
+    assert thinking_off.output_ids == pipe.generate(off, max_new_tokens=4).output_ids
+    streamed = pipe.stream("How many clips?", max_new_tokens=4, chat_template_kwargs={"enable_thinking": False})
+    assert "".join(streamed) == thinking_off.text
+    assert [o.output_ids for o in quiet.generate_batch(["How many clips?"], max_new_tokens=4,
+                                                       chat_template_kwargs={"enable_thinking": True})] == [
+        pipe.generate(default, max_new_tokens=4).output_ids]
 
 
 @pytest.mark.parametrize("which", ["DEFAULT_DRAFT", "HANDOFF_DRAFT"])
