@@ -15,6 +15,7 @@ import struct
 from array import array
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -70,7 +71,7 @@ def record_turns(record: dict, tokenizer, vocab_size: int | None) -> list[tuple[
     record, else the chat template's rendering of each turn after the messages before it."""
     if "prompt_ids" in record and "response_ids" in record:
         last = (token_ids(record, "prompt_ids", vocab_size), token_ids(record, "response_ids", vocab_size))
-        return [*_earlier_turns(record, vocab_size), last]
+        return [*_earlier_turns(record, last[0], vocab_size), last]
     messages = record_messages(record)
     if messages[-1]["role"] != "assistant":
         raise UserError("the last message of a training record must be the assistant's response")
@@ -78,20 +79,31 @@ def record_turns(record: dict, tokenizer, vocab_size: int | None) -> list[tuple[
     return [_templated(messages[: i + 1], tokenizer) for i in answered]
 
 
-def _earlier_turns(record: dict, vocab_size: int | None) -> list[tuple[list[int], list[int]]]:
-    """The (prompt ids, response ids) of a datagen record's turns before its last (`earlier_turns`)."""
+def _earlier_turns(record: dict, last_prompt: list[int], vocab_size: int | None) -> list[tuple[list[int], list[int]]]:
+    """The (prompt ids, response ids) of a datagen record's turns before its last (`earlier_turns`). A turn's
+    prompt is `prompt_ids`, or the first `prompt_prefix_length` ids of the record's own `prompt_ids` followed by
+    `prompt_tail_ids` (as datagen writes it)."""
     turns = record.get("earlier_turns", [])
     if not isinstance(turns, list):
         raise RecordError(f'`earlier_turns` must be a list of {{"prompt_ids": [...], "response_ids": [...]}} '
                           f"objects, got {shown(turns)}")
-    pairs = []
-    for i, turn in enumerate(turns):
-        if not isinstance(turn, dict) or "prompt_ids" not in turn or "response_ids" not in turn:
-            raise RecordError(f'`earlier_turns`[{i}] must be an object with "prompt_ids" and "response_ids", got '
-                              f"{shown(turn)}")
-        pairs.append(tuple(token_ids(turn, name, vocab_size, f"earlier_turns`[{i}].`{name}")
-                           for name in ("prompt_ids", "response_ids")))
-    return pairs
+    return [_earlier_turn(turn, i, last_prompt, vocab_size) for i, turn in enumerate(turns)]
+
+
+def _earlier_turn(turn: Any, i: int, last_prompt: list[int], vocab_size: int | None) -> tuple[list[int], list[int]]:
+    where = f"earlier_turns`[{i}]"
+    shared = turn.get("prompt_prefix_length") if isinstance(turn, dict) else None
+    compact = isinstance(turn, dict) and "prompt_tail_ids" in turn
+    if not isinstance(turn, dict) or "response_ids" not in turn or not ("prompt_ids" in turn or compact):
+        raise RecordError(f'`{where} must be an object with "prompt_ids" (or "prompt_prefix_length" and '
+                          f'"prompt_tail_ids") and "response_ids", got {shown(turn)}')
+    response = token_ids(turn, "response_ids", vocab_size, f"{where}.`response_ids")
+    if not compact:
+        return token_ids(turn, "prompt_ids", vocab_size, f"{where}.`prompt_ids"), response
+    if not isinstance(shared, int) or isinstance(shared, bool) or not 0 <= shared <= len(last_prompt):
+        raise RecordError(f"`{where}.`prompt_prefix_length` must be a whole number of the record's prompt_ids "
+                          f"(0..{len(last_prompt)}), got {shown(shared)}")
+    return last_prompt[:shared] + token_ids(turn, "prompt_tail_ids", vocab_size, f"{where}.`prompt_tail_ids"), response
 
 
 def token_ids(record: dict, name: str, vocab_size: int | None, shown_as: str | None = None) -> list[int]:

@@ -91,7 +91,7 @@ def test_every_answer_of_a_datagen_conversation_is_an_example_after_its_own_prom
     """A later turn's prompt renders the earlier answers from their text, which need not be the ids the target
     produced (here it is not): each turn trains on its own stored prompt and answer."""
     two_turns = {"prompt_ids": [5, 6, 7, 20, 21, 9], "response_ids": [30, 31, 32],
-                 "earlier_turns": [{"prompt_ids": [5, 6, 7], "response_ids": [20, 22, 23]}]}
+                 "earlier_turns": [{"prompt_prefix_length": 2, "prompt_tail_ids": [7], "response_ids": [20, 22, 23]}]}
     path = tmp_path / "data.jsonl"
     short = {"prompt_ids": [5], "response_ids": [6, 7, 8]}
     path.write_text(json.dumps(GOOD) + "\n" + json.dumps(two_turns) + "\n" + json.dumps(short) + "\n")
@@ -108,7 +108,11 @@ def test_every_answer_of_a_datagen_conversation_is_an_example_after_its_own_prom
 
 @pytest.mark.parametrize("earlier, message", [
     ({"prompt_ids": [5], "response_ids": [6, 7]}, "`earlier_turns` must be a list of"),
-    ([{"prompt_ids": [5]}], '`earlier_turns`[0] must be an object with "prompt_ids" and "response_ids"'),
+    ([{"prompt_ids": [5]}], '`earlier_turns`[0] must be an object with "prompt_ids" (or "prompt_prefix_length" and'),
+    ([{"prompt_tail_ids": [5], "prompt_prefix_length": 9, "response_ids": [6]}],
+     "`earlier_turns`[0].`prompt_prefix_length` must be a whole number of the record's prompt_ids (0..3), got 9"),
+    ([{"prompt_tail_ids": [5, -1], "prompt_prefix_length": 1, "response_ids": [6]}],
+     "`earlier_turns`[0].`prompt_tail_ids` holds ids outside"),
     ([{"prompt_ids": [5], "response_ids": [6, "7"]}], "`earlier_turns`[0].`response_ids` must be a list of token ids"),
     ([{"prompt_ids": [5, 999], "response_ids": [6]}], "`earlier_turns`[0].`prompt_ids` holds ids outside the target's"),
 ])

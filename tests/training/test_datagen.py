@@ -74,8 +74,10 @@ def test_generates_all_turns_with_the_target_own_answers(tiny_pair, prompts, tmp
     first = records[1]["earlier_turns"]
     assert len(first) == 1 and len(records[4]["earlier_turns"]) == 1
     pipe = DFlash.from_pretrained(tiny_pair[0], no_draft=True, device="cpu")
-    assert first[0]["prompt_ids"] == pipe.encode([{"role": "user", "content": "Weng earns"}])
-    assert first[0]["response_ids"] == pipe.generate(first[0]["prompt_ids"], max_new_tokens=8).output_ids
+    asked = pipe.encode([{"role": "user", "content": "Weng earns"}])
+    shared = first[0]["prompt_prefix_length"]  # stored as what it shares with the last prompt, and its own tail
+    assert shared > 0 and records[1]["prompt_ids"][:shared] + first[0]["prompt_tail_ids"] == asked
+    assert first[0]["response_ids"] == pipe.generate(asked, max_new_tokens=8).output_ids
     assert pipe.tokenizer.decode(first[0]["response_ids"], skip_special_tokens=True) == records[1]["messages"][1][
         "content"]
 
