@@ -124,22 +124,39 @@ DEFAULT_ROPE_THETA = 1_000_000.0
 # sliding_window only under use_sliding_window, and derive absent layer_types from it and max_window_layers
 _QWEN_WINDOW_RULES = (None, "qwen2", "qwen3")
 _QWEN_MAX_WINDOW_LAYERS = 28  # their default max_window_layers
+_QWEN_SLIDING_WINDOW = 4096  # their default sliding_window, under use_sliding_window
+# config fields that set how draft layers attend, as vLLM reads them (top level, dflash_config)
+ATTENTION_FIELDS = ("is_causal",)
+DFLASH_ATTENTION_FIELDS = ("causal", "use_swa", "swa_window_size")
+
+
+def _qwen_window_rules(raw: dict[str, Any]) -> bool:
+    """Whether the config is read by Qwen2Config / Qwen3Config rules; their window fields must have their types,
+    which transformers checks too (the engines could not load the file otherwise)."""
+    if raw.get("model_type") not in _QWEN_WINDOW_RULES:
+        return False
+    flag, first = raw.get("use_sliding_window"), raw.get("max_window_layers")
+    if flag is not None and not isinstance(flag, bool):
+        raise DrafterConfigError(f"drafter config: use_sliding_window must be true or false, got {flag!r}")
+    if "max_window_layers" in raw and (not isinstance(first, int) or isinstance(first, bool)):
+        raise DrafterConfigError(f"drafter config: max_window_layers must be a whole number, got {first!r}")
+    return True
 
 
 def _sliding_window(raw: dict[str, Any]) -> Any:
-    """The top-level window as Qwen3Config reads it: none unless use_sliding_window is true."""
-    if raw.get("model_type") in _QWEN_WINDOW_RULES and not raw.get("use_sliding_window"):
-        return None
-    return raw.get("sliding_window")
+    """The top-level window as Qwen3Config reads it: none unless use_sliding_window is true, then 4096 unless
+    sliding_window says otherwise."""
+    if not _qwen_window_rules(raw):
+        return raw.get("sliding_window")
+    return raw.get("sliding_window", _QWEN_SLIDING_WINDOW) if raw.get("use_sliding_window") else None
 
 
 def _layer_types(raw: dict[str, Any]) -> list[str]:
     """Each layer's attention type as Qwen3Config reads it: layer_types, else (under use_sliding_window, with a
     window) the layers from max_window_layers on slide; [] leaves them all full."""
-    if raw.get("layer_types") or raw.get("model_type") not in _QWEN_WINDOW_RULES or _sliding_window(raw) is None:
+    if raw.get("layer_types") or not _qwen_window_rules(raw) or _sliding_window(raw) is None:
         return list(raw.get("layer_types") or [])
     first = raw.get("max_window_layers", _QWEN_MAX_WINDOW_LAYERS)
-    first = first if isinstance(first, int) else _QWEN_MAX_WINDOW_LAYERS
     return ["sliding_attention" if i >= first else "full_attention" for i in range(raw["num_hidden_layers"])]
 
 

@@ -213,8 +213,8 @@ class Server:
         if result.finish_reason != "stop" or not result.output_ids:
             return None
         last = result.output_ids[-1]
-        if last in (req.stop_token_ids or ()) and last not in self.pipe.target.eos_token_ids():
-            return last
+        if last in (req.stop_token_ids or ()) and (req.ignore_eos or last not in self.pipe.target.eos_token_ids()):
+            return last  # as vLLM: an EOS id that the request names stops as its own id once EOS is ignored
         return result.stop_string
 
     async def _complete(self, http: Request, decoding: Decoding, shape: ResponseShape,

@@ -245,7 +245,10 @@ def check_vllm_reads(draft: str, drafter: CheckedDrafter) -> None:
                         "reads them (without layer ids vLLM feeds the drafter other target layers than it was "
                         f"trained on); write the values dflash uses into the file: {fields}")
     taps = drafter.raw.get("eagle_aux_hidden_state_layer_ids")
-    if taps and list(taps) != [i + 1 for i in config.target_layer_ids]:
+    if taps is not None and not isinstance(taps, list):
+        raise UserError(f"{draft}/config.json: eagle_aux_hidden_state_layer_ids must be a list of layer ids, got "
+                        f"{taps!r}; remove that field (vLLM would tap those layers instead of target_layer_ids)")
+    if taps and taps != [i + 1 for i in config.target_layer_ids]:
         raise UserError(f"{draft}/config.json names eagle_aux_hidden_state_layer_ids {taps}, which vLLM taps instead "
                         f"of the drafter's target_layer_ids {config.target_layer_ids} (it would need "
                         f"{[i + 1 for i in config.target_layer_ids]}, each layer's output as the next one's input); "

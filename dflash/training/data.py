@@ -28,6 +28,7 @@ class Example:
     input_ids: list[int]
     response_start: int  # index of the first response token
     record: int = 0  # the record's line: a conversation's turns stay on one side of the held-out split
+    opening: int = 0  # a hash of the record's first prompt: another answer to a held-out conversation is known by it
 
     def __len__(self) -> int:
         return len(self.input_ids)
@@ -58,11 +59,13 @@ def record_messages(record: dict) -> list[dict]:
 def tokenize_record(record: dict, tokenizer, max_length: int, vocab_size: int | None = None) -> list[Example]:
     """The examples of one record, a turn each, with their token ids and where each response starts; a turn of
     which nothing of the response fits in `max_length` is left out."""
+    turns = record_turns(record, tokenizer, vocab_size)
+    opening = hash(tuple(turns[0][0]))  # the same in every process: a tuple of ints hashes without a seed
     examples = []
-    for prompt, response in record_turns(record, tokenizer, vocab_size):
+    for prompt, response in turns:
         ids = (prompt + response)[:max_length]
         if len(ids) - len(prompt) >= 2:
-            examples.append(Example(ids, len(prompt)))
+            examples.append(Example(ids, len(prompt), opening=opening))
     return examples
 
 
@@ -76,6 +79,9 @@ def record_turns(record: dict, tokenizer, vocab_size: int | None) -> list[tuple[
     if messages[-1]["role"] != "assistant":
         raise UserError("the last message of a training record must be the assistant's response")
     answered = [i for i, m in enumerate(messages) if m["role"] == "assistant" and i > 0]
+    if not answered:
+        raise UserError("the conversation has no assistant message after a prompt to learn from; put the user "
+                        "message it answers before it")
     return [_templated(messages[: i + 1], tokenizer) for i in answered]
 
 
@@ -94,8 +100,8 @@ def _earlier_turn(turn: Any, i: int, last_prompt: list[int], vocab_size: int | N
     where = f"earlier_turns`[{i}]"
     shared = turn.get("prompt_prefix_length") if isinstance(turn, dict) else None
     compact = isinstance(turn, dict) and "prompt_tail_ids" in turn
-    if not isinstance(turn, dict) or "response_ids" not in turn or not ("prompt_ids" in turn or compact):
-        raise RecordError(f'`{where} must be an object with "prompt_ids" (or "prompt_prefix_length" and '
+    if (not isinstance(turn, dict) or "response_ids" not in turn or ("prompt_ids" in turn) == compact):
+        raise RecordError(f'`{where} must be an object with "prompt_ids" (or, instead, "prompt_prefix_length" and '
                           f'"prompt_tail_ids") and "response_ids", got {shown(turn)}')
     response = token_ids(turn, "response_ids", vocab_size, f"{where}.`response_ids")
     if not compact:
@@ -157,13 +163,14 @@ class ExampleFile:
     examples: list[Example]  # a turn each; a record of several answered turns gives several
     records: int  # how many records the file holds
     dropped: list[int]  # line numbers of records none of whose turns has 2 response tokens within max_length
+    cut_turns: int = 0  # turns of the other records left out so
 
 
 def read_examples(path: str | Path, tokenizer, max_length: int, vocab_size: int | None = None,
                   flag: str = "--data") -> ExampleFile:
     """Every record of the JSONL file that `flag` names as an example, and the records that leave nothing to train
     on; a bad record is an error naming its line."""
-    examples, dropped = [], []
+    examples, dropped, cut = [], [], 0
     rows = read_jsonl(path, missing=f"create it with `dflash datagen` or pass another {flag}")
     for n, record in rows:
         try:
@@ -175,10 +182,20 @@ def read_examples(path: str | Path, tokenizer, max_length: int, vocab_size: int 
         examples += turns
         if not turns:
             dropped.append(n)
+        else:
+            cut += _turns_in(record) - len(turns)
     if not examples:
         raise UserError(f"no usable examples in {flag} {path}: every response is empty or cut off by --max-length "
                         f"({max_length} tokens with its prompt)")
-    return ExampleFile(examples, len(rows), dropped)
+    return ExampleFile(examples, len(rows), dropped, cut)
+
+
+def _turns_in(record: dict) -> int:
+    """How many answered turns a record holds (checked already by `tokenize_record`)."""
+    if "prompt_ids" in record and "response_ids" in record:
+        return 1 + len(record.get("earlier_turns") or [])
+    messages = record_messages(record)
+    return sum(m["role"] == "assistant" and i > 0 for i, m in enumerate(messages))
 
 
 def fingerprint(examples: list[Example]) -> str:

@@ -26,7 +26,7 @@ import yaml
 from torch import nn
 
 from dflash.errors import UserError, in_brief
-from dflash.model.config import DrafterConfig
+from dflash.model.config import ATTENTION_FIELDS, DFLASH_ATTENTION_FIELDS, DrafterConfig
 from dflash.model.dflash2 import GroupedDynamicConv
 from dflash.model.drafter import DFlashDraftModel
 from dflash.model.loading import load_drafter, resolve_model_dir, save_drafter
@@ -337,6 +337,10 @@ class Trainer:
             self._warn(f"{flag} {path}: {len(loaded.dropped)} of {loaded.records} "
                        f"records are left out, their responses empty or cut below 2 tokens by --max-length "
                        f"{self.config.max_length} (lines {lines})")
+        if loaded.cut_turns:
+            self._warn(f"{flag} {path}: {loaded.cut_turns} turns of conversations are left out, their responses "
+                       f"empty or cut below 2 tokens by --max-length {self.config.max_length} (the other turns of "
+                       "their records train)")
         return loaded.examples
 
     def _check_data_target(self, flag: str, path: str) -> None:
@@ -359,11 +363,18 @@ class Trainer:
         """Training examples, less those whose prompt is a held-out one (another answer to it, or the same record
         twice in --data): the held-out figures must come from prompts training never saw."""
         held = {tuple(e.input_ids[: e.response_start]) for e in self.eval_examples}
-        kept = [e for e in examples if tuple(e.input_ids[: e.response_start]) not in held]
-        if len(kept) < len(examples):
-            self._warn(f"{flag} {path}: {len(examples) - len(kept)} records answer a prompt of the held-out split "
-                       "of --data and are left out of training (the held-out figures would be measured on prompts "
-                       "training saw)")
+        openings = {e.opening for e in self.eval_examples}  # a conversation's later turns answer the held-out one too
+        kept, left = [], set()
+        for e in examples:
+            if e.opening in openings or tuple(e.input_ids[: e.response_start]) in held:
+                left.add(e.record)
+            else:
+                kept.append(e)
+        if left:
+            turns = f" ({len(examples) - len(kept)} turns)" if len(examples) - len(kept) != len(left) else ""
+            self._warn(f"{flag} {path}: {len(left)} records{turns} answer a prompt of the held-out split of --data "
+                       "and are left out of training (the held-out figures would be measured on prompts training "
+                       "saw)")
         return kept
 
     def _setup_drafter(self) -> None:
@@ -706,6 +717,7 @@ class Trainer:
         finally:
             self._unlock_output()
         self._log({"event": "done", **final})
+        self._barrier()  # no process tears its connections down while another still uses them (cleanup)
         return final
 
     def train_time_s(self) -> float:
@@ -953,16 +965,25 @@ class Trainer:
                             f"(training_state.pt: {in_brief(err)}); delete that step directory to resume from the "
                             "previous checkpoint, or run without --resume and with --overwrite to start over") from None
 
+    def _with_fields_it_dropped(self, saved: dict) -> dict:
+        """A checkpoint's drafter config with the fields checkpoints before 2026-12-06 dropped (those this package
+        did not own, e.g. use_sliding_window) taken from the drafter being trained: missing, they are its own, not
+        another shape. The fields that set how layers attend are not filled in: a difference there is one."""
+        if not isinstance(saved, dict):
+            return saved
+        current = self.drafter_config
+        raw = {**{k: v for k, v in current.extra.items() if k not in ATTENTION_FIELDS}, **saved}
+        dflash = raw.get("dflash_config")
+        if isinstance(dflash, dict):
+            ours = {k: v for k, v in current.dflash_extra.items() if k not in DFLASH_ATTENTION_FIELDS}
+            raw["dflash_config"] = {**ours, **dflash}
+        return raw
+
     def _check_resumable(self, state: dict, checkpoint: Path) -> None:
         """Refuse a resume that would not continue the same training: another drafter shape, other examples or
         another order of them (data, split, seed, global batch)."""
         fresh = "pass another --output, or --overwrite to delete its checkpoints and train from scratch"
-        saved = DrafterConfig.from_dict(state["drafter_config"])
-        # checkpoints before 2026-12-06 dropped the config fields this package does not read: the ones missing are
-        # the drafter's own, not another shape
-        saved.extra = {**self.drafter_config.extra, **saved.extra}
-        saved.dflash_extra = {**self.drafter_config.dflash_extra, **saved.dflash_extra}
-        saved = saved.to_dict()
+        saved = DrafterConfig.from_dict(self._with_fields_it_dropped(state["drafter_config"])).to_dict()
         shape = [f"{k} {saved.get(k)!r}, now {v!r}" for k, v in self.drafter_config.to_dict().items()
                  if saved.get(k) != v]
         if shape:

@@ -72,12 +72,19 @@ def test_layer_types_and_window_are_read_as_qwen3config_reads_them(model_type):
     cases = [{"use_sliding_window": True, "sliding_window": 16, "max_window_layers": 1},
              {"use_sliding_window": False, "sliding_window": 16, "max_window_layers": 1},
              {"use_sliding_window": True, "sliding_window": 16},  # max_window_layers 28: none slides
-             {"sliding_window": 16, "layer_types": ["full_attention"] * 3}]
+             {"sliding_window": 16, "layer_types": ["full_attention"] * 3},
+             {"use_sliding_window": True, "max_window_layers": 2}]  # their default window, 4096
     for case in cases:
         config, theirs = DrafterConfig.from_dict({**raw, **case}), Qwen3Config(**{**raw, **case})
         assert (config.layer_types, config.sliding_window) == (theirs.layer_types, theirs.sliding_window), case
     mistral = DrafterConfig.from_dict({**raw, "model_type": "mistral", "sliding_window": 16})  # no such rule there
     assert (mistral.layer_types, mistral.sliding_window) == (["full_attention"] * 3, 16)
+    # values transformers refuses (so the engines cannot load the file) are refused by name
+    for bad, named in (({"use_sliding_window": "false"}, "use_sliding_window must be true or false, got 'false'"),
+                       ({"use_sliding_window": True, "max_window_layers": 2.0}, "max_window_layers must be a whole"),
+                       ({"max_window_layers": True}, "max_window_layers must be a whole number, got True")):
+        with pytest.raises(DrafterConfigError, match=named):
+            DrafterConfig.from_dict({**raw, **bad})
 
 
 GOOD = {**BASE, "num_target_layers": 8, "dflash_config": {"mask_token_id": 1, "target_layer_ids": [1, 5]}}

@@ -97,6 +97,16 @@ def test_stop_reason_names_what_ended_the_answer_as_vllm_does(server, client):
     assert by_id["finish_reason"] == "stop" and by_id["stop_reason"] == token
     by_length = chat(client, max_tokens=3, extra_body={"ignore_eos": True}).model_dump()["choices"][0]
     assert by_length["finish_reason"] == "length" and by_length["stop_reason"] is None
+    # an EOS id the request names, with EOS ignored, stops as the request's own id (vLLM's check_stop)
+    eos = server.pipe.target.eos_token_ids
+    server.pipe.target.eos_token_ids = lambda: [token]
+    try:
+        as_eos = chat(client, max_tokens=30, extra_body={"stop_token_ids": [token]}).model_dump()["choices"][0]
+        named = chat(client, max_tokens=30, extra_body={"stop_token_ids": [token], "ignore_eos": True}).model_dump()
+    finally:
+        server.pipe.target.eos_token_ids = eos
+    assert as_eos["finish_reason"] == "stop" and as_eos["stop_reason"] is None
+    assert named["choices"][0]["finish_reason"] == "stop" and named["choices"][0]["stop_reason"] == token
     with httpx.stream("POST", f"{server.url}/v1/chat/completions", json={
             "model": MODEL, "messages": QUESTION, "max_tokens": 30, "temperature": 0, "stop": [stop], "stream": True,
             "stream_options": {"include_usage": True}}) as response:

@@ -101,18 +101,25 @@ def test_every_answer_of_a_datagen_conversation_is_an_example_after_its_own_prom
         ([5, 6, 7, 8], 1, 3)]
     assert loaded.records == 3 and loaded.dropped == []
     # a turn cut below 2 response tokens is left out alone; a record is dropped when none is left
-    assert [e.input_ids for e in read_examples(path, tokenizer, max_length=7).examples] == [
-        [5, 6, 7, 8, 9, 10, 11], [5, 6, 7, 20, 22, 23], [5, 6, 7, 8]]
-    assert read_examples(path, tokenizer, max_length=4).dropped == [1, 2]
+    cut = read_examples(path, tokenizer, max_length=7)
+    assert [e.input_ids for e in cut.examples] == [[5, 6, 7, 8, 9, 10, 11], [5, 6, 7, 20, 22, 23], [5, 6, 7, 8]]
+    assert (cut.dropped, cut.cut_turns) == ([], 1)  # the second turn of line 2, counted for the trainer's warning
+    short = read_examples(path, tokenizer, max_length=4)
+    assert (short.dropped, short.cut_turns) == ([1, 2], 0)
+    # each turn carries the hash of its record's first prompt: lines 1 and 2 open with the same one
+    assert [e.opening for e in loaded.examples][:3] == [loaded.examples[0].opening] * 3
+    assert loaded.examples[3].opening != loaded.examples[0].opening
 
 
 @pytest.mark.parametrize("earlier, message", [
     ({"prompt_ids": [5], "response_ids": [6, 7]}, "`earlier_turns` must be a list of"),
-    ([{"prompt_ids": [5]}], '`earlier_turns`[0] must be an object with "prompt_ids" (or "prompt_prefix_length" and'),
+    ([{"prompt_ids": [5]}], '`earlier_turns`[0] must be an object with "prompt_ids" (or, instead,'),
     ([{"prompt_tail_ids": [5], "prompt_prefix_length": 9, "response_ids": [6]}],
      "`earlier_turns`[0].`prompt_prefix_length` must be a whole number of the record's prompt_ids (0..3), got 9"),
     ([{"prompt_tail_ids": [5, -1], "prompt_prefix_length": 1, "response_ids": [6]}],
      "`earlier_turns`[0].`prompt_tail_ids` holds ids outside"),
+    ([{"prompt_ids": [5], "prompt_tail_ids": [5], "prompt_prefix_length": 1, "response_ids": [6]}],
+     '`earlier_turns`[0] must be an object with "prompt_ids" (or, instead,'),
     ([{"prompt_ids": [5], "response_ids": [6, "7"]}], "`earlier_turns`[0].`response_ids` must be a list of token ids"),
     ([{"prompt_ids": [5, 999], "response_ids": [6]}], "`earlier_turns`[0].`prompt_ids` holds ids outside the target's"),
 ])
@@ -121,6 +128,13 @@ def test_bad_earlier_turns_are_named_with_their_line(tmp_path, tokenizer, earlie
     path.write_text(json.dumps(GOOD) + "\n" + json.dumps(dict(GOOD, earlier_turns=earlier)) + "\n")
     with pytest.raises(UserError, match=re.escape("data.jsonl:2: " + message)):
         read_examples(path, tokenizer, max_length=64, vocab_size=128)
+
+
+def test_a_conversation_with_no_answer_after_a_prompt_is_named(tmp_path, tokenizer):
+    path = tmp_path / "data.jsonl"
+    path.write_text(json.dumps(GOOD) + "\n" + json.dumps({"messages": [{"role": "assistant", "content": "hi"}]}) + "\n")
+    with pytest.raises(UserError, match="data.jsonl:2: the conversation has no assistant message after a prompt"):
+        read_examples(path, tokenizer, max_length=64)
 
 
 def test_every_assistant_turn_of_a_text_conversation_is_an_example(tmp_path, tokenizer):

@@ -285,6 +285,31 @@ def test_extra_train_data_never_trains_on_a_held_out_prompt(tiny_pair, train_dat
             "are left out of training") in capsys.readouterr().err
 
 
+def test_no_turn_of_a_held_out_conversation_trains_and_cut_turns_are_named(tiny_pair, tmp_path, capsys):
+    """A second datagen pass (sampled) answers a held-out conversation's first turn differently, so its second
+    turn's prompt differs from the held-out one's, and it answers the held-out user's question all the same."""
+    def conversations(path, seed_answers):
+        prompts, answers = random.Random(1), random.Random(seed_answers)
+        with path.open("w") as f:
+            for i in range(8):
+                first = [4 + i, *(prompts.randrange(4, 120) for _ in range(5))]
+                reply = [answers.randrange(4, 120) for _ in range(12)]
+                last = first + reply + [prompts.randrange(4, 120) for _ in range(3 if i else 50)]  # line 1: long
+                f.write(json.dumps({"prompt_ids": last, "response_ids": [answers.randrange(4, 120) for _ in range(14)],
+                                    "earlier_turns": [{"prompt_ids": first, "response_ids": reply}]}) + "\n")
+        return path
+
+    data = conversations(tmp_path / "data.jsonl", 0)
+    again = conversations(tmp_path / "again.jsonl", 1)  # the same prompts, other answers
+    trainer = Trainer(config(tiny_pair, data, tmp_path / "o", eval_fraction=0.25, max_length=60,
+                             extra_train_data=str(again))).setup()
+    held = {e.opening for e in trainer.eval_examples}
+    assert len(held) == 2 and not any(e.opening in held for e in trainer.train_examples)
+    err = " ".join(capsys.readouterr().err.split())
+    assert f"--extra-train-data {again}: 2 records" in err and "answer a prompt of the held-out split" in err
+    assert f"--data {data}: 1 turns of conversations are left out" in err  # line 1's second turn, cut by 60
+
+
 def test_a_record_listed_twice_in_data_never_trains_on_its_held_out_copy(tiny_pair, train_data, tmp_path, capsys):
     """Two datagen runs on one file once wrote every answer twice; the split then held out copies of training
     records, and the held-out figures measured what training saw."""
@@ -672,30 +697,41 @@ def test_a_checkpoint_of_an_older_version_is_checked_by_its_options(tiny_pair, t
 
 
 def test_a_fine_tune_checkpointed_before_config_extras_were_kept_resumes(tiny_pair, train_data, tmp_path):
-    """Checkpoints before 2026-12-06 kept none of a drafter's config fields that this package does not read (vLLM's
-    `use_sliding_window`, `dflash_config` extras): a resume of such a fine-tune found "another shape"."""
+    """Checkpoints before 2026-12-06 kept none of a drafter's config fields that this package did not own (vLLM's
+    `use_sliding_window`, `dflash_config` extras): a resume of such a fine-tune found "another shape", or, for a
+    sliding drafter, no window. Fields that set how layers attend are not filled in: missing, they are a change."""
     first = tmp_path / "first"
     shutil.copytree(tiny_pair[1], first)
     raw = json.loads((first / "config.json").read_text())
-    raw.update(use_sliding_window=False, max_window_layers=2)
-    raw["dflash_config"]["swa_window_size"] = None
+    raw.update(use_sliding_window=True, sliding_window=64, max_window_layers=0, layer_types=["sliding_attention"])
+    raw["dflash_config"].update(engine_option=1, causal=True)
     (first / "config.json").write_text(json.dumps(raw))
     out = tmp_path / "tuned"
     Trainer(config(tiny_pair, train_data, out, init_from=str(first), max_steps=2)).setup().train()
+    step2 = out / "checkpoints" / "step-00000002" / "training_state.pt"
 
-    def forget_extras(state):
-        for key in ("use_sliding_window", "max_window_layers"):
-            del state["drafter_config"][key]
-        del state["drafter_config"]["dflash_config"]["swa_window_size"]
+    def forget(*keys, dflash_keys=()):
+        def edit(state):
+            for key in keys:
+                del state["drafter_config"][key]
+            for key in dflash_keys:
+                del state["drafter_config"]["dflash_config"][key]
+        return edit
 
-    _edit_state(out / "checkpoints" / "step-00000002" / "training_state.pt", forget_extras)
+    _edit_state(step2, forget("use_sliding_window", "max_window_layers", dflash_keys=("engine_option",)))
     resumed = Trainer(config(tiny_pair, train_data, out, init_from=str(first), max_steps=3, resume=True)).setup()
-    assert resumed.step == 2 and resumed.drafter_config.extra["max_window_layers"] == 2
+    assert resumed.step == 2 and resumed.drafter_config.extra["max_window_layers"] == 0
+    assert resumed.drafter_config.layer_attention(0).window == 64
     resumed.train()
-    assert json.loads((out / "config.json").read_text())["max_window_layers"] == 2  # written back
-    _edit_state(out / "checkpoints" / "step-00000003" / "training_state.pt",
-                lambda state: state["drafter_config"].update(max_window_layers=1))
-    with pytest.raises(UserError, match="another shape .max_window_layers 1, now 2"):  # a recorded one still counts
+    exported = json.loads((out / "config.json").read_text())  # written back
+    assert (exported["max_window_layers"], exported["dflash_config"]["engine_option"]) == (0, 1)
+    step3 = out / "checkpoints" / "step-00000003" / "training_state.pt"
+    _edit_state(step3, lambda state: state["drafter_config"].update(max_window_layers=1))
+    with pytest.raises(UserError, match="another shape .max_window_layers 1, now 0"):  # a recorded one still counts
+        Trainer(config(tiny_pair, train_data, out, init_from=str(first), max_steps=4, resume=True)).setup()
+    _edit_state(step3, lambda state: state["drafter_config"].update(max_window_layers=0))
+    _edit_state(step3, forget(dflash_keys=("causal",)))  # trained both ways, resumed causal: not the same training
+    with pytest.raises(UserError, match="another shape .dflash_config"):
         Trainer(config(tiny_pair, train_data, out, init_from=str(first), max_steps=4, resume=True)).setup()
 
 
