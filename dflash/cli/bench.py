@@ -41,8 +41,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     add_model_arguments(parser, block_size_sweep=True)
     data = parser.add_argument_group("data")
     data.add_argument("--dataset", nargs="+", default=["gsm8k"], metavar="NAME", action=SweepOnce, help=DATASET_HELP)
-    data.add_argument("--data-file", help="JSONL with the dataset's own records, or 'prompt', 'turns' or "
-                                          "'messages' per line (one dataset only)")
+    data.add_argument("--data-file", help="JSONL with the dataset's own records, or 'prompt', 'turns', 'messages' "
+                                          "or ShareGPT 'conversations' per line (one dataset only)")
     data.add_argument("--data-dir", help="directory laid out like gsm8k/test.jsonl, math500/test.jsonl, ... "
                                          "(default: $DFLASH_DATA_DIR)")
     data.add_argument("--max-samples", type=int,

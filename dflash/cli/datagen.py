@@ -12,7 +12,8 @@ from dflash.training.datagen import DatagenConfig, read_prompts, run_datagen
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--target", help="target model: directory or hub id (default: the embedded target)")
     parser.add_argument("--prompts", required=True,
-                        help="JSONL with `prompt`, `turns` or `messages` per line, a parquet, CSV or Arrow file, a "
+                        help="JSONL with `prompt`, `turns`, `messages` or ShareGPT `conversations` per line, a "
+                        "parquet, CSV or Arrow file, a "
                         "dataset directory (data files or a save_to_disk copy), or a Hugging Face dataset name "
                         "(org/name)")
     parser.add_argument("--output", required=True,
