@@ -8,6 +8,7 @@ same command trains with DDP (gloo on CPU, nccl on GPU).
 from __future__ import annotations
 
 import contextlib
+import gc
 import json
 import math
 import os
@@ -1051,6 +1052,10 @@ class Trainer:
     def cleanup(self) -> None:
         self._unlock_output()
         if dist.is_initialized():
+            # DDP's reducer holds the process group: left to the interpreter's exit, gloo's threads can be torn
+            # down after Python and abort the process (seen on 2-process runs that had finished)
+            self.model = getattr(self, "head", None)
+            gc.collect()
             dist.destroy_process_group()
 
     # ---- helpers ---------------------------------------------------------------------------------------
