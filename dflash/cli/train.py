@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import argparse
 
-from dflash.cli.common import int_list
+from dflash.cli.common import add_thinking_argument, int_list
 from dflash.training.config import TrainConfig, load_config
 
 DEFAULTS = TrainConfig()  # the values a flag left out takes (the flags themselves default to None: "not given")
@@ -18,6 +18,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--extra-train-data", nargs="+", metavar="FILE",
                         help="more JSONL files used for training only; the held-out split still comes from --data")
     parser.add_argument("--output", help="output directory (public drafter format + checkpoints/)")
+    add_thinking_argument(parser)  # for text records (datagen's records hold their ids): render them as served
     parser.add_argument("--draft-layers", type=int,
                         help="drafter layers (default 1); with --init-from, more than the drafter has adds layers "
                              "that start silent, so the drafter starts unchanged")

@@ -26,6 +26,7 @@ class TrainConfig:
     target: str = ""  # path or hub id of the target
     data: str = ""  # JSONL from `dflash datagen`; the held-out split is drawn from it
     extra_train_data: list[str] | None = None  # more JSONL files, for training only (the split is unchanged)
+    enable_thinking: bool | None = None  # text records: the chat template's enable_thinking, as it will be served
     output: str = ""  # output directory: the public drafter format + checkpoints/
     # drafter shape
     draft_layers: int | None = None  # a new drafter: 1 by default; with init_from: its own (more adds layers)

@@ -56,10 +56,12 @@ def record_messages(record: dict) -> list[dict]:
     return user + [{"role": "assistant", "content": response}]
 
 
-def tokenize_record(record: dict, tokenizer, max_length: int, vocab_size: int | None = None) -> list[Example]:
+def tokenize_record(record: dict, tokenizer, max_length: int, vocab_size: int | None = None,
+                    template_kwargs: dict | None = None) -> list[Example]:
     """The examples of one record, a turn each, with their token ids and where each response starts; a turn of
-    which nothing of the response fits in `max_length` is left out."""
-    turns = record_turns(record, tokenizer, vocab_size)
+    which nothing of the response fits in `max_length` is left out. `template_kwargs`: the chat template's
+    variables for text records (e.g. enable_thinking, as the target will be served)."""
+    turns = record_turns(record, tokenizer, vocab_size, template_kwargs)
     opening = hash(tuple(turns[0][0]))  # the same in every process: a tuple of ints hashes without a seed
     examples = []
     for prompt, response in turns:
@@ -69,7 +71,8 @@ def tokenize_record(record: dict, tokenizer, max_length: int, vocab_size: int | 
     return examples
 
 
-def record_turns(record: dict, tokenizer, vocab_size: int | None) -> list[tuple[list[int], list[int]]]:
+def record_turns(record: dict, tokenizer, vocab_size: int | None,
+                 template_kwargs: dict | None = None) -> list[tuple[list[int], list[int]]]:
     """(prompt ids, response ids) of every assistant turn of a record, in order: the stored ids of a datagen
     record, else the chat template's rendering of each turn after the messages before it."""
     if "prompt_ids" in record and "response_ids" in record:
@@ -82,7 +85,7 @@ def record_turns(record: dict, tokenizer, vocab_size: int | None) -> list[tuple[
     if not answered:
         raise UserError("the conversation has no assistant message after a prompt to learn from; put the user "
                         "message it answers before it")
-    return [_templated(messages[: i + 1], tokenizer) for i in answered]
+    return [_templated(messages[: i + 1], tokenizer, template_kwargs or {}) for i in answered]
 
 
 def _earlier_turns(record: dict, last_prompt: list[int], vocab_size: int | None) -> list[tuple[list[int], list[int]]]:
@@ -124,14 +127,14 @@ def token_ids(record: dict, name: str, vocab_size: int | None, shown_as: str | N
     return ids
 
 
-def _templated(messages: list[dict], tokenizer) -> tuple[list[int], list[int]]:
+def _templated(messages: list[dict], tokenizer, variables: dict) -> tuple[list[int], list[int]]:
     """(prompt, response) ids of a conversation through the chat template, its last message the response."""
     if tokenizer is None or not getattr(tokenizer, "chat_template", None):
         raise UserError("this record is text, and the target's tokenizer has no chat template to turn it into "
                         "tokens; make the data with `dflash datagen` (it stores the token ids), or add "
                         "`prompt_ids` and `response_ids` to each record")
-    prompt = _ids(_apply_template(tokenizer, messages[:-1], add_generation_prompt=True))
-    full = _ids(_apply_template(tokenizer, messages))
+    prompt = _ids(_apply_template(tokenizer, messages[:-1], add_generation_prompt=True, **variables))
+    full = _ids(_apply_template(tokenizer, messages, **variables))
     if full[: len(prompt)] != prompt:
         raise UserError("the chat template renders the prompt differently inside the full conversation; "
                         "store prompt_ids/response_ids (dflash datagen does) instead")
@@ -167,14 +170,14 @@ class ExampleFile:
 
 
 def read_examples(path: str | Path, tokenizer, max_length: int, vocab_size: int | None = None,
-                  flag: str = "--data") -> ExampleFile:
+                  flag: str = "--data", template_kwargs: dict | None = None) -> ExampleFile:
     """Every record of the JSONL file that `flag` names as an example, and the records that leave nothing to train
     on; a bad record is an error naming its line."""
     examples, dropped, cut = [], [], 0
     rows = read_jsonl(path, missing=f"create it with `dflash datagen` or pass another {flag}")
     for n, record in rows:
         try:
-            turns = tokenize_record(record, tokenizer, max_length, vocab_size)
+            turns = tokenize_record(record, tokenizer, max_length, vocab_size, template_kwargs)
         except UserError as err:
             raise UserError(f"{path}:{n}: {err}") from None
         for example in turns:

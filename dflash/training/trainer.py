@@ -331,7 +331,9 @@ class Trainer:
         if being_written(path):
             raise UserError(f"{flag} {path} is still being written by dflash datagen; let it finish, then train (a run "
                             "on part of it could not be resumed once the file has grown)")
-        loaded = read_examples(path, self.tokenizer, self.config.max_length, self.target.vocab_size, flag)
+        thinking = self.config.enable_thinking
+        loaded = read_examples(path, self.tokenizer, self.config.max_length, self.target.vocab_size, flag,
+                               None if thinking is None else {"enable_thinking": thinking})
         self._check_data_target(flag, path)
         if loaded.dropped:
             lines = ", ".join(map(str, loaded.dropped[:10])) + (" ..." if len(loaded.dropped) > 10 else "")

@@ -165,3 +165,15 @@ def test_target_layer_ids_that_are_not_integers_say_how_to_write_them(tmp_path):
     with pytest.raises(UserError, match=re.escape("`target_layer_ids: '1,a'` should be a list of integers or None "
                                                   '(e.g. [1, 9, 17], or "1,9,17" as the flag takes it)')):
         load_config(str(yaml_path), {})
+
+
+def test_the_thinking_mode_for_text_records_comes_from_the_flag_or_the_file(tmp_path):
+    from dflash.cli.main import build_parser
+
+    args = vars(build_parser().parse_args(["train", "--no-enable-thinking"]))
+    overrides = {k: v for k, v in args.items() if k not in ("config", "command", "module")}
+    assert load_config(None, {**overrides, **REQUIRED}).enable_thinking is False
+    path = tmp_path / "train.yaml"
+    path.write_text("enable_thinking: true\n")
+    assert load_config(str(path), REQUIRED).enable_thinking is True
+    assert load_config(None, REQUIRED).enable_thinking is None  # the template's own default

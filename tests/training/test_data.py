@@ -176,3 +176,29 @@ def test_a_sharegpt_conversation_trains_as_the_same_messages_would(tmp_path, tok
                     + json.dumps({"messages": [{"role": roles[f], "content": v} for f, v in turns]}) + "\n")
     examples = [(e.input_ids, e.response_start) for e in read_examples(path, tokenizer, max_length=512).examples]
     assert len(examples) == 4 and examples[:2] == examples[2:]
+
+
+# as Qwen3's template: thinking off opens the answer with an empty think block, in the prompt and in the full
+# conversation's last answer
+THINKING = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n"
+            "{% if m['role'] == 'assistant' and loop.last and enable_thinking is defined and not enable_thinking %}"
+            "<think></think>{% endif %}{{ m['content'] }}<|im_end|>\n{% endfor %}"
+            "{% if add_generation_prompt %}<|im_start|>assistant\n"
+            "{% if enable_thinking is defined and not enable_thinking %}<think></think>{% endif %}{% endif %}")
+
+
+def test_text_records_render_with_the_thinking_mode_they_will_be_served_with(tmp_path, tokenizer):
+    """Served with thinking off, the prompt ends with the empty think block and the answer is the text alone."""
+    from dflash.training.data import _apply_template, _ids
+
+    thinking = copy.deepcopy(tokenizer)
+    thinking.chat_template = THINKING
+    messages = [{"role": "user", "content": "How many clips?"}, {"role": "assistant", "content": "72 clips."}]
+    path = tmp_path / "data.jsonl"
+    path.write_text(json.dumps({"messages": messages}) + "\n")
+    off = read_examples(path, thinking, max_length=512, template_kwargs={"enable_thinking": False}).examples[0]
+    served = _ids(_apply_template(thinking, messages[:1], add_generation_prompt=True, enable_thinking=False))
+    assert off.input_ids[: off.response_start] == served
+    assert thinking.decode(off.input_ids[off.response_start:]).startswith("72 clips.")
+    default = read_examples(path, thinking, max_length=512).examples[0]
+    assert default.response_start < off.response_start  # the template's own default: no think block
