@@ -59,6 +59,8 @@ def run(args: argparse.Namespace) -> int:
         bar.stop()
     skipped = (f"; {len(result.skipped)} skipped: too long for the target's context (named above; a rerun skips "
                "them again)" if result.skipped else "")
+    skipped += (f"; {result.cut} conversations end early, a later turn too long for the context" if result.cut
+                else "")
     print(f"wrote {result.written} new records to {config.output} ({len(prompts)} prompts in all{skipped}; it "
           f"holds {result.held})")
     return 0

@@ -28,7 +28,7 @@ class Example:
     input_ids: list[int]
     response_start: int  # index of the first response token
     record: int = 0  # the record's line: a conversation's turns stay on one side of the held-out split
-    opening: int = 0  # a hash of the record's first prompt: another answer to a held-out conversation is known by it
+    asked: int = 0  # a hash of the user messages up to this turn: another answer to a held-out question shares it
 
     def __len__(self) -> int:
         return len(self.input_ids)
@@ -62,13 +62,35 @@ def tokenize_record(record: dict, tokenizer, max_length: int, vocab_size: int | 
     which nothing of the response fits in `max_length` is left out. `template_kwargs`: the chat template's
     variables for text records (e.g. enable_thinking, as the target will be served)."""
     turns = record_turns(record, tokenizer, vocab_size, template_kwargs)
-    opening = hash(tuple(turns[0][0]))  # the same in every process: a tuple of ints hashes without a seed
     examples = []
-    for prompt, response in turns:
+    for (prompt, response), asked in zip(turns, _asked(record, [prompt for prompt, _ in turns])):
         ids = (prompt + response)[:max_length]
         if len(ids) - len(prompt) >= 2:
-            examples.append(Example(ids, len(prompt), opening=opening))
+            examples.append(Example(ids, len(prompt), asked=asked))
     return examples
+
+
+def _asked(record: dict, prompts: list[list[int]]) -> list[int]:
+    """For each turn, a hash of the user messages up to it (the record's texts: datagen writes the conversation
+    in `messages`), or of its prompt ids where the record holds no such texts. A second datagen pass that samples
+    a first answer anew asks the same second question after another prompt: this tells that they are one."""
+    users = [m["content"] for m in _texts(record) if m["role"] == "user"]
+    if len(users) != len(prompts):
+        return [_stable_hash(repr(prompt)) for prompt in prompts]
+    return [_stable_hash(repr(users[: k + 1])) for k in range(len(prompts))]
+
+
+def _texts(record: dict) -> list[dict]:
+    """The record's conversation as text, answers included; [] when it holds none."""
+    try:
+        return record_messages(record)
+    except UserError:  # a datagen record's ids with no texts beside them
+        return []
+
+
+def _stable_hash(text: str) -> int:
+    """The same in every process (Python's own str hash is salted per process, and DDP ranks must agree)."""
+    return int.from_bytes(hashlib.blake2b(text.encode("utf-8", "surrogatepass"), digest_size=8).digest(), "little")
 
 
 def record_turns(record: dict, tokenizer, vocab_size: int | None,
@@ -79,12 +101,13 @@ def record_turns(record: dict, tokenizer, vocab_size: int | None,
         last = (token_ids(record, "prompt_ids", vocab_size), token_ids(record, "response_ids", vocab_size))
         return [*_earlier_turns(record, last[0], vocab_size), last]
     messages = record_messages(record)
-    if messages[-1]["role"] != "assistant":
-        raise UserError("the last message of a training record must be the assistant's response")
     answered = [i for i, m in enumerate(messages) if m["role"] == "assistant" and i > 0]
     if not answered:
         raise UserError("the conversation has no assistant message after a prompt to learn from; put the user "
                         "message it answers before it")
+    empty = [i for i in answered if not messages[i]["content"].strip()]
+    if empty:
+        raise UserError(f"message {empty[0]} of the conversation is an empty answer; remove it or the record")
     return [_templated(messages[: i + 1], tokenizer, template_kwargs or {}) for i in answered]
 
 
@@ -167,13 +190,14 @@ class ExampleFile:
     records: int  # how many records the file holds
     dropped: list[int]  # line numbers of records none of whose turns has 2 response tokens within max_length
     cut_turns: int = 0  # turns of the other records left out so
+    answers_without_ids: int = 0  # answers of datagen records (before 2026-12-06) that hold only the last turn's ids
 
 
 def read_examples(path: str | Path, tokenizer, max_length: int, vocab_size: int | None = None,
                   flag: str = "--data", template_kwargs: dict | None = None) -> ExampleFile:
     """Every record of the JSONL file that `flag` names as an example, and the records that leave nothing to train
     on; a bad record is an error naming its line."""
-    examples, dropped, cut = [], [], 0
+    examples, dropped, cut, unstored = [], [], 0, 0
     rows = read_jsonl(path, missing=f"create it with `dflash datagen` or pass another {flag}")
     for n, record in rows:
         try:
@@ -187,10 +211,12 @@ def read_examples(path: str | Path, tokenizer, max_length: int, vocab_size: int 
             dropped.append(n)
         else:
             cut += _turns_in(record) - len(turns)
+        if "prompt_ids" in record and "earlier_turns" not in record:
+            unstored += max(0, sum(m["role"] == "assistant" for m in _texts(record)) - 1)
     if not examples:
         raise UserError(f"no usable examples in {flag} {path}: every response is empty or cut off by --max-length "
                         f"({max_length} tokens with its prompt)")
-    return ExampleFile(examples, len(rows), dropped, cut)
+    return ExampleFile(examples, len(rows), dropped, cut, unstored)
 
 
 def _turns_in(record: dict) -> int:

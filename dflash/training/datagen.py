@@ -128,20 +128,23 @@ class DatagenResult:
     written: int = 0  # new records in the output
     held: int = 0  # records the output holds now (a rerun with a lower --limit leaves the ones beyond it)
     skipped: list[str] = field(default_factory=list)  # prompts too long for the target's context: why, each
+    cut: int = 0  # conversations ended early: a later turn did not fit in the target's context
 
 
 def prompt_messages(record: dict, prompt_field: str | None = None) -> list[list[dict]]:
     """The user turns of a record, as the messages to add before each answer. System (and other non-user)
     messages go with the user message after them; the record's own assistant messages are dropped (the target
     writes every answer itself)."""
+    if prompt_field:  # named, it wins over the record's other forms
+        if prompt_field not in record:
+            raise UserError(f"--prompt-field {prompt_field}: the record has no such field (its fields: "
+                            f"{', '.join(sorted(record))})")
+        return [[{"role": "user", "content": text_field(record, prompt_field)}]]
     if has_chat(record):
         return _message_turns(chat_messages(record))
     if "turns" in record:
         return [[{"role": "user", "content": t}] for t in texts_field(record, "turns")]
-    if prompt_field and prompt_field not in record:
-        raise UserError(f"--prompt-field {prompt_field}: the record has no such field (its fields: "
-                        f"{', '.join(sorted(record))})")
-    for name in [prompt_field] if prompt_field else PROMPT_FIELDS:
+    for name in PROMPT_FIELDS:
         if name in record:
             return [[{"role": "user", "content": text_field(record, name)}]]
     raise UserError(f"cannot find a prompt in record with fields {sorted(record)}; use `prompt`, `turns` or "
@@ -150,9 +153,11 @@ def prompt_messages(record: dict, prompt_field: str | None = None) -> list[list[
 
 def _message_turns(messages: list[dict]) -> list[list[dict]]:
     turns, pending = [], []
-    for m in messages:
+    for i, m in enumerate(messages):
         if m["role"] == "assistant":
             continue
+        if m["role"] == "user" and not m["content"].strip():
+            raise UserError(f"message {i} of the conversation is an empty user message; remove it or the record")
         pending.append(dict(m))
         if m["role"] == "user":
             turns.append(pending)
@@ -412,7 +417,7 @@ def _answer(config: DatagenConfig, todo: list[Prompt], f, result: DatagenResult,
         progress(len(todo) - len(first_ids))
     try:
         for chunk in _chunks([p for p in todo if p.id in first_ids], config.batch_size):
-            for record in generator.answer(chunk, first_ids):
+            for record in generator.answer(chunk, first_ids, result):
                 f.write(json.dumps(record) + "\n")
                 f.flush()
                 result.written += 1
@@ -489,7 +494,7 @@ class _Generator:
                 _warn("more prompts are too long for the target's context: the summary counts them")
         return ids
 
-    def answer(self, chunk: list[Prompt], first_ids: dict[int, list[int]]) -> list[dict]:
+    def answer(self, chunk: list[Prompt], first_ids: dict[int, list[int]], result: DatagenResult) -> list[dict]:
         """Answer every turn of every prompt in the chunk; a turn sees the target's own earlier answers. A turn
         that no longer fits in the target's context ends its conversation there (a warning says so)."""
         conversations: dict[int, list[dict]] = {p.id: [] for p in chunk}
@@ -503,9 +508,14 @@ class _Generator:
                 messages = conversations[p.id] + self._with_suffix(p.turns[turn])
                 ids = first_ids.pop(p.id) if turn == 0 else self.encode_turn(p, messages)
                 if self.room(ids) < 1:
-                    _warn(f"{p.where} (output id {p.id}): turn {turn + 1} of {len(p.turns)} ({len(ids)} tokens) "
-                          f"leaves no room for an answer in the target's context of {self.context_words}; its "
-                          f"record keeps the first {turn}")
+                    result.cut += 1
+                    if result.cut <= MAX_WARNINGS:
+                        _warn(f"{p.where} (output id {p.id}): turn {turn + 1} of {len(p.turns)} ({len(ids)} tokens) "
+                              f"leaves no room for an answer in the target's context of {self.context_words}; its "
+                              f"record keeps the first {turn}")
+                    elif result.cut == MAX_WARNINGS + 1:
+                        _warn("more conversations end early, their later turns too long for the target's context: "
+                              "the summary counts them")
                     ended.add(p.id)
                     continue
                 conversations[p.id] = messages

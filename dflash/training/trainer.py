@@ -309,6 +309,9 @@ class Trainer:
         limit = c.max_length or DEFAULT_MAX_LENGTH
         c.max_length = min(limit, self.context) if self.context else limit
         train, self.eval_examples = split_records(self._read("--data", c.data), c.eval_fraction, c.seed)
+        if c.eval_fraction > 0 and not self.eval_examples:
+            self._warn(f"--eval-fraction {c.eval_fraction} holds nothing out: --data {c.data} holds one conversation "
+                       "(a record's turns stay together), which training needs; no held-out figures are logged")
         self.train_examples = self._without_held_out_prompts(train, "--data", c.data)  # a prompt listed twice
         for path in c.extra_train_data or []:
             self.train_examples += self._without_held_out_prompts(self._read("--extra-train-data", path),
@@ -340,6 +343,10 @@ class Trainer:
             self._warn(f"{flag} {path}: {len(loaded.dropped)} of {loaded.records} "
                        f"records are left out, their responses empty or cut below 2 tokens by --max-length "
                        f"{self.config.max_length} (lines {lines})")
+        if loaded.answers_without_ids:
+            self._warn(f"{flag} {path}: {loaded.answers_without_ids} earlier answers of multi-turn records do not "
+                       "train: the records hold only their last turn's ids (dflash datagen before 2026-12-06 wrote "
+                       "them so); rerun datagen into a new file to train on every answer")
         if loaded.cut_turns:
             self._warn(f"{flag} {path}: {loaded.cut_turns} turns of conversations are left out, their responses "
                        f"empty or cut below 2 tokens by --max-length {self.config.max_length} (the other turns of "
@@ -366,18 +373,18 @@ class Trainer:
         """Training examples, less those whose prompt is a held-out one (another answer to it, or the same record
         twice in --data): the held-out figures must come from prompts training never saw."""
         held = {tuple(e.input_ids[: e.response_start]) for e in self.eval_examples}
-        openings = {e.opening for e in self.eval_examples}  # a conversation's later turns answer the held-out one too
+        asked = {e.asked for e in self.eval_examples}  # the same questions after other answers (a sampled rerun)
         kept, left = [], set()
         for e in examples:
-            if e.opening in openings or tuple(e.input_ids[: e.response_start]) in held:
+            if e.asked in asked or tuple(e.input_ids[: e.response_start]) in held:
                 left.add(e.record)
             else:
                 kept.append(e)
         if left:
             turns = f" ({len(examples) - len(kept)} turns)" if len(examples) - len(kept) != len(left) else ""
-            self._warn(f"{flag} {path}: {len(left)} records{turns} answer a prompt of the held-out split of --data "
-                       "and are left out of training (the held-out figures would be measured on prompts training "
-                       "saw)")
+            self._warn(f"{flag} {path}: {len(left)} records{turns} answer a prompt or the questions of the held-out "
+                       "split of --data and are left out of training (the held-out figures would be measured on "
+                       "prompts training saw)")
         return kept
 
     def _setup_drafter(self) -> None:
@@ -996,7 +1003,9 @@ class Trainer:
         order = []
         if "data" in state and state["data"] != self.data_fingerprint:
             order.append("the training or held-out examples differ (--data, --extra-train-data, --max-length, "
-                         "--eval-fraction, or the files themselves)")
+                         "--eval-fraction, --enable-thinking, or the files themselves; or the version that wrote the "
+                         "checkpoint read them otherwise: since 2026-12-06 every answer of a multi-turn record "
+                         "trains)")
         if "data" not in state:  # a checkpoint of an older version: compare the options
             then = {**old, "max_length": min(old.get("max_length", 0), self.context or math.inf)}  # it was not capped
             order += [f"{k} {then.get(k)!r}, now {getattr(self.config, k)!r}"

@@ -30,7 +30,9 @@ GOOD = {"id": 0, "messages": [], "prompt_ids": [5, 6, 7], "response_ids": [8, 9,
     ({"turns": "q", "response": "x"}, "`turns` must be a list of strings"),
     ({"turns": ["q", "and then?"], "response": "x"}, "this record has 2 `turns` and one `response`"),
     ({"prompt": "q"}, "needs `messages` or ShareGPT `conversations` (ending with the assistant turn), or a `response`"),
-    ({"messages": [{"role": "user", "content": "q"}]}, "last message of a training record must be the assistant"),
+    ({"messages": [{"role": "user", "content": "q"}]}, "the conversation has no assistant message after a prompt"),
+    ({"messages": [{"role": "user", "content": "q"}, {"role": "assistant", "content": " "}]},
+     "message 1 of the conversation is an empty answer"),
     ({"prompt_ids": [5, 6], "response_ids": "abc"}, "`response_ids` must be a list of token ids"),
     ({"prompt_ids": [5, True], "response_ids": [7, 8]}, "`prompt_ids` must be a list of token ids"),
     ({"prompt_ids": [5, 6], "response_ids": [7, 5000]},
@@ -104,11 +106,15 @@ def test_every_answer_of_a_datagen_conversation_is_an_example_after_its_own_prom
     cut = read_examples(path, tokenizer, max_length=7)
     assert [e.input_ids for e in cut.examples] == [[5, 6, 7, 8, 9, 10, 11], [5, 6, 7, 20, 22, 23], [5, 6, 7, 8]]
     assert (cut.dropped, cut.cut_turns) == ([], 1)  # the second turn of line 2, counted for the trainer's warning
+    assert cut.answers_without_ids == 0
+    old_format = dict(GOOD, messages=[{"role": r, "content": "x"} for r in ("user", "assistant") * 3])
+    path.write_text(json.dumps(old_format) + "\n")  # datagen before 2026-12-06: three answers, the last one's ids
+    assert read_examples(path, tokenizer, max_length=64).answers_without_ids == 2
+    path.write_text(json.dumps(GOOD) + "\n" + json.dumps(two_turns) + "\n" + json.dumps(short) + "\n")
     short = read_examples(path, tokenizer, max_length=4)
     assert (short.dropped, short.cut_turns) == ([1, 2], 0)
-    # each turn carries the hash of its record's first prompt: lines 1 and 2 open with the same one
-    assert [e.opening for e in loaded.examples][:3] == [loaded.examples[0].opening] * 3
-    assert loaded.examples[3].opening != loaded.examples[0].opening
+    # without texts, a turn is known by its prompt: lines 1 and 2 open with the same one
+    assert loaded.examples[0].asked == loaded.examples[1].asked != loaded.examples[2].asked
 
 
 @pytest.mark.parametrize("earlier, message", [

@@ -85,6 +85,9 @@ def test_generates_all_turns_with_the_target_own_answers(tiny_pair, prompts, tmp
 def test_a_sharegpt_record_is_asked_as_its_messages_would_be():
     from dflash.training.datagen import prompt_messages
 
+    both = {"question": "Q?", "conversations": [{"from": "human", "value": "Tell me a joke"}]}
+    assert prompt_messages(both, "question") == [[{"role": "user", "content": "Q?"}]]  # a named field wins
+
     sharegpt = {"conversations": [{"from": "system", "value": "Be brief."}, {"from": "human", "value": "Weng earns"},
                                   {"from": "gpt", "value": "old answer"}, {"from": "human", "value": "And then?"}]}
     assert prompt_messages(sharegpt) == prompt_messages(SYSTEM_CHAT) == [
@@ -156,6 +159,7 @@ def test_system_message_goes_with_the_first_user_turn_and_every_user_turn_is_ans
     ('{"messages": "hello"}', "`messages` must be a non-empty list"),
     ('{"messages": [{"role": "user"}]}', '`messages`[0] needs a string "role" and a string "content"'),
     ('{"messages": [{"role": "system", "content": "x"}]}', "has no user message to answer"),
+    ('{"conversations": [{"from": "human", "value": " "}]}', "message 0 of the conversation is an empty user message"),
     ('{"turns": []}', "`turns` must be a non-empty list of non-empty strings"),
     ('{"turns": "a string"}', "`turns` must be a list of strings, e.g."),
     ('{"prompt": "ok", "turns": 3}', "`turns` must be a non-empty list"),
@@ -193,7 +197,7 @@ def test_prompts_too_long_for_the_context_are_skipped_by_name_and_answers_stop_a
     out = tmp_path / "data.jsonl"
     config = DatagenConfig(target=target, prompts=str(prompts), output=str(out), max_new_tokens=500, device="cpu")
     result = run_datagen(config)
-    assert result.written == 2 and len(result.skipped) == 1
+    assert result.written == 2 and len(result.skipped) == 1 and result.cut == 1
     err = capsys.readouterr().err
     assert "prompts.jsonl:2 (output id 1)" in err and "context of 48 tokens" in err
     assert "prompts.jsonl:3 (output id 2): turn 2 of 3" in err  # a later turn that no longer fits ends the conversation

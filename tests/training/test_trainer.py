@@ -281,33 +281,49 @@ def test_extra_train_data_never_trains_on_a_held_out_prompt(tiny_pair, train_dat
     assert held == 2 and len(more.train_examples) == 2 * len(plain.train_examples)
     held_prompts = {tuple(e.input_ids[: e.response_start]) for e in plain.eval_examples}
     assert not any(tuple(e.input_ids[: e.response_start]) in held_prompts for e in more.train_examples)
-    assert (f"--extra-train-data {train_data}: {held} records answer a prompt of the held-out split of --data and "
-            "are left out of training") in capsys.readouterr().err
+    assert (f"--extra-train-data {train_data}: {held} records answer a prompt or the questions of the held-out "
+            "split of --data and are left out of training") in capsys.readouterr().err
 
 
-def test_no_turn_of_a_held_out_conversation_trains_and_cut_turns_are_named(tiny_pair, tmp_path, capsys):
+def test_no_held_out_question_trains_and_cut_turns_are_named(tiny_pair, tmp_path, capsys):
     """A second datagen pass (sampled) answers a held-out conversation's first turn differently, so its second
-    turn's prompt differs from the held-out one's, and it answers the held-out user's question all the same."""
+    turn's prompt differs from the held-out one's, and it asks the held-out user's question all the same. Other
+    conversations that merely open alike ("Hello") keep their own second turns."""
     def conversations(path, seed_answers):
         prompts, answers = random.Random(1), random.Random(seed_answers)
+        hello = [4, 5, 6, 7, 8, 9]
         with path.open("w") as f:
             for i in range(8):
-                first = [4 + i, *(prompts.randrange(4, 120) for _ in range(5))]
                 reply = [answers.randrange(4, 120) for _ in range(12)]
-                last = first + reply + [prompts.randrange(4, 120) for _ in range(3 if i else 50)]  # line 1: long
-                f.write(json.dumps({"prompt_ids": last, "response_ids": [answers.randrange(4, 120) for _ in range(14)],
-                                    "earlier_turns": [{"prompt_ids": first, "response_ids": reply}]}) + "\n")
+                last = hello + reply + [prompts.randrange(4, 120) for _ in range(3 if i else 50)]  # line 1: long
+                texts = [{"role": "user", "content": "Hello"}, {"role": "assistant", "content": "Hi"},
+                         {"role": "user", "content": f"question {i}"}, {"role": "assistant", "content": "answer"}]
+                f.write(json.dumps({"messages": texts, "prompt_ids": last,
+                                    "response_ids": [answers.randrange(4, 120) for _ in range(14)],
+                                    "earlier_turns": [{"prompt_ids": hello, "response_ids": reply}]}) + "\n")
         return path
 
     data = conversations(tmp_path / "data.jsonl", 0)
-    again = conversations(tmp_path / "again.jsonl", 1)  # the same prompts, other answers
+    again = conversations(tmp_path / "again.jsonl", 1)  # the same questions, other answers
     trainer = Trainer(config(tiny_pair, data, tmp_path / "o", eval_fraction=0.25, max_length=60,
                              extra_train_data=str(again))).setup()
-    held = {e.opening for e in trainer.eval_examples}
-    assert len(held) == 2 and not any(e.opening in held for e in trainer.train_examples)
+    held = {e.asked for e in trainer.eval_examples}
+    assert not any(e.asked in held for e in trainer.train_examples)
+    second_turns = [e for e in trainer.train_examples if e.response_start > 6]
+    assert len(trainer.train_examples) == len(second_turns) == 10  # 5 of each file: line 1's turn 2 is cut
     err = " ".join(capsys.readouterr().err.split())
-    assert f"--extra-train-data {again}: 2 records" in err and "answer a prompt of the held-out split" in err
+    assert f"--extra-train-data {again}: 8 records (10 turns) answer a prompt or the questions of the held-out" in err
     assert f"--data {data}: 1 turns of conversations are left out" in err  # line 1's second turn, cut by 60
+
+
+def test_a_held_out_split_of_nothing_is_warned_of(tiny_pair, tmp_path, capsys):
+    """Turns of a record stay together, so --data of one conversation holds nothing out."""
+    turns = [{"prompt_ids": [5 + k, 6, 7], "response_ids": list(range(20, 32))} for k in range(4)]
+    data = tmp_path / "one.jsonl"
+    data.write_text(json.dumps({**turns[-1], "earlier_turns": turns[:-1]}) + "\n")
+    trainer = Trainer(config(tiny_pair, data, tmp_path / "o", eval_fraction=0.25)).setup()
+    assert len(trainer.train_examples) == 4 and not trainer.eval_examples
+    assert "--eval-fraction 0.25 holds nothing out" in capsys.readouterr().err
 
 
 def test_a_record_listed_twice_in_data_never_trains_on_its_held_out_copy(tiny_pair, train_data, tmp_path, capsys):
@@ -320,8 +336,8 @@ def test_a_record_listed_twice_in_data_never_trains_on_its_held_out_copy(tiny_pa
     assert len(trainer.eval_examples) == 8
     assert not any(tuple(e.input_ids[: e.response_start]) in held_prompts for e in trainer.train_examples)
     left_out = 32 - 8 - len(trainer.train_examples)
-    assert left_out > 0 and (f"--data {twice}: {left_out} records answer a prompt of the held-out split of --data "
-                             "and are left out of training") in capsys.readouterr().err
+    assert left_out > 0 and (f"--data {twice}: {left_out} records answer a prompt or the questions of the held-out "
+                             "split of --data and are left out of training") in capsys.readouterr().err
 
 
 def test_another_targets_answers_are_named_in_a_warning(tiny_pair, train_data, tmp_path, capsys):
