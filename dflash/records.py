@@ -136,6 +136,8 @@ def has_chat(record: dict) -> bool:
 def chat_messages(record: dict) -> list[dict]:
     """A record's chat as {"role", "content"} messages: its `messages`, or ShareGPT's `conversations` of
     {"from": "human" | "gpt" | "system", "value": text} (or of role/content messages)."""
+    if "messages" in record and "conversations" in record:
+        raise RecordError("the record has both `messages` and `conversations`; keep the one conversation it holds")
     if "messages" in record:
         return messages_field(record)
     value = record.get("conversations")

@@ -3,6 +3,8 @@ line that is not JSON says what the file most likely is."""
 
 from __future__ import annotations
 
+import re
+
 import pytest
 
 from dflash.errors import UserError
@@ -61,5 +63,7 @@ def test_sharegpt_conversations_read_as_chat_messages():
     for value, message in ((["hi"], '`conversations`[0] needs a string "from" and a string "value"'),
                            ([{"from": "tool", "value": "x"}], "`conversations`[0] is from 'tool'; ShareGPT speakers"),
                            ([], "`conversations` must be a non-empty list")):
-        with pytest.raises(RecordError, match=message.replace("[", r"\[").replace("]", r"\]")):
+        with pytest.raises(RecordError, match=re.escape(message)):
             chat_messages({"conversations": value})
+    with pytest.raises(RecordError, match="has both `messages` and `conversations`"):
+        chat_messages({"messages": AS_MESSAGES, **SHAREGPT})

@@ -125,7 +125,7 @@ def _earlier_turns(record: dict, last_prompt: list[int], vocab_size: int | None)
 def _earlier_turn(turn: Any, i: int, last_prompt: list[int], vocab_size: int | None) -> tuple[list[int], list[int]]:
     where = f"earlier_turns`[{i}]"
     shared = turn.get("prompt_prefix_length") if isinstance(turn, dict) else None
-    compact = isinstance(turn, dict) and "prompt_tail_ids" in turn
+    compact = isinstance(turn, dict) and ("prompt_tail_ids" in turn or "prompt_prefix_length" in turn)
     if (not isinstance(turn, dict) or "response_ids" not in turn or ("prompt_ids" in turn) == compact):
         raise RecordError(f'`{where} must be an object with "prompt_ids" (or, instead, "prompt_prefix_length" and '
                           f'"prompt_tail_ids") and "response_ids", got {shown(turn)}')

@@ -126,6 +126,8 @@ def test_every_answer_of_a_datagen_conversation_is_an_example_after_its_own_prom
      "`earlier_turns`[0].`prompt_tail_ids` holds ids outside"),
     ([{"prompt_ids": [5], "prompt_tail_ids": [5], "prompt_prefix_length": 1, "response_ids": [6]}],
      '`earlier_turns`[0] must be an object with "prompt_ids" (or, instead,'),
+    ([{"prompt_ids": [5], "prompt_prefix_length": 1, "response_ids": [6]}],
+     '`earlier_turns`[0] must be an object with "prompt_ids" (or, instead,'),
     ([{"prompt_ids": [5], "response_ids": [6, "7"]}], "`earlier_turns`[0].`response_ids` must be a list of token ids"),
     ([{"prompt_ids": [5, 999], "response_ids": [6]}], "`earlier_turns`[0].`prompt_ids` holds ids outside the target's"),
 ])
