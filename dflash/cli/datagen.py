@@ -13,9 +13,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--target", help="target model: directory or hub id (default: the embedded target)")
     parser.add_argument("--prompts", required=True,
                         help="JSONL with `prompt`, `turns`, `messages` or ShareGPT `conversations` per line, a "
-                        "parquet, CSV or Arrow file, a "
-                        "dataset directory (data files or a save_to_disk copy), or a Hugging Face dataset name "
-                        "(org/name)")
+                        "parquet, CSV or Arrow file, a dataset directory (data files or a save_to_disk copy), or a "
+                        "Hugging Face dataset name (org/name)")
     parser.add_argument("--output", required=True,
                         help="output JSONL; re-running the same command resumes it (the generation settings are "
                              "kept next to it in OUTPUT.datagen.json, and a rerun with others is refused)")

@@ -124,9 +124,9 @@ def run(args: argparse.Namespace) -> int:
     from dflash.training.trainer import Trainer
 
     overrides = {k: v for k, v in vars(args).items() if k not in ("config", "command", "module")}
-    trainer = Trainer(load_config(args.config, overrides)).setup()
+    trainer = Trainer(load_config(args.config, overrides))
     try:
-        trainer.train()
-    finally:
+        trainer.setup().train()
+    finally:  # after a refusal in setup too: DDP and the process group are torn down before the interpreter exits
         trainer.cleanup()
     return 0

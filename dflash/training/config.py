@@ -69,6 +69,10 @@ class TrainConfig:
     device: str | None = None
     trust_remote_code: bool = False  # run the Python code the target ships (its config.json's auto_map)
 
+    def chat_template_kwargs(self) -> dict | None:
+        """The chat template's variables for text records (None: the template's defaults)."""
+        return None if self.enable_thinking is None else {"enable_thinking": self.enable_thinking}
+
     def validate(self) -> None:
         if not self.target:  # like every command that takes a model: the embedded target
             from dflash.api import DEFAULT_TARGET

@@ -334,10 +334,11 @@ class Trainer:
         if being_written(path):
             raise UserError(f"{flag} {path} is still being written by dflash datagen; let it finish, then train (a run "
                             "on part of it could not be resumed once the file has grown)")
-        thinking = self.config.enable_thinking
+        settings = _datagen_settings(path)
+        suffix = settings.get("prompt_suffix")
         loaded = read_examples(path, self.tokenizer, self.config.max_length, self.target.vocab_size, flag,
-                               None if thinking is None else {"enable_thinking": thinking})
-        self._check_data_target(flag, path)
+                               self.config.chat_template_kwargs(), suffix if isinstance(suffix, str) else "")
+        self._check_data_target(flag, path, settings)
         if loaded.dropped:
             lines = ", ".join(map(str, loaded.dropped[:10])) + (" ..." if len(loaded.dropped) > 10 else "")
             self._warn(f"{flag} {path}: {len(loaded.dropped)} of {loaded.records} "
@@ -353,21 +354,15 @@ class Trainer:
                        "their records train)")
         return loaded.examples
 
-    def _check_data_target(self, flag: str, path: str) -> None:
-        """Warn when `dflash datagen` wrote the file with another target (its settings file says which; for a
-        gzipped X.jsonl.gz, the X.jsonl.datagen.json that datagen wrote beside X.jsonl)."""
-        settings = datagen.settings_path(Path(path))
-        if not settings.exists() and path.endswith(".gz"):
-            settings = datagen.settings_path(Path(path[: -len(".gz")]))
-        try:
-            wrote_with = json.loads(settings.read_text()).get("target")
-        except (OSError, ValueError, AttributeError):  # no settings file (data from elsewhere), or not ours
-            return
+    def _check_data_target(self, flag: str, path: str, settings: dict) -> None:
+        """Warn when `dflash datagen` wrote the file with another target (its settings file says which)."""
+        wrote_with = settings.get("target")
         ours = datagen.target_name(self.config.target)
         if isinstance(wrote_with, str) and wrote_with != ours:
-            self._warn(f"{flag} {path} holds the answers of another target ({wrote_with}, says {settings.name}), and "
-                       f"this drafter is trained for {ours}: a drafter learns to draft its target from that target's "
-                       f"own answers, so regenerate them with `dflash datagen --target {self.config.target or ours}`")
+            self._warn(f"{flag} {path} holds the answers of another target ({wrote_with}, says "
+                       f"{settings['file']}), and this drafter is trained for {ours}: a drafter learns to draft its "
+                       "target from that target's own answers, so regenerate them with `dflash datagen --target "
+                       f"{self.config.target or ours}`")
 
     def _without_held_out_prompts(self, examples: list[Example], flag: str, path: str) -> list[Example]:
         """Training examples, less those whose prompt is a held-out one (another answer to it, or the same record
@@ -1187,3 +1182,16 @@ def _manifest_changes(saved: dict, now: dict) -> list[str]:
             "examples": lambda: "the examples differ (another --data, --extra-train-data, --max-length, "
                                 "--eval-fraction or --seed, or the files changed)"}
     return [describe() for key, describe in what.items() if saved.get(key) != now[key]]
+
+
+def _datagen_settings(path: str) -> dict:
+    """The settings `dflash datagen` wrote beside a data file (for a gzipped X.jsonl.gz, the X.jsonl.datagen.json
+    beside X.jsonl), with "file" its name; {} for data from elsewhere."""
+    settings = datagen.settings_path(Path(path))
+    if not settings.exists() and path.endswith(".gz"):
+        settings = datagen.settings_path(Path(path[: -len(".gz")]))
+    try:
+        values = json.loads(settings.read_text())
+    except (OSError, ValueError):  # no settings file (data from elsewhere)
+        return {}
+    return {**values, "file": settings.name} if isinstance(values, dict) else {}

@@ -29,7 +29,7 @@ GOOD = {"id": 0, "messages": [], "prompt_ids": [5, 6, 7], "response_ids": [8, 9,
     ({"prompt": "q", "response": ["x"]}, "`response` must be a non-empty string"),
     ({"turns": "q", "response": "x"}, "`turns` must be a list of strings"),
     ({"turns": ["q", "and then?"], "response": "x"}, "this record has 2 `turns` and one `response`"),
-    ({"prompt": "q"}, "needs `messages` or ShareGPT `conversations` (ending with the assistant turn), or a `response`"),
+    ({"prompt": "q"}, "needs `messages` or ShareGPT `conversations` (with the assistant's answers), or a `response`"),
     ({"messages": [{"role": "user", "content": "q"}]}, "the conversation has no assistant message after a prompt"),
     ({"messages": [{"role": "user", "content": "q"}, {"role": "assistant", "content": " "}]},
      "message 1 of the conversation is an empty answer"),
@@ -111,8 +111,8 @@ def test_every_answer_of_a_datagen_conversation_is_an_example_after_its_own_prom
     path.write_text(json.dumps(old_format) + "\n")  # datagen before 2026-12-06: three answers, the last one's ids
     assert read_examples(path, tokenizer, max_length=64).answers_without_ids == 2
     path.write_text(json.dumps(GOOD) + "\n" + json.dumps(two_turns) + "\n" + json.dumps(short) + "\n")
-    short = read_examples(path, tokenizer, max_length=4)
-    assert (short.dropped, short.cut_turns) == ([1, 2], 0)
+    tiny = read_examples(path, tokenizer, max_length=4)
+    assert (tiny.dropped, tiny.cut_turns) == ([1, 2], 0)
     # without texts, a turn is known by its prompt: lines 1 and 2 open with the same one
     assert loaded.examples[0].asked == loaded.examples[1].asked != loaded.examples[2].asked
 
@@ -210,3 +210,29 @@ def test_text_records_render_with_the_thinking_mode_they_will_be_served_with(tmp
     assert thinking.decode(off.input_ids[off.response_start:]).startswith("72 clips.")
     default = read_examples(path, thinking, max_length=512).examples[0]
     assert default.response_start < off.response_start  # the template's own default: no think block
+
+
+def test_a_turn_is_known_by_the_user_messages_before_its_answer_whatever_the_record_form(tmp_path, tokenizer):
+    """The key that keeps a held-out question out of training: the same for a datagen record (its texts carry
+    datagen's --prompt-suffix) and a text record of the conversation, with or without a last unanswered question."""
+    from dflash.training.data import tokenize_record
+
+    suffix = "\nThink step by step."
+    talk = [{"role": "user", "content": "How many clips?"}, {"role": "assistant", "content": "72 clips."},
+            {"role": "user", "content": "And in May?"}, {"role": "assistant", "content": "36 clips."}]
+    suffixed = [dict(m, content=m["content"] + suffix) if m["role"] == "user" else m for m in talk]
+    datagen_record = {"messages": suffixed, "prompt_ids": [5, 6, 7, 8], "response_ids": [9, 10],
+                      "earlier_turns": [{"prompt_ids": [5, 6], "response_ids": [7, 8]}]}
+
+    def asked(record, prompt_suffix=""):
+        return [e.asked for e in tokenize_record(record, tokenizer, 512, prompt_suffix=prompt_suffix)]
+
+    text = asked({"messages": talk})
+    assert len(set(text)) == 2 and asked(datagen_record, suffix) == text
+    assert asked(datagen_record) != text  # the suffix is what datagen added, not what was asked
+    assert asked({"messages": talk[:3]}) == text[:1]  # a last question without its answer
+    assert asked(dict(datagen_record, messages=[])) == asked({"prompt_ids": [5, 6, 7, 8], "response_ids": [9, 10],
+                                                                "earlier_turns": [{"prompt_ids": [5, 6],
+                                                                                   "response_ids": [7, 8]}]})
+    with pytest.raises(UserError, match="`messages`\\[0\\] needs a string"):  # texts beside the ids are checked
+        asked(dict(datagen_record, messages=[{"role": "user"}]))

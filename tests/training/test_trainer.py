@@ -340,6 +340,19 @@ def test_a_record_listed_twice_in_data_never_trains_on_its_held_out_copy(tiny_pa
                              "split of --data and are left out of training") in capsys.readouterr().err
 
 
+def test_datagens_prompt_suffix_and_the_thinking_mode_reach_the_records_reader(tiny_pair, train_data, tmp_path,
+                                                                                 monkeypatch):
+    from dflash.training import trainer as trainer_module
+
+    data = tmp_path / "answers.jsonl"
+    shutil.copy(train_data, data)
+    datagen.settings_path(data).write_text(json.dumps({"target": str(tiny_pair[0].resolve()), "prompt_suffix": "!"}))
+    seen, read = [], trainer_module.read_examples
+    monkeypatch.setattr(trainer_module, "read_examples", lambda *a: seen.append(a[-2:]) or read(*a))
+    Trainer(config(tiny_pair, data, tmp_path / "o", enable_thinking=False)).setup()
+    assert seen == [({"enable_thinking": False}, "!")]
+
+
 def test_another_targets_answers_are_named_in_a_warning(tiny_pair, train_data, tmp_path, capsys):
     data = tmp_path / "answers.jsonl"
     shutil.copy(train_data, data)
