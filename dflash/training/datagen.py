@@ -488,10 +488,8 @@ class _Generator:
                 continue
             result.skipped.append(f"{p.where} (output id {p.id}): its prompt of {len(prompt_ids)} tokens leaves no "
                                   f"room for an answer in the target's context of {self.context_words}")
-            if len(result.skipped) <= MAX_WARNINGS:
-                _warn(f"skipped {result.skipped[-1]}")
-            elif len(result.skipped) == MAX_WARNINGS + 1:
-                _warn("more prompts are too long for the target's context: the summary counts them")
+            _warn_capped(len(result.skipped), f"skipped {result.skipped[-1]}",
+                         "more prompts are too long for the target's context: the summary counts them")
         return ids
 
     def answer(self, chunk: list[Prompt], first_ids: dict[int, list[int]], result: DatagenResult) -> list[dict]:
@@ -509,13 +507,11 @@ class _Generator:
                 ids = first_ids.pop(p.id) if turn == 0 else self.encode_turn(p, messages)
                 if self.room(ids) < 1:
                     result.cut += 1
-                    if result.cut <= MAX_WARNINGS:
-                        _warn(f"{p.where} (output id {p.id}): turn {turn + 1} of {len(p.turns)} ({len(ids)} tokens) "
-                              f"leaves no room for an answer in the target's context of {self.context_words}; its "
-                              f"record keeps the first {turn}")
-                    elif result.cut == MAX_WARNINGS + 1:
-                        _warn("more conversations end early, their later turns too long for the target's context: "
-                              "the summary counts them")
+                    _warn_capped(result.cut, f"{p.where} (output id {p.id}): turn {turn + 1} of {len(p.turns)} "
+                                 f"({len(ids)} tokens) leaves no room for an answer in the target's context of "
+                                 f"{self.context_words}; its record keeps the first {turn}",
+                                 "more conversations end early, their later turns too long for the target's "
+                                 "context: the summary counts them")
                     ended.add(p.id)
                     continue
                 conversations[p.id] = messages
@@ -565,6 +561,14 @@ def _earlier_turn(prompt_ids: list[int], response_ids: list[int], last_prompt: l
             break
         shared += 1
     return {"prompt_prefix_length": shared, "prompt_tail_ids": prompt_ids[shared:], "response_ids": response_ids}
+
+
+def _warn_capped(count: int, message: str, more: str) -> None:
+    """The `count`-th warning of a kind: named up to MAX_WARNINGS, then `more` once (the summary counts them)."""
+    if count <= MAX_WARNINGS:
+        _warn(message)
+    elif count == MAX_WARNINGS + 1:
+        _warn(more)
 
 
 def _warn(message: str) -> None:

@@ -592,3 +592,12 @@ def test_a_full_disk_keeps_the_answers_written_and_says_a_rerun_continues(tiny_p
     monkeypatch.undo()
     assert len(read(out)) == 2
     assert run_datagen(config).written == 3 and len(read(out)) == 5
+
+
+def test_warnings_of_a_kind_are_named_up_to_the_cap_then_counted(capsys, monkeypatch):
+    monkeypatch.setattr(datagen, "MAX_WARNINGS", 2)
+    for count in range(1, 6):
+        datagen._warn_capped(count, f"conversation {count} ends early", "more conversations end early")
+    err = capsys.readouterr().err
+    assert "conversation 2 ends early" in err and "conversation 3" not in err
+    assert err.count("more conversations end early") == 1
