@@ -475,3 +475,16 @@ def test_a_block_size_of_none_in_a_call_is_the_pipelines_own(tiny_pair):
     auto = DFlash.from_pretrained(*tiny_pair, device="cpu", block_size="auto")
     assert auto._config({"block_size": None}).block_size == auto._config({}).block_size == "auto"
     assert auto._config({"block_size": 3}).block_size == 3
+
+
+def test_the_stop_token_that_ends_an_answer_adds_no_text(pipe):
+    """As vLLM (include_stop_str_in_output off): the ids keep the stop token, the text leaves it out, streamed
+    or not."""
+    free = pipe.generate("Weng earns", max_new_tokens=20, ignore_eos=True).output_ids
+    stop = next(t for t in free[3:] if pipe.tokenizer.decode([t]).strip())
+    end = free.index(stop)
+    out = pipe.generate("Weng earns", max_new_tokens=20, ignore_eos=True, stop_token_ids=[stop])
+    assert out.output_ids == free[: end + 1] and out.finish_reason == "stop"
+    assert out.text == pipe.tokenizer.decode(free[:end], skip_special_tokens=True)
+    stream = pipe.stream("Weng earns", max_new_tokens=20, ignore_eos=True, stop_token_ids=[stop])
+    assert "".join(stream) == stream.result.text == out.text

@@ -38,9 +38,10 @@ def tail_text(tokenizer, ids: Sequence[int], end: int, min_chars: int, since: in
 
 
 class TextDeltas:
-    def __init__(self, tokenizer, stop_strings: list[str]):
+    def __init__(self, tokenizer, stop_strings: list[str], stop_token_ids: Sequence[int] = ()):
         self._tokenizer = tokenizer
         self._stops = [s for s in stop_strings if s]
+        self._stop_ids = set(stop_token_ids)  # a stop token ends the output and adds no text (as vLLM leaves it out)
         # per stop string: its last character -> the lengths n (longest first) of its prefixes stop[:n] ending so,
         # so a text's tail is compared only with the prefixes it could be
         self._prefix_ends = [_prefix_lengths_by_last_char(stop) for stop in self._stops]
@@ -51,7 +52,7 @@ class TextDeltas:
     def add(self, tokens: list[int]) -> str:
         """The new text that is safe to send after these tokens ('' when nothing is)."""
         old_end = len(self._ids)
-        self._ids.extend(tokens)
+        self._ids.extend(t for t in tokens if t not in self._stop_ids)
         self._text = text = self._extended_text(old_end)
         safe = self._safe_length(text)
         if safe <= len(self.sent) or not text.startswith(self.sent):

@@ -78,7 +78,10 @@ class StopChecker:
         return self.ending(output_ids)[0]
 
     def ending(self, output_ids: list[int]) -> tuple[str, str | None]:
-        """(`final_text`, the stop string it was cut at or None), from one decode of the output."""
+        """(`final_text`, the stop string it was cut at or None), from one decode of the output. The stop token
+        that ended it adds no text (as in vLLM, where include_stop_str_in_output is off by default)."""
+        if output_ids and output_ids[-1] in self.stop_token_ids:
+            output_ids = output_ids[:-1]
         text = self.tokenizer.decode(output_ids, skip_special_tokens=True)
         first = self.first_stop(text) if self.stop_strings else None
         return (text, None) if first is None else (text[:first[0]], first[1])

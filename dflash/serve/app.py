@@ -235,7 +235,7 @@ class Server:
     async def _stream(self, decoding: Decoding, shape: ResponseShape, req: SamplingRequest):
         """Server-sent events; leaving early (a disconnect cancels this generator) frees the row."""
         seq = decoding.seq
-        deltas = TextDeltas(self.pipe.tokenizer, req.stop_strings)
+        deltas = TextDeltas(self.pipe.tokenizer, req.stop_strings, seq.stop.stop_token_ids)
         try:
             if shape.kind == "chat":
                 yield sse(shape.chunk(None, first=True))

@@ -338,11 +338,13 @@ class CompletionRequest(SamplingRequest):
     prompt: str | list[str] | list[int] | list[list[int]]  # OpenAI's four forms; the lists hold one prompt
     best_of: int | None = Field(default=None, ge=1)
     suffix: str | None = None
+    response_format: ResponseFormat | None = None  # vLLM's completions take it too
 
     _UNSUPPORTED: ClassVar[Refusals] = {
         **SamplingRequest._UNSUPPORTED,
         "best_of": (lambda v: v in (None, 1), "this server returns its one sample; send best_of=1 or leave it out"),
         "suffix": (_unset, "this server does not insert text before a suffix; leave suffix out"),
+        "response_format": ChatCompletionRequest._UNSUPPORTED["response_format"],
     }
 
     @field_validator("prompt")

@@ -263,7 +263,8 @@ def test_options_this_server_cannot_honour_are_refused_by_name(server, field, va
 
 
 @pytest.mark.parametrize("field,value", [("best_of", 2), ("suffix", "return x"), ("echo", True), ("logprobs", 2),
-                                         ("logprobs", 0)])  # 0: the chosen tokens' log probabilities, still
+                                         ("logprobs", 0),  # 0: the chosen tokens' log probabilities, still
+                                         ("response_format", {"type": "json_object"})])  # was ignored here
 def test_completion_options_this_server_cannot_honour_are_refused_by_name(server, field, value):
     assert_error(post(server, "completions", json={"prompt": "hi", field: value}), 400, field)
 
@@ -281,7 +282,7 @@ def test_defaults_and_nulls_are_accepted(server):
         response = post(server, "chat/completions", json=body)
         assert response.status_code == 200, response.text
     completion = {"model": MODEL, "prompt": "hi", "max_tokens": 2, "best_of": 1, "suffix": None, "echo": None,
-                  "temperature": None, "top_p": None, "n": None, "stream": None}
+                  "temperature": None, "top_p": None, "n": None, "stream": None, "response_format": {"type": "text"}}
     response = post(server, "completions", json=completion)
     assert response.status_code == 200, response.text
 
@@ -462,6 +463,12 @@ def test_stop_token_ids_stop_the_answer_at_that_token(server):
     body = {"prompt": ids, "max_tokens": 12, "temperature": 0, "stop_token_ids": [stop_at], "ignore_eos": True}
     out = post(server, "completions", json=body).json()
     assert out["usage"]["completion_tokens"] == first + 1 and out["choices"][0]["finish_reason"] == "stop"
+    # its text is left out, as vLLM leaves it out (include_stop_str_in_output off), streamed or not
+    kept = server.pipe.tokenizer.decode(plain.output_ids[:first], skip_special_tokens=True)
+    assert out["choices"][0]["text"] == kept != server.pipe.tokenizer.decode(plain.output_ids[: first + 1])
+    with httpx.stream("POST", f"{server.url}/v1/completions", json={**body, "stream": True}) as response:
+        chunks = [json.loads(line[6:]) for line in response.iter_lines() if line.startswith("data: {")]
+    assert "".join(c["choices"][0]["text"] for c in chunks) == kept
     for bad in (10**9, -1):
         error = assert_error(post(server, "completions", json={**body, "stop_token_ids": [bad]}), 400, "stop_token_ids")
         assert f"stop_token_ids [{bad}] are outside the vocabulary" in error["message"]
