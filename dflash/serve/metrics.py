@@ -12,6 +12,9 @@ from __future__ import annotations
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, Info, generate_latest
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
 
+DECODERS = ("draft", "plain")  # a request decodes with DFlash (draft) or with the target alone (plain)
+FINISH_REASONS = ("stop", "length", "abort", "error")
+
 UNKNOWN = float("nan")  # a gauge with no value yet (Prometheus shows NaN; 0 would read as a measurement)
 _LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0)
 
@@ -40,6 +43,12 @@ class ServerMetrics:
                                 ["reason"], registry=r)
         self.decoded = Counter("dflash:request_decoder", "Requests started, by decoder: draft (DFlash) or plain.",
                                ["decoder"], registry=r)
+        # every label a counter takes, at 0 from the start: a rate over a series that appears later reads "no data"
+        for reason in FINISH_REASONS:
+            self.finished.labels(finished_reason=reason)
+        self.rejected.labels(reason="queue_full")
+        for decoder in DECODERS:
+            self.decoded.labels(decoder=decoder)
         # tokens and latency
         self.prompt_tokens = Counter("dflash:prompt_tokens", "Prompt tokens prefilled.", registry=r)
         self.generation_tokens = Counter("dflash:generation_tokens", "Tokens generated.", registry=r)

@@ -28,13 +28,13 @@ from dflash.decoding.engine import Batch, Sequence, SpeculativeEngine
 from dflash.decoding.proposer import NoDraftProposer
 from dflash.errors import UserError
 from dflash.serve.fallback import AdaptiveFallback, FallbackConfig
-from dflash.serve.metrics import ServerMetrics
+from dflash.serve.metrics import DECODERS, ServerMetrics
 
 log = logging.getLogger("dflash.serve")
 
 IDLE_WAKE_S = 0.5  # how often an idle decode loop wakes, so Ctrl-C and SIGTERM stop it within this time
 
-DRAFT, PLAIN = "draft", "plain"
+DRAFT, PLAIN = DECODERS
 SHUTTING_DOWN = "the server is shutting down; retry in a moment or against another replica"
 
 

@@ -207,6 +207,11 @@ def test_gauges_with_no_value_yet_read_nan(server):
               if line and not line.startswith("#")}
     assert math.isnan(gauges["dflash:spec_decode_mean_acceptance_length"])
     assert math.isnan(gauges["dflash:fallback_threshold_acceptance_length"])
+    # labelled counters are there at 0 before they first move: a rate over them reads 0, not "no data"
+    for series in ('dflash:request_success_total{finished_reason="abort"}',
+                   'dflash:request_rejected_total{reason="queue_full"}',
+                   'dflash:request_decoder_total{decoder="plain"}'):
+        assert gauges[series] == 0.0
     metrics.record_drafts([2, 0], draft_tokens=7)
     assert metrics.mean_acceptance_length._value.get() == 2.0
     fixed = ServerMetrics()
