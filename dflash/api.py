@@ -262,7 +262,7 @@ class DFlash:
         `GenerationOutput` once the iteration ends."""
         config = self._config(options)
         ids = self.encode(prompt, raw, chat_template_kwargs)
-        return TextStream(self, self.engine.stream(ids, config), config.stop_strings, self.engine.stop_ids(config))
+        return TextStream(self, self.engine.stream(ids, config), config.stop_strings)
 
     def _config(self, options: dict[str, Any]) -> GenerationConfig:
         """The generation options, with the pipeline's block size and branch length unless they name them (a
@@ -282,9 +282,9 @@ class DFlash:
 class TextStream:
     """Text pieces of a generation; they add up to the final text (never containing a stop string)."""
 
-    def __init__(self, pipe: DFlash, tokens, stop_strings: list[str], stop_token_ids: list[int]):
+    def __init__(self, pipe: DFlash, tokens, stop_strings: list[str]):
         self._tokens = tokens
-        self._deltas = TextDeltas(pipe.tokenizer, stop_strings, stop_token_ids)
+        self._deltas = TextDeltas(pipe.tokenizer, stop_strings, tokens.stop_token_ids)
         self._started = False
         self._result: GenerationOutput | None = None  # set when the iteration ends
 

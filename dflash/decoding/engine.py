@@ -645,6 +645,7 @@ class TokenStream:
         self._policy = engine.block_policy_for(config, 1)
         self._seq = engine.new_sequence(prompt_ids, config)
         self._proposer = engine.proposer_for(config)
+        self.stop_token_ids = self._seq.stop.stop_token_ids  # the ids it stops at (they add no text)
         self.result: GenerationOutput | None = None
 
     def __iter__(self) -> Iterator[list[int]]:

@@ -73,13 +73,10 @@ class StopChecker:
         hits = [(text.find(s), s) for s in self.stop_strings if s in text]
         return min(hits) if hits else None
 
-    def final_text(self, output_ids: list[int]) -> str:
-        """The decoded output with a stop string and anything after it removed."""
-        return self.ending(output_ids)[0]
-
     def ending(self, output_ids: list[int]) -> tuple[str, str | None]:
-        """(`final_text`, the stop string it was cut at or None), from one decode of the output. The stop token
-        that ended it adds no text (as in vLLM, where include_stop_str_in_output is off by default)."""
+        """(The final text: the decoded output with a stop string and anything after it removed; the stop string it
+        was cut at or None), from one decode of the output. The stop token that ended it adds no text (as in vLLM,
+        where include_stop_str_in_output is off by default)."""
         if output_ids and output_ids[-1] in self.stop_token_ids:
             output_ids = output_ids[:-1]
         text = self.tokenizer.decode(output_ids, skip_special_tokens=True)

@@ -160,9 +160,21 @@ def _layer_types(raw: dict[str, Any]) -> list[str]:
     return ["sliding_attention" if i >= first else "full_attention" for i in range(raw["num_hidden_layers"])]
 
 
-def repeated_layer_ids(layer_ids: list[int]) -> list[int]:
-    """The target layers `layer_ids` names more than once, in order."""
-    return sorted({i for i in layer_ids if layer_ids.count(i) > 1})
+def untappable(layer_ids: list[int], num_target_layers: int | None = None) -> str | None:
+    """Why vLLM and SGLang cannot feed a drafter these target layers, None when they can. Both tap layer l's output
+    as layer l + 1's input, once per layer, and hand the drafter the taps in layer order: the ids must be distinct,
+    ascending and (given the target's depth) before its last layer."""
+    repeated = sorted({i for i in layer_ids if layer_ids.count(i) > 1})
+    if repeated:
+        return (f"they name layer {repeated[0]} more than once, and vLLM and SGLang take each target layer's output "
+                "once, which would not fit the drafter's fc")
+    if layer_ids != sorted(layer_ids):
+        return ("they are not in ascending order, and vLLM and SGLang hand the drafter the target layers' outputs in "
+                "layer order, not in the order its fc takes them")
+    if num_target_layers is not None and num_target_layers - 1 in layer_ids:
+        return (f"they include the target's last layer ({num_target_layers - 1}), and vLLM and SGLang read a layer's "
+                "output as the next layer's input, which the last layer has not")
+    return None
 
 
 def default_target_layer_ids(num_target_layers: int, num_draft_layers: int) -> list[int]:

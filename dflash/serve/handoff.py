@@ -21,7 +21,7 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 from dflash.errors import UserError
-from dflash.model.config import DrafterConfig, LayerAttention, is_causal_lm, is_dflash2, repeated_layer_ids
+from dflash.model.config import DrafterConfig, LayerAttention, is_causal_lm, is_dflash2, untappable
 from dflash.model.loading import hub_file, is_hub_id, read_config
 from dflash.model.target import check_compatible
 from dflash.serve.limits import check_max_model_len
@@ -213,22 +213,11 @@ def check_pair(target: TargetFacts, draft: str, block_size: int | None) -> Check
 
 
 def check_feature_layers(draft: str, layer_ids: list[int], num_target_layers: int) -> None:
-    """Both engines tap target layer l's output as layer l + 1's input, once per layer, and hand the drafter the
-    taps in layer order: its ids must be distinct, ascending, and before the target's last layer."""
-    here = "serve it with `dflash serve` (without --engine)"
-    repeated = repeated_layer_ids(layer_ids)
-    if repeated:
-        raise UserError(f"{draft}: its target_layer_ids {layer_ids} name layer {repeated[0]} more than once, and vLLM "
-                        "and SGLang take each target layer's output once, which would not fit the drafter's fc; "
-                        f"{here}")
-    if layer_ids != sorted(layer_ids):
-        raise UserError(f"{draft}: its target_layer_ids {layer_ids} are not in ascending order, and vLLM and SGLang "
-                        "concatenate the target layers' outputs in layer order, not in the order its fc was trained "
-                        f"on; {here}")
-    if num_target_layers - 1 in layer_ids:
-        raise UserError(f"{draft}: its target_layer_ids {layer_ids} include the target's last layer "
-                        f"({num_target_layers - 1}), and vLLM and SGLang read a layer's output as the next layer's "
-                        f"input, which the last layer has not; {here}, or train a drafter on earlier layers")
+    """Refuse target layers the engines cannot feed the drafter (`untappable`)."""
+    problem = untappable(layer_ids, num_target_layers)
+    if problem:
+        raise UserError(f"{draft}: its target_layer_ids {layer_ids}: {problem}; serve it with `dflash serve` (without "
+                        "--engine), or train a drafter on layers the engines tap")
 
 
 def check_vllm_reads(draft: str, drafter: CheckedDrafter) -> None:
@@ -244,15 +233,14 @@ def check_vllm_reads(draft: str, drafter: CheckedDrafter) -> None:
         raise UserError(f"{draft}/config.json does not name {' and '.join(unnamed)} in its dflash_config, where vLLM "
                         "reads them (without layer ids vLLM feeds the drafter other target layers than it was "
                         f"trained on); write the values dflash uses into the file: {fields}")
-    taps = drafter.raw.get("eagle_aux_hidden_state_layer_ids")
+    taps, needed = drafter.raw.get("eagle_aux_hidden_state_layer_ids"), [i + 1 for i in config.target_layer_ids]
     if taps is not None and not isinstance(taps, list):
         raise UserError(f"{draft}/config.json: eagle_aux_hidden_state_layer_ids must be a list of layer ids, got "
                         f"{taps!r}; remove that field (vLLM would tap those layers instead of target_layer_ids)")
-    if taps and taps != [i + 1 for i in config.target_layer_ids]:
+    if taps and taps != needed:
         raise UserError(f"{draft}/config.json names eagle_aux_hidden_state_layer_ids {taps}, which vLLM taps instead "
-                        f"of the drafter's target_layer_ids {config.target_layer_ids} (it would need "
-                        f"{[i + 1 for i in config.target_layer_ids]}, each layer's output as the next one's input); "
-                        "remove that field from the file")
+                        f"of the drafter's target_layer_ids {config.target_layer_ids} (it would need {needed}, each "
+                        "layer's output as the next one's input); remove that field from the file")
     if any(name.startswith("model.") for name in drafter.weight_names or ()):
         log.warning("%s names its weights model.*: vLLM's DFlash loader adds that prefix itself and may not find "
                     "them (SGLang reads both); save the drafter without the prefix (dflash train exports it so)",

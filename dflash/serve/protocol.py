@@ -182,9 +182,13 @@ class SamplingRequest(_Strict):
     guided_choice: Any = None
     guided_grammar: Any = None
     structured_outputs: Any = None
+    response_format: ResponseFormat | None = None
 
     _UNSUPPORTED: ClassVar[Refusals] = {
         "n": (lambda v: v == 1, "this server returns one choice per request; send n=1 or leave it out"),
+        "response_format": (lambda v: v is None or v.type == "text",
+                            "this server does not constrain output to JSON; leave response_format out or send "
+                            "{\"type\": \"text\"}"),
         # completions' logprobs=0 still asks for the chosen tokens' log probabilities; only null and false do not
         "logprobs": (lambda v: v is None or v is False, "this server returns no log probabilities; leave logprobs out"),
         "echo": (_unset, "this server does not echo the prompt; leave echo out"),
@@ -282,7 +286,6 @@ class ChatCompletionRequest(SamplingRequest):
     messages: list[ChatMessage] = Field(min_length=1)
     max_completion_tokens: int | None = None  # the newer name for max_tokens (checked with it, `_tokens_not_negative`)
     top_logprobs: int | None = Field(default=None, ge=0)
-    response_format: ResponseFormat | None = None
     tools: list[Any] | None = None
     tool_choice: str | dict[str, Any] | None = None
     functions: list[Any] | None = None  # the deprecated form of tools
@@ -299,9 +302,6 @@ class ChatCompletionRequest(SamplingRequest):
         # chat's logprobs is a boolean, and 0 reads as false (as vLLM's request model coerces it)
         "logprobs": (lambda v: v is None or v == 0, "this server returns no log probabilities; leave logprobs out"),
         "top_logprobs": (_unset, "this server returns no log probabilities; leave top_logprobs out"),
-        "response_format": (lambda v: v is None or v.type == "text",
-                            "this server does not constrain output to JSON; leave response_format out or send "
-                            "{\"type\": \"text\"}"),
         "tools": (_unset, "this server does not call tools; leave tools out"),
         "tool_choice": (_no_tool_choice, "this server does not call tools; leave tool_choice out"),
         "functions": (_unset, "this server does not call functions; leave functions out"),
@@ -338,13 +338,11 @@ class CompletionRequest(SamplingRequest):
     prompt: str | list[str] | list[int] | list[list[int]]  # OpenAI's four forms; the lists hold one prompt
     best_of: int | None = Field(default=None, ge=1)
     suffix: str | None = None
-    response_format: ResponseFormat | None = None  # vLLM's completions take it too
 
     _UNSUPPORTED: ClassVar[Refusals] = {
         **SamplingRequest._UNSUPPORTED,
         "best_of": (lambda v: v in (None, 1), "this server returns its one sample; send best_of=1 or leave it out"),
         "suffix": (_unset, "this server does not insert text before a suffix; leave suffix out"),
-        "response_format": ChatCompletionRequest._UNSUPPORTED["response_format"],
     }
 
     @field_validator("prompt")

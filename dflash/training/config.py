@@ -13,7 +13,7 @@ import yaml
 
 from dflash.config_types import parse_int_list, type_mismatch
 from dflash.errors import UserError
-from dflash.model.config import repeated_layer_ids
+from dflash.model.config import untappable
 
 ANCHOR_POLICIES = ("uniform", "decoding")
 DEFAULT_MAX_LENGTH = 3072  # tokens of prompt + response per example
@@ -89,18 +89,14 @@ class TrainConfig:
 
     def _problems(self) -> list[str]:
         """Every out-of-range option, as the message that names it and its range."""
-        repeated = repeated_layer_ids(self.target_layer_ids or [])
+        untapped = untappable(self.target_layer_ids or [])
         checks = [
             (self.block_size is None or 2 <= self.block_size <= 64,
              f"--block-size must be in 2..64, got {self.block_size}"),
             (self.target_layer_ids is None or len(self.target_layer_ids) > 0,
              "--target-layer-ids needs at least one layer id, e.g. 1,9,17 (leave it out for the default)"),
-            (not repeated, f"--target-layer-ids {','.join(map(str, self.target_layer_ids or []))} names layer "
-                           f"{repeated[0] if repeated else None} more than once: vLLM and SGLang take each target "
-                           "layer's output once and would not fit the drafter's fc; give distinct layers"),
-            (bool(repeated) or (self.target_layer_ids or []) == sorted(self.target_layer_ids or []),
-             f"--target-layer-ids {','.join(map(str, self.target_layer_ids or []))} must be in ascending order: vLLM "
-             "and SGLang hand the drafter its target layers' outputs in layer order"),
+            (untapped is None, f"--target-layer-ids {','.join(map(str, self.target_layer_ids or []))}: {untapped}; "
+                               "give distinct layers in ascending order"),
             (self.draft_layers is None or self.draft_layers >= 1,
              f"--draft-layers must be >= 1, got {self.draft_layers}"),
             (self.intermediate_size is None or self.intermediate_size >= 1,

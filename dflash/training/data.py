@@ -62,21 +62,35 @@ def tokenize_record(record: dict, tokenizer, max_length: int, vocab_size: int | 
     which nothing of the response fits in `max_length` is left out. `template_kwargs`: the chat template's
     variables for text records (e.g. enable_thinking, as the target will be served); `prompt_suffix`: what
     datagen appended to each user message of this file's records (`--prompt-suffix`)."""
-    turns = record_turns(record, tokenizer, vocab_size, template_kwargs)
+    return _tokenized(record, tokenizer, max_length, vocab_size, template_kwargs, prompt_suffix).examples
+
+
+@dataclass
+class _Tokenized:
+    examples: list[Example]
+    turns: int  # answered turns the record holds (some may be left out of `examples` by max_length)
+    answers_without_ids: int  # earlier answers of a datagen record written before `earlier_turns` existed
+
+
+def _tokenized(record: dict, tokenizer, max_length: int, vocab_size: int | None, template_kwargs: dict | None,
+               prompt_suffix: str) -> _Tokenized:
+    """`tokenize_record`, with what `read_examples` counts; the record's texts are read once."""
+    texts = _texts(record)
+    turns = record_turns(record, tokenizer, vocab_size, template_kwargs, texts)
     examples = []
-    for (prompt, response), asked in zip(turns, _asked(record, [p for p, _ in turns], prompt_suffix)):
+    for (prompt, response), asked in zip(turns, _asked(texts, [p for p, _ in turns], prompt_suffix)):
         ids = (prompt + response)[:max_length]
         if len(ids) - len(prompt) >= 2:
             examples.append(Example(ids, len(prompt), asked=asked))
-    return examples
+    old_format = _has_ids(record) and "earlier_turns" not in record
+    return _Tokenized(examples, len(turns), max(0, len(_answered(texts)) - 1) if old_format else 0)
 
 
-def _asked(record: dict, prompts: list[list[int]], prompt_suffix: str) -> list[int]:
+def _asked(texts: list[dict], prompts: list[list[int]], prompt_suffix: str) -> list[int]:
     """For each turn, a hash of the user messages before its answer (the record's texts: datagen writes the
     conversation in `messages`), or of its prompt ids where the texts do not show its turns. A second datagen
     pass that samples a first answer anew asks the same second question after another prompt: this tells that
     they are one."""
-    texts = _texts(record)
     answered = _answered(texts)
     if len(answered) != len(prompts):
         return [_stable_hash(repr(prompt)) for prompt in prompts]
@@ -108,14 +122,15 @@ def _stable_hash(text: str) -> int:
     return int.from_bytes(hashlib.blake2b(text.encode("utf-8", "surrogatepass"), digest_size=8).digest(), "little")
 
 
-def record_turns(record: dict, tokenizer, vocab_size: int | None,
-                 template_kwargs: dict | None = None) -> list[tuple[list[int], list[int]]]:
+def record_turns(record: dict, tokenizer, vocab_size: int | None, template_kwargs: dict | None = None,
+                 messages: list[dict] | None = None) -> list[tuple[list[int], list[int]]]:
     """(prompt ids, response ids) of every assistant turn of a record, in order: the stored ids of a datagen
-    record, else the chat template's rendering of each turn after the messages before it."""
+    record, else the chat template's rendering of each turn after the messages before it (`messages`: the
+    record's, when they were read already)."""
     if _has_ids(record):
         last = (token_ids(record, "prompt_ids", vocab_size), token_ids(record, "response_ids", vocab_size))
         return [*_earlier_turns(record, last[0], vocab_size), last]
-    messages = record_messages(record)
+    messages = record_messages(record) if messages is None else messages
     answered = _answered(messages)
     if not answered:
         raise UserError("the conversation has no assistant message after a prompt to learn from; put the user "
@@ -124,6 +139,15 @@ def record_turns(record: dict, tokenizer, vocab_size: int | None,
     if empty:
         raise UserError(f"message {empty[0]} of the conversation is an empty answer; remove it or the record")
     return [_templated(messages[: i + 1], tokenizer, template_kwargs or {}) for i in answered]
+
+
+def earlier_turn_record(prompt_ids: list[int], response_ids: list[int], last_prompt: list[int]) -> dict:
+    """An entry of a datagen record's `earlier_turns`: the turn's prompt as the length it shares with the record's
+    last prompt and its own tail, so a long conversation's record grows with its length, not with its square
+    (`_earlier_turn` reads it back)."""
+    shared = next((i for i, (mine, last) in enumerate(zip(prompt_ids, last_prompt)) if mine != last),
+                  min(len(prompt_ids), len(last_prompt)))
+    return {"prompt_prefix_length": shared, "prompt_tail_ids": prompt_ids[shared:], "response_ids": response_ids}
 
 
 def _earlier_turns(record: dict, last_prompt: list[int], vocab_size: int | None) -> list[tuple[list[int], list[int]]]:
@@ -216,29 +240,21 @@ def read_examples(path: str | Path, tokenizer, max_length: int, vocab_size: int 
     rows = read_jsonl(path, missing=f"create it with `dflash datagen` or pass another {flag}")
     for n, record in rows:
         try:
-            turns = tokenize_record(record, tokenizer, max_length, vocab_size, template_kwargs, prompt_suffix)
+            read = _tokenized(record, tokenizer, max_length, vocab_size, template_kwargs, prompt_suffix)
         except UserError as err:
             raise UserError(f"{path}:{n}: {err}") from None
-        for example in turns:
+        for example in read.examples:
             example.record = n
-        examples += turns
-        if not turns:
+        examples += read.examples
+        if not read.examples:
             dropped.append(n)
         else:
-            cut += _turns_in(record) - len(turns)
-        if _has_ids(record) and "earlier_turns" not in record:
-            unstored += max(0, len(_answered(_texts(record))) - 1)
+            cut += read.turns - len(read.examples)
+        unstored += read.answers_without_ids
     if not examples:
         raise UserError(f"no usable examples in {flag} {path}: every response is empty or cut off by --max-length "
                         f"({max_length} tokens with its prompt)")
     return ExampleFile(examples, len(rows), dropped, cut, unstored)
-
-
-def _turns_in(record: dict) -> int:
-    """How many answered turns a record holds (checked already by `tokenize_record`)."""
-    if _has_ids(record):
-        return 1 + len(record.get("earlier_turns") or [])
-    return len(_answered(record_messages(record)))
 
 
 def fingerprint(examples: list[Example]) -> str:

@@ -543,24 +543,15 @@ class _Generator:
 def _record(prompt: Prompt, conversation: list[dict], answered: list[tuple[list[int], list[int], str]]) -> dict:
     """A prompt's output record: the last turn's exact prompt and answer ids, and each earlier turn's in
     `earlier_turns` (a later turn's prompt holds the earlier answers as the chat template renders their text,
-    which need not be the ids the target produced, so each turn keeps its own). An earlier turn's prompt is
-    stored as the length of what it shares with the last prompt and its own tail, so a long conversation's file
-    grows with its length, not with its square."""
+    which need not be the ids the target produced, so each turn keeps its own; `earlier_turn_record`)."""
     (prompt_ids, response_ids, finish_reason), earlier = answered[-1], answered[:-1]
     record = {"id": prompt.id, "prompt_hash": prompt.hash, "messages": conversation, "prompt_ids": prompt_ids,
               "response_ids": response_ids, "finish_reason": finish_reason}
     if earlier:
-        record["earlier_turns"] = [_earlier_turn(ids, out, prompt_ids) for ids, out, _ in earlier]
+        from dflash.training.data import earlier_turn_record
+
+        record["earlier_turns"] = [earlier_turn_record(ids, out, prompt_ids) for ids, out, _ in earlier]
     return record
-
-
-def _earlier_turn(prompt_ids: list[int], response_ids: list[int], last_prompt: list[int]) -> dict:
-    shared = 0
-    for mine, last in zip(prompt_ids, last_prompt):
-        if mine != last:
-            break
-        shared += 1
-    return {"prompt_prefix_length": shared, "prompt_tail_ids": prompt_ids[shared:], "response_ids": response_ids}
 
 
 def _warn_capped(count: int, message: str, more: str) -> None:

@@ -27,7 +27,7 @@ import yaml
 from torch import nn
 
 from dflash.errors import UserError, in_brief
-from dflash.model.config import ATTENTION_FIELDS, DFLASH_ATTENTION_FIELDS, DrafterConfig
+from dflash.model.config import ATTENTION_FIELDS, DFLASH_ATTENTION_FIELDS, DrafterConfig, untappable
 from dflash.model.dflash2 import GroupedDynamicConv
 from dflash.model.drafter import DFlashDraftModel
 from dflash.model.loading import load_drafter, resolve_model_dir, save_drafter
@@ -405,13 +405,13 @@ class Trainer:
         self.gamma = c.loss_gamma or loss_gamma(c.block_size)
 
     def _warn_untapped_layer(self) -> None:
-        """vLLM and SGLang read a target layer's output as the next layer's input: the last layer's they never tap
-        (the hand-off refuses such a drafter; dflash itself drafts with it)."""
-        last = self.target.num_layers - 1
-        if last in self.drafter_config.target_layer_ids:
-            self._warn(f"the drafter's feature layers {self.drafter_config.target_layer_ids} include the target's last "
-                       f"layer ({last}), which vLLM and SGLang cannot feed it: it will serve with `dflash serve` only; "
-                       f"choose --target-layer-ids below {last} for a drafter the engines can serve")
+        """A drafter whose target layers vLLM and SGLang cannot feed it (`untappable`: e.g. the target's last layer,
+        or a fine-tuned drafter's own ids) serves with `dflash serve` only; the hand-off refuses it."""
+        ids = self.drafter_config.target_layer_ids
+        problem = untappable(ids, self.target.num_layers)
+        if problem:
+            self._warn(f"the drafter's feature layers {ids}: {problem}; it will serve with `dflash serve` only "
+                       "(--target-layer-ids picks others)")
 
     def _check_mask_token(self, mask_id: int) -> None:
         """Refuse a mask token that aliases pad, eos or text; warn when the responses hold it."""

@@ -234,9 +234,9 @@ def test_vllm_is_refused_a_drafter_whose_config_leaves_it_to_guess(tiny_pair, tm
 
 @pytest.mark.parametrize("engine", ["vllm", "sglang"])
 @pytest.mark.parametrize("layer_ids, refusal", [
-    ([1, 1], "target_layer_ids [1, 1] name layer 1 more than once"),
-    ([2, 1], "target_layer_ids [2, 1] are not in ascending order"),
-    ([1, 3], "target_layer_ids [1, 3] include the target's last layer (3)"),
+    ([1, 1], "target_layer_ids [1, 1]: they name layer 1 more than once"),
+    ([2, 1], "target_layer_ids [2, 1]: they are not in ascending order"),
+    ([1, 3], "target_layer_ids [1, 3]: they include the target's last layer (3)"),
 ])
 def test_both_engines_are_refused_feature_layers_they_cannot_tap(tiny_pair, tmp_path, capsys, engine, layer_ids,
                                                                  refusal):

@@ -236,3 +236,15 @@ def test_a_turn_is_known_by_the_user_messages_before_its_answer_whatever_the_rec
                                                                                    "response_ids": [7, 8]}]})
     with pytest.raises(UserError, match="`messages`\\[0\\] needs a string"):  # texts beside the ids are checked
         asked(dict(datagen_record, messages=[{"role": "user"}]))
+
+
+def test_an_earlier_turn_is_written_as_it_is_read_back(tmp_path, tokenizer):
+    """datagen writes `earlier_turn_record`, training reads it: the same prompt, whatever it shares with the last."""
+    from dflash.training.data import earlier_turn_record, record_turns
+
+    last = [5, 6, 7, 8, 9]
+    for prompt in ([5, 6, 7], [5, 6, 11, 12], [13], last + [14], []):
+        entry = earlier_turn_record(prompt, [20, 21], last)
+        assert entry["prompt_tail_ids"] == prompt[entry["prompt_prefix_length"]:]
+        record = {"prompt_ids": last, "response_ids": [30, 31], "earlier_turns": [entry]}
+        assert record_turns(record, tokenizer, 128)[0] == (prompt, [20, 21])
