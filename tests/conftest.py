@@ -26,9 +26,11 @@ MASK_TOKEN_ID = VOCAB - 1
 FAMILIES = ("qwen3", "llama", "qwen3_moe")  # the whole losslessness suite runs on each
 # More families, each checked once for losslessness (tests/decoding/test_families.py): sliding windows narrower
 # than the test sequences (alone, and alternating with full layers), soft-capping, absolute positions, partial
-# rotary, NoPE layers, logit and residual scaling.
+# rotary, NoPE layers, logit and residual scaling, multi-head latent attention (keys and values of other widths, or
+# one compressed latent per token), attention sinks, mixtures of experts, learned positions.
 MORE_FAMILIES = ("mistral", "qwen2", "gemma2", "gemma3_text", "phi3", "olmo2", "gpt2", "gpt_neox", "granite",
-                 "smollm3", "cohere2", "falcon", "bloom", "mpt", "gpt_neo")
+                 "smollm3", "cohere2", "falcon", "bloom", "mpt", "gpt_neo", "deepseek_v3", "gpt_oss", "mixtral",
+                 "gpt_bigcode", "opt", "phi")
 # Families DFlash refuses up front: their layer state cannot be rolled back to the accepted tokens.
 REFUSED_FAMILIES = ("qwen3_next", "lfm2", "llama4_text")
 SLIDING_WINDOW = 8  # tokens; the test prompts and outputs are longer
@@ -61,6 +63,15 @@ def _family_fields(family: str, layers: int) -> dict:
         # local layers: windows of cache slots; num_layers, as transformers 4.57 checks the types against it first
         "gpt_neo": dict(attention_types=[[["global", "local"], layers // 2]] + [[["global"], 1]] * (layers % 2),
                         num_layers=layers, window_size=SLIDING_WINDOW),
+        # multi-head latent attention: keys of 8 + 8 dims, values of 8; one latent of 16 per token (transformers 5)
+        "deepseek_v3": dict(num_key_value_heads=4, q_lora_rank=32, kv_lora_rank=16, qk_rope_head_dim=8,
+                            qk_nope_head_dim=8, v_head_dim=8, n_routed_experts=4, num_experts_per_tok=2,
+                            moe_intermediate_size=64, first_k_dense_replace=1, n_group=1, topk_group=1),
+        "gpt_oss": dict(num_local_experts=4, num_experts_per_tok=2, **alternating),  # and attention sinks
+        "mixtral": dict(num_local_experts=4, num_experts_per_tok=2),
+        "gpt_bigcode": dict(n_inner=128, multi_query=True),  # one key/value head, absolute positions
+        "opt": dict(ffn_dim=128, word_embed_proj_dim=HIDDEN),  # learned positions from the padding mask
+        "phi": dict(partial_rotary_factor=0.5),  # attention and MLP side by side
         "qwen3_next": {},  # linear-attention layers
         "lfm2": dict(layer_types=(["conv", "full_attention"] * layers)[:layers]),
         "llama4_text": dict(attention_chunk_size=8, intermediate_size_mlp=128, num_local_experts=2,
@@ -75,7 +86,7 @@ def tiny_target_config(family: str = "qwen3", layers: int = LAYERS):
     fields = dict(vocab_size=VOCAB, hidden_size=HIDDEN, intermediate_size=128, num_hidden_layers=layers,
                   num_attention_heads=4, num_key_value_heads=2, head_dim=16, max_position_embeddings=1024,
                   tie_word_embeddings=False, eos_token_id=None, bos_token_id=None, pad_token_id=None)
-    if family in ("falcon", "bloom", "mpt"):  # head_dim is derived
+    if family in ("falcon", "bloom", "mpt", "deepseek_v3"):  # head_dim is derived
         del fields["head_dim"]
     fields.update(_family_fields(family, layers))
     return AutoConfig.for_model(family, **fields)

@@ -22,7 +22,7 @@ from dflash.errors import GenerationError
 from dflash.model.target import TargetModel, UnsupportedTargetError
 
 # families with sliding-window layers (conftest._family_fields): they decode without branches
-SLIDING_FAMILIES = {"mistral", "phi3", "qwen2", "gemma2", "gemma3_text", "cohere2"}
+SLIDING_FAMILIES = {"mistral", "phi3", "qwen2", "gemma2", "gemma3_text", "cohere2", "gpt_oss"}
 # their position bias or window follows the slot order, which a branch breaks
 SLOT_ORDER_FAMILIES = {"bloom", "mpt", "gpt_neo"}
 MAX_NEW = 32  # with prompts of 3-20 tokens, sequences run well past the sliding window (conftest.SLIDING_WINDOW)
