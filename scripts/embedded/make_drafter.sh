@@ -3,7 +3,8 @@
 # template as served), then the drafter is trained on those answers and copied into dflash/assets/drafter.
 # Rounds 1-5 ran against the phase-2 target; then phase 4 of the target (trained again on its own answers) and
 # drafter rounds 10-12 for it; phase 5 (the same step again) and round 15; phase 6c (against its own loops) and
-# round 17 come last, and are what dflash/assets holds (scripts/embedded/README.md).
+# round 17, then rounds 19 (DFlash2) and 20, each copied into dflash/assets as it was shipped. The rounds after 20
+# (round 25 is what dflash/assets holds) are separate commands: the README's "The embedded pair".
 set -euo pipefail
 cd "$(dirname "$0")/../.."
 mkdir -p runs/embedded
@@ -96,6 +97,6 @@ cp runs/embedded/drafter_round17/config.json runs/embedded/drafter_round17/model
 answer "$phase6c" runs/embedded/gsm8k_train_perturbed2_prompts.jsonl runs/embedded/gsm8k_train_perturbed2_phase6c.jsonl
 dflash train --config scripts/embedded/drafter_round19.yaml "$@"
 cp runs/embedded/drafter_round19/config.json runs/embedded/drafter_round19/model.safetensors dflash/assets/drafter/
-# round 20 (shipped): round 19 trained 600 more steps on the training questions' and the seed-0 draw's answers
+# round 20 (shipped until round 21): round 19 trained 600 more steps on the training questions' and the seed-0 draw's answers
 dflash train --config scripts/embedded/drafter_round20.yaml "$@"
 cp runs/embedded/drafter_round20/config.json runs/embedded/drafter_round20/model.safetensors dflash/assets/drafter/
