@@ -190,17 +190,35 @@ def token_ids(record: dict, name: str, vocab_size: int | None, shown_as: str | N
 
 
 def _templated(messages: list[dict], tokenizer, variables: dict) -> tuple[list[int], list[int]]:
-    """(prompt, response) ids of a conversation through the chat template, its last message the response."""
-    if tokenizer is None or not getattr(tokenizer, "chat_template", None):
-        raise UserError("this record is text, and the target's tokenizer has no chat template to turn it into "
-                        "tokens; make the data with `dflash datagen` (it stores the token ids), or add "
+    """(prompt, response) ids of a conversation through the chat template, its last message the response. A
+    tokenizer without one (a base model) gets the conversation as plain text, as `dflash generate`, datagen and
+    bench send it (`plain_conversation`): the answer follows its prompt after a blank line."""
+    if tokenizer is None:
+        raise UserError("this record is text, and the target has no tokenizer to turn it into tokens; add "
                         "`prompt_ids` and `response_ids` to each record")
+    if not getattr(tokenizer, "chat_template", None):
+        return _plain(messages, tokenizer)
     prompt = _ids(_apply_template(tokenizer, messages[:-1], add_generation_prompt=True, **variables))
     full = _ids(_apply_template(tokenizer, messages, **variables))
     if full[: len(prompt)] != prompt:
         raise UserError("the chat template renders the prompt differently inside the full conversation; "
                         "store prompt_ids/response_ids (dflash datagen does) instead")
     return prompt, full[len(prompt):]
+
+
+def _plain(messages: list[dict], tokenizer) -> tuple[list[int], list[int]]:
+    """(prompt, response) ids of a conversation as plain text (`plain_conversation`), its last message the response:
+    the tokens the full text adds to its prompt's, or (where the tokenizer joins the two across the blank line) the
+    response's own after a blank line."""
+    from dflash.api import plain_conversation
+
+    def encode(text: str, special: bool = True) -> list[int]:
+        return _ids(tokenizer(text, add_special_tokens=special, verbose=False))
+
+    prompt, full = encode(plain_conversation(messages[:-1])), encode(plain_conversation(messages))
+    if full[: len(prompt)] == prompt:
+        return prompt, full[len(prompt):]
+    return prompt, encode("\n\n" + messages[-1]["content"], special=False)
 
 
 def _apply_template(tokenizer, messages: list[dict], **options):
@@ -230,6 +248,7 @@ class ExampleFile:
     dropped: list[int]  # line numbers of records none of whose turns has 2 response tokens within max_length
     cut_turns: int = 0  # turns of the other records left out so
     answers_without_ids: int = 0  # answers of datagen records (before 2026-12-06) that hold only the last turn's ids
+    text_records: int = 0  # records rendered here from their text (the others hold datagen's token ids)
 
 
 def read_examples(path: str | Path, tokenizer, max_length: int, vocab_size: int | None = None,
@@ -254,7 +273,7 @@ def read_examples(path: str | Path, tokenizer, max_length: int, vocab_size: int 
     if not examples:
         raise UserError(f"no usable examples in {flag} {path}: every response is empty or cut off by --max-length "
                         f"({max_length} tokens with its prompt)")
-    return ExampleFile(examples, len(rows), dropped, cut, unstored)
+    return ExampleFile(examples, len(rows), dropped, cut, unstored, sum(not _has_ids(r) for _, r in rows))
 
 
 def fingerprint(examples: list[Example]) -> str:

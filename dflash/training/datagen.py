@@ -457,8 +457,10 @@ class _Generator:
         self.pipe, self.config = pipe, config
         self.context_words = pipe.engine.target.context_words  # for the messages of prompts that do not fit
         if pipe.tokenizer is not None and not pipe.has_chat_template:  # `DFlash.encode` joins the turns then
-            from dflash.api import PLAIN_CONVERSATION_NOTE
+            from dflash.api import PLAIN_CONVERSATION_NOTE, THINKING_WITHOUT_TEMPLATE
 
+            if config.enable_thinking:
+                raise UserError(THINKING_WITHOUT_TEMPLATE)
             _warn(PLAIN_CONVERSATION_NOTE)
 
     def encode_turn(self, prompt: Prompt, conversation: list[dict]) -> list[int]:

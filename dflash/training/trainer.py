@@ -295,6 +295,10 @@ class Trainer:
         for p in self.target.model.parameters():
             p.requires_grad_(False)
         self.tokenizer = self.target.tokenizer
+        if self.config.enable_thinking and not getattr(self.tokenizer, "chat_template", None):
+            from dflash.api import THINKING_WITHOUT_TEMPLATE
+
+            raise UserError(THINKING_WITHOUT_TEMPLATE)
         problem = self.target.distillation_problem() if self.config.distill_weight > 0 else None
         if problem:
             raise UserError(f"--distill-weight {self.config.distill_weight}: {problem}, so the soft labels would "
@@ -308,6 +312,7 @@ class Trainer:
                        f"sequences are cut at {self.context}")
         limit = c.max_length or DEFAULT_MAX_LENGTH
         c.max_length = min(limit, self.context) if self.context else limit
+        self.text_records = 0  # counted by `_read`
         train, self.eval_examples = split_records(self._read("--data", c.data), c.eval_fraction, c.seed)
         if c.eval_fraction > 0 and not self.eval_examples:
             self._warn(f"--eval-fraction {c.eval_fraction} holds nothing out: --data {c.data} holds one conversation "
@@ -316,6 +321,10 @@ class Trainer:
         for path in c.extra_train_data or []:
             self.train_examples += self._without_held_out_prompts(self._read("--extra-train-data", path),
                                                                   "--extra-train-data", path)
+        if c.enable_thinking is not None and not self.text_records:
+            flag = "--enable-thinking" if c.enable_thinking else "--no-enable-thinking"
+            self._warn(f"{flag} renders text records, and this data holds none: its records hold the token ids "
+                       "dflash datagen made, with its own --enable-thinking setting (pass that flag to datagen)")
         self.data_fingerprint = {"train": fingerprint(self.train_examples), "eval": fingerprint(self.eval_examples)}
         self.global_batch = c.batch_size * c.grad_accum * self.world
         if len(self.train_examples) < self.global_batch:
@@ -339,6 +348,7 @@ class Trainer:
         loaded = read_examples(path, self.tokenizer, self.config.max_length, self.target.vocab_size, flag,
                                self.config.chat_template_kwargs(), suffix if isinstance(suffix, str) else "")
         self._check_data_target(flag, path, settings)
+        self.text_records += loaded.text_records
         if loaded.dropped:
             lines = ", ".join(map(str, loaded.dropped[:10])) + (" ..." if len(loaded.dropped) > 10 else "")
             self._warn(f"{flag} {path}: {len(loaded.dropped)} of {loaded.records} "

@@ -67,6 +67,9 @@ def test_a_base_model_without_a_chat_template_is_benchmarked_on_plain_text(tiny_
     results = json.loads((out / "results.json").read_text())
     assert [r["mismatches"] for r in results] == [0, 0] and results[1]["num_requests"] == 2
     assert "no chat template (a base model): prompts are sent as plain text" in capsys.readouterr().err
+    code = main(["bench", "--target", str(target), "--draft", str(tiny_pair[1]), "--dataset", "gsm8k", "--data-dir",
+                 str(data_dir), "--max-samples", "1", "--max-new-tokens", "8", "--enable-thinking", "--no-progress"])
+    assert code == 2 and "tokenizer has no chat template (a base model) to read it" in capsys.readouterr().err
 
 
 def test_an_earlier_runs_results_are_replaced_only_with_overwrite(tiny_pair, data_dir, tmp_path, capsys):

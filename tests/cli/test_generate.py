@@ -309,8 +309,9 @@ def test_a_system_message_goes_before_the_prompt_through_the_chat_template(tiny_
     assert "--system adds a message for the chat template, and --raw" in capsys.readouterr().err
 
 
-@pytest.mark.parametrize("flag", [["--system", "Be brief."], ["--enable-thinking"], ["--no-enable-thinking"]])
+@pytest.mark.parametrize("flag", [["--system", "Be brief."], ["--enable-thinking"]])
 def test_chat_template_flags_for_a_base_model_are_refused_not_ignored(tiny_pair, tmp_path, capsys, flag):
+    """(--no-enable-thinking is taken: a base model does not think, which is what it asks for.)"""
     import shutil
 
     base = tmp_path / "base"
@@ -321,6 +322,7 @@ def test_chat_template_flags_for_a_base_model_are_refused_not_ignored(tiny_pair,
     args = ["generate", "--target", str(base), "--no-draft", "--prompt", "How many?", "--max-new-tokens", "2"]
     assert main([*args, *flag]) == 2
     assert "chat template" in capsys.readouterr().err
+    assert main([*args, "--no-enable-thinking"]) == 0
 
 
 def test_a_prompt_files_or_the_inputs_one_final_line_break_is_dropped(tmp_path, monkeypatch):

@@ -48,15 +48,24 @@ def test_bad_training_records_are_named_with_their_line(tmp_path, tokenizer, rec
         read_examples(path, tokenizer, max_length=64, vocab_size=128)
 
 
-def test_text_records_need_a_chat_template(tmp_path, tokenizer):
-    path = tmp_path / "data.jsonl"
-    path.write_text(json.dumps({"prompt": "How many clips?", "response": "The answer is 72."}) + "\n")
-    assert read_examples(path, tokenizer, max_length=64).examples  # with the template: fine
+def test_text_records_of_a_base_model_train_on_the_plain_conversation(tmp_path, tokenizer):
+    """A tokenizer without a chat template (a base model): each answer after the plain text its prompt is sent as
+    (`plain_conversation`, as generate, datagen and bench send it), then a blank line; every turn trains."""
+    from dflash.api import plain_conversation
+
     base = copy.deepcopy(tokenizer)
     base.chat_template = None
-    with pytest.raises(UserError, match="data.jsonl:1: this record is text, and the target's tokenizer has no chat "
-                                        "template"):
-        read_examples(path, base, max_length=64)
+    messages = [{"role": "user", "content": "How many clips?"}, {"role": "assistant", "content": "The answer is 72."},
+                {"role": "user", "content": "And in May?"}, {"role": "assistant", "content": "24 clips."}]
+    path = tmp_path / "data.jsonl"
+    path.write_text(json.dumps({"messages": messages}) + "\n")
+    examples = read_examples(path, base, max_length=64).examples
+    assert len(examples) == 2
+    for example, answered in zip(examples, (1, 3)):
+        prompt = example.input_ids[: example.response_start]
+        assert prompt == base(plain_conversation(messages[:answered]))["input_ids"]
+        assert example.input_ids == base(plain_conversation(messages[: answered + 1]))["input_ids"]
+        assert len(example) - example.response_start >= len(messages[answered]["content"].split())
 
 
 def test_a_chat_template_that_refuses_a_record_is_quoted_with_the_line(tmp_path, tokenizer):

@@ -353,6 +353,19 @@ def test_datagens_prompt_suffix_and_the_thinking_mode_reach_the_records_reader(t
     assert seen == [({"enable_thinking": False}, "!")]
 
 
+def test_the_thinking_mode_is_refused_for_a_base_model_and_named_where_no_record_is_text(tiny_pair, train_data,
+                                                                                         tmp_path, capsys):
+    """--enable-thinking renders text records with the chat template: a target without one cannot think (refused,
+    as generate, datagen and bench refuse it), and datagen's records already hold their ids (a warning)."""
+    Trainer(config(tiny_pair, train_data, tmp_path / "o", enable_thinking=False)).setup()
+    assert ("--no-enable-thinking renders text records, and this data holds none" in capsys.readouterr().err)
+    base = tmp_path / "base"
+    shutil.copytree(tiny_pair[0], base)
+    (base / "chat_template.jinja").unlink()
+    with pytest.raises(UserError, match="tokenizer has no chat template \\(a base model\\) to read it"):
+        Trainer(config((base, tiny_pair[1]), train_data, tmp_path / "o2", enable_thinking=True)).setup()
+
+
 def test_another_targets_answers_are_named_in_a_warning(tiny_pair, train_data, tmp_path, capsys):
     data = tmp_path / "answers.jsonl"
     shutil.copy(train_data, data)
