@@ -29,7 +29,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--backend", default="transformers",
                         help=f"{', '.join(sorted(LOCAL_BACKENDS))} (in process) or "
                              f"{', '.join(sorted(SERVER_BACKENDS))} (an OpenAI-compatible server)")
-    parser.add_argument("--dataset", nargs="+", default=["gsm8k"], action=SweepOnce)
+    parser.add_argument("--dataset", nargs="+", action=SweepOnce)  # default: dflash bench's (gsm8k)
     parser.add_argument("--max-samples", type=int)
     parser.add_argument("--num-prompts", type=int, help="server: conversations per level, each a distinct sample "
                                                        "where the dataset has that many; in process: samples")
@@ -60,7 +60,7 @@ def to_bench_argv(argv: list[str]) -> list[str]:
         raise UserError(f"unknown --backend {args.backend!r}; use one of "
                         f"{', '.join(sorted(LOCAL_BACKENDS | SERVER_BACKENDS))}")
     server = backend in SERVER_BACKENDS
-    out = ["--backend", "server" if server else "local", "--dataset", *args.dataset]
+    out = ["--backend", "server" if server else "local", *(["--dataset", *args.dataset] if args.dataset else [])]
     if args.model:
         out += ["--model" if server else "--target", args.model]
     if args.draft_model and server:  # reference scripts pass it to every backend: say where it goes, then go on

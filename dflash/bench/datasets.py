@@ -120,6 +120,11 @@ class DataOptions:
     seed: int = 0
     use_hub: bool = True
     extra_dirs: list[Path] = field(default_factory=lambda: [BUNDLED_DIR])
+    label: str | None = None  # the name a --data-file's results go by; None: the dataset's
+
+    def labelled(self, name: str) -> str:
+        """What a dataset's results are called: `label` for the data file's, else its name."""
+        return self.label or name
 
 
 def resolve_names(names: Iterable[str]) -> list[str]:

@@ -50,7 +50,7 @@ class BenchConfig:
 
 def load_data(config: BenchConfig) -> dict[str, list[Sample]]:
     """Each dataset's samples (a UserError names a missing source, or the file and line of a bad record)."""
-    return {name: load_samples(name, config.data) for name in resolve_names(config.datasets)}
+    return {config.data.labelled(name): load_samples(name, config.data) for name in resolve_names(config.datasets)}
 
 
 def run_bench(config: BenchConfig, pipe=None, console: Console | None = None,
@@ -210,10 +210,11 @@ def setup(config: BenchConfig, pipe=None, data: dict[str, list[Sample]] | None =
 
     info = {
         "backend": config.backend,
-        "datasets": resolve_names(config.datasets),
+        "datasets": [config.data.labelled(name) for name in resolve_names(config.datasets)],
         "data_file": config.data.data_file,
         "data_dir": config.data.data_dir or os.environ.get(DATA_DIR_ENV),
-        "data_sources": {name: data_source(name, config.data) for name in resolve_names(config.datasets)},
+        "data_sources": {config.data.labelled(name): data_source(name, config.data)
+                         for name in resolve_names(config.datasets)},
         "max_samples": config.data.max_samples,
         "seed": config.seed,
         "max_new_tokens": config.max_new_tokens,

@@ -20,8 +20,9 @@ from dflash.cli.common import (
 from dflash.decoding.sampling import MAX_TEMPERATURE
 from dflash.errors import UserError
 
-DATASET_HELP = ("gsm8k, math500, humaneval, mbpp, mt-bench, or all (several: space or comma separated, after one "
-                "--dataset: given twice, it is refused)")
+DATASET_HELP = ("gsm8k (default), math500, humaneval, mbpp, mt-bench, or all (several: space or comma separated, "
+                "after one --dataset: given twice, it is refused); with --data-file, the dataset whose records the "
+                "file holds (without it, the results are named after the file)")
 MAX_SAMPLES = 20  # samples per dataset when neither --max-samples nor a server's --num-prompts says
 
 # flags that only one backend reads: giving one to the other backend is an error, never silently ignored
@@ -40,7 +41,7 @@ LOCAL_INSTEAD = {"--model": "--target names the model", "--num-prompts": "--max-
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     add_model_arguments(parser, block_size_sweep=True)
     data = parser.add_argument_group("data")
-    data.add_argument("--dataset", nargs="+", default=["gsm8k"], metavar="NAME", action=SweepOnce, help=DATASET_HELP)
+    data.add_argument("--dataset", nargs="+", metavar="NAME", action=SweepOnce, help=DATASET_HELP)
     data.add_argument("--data-file", help="JSONL with the dataset's own records, or 'prompt', 'turns', 'messages' "
                                           "or ShareGPT 'conversations' per line (one dataset only)")
     data.add_argument("--data-dir", help="directory laid out like gsm8k/test.jsonl, math500/test.jsonl, ... "
@@ -119,7 +120,7 @@ def bench_config(args: argparse.Namespace):
     require(["matplotlib"] if args.output_dir else [], "the plots written into --output-dir")
     _check_backend_flags(args, backend)
     _check_numbers(args)
-    names = resolve_names(args.dataset)
+    names = resolve_names(args.dataset or ["gsm8k"])
     if args.data_file and len(names) > 1:
         raise UserError(f"--data-file holds one dataset, but {len(names)} were asked for; pass one --dataset")
     if args.output_dir:
@@ -141,7 +142,7 @@ def bench_config(args: argparse.Namespace):
                               rounds=_or(args.rounds, 1), chat_template_kwargs=chat_template_kwargs(args),
                               stream=not args.no_stream, warmup_tokens=_or(args.warmup_tokens, 16))
     data = DataOptions(data_file=args.data_file, data_dir=args.data_dir, max_samples=_max_samples(args, backend),
-                       seed=args.seed)
+                       seed=args.seed, label=Path(args.data_file).stem if args.data_file and not args.dataset else None)
     _check_data(names, data)
     return BenchConfig(
         datasets=names,

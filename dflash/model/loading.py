@@ -242,8 +242,9 @@ def check_target_dir(directory: Path) -> None:
     """Refuse, before any weights load, a target directory that is not a causal LM with a tokenizer."""
     raw = read_config(directory, "a Hugging Face causal LM checkpoint")
     if any("DFlash" in str(a) for a in raw.get("architectures") or []):
-        raise CheckpointError(f"{directory} is a DFlash drafter, not a target model; pass it as the draft model "
-                              "(--draft) and the model it drafts for as the target (--target)")
+        raise CheckpointError(f"{directory} is a DFlash drafter, not a target model; pass the model it drafts for as "
+                              "the target (--target), and the drafter as --draft to decode, bench or serve with it, "
+                              "or as --init-from to train it further")
     if "model_type" not in raw:
         raise CheckpointError(f"{directory / 'config.json'} has no model_type; is {directory} a Hugging Face causal "
                               "LM checkpoint?")

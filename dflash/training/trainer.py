@@ -1120,8 +1120,8 @@ class Trainer:
             self._setup_log.append(record)
         else:
             self._write_log(record)
-        if "drafter" not in record:
-            print(json.dumps(record), flush=True)
+        # the drafter's whole config goes to the file only (the run's config.json holds it too)
+        print(json.dumps({k: v for k, v in record.items() if k != "drafter"}), flush=True)
 
     def _write_log(self, record: dict) -> None:
         Path(self.config.output).mkdir(parents=True, exist_ok=True)

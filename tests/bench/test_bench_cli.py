@@ -241,7 +241,7 @@ def test_reference_flags_map_onto_dflash_bench():
         "--output-dir", "o"]
     assert to_bench_argv(["--backend", "vllm", "--base-url", "http://h/v1", "--model", "M", "--draft-model", "D",
                           "--num-prompts", "8", "--concurrency", "1,8", "--enable-thinking", "--block-size", "16"]) == [
-        "--backend", "server", "--dataset", "gsm8k", "--model", "M", "--num-prompts", "8", "--concurrency", "1,8",
+        "--backend", "server", "--model", "M", "--num-prompts", "8", "--concurrency", "1,8",
         "--base-url", "http://h/v1", "--enable-thinking"]  # the server's drafter and block are its own (notes say so)
     # as in the reference, thinking is off unless asked for; raw completions have no chat template to tell
     assert "--no-enable-thinking" not in to_bench_argv(["--backend", "vllm", "--endpoint", "completions"])
@@ -311,11 +311,11 @@ def test_missing_embedded_pair_is_a_clear_error(monkeypatch, tmp_path, capsys):
 
 def test_reference_num_prompts_timeout_and_sampling_flags():
     assert to_bench_argv(["--model", "T", "--num-prompts", "8"]) == [
-        "--backend", "local", "--dataset", "gsm8k", "--target", "T", "--max-samples", "8", "--no-enable-thinking"]
+        "--backend", "local", "--target", "T", "--max-samples", "8", "--no-enable-thinking"]  # gsm8k: bench's default
     assert to_bench_argv(["--num-prompts", "8", "--max-samples", "8"])[-3:-1] == ["--max-samples", "8"]
     assert to_bench_argv(["--backend", "sglang", "--base-url", "http://h:30000", "--timeout-s", "30", "--top-p",
                           "0.9", "--top-k", "20", "--temperature", "0.6", "--enable-thinking"]) == [
-        "--backend", "server", "--dataset", "gsm8k", "--base-url", "http://h:30000", "--temperature", "0.6",
+        "--backend", "server", "--base-url", "http://h:30000", "--temperature", "0.6",
         "--top-p", "0.9", "--top-k", "20", "--request-timeout", "30.0", "--enable-thinking"]
     with pytest.raises(UserError, match="--num-prompts 8 and --max-samples 5 both set the number of samples"):
         to_bench_argv(["--num-prompts", "8", "--max-samples", "5"])

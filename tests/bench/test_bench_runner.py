@@ -99,7 +99,7 @@ def test_a_prompt_past_the_context_fails_before_decoding_and_names_it(tiny_pair,
     assert main(argv) == 2
     err = capsys.readouterr().err
     assert "1 prompt(s) do not fit the target's context of 1024 tokens with --max-new-tokens 256" in err
-    assert "gsm8k sample huge (" in err and "lower --max-new-tokens to" in err and "Traceback" not in err
+    assert "long sample huge (" in err and "lower --max-new-tokens to" in err and "Traceback" not in err
     assert not (out / "results.json").exists()
 
 
@@ -114,9 +114,10 @@ def test_the_output_dir_records_the_data_and_drops_stale_files(tiny_pair, data_d
     assert main(local_argv(tiny_pair, data_dir, out, "--data-file", str(data), "--max-samples", "0")) == 0
     config = json.loads((out / "config.json").read_text())
     assert config["data_file"] == str(data) and config["data_dir"] == str(data_dir)
-    assert config["data_sources"] == {"gsm8k": str(data)} and config["sample_ids"] == {"gsm8k": ["q1", "q2"]}
+    assert config["data_sources"] == {"mine": str(data)} and config["sample_ids"] == {"mine": ["q1", "q2"]}
+    assert config["datasets"] == ["mine"]  # named after the file: its records need not be GSM8K's
     md = (out / "results.md").read_text()
-    assert f"- data_file: {data}" in md and "- sample ids, gsm8k (2): q1, q2" in md
+    assert f"- data_file: {data}" in md and "- sample ids, mine (2): q1, q2" in md
     assert not (out / "throughput_vs_concurrency.png").exists()  # not measured in this run
     assert (out / "speedup.png").read_bytes()[:4] == b"\x89PNG"  # this run's, not the stale one
     assert (out / "notes.txt").read_text() == "mine"  # not a file this tool names

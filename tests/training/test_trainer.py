@@ -56,10 +56,13 @@ def weights(directory) -> dict[str, torch.Tensor]:
     return load_file(os.path.join(directory, "model.safetensors"))
 
 
-def test_export_loads_with_the_same_outputs_and_decodes_losslessly(tiny_pair, train_data, tmp_path):
+def test_export_loads_with_the_same_outputs_and_decodes_losslessly(tiny_pair, train_data, tmp_path, capsys):
     trainer = Trainer(config(tiny_pair, train_data, tmp_path / "out")).setup()
     result = trainer.train()
     assert "eval_loss" in result and len(result["eval_accuracy_per_position"]) == 3
+    start = json.loads(capsys.readouterr().out.splitlines()[0])  # the run's size, before its first step
+    assert start == {"event": "start", "steps": trainer.total_steps, "train_examples": len(trainer.train_examples),
+                     "eval_examples": len(trainer.eval_examples), "world_size": 1}
     loaded = load_drafter(tmp_path / "out", dtype="float32")
     for key, value in trainer.drafter.state_dict().items():
         if "rotary" not in key:
