@@ -60,8 +60,8 @@ def run(args: argparse.Namespace) -> int:
                "them again)" if result.skipped else "")
     skipped += (f"; {result.cut} conversations end early, a later turn too long for the context" if result.cut
                 else "")
-    print(f"wrote {result.written} new records to {config.output} ({len(prompts)} prompts in all{skipped}; it "
-          f"holds {result.held})")
+    print(f"wrote {_count(result.written, 'new record')} to {config.output} ({_count(len(prompts), 'prompt')} in "
+          f"all{skipped}; it holds {result.held})")
     return 0
 
 
@@ -85,3 +85,7 @@ class _Bar:
         if self.progress is not None:
             self.progress.stop()
             self.progress = None
+
+
+def _count(n: int, noun: str) -> str:
+    return f"{n} {noun}{'' if n == 1 else 's'}"

@@ -216,7 +216,8 @@ def _hand_off(args: argparse.Namespace) -> int:
         trust_remote_code=args.trust_remote_code, generation_config=args.generation_config,
         attention_backend=args.attention_backend,
     )
-    command = handoff.engine_command(args.engine, target, draft, args.block_size, options)
+    with _warnings_to_stderr():
+        command = handoff.engine_command(args.engine, target, draft, args.block_size, options)
     _warn_if_open(args)
     if args.dry_run:
         print(command.shown())
@@ -242,6 +243,21 @@ def _refuse_native_only_flags(args: argparse.Namespace) -> None:
         raise UserError(f"{flags} {'is' if one else 'are'} this server's own and {'does' if one else 'do'} not carry "
                         f"over to {args.engine}: drop {'it' if one else 'them'}, or set the engine's own options "
                         "on the command it runs (--dry-run prints it)")
+
+
+@contextlib.contextmanager
+def _warnings_to_stderr():
+    """The hand-off's checks warn through the `dflash` logger, which no server configured yet: their warnings read as
+    this command's others do."""
+    handler = logging.StreamHandler(sys.stderr)
+    handler.setLevel(logging.WARNING)
+    handler.setFormatter(logging.Formatter("dflash serve: warning: %(message)s"))
+    logger = logging.getLogger("dflash")
+    logger.addHandler(handler)
+    try:
+        yield
+    finally:
+        logger.removeHandler(handler)
 
 
 def _warn_if_open(args: argparse.Namespace) -> None:

@@ -244,7 +244,7 @@ class TargetModel:
     def _cache_probe_problem(self) -> str | None:
         """One token through the model with the cache DFlash gives it: the cache must then hold that token's keys
         and values (a model that keeps its own state instead fails here, or leaves the cache empty)."""
-        ids = torch.zeros(1, 1, dtype=torch.long, device=self.device)
+        ids = self._probe_ids(1)
         cache = self.new_cache()
         try:
             self.forward(ids, torch.zeros_like(ids), cache, logits_to_keep=1)
@@ -283,8 +283,11 @@ class TargetModel:
         return None
 
     def _probe_ids(self, n: int, first: int = 1) -> torch.Tensor:
-        """(1, n) ordinary token ids for a probe forward: first, first + 1, ..., within the vocabulary."""
-        return (torch.arange(first, first + n, device=self.device) % self.vocab_size)[None]
+        """(1, n) ordinary token ids for a probe forward: first, first + 1, ..., within the vocabulary, passing over
+        the padding id (a forward without an attention mask that meets it warns of padding, as GPT-2's does)."""
+        pad = getattr(self.model.config, "pad_token_id", None)
+        ids = [t % self.vocab_size for t in range(first, first + n + 1)]
+        return torch.tensor([t for t in ids if t != pad][:n], device=self.device)[None]
 
     # ---- feature capture ----------------------------------------------------------------------------
     def _ensure_hooks(self, layer_ids: list[int]) -> None:

@@ -511,7 +511,7 @@ class Trainer:
         self._on_rank_0(write_manifest)  # a failure there stops every process (and ends as the barrier did)
 
     def _feature_manifest(self) -> dict:
-        return {"target": self.config.target, "target_files": _model_files(self.config.target),
+        return {"target": absolute_if_local(self.config.target), "target_files": _model_files(self.config.target),
                 "target_dtype": str(self.target.dtype).removeprefix("torch."),
                 "feature_layer_ids": list(self.drafter_config.target_layer_ids), "examples": self.data_fingerprint}
 

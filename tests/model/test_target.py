@@ -116,3 +116,18 @@ def test_the_drafters_token_embeddings_are_the_tables_rows_in_every_transformers
     ids = torch.tensor([[1, 5, 9]])
     table = target.model.get_input_embeddings().weight
     assert torch.equal(target.embed(ids), torch.nn.functional.embedding(ids, table))
+
+
+def test_the_load_time_probes_never_feed_the_padding_id():
+    """A forward without an attention mask that meets the padding id warns of padding (GPT-2's does, once per
+    process): the probes at load pass over it."""
+    from transformers import AutoModelForCausalLM
+
+    from conftest import tiny_target_config
+
+    config = tiny_target_config("gpt2", 2)
+    config.pad_token_id = 2
+    target = TargetModel(AutoModelForCausalLM.from_config(config).eval())
+    for first, n in ((1, 1), (1, 3), (2, 2), (4, 2)):
+        ids = target._probe_ids(n, first=first)[0].tolist()
+        assert len(ids) == n and 2 not in ids and ids[0] in (first, first + 1)

@@ -360,6 +360,14 @@ def test_a_gemma_target_on_sglang_is_warned_of_its_scaled_embeddings(tmp_path, c
     assert "SGLang embeds a Gemma 3 target's tokens times sqrt(hidden size)" in caplog.text
 
 
+def test_the_hand_offs_warnings_read_as_the_commands_own(tmp_path, capsys):
+    from conftest import save_tiny_pair
+
+    target, draft = save_tiny_pair(tmp_path, family="gemma3_text")
+    assert main(["serve", "--target", str(target), "--draft", str(draft), "--engine", "sglang", "--dry-run"]) == 0
+    assert "dflash serve: warning: SGLang embeds a Gemma 3 target's" in capsys.readouterr().err
+
+
 @pytest.mark.skipif(shutil.which("vllm") is not None, reason="vLLM is installed here")
 def test_missing_engine_is_a_clear_error(tiny_pair, capsys):
     target, draft = map(str, tiny_pair)
