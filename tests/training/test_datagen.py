@@ -250,7 +250,7 @@ def test_an_output_of_an_older_version_resumes_from_the_command_line(answered, t
     assert main(command + ["--limit", "3"]) == 0
     assert len(read(out)) == 3
     assert main(command + ["--limit", "1"]) == 0  # a lower limit: what the file holds is said, not just the prompts
-    assert capsys.readouterr().out.splitlines()[-1].endswith("(1 prompts in all; it holds 3)")
+    assert capsys.readouterr().out.splitlines()[-1].endswith("(1 prompt in all; it holds 3)")
 
 
 def test_a_rerun_with_other_prompts_or_settings_is_refused(answered, prompts, tmp_path):
