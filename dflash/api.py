@@ -494,12 +494,12 @@ def _check_unicode(text: str, what: str) -> None:
 
 
 # said by the commands that send a base model conversations (bench, datagen), so users know what it was given
-# --enable-thinking for a target without a chat template; --no-enable-thinking is taken there, as nothing thinks
-THINKING_WITHOUT_TEMPLATE = ("--enable-thinking sets a chat template variable, and this target's tokenizer has no chat "
-                             "template (a base model) to read it: drop the flag")
 PLAIN_CONVERSATION_NOTE = ("the target's tokenizer has no chat template (a base model): prompts are sent as plain "
                            "text, a conversation's turns and answers joined by blank lines (dflash.api."
                            "plain_conversation)")
+# --enable-thinking for a target without a chat template; --no-enable-thinking is taken there, as nothing thinks
+THINKING_WITHOUT_TEMPLATE = ("--enable-thinking sets a chat template variable, and this target's tokenizer has no chat "
+                             "template (a base model) to read it: drop the flag")
 
 
 def plain_conversation(messages: list[dict]) -> str:

@@ -124,7 +124,7 @@ class DataOptions:
 
     def labelled(self, name: str) -> str:
         """What a dataset's results are called: `label` for the data file's, else its name."""
-        return self.label or name
+        return self.label if self.label and self.data_file else name
 
 
 def resolve_names(names: Iterable[str]) -> list[str]:

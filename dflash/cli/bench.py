@@ -141,8 +141,9 @@ def bench_config(args: argparse.Namespace):
                               metrics_url=args.metrics_url, baseline_url=args.baseline_url,
                               rounds=_or(args.rounds, 1), chat_template_kwargs=chat_template_kwargs(args),
                               stream=not args.no_stream, warmup_tokens=_or(args.warmup_tokens, 16))
+    label = _file_label(args.data_file) if args.data_file and not args.dataset else None
     data = DataOptions(data_file=args.data_file, data_dir=args.data_dir, max_samples=_max_samples(args, backend),
-                       seed=args.seed, label=Path(args.data_file).stem if args.data_file and not args.dataset else None)
+                       seed=args.seed, label=label)
     _check_data(names, data)
     return BenchConfig(
         datasets=names,
@@ -271,3 +272,9 @@ def _load_pair(args: argparse.Namespace):
     single = copy.copy(args)
     single.block_size = None
     return load_pipeline(single)
+
+
+def _file_label(path: str) -> str:
+    """A data file's name without its suffixes (sharegpt.jsonl.gz -> sharegpt), what its results go by."""
+    name = Path(path).name
+    return name.split(".")[0] or name

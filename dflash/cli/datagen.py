@@ -58,8 +58,8 @@ def run(args: argparse.Namespace) -> int:
         bar.stop()
     skipped = (f"; {len(result.skipped)} skipped: too long for the target's context (named above; a rerun skips "
                "them again)" if result.skipped else "")
-    skipped += (f"; {result.cut} conversations end early, a later turn too long for the context" if result.cut
-                else "")
+    skipped += (f"; {_count(result.cut, 'conversation')} {'ends' if result.cut == 1 else 'end'} early, a later "
+                "turn too long for the context" if result.cut else "")
     print(f"wrote {_count(result.written, 'new record')} to {config.output} ({_count(len(prompts), 'prompt')} in "
           f"all{skipped}; it holds {result.held})")
     return 0

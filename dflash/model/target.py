@@ -264,10 +264,10 @@ class TargetModel:
         """Forwards of one shape, without a cache, whose logits for the same tokens must agree: two sequences that
         share their first token (causal attention), and three tokens after and before four slots of padding the
         attention mask hides (positions as given, not by slot)."""
-        ids = self._probe_ids(3)  # (1, 3): tokens 1, 2, 3
+        ids = self._probe_ids(3)  # (1, 3): tokens 1, 2, 3 (the padding id passed over)
         positions = torch.arange(3, device=self.device)[None]
         first = self.forward(ids, positions, self.new_cache()).logits[0, 0]
-        later_others = torch.cat([ids[:, :1], self._probe_ids(2, first=4)], dim=1)  # tokens 1, 4, 5
+        later_others = torch.cat([ids[:, :1], self._probe_ids(2, first=5)], dim=1)  # tokens 1, 5, 6
         other = self.forward(later_others, positions, self.new_cache()).logits[0, 0]
         if _differ(first, other, self.dtype):
             return "its attention is not causal: a token's logits change with the tokens after it"
@@ -286,8 +286,12 @@ class TargetModel:
         """(1, n) ordinary token ids for a probe forward: first, first + 1, ..., within the vocabulary, passing over
         the padding id (a forward without an attention mask that meets it warns of padding, as GPT-2's does)."""
         pad = getattr(self.model.config, "pad_token_id", None)
-        ids = [t % self.vocab_size for t in range(first, first + n + 1)]
-        return torch.tensor([t for t in ids if t != pad][:n], device=self.device)[None]
+        ids, t = [], first
+        while len(ids) < n:
+            if t % self.vocab_size != pad or self.vocab_size == 1:
+                ids.append(t % self.vocab_size)
+            t += 1
+        return torch.tensor(ids, device=self.device)[None]
 
     # ---- feature capture ----------------------------------------------------------------------------
     def _ensure_hooks(self, layer_ids: list[int]) -> None:

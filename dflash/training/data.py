@@ -208,17 +208,18 @@ def _templated(messages: list[dict], tokenizer, variables: dict) -> tuple[list[i
 
 def _plain(messages: list[dict], tokenizer) -> tuple[list[int], list[int]]:
     """(prompt, response) ids of a conversation as plain text (`plain_conversation`), its last message the response:
-    the tokens the full text adds to its prompt's, or (where the tokenizer joins the two across the blank line) the
-    response's own after a blank line."""
+    the tokens the full text adds to its prompt's."""
     from dflash.api import plain_conversation
 
-    def encode(text: str, special: bool = True) -> list[int]:
-        return _ids(tokenizer(text, add_special_tokens=special, verbose=False))
+    def encode(text: str) -> list[int]:
+        return _ids(tokenizer(text, add_special_tokens=True, verbose=False))
 
     prompt, full = encode(plain_conversation(messages[:-1])), encode(plain_conversation(messages))
-    if full[: len(prompt)] == prompt:
-        return prompt, full[len(prompt):]
-    return prompt, encode("\n\n" + messages[-1]["content"], special=False)
+    if full[: len(prompt)] != prompt:
+        raise UserError("the tokenizer joins the end of the prompt and the start of the answer into other tokens than "
+                        "the prompt's alone, so the answer has no tokens of its own to train on; make the data with "
+                        "`dflash datagen` (it stores the ids the target generated) instead")
+    return prompt, full[len(prompt):]
 
 
 def _apply_template(tokenizer, messages: list[dict], **options):

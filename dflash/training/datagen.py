@@ -391,6 +391,8 @@ def run_datagen(config: DatagenConfig, progress=None, prompts: list[Prompt] | No
     config.validate()
     output = Path(config.output)
     prompts = read_prompts(config) if prompts is None else prompts
+    if config.enable_thinking:
+        _refuse_thinking_without_template(config)
     with _claim(output) as f:  # before the target loads: a run must not end in an error about where answers go
         done = done_ids(output)
         check_rerun(config, prompts, done)
@@ -402,6 +404,21 @@ def run_datagen(config: DatagenConfig, progress=None, prompts: list[Prompt] | No
             _answer(config, todo, f, result, progress)
         result.held = len(done) + result.written
     return result
+
+
+def _refuse_thinking_without_template(config: DatagenConfig) -> None:
+    """--enable-thinking for a target without a chat template (a base model), refused before the output and its
+    settings are written (the tokenizer alone loads here)."""
+    from transformers import AutoTokenizer
+
+    from dflash.api import THINKING_WITHOUT_TEMPLATE
+
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(config.target, trust_remote_code=config.trust_remote_code)
+    except Exception:  # noqa: BLE001 - loading the target says what is wrong with it
+        return
+    if not getattr(tokenizer, "chat_template", None):
+        raise UserError(THINKING_WITHOUT_TEMPLATE)
 
 
 def _answer(config: DatagenConfig, todo: list[Prompt], f, result: DatagenResult, progress) -> None:
@@ -457,10 +474,8 @@ class _Generator:
         self.pipe, self.config = pipe, config
         self.context_words = pipe.engine.target.context_words  # for the messages of prompts that do not fit
         if pipe.tokenizer is not None and not pipe.has_chat_template:  # `DFlash.encode` joins the turns then
-            from dflash.api import PLAIN_CONVERSATION_NOTE, THINKING_WITHOUT_TEMPLATE
+            from dflash.api import PLAIN_CONVERSATION_NOTE
 
-            if config.enable_thinking:
-                raise UserError(THINKING_WITHOUT_TEMPLATE)
             _warn(PLAIN_CONVERSATION_NOTE)
 
     def encode_turn(self, prompt: Prompt, conversation: list[dict]) -> list[int]:

@@ -116,6 +116,10 @@ def test_the_output_dir_records_the_data_and_drops_stale_files(tiny_pair, data_d
     assert config["data_file"] == str(data) and config["data_dir"] == str(data_dir)
     assert config["data_sources"] == {"mine": str(data)} and config["sample_ids"] == {"mine": ["q1", "q2"]}
     assert config["datasets"] == ["mine"]  # named after the file: its records need not be GSM8K's
+    from dflash.cli.bench import _file_label
+
+    assert [_file_label(p) for p in ("d/share.jsonl.gz", "x.v2.jsonl", ".hidden.jsonl")] == [
+        "share", "x", ".hidden.jsonl"]
     md = (out / "results.md").read_text()
     assert f"- data_file: {data}" in md and "- sample ids, mine (2): q1, q2" in md
     assert not (out / "throughput_vs_concurrency.png").exists()  # not measured in this run

@@ -128,6 +128,8 @@ def test_the_load_time_probes_never_feed_the_padding_id():
     config = tiny_target_config("gpt2", 2)
     config.pad_token_id = 2
     target = TargetModel(AutoModelForCausalLM.from_config(config).eval())
-    for first, n in ((1, 1), (1, 3), (2, 2), (4, 2)):
+    for first, n in ((1, 1), (1, 3), (2, 2), (5, 2)):
         ids = target._probe_ids(n, first=first)[0].tolist()
         assert len(ids) == n and 2 not in ids and ids[0] in (first, first + 1)
+    config.vocab_size = 3  # the ids wrap round, passing over the padding id each time
+    assert TargetModel(AutoModelForCausalLM.from_config(config).eval())._probe_ids(3)[0].tolist() == [1, 0, 1]

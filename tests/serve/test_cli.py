@@ -122,6 +122,22 @@ def test_a_target_that_is_not_a_model_is_a_clear_error(tmp_path, capsys, config)
     assert "config.json" in err and "Traceback" not in err and len(err.strip().splitlines()) == 1
 
 
+def test_thinking_for_a_base_model_is_refused_before_serving(tiny_pair, tmp_path, capsys, monkeypatch):
+    import shutil
+
+    import uvicorn
+
+    from dflash.cli.main import main
+
+    monkeypatch.setattr(uvicorn.Server, "run", lambda self, *a, **k: None)  # a server that starts returns at once
+
+    base = tmp_path / "base"
+    shutil.copytree(tiny_pair[0], base)
+    (base / "chat_template.jinja").unlink()
+    assert main(["serve", "--target", str(base), "--no-draft", "--port", "0", "--enable-thinking"]) == 2
+    assert "tokenizer has no chat template (a base model) to read it: drop the flag" in capsys.readouterr().err
+
+
 @pytest.mark.parametrize("host, message", [("127.0.0.1", "is in use by another program; pick another with --port"),
                                            ("no-such-host.invalid", "is not an address or a name"),
                                            ("203.0.113.7", "--host must be an address of this machine")])

@@ -65,7 +65,29 @@ def test_text_records_of_a_base_model_train_on_the_plain_conversation(tmp_path, 
         prompt = example.input_ids[: example.response_start]
         assert prompt == base(plain_conversation(messages[:answered]))["input_ids"]
         assert example.input_ids == base(plain_conversation(messages[: answered + 1]))["input_ids"]
-        assert len(example) - example.response_start >= len(messages[answered]["content"].split())
+        assert base.decode(example.input_ids[example.response_start:]).endswith(messages[answered]["content"])
+
+
+def test_a_base_model_tokenizer_that_merges_across_the_prompts_end_is_refused(tmp_path):
+    """Where the full text's tokens do not start with the prompt's, the answer has no tokens of its own after the
+    prompt as generate sends it: an error that points to datagen, not a sequence the target never sees."""
+
+    class Merging:  # one id per character, but "?" and the line break after it become one token
+        chat_template = None
+
+        def __call__(self, text, add_special_tokens=True, verbose=False):
+            ids, i = [], 0
+            while i < len(text):
+                pair = text[i:i + 2] == "?\n"
+                ids.append(1000 if pair else ord(text[i]))
+                i += 2 if pair else 1
+            return {"input_ids": ids}
+
+    path = tmp_path / "data.jsonl"
+    path.write_text(json.dumps({"prompt": "How many clips?", "response": "The answer is 72."}) + "\n")
+    with pytest.raises(UserError, match="data.jsonl:1: the tokenizer joins the end of the prompt and the start of "
+                                        "the answer"):
+        read_examples(path, Merging(), max_length=64)
 
 
 def test_a_chat_template_that_refuses_a_record_is_quoted_with_the_line(tmp_path, tokenizer):

@@ -224,6 +224,7 @@ def test_a_target_without_chat_template_gets_plain_text(tiny_pair, tmp_path, cap
                                         "tokenizer has no chat template"):  # as generate refuses it
         run_datagen(DatagenConfig(target=target, prompts=str(prompts), output=str(tmp_path / "thinking.jsonl"),
                                   max_new_tokens=4, device="cpu", enable_thinking=True))
+    assert not (tmp_path / "thinking.jsonl").exists() and not settings_path(tmp_path / "thinking.jsonl").exists()
 
 
 @pytest.fixture

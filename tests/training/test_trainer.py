@@ -60,7 +60,8 @@ def test_export_loads_with_the_same_outputs_and_decodes_losslessly(tiny_pair, tr
     trainer = Trainer(config(tiny_pair, train_data, tmp_path / "out")).setup()
     result = trainer.train()
     assert "eval_loss" in result and len(result["eval_accuracy_per_position"]) == 3
-    start = json.loads(capsys.readouterr().out.splitlines()[0])  # the run's size, before its first step
+    lines = [json.loads(line) for line in capsys.readouterr().out.splitlines() if line.startswith("{")]
+    start = next(line for line in lines if line["event"] == "start")  # the run's size, before its first step
     assert start == {"event": "start", "steps": trainer.total_steps, "train_examples": len(trainer.train_examples),
                      "eval_examples": len(trainer.eval_examples), "world_size": 1}
     loaded = load_drafter(tmp_path / "out", dtype="float32")
@@ -362,6 +363,11 @@ def test_the_thinking_mode_is_refused_for_a_base_model_and_named_where_no_record
     as generate, datagen and bench refuse it), and datagen's records already hold their ids (a warning)."""
     Trainer(config(tiny_pair, train_data, tmp_path / "o", enable_thinking=False)).setup()
     assert ("--no-enable-thinking renders text records, and this data holds none" in capsys.readouterr().err)
+    text = tmp_path / "text.jsonl"
+    text.write_text("".join(json.dumps({"prompt": f"How many clips, {i}?", "response": f"There are {i}."}) + "\n"
+                            for i in range(8)))
+    Trainer(config(tiny_pair, text, tmp_path / "t", enable_thinking=False, eval_fraction=0)).setup()
+    assert "renders text records" not in capsys.readouterr().err
     base = tmp_path / "base"
     shutil.copytree(tiny_pair[0], base)
     (base / "chat_template.jinja").unlink()
