@@ -305,7 +305,8 @@ def done_ids(output: Path) -> dict[int, str | None]:
                             "--output (a rerun of dflash datagen appends to its own output)")
     if tail.strip():
         whole = _json(tail)  # a whole line without its newline: written by something else, never half ours
-        if not tail.startswith(RECORD_START) or (whole is not _NOT_JSON and _output_record(whole) is None):
+        ours_so_far = tail.startswith(RECORD_START) or RECORD_START.startswith(tail)  # or stopped within its start
+        if not ours_so_far or (whole is not _NOT_JSON and _output_record(whole) is None):
             raise UserError(f"{output} is not dflash datagen output (line {len(lines) + 1} is not a record); pass "
                             "another --output")
         with output.open("r+b") as f:  # the interrupted write of a record: it is generated again
@@ -455,10 +456,18 @@ def _claim(output: Path) -> Iterator[IO[str]]:
         f = output.open("a")
     except OSError as err:
         raise _unwritable(output, err) from None
-    with f:
+    try:
         lock_or_refuse(f.fileno(), f"another dflash datagen is writing {output}; let it finish (a rerun then "
                                    "continues where it stopped) or pass another --output")
         yield f
+    except BaseException:
+        with contextlib.suppress(OSError):  # closing flushes what a full disk refused: the error that stopped the run
+            f.close()                       # says more than a second one
+        raise
+    try:
+        f.close()
+    except OSError as err:
+        raise _unwritable(output, err) from None
 
 
 def _chunks(items: list, size: int) -> Iterator[list]:

@@ -606,3 +606,24 @@ def test_warnings_of_a_kind_are_named_up_to_the_cap_then_counted(capsys, monkeyp
     err = capsys.readouterr().err
     assert "conversation 2 ends early" in err and "conversation 3" not in err
     assert err.count("more conversations end early") == 1
+
+
+@pytest.mark.parametrize("room", [4, 40])  # bytes left: within the record's opening, or past it
+def test_a_write_the_file_size_limit_stops_is_named_and_a_rerun_continues(answered, tmp_path, room):
+    """A real short write (the process's file size limit, as a full disk): the run's message survives the close
+    that flushes the refused bytes again, and the rerun cuts the half-written line, however short."""
+    import subprocess
+    import sys
+
+    out = tmp_path / "data.jsonl"
+    limit = out.stat().st_size + room
+    script = (f"import resource, signal, sys; signal.signal(signal.SIGXFSZ, signal.SIG_IGN); "
+              f"resource.setrlimit(resource.RLIMIT_FSIZE, ({limit}, {limit})); "
+              "from dflash.cli.main import main; sys.exit(main(sys.argv[1:]))")
+    command = ["datagen", "--target", answered.target, "--prompts", answered.prompts, "--output", str(out),
+               "--max-new-tokens", "4", "--limit", "3", "--device", "cpu"]
+    run = subprocess.run([sys.executable, "-c", script, *command], capture_output=True, text=True, timeout=120)
+    assert run.returncode == 2 and "the 0 answers written this run are kept: free some space and rerun" in run.stderr
+    assert "Traceback" not in run.stderr and out.stat().st_size == limit  # a half-written line at the end
+    assert main(command) == 0
+    assert [r["id"] for r in read(out)] == [0, 1, 2]
