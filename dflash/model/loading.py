@@ -412,9 +412,11 @@ def save_drafter(model: DFlashDraftModel, directory: str | os.PathLike, dtype: t
         save_file(state, weights, metadata={"format": "pt"})
         _as_umask_allows(weights)
         settings.write_text(json.dumps(config.to_dict(), indent=2) + "\n")
-    except BaseException:
+    except BaseException as err:
         weights.unlink(missing_ok=True)  # a partial file the size of a model would hold the space a rerun needs
         settings.unlink(missing_ok=True)
+        if type(err).__name__ == "SafetensorError":  # safetensors' writer reports a full disk or a denied write so
+            raise OSError(f"writing {weights.name}: {err}") from None
         raise
     os.replace(weights, directory / "model.safetensors")
     os.replace(settings, directory / "config.json")

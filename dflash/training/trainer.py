@@ -592,8 +592,9 @@ class Trainer:
             os.replace(tmp, directory / f"{key}.pt")
         except (OSError, RuntimeError) as err:
             tmp.unlink(missing_ok=True)
-            raise UserError(f"could not write to the feature cache {directory} ({in_brief(err)}; is the disk full?): "
-                            "free some space, or pass --feature-cache memory (or leave the option out)") from None
+            raise UserError(f"could not write to the feature cache {directory} ({in_brief(err)}; "
+                            f"{_why_not_written(err)}): fix that, or pass --feature-cache memory (or leave the option "
+                            "out)") from None
         return features
 
     def _loss(self, batch: Batch, epoch: int, decoding_anchors: bool = False):
@@ -905,11 +906,8 @@ class Trainer:
             torch.save(state, tmp / "training_state.pt")
         except (OSError, RuntimeError) as err:  # a full disk fails inside torch's writer as a RuntimeError
             shutil.rmtree(tmp, ignore_errors=True)
-            kept = self._checkpoints()
-            kept = (f"the newest checkpoint, {kept[-1]}, is kept: free some space and rerun with --resume to continue "
-                    "from it" if kept else "no earlier checkpoint was written: free some space and rerun")
             raise UserError(f"could not write checkpoint step {self.step} into {self.checkpoint_dir} ({in_brief(err)}; "
-                            f"is the disk full?); {kept}") from None
+                            f"{_why_not_written(err)}); {self._resume_from_newest()}") from None
         shutil.rmtree(final, ignore_errors=True)
         os.replace(tmp, final)
         for old in self._checkpoints()[: -self.config.keep_checkpoints]:
@@ -1059,9 +1057,9 @@ class Trainer:
                 save_drafter(self.drafter, self.config.output)
                 (Path(self.config.output) / "training_config.yaml").write_text(yaml.safe_dump(trained_with))
             except (OSError, RuntimeError) as err:
-                raise UserError(f"could not export the drafter into {self.config.output} ({in_brief(err)}; is the "
-                                f"disk full?); step {self.step} is saved in {self.checkpoint_dir}: free some space and "
-                                "rerun the same command with --resume to export it") from None
+                raise UserError(f"could not export the drafter into {self.config.output} ({in_brief(err)}; "
+                                f"{_why_not_written(err)}); step {self.step} is saved in {self.checkpoint_dir}: fix "
+                                "that and rerun the same command with --resume to export it") from None
 
         self._on_rank_0(write)
 
@@ -1123,10 +1121,22 @@ class Trainer:
         # the drafter's whole config goes to the file only (the run's config.json holds it too)
         print(json.dumps({k: v for k, v in record.items() if k != "drafter"}), flush=True)
 
+    def _resume_from_newest(self) -> str:
+        """What a run stopped by a failed write keeps, and how to go on from it."""
+        kept = self._checkpoints()
+        return (f"the newest checkpoint, {kept[-1]}, is kept: fix that and rerun with --resume to continue from it"
+                if kept else "no earlier checkpoint was written: fix that and rerun")
+
     def _write_log(self, record: dict) -> None:
-        Path(self.config.output).mkdir(parents=True, exist_ok=True)
-        with open(Path(self.config.output) / "train_log.jsonl", "a") as f:
-            f.write(json.dumps(record) + "\n")
+        path = Path(self.config.output) / "train_log.jsonl"
+        try:
+            path.parent.mkdir(parents=True, exist_ok=True)
+            _cut_half_written_line(path)
+            with open(path, "a") as f:
+                f.write(json.dumps(record) + "\n")
+        except OSError as err:
+            raise UserError(f"could not write the training log {path} ({in_brief(err)}; {_why_not_written(err)}); "
+                            f"{self._resume_from_newest()}") from None
 
     def _note(self, message: str) -> None:
         self._log({"event": "note", "message": message})
@@ -1180,6 +1190,25 @@ def _model_files(name: str) -> dict[str, list[int]]:
     directory = resolve_model_dir(name)
     return {p.name: [p.stat().st_size, p.stat().st_mtime_ns] for p in sorted(directory.iterdir())
             if p.name == "config.json" or p.suffix in (".safetensors", ".bin")}
+
+
+def _cut_half_written_line(path: Path) -> None:
+    """A log whose last line a stopped write left unfinished (a full disk, a kill) loses that line, so the next
+    record starts a line of its own."""
+    if not path.exists() or path.stat().st_size == 0:
+        return
+    with path.open("r+b") as f:
+        f.seek(-1, os.SEEK_END)
+        if f.read(1) == b"\n":
+            return
+        data = f.seek(0) or f.read()
+        f.truncate(data.rfind(b"\n") + 1)
+
+
+def _why_not_written(err: BaseException) -> str:
+    """What to check when a write failed: the permissions where they refused it, else the disk's room."""
+    denied = isinstance(err, PermissionError) or "Permission denied" in str(err)
+    return "can this user write there?" if denied else "is the disk full?"
 
 
 def _manifest_changes(saved: dict, now: dict) -> list[str]:

@@ -1118,10 +1118,50 @@ def test_a_checkpoint_that_cannot_be_written_is_a_clear_error_keeping_the_last_o
 
     monkeypatch.setattr(torch, "save", disk_full_at_step_6)
     with pytest.raises(UserError, match=r"could not write checkpoint step 6 .*is the disk full\?\); the newest "
-                                        r"checkpoint, .*step-00000003, is kept: free some space and rerun with "
+                                        r"checkpoint, .*step-00000003, is kept: fix that and rerun with "
                                         r"--resume"):
         trainer.train()
     assert sorted(p.name for p in (out / "checkpoints").iterdir()) == ["step-00000003"]  # no half-written one
+
+
+def test_an_export_safetensors_cannot_write_is_a_clear_error(tiny_pair, train_data, tmp_path, monkeypatch):
+    """safetensors reports a full disk or a denied write with an error of its own (neither OSError nor
+    RuntimeError): it printed a traceback."""
+    from safetensors import SafetensorError
+
+    from dflash.model import loading
+
+    def refused(*args, **kwargs):
+        raise SafetensorError("Error while serializing: IoError(Os { code: 13, kind: PermissionDenied, message: "
+                              "\"Permission denied\" })")
+
+    monkeypatch.setattr(loading, "save_file", refused)
+    out = tmp_path / "out"
+    with pytest.raises(UserError, match=r"could not export the drafter into .*Permission denied.*can this user write "
+                                        r"there\?\); step 3 is saved in .*--resume to export it"):
+        Trainer(config(tiny_pair, train_data, out, max_steps=3, checkpoint_every=3)).setup().train()
+    assert not list(out.glob("*.tmp"))
+
+
+def test_a_log_line_a_stopped_write_left_unfinished_is_cut_before_the_next(tiny_pair, train_data, tmp_path,
+                                                                           monkeypatch):
+    out = tmp_path / "out"
+    Trainer(config(tiny_pair, train_data, out, max_steps=3, checkpoint_every=3)).setup().train()
+    log = out / "train_log.jsonl"
+    whole = log.read_text()
+    log.write_text(whole + '{"step": 4, "loss": 1.2, "lr": 0.00')  # a full disk stopped this record
+    Trainer(config(tiny_pair, train_data, out, max_steps=4, checkpoint_every=3, resume=True)).setup().train()
+    lines = log.read_text().splitlines()
+    assert log.read_text().startswith(whole) and all(json.loads(line) for line in lines)
+
+    def full(*args, **kwargs):
+        raise OSError(28, "No space left on device")
+
+    trainer = Trainer(config(tiny_pair, train_data, out, max_steps=6, checkpoint_every=3, resume=True)).setup()
+    monkeypatch.setattr("builtins.open", full)
+    with pytest.raises(UserError, match=r"could not write the training log .*train_log.jsonl .*is the disk full\?\); "
+                                        r"the newest checkpoint, .*step-00000004, is kept"):
+        trainer.train()
 
 
 def test_a_target_with_damaged_weights_is_a_clear_error(tiny_pair, train_data, tmp_path):
