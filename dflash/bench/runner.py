@@ -80,8 +80,9 @@ def run_bench(config: BenchConfig, pipe=None, console: Console | None = None,
                 written = len(results)
     except (Exception, KeyboardInterrupt) as err:
         if isinstance(err, KeyboardInterrupt) and config.output_dir and written < len(results):
-            _write_again(results, config, info)  # Ctrl-C came while the files were written: plots lagged
-        _show_partial(results, config, err, console, stdout)
+            if _write_again(results, config, info):  # Ctrl-C came while the files were written: plots lagged
+                written = len(results)
+        _show_partial(results, written, config, err, console, stdout)
         raise
     report.print_table(results, stdout)
     report.print_warnings(results, console)
@@ -91,11 +92,13 @@ def run_bench(config: BenchConfig, pipe=None, console: Console | None = None,
     return results
 
 
-def _write_again(results: list[BenchResult], config: BenchConfig, info: dict) -> None:
+def _write_again(results: list[BenchResult], config: BenchConfig, info: dict) -> bool:
     """Finish the write an interrupt cut short (each file is replaced whole, but results.json could be one run ahead
-    of the plots); a second Ctrl-C leaves them as they are."""
+    of the plots); a second Ctrl-C leaves them as they are. Whether it finished."""
     with suppress(Exception, KeyboardInterrupt):
         report.write_outputs(results, config.output_dir, info)
+        return True
+    return False
 
 
 def planned_runs(config: BenchConfig) -> int:
@@ -103,16 +106,22 @@ def planned_runs(config: BenchConfig) -> int:
     return len(resolve_names(config.datasets)) * len(settings)
 
 
-def _show_partial(results: list[BenchResult], config: BenchConfig, err: BaseException, console: Console,
-                  stdout: Console) -> None:
-    """What a stopped run had measured, and where it is; the CLI then names the interrupt or the error."""
+def _show_partial(results: list[BenchResult], written: int, config: BenchConfig, err: BaseException,
+                  console: Console, stdout: Console) -> None:
+    """What a stopped run had measured, and where it is (`written`: how many results the output directory holds
+    whole); the CLI then names the interrupt or the error."""
     if not results:
         return
     report.print_table(results, stdout)
     report.print_warnings(results, console)
     stopped = "interrupted" if isinstance(err, KeyboardInterrupt) else "stopped by the error below"
-    where = (f"saved in {config.output_dir} (results.json, results.md, plots)" if config.output_dir
-             else "in the table above (--output-dir saves them as they finish)")
+    if not config.output_dir:
+        where = "in the table above (--output-dir saves them as they finish)"
+    elif written == len(results):
+        where = f"saved in {config.output_dir} (results.json, results.md, plots)"
+    else:
+        where = (f"in the table above; {config.output_dir} holds the first {written} (writing it failed)" if written
+                 else f"in the table above only (writing {config.output_dir} failed)")
     console.print(f"{stopped} after {len(results)} of {planned_runs(config)} runs; the finished ones are {where}",
                   style="bold yellow", highlight=False, soft_wrap=True)
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
 import copy
 import json
 import math
@@ -101,10 +102,30 @@ def run(args: argparse.Namespace) -> int:
     from dflash.bench.runner import load_data, run_bench
 
     config = bench_config(args)
-    data = load_data(config)  # a bad record is named before the models load, which can take minutes
-    pipe = None if config.backend == "server" else _load_pair(args)
-    results = run_bench(config, pipe, data=data)
+    with _claimed(config.output_dir, getattr(args, "overwrite", False)):
+        data = load_data(config)  # a bad record is named before the models load, which can take minutes
+        pipe = None if config.backend == "server" else _load_pair(args)
+        results = run_bench(config, pipe, data=data)
     return 1 if any(r.mismatches or r.errors or r.baseline_errors for r in results) else 0
+
+
+@contextlib.contextmanager
+def _claimed(output_dir: str | None, overwrite: bool):
+    """--output-dir locked against a second dflash bench writing into it (their results would replace each other's)
+    until this run ends; its results are checked again once the lock is held, as a run may have just finished."""
+    from dflash.training.lock import lock_or_refuse
+
+    if output_dir is None:
+        yield
+        return
+    fd = os.open(output_dir, os.O_RDONLY)
+    try:
+        lock_or_refuse(fd, f"another dflash bench is writing into --output-dir {output_dir}; let it finish, or pass "
+                           "another --output-dir")
+        _check_output_dir(Path(output_dir), overwrite)
+        yield
+    finally:
+        os.close(fd)
 
 
 def bench_config(args: argparse.Namespace):

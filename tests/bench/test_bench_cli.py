@@ -88,6 +88,28 @@ def test_an_earlier_runs_results_are_replaced_only_with_overwrite(tiny_pair, dat
     assert json.loads((out / "results.json").read_text())[0]["num_prompts"] == 1
 
 
+def test_a_second_bench_into_a_running_ones_output_dir_is_refused(tiny_pair, data_dir, tmp_path, capsys):
+    """Two runs into one --output-dir rewrote each other's results.json, and the first one's were lost."""
+    import fcntl
+    import os
+
+    target, draft = tiny_pair
+    out = tmp_path / "out"
+    out.mkdir()
+    args = ["bench", "--target", str(target), "--draft", str(draft), "--dataset", "gsm8k", "--data-dir", str(data_dir),
+            "--max-samples", "1", "--max-new-tokens", "4", "--warmup-tokens", "2", "--output-dir", str(out),
+            "--no-progress"]
+    running = os.open(out, os.O_RDONLY)  # what the first run holds while it writes
+    try:
+        fcntl.flock(running, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        assert main(args) == 2
+        assert f"another dflash bench is writing into --output-dir {out}; let it finish" in capsys.readouterr().err
+        assert not (out / "results.json").exists()
+    finally:
+        os.close(running)
+    assert main(args) == 0  # once it has finished
+
+
 def test_local_bench_with_branches_records_them(tiny_pair, data_dir, tmp_path):
     target, draft = tiny_pair
     out = tmp_path / "out"

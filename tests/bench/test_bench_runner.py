@@ -79,6 +79,29 @@ def test_a_server_lost_midway_keeps_the_finished_levels(openai_server, data_dir,
     assert "dflash bench: error: lost the connection to" in err and "(--base-url) during the run" in err
 
 
+def test_a_stop_by_a_failed_write_does_not_claim_the_results_are_saved(openai_server, data_dir, tmp_path,
+                                                                       monkeypatch, capsys):
+    from dflash.bench import report
+
+    real_write, calls = report.write_outputs, []
+
+    def fails_from_the_second_result(results, *args, **kwargs):
+        calls.append(len(results))
+        if len(results) >= 2:
+            raise PermissionError(13, "Permission denied")
+        return real_write(results, *args, **kwargs)
+
+    monkeypatch.setattr(report, "write_outputs", fails_from_the_second_result)
+    running = openai_server()
+    out = tmp_path / "out"
+    code = main(["bench", "--base-url", running.base_url, "--data-dir", str(data_dir), "--max-samples", "1",
+                 "--max-new-tokens", "4", "--concurrency", "1,2,4", "--output-dir", str(out), "--no-progress"])
+    assert code == 2 and calls == [0, 1, 2]
+    err = " ".join(capsys.readouterr().err.split())
+    assert f"stopped by the error below after 2 of 3 runs; the finished ones are in the table above; {out} holds " \
+           "the first 1 (writing it failed)" in err
+
+
 def test_failed_requests_make_the_command_fail(openai_server, data_dir, monkeypatch, capsys):
     fail_requests_of(monkeypatch, "1", "HTTP 503: overloaded")
     code = main(["bench", "--base-url", openai_server().base_url, "--data-dir", str(data_dir), "--max-samples", "0",
