@@ -200,6 +200,8 @@ def write_outputs(results: list[BenchResult], output_dir: str | Path, setup: dic
     whole (written aside, then renamed): an interrupt never leaves half a file."""
     out = Path(output_dir)
     out.mkdir(parents=True, exist_ok=True)
+    for aside in out.glob(".*.partial"):  # what a killed write left beside its file
+        aside.unlink(missing_ok=True)
     written = [out / "results.json", out / "config.json", out / "results.md"]
     _replace(written[0], lambda p: p.write_text(json.dumps([r.to_dict() for r in results], indent=2) + "\n"))
     _replace(written[1], lambda p: p.write_text(json.dumps(setup, indent=2, default=str) + "\n"))

@@ -256,14 +256,24 @@ def _check_output_dir(path: Path, overwrite: bool = False) -> None:
     if path.exists() and not path.is_dir():
         raise UserError(f"--output-dir {path} is a file; give a directory (it is created if missing)")
     if _holds_results(path / "results.json") and not overwrite:
-        raise UserError(f"--output-dir {path} holds an earlier run's results (results.json); pass another "
-                        "--output-dir, or --overwrite to replace them")
+        raise UserError(f"--output-dir {path} holds an earlier run's results (results.json{_stopped_early(path)}); "
+                        "pass another --output-dir, or --overwrite to replace them")
     try:
         path.mkdir(parents=True, exist_ok=True)
     except OSError as err:
         raise UserError(f"cannot create --output-dir {path}: {err.strerror or err}") from None
     if not os.access(path, os.W_OK):
         raise UserError(f"--output-dir {path} is not writable; pick another directory")
+
+
+def _stopped_early(path: Path) -> str:
+    """', of a run stopped after 2 of 6 runs' where the earlier run's config.json says it did not finish."""
+    try:
+        finished = json.loads((path / "config.json").read_text()).get("runs_finished", "")
+        done, planned = (int(n) for n in finished.split(" of "))
+    except (OSError, ValueError, AttributeError):
+        return ""
+    return f", of a run stopped after {done} of {planned} runs" if done < planned else ""
 
 
 def _holds_results(path: Path) -> bool:

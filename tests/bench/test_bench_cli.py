@@ -88,6 +88,23 @@ def test_an_earlier_runs_results_are_replaced_only_with_overwrite(tiny_pair, dat
     assert json.loads((out / "results.json").read_text())[0]["num_prompts"] == 1
 
 
+def test_a_stopped_runs_output_dir_says_so_and_a_new_run_clears_its_leftovers(tiny_pair, data_dir, tmp_path, capsys):
+    target, draft = tiny_pair
+    out = tmp_path / "out"
+    out.mkdir()
+    (out / "results.json").write_text('[{"dataset": "gsm8k", "speedup": 2.0}]')
+    (out / "config.json").write_text('{"runs_finished": "1 of 3"}')
+    (out / ".speedup.png.partial").write_bytes(b"a plot a kill cut short")
+    args = ["bench", "--target", str(target), "--draft", str(draft), "--dataset", "gsm8k", "--data-dir", str(data_dir),
+            "--max-samples", "1", "--max-new-tokens", "4", "--warmup-tokens", "2", "--output-dir", str(out),
+            "--no-progress"]
+    assert main(args) == 2
+    assert "holds an earlier run's results (results.json, of a run stopped after 1 of 3 runs)" in " ".join(
+        capsys.readouterr().err.split())
+    assert main([*args, "--overwrite"]) == 0
+    assert not list(out.glob(".*.partial"))
+
+
 def test_a_second_bench_into_a_running_ones_output_dir_is_refused(tiny_pair, data_dir, tmp_path, capsys):
     """Two runs into one --output-dir rewrote each other's results.json, and the first one's were lost."""
     import fcntl
