@@ -65,6 +65,12 @@ class TemplateRefusal(GenerationError):
     """The target's chat template raised on a conversation (a role or an order it does not take)."""
 
 
+def encode_plain(tokenizer, text: str) -> list[int]:
+    """Token ids of text sent as it is (no chat template): with the tokenizer's special tokens (e.g. BOS). The
+    tokenizer does not warn of a text longer than its model's context (see `render_chat`)."""
+    return tokenizer(text, add_special_tokens=True, verbose=False)["input_ids"]
+
+
 def render_chat(tokenizer, messages: list[dict], /, **options) -> Any:
     """The tokenizer's chat template applied to `messages` (token ids); a `TemplateRefusal` quoting the template
     when it raises on them. The tokenizer does not warn of a prompt longer than its model's context: the caller
@@ -225,7 +231,7 @@ class DFlash:
         if has_template and not raw:
             return self.encode([{"role": "user", "content": prompt}], chat_template_kwargs=chat_template_kwargs,
                                add_generation_prompt=add_generation_prompt)
-        return self.tokenizer(prompt, add_special_tokens=True, verbose=False)["input_ids"]  # length: see render_chat
+        return encode_plain(self.tokenizer, prompt)
 
     # ---- generation -----------------------------------------------------------------------------------
     def generate(self, prompt: Prompt, raw: bool = False, chat_template_kwargs: dict[str, Any] | None = None,

@@ -16,13 +16,12 @@ from typing import TYPE_CHECKING, Iterator
 
 from rich.console import Console
 
-from dflash.api import PLAIN_CONVERSATION_NOTE, THINKING_WITHOUT_TEMPLATE
+from dflash.api import PLAIN_CONVERSATION_NOTE
 from dflash.bench import report
 from dflash.bench.datasets import DATA_DIR_ENV, DataOptions, Sample, data_source, load_samples, resolve_names
 from dflash.bench.local import LocalBackend, LocalConfig
 from dflash.bench.metrics import BenchResult, add_costs
 from dflash.decoding.engine import AUTO
-from dflash.errors import UserError
 from dflash.model.target import TargetModel
 
 if TYPE_CHECKING:  # the server backend needs httpx (the `bench` extra); a local run does not
@@ -138,8 +137,6 @@ def _local_backend(config: BenchConfig, data: dict[str, list[Sample]], pipe,
     """The pair, with every block size and every first turn checked before any decoding."""
     backend = LocalBackend(pipe)
     if pipe.tokenizer is not None and not pipe.has_chat_template:
-        if (pipe.chat_template_kwargs or {}).get("enable_thinking"):
-            raise UserError(THINKING_WITHOUT_TEMPLATE)
         console.print(f"warning: {PLAIN_CONVERSATION_NOTE}", style="yellow", highlight=False, soft_wrap=True)
     widest = max(config.block_sizes, key=backend.block_size)  # raises for a size the drafter cannot use
     backend.check_context(data, _local_config(config, widest))

@@ -8,7 +8,7 @@ import re
 import sys
 from pathlib import Path
 
-from dflash.api import THINKING_WITHOUT_TEMPLATE, check_text, make_config, refuse_greedy_ignores
+from dflash.api import check_text, make_config, refuse_greedy_ignores
 from dflash.cli.common import add_model_arguments, load_pipeline
 from dflash.decoding.engine import SpeculativeEngine
 from dflash.errors import UserError
@@ -69,8 +69,6 @@ def run(args: argparse.Namespace) -> int:
         if args.system is not None:
             raise UserError("--system adds a message for the chat template, and this target's tokenizer has none; put "
                             "the instructions at the start of the prompt instead")
-        if args.enable_thinking:
-            raise UserError(THINKING_WITHOUT_TEMPLATE)
     prompt_ids = pipe.encode(_conversation(prompt, args.system), raw=args.raw)
     _check_room(pipe.engine, len(prompt_ids), args.max_new_tokens)  # before the warm-up asks for fewer tokens
     pipe.generate(prompt_ids, **{**options, "max_new_tokens": 2})  # warm-up, so timings are steady-state

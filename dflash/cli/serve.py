@@ -272,7 +272,6 @@ def _serve(args: argparse.Namespace) -> int:
     import uvicorn
     from prometheus_client import disable_created_metrics
 
-    from dflash.api import THINKING_WITHOUT_TEMPLATE
     from dflash.serve.app import ServeConfig, create_app
     from dflash.serve.limits import DEFAULT_MAX_REQUEST_BYTES
     from dflash.serve.scheduler import SchedulerConfig
@@ -281,8 +280,6 @@ def _serve(args: argparse.Namespace) -> int:
     check_address(args.host, args.port)  # before the models load, which can take minutes
     disable_created_metrics()  # as vLLM's server does: no `*_created` series beside every counter and histogram
     pipe = load_pipeline(args, warn_unapplied=False)  # the server says what it leaves out (`Server`)
-    if args.enable_thinking and not pipe.has_chat_template:
-        raise UserError(THINKING_WITHOUT_TEMPLATE)
     config = ServeConfig(
         served_model_name=args.served_model_name or args.target or "dflash",
         api_key=args.api_key,

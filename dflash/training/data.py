@@ -209,12 +209,10 @@ def _templated(messages: list[dict], tokenizer, variables: dict) -> tuple[list[i
 def _plain(messages: list[dict], tokenizer) -> tuple[list[int], list[int]]:
     """(prompt, response) ids of a conversation as plain text (`plain_conversation`), its last message the response:
     the tokens the full text adds to its prompt's."""
-    from dflash.api import plain_conversation
+    from dflash.api import encode_plain, plain_conversation
 
-    def encode(text: str) -> list[int]:
-        return _ids(tokenizer(text, add_special_tokens=True, verbose=False))
-
-    prompt, full = encode(plain_conversation(messages[:-1])), encode(plain_conversation(messages))
+    prompt = _ids(encode_plain(tokenizer, plain_conversation(messages[:-1])))
+    full = _ids(encode_plain(tokenizer, plain_conversation(messages)))
     if full[: len(prompt)] != prompt:
         raise UserError("the tokenizer joins the end of the prompt and the start of the answer into other tokens than "
                         "the prompt's alone, so the answer has no tokens of its own to train on; make the data with "
@@ -256,7 +254,7 @@ def read_examples(path: str | Path, tokenizer, max_length: int, vocab_size: int 
                   flag: str = "--data", template_kwargs: dict | None = None, prompt_suffix: str = "") -> ExampleFile:
     """Every record of the JSONL file that `flag` names as an example, and the records that leave nothing to train
     on; a bad record is an error naming its line."""
-    examples, dropped, cut, unstored = [], [], 0, 0
+    examples, dropped, cut, unstored, texts = [], [], 0, 0, 0
     rows = read_jsonl(path, missing=f"create it with `dflash datagen` or pass another {flag}")
     for n, record in rows:
         try:
@@ -271,10 +269,11 @@ def read_examples(path: str | Path, tokenizer, max_length: int, vocab_size: int 
         else:
             cut += read.turns - len(read.examples)
         unstored += read.answers_without_ids
+        texts += not _has_ids(record)
     if not examples:
         raise UserError(f"no usable examples in {flag} {path}: every response is empty or cut off by --max-length "
                         f"({max_length} tokens with its prompt)")
-    return ExampleFile(examples, len(rows), dropped, cut, unstored, sum(not _has_ids(r) for _, r in rows))
+    return ExampleFile(examples, len(rows), dropped, cut, unstored, texts)
 
 
 def fingerprint(examples: list[Example]) -> str:
