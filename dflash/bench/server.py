@@ -46,7 +46,6 @@ from dflash.bench.metrics import (
 from dflash.errors import UserError, in_brief
 
 PREFIXES = ("dflash:", "vllm:")
-COUNTERS = ("num_drafts", "num_draft_tokens", "num_accepted_tokens")
 PER_POSITION = "num_accepted_tokens_per_pos"
 
 
