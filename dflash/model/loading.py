@@ -197,12 +197,13 @@ def _training_checkpoint_error(directory: Path) -> CheckpointError:
 
 
 def _unexported_run_error(directory: Path) -> CheckpointError:
-    """A `dflash train` --output whose run stopped before it exported the drafter (only checkpoints/ in it)."""
+    """A `dflash train` --output whose run stopped before its export was complete: checkpoints/ and not both of the
+    drafter's config.json and weights (the export writes the weights, then the config)."""
     steps = sorted(p.name for p in (directory / "checkpoints").glob("step-*"))
     last = (steps[-1].removeprefix("step-").lstrip("0") or "0") if steps else "STEP"
     return CheckpointError(
-        f"{directory} is the output of a `dflash train` run that stopped before exporting the drafter (it holds only "
-        f"checkpoints/): export the newest checkpoint by running that training command again with --resume "
+        f"{directory} is the output of a `dflash train` run that stopped before its export was complete (it holds "
+        f"checkpoints/ but no drafter config.json and weights): export the newest checkpoint by running that training command again with --resume "
         f"--max-steps {last}, or let the run finish")
 
 
@@ -321,6 +322,8 @@ def _read_state_dict(directory: Path) -> dict[str, torch.Tensor]:
             raise load_failure("the drafter's weight index", directory, err) from None
     else:
         files = sorted(directory.glob("*.safetensors"))
+    if not files and (directory / "checkpoints").is_dir():
+        raise _unexported_run_error(directory)
     if not files:
         raise CheckpointError(f"no *.safetensors weights in {directory}")
     state: dict[str, torch.Tensor] = {}

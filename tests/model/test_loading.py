@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import shutil
 import subprocess
 import sys
 import threading
@@ -369,7 +370,18 @@ def test_a_run_that_stopped_before_its_export_says_how_to_export(tmp_path):
     """What --draft gets after a training run was stopped: only checkpoints/ in its --output."""
     for step in ("step-00000040", "step-00000080"):
         (tmp_path / "run" / "checkpoints" / step).mkdir(parents=True)
-    with pytest.raises(CheckpointError, match="stopped before exporting the drafter .*--resume --max-steps 80,"):
+    with pytest.raises(CheckpointError, match="stopped before its export was complete .*--resume --max-steps 80,"):
+        load_drafter(tmp_path / "run")
+
+
+@pytest.mark.parametrize("written", ["model.safetensors", "config.json"])
+def test_an_export_stopped_halfway_says_how_to_export(tmp_path, written):
+    """An export killed between its two renames leaves the weights without the config (or, from an older export
+    order, the config without the weights) beside the checkpoints: the same advice, not a bare missing file."""
+    (tmp_path / "run" / "checkpoints" / "step-00000040").mkdir(parents=True)
+    source = Path(__file__).resolve().parents[2] / "dflash" / "assets" / "drafter" / written
+    shutil.copy(source, tmp_path / "run" / written)
+    with pytest.raises(CheckpointError, match="stopped before its export was complete .*--resume --max-steps 40,"):
         load_drafter(tmp_path / "run")
 
 

@@ -1266,7 +1266,7 @@ def test_overwrite_removes_the_earlier_export_so_a_stopped_run_cannot_load_it(ti
     stopped._train_step = step_then_ctrl_c
     with pytest.raises(KeyboardInterrupt):
         stopped.train()
-    with pytest.raises(UserError, match="stopped before exporting the drafter .*--resume --max-steps 1"):
+    with pytest.raises(UserError, match="stopped before its export was complete .*--resume --max-steps 1"):
         load_drafter(out)  # not the earlier run's drafter, silently
 
 
