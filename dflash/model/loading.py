@@ -203,8 +203,8 @@ def _unexported_run_error(directory: Path) -> CheckpointError:
     last = (steps[-1].removeprefix("step-").lstrip("0") or "0") if steps else "STEP"
     return CheckpointError(
         f"{directory} is the output of a `dflash train` run that stopped before its export was complete (it holds "
-        f"checkpoints/ but no drafter config.json and weights): export the newest checkpoint by running that training command again with --resume "
-        f"--max-steps {last}, or let the run finish")
+        f"checkpoints/ but no drafter config.json and weights): export the newest checkpoint by running that "
+        f"training command again with --resume --max-steps {last}, or let the run finish")
 
 
 def trained_for(drafter_dir: Path) -> Path | None:
