@@ -153,6 +153,10 @@ class Trainer:
         self._setup_log = []
         try:
             self._lock_output()
+        except BaseException:  # another run holds --output: the directories are its own, even ones this run created
+            self._setup_log = None  # in the same instant as it did
+            raise
+        try:
             self._setup_output()
             self._setup_target()
             self._setup_data()

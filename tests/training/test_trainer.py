@@ -1039,6 +1039,22 @@ def test_a_second_run_on_the_same_output_is_refused_until_the_first_ends(tiny_pa
     Trainer(config(tiny_pair, train_data, out, max_steps=2, resume=True)).setup()  # free again
 
 
+def test_a_run_refused_by_the_lock_removes_no_directory_of_the_run_that_holds_it(tiny_pair, train_data, tmp_path,
+                                                                               monkeypatch):
+    """Two runs started in the same instant on a new --output may both create its directories; the one refused by
+    the lock must not remove them as its own failed set-up's (the first would lose its checkpoints/ folder)."""
+    out = tmp_path / "out"
+    first = Trainer(config(tiny_pair, train_data, out, max_steps=3, checkpoint_every=1)).setup()
+    second = Trainer(config(tiny_pair, train_data, out, max_steps=3))
+    made = second._check_directories
+    monkeypatch.setattr(second, "_check_directories", lambda: [out, out / "checkpoints"] if made() == [] else [])
+    with pytest.raises(UserError, match="another dflash train is writing"):
+        second.setup()
+    assert (out / "checkpoints").is_dir()
+    first.train()
+    assert checkpoint_names(out)[-1] == "step-00000003" and (out / "model.safetensors").is_file()
+
+
 def test_overwrite_deletes_nothing_when_the_new_run_cannot_start(tiny_pair, train_data, tmp_path):
     out = tmp_path / "out"
     Trainer(config(tiny_pair, train_data, out)).setup().train()
