@@ -32,7 +32,14 @@ from dflash.decoding.slots import (
     worth_compacting,
 )
 from dflash.decoding.stopping import StopChecker
-from dflash.decoding.verify import greedy_verify, matching_prefix, rejection_sample, sample_target_only
+from dflash.decoding.verify import (
+    greedy_verify,
+    matching_prefix,
+    refuse_no_token,
+    rejection_sample,
+    sample_target_only,
+    target_argmax,
+)
 from dflash.errors import GenerationError
 from dflash.model import hf_compat
 from dflash.model.target import TargetModel
@@ -414,6 +421,7 @@ class SpeculativeEngine:
             num_accepted = matching_prefix(draft.tokens, target_tokens[:, : block.shape[1]])
             new_tokens, kept_slots = accept_branch(num_accepted, target_tokens, branch, block.shape[1])
             batch.accepted = num_accepted.tolist()
+        refuse_no_token(new_tokens)
         self._commit(batch, new_tokens, out.features, positions,
                      drafter_forwards=draft.forwards if draft.tokens.shape[1] > 0 else 0, kept_slots=kept_slots)
         kept = [seq.record(new, tokens.shape[1]) for seq, new in zip(rows, new_tokens)]
@@ -493,7 +501,7 @@ class SpeculativeEngine:
     def _target_tokens(logits: torch.Tensor, rows: list[Sequence], block_size: int, branch: Branch) -> torch.Tensor:
         """The target's own token after each of a forward's q tokens (b, q), for greedy rows and seeded ones (the
         seed's noise at the position each token would take). logits (b, q, vocab)."""
-        tokens = logits.argmax(-1)  # (b, q)
+        tokens = target_argmax(logits)  # (b, q)
         for r, seq in enumerate(rows):
             if seq.noise is None:
                 continue

@@ -66,13 +66,16 @@ def to_probs(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
     return logits.softmax(-1)
 
 
+OVERFLOW_ADVICE = ("in float16 that is usually an overflow: load the model in bfloat16 or float32 (--dtype, or dtype= "
+                   "in the Python API)")
+
+
 def _where_infinite(logits: torch.Tensor) -> torch.Tensor:
     """Rows with a +inf: 0 there, -inf elsewhere (the +inf tokens share the probability). NaN, or a row with no
     finite logit, is refused: no distribution is left to sample from."""
     if bool(torch.isnan(logits).any()) or bool((logits == float("-inf")).all(-1).any()):
         raise GenerationError("the model's logits are NaN (or -inf everywhere), so there is no distribution to "
-                              "sample from; in float16 that is usually an overflow: load the model in bfloat16 or "
-                              "float32 (--dtype, or dtype= in the Python API)")
+                              f"sample from; {OVERFLOW_ADVICE}")
     forced = logits == float("inf")
     return torch.where(forced.any(-1, keepdim=True), torch.where(forced, 0.0, float("-inf")), logits)
 

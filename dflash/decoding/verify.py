@@ -14,7 +14,25 @@ from __future__ import annotations
 
 import torch
 
-from dflash.decoding.sampling import SamplingParams, sample, to_probs
+from dflash.decoding.sampling import OVERFLOW_ADVICE, SamplingParams, sample, to_probs
+from dflash.errors import GenerationError
+
+NO_TOKEN = -1  # the target's greedy choice where its logits hold a NaN: there is none
+
+
+def target_argmax(logits: torch.Tensor) -> torch.Tensor:
+    """logits (..., vocab) -> the target's greedy tokens (...), NO_TOKEN where a row's logits hold a NaN (argmax
+    would take the NaN's index for a token, and decoding would go on with garbage)."""
+    values, tokens = logits.max(-1)
+    return tokens.masked_fill(torch.isnan(values), NO_TOKEN)
+
+
+def refuse_no_token(new_tokens: list[list[int]]) -> list[list[int]]:
+    """The rows' new tokens, unless a NaN logit left one without a token (`target_argmax`): then a GenerationError
+    that says how to load the model."""
+    if any(NO_TOKEN in tokens for tokens in new_tokens):
+        raise GenerationError(f"the model's logits are NaN, so it chose no token; {OVERFLOW_ADVICE}")
+    return new_tokens
 
 
 def greedy_verify(draft_tokens: torch.Tensor, target_logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -22,9 +40,9 @@ def greedy_verify(draft_tokens: torch.Tensor, target_logits: torch.Tensor) -> tu
 
     Returns (num_accepted (b,), target_tokens (b, k + 1)). Row r's new tokens are
     target_tokens[r, : num_accepted[r] + 1]: accepted draft tokens equal the target's argmax, and the
-    token after them is the target's argmax there (recovered or bonus).
+    token after them is the target's argmax there (recovered or bonus); NO_TOKEN where its logits are NaN.
     """
-    target_tokens = target_logits.argmax(-1)  # (b, k + 1)
+    target_tokens = target_argmax(target_logits)  # (b, k + 1)
     return matching_prefix(draft_tokens, target_tokens), target_tokens
 
 
@@ -66,5 +84,5 @@ def rejection_sample(
 def sample_target_only(logits: torch.Tensor, params: SamplingParams, generator: torch.Generator | None) -> int:
     """One token from the target alone (prefill, or a step without draft tokens). logits (vocab,)."""
     if params.greedy:
-        return int(logits.argmax())
+        return refuse_no_token([[int(target_argmax(logits))]])[0][0]
     return int(sample(to_probs(logits, params)[None], generator))

@@ -4,6 +4,8 @@ oracle is right for a random number of tokens)."""
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 
 from conftest import VOCAB, OracleProposer, hf_greedy, random_prompts, tiny_drafter
@@ -252,6 +254,41 @@ def test_stream_yields_the_same_tokens(target):
     pieces = list(stream)
     assert sum(pieces, []) == stream.result.output_ids == engine.generate([prompt], config)[0].output_ids
     assert [len(p) for p in pieces] == stream.result.stats.acceptance_lengths
+
+
+def nan_after(target, forwards: int, monkeypatch) -> None:
+    """The target's logits hold a NaN (one token's, every position) from its `forwards`-th forward on, as a float16
+    overflow would leave them."""
+    original, calls = target.forward, []
+
+    def forward(*args, **kwargs):
+        out = original(*args, **kwargs)
+        calls.append(1)
+        if len(calls) >= forwards:
+            logits = out.logits.clone()
+            logits[..., 3] = float("nan")
+            out = dataclasses.replace(out, logits=logits)
+        return out
+
+    monkeypatch.setattr(target, "forward", forward)
+
+
+@pytest.mark.parametrize("forwards", [1, 3])  # in the prefill, and in a verify step
+@pytest.mark.parametrize("setting", ["no draft", "block 4", "branch"])
+def test_nan_logits_stop_greedy_decoding_with_the_fix_not_garbage(forwards, setting, monkeypatch):
+    """Greedy decoding took argmax's pick of a NaN row (the NaN's own index) as a token and went on; it stops with
+    the error sampling gives, which says how to load the model."""
+    from conftest import tiny_target_model
+    from dflash.model import TargetModel
+
+    target = TargetModel(tiny_target_model())
+    proposer = NoDraftProposer() if setting == "no draft" else DFlashProposer(tiny_drafter(target), target)
+    config = GenerationConfig(max_new_tokens=12, ignore_eos=True, block_size=None if setting == "no draft" else 4,
+                              branch_length=2 if setting == "branch" else 0)
+    engine = SpeculativeEngine(target, proposer)  # its probe forwards at load see sound logits
+    nan_after(target, forwards, monkeypatch)
+    with pytest.raises(GenerationError, match="logits are NaN.*load the model in bfloat16 or float32"):
+        engine.generate([[5, 6, 7], [8, 9]], config)
 
 
 @pytest.mark.parametrize("bad", [
