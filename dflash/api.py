@@ -268,6 +268,10 @@ class DFlash:
         `GenerationOutput` once the iteration ends."""
         config = self._config(options)
         ids = self.encode(prompt, raw, chat_template_kwargs)
+        if self.tokenizer is None:
+            raise GenerationError("stream() yields text, and this target has no tokenizer to decode it: give it one "
+                                  "(TargetModel(model, tokenizer)), or read token ids as they come from "
+                                  "pipe.engine.stream(ids, config)")
         return TextStream(self, self.engine.stream(ids, config), config.stop_strings)
 
     def _config(self, options: dict[str, Any]) -> GenerationConfig:
@@ -297,6 +301,9 @@ class TextStream:
     @property
     def result(self) -> GenerationOutput:
         """The `GenerationOutput`, once the stream has been iterated to its end."""
+        if self._result is None and self._started:
+            raise GenerationError("this stream was left before its end (a break), so it has no result: read a new "
+                                  "stream to the end, or call generate(...) for the result alone")
         if self._result is None:
             raise GenerationError("a stream's result is there once it has been read to the end: iterate it first "
                                   "(for piece in stream: ...), or call generate(...) for the result alone")
@@ -304,8 +311,8 @@ class TextStream:
 
     def __iter__(self) -> Iterator[str]:
         if self._started:
-            raise GenerationError("a stream is iterated once; read its .result, or call stream(...) again for a "
-                                  "new generation")
+            done = "read its .result, or " if self._result is not None else "this one was left before its end; "
+            raise GenerationError(f"a stream is iterated once; {done}call stream(...) again for a new generation")
         self._started = True
         for new in self._tokens:
             piece = self._deltas.add(new)

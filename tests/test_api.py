@@ -1,5 +1,6 @@
 import math
 import shutil
+import time
 import warnings
 
 import numpy as np
@@ -151,8 +152,22 @@ def test_batches_and_streams_are_used_as_documented(pipe):
         stream.result  # noqa: B018 - reading it is the test
     text = "".join(stream)
     assert text == stream.result.text
-    with pytest.raises(GenerationError, match="iterated once"):
+    with pytest.raises(GenerationError, match="iterated once; read its .result"):
         list(stream)
+    left = pipe.stream("Weng earns", max_new_tokens=8, ignore_eos=True)
+    next(iter(left))  # a break after the first piece
+    with pytest.raises(GenerationError, match="left before its end .*read a new stream to the end"):
+        left.result  # noqa: B018 - reading it is the test
+    with pytest.raises(GenerationError, match="iterated once; this one was left before its end"):
+        list(left)
+
+
+def test_a_streams_time_to_first_token_runs_from_its_first_read(pipe):
+    """Its clock started when stream() was called, so time spent before the loop counted as the model's."""
+    stream = pipe.stream("Weng earns", max_new_tokens=4, block_size=4)
+    time.sleep(0.5)
+    "".join(stream)
+    assert stream.result.stats.time_to_first_token_s < 0.4
 
 
 @pytest.mark.parametrize("temperature", [math.nan, math.inf, 1e39, 100.5])
@@ -443,8 +458,12 @@ def test_a_prompt_beyond_the_context_is_said_once_by_dflash_not_by_the_tokenizer
 def test_dtype_names_float64_as_the_torch_dtype_is_taken(tiny_pair):
     pipe = DFlash.from_pretrained(*tiny_pair, device="cpu", dtype="float64")
     assert pipe.target.model.dtype == torch.float64
-    with pytest.raises(CheckpointError, match="unknown dtype 'float8'; use one of float32, float16, bfloat16, float64"):
+    with pytest.raises(CheckpointError, match="unknown dtype 'float8'; use auto .*, float32, float16, bfloat16 or "
+                                              "float64"):
         DFlash.from_pretrained(*tiny_pair, device="cpu", dtype="float8")
+    with pytest.raises(CheckpointError, match="dtype torch.float8_e4m3fn cannot hold a model's weights here; use "
+                                              "auto"):  # a floating type: it had reached transformers' own error
+        DFlash.from_pretrained(*tiny_pair, device="cpu", dtype=torch.float8_e4m3fn)
 
 
 def test_a_loaded_model_a_non_float_dtype_and_stop_strings_without_a_tokenizer_are_named(tiny_pair):
@@ -460,11 +479,13 @@ def test_a_loaded_model_a_non_float_dtype_and_stop_strings_without_a_tokenizer_a
                                                   r"DFlash\(TargetModel\(model, tokenizer\)") as err:
             DFlash.from_pretrained(*args, device="cpu")
         assert len(str(err.value)) < 300
-    with pytest.raises(CheckpointError, match="dtype torch.int8 is not a floating-point type; use one of float32"):
+    with pytest.raises(CheckpointError, match="dtype torch.int8 cannot hold a model's weights here; use auto"):
         DFlash.from_pretrained(*tiny_pair, dtype=torch.int8, device="cpu")
     bare = DFlash(TargetModel(model))
     with pytest.raises(GenerationError, match="this target has no tokenizer to decode it: give it one"):
         bare.generate([5, 6, 7], max_new_tokens=3, stop_strings=["a"])
+    with pytest.raises(GenerationError, match=r"stream\(\) yields text, and this target has no tokenizer"):
+        bare.stream([5, 6, 7], max_new_tokens=3)  # it was an AttributeError from the detokenizer
     assert len(bare.generate([5, 6, 7], max_new_tokens=3).output_ids) == 3
 
 

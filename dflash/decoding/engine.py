@@ -657,6 +657,7 @@ class TokenStream:
         self.result: GenerationOutput | None = None
 
     def __iter__(self) -> Iterator[list[int]]:
+        self._seq.started = time.perf_counter()  # its time to first token runs from the first read, not creation
         batch = self._engine.prefill(self._seq, self._proposer)
         yield list(self._seq.output_ids)
         while not self._seq.finished:

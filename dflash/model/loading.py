@@ -33,15 +33,18 @@ class CheckpointError(UserError):
 
 
 def parse_dtype(dtype: str | torch.dtype | None) -> torch.dtype | None:
-    if isinstance(dtype, torch.dtype) and not dtype.is_floating_point:
-        raise CheckpointError(f"dtype {dtype} is not a floating-point type; use one of float32, float16, bfloat16, "
-                              "float64 (quantized weights come with a checkpoint's own quantization config)")
+    """The dtype to load weights in: None (also "auto") keeps the checkpoint's own."""
+    if isinstance(dtype, torch.dtype) and dtype not in _DTYPES.values():  # integer, complex, float8 ...
+        raise CheckpointError(f"dtype {dtype} cannot hold a model's weights here; use auto (the checkpoint's own), "
+                              "float32, float16, bfloat16 or float64 (quantized weights come with a checkpoint's own "
+                              "quantization config)")
     if dtype is None or isinstance(dtype, torch.dtype):
         return dtype
     if dtype == "auto":
         return None
     if dtype not in _DTYPES:
-        raise CheckpointError(f"unknown dtype {dtype!r}; use one of float32, float16, bfloat16, float64")
+        raise CheckpointError(f"unknown dtype {dtype!r}; use auto (the checkpoint's own), float32, float16, bfloat16 "
+                              "or float64")
     return _DTYPES[dtype]
 
 
