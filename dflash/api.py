@@ -12,6 +12,7 @@ for prompts and options.
 
 from __future__ import annotations
 
+import difflib
 import functools
 import numbers
 import os
@@ -211,17 +212,26 @@ class DFlash:
                                   "generate(prompt, **options) for a dict of them")
         if not isinstance(raw, bool):
             raise GenerationError(f"raw is True or False, got {raw!r}")
+        if isinstance(chat_template_kwargs, dict) and set(chat_template_kwargs) & _OPTION_NAMES:
+            raise GenerationError(f"chat_template_kwargs {sorted(set(chat_template_kwargs) & _OPTION_NAMES)} are "
+                                  "generation options: pass them as keywords, generate(prompt, max_new_tokens=64, "
+                                  "...), or generate(prompt, **options) for a dict of them")
         kind = _prompt_kind(prompt)
+        if raw and kind == "messages":
+            raise GenerationError("raw=True sends text without the chat template, and messages are always rendered "
+                                  "with it: pass the text itself, or leave raw out")
         if kind == "token ids":
             return [int(t) for t in prompt]
         if self.tokenizer is None:
             raise GenerationError("this target has no tokenizer; pass token ids instead of text")
         has_template = self.has_chat_template
+        variables = {**self.chat_template_kwargs, **check_template_kwargs(chat_template_kwargs)}
+        if not has_template and not raw and variables.get("enable_thinking"):
+            raise GenerationError(THINKING_IN_THE_API)  # as the commands refuse --enable-thinking
         if kind == "messages":
             prompt = _text_messages(prompt)
             if not has_template:  # a base model: the turns as plain text
                 return self.encode(plain_conversation(prompt), raw=True)
-            variables = {**self.chat_template_kwargs, **check_template_kwargs(chat_template_kwargs)}
             if continue_final_message:
                 return _as_ids(render_chat(self.tokenizer, list(prompt), add_generation_prompt=False,
                                            continue_final_message=True, **variables))
@@ -328,11 +338,20 @@ def make_config(**options: Any) -> GenerationConfig:
     """A `GenerationConfig` from keyword options; an unknown option or a bad value is a GenerationError. Sampling
     options with temperature 0 decode greedily, as in vLLM (a program may forward an OpenAI request's seed and
     top_p with it); the commands refuse them from a user's flags (`refuse_greedy_ignores`)."""
-    known = {f.name for f in fields(GenerationConfig)}
+    known = _OPTION_NAMES
     unknown = sorted(set(options) - known)
     if unknown:
-        raise GenerationError(f"unknown generation option(s) {unknown}; known: {sorted(known)}")
+        meant = [_OTHER_NAMES.get(name) or next(iter(difflib.get_close_matches(name, known, 1)), None)
+                 for name in unknown]
+        hint = ", ".join(f"{name} -> {m}" for name, m in zip(unknown, meant) if m)
+        raise GenerationError(f"unknown generation option(s) {unknown}{f' (did you mean: {hint}?)' if hint else ''}; "
+                              f"known: {sorted(known)}")
     return GenerationConfig(**options)
+
+
+_OPTION_NAMES = frozenset(f.name for f in fields(GenerationConfig))
+# Other libraries' names for GenerationConfig's options (vLLM's and OpenAI's; transformers' are its own)
+_OTHER_NAMES = {"max_tokens": "max_new_tokens", "max_completion_tokens": "max_new_tokens", "stop": "stop_strings"}
 
 
 def refuse_greedy_ignores(options: dict[str, Any]) -> None:
@@ -513,6 +532,8 @@ PLAIN_CONVERSATION_NOTE = ("the target's tokenizer has no chat template (a base 
 # --enable-thinking for a target without a chat template; --no-enable-thinking is taken there, as nothing thinks
 THINKING_WITHOUT_TEMPLATE = ("--enable-thinking sets a chat template variable, and this target's tokenizer has no chat "
                              "template (a base model) to read it: drop the flag")
+THINKING_IN_THE_API = ("enable_thinking=True sets a chat template variable, and this target's tokenizer has no chat "
+                       "template (a base model) to read it: leave it out of chat_template_kwargs")
 
 
 def plain_conversation(messages: list[dict]) -> str:

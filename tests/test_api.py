@@ -30,6 +30,11 @@ def test_a_base_models_messages_are_its_turns_as_plain_text(pipe, monkeypatch):
     messages = [{"role": "user", "content": "How many clips?"}, {"role": "assistant", "content": "72"},
                 {"role": "user", "content": "And pens?"}]
     assert pipe.encode(messages) == pipe.encode("How many clips?\n\n72\n\nAnd pens?", raw=True)
+    for prompt in (messages, "How many clips?"):  # nothing reads it, as the commands refuse --enable-thinking
+        with pytest.raises(GenerationError, match="enable_thinking=True sets a chat template variable, and this "
+                                                  "target's tokenizer has no chat template"):
+            pipe.encode(prompt, chat_template_kwargs={"enable_thinking": True})
+    assert pipe.encode(messages, chat_template_kwargs={"enable_thinking": False}) == pipe.encode(messages)
 
 
 def test_generate_matches_plain_decoding(tiny_pair, pipe):
@@ -100,8 +105,19 @@ def test_openai_text_parts_are_their_texts_joined_as_the_server_joins_them(pipe)
 def test_bad_prompts_and_options(pipe):
     with pytest.raises(UserError, match="role"):
         pipe.generate([{"content": "hi"}])
-    with pytest.raises(UserError, match="unknown generation option"):
-        pipe.generate("hi", max_tokens=3)
+    with pytest.raises(UserError, match=r"unknown generation option\(s\) \['max_tokens'\] \(did you mean: "
+                                         r"max_tokens -> max_new_tokens\?\)"):
+        pipe.generate("hi", max_tokens=3)  # vLLM's name
+    with pytest.raises(UserError, match=r"\['max_new_token', 'stop'\] \(did you mean: max_new_token -> "
+                                         r"max_new_tokens, stop -> stop_strings\?\)"):
+        pipe.generate("hi", max_new_token=3, stop="\n")
+    with pytest.raises(UserError, match=r"\['colour'\]; known"):  # nothing near: no guess
+        pipe.generate("hi", colour=3)
+    with pytest.raises(UserError, match=r"chat_template_kwargs \['max_new_tokens'\] are generation options: pass "
+                                         "them as keywords"):
+        pipe.generate("hi", False, {"max_new_tokens": 3})  # an options dict in the template variables' place
+    with pytest.raises(UserError, match="raw=True sends text without the chat template, and messages are always"):
+        pipe.generate([{"role": "user", "content": "hi"}], raw=True)
 
 
 @pytest.mark.parametrize("prompt, message", [
