@@ -272,10 +272,10 @@ class SpeculativeEngine:
         self.proposer_for(config)  # refuses a block size the drafter cannot verify
         room = self.room(len(prompt_ids))
         if room is not None and config.max_new_tokens > room:
+            fix = "shorten the prompt or lower max_new_tokens" if room > 0 else "shorten the prompt"
             raise GenerationError(
                 f"a prompt of {len(prompt_ids)} tokens leaves room for at most {max(room, 0)} new tokens, not "
-                f"max_new_tokens={config.max_new_tokens}: the target's context is {self.target.context_words}; "
-                "shorten the prompt or lower max_new_tokens"
+                f"max_new_tokens={config.max_new_tokens}: the target's context is {self.target.context_words}; {fix}"
             )
         if config.stop_token_ids:  # an id outside the vocabulary is never generated: a stop never met
             check_token_ids(config.stop_token_ids, self.target.vocab_size, "stop_token_ids")

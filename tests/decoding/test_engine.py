@@ -313,6 +313,9 @@ def test_a_request_beyond_the_context_is_told_how_many_tokens_fit(target):
     with pytest.raises(GenerationError, match=r"a prompt of 2 tokens leaves room for at most 1022 new tokens, not "
                                               r"max_new_tokens=5000: the target's context is 1024 tokens"):
         engine.generate([[1, 2]], GenerationConfig(max_new_tokens=5000))
+    with pytest.raises(GenerationError, match=r"a prompt of 1030 tokens leaves room for at most 0 new tokens, not "
+                                              r"max_new_tokens=1: .*; shorten the prompt$"):  # nothing else helps
+        engine.generate([[1] * 1030], GenerationConfig(max_new_tokens=1))
 
 
 def test_a_block_size_the_drafter_cannot_verify_is_refused_in_any_rows_config(target):
