@@ -13,6 +13,7 @@ the target forward also checks a second path leaving the draft where its first m
 
 from __future__ import annotations
 
+import numbers
 import time
 from dataclasses import dataclass, field, fields
 from typing import Callable, Iterator
@@ -55,6 +56,9 @@ SEED_RANGE = (-(2**63), 2**64)  # what torch generators take; a seed beyond it w
 
 
 def check_token_ids(ids: list[int], vocab_size: int, what: str = "prompt token ids") -> None:
+    if not isinstance(ids, (list, tuple)) or not all(isinstance(t, numbers.Integral) for t in ids):
+        raise GenerationError(f"{what} must be a list of ints, got {type(ids).__name__} {str(ids)[:60]}: the engine "
+                              "takes token ids (DFlash.encode gives them; DFlash.generate takes text)")
     bad = [t for t in ids if not 0 <= t < vocab_size]
     if bad:
         raise GenerationError(f"{what} {bad[:5]} are outside the vocabulary (0..{vocab_size - 1})")
@@ -62,6 +66,11 @@ def check_token_ids(ids: list[int], vocab_size: int, what: str = "prompt token i
 
 @dataclass
 class GenerationConfig:
+    """How to decode one prompt: the options of `DFlash.generate`, `generate_batch` and `stream`, and of
+    `SpeculativeEngine.generate` (one config for all prompts, or one per prompt). Temperature 0 is greedy; top_k 0
+    (or -1) is no top-k; a seed makes sampling repeat token for token, whatever the block size or batch. A bad value
+    is a GenerationError naming the field."""
+
     max_new_tokens: int = 256
     temperature: float = 0.0
     top_p: float = 1.0
@@ -113,6 +122,9 @@ class GenerationConfig:
 
 @dataclass
 class GenerationStats:
+    """What one generation measured: the tokens each target forward produced (acceptance lengths; entry 0 is the
+    prefill's first token), the block each verify forward checked, times and forward counts."""
+
     prompt_tokens: int = 0
     acceptance_lengths: list[int] = field(default_factory=list)  # tokens per target forward; [0] = prefill's
     block_sizes: list[int] = field(default_factory=list)  # tokens each verify forward checked (the block + a branch)
@@ -144,6 +156,9 @@ class GenerationStats:
 
 @dataclass
 class GenerationOutput:
+    """One prompt's generation: its new token ids (up to and including a stop token or the token that completed
+    a stop string), its text (cut before a stop string; None without a tokenizer), why it finished, and stats."""
+
     output_ids: list[int]  # generated ids only
     finish_reason: str  # "stop" or "length"
     stats: GenerationStats
@@ -239,7 +254,14 @@ class Batch:
 
 
 class SpeculativeEngine:
+    """Lossless speculative decoding of token ids: a target (`TargetModel`) verifies what a `Proposer` drafts
+    (`DFlashProposer`, a draft model's, or none: `NoDraftProposer`, plain decoding). `generate` decodes a ragged
+    batch, `stream` one prompt's tokens as they come; `DFlash` (dflash.api) adds text, chat templates and loading."""
+
     def __init__(self, target: TargetModel, proposer: Proposer | None = None, tokenizer=None):
+        if not isinstance(target, TargetModel):
+            raise GenerationError(f"SpeculativeEngine takes a TargetModel, not a {type(target).__name__}: wrap the "
+                                  "loaded model, SpeculativeEngine(TargetModel(model, tokenizer), proposer)")
         target.check_decodable()
         self.target = target
         self._rope_switch = target.rope_rows_switch  # a longrope target's rows switch factors here; None: no such
@@ -627,6 +649,11 @@ class SpeculativeEngine:
         (a number, the drafter's own, or "auto": chosen before every step for the rows still decoding).
         """
         configs = config if isinstance(config, list) else [config or GenerationConfig()] * len(prompts)
+        if not all(isinstance(c, GenerationConfig) for c in configs):
+            raise GenerationError("config is a GenerationConfig (or a list of them, one per prompt): "
+                                  "GenerationConfig(max_new_tokens=64, ...)")
+        if not isinstance(prompts, (list, tuple)) or any(isinstance(p, (str, numbers.Integral)) for p in prompts):
+            raise GenerationError("prompts is a list of prompts, each a list of token ids: [[1, 2, 3], ...]")
         if len(configs) != len(prompts):
             raise GenerationError(f"{len(configs)} generation configs for {len(prompts)} prompts")
         if not prompts:

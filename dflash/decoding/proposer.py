@@ -238,6 +238,9 @@ class DFlashProposer:
     drafts_in_one_forward = True
 
     def __init__(self, drafter: DFlashDraftModel, target: TargetModel, block_size: int | None = None):
+        if not isinstance(drafter, DFlashDraftModel) or not isinstance(target, TargetModel):
+            raise UserError(f"DFlashProposer takes (drafter, target): a DFlashDraftModel and a TargetModel, not a "
+                            f"{type(drafter).__name__} and a {type(target).__name__}")
         check_drafter_fits(target, drafter.config)
         trained = drafter.config.block_size
         if block_size is not None and not 2 <= block_size <= trained:

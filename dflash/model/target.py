@@ -85,6 +85,10 @@ NEEDS_ITS_OWN_CODE = ("{path} needs the Python code it ships (its config.json's 
 
 class TargetModel:
     def __init__(self, model: nn.Module, tokenizer=None):
+        if not isinstance(model, nn.Module) or not hasattr(model, "config"):
+            raise UserError(f"TargetModel wraps a loaded transformers causal LM, not a {type(model).__name__}: "
+                            "TargetModel(AutoModelForCausalLM.from_pretrained(...), tokenizer), or "
+                            "TargetModel.from_pretrained(path_or_id) to load one")
         self.model = model.eval()
         hf_compat.use_gqa_attention(model)
         self.tokenizer = tokenizer

@@ -303,6 +303,32 @@ def test_bad_requests_are_refused_clearly(target, bad):
         engine.generate([bad["prompt"]], bad["config"])
 
 
+def test_the_low_level_pieces_say_what_they_take():
+    """Each was an AttributeError or a TypeError from deep inside ('<=' not supported, no attribute 'eval')."""
+    from conftest import tiny_target_model
+    from dflash.errors import UserError
+    from dflash.model import TargetModel
+
+    model = tiny_target_model()
+    with pytest.raises(UserError, match="TargetModel wraps a loaded transformers causal LM, not a str"):
+        TargetModel("Qwen/Qwen3-8B")
+    with pytest.raises(GenerationError, match="SpeculativeEngine takes a TargetModel, not a Qwen3ForCausalLM"):
+        SpeculativeEngine(model)
+    target = TargetModel(model)
+    drafter = tiny_drafter(target)
+    with pytest.raises(UserError, match="DFlashProposer takes \\(drafter, target\\).* not a TargetModel and a "
+                                        "DFlashDraftModel"):
+        DFlashProposer(target, drafter)
+    engine = SpeculativeEngine(target, DFlashProposer(drafter, target))
+    for prompts, named in (([[5, 6], "hello"], "prompts is a list of prompts"),
+                           ([5, 6, 7], "prompts is a list of prompts"),
+                           ([[5, 6.5]], "prompt token ids must be a list of ints")):
+        with pytest.raises(GenerationError, match=named):
+            engine.generate(prompts, GenerationConfig(max_new_tokens=2))
+    with pytest.raises(GenerationError, match="config is a GenerationConfig"):
+        engine.generate([[5, 6]], {"max_new_tokens": 2})
+
+
 def test_no_prompts_decode_to_no_outputs(target):
     engine = SpeculativeEngine(target, DFlashProposer(tiny_drafter(target), target))
     assert engine.generate([], GenerationConfig(max_new_tokens=4)) == []
