@@ -23,6 +23,8 @@ _DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch
 # What a hub download fetches: configs, weights, tokenizer files and chat templates, and the Python code a
 # checkpoint ships (run only with --trust-remote-code).
 _HUB_PATTERNS = ["*.json", "*.safetensors", "*.txt", "*.model", "*.jinja", "*.tiktoken", "*.py"]
+# ... and, for a repository without safetensors (older ones, e.g. facebook/opt-350m), its PyTorch weights
+_PICKLED_WEIGHTS = ["pytorch_model*.bin"]
 
 # Any of these makes a directory hold a tokenizer that AutoTokenizer can load.
 _TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json", "vocab.txt",
@@ -145,8 +147,14 @@ def _from_hub(repo_id: str, revision: str | None) -> Path:
     """The snapshot directory of `repo_id`: downloaded when the hub answers, else from the local cache."""
     from huggingface_hub import snapshot_download
 
-    return Path(_fetch(repo_id, revision, lambda local_only: snapshot_download(
-        repo_id, revision=revision, allow_patterns=_HUB_PATTERNS, local_files_only=local_only)))
+    def download(local_only: bool) -> Path:
+        snapshot = Path(snapshot_download(repo_id, revision=revision, allow_patterns=_HUB_PATTERNS,
+                                          local_files_only=local_only))
+        if not local_only and not any(snapshot.glob("*.safetensors")):  # an older repository: pickled weights alone
+            snapshot = Path(snapshot_download(repo_id, revision=revision, allow_patterns=_PICKLED_WEIGHTS))
+        return snapshot
+
+    return _fetch(repo_id, revision, download)
 
 
 def hub_file(repo_id: str, filename: str, revision: str | None = None) -> Path:

@@ -111,3 +111,37 @@ def test_a_hub_checkpoint_brings_its_code_along(custom_code_target, tmp_path, mo
     monkeypatch.setattr(huggingface_hub, "snapshot_download", snapshot_download)
     pipe = DFlash.from_pretrained("someone/shipped-model", no_draft=True, trust_remote_code=True)
     assert type(pipe.target.model).__name__ == "ShippedForCausalLM"
+
+
+def test_a_hub_repository_with_pytorch_weights_alone_brings_them(tiny_pair, tmp_path, monkeypatch):
+    """An older repository has pytorch_model.bin and no safetensors: the weights were never fetched, and transformers
+    then said the snapshot had no pytorch_model.bin."""
+    import fnmatch
+    import shutil
+
+    import huggingface_hub
+    import torch
+    from safetensors.torch import load_file
+
+    repo = tmp_path / "repo"  # the hub's copy: the tiny target with its weights pickled
+    shutil.copytree(tiny_pair[0], repo)
+    torch.save(load_file(repo / "model.safetensors"), repo / "pytorch_model.bin")
+    (repo / "model.safetensors").unlink()
+    asked = []
+
+    def snapshot_download(repo_id, revision=None, allow_patterns=(), local_files_only=False, **kwargs):
+        asked.append(list(allow_patterns))
+        snapshot = tmp_path / "snapshot"
+        snapshot.mkdir(exist_ok=True)
+        for file in repo.iterdir():
+            if any(fnmatch.fnmatch(file.name, pattern) for pattern in allow_patterns):
+                shutil.copy(file, snapshot / file.name)
+        return str(snapshot)
+
+    monkeypatch.setattr(huggingface_hub, "snapshot_download", snapshot_download)
+    monkeypatch.setattr("dflash.hub.unreachable", lambda *args, **kwargs: None)
+    pipe = DFlash.from_pretrained("someone/older-model", no_draft=True, device="cpu")
+    plain = DFlash.from_pretrained(tiny_pair[0], no_draft=True, device="cpu")
+    assert (pipe.generate([5, 6, 7], max_new_tokens=4).output_ids
+            == plain.generate([5, 6, 7], max_new_tokens=4).output_ids)
+    assert asked == [asked[0], ["pytorch_model*.bin"]]
