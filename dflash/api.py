@@ -177,12 +177,13 @@ class DFlash:
         make_config(block_size=block_size, branch_length=branch_length)
         check_template_kwargs(chat_template_kwargs)
         check_drafter_precision(drafter_precision)
-        target_model = load_target(target, dtype, torch_device, trust_remote_code=trust_remote_code)
+        target_dir = resolve_model_dir(target)  # both found (a hub id looked up once) before a model loads
+        if draft is not None:
+            draft = resolve_model_dir(draft)
+        target_model = load_target(target_dir, dtype, torch_device, trust_remote_code=trust_remote_code)
         if warn_unapplied:
             warn_unapplied_generation_options(target_model)
         drafter = None
-        if draft is not None:
-            draft = resolve_model_dir(draft)  # once: a hub id is looked up over the network
         if draft is not None and is_draft_model(draft):
             if mask_token_id is not None:
                 raise UserError(f"{draft} is a causal LM, which drafts without a mask token: leave mask_token_id out")

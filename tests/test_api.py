@@ -525,3 +525,15 @@ def test_the_stop_token_that_ends_an_answer_adds_no_text(pipe):
     assert out.text == pipe.tokenizer.decode(free[:end], skip_special_tokens=True)
     stream = pipe.stream("Weng earns", max_new_tokens=20, ignore_eos=True, stop_token_ids=[stop])
     assert "".join(stream) == stream.result.text == out.text
+
+
+def test_a_mistyped_drafter_is_named_before_the_target_loads(tiny_pair, tmp_path, monkeypatch):
+    """With an 8B target, a typo in the drafter's path showed only after the whole target had loaded."""
+    from dflash.model import TargetModel
+
+    def no_loading(*args, **kwargs):
+        raise AssertionError("the target was loaded before the drafter's path was checked")
+
+    monkeypatch.setattr(TargetModel, "from_pretrained", no_loading)
+    with pytest.raises(CheckpointError, match="drafterr"):
+        DFlash.from_pretrained(tiny_pair[0], tmp_path / "drafterr", device="cpu")
