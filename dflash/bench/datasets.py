@@ -20,7 +20,7 @@ from pathlib import Path
 from typing import Callable, Iterable
 
 from dflash import hub
-from dflash.errors import DFlashWarning, UserError
+from dflash.errors import DFlashWarning, UserError, in_brief
 from dflash.extras import require
 from dflash.records import RecordError, chat_messages, has_chat, read_jsonl, text_field, texts_field
 
@@ -248,9 +248,10 @@ def load_from_hub(spec: DatasetSpec) -> list[dict]:
             data = datasets.load_dataset(spec.hub.path, spec.hub.config, split=spec.hub.split)
         return [dict(r) for r in data]
     except Exception as err:  # offline, gated repo, a cache without it: all mean "give the data another way"
-        why = (f"the hub is not reachable ({unreachable}) and the local datasets cache has no copy of "
-               f"{spec.hub.path}" if unreachable is not None
-               else f"Hugging Face `datasets` could not load {spec.hub.path}: {type(err).__name__}")
+        cause = ("HF_HUB_OFFLINE is set" if unreachable is None and hub.offline()
+                 else f"the hub is not reachable ({unreachable})" if unreachable is not None else None)
+        why = (f"{cause}, and the local datasets cache has no copy of {spec.hub.path} ({in_brief(err)})" if cause
+               else f"Hugging Face `datasets` could not load {spec.hub.path}: {in_brief(err)}")
         raise UserError(f"{_missing_message(spec, None)} ({why})") from None
 
 

@@ -233,8 +233,8 @@ def _load_dataset(config: DatagenConfig, source: str, local: bool = False) -> li
         hint = (" (does it need --subset, e.g. --subset main for openai/gsm8k?)"
                 if "config" in str(err).lower() and config.subset is None else
                 " (pick one of its splits with --split)" if "unknown split" in str(err).lower() else "")
-        reason = (f"the Hugging Face hub is not reachable ({unreachable}) and the local datasets cache has no copy"
-                  if unreachable is not None else in_brief(err))
+        reason = (f"the Hugging Face hub is not reachable ({unreachable}), and the local datasets cache could not "
+                  f"serve it ({in_brief(err)})" if unreachable is not None else in_brief(err))
         offline = ("" if local else f"; there is no local file or directory named {source!r} either. Offline? Pass "
                    "a local JSONL file with `prompt`, `turns`, `messages` or `conversations`, or a downloaded dataset "
                    "directory")

@@ -201,6 +201,10 @@ def test_a_hub_dataset_when_the_hub_does_not_answer_is_a_clear_error_in_seconds(
                                         r"in 0.5 s.*the local datasets cache has no copy of dflash-tests/no-such-set"):
         load_samples("gsm8k", DataOptions(extra_dirs=[]))
     assert time.monotonic() - start < 15
+    monkeypatch.setattr("dflash.hub.offline", lambda: True)
+    with pytest.raises(UserError, match=r"\(HF_HUB_OFFLINE is set, and the local datasets cache has no copy of "
+                                        r"dflash-tests/no-such-set \(.+\)\)$"):  # it had read "ConnectionError"
+        load_samples("gsm8k", DataOptions(extra_dirs=[]))
 
 
 def test_repeated_ids_become_distinct(tmp_path):
