@@ -261,14 +261,28 @@ def check_target_dir(directory: Path) -> None:
         raise CheckpointError(f"{directory / 'config.json'} has no model_type; is {directory} a Hugging Face causal "
                               "LM checkpoint?")
     if not any((directory / name).is_file() for name in _TOKENIZER_FILES):
-        raise CheckpointError(f"{directory} has no tokenizer (none of {', '.join(_TOKENIZER_FILES[:3])}, ...); copy "
-                              "the tokenizer files of the model it was made from into it")
+        raise CheckpointError(f"{directory} has no tokenizer (none of {', '.join(_TOKENIZER_FILES[:3])}, ...); "
+                              + (_incomplete_cache_copy(directory) or "copy the tokenizer files of the model it was "
+                                 "made from into it"))
+
+
+def _incomplete_cache_copy(directory: Path) -> str | None:
+    """For a snapshot in the Hugging Face cache (models--ORG--NAME/snapshots/REV) that lacks files: what to do, as
+    editing the cache by hand is not it. None for any other directory."""
+    repo = directory.parent.parent.name if directory.parent.name == "snapshots" else ""
+    if not repo.startswith("models--"):
+        return None
+    repo_id = repo.removeprefix("models--").replace("--", "/")
+    return (f"it is the Hugging Face cache's copy of {repo_id}, and incomplete (a download that stopped, or single "
+            f"files fetched): `hf download {repo_id}` fetches the rest where the hub is reachable")
 
 
 def load_failure(what: str, directory: Path, err: BaseException) -> CheckpointError:
     """A CheckpointError for weights or files that were found but could not be loaded."""
     damaged = isinstance(err, (SafetensorError, json.JSONDecodeError, UnicodeDecodeError))
-    advice = "; its files are damaged or incomplete: copy or download them again" if damaged else ""
+    in_cache = _incomplete_cache_copy(directory) if isinstance(err, OSError) or damaged else None
+    advice = (f"; {in_cache}" if in_cache
+              else "; its files are damaged or incomplete: copy or download them again" if damaged else "")
     return CheckpointError(f"could not load {what} from {directory} ({in_brief(err)}){advice}")
 
 
@@ -336,7 +350,8 @@ def _read_state_dict(directory: Path) -> dict[str, torch.Tensor]:
     if not files and (directory / "checkpoints").is_dir():
         raise _unexported_run_error(directory)
     if not files:
-        raise CheckpointError(f"no *.safetensors weights in {directory}")
+        in_cache = _incomplete_cache_copy(directory)
+        raise CheckpointError(f"no *.safetensors weights in {directory}" + (f"; {in_cache}" if in_cache else ""))
     state: dict[str, torch.Tensor] = {}
     for f in files:
         try:

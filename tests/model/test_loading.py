@@ -431,3 +431,29 @@ def test_a_dflash2_drafter_whose_config_lost_its_architecture_is_told_what_to_ad
     (drafter / "config.json").write_text(json.dumps(config))
     with pytest.raises(CheckpointError, match=r'its config.json needs "architectures": \["DFlash2DraftModel"\]'):
         load_drafter(drafter)
+
+
+def test_an_incomplete_copy_in_the_hub_cache_says_to_download_it_again(tiny_pair, tmp_path, monkeypatch):
+    """A snapshot with config.json alone (single files fetched, or a download that stopped) was told to copy a
+    tokenizer into the cache's folder by hand."""
+    from huggingface_hub import constants
+
+    from dflash import DFlash
+
+    revision = "0123456789abcdef0123456789abcdef01234567"
+    for name, files in (("target", ["config.json"]), ("drafter", ["config.json"])):
+        repo = tmp_path / "hub" / f"models--someone--{name}"
+        (repo / "refs").mkdir(parents=True)
+        (repo / "refs" / "main").write_text(revision)
+        (repo / "snapshots" / revision).mkdir(parents=True)
+        source = tiny_pair[0] if name == "target" else tiny_pair[1]
+        for file in files:
+            shutil.copy(source / file, repo / "snapshots" / revision / file)
+    monkeypatch.setattr(constants, "HF_HUB_CACHE", str(tmp_path / "hub"))
+    monkeypatch.setattr(constants, "HF_HUB_OFFLINE", True)
+    with pytest.raises(CheckpointError, match="has no tokenizer .*the Hugging Face cache's copy of someone/target, "
+                                              "and incomplete .*`hf download someone/target` fetches the rest"):
+        DFlash.from_pretrained("someone/target", no_draft=True, device="cpu")
+    with pytest.raises(CheckpointError, match="no \\*.safetensors weights in .*; it is the Hugging Face cache's copy "
+                                              "of someone/drafter"):
+        load_drafter("someone/drafter")
