@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import warnings
 from pathlib import Path
 
 import torch
@@ -12,7 +13,7 @@ from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 
 from dflash import hub
-from dflash.errors import UserError, in_brief
+from dflash.errors import DFlashWarning, UserError, in_brief
 from dflash.model import hf_compat
 from dflash.model.config import DrafterConfig, DrafterConfigError, is_dflash2
 from dflash.model.drafter import DFlashDraftModel
@@ -166,6 +167,9 @@ def hub_file(repo_id: str, filename: str, revision: str | None = None) -> Path:
         repo_id, filename, revision=revision, local_files_only=local_only)))
 
 
+_stale_warned: set[str] = set()  # repositories served from the cache while the hub was unreachable, said once
+
+
 def _fetch(repo_id: str, revision: str | None, download):
     """download(local_only) from the hub, asked once with a timeout first (`hub.unreachable`); the local cache alone
     when the hub cannot be reached or HF_HUB_OFFLINE is set. Every failure is a CheckpointError saying what to do."""
@@ -178,7 +182,12 @@ def _fetch(repo_id: str, revision: str | None, download):
     except hub.RepoError as err:  # a CheckpointError, as every failure to get a checkpoint is
         raise CheckpointError(str(err)) from None
     try:
-        return download(offline or unreachable is not None)
+        found = download(offline or unreachable is not None)
+        if unreachable is not None and repo_id not in _stale_warned:
+            _stale_warned.add(repo_id)
+            warnings.warn(DFlashWarning(f"the Hugging Face hub is not reachable ({unreachable}): {repo_id} is the "
+                                        "local cache's copy, which may be older than the hub's"), stacklevel=2)
+        return found
     except LocalEntryNotFoundError as err:
         if not offline and unreachable is None:
             raise _download_failure(repo_id, err) from None

@@ -8,6 +8,7 @@ import subprocess
 import sys
 import threading
 import time
+import warnings
 from pathlib import Path
 
 import pytest
@@ -15,7 +16,7 @@ import torch
 from safetensors.torch import save_file
 
 from conftest import tiny_drafter
-from dflash.errors import UserError
+from dflash.errors import DFlashWarning, UserError
 from dflash.model import CheckpointError, IncompatibleDrafterError, load_drafter, loading
 from dflash.model.loading import check_target_dir, resolve_device, resolve_model_dir
 from dflash.model.target import check_compatible
@@ -433,6 +434,34 @@ def test_a_dflash2_drafter_whose_config_lost_its_architecture_is_told_what_to_ad
         load_drafter(drafter)
 
 
+def cached_copy(cache: Path, repo_id: str, source: Path, files: list[str] | None = None) -> Path:
+    """`source`'s files (or `files` of them) as the Hugging Face cache's snapshot of `repo_id`."""
+    revision = "0123456789abcdef0123456789abcdef01234567"
+    repo = cache / f"models--{repo_id.replace('/', '--')}"
+    (repo / "refs").mkdir(parents=True)
+    (repo / "refs" / "main").write_text(revision)
+    snapshot = repo / "snapshots" / revision
+    snapshot.mkdir(parents=True)
+    for file in files or [f.name for f in source.iterdir()]:
+        shutil.copy(source / file, snapshot / file)
+    return snapshot
+
+
+def test_a_cached_copy_served_while_the_hub_is_unreachable_is_said_to_be_one(silent_hub, tiny_pair, monkeypatch):
+    """The cache may hold an older revision than the hub's: a run on it was silent about that."""
+    from huggingface_hub import constants
+
+    monkeypatch.setattr(loading, "_stale_warned", set())
+
+    snapshot = cached_copy(Path(constants.HF_HUB_CACHE), "someone/drafter", tiny_pair[1])
+    with pytest.warns(DFlashWarning, match=r"the Hugging Face hub is not reachable \(no answer in 0.5 s.*\): "
+                                           "someone/drafter is the local cache's copy, which may be older"):
+        assert resolve_model_dir("someone/drafter") == snapshot
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        resolve_model_dir("someone/drafter")  # said once
+
+
 def test_an_incomplete_copy_in_the_hub_cache_says_to_download_it_again(tiny_pair, tmp_path, monkeypatch):
     """A snapshot with config.json alone (single files fetched, or a download that stopped) was told to copy a
     tokenizer into the cache's folder by hand."""
@@ -440,15 +469,8 @@ def test_an_incomplete_copy_in_the_hub_cache_says_to_download_it_again(tiny_pair
 
     from dflash import DFlash
 
-    revision = "0123456789abcdef0123456789abcdef01234567"
-    for name, files in (("target", ["config.json"]), ("drafter", ["config.json"])):
-        repo = tmp_path / "hub" / f"models--someone--{name}"
-        (repo / "refs").mkdir(parents=True)
-        (repo / "refs" / "main").write_text(revision)
-        (repo / "snapshots" / revision).mkdir(parents=True)
-        source = tiny_pair[0] if name == "target" else tiny_pair[1]
-        for file in files:
-            shutil.copy(source / file, repo / "snapshots" / revision / file)
+    cached_copy(tmp_path / "hub", "someone/target", tiny_pair[0], ["config.json"])
+    cached_copy(tmp_path / "hub", "someone/drafter", tiny_pair[1], ["config.json"])
     monkeypatch.setattr(constants, "HF_HUB_CACHE", str(tmp_path / "hub"))
     monkeypatch.setattr(constants, "HF_HUB_OFFLINE", True)
     with pytest.raises(CheckpointError, match="has no tokenizer .*the Hugging Face cache's copy of someone/target, "
