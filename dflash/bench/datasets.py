@@ -137,7 +137,8 @@ def resolve_names(names: Iterable[str]) -> list[str]:
                 continue
             name = ALIASES.get(name, name)
             if name not in DATASETS:
-                raise UserError(f"unknown dataset {name!r}; choose from {', '.join(DATASETS)} or 'all'")
+                file = " (a file of prompts goes to --data-file)" if any(c in name for c in "./\\") else ""
+                raise UserError(f"unknown dataset {name!r}; choose from {', '.join(DATASETS)} or 'all'{file}")
             out.append(name)
     if not out:
         raise UserError(f"no dataset given: pass --dataset with one of {', '.join(DATASETS)}, or 'all'")

@@ -191,7 +191,7 @@ def _fetch(repo_id: str, revision: str | None, download):
     except LocalEntryNotFoundError as err:
         if not offline and unreachable is None:
             raise _download_failure(repo_id, err) from None
-        why = ("HF_HUB_OFFLINE is set" if offline
+        why = ("HF_HUB_OFFLINE (or TRANSFORMERS_OFFLINE) is set" if offline
                else f"the Hugging Face hub is not reachable ({unreachable})")
         raise CheckpointError(
             f"{repo_id} is not a local directory, and it cannot be downloaded: {why}, and the local cache "

@@ -121,8 +121,10 @@ def test_hub_records_are_formatted(monkeypatch):
 def test_names_aliases_and_errors():
     assert resolve_names(["all"]) == ["gsm8k", "math500", "humaneval", "mbpp", "mt-bench"]
     assert resolve_names(["gsm8k,MATH-500", "mt_bench", "gsm8k"]) == ["gsm8k", "math500", "mt-bench"]
-    with pytest.raises(UserError, match="unknown dataset 'gsmk'"):
+    with pytest.raises(UserError, match="unknown dataset 'gsmk'; choose from .* or 'all'$"):
         resolve_names(["gsmk"])
+    with pytest.raises(UserError, match=r"unknown dataset './p40.jsonl'.*\(a file of prompts goes to --data-file\)"):
+        resolve_names(["./p40.jsonl"])
 
 
 def test_bad_files_are_user_errors(tmp_path):

@@ -302,7 +302,8 @@ def test_a_hub_id_with_hf_hub_offline_goes_to_the_cache_only(silent_hub, monkeyp
     from huggingface_hub import constants
 
     monkeypatch.setattr(constants, "HF_HUB_OFFLINE", True)
-    with pytest.raises(CheckpointError, match="HF_HUB_OFFLINE is set, and the local cache"):
+    with pytest.raises(CheckpointError, match=r"HF_HUB_OFFLINE \(or TRANSFORMERS_OFFLINE\) is set, and the local "
+                                              "cache"):
         resolve_model_dir("Qwen/Qwen3-8B")
 
 
