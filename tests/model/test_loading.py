@@ -396,7 +396,8 @@ def test_a_mistyped_path_inside_a_local_folder_names_the_folder_first(silent_hub
     (tmp_path / "drafters" / "llama").mkdir(parents=True)
     monkeypatch.chdir(tmp_path)
     with pytest.raises(CheckpointError, match=r"^drafters/lama is not in the local folder drafters \(it holds "
-                                              r"llama\), and as a hub id: .*HF_HUB_OFFLINE is set"):
+                                              r"llama\), and as a hub id: .*HF_HUB_OFFLINE \(or TRANSFORMERS_OFFLINE\) "
+                                              "is set"):
         resolve_model_dir("drafters/lama")
     with pytest.raises(CheckpointError, match="^Qwen/Qwen3-8B is not a local directory"):  # no such folder: the hub's
         resolve_model_dir("Qwen/Qwen3-8B")

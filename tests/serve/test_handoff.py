@@ -464,7 +464,8 @@ def test_a_hub_id_without_the_hub_fails_at_once_saying_how_to_get_it(capsys, mon
     assert main(["serve", "--target", "org/target-model", "--draft", "org/drafter", "--engine", "vllm",
                  "--dry-run"]) == 2
     err = capsys.readouterr().err
-    assert "org/target-model is not a local directory, and it cannot be downloaded: HF_HUB_OFFLINE is set" in err
+    assert ("org/target-model is not a local directory, and it cannot be downloaded: HF_HUB_OFFLINE (or "
+            "TRANSFORMERS_OFFLINE) is set") in err
     assert "`hf download org/target-model`" in err
 
 
