@@ -233,6 +233,9 @@ def setup(config: BenchConfig, pipe=None, data: dict[str, list[Sample]] | None =
     }
     if config.backend == "server" and config.server is not None:
         info.update({k: v for k, v in asdict(config.server).items() if k != "api_key" and k not in info})
+        from dflash.bench.server import default_metrics_url
+
+        info["metrics_url"] = config.server.metrics_url or default_metrics_url(config.server.base_url)  # the one read
     if pipe is not None:
         info["target"] = str(getattr(pipe.target.model.config, "_name_or_path", "") or "")
         info["draft"] = _draft_source(pipe.drafter)

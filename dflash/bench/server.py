@@ -253,14 +253,13 @@ def default_metrics_url(base_url: str) -> str:
     return server_root(base_url) + "/metrics"
 
 
-def scrape(url: str, timeout_s: float = 10.0) -> SpecDecodeCounters | None:
-    return fetch_metrics(url, timeout_s)[0]
-
-
-def fetch_exposition(url: str, timeout_s: float = 10.0) -> tuple[str | None, str | None]:
-    """(the Prometheus text at `url`, None), or (None, what went wrong)."""
+def fetch_exposition(url: str, timeout_s: float = 10.0, api_key: str | None = None) -> tuple[str | None, str | None]:
+    """(the Prometheus text at `url`, None), or (None, what went wrong). A server that keeps its metrics behind
+    the API key (401, 403) is asked again with it."""
     try:
         response = httpx.get(url, timeout=timeout_s)
+        if response.status_code in (401, 403) and api_key:
+            response = httpx.get(url, timeout=timeout_s, headers={"Authorization": f"Bearer {api_key}"})
     except httpx.HTTPError as err:
         return None, f"cannot read {url} ({type(err).__name__})"
     if response.status_code != 200:
@@ -268,9 +267,10 @@ def fetch_exposition(url: str, timeout_s: float = 10.0) -> tuple[str | None, str
     return response.text, None
 
 
-def fetch_metrics(url: str, timeout_s: float = 10.0) -> tuple[SpecDecodeCounters | None, str | None]:
+def fetch_metrics(url: str, timeout_s: float = 10.0, api_key: str | None = None) -> tuple[SpecDecodeCounters | None,
+                                                                                          str | None]:
     """(counters, None), or (None, what went wrong)."""
-    return counters_in(url, *fetch_exposition(url, timeout_s))
+    return counters_in(url, *fetch_exposition(url, timeout_s, api_key))
 
 
 def counters_in(url: str, exposition: str | None, problem: str | None) -> tuple[SpecDecodeCounters | None,
@@ -278,7 +278,9 @@ def counters_in(url: str, exposition: str | None, problem: str | None) -> tuple[
     """The counters of a fetched exposition (`fetch_exposition`'s answer), or (None, what went wrong)."""
     counters = spec_decode_counters(exposition) if exposition is not None else None
     if exposition is not None and counters is None:
-        problem = f"{url} has no spec_decode counters (dflash: or vllm:); is the server running a drafter?"
+        problem = (f"{url} has none of the spec-decode counters this bench reads (dflash serve's and vLLM's: "
+                   "spec_decode_num_drafts, ..._num_draft_tokens, ..._num_accepted_tokens; SGLang's gauges and vLLM "
+                   "V0's counters are not read), or the server does not draft")
     return counters, problem
 
 
@@ -536,19 +538,25 @@ def list_models(base_url: str, config: ServerConfig, flag: str) -> ModelList:
     return ModelList(names, response.status_code)
 
 
-def resolve_model(base_url: str, config: ServerConfig) -> str:
-    """--model, checked against what the server lists; or the first model it lists."""
+def resolve_model(base_url: str, config: ServerConfig, warnings: list[str]) -> str:
+    """--model, checked against what the server lists; or the one model it lists. What is worth knowing about the
+    choice goes to `warnings`."""
     listed = list_models(base_url, config, "--base-url")
-    if listed.status == 404:  # every request would be a 404 too
+    if listed.status == 404 and not config.model:  # no model list: the wrong root, or a server without one
         raise UserError(f"{base_url}/models answered HTTP 404: no OpenAI API answers there; --base-url is the API "
-                        "root, e.g. http://127.0.0.1:8000/v1")
+                        "root, e.g. http://127.0.0.1:8000/v1 (a server without a model list needs --model NAME)")
     if config.model:
         if listed.names and config.model not in listed.names:
             raise UserError(f"{base_url} serves {listed.names}, not {config.model!r}; fix --model")
+        if listed.status == 404:  # the warm-up request tells whether the root is right
+            warnings.append(f"{base_url}/models answered HTTP 404, so --model {config.model!r} is not checked")
         return config.model
     if not listed.names:
         raise UserError(f"could not read the model name from {base_url}/models (HTTP {listed.status}); pass "
                         "--model NAME")
+    if len(listed.names) > 1:
+        warnings.append(f"{base_url} serves {len(listed.names)} models {listed.names[:5]}; benchmarking the first, "
+                        f"{listed.names[0]!r} (--model picks another)")
     return listed.names[0]
 
 
@@ -600,25 +608,32 @@ class ServerBackend:
     def __init__(self, config: ServerConfig):
         _check_config(config)
         self.config = config
-        model = resolve_model(config.base_url, config)
+        self.warnings: list[str] = []
+        model = resolve_model(config.base_url, config, self.warnings)
         if config.baseline_url:
             check_baseline(config.baseline_url, config, model)
         self.client = Client(config.base_url, config, model)
         self.baseline = Client(config.baseline_url, config, model, "--baseline-url") if config.baseline_url else None
         self.metrics_url = config.metrics_url or default_metrics_url(config.base_url)
-        self.warnings: list[str] = []
         self.warmed_up = config.warmup_tokens == 0
         self.told: set[str] = set()  # topics a level's notes told once already (told again, they are noise)
-        exposition, problem = fetch_exposition(self.metrics_url)
+        exposition, problem = fetch_exposition(self.metrics_url, api_key=config.api_key)
         self.drafter = served_drafter(exposition)
-        baseline_exposition = fetch_exposition(default_metrics_url(config.baseline_url))[0] if self.baseline else None
+        self.dflash_server = _said_drafter(exposition) is not None  # dflash serve says what it drafts with
+        baseline_exposition = (fetch_exposition(default_metrics_url(config.baseline_url), api_key=config.api_key)[0]
+                               if self.baseline else None)
         if self.drafter == NO_DRAFT:
             self.warnings.append(self._plain_server_warning(baseline_exposition))
+        elif drafts(baseline_exposition) and not drafts(exposition):
+            self.warnings.append(f"the --baseline-url server's metrics ({default_metrics_url(config.baseline_url)}) "
+                                 f"say it drafts, and the --base-url server's ({self.metrics_url}) do not: "
+                                 "--base-url and --baseline-url look swapped (the DFlash server goes to --base-url)")
         elif drafts(baseline_exposition):
             self.warnings.append(f"the --baseline-url server's metrics ({default_metrics_url(config.baseline_url)}) "
                                  "say it drafts, so the speedup would compare two drafting servers: serve the baseline "
                                  "without a drafter (dflash serve --no-draft; vLLM without --speculative-config)")
-        problem = counters_in(self.metrics_url, exposition, problem)[1]
+        counters, problem = counters_in(self.metrics_url, exposition, problem)
+        self.had_counters = counters is not None
         if problem:
             self.warnings.append(f"{problem}: tau and the acceptance histogram will be missing"
                                  + ("" if config.metrics_url else "; point --metrics-url at the server's metrics"))
@@ -656,12 +671,11 @@ class ServerBackend:
 
         loads, bases = [], []
         servers = [(self.client, loads)] + ([(self.baseline, bases)] if self.baseline is not None else [])
-        before = scrape(self.metrics_url)  # only the DFlash server's loads move its counters
+        before = fetch_metrics(self.metrics_url, api_key=cfg.api_key)  # only the DFlash server's loads move them
         for i in range(cfg.rounds):
             for client, into in servers if i % 2 == 0 else servers[::-1]:  # plain first in every other round
                 into.append(load_on(client))
-        after = scrape(self.metrics_url)
-        counters = after - before if before is not None and after is not None else None
+        counters, lost = self._level_counters(before, fetch_metrics(self.metrics_url, api_key=cfg.api_key))
         result = summarize_load(dataset, pooled(loads), pooled(bases) if bases else None, counters, cfg,
                                 concurrency)
         result.num_prompts = round(statistics.mean(load.conversations for load in loads))  # a round's, as asked
@@ -671,7 +685,30 @@ class ServerBackend:
             result.speedup_per_round = speedups  # tokens keeps the pooled ratio; failed requests, none at all
             result.speedup = statistics.median(speedups)
         self._note(result, counters, self.num_prompts(samples), loads + bases)
+        if lost:
+            result.notes.append(lost)
+        if result.mismatches and not self.dflash_server:
+            self._tell_once(result, "batch-variant", (
+                "greedy answers differ between the servers: dflash serve's are batch-invariant, but other engines' "
+                "(vLLM, SGLang, in bfloat16 above all) may change a late token with the batch and its kernels, "
+                "drafting or not; run --concurrency 1 to tell that from a lossy drafter"))
         return result
+
+    def _level_counters(self, before: tuple[SpecDecodeCounters | None, str | None],
+                        after: tuple[SpecDecodeCounters | None, str | None]) -> tuple[SpecDecodeCounters | None,
+                                                                                        str | None]:
+        """The counters' movement over a level, or (None, why tau is missing) where the server had counters at the
+        start and they could not be read around this level, or went backwards (a restart, another replica)."""
+        if before[0] is not None and after[0] is not None:
+            moved = after[0] - before[0]
+            if min(moved.drafts, moved.draft_tokens, moved.accepted_tokens) >= 0:
+                return moved, None
+            return None, (f"the spec-decode counters at {self.metrics_url} went backwards during this level (did "
+                          "the server restart, or do its metrics come from another replica?), so tau is '-'")
+        problem = before[1] or after[1]
+        if not self.had_counters or problem is None:
+            return None, None  # said once at the start: the server has none
+        return None, f"the spec-decode counters could not be read around this level ({problem}), so tau is '-'"
 
     def _note(self, result: BenchResult, counters: SpecDecodeCounters | None, conversations: int,
               loads: list[LoadResult]) -> None:
@@ -716,6 +753,14 @@ def _warm_up_hint(error: str, config: ServerConfig) -> str:
     if config.endpoint == "chat" and ("chat template" in error.lower() or "/v1/completions" in error):
         return ("; the server's model has no chat template (a base model): benchmark it with --endpoint completions, "
                 "which sends plain text")
+    path = "/chat/completions" if config.endpoint == "chat" else "/completions"
+    other = "completions" if config.endpoint == "chat" else "chat"
+    if error.startswith("HTTP 404"):
+        return (f"; the server has no {path} there: --base-url is the API root (e.g. http://127.0.0.1:8000/v1), "
+                f"and a server with only the other endpoint takes --endpoint {other}")
+    if error.startswith(("HTTP 401", "HTTP 403")):
+        return ("; the server wants an API key: pass --api-key (or set $OPENAI_API_KEY)" if not config.api_key
+                else "; the server refused the key given (--api-key, or $OPENAI_API_KEY)")
     return ""
 
 

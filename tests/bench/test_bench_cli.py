@@ -179,7 +179,9 @@ def test_server_bench_rounds_against_a_baseline(openai_server, data_dir, tmp_pat
     assert code == 0
     [result] = json.loads((out / "results.json").read_text())
     assert len(result["speedup_per_round"]) == 2 and result["mismatches"] == 0
-    assert json.loads((out / "config.json").read_text())["rounds"] == 2
+    setup = json.loads((out / "config.json").read_text())
+    assert setup["rounds"] == 2
+    assert setup["metrics_url"] == dflash_server.base_url.removesuffix("/v1") + "/metrics"  # the one read, not null
     assert "speedup range" in (out / "results.md").read_text()
     warm_up, *load = plain_server.app.state.requests  # a 16-token warm-up, then one request per round
     assert warm_up["max_tokens"] == 16 and [r["max_tokens"] for r in load] == [6, 6]

@@ -167,11 +167,33 @@ def test_a_wrong_api_path_or_scheme_says_what_to_fix(openai_server):
     wrong_path = server.base_url.removesuffix("/v1") + "/v2"
     with pytest.raises(UserError, match="/v2/models answered HTTP 404: no OpenAI API answers there; --base-url is the "
                                         "API root"):
+        ServerBackend(ServerConfig(base_url=wrong_path)).run_level("gsm8k", SAMPLES, 1)
+    with pytest.raises(UserError, match="the warm-up request .* failed: HTTP 404.*; the server has no "
+                                        "/chat/completions there: --base-url is the API root .* --endpoint "
+                                        "completions"):  # with --model, the model list's 404 alone is not fatal
         ServerBackend(ServerConfig(base_url=wrong_path, model="tiny-dflash")).run_level("gsm8k", SAMPLES, 1)
     https = server.base_url.replace("http://", "https://")
     with pytest.raises(UserError, match="is the server running.*is it a plain http:// server\\? try "
                                         f"{server.base_url}"):
         ServerBackend(ServerConfig(base_url=https, model="tiny-dflash")).run_level("gsm8k", SAMPLES, 1)
+
+
+def test_a_server_without_a_model_list_or_with_several_is_benchmarked_saying_so(openai_server, monkeypatch):
+    """Gateways and older servers lack /models (a 404 was fatal even with --model); Ollama, LiteLLM and hosted APIs
+    list many (the first was taken without a word)."""
+    from dflash.bench import server as server_module
+
+    server = openai_server()
+    monkeypatch.setattr(server_module, "list_models", lambda *args: server_module.ModelList(None, 404))
+    backend = ServerBackend(ServerConfig(base_url=server.base_url, model="tiny-dflash"))
+    assert any("/models answered HTTP 404, so --model 'tiny-dflash' is not checked" in w for w in backend.warnings)
+    assert backend.run_level("gsm8k", SAMPLES, 1).dflash_answers > 0
+    monkeypatch.setattr(server_module, "list_models",
+                        lambda *args: server_module.ModelList(["tiny-dflash", "other"], 200))
+    backend = ServerBackend(ServerConfig(base_url=server.base_url))
+    assert backend.client.model == "tiny-dflash"
+    assert any("serves 2 models ['tiny-dflash', 'other']; benchmarking the first, 'tiny-dflash' (--model picks "
+               "another)" in w for w in backend.warnings)
 
 
 @pytest.mark.parametrize("key, message", [
@@ -307,8 +329,8 @@ def test_a_base_url_server_that_does_not_draft_is_a_warning_and_one_url_twice_an
     kinds = {dflash_server.base_url.removesuffix("/v1"): "DFlash", plain.base_url.removesuffix("/v1"): "none"}
     exposition = server_module.fetch_exposition
 
-    def fetch(url, timeout_s=10.0):
-        text, problem = exposition(url, timeout_s)
+    def fetch(url, timeout_s=10.0, api_key=None):
+        text, problem = exposition(url, timeout_s, api_key)
         kind = kinds[url.removesuffix("/metrics")]
         return (text or "") + f'dflash:drafter_info{{kind="{kind}"}} 1.0\n', problem
 
@@ -531,3 +553,67 @@ def test_a_token_count_that_is_no_finite_number_is_no_count():
     assert _completion_tokens({"completion_tokens": float("inf")}) is None
     assert _completion_tokens({"completion_tokens": float("nan")}) is None
     assert _completion_tokens({"completion_tokens": 7}) == 7 and _completion_tokens({"completion_tokens": -1}) is None
+
+
+def test_counters_that_go_backwards_or_cannot_be_read_during_a_level_are_noted(scripted_server):
+    """A restart between scrapes (or metrics from another replica), or a metrics endpoint that stops answering,
+    left tau '-' without a word."""
+    scrapes = []
+
+    def restarting():
+        scrapes.append(1)
+        drafts = 10 if len(scrapes) < 3 else 2  # the start's check, the level's first scrape, then a restart
+        return f"vllm:spec_decode_num_drafts_total {drafts}\nvllm:spec_decode_num_accepted_tokens_total {drafts}\n"
+
+    server = scripted_server(answer_chat, metrics=restarting)
+    result = ServerBackend(config(server)).run_level("gsm8k", SAMPLES[:1], 1)
+    assert result.mean_acceptance_length is None
+    assert any("spec-decode counters at " in n and "went backwards during this level" in n for n in result.notes), (
+        result.notes, len(scrapes))
+
+    def dying():
+        scrapes.append(1)
+        if len(scrapes) > 2:  # the start's check and the level's first scrape answer
+            raise RuntimeError("the metrics endpoint stopped")
+        return "vllm:spec_decode_num_drafts_total 4\n"
+
+    scrapes.clear()
+    server = scripted_server(answer_chat, metrics=dying)
+    result = ServerBackend(config(server)).run_level("gsm8k", SAMPLES[:1], 1)
+    assert any("could not be read around this level" in n and "answered HTTP 500" in n for n in result.notes)
+
+
+def test_metrics_behind_the_api_key_are_read_with_it(monkeypatch):
+    import httpx
+
+    from dflash.bench.server import fetch_exposition
+
+    def get(url, headers=None, **kw):
+        allowed = (headers or {}).get("Authorization") == "Bearer sekrit"
+        return httpx.Response(200 if allowed else 401, text="vllm:spec_decode_num_drafts_total 1\n",
+                              request=httpx.Request("GET", url))
+
+    monkeypatch.setattr(httpx, "get", get)
+    assert fetch_exposition("http://h/metrics", api_key="sekrit") == ("vllm:spec_decode_num_drafts_total 1\n", None)
+    assert fetch_exposition("http://h/metrics") == (None, "http://h/metrics answered HTTP 401")
+
+
+def test_swapped_servers_and_other_engines_mismatches_are_told_what_they_likely_are(scripted_server):
+    plain = scripted_server(answer_chat, metrics="")  # e.g. vLLM without a speculative config
+    drafting = scripted_server(lambda body: answer_chat(body, text="other words here"),
+                               metrics="vllm:spec_decode_num_drafts_total 3\n")
+    warnings = ServerBackend(config(plain, baseline_url=drafting.base_url)).warnings
+    assert any("--base-url and --baseline-url look swapped" in w for w in warnings)
+    result = ServerBackend(config(drafting, baseline_url=plain.base_url)).run_level("gsm8k", SAMPLES[:1], 1)
+    assert result.mismatches == 1
+    assert any("other engines' (vLLM, SGLang" in n and "--concurrency 1" in n for n in result.notes)
+
+
+@pytest.mark.parametrize("status, key, hint", [
+    (401, None, "the server wants an API key: pass --api-key"),
+    (403, "wrong", "the server refused the key given"),
+])
+def test_a_warm_up_refused_for_its_key_says_so(scripted_server, status, key, hint):
+    server = scripted_server(lambda body: JSONResponse({"detail": "Unauthorized"}, status_code=status))
+    with pytest.raises(UserError, match=f"warm-up request .* failed: HTTP {status}.*; {hint}"):
+        ServerBackend(config(server, warmup_tokens=2, api_key=key)).run_level("gsm8k", SAMPLES[:1], 1)
