@@ -19,6 +19,7 @@ from rich.table import Table
 from dflash.bench.metrics import DRAFT_MODEL, NO_DRAFT, BenchResult
 
 PLOTS = ("acceptance_histogram.png", "speedup.png", "throughput_vs_concurrency.png")
+OUTPUT_FILES = ("results.json", "config.json", "results.md", *PLOTS)  # what `write_outputs` writes (or removes)
 SAMPLE_IDS_SHOWN = 50  # in results.md; config.json has them all
 
 

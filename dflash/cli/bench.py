@@ -10,6 +10,7 @@ import math
 import os
 from pathlib import Path
 
+from dflash.bench.report import OUTPUT_FILES
 from dflash.cli.common import (
     SweepOnce,
     add_model_arguments,
@@ -20,6 +21,7 @@ from dflash.cli.common import (
 )
 from dflash.decoding.sampling import MAX_TEMPERATURE
 from dflash.errors import UserError
+from dflash.training.lock import being_written
 
 DATASET_HELP = ("gsm8k (default), math500, humaneval, mbpp, mt-bench, or all (several: space or comma separated, "
                 "after one --dataset: given twice, it is refused); with --data-file, the dataset whose records the "
@@ -120,9 +122,8 @@ def _claimed(output_dir: str | None, overwrite: bool):
         return
     fd = os.open(output_dir, os.O_RDONLY)
     try:
-        lock_or_refuse(fd, f"another dflash bench is writing into --output-dir {output_dir}; let it finish, or pass "
-                           "another --output-dir")
-        _check_output_dir(Path(output_dir), overwrite)
+        lock_or_refuse(fd, _busy(output_dir))
+        _check_output_dir(Path(output_dir), overwrite, locked=True)  # this run's own lock, not another's
         yield
     finally:
         os.close(fd)
@@ -250,11 +251,18 @@ def _check_numbers(args: argparse.Namespace) -> None:
             raise UserError(f"{flag} was given no value; pass one or a comma-separated list, like {example}")
 
 
-def _check_output_dir(path: Path, overwrite: bool = False) -> None:
+def _check_output_dir(path: Path, overwrite: bool = False, locked: bool = False) -> None:
     """Before any measurement: a run must not end in an error about where its results go, nor replace an earlier
     run's results unasked."""
     if path.exists() and not path.is_dir():
         raise UserError(f"--output-dir {path} is a file; give a directory (it is created if missing)")
+    if not locked and path.is_dir() and being_written(path):  # before its results: that run has not stopped
+        raise UserError(_busy(path))
+    ours = (path / "results.json").is_file()  # an earlier bench run's directory (its results checked below)
+    foreign = [name for name in OUTPUT_FILES if (path / name).exists()] if not ours else []
+    if foreign:  # e.g. a model's directory: bench would write its own config.json over the model's
+        raise UserError(f"--output-dir {path} holds {', '.join(foreign)}, which dflash bench would replace, and no "
+                        "results.json of an earlier bench run: pass a new or empty --output-dir")
     if _holds_results(path / "results.json") and not overwrite:
         raise UserError(f"--output-dir {path} holds an earlier run's results (results.json{_stopped_early(path)}); "
                         "pass another --output-dir, or --overwrite to replace them")
@@ -264,6 +272,11 @@ def _check_output_dir(path: Path, overwrite: bool = False) -> None:
         raise UserError(f"cannot create --output-dir {path}: {err.strerror or err}") from None
     if not os.access(path, os.W_OK):
         raise UserError(f"--output-dir {path} is not writable; pick another directory")
+
+
+def _busy(output_dir: str | Path) -> str:
+    return (f"another dflash bench is writing into --output-dir {output_dir}; let it finish, or pass another "
+            "--output-dir")
 
 
 def _stopped_early(path: Path) -> str:

@@ -105,6 +105,24 @@ def test_a_stopped_runs_output_dir_says_so_and_a_new_run_clears_its_leftovers(ti
     assert not list(out.glob(".*.partial"))
 
 
+def test_a_directory_of_other_files_is_not_written_over(tiny_pair, data_dir, tmp_path, capsys):
+    """A model's directory (or a user's own results.md) had its config.json replaced by bench's: no results.json
+    of an earlier bench said the directory was free."""
+    import shutil
+
+    target, draft = tiny_pair
+    model = tmp_path / "model"
+    shutil.copytree(target, model)
+    before = (model / "config.json").read_bytes()
+    for extra in ([], ["--overwrite"]):
+        assert main(["bench", "--target", str(target), "--draft", str(draft), "--dataset", "gsm8k", "--data-dir",
+                     str(data_dir), "--max-samples", "1", "--max-new-tokens", "4", "--output-dir", str(model),
+                     "--no-progress", *extra]) == 2
+        assert (f"--output-dir {model} holds config.json, which dflash bench would replace, and no results.json"
+                in capsys.readouterr().err)
+    assert (model / "config.json").read_bytes() == before
+
+
 def test_a_second_bench_into_a_running_ones_output_dir_is_refused(tiny_pair, data_dir, tmp_path, capsys):
     """Two runs into one --output-dir rewrote each other's results.json, and the first one's were lost."""
     import fcntl
@@ -122,6 +140,10 @@ def test_a_second_bench_into_a_running_ones_output_dir_is_refused(tiny_pair, dat
         assert main(args) == 2
         assert f"another dflash bench is writing into --output-dir {out}; let it finish" in capsys.readouterr().err
         assert not (out / "results.json").exists()
+        (out / "results.json").write_text("[{}]")  # its first result: the refusal still names the running run
+        assert main(args) == 2
+        assert f"another dflash bench is writing into --output-dir {out}" in capsys.readouterr().err
+        (out / "results.json").unlink()
     finally:
         os.close(running)
     assert main(args) == 0  # once it has finished

@@ -129,6 +129,7 @@ def test_a_prompt_past_the_context_fails_before_decoding_and_names_it(tiny_pair,
 def test_the_output_dir_records_the_data_and_drops_stale_files(tiny_pair, data_dir, tmp_path):
     out = tmp_path / "out"
     out.mkdir()
+    (out / "results.json").write_text("[]\n")  # an earlier bench's directory, of a run that measured nothing
     for stale in ("throughput_vs_concurrency.png", "speedup.png"):
         (out / stale).write_bytes(b"an earlier run's plot")
     (out / "notes.txt").write_text("mine")
