@@ -10,6 +10,7 @@ import math
 import os
 from pathlib import Path
 
+from dflash.api import refuse_greedy_ignores
 from dflash.bench.report import OUTPUT_FILES
 from dflash.cli.common import (
     SweepOnce,
@@ -234,7 +235,8 @@ def _check_numbers(args: argparse.Namespace) -> None:
     if not (math.isfinite(args.top_p) and 0 < args.top_p <= 1):
         raise UserError(f"--top-p must be in (0, 1] (1 = off), got {args.top_p}")
     if args.top_k is not None and args.top_k < -1:
-        raise UserError(f"--top-k must be >= 0 (0 or -1 = off), got {args.top_k}")
+        raise UserError(f"--top-k must be a number of tokens >= 1, or 0 or -1 (off), got {args.top_k}")
+    refuse_greedy_ignores({"temperature": args.temperature, "top_p": args.top_p, "top_k": args.top_k})  # as generate
     if args.branch_length < 0:
         raise UserError(f"--branch-length must be >= 0 (0 = no branch), got {args.branch_length}")
     if args.warmup_tokens is not None and args.warmup_tokens < 0:

@@ -35,8 +35,14 @@ def block_size(text: str) -> int | str:
 
 
 def block_size_list(text: str) -> list[int | str]:
-    """'auto,8,16' -> ['auto', 8, 16]."""
-    return [block_size(x) for x in text.split(",") if x.strip()]
+    """'auto,8,16' -> ['auto', 8, 16]; as `int_list`, a trailing comma is allowed and an empty item between two is
+    a typo, refused."""
+    items = text.split(",")
+    if len(items) > 1 and not items[-1].strip():
+        items.pop()
+    if any(x.strip() for x in items) and not all(x.strip() for x in items):
+        raise argparse.ArgumentTypeError(f"expected block sizes separated by commas (like auto,8,16), got {text!r}")
+    return [block_size(x) for x in items if x.strip()]
 
 
 SWEEP_EXAMPLES = {"dataset": "gsm8k,mbpp", "block_size": "auto,8,16", "concurrency": "1,4,8"}  # in SweepOnce's error

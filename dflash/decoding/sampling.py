@@ -31,7 +31,7 @@ class SamplingParams:
         if self.top_k == -1:
             object.__setattr__(self, "top_k", 0)
         if self.top_k < 0:
-            raise ValueError(f"top_k must be >= 0 (0 or -1 disables it), got {self.top_k}")
+            raise ValueError(f"top_k must be a number of tokens >= 1, or 0 or -1 (off), got {self.top_k}")
 
     @property
     def greedy(self) -> bool:

@@ -247,7 +247,8 @@ SERVER = ["--base-url", "http://127.0.0.1:9/v1"]  # nothing listens there: every
     (["--temperature", "inf"], "--temperature must be a finite number >= 0"),
     (["--temperature", "-0.5"], "--temperature must be a finite number >= 0"),
     (["--top-p", "0"], "--top-p must be in (0, 1]"),
-    (["--top-k", "-2"], "--top-k must be >= 0 (0 or -1 = off), got -2"),
+    (["--top-k", "-2"], "--top-k must be a number of tokens >= 1, or 0 or -1 (off), got -2"),
+    (["--top-p", "0.5"], "--top-p shapes sampling, and --temperature 0 (the default) decodes greedily"),  # as generate
     (["--warmup-tokens", "-3"], "--warmup-tokens must be >= 0"),
     (SERVER + ["--duration", "0"], "--duration must be a finite number of seconds > 0"),
     (SERVER + ["--duration", "inf"], "--duration must be a finite number of seconds > 0"),
@@ -528,3 +529,12 @@ def test_num_prompts_loads_that_many_distinct_samples_and_reports_conversations(
                                                               "--num-prompts", "24"])))
     assert reference.data.max_samples == 24
     assert bench_config(parser.parse_args(["--data-dir", str(data_dir)])).data.max_samples == 20  # locally
+
+
+@pytest.mark.parametrize("sizes", ["8,,16", ",8"])
+def test_a_block_size_list_with_an_empty_item_is_a_typo_refused(sizes, capsys):
+    """--concurrency 1,,2 was refused while --block-size 8,,16 ran 8 and 16 without a word."""
+    with pytest.raises(SystemExit) as exit_code:
+        main(["bench", "--block-size", sizes])
+    assert exit_code.value.code == 2
+    assert f"expected block sizes separated by commas (like auto,8,16), got '{sizes}'" in capsys.readouterr().err

@@ -43,7 +43,7 @@ def test_the_values_a_generation_config_sets_are_read_and_the_rest_stay_openais(
     ("top_p", 1.5, "top_p must be in (0, 1], got 1.5"),
     ("temperature", -1.0, "temperature must be a finite number >= 0"),
     ("temperature", 150.0, "at most 100, got 150.0"),  # as a request's is (SamplingParams)
-    ("top_k", -2, "top_k must be >= 0 (0 or -1 disables it), got -2"),
+    ("top_k", -2, "top_k must be a number of tokens >= 1, or 0 or -1 (off), got -2"),
     ("max_new_tokens", 0, "max_new_tokens must be an integer >= 1, got 0"),
 ])
 def test_values_a_request_could_not_send_are_refused_naming_the_file_and_the_way_out(field, value, expected):
