@@ -76,6 +76,8 @@ def to_bench_argv(argv: list[str]) -> list[str]:
         block_size = None
     max_samples, num_prompts = args.max_samples, args.num_prompts
     if not server and num_prompts is not None:  # in process, the reference's prompt count is the sample count
+        if num_prompts < 1:  # as --max-samples, 0 would mean every sample: hours where the server refuses it
+            raise UserError(f"--num-prompts must be >= 1, got {num_prompts}")
         if max_samples is not None and max_samples != num_prompts:
             raise UserError(f"--num-prompts {num_prompts} and --max-samples {max_samples} both set the number of "
                             "samples with an in-process backend; give one")

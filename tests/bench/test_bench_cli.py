@@ -414,6 +414,9 @@ def test_python_m_dflash_benchmark_errors_are_under_its_own_name(tiny_pair, caps
             "server with --backend vllm or sglang") in capsys.readouterr().err
     assert benchmark_main(["--backend", "vllm", "--base-url", "http://127.0.0.1:9", "--timeout-s", "-1"]) == 2
     assert "error: --timeout-s must be a finite number of seconds > 0" in capsys.readouterr().err
+    for count in ("0", "-1"):  # in process 0 became --max-samples 0, every sample: a run of hours
+        assert benchmark_main(["--model", str(target), "--draft-model", str(draft), "--num-prompts", count]) == 2
+        assert f"error: --num-prompts must be >= 1, got {count}" in capsys.readouterr().err
     with pytest.raises(SystemExit):
         benchmark_main(["--model", str(target), "--frobnicate"])
     assert "python -m dflash.benchmark: error: unrecognized arguments: --frobnicate" in capsys.readouterr().err
