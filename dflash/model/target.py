@@ -7,6 +7,7 @@ with forward hooks, so only those layers' hidden states exist, never all of them
 from __future__ import annotations
 
 import inspect
+import json
 import logging
 import os
 import threading
@@ -51,6 +52,17 @@ _LOGIT_OPTIONS = {"repetition_penalty": 1.0, "no_repeat_ngram_size": 0, "encoder
                   "bad_words_ids": None, "suppress_tokens": None, "begin_suppress_tokens": None, "sequence_bias": None,
                   "forced_bos_token_id": None, "forced_eos_token_id": None, "min_new_tokens": None, "min_length": 0,
                   "num_beams": 1, "typical_p": 1.0, "epsilon_cutoff": 0.0, "eta_cutoff": 0.0, "min_p": None}
+
+
+def _warn_if_unreadable_generation_config(directory: Path) -> None:
+    """transformers falls back to a generation config built from config.json, without a word, when the model's own
+    generation_config.json does not parse: its stop tokens and sampling defaults would be lost unseen."""
+    path = directory / "generation_config.json"
+    try:
+        json.loads(path.read_text()) if path.is_file() else None
+    except (OSError, ValueError) as err:
+        log.warning("%s is unreadable (%s): its stop tokens and sampling defaults are not read (the stop tokens "
+                    "come from config.json); fix the file", path, in_brief(err))
 
 
 def unapplied_generation_options(generation_config, sampling_defaults: bool = True) -> list[str]:
@@ -142,6 +154,7 @@ class TargetModel:
 
         directory = resolve_model_dir(path_or_id, revision)
         check_target_dir(directory)
+        _warn_if_unreadable_generation_config(directory)
         device = resolve_device(device)
         torch_dtype = parse_dtype(dtype) or "auto"
         code = {"trust_remote_code": trust_remote_code}  # False, not None: transformers would ask on a terminal

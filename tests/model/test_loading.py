@@ -481,3 +481,17 @@ def test_an_incomplete_copy_in_the_hub_cache_says_to_download_it_again(tiny_pair
     with pytest.raises(CheckpointError, match="no \\*.safetensors weights in .*; it is the Hugging Face cache's copy "
                                               "of someone/drafter"):
         load_drafter("someone/drafter")
+
+
+def test_an_unreadable_generation_config_is_named(tiny_pair, tmp_path, caplog):
+    """transformers falls back to config.json's values without a word: the model's stop tokens and sampling defaults
+    were lost unseen."""
+    from dflash.model.target import TargetModel
+
+    target = tmp_path / "target"
+    shutil.copytree(tiny_pair[0], target)
+    (target / "generation_config.json").write_text("{bad")
+    with caplog.at_level("WARNING", logger="dflash.model.target"):
+        TargetModel.from_pretrained(target)
+    assert any(f"{target / 'generation_config.json'} is unreadable" in r.getMessage() and "fix the file"
+               in r.getMessage() for r in caplog.records)
