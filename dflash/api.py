@@ -168,7 +168,8 @@ class DFlash:
         target, draft = _pair_paths(target, draft, no_draft)
         if no_draft:
             _refuse_drafting_options({"block_size": isinstance(block_size, int), "mask_token_id": mask_token_id
-                                      is not None, "branch_length": bool(branch_length)},
+                                      is not None, "branch_length": bool(branch_length),
+                                      "drafter_precision": drafter_precision not in (None, "auto")},
                                      "no_draft (--no-draft) decodes with the target alone: drop one or the other",
                                      with_flags=True)
         # the cheap checks first: a typo should not wait for a model to load

@@ -132,6 +132,8 @@ def _check_arguments(args: argparse.Namespace, prompt: str) -> dict:
         raise UserError(f"{source} {'(standard input) ' if args.prompt == '-' else ''}is empty; give the text to "
                         "decode, e.g. --prompt \"What is 7 * 8?\"")
     check_text(prompt, source)
+    for stop in args.stop or []:  # a stop string that is not text could never be met
+        check_text(stop, "--stop")
     if args.system is not None:
         check_text(args.system, "--system")
         if args.raw:

@@ -119,6 +119,9 @@ def test_stop_strings_read_escapes_as_the_readme_writes_them(capsys):
                                                     "shape drafting, and no_draft (--no-draft) decodes with the "
                                                     "target alone"),
     (["--branch-length", "2"], "branch_length (--branch-length) shapes drafting, and no_draft (--no-draft)"),
+    (["--drafter-precision", "bfloat16"], "drafter_precision (--drafter-precision) shapes drafting, and no_draft "
+                                          "(--no-draft)"),  # it was taken and did nothing
+    (["--stop", "caf\udce9"], "--stop is not valid text"),  # it could never be met
     (["--raw", "--enable-thinking"], "drop one of them"),
     (["--max-new-tokens", "0"], "--max-new-tokens must be >= 1"),
     (["--device", "bogus"], "unknown device 'bogus'"),
