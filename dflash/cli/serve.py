@@ -143,6 +143,10 @@ def _check_args(args: argparse.Namespace) -> None:
     if args.attention_backend is not None and args.engine == "dflash":
         raise UserError("--attention-backend picks vLLM's or SGLang's attention kernels; use it with --engine vllm "
                         "or --engine sglang")
+    for flag, value, example in (("--attention-backend", args.attention_backend, "flash_attn, or auto"),
+                                 ("--generation-config", args.generation_config, "auto, vllm or a directory")):
+        if value is not None and not value.strip():
+            raise UserError(f"{flag} is empty; give a value ({example}) or leave the flag out")
     _check_generation_config(args.generation_config, args.target)
     if args.api_key is not None and not args.api_key:
         raise UserError("--api-key is empty; give a key or leave the flag out")

@@ -167,6 +167,8 @@ def test_a_taken_port_or_a_foreign_host_is_named_before_the_models_load(tiny_pai
     (["--block-size", "auto"], None),  # as in dflash generate: the adaptive block size, up to the drafter's
     (["--block-size", "auto", "--no-adaptive-block-size", "--fallback-min-acceptance", "0"],
      "--block-size auto chooses each step's block size, and --no-adaptive-block-size verifies the full block"),
+    (["--engine", "vllm", "--dry-run", "--attention-backend", " "], "--attention-backend is empty; give a value"),
+    (["--generation-config", ""], "--generation-config is empty; give a value (auto, vllm or a directory)"),
 ])
 def test_drafting_flags_that_cannot_apply_are_refused_before_the_models_load(tiny_pair, capsys, monkeypatch, args,
                                                                               message):
