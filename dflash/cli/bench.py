@@ -136,6 +136,10 @@ def bench_config(args: argparse.Namespace):
     from dflash.bench.runner import BenchConfig
     from dflash.extras import require
 
+    for flag in ("--output-dir", "--base-url", "--baseline-url", "--metrics-url", "--data-file", "--data-dir"):
+        value = getattr(args, flag[2:].replace("-", "_"), None)
+        if value is not None and not value.strip():  # '' would read as no flag at all, or as '.'
+            raise UserError(f"{flag} is empty; give a value or leave the flag out")
     backend = args.backend or ("server" if args.base_url else "local")
     if backend == "server" and not args.base_url:
         raise UserError("the server backend needs --base-url, e.g. http://127.0.0.1:8000/v1")

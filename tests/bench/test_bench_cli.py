@@ -249,6 +249,8 @@ SERVER = ["--base-url", "http://127.0.0.1:9/v1"]  # nothing listens there: every
     (["--top-p", "0"], "--top-p must be in (0, 1]"),
     (["--top-k", "-2"], "--top-k must be a number of tokens >= 1, or 0 or -1 (off), got -2"),
     (["--top-p", "0.5"], "--top-p shapes sampling, and --temperature 0 (the default) decodes greedily"),  # as generate
+    (["--output-dir", ""], "--output-dir is empty; give a value or leave the flag out"),  # was [Errno 2]
+    (["--base-url", " "], "--base-url is empty"),  # was "--base-url only applies to a server benchmark"
     (["--warmup-tokens", "-3"], "--warmup-tokens must be >= 0"),
     (SERVER + ["--duration", "0"], "--duration must be a finite number of seconds > 0"),
     (SERVER + ["--duration", "inf"], "--duration must be a finite number of seconds > 0"),
