@@ -28,7 +28,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         "runs with different seeds draw independent answers to every prompt (default 0)")
     parser.add_argument("--batch-size", type=int, default=16, help="prompts decoded together")
     parser.add_argument("--limit", type=int, help="only the first N prompts")
-    parser.add_argument("--split", default="train", help="dataset split (datasets)")
+    parser.add_argument("--split", help="dataset split (datasets; default train)")  # None: not given (a file has none)
     parser.add_argument("--subset", help="dataset configuration, e.g. main for openai/gsm8k (datasets)")
     parser.add_argument("--prompt-field", help="dataset column holding the prompt")
     parser.add_argument("--prompt-suffix", default="", help="text appended to every user turn")

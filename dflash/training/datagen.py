@@ -26,7 +26,7 @@ from typing import IO, Iterator
 from dflash import hub
 from dflash.errors import UserError, in_brief
 from dflash.extras import require
-from dflash.records import chat_messages, has_chat, read_json_object, read_jsonl, text_field, texts_field
+from dflash.records import chat_messages, has_chat, read_jsonl, text_field, texts_field
 from dflash.training.lock import lock_or_refuse
 
 PROMPT_FIELDS = ("prompt", "question", "instruction", "text")  # looked for in this order without --prompt-field
@@ -48,7 +48,7 @@ class DatagenConfig:
     seed: int = 0
     batch_size: int = 16
     limit: int | None = None
-    split: str = "train"
+    split: str | None = None  # the dataset's split; None: "train" (`dataset_split`)
     subset: str | None = None  # the dataset's configuration, e.g. "main" for openai/gsm8k
     prompt_field: str | None = None  # for hub datasets: the column with the prompt (default: guess)
     prompt_suffix: str = ""  # appended to every user turn (e.g. the benchmark's answer-format sentence)
@@ -58,8 +58,17 @@ class DatagenConfig:
     trust_remote_code: bool = False  # run the Python code the target ships (its config.json's auto_map)
 
     def validate(self) -> None:
-        from dflash.api import make_config, refuse_greedy_ignores
+        from dflash.api import check_text, make_config, refuse_greedy_ignores
 
+        # Path("") is ".", the current directory: the messages about it would name a path the user never gave
+        if not self.prompts:
+            raise UserError("--prompts is empty; give a JSONL file, a dataset directory or a Hugging Face dataset name "
+                            "like openai/gsm8k")
+        if not self.output:
+            raise UserError("--output is empty; give the path of the .jsonl file to write the answers to")
+        if self.prompt_suffix:  # as dflash generate checks --prompt: before the model loads, not blamed on a record
+            check_text(self.prompt_suffix, "--prompt-suffix")
+        self._check_dataset_flags()
         if self.batch_size < 1:
             raise UserError(f"--batch-size is the number of prompts decoded together, >= 1; got {self.batch_size}")
         if self.limit is not None and self.limit < 1:
@@ -80,12 +89,27 @@ class DatagenConfig:
                             "train reads *.jsonl.gz)")
         if output.is_dir():
             raise UserError(f"--output {self.output} is a directory; give the path of a .jsonl file")
+        if output.exists() and not output.is_file():  # /dev/null would take every answer and keep none
+            raise UserError(f"--output {self.output} is not a regular file (a device or a pipe); give the path of a "
+                            ".jsonl file")
         blocking = next((p for p in output.parents if p.exists() and not p.is_dir()), None)
         if blocking is not None:
             raise UserError(f"--output {self.output} cannot be written: {blocking} is a file, not a directory; give "
                             "the path of a .jsonl file in a directory (missing directories are created)")
         if output.exists() and output.resolve() == Path(self.prompts).expanduser().resolve():
             raise UserError(f"--output {self.output} is the --prompts file; give another path to write the answers to")
+        saved_settings(output)  # a file of that name that is not datagen's is refused before anything is written
+
+    def _check_dataset_flags(self) -> None:
+        """--split and --subset pick part of a dataset; a file of prompts is read whole, so they would be ignored."""
+        given = [flag for flag, value in (("--split", self.split), ("--subset", self.subset)) if value is not None]
+        if given and Path(self.prompts).expanduser().is_file():
+            flags = " and ".join(given)
+            raise UserError(f"{flags} {'picks' if len(given) == 1 else 'pick'} part of a dataset (a hub dataset or a "
+                            f"dataset directory), and --prompts {self.prompts} is a file, read whole: drop {flags}")
+
+    def dataset_split(self) -> str:
+        return self.split or "train"
 
     def settings(self) -> dict:
         """What decides the answers: a rerun that resumes an output must repeat these."""
@@ -220,7 +244,7 @@ def _load_dataset(config: DatagenConfig, source: str, local: bool = False) -> li
     require(["datasets"], "reading a dataset instead of a JSONL file")
     import datasets
     if local and any((Path(source) / name).exists() for name in ("state.json", "dataset_dict.json")):
-        return _saved_dataset(source, config.split)
+        return _saved_dataset(source, config.dataset_split())
     try:
         unreachable = None if local or hub.offline() else hub.unreachable(source, repo_type="dataset",
                                                                           instead="pass a local JSONL file")
@@ -228,7 +252,7 @@ def _load_dataset(config: DatagenConfig, source: str, local: bool = False) -> li
         raise UserError(f"--prompts {err}") from None
     try:
         with hub.datasets_offline(unreachable is not None):
-            return list(datasets.load_dataset(source, config.subset, split=config.split))
+            return list(datasets.load_dataset(source, config.subset, split=config.dataset_split()))
     except Exception as err:
         hint = (" (does it need --subset, e.g. --subset main for openai/gsm8k?)"
                 if "config" in str(err).lower() and config.subset is None else
@@ -238,7 +262,8 @@ def _load_dataset(config: DatagenConfig, source: str, local: bool = False) -> li
         offline = ("" if local else f"; there is no local file or directory named {source!r} either. Offline? Pass "
                    "a local JSONL file with `prompt`, `turns`, `messages` or `conversations`, or a downloaded dataset "
                    "directory")
-        raise UserError(f"could not load dataset {source!r}, split {config.split!r}: {reason}{hint}{offline}") from None
+        raise UserError(f"could not load dataset {source!r}, split {config.dataset_split()!r}: {reason}{hint}"
+                        f"{offline}") from None
 
 
 # data files `datasets` reads (its builder for each) that are not JSONL
@@ -276,6 +301,29 @@ def _saved_dataset(source: str, split: str) -> list[dict]:
 # ---- the output: what is done, and whether a rerun continues the same job --------------------------------------
 def settings_path(output: Path) -> Path:
     return output.with_name(output.name + ".datagen.json")
+
+
+# in every settings file datagen has written (later versions added chat_template_kwargs and dtype)
+SETTINGS_KEYS = ("target", "max_new_tokens", "temperature", "top_p", "seed", "prompt_suffix")
+
+
+def saved_settings(output: Path) -> dict | None:
+    """The settings file of `output` (None when there is none). A file of that name that is not one (the user's own
+    file, say) is refused, never written over."""
+    path = settings_path(output)
+    if not path.exists():
+        return None
+    try:
+        value = json.loads(path.read_text()) if path.is_file() else None
+    except OSError as err:
+        raise UserError(f"cannot read {path}, the settings of --output {output}: {err.strerror or err}; make it "
+                        "readable, or pass another --output") from None
+    except (UnicodeDecodeError, json.JSONDecodeError, RecursionError):
+        value = None
+    if not isinstance(value, dict) or not set(SETTINGS_KEYS) <= value.keys():
+        raise UserError(f"{path} is not a dflash datagen settings file, and dflash datagen keeps the settings of "
+                        f"--output {output} there; move that file elsewhere, or pass another --output")
+    return value
 
 
 def done_ids(output: Path) -> dict[int, str | None]:
@@ -338,9 +386,8 @@ def check_rerun(config: DatagenConfig, prompts: list[Prompt], done: dict[int, st
     output = Path(config.output)
     _check_prompts(output, prompts, done, limited=config.limit is not None)
     path, settings = settings_path(output), config.settings()
-    if done and path.exists():
-        saved = read_json_object(path, "a dflash datagen settings file", "delete it (the output's settings are "
-                                 "then not checked) or pass another --output")
+    saved = saved_settings(output)  # with no records yet, those of a run stopped before its first are replaced
+    if done and saved is not None:
         greedy = saved.get("temperature") == 0 and settings["temperature"] == 0
         moot = {"top_p", "seed"} if greedy else set()  # greedy answers depend on neither
         changed = [f"{k} {_setting(k, saved.get(k))}, now {_setting(k, v)}" for k, v in settings.items()

@@ -628,3 +628,62 @@ def test_a_write_the_file_size_limit_stops_is_named_and_a_rerun_continues(answer
     assert "Traceback" not in run.stderr and out.stat().st_size == limit  # a half-written line at the end
     assert main(command) == 0
     assert [r["id"] for r in read(out)] == [0, 1, 2]
+
+
+@pytest.mark.parametrize("content", [b"user sidecar data\n", b'{"notes": "mine"}\n', b"[1, 2]\n", b"\xff\xfe\n"])
+def test_a_file_where_the_settings_go_that_datagen_did_not_write_is_refused_and_kept(prompts, tmp_path, capsys,
+                                                                                   monkeypatch, content):
+    import dflash.api
+
+    monkeypatch.setattr(dflash.api.DFlash, "from_pretrained", lambda *a, **k: pytest.fail("the target loaded"))
+    out = tmp_path / "new.jsonl"
+    settings_path(out).write_bytes(content)
+    assert main(["datagen", "--prompts", str(prompts), "--output", str(out)]) == 2
+    assert (f"{settings_path(out)} is not a dflash datagen settings file, and dflash datagen keeps the settings of "
+            f"--output {out} there; move that file elsewhere, or pass another --output") in capsys.readouterr().err
+    assert settings_path(out).read_bytes() == content and not out.exists()
+
+
+@pytest.mark.parametrize("settings", [dict(max_new_tokens=8), dict(temperature=0.5, dtype="float16"), "old"])
+def test_a_run_stopped_before_its_first_record_is_rerun_with_any_settings(tiny_pair, prompts, tmp_path, settings):
+    """Killed before its first answer, a run leaves an empty output and its settings file: no answer depends on
+    those settings, so a rerun (with them or others, or of a version whose file lacked some) writes its own."""
+    out = tmp_path / "data.jsonl"
+    config = DatagenConfig(target=str(tiny_pair[0]), prompts=str(prompts), output=str(out), max_new_tokens=2,
+                           limit=1, device="cpu")
+    saved = config.settings()
+    if settings == "old":  # before chat_template_kwargs and dtype were settings
+        del saved["chat_template_kwargs"], saved["dtype"]
+    else:
+        saved.update(settings)
+    out.write_text("")
+    settings_path(out).write_text(json.dumps(saved))
+    assert run_datagen(config).written == 1
+    assert json.loads(settings_path(out).read_text()) == config.settings()
+
+
+@pytest.mark.parametrize("flags, message", [
+    (["--output", "/dev/null"], "--output /dev/null is not a regular file (a device or a pipe); give the path of a "
+                                ".jsonl file"),
+    (["--output", "FIFO"], "is not a regular file (a device or a pipe)"),
+    (["--prompt-suffix", "\udcff"], "--prompt-suffix is not valid text: character 0 ('\\udcff') stands for a byte "
+                                    "that was not UTF-8; pass UTF-8 text"),
+    (["--prompt-suffix", " Answer: \udcff"], "--prompt-suffix is not valid text: character 9"),
+    (["--output", ""], "--output is empty; give the path of the .jsonl file to write the answers to"),
+    (["--prompts", ""], "--prompts is empty; give a JSONL file, a dataset directory or a Hugging Face dataset name"),
+    (["--split", "test"], "--split picks part of a dataset (a hub dataset or a dataset directory), and --prompts"),
+    (["--split", "train", "--subset", "main"], "--split and --subset pick part of a dataset"),
+])
+def test_datagen_cli_refuses_bad_flags_before_the_model_loads(prompts, tmp_path, capsys, monkeypatch, flags, message):
+    import os
+
+    import dflash.api
+
+    monkeypatch.setattr(dflash.api.DFlash, "from_pretrained", lambda *a, **k: pytest.fail("the target loaded"))
+    os.mkfifo(tmp_path / "fifo")
+    flags = [str(tmp_path / "fifo") if flag == "FIFO" else flag for flag in flags]
+    assert main(["datagen", "--prompts", str(prompts), "--output", str(tmp_path / "o.jsonl"), *flags]) == 2
+    err = capsys.readouterr().err
+    assert message in err and "Traceback" not in err
+    assert not (tmp_path / "o.jsonl").exists() and not (tmp_path / "o.jsonl.datagen.json").exists()
+    assert not list(tmp_path.glob("fifo.*"))
