@@ -83,9 +83,21 @@ class TrainConfig:
                 raise UserError(f"--{name} is required (or set `{name}:` in the YAML config)")
         if isinstance(self.extra_train_data, str):
             self.extra_train_data = [self.extra_train_data]
+        self._refuse_data_twice()
         problems = self._problems()
         if problems:
             raise UserError("; ".join(problems))
+
+    def _refuse_data_twice(self) -> None:
+        """A file given twice (the same path, however written) would train its records twice, and --data's
+        held-out records would train too."""
+        seen = {Path(self.data).expanduser().resolve(): "--data"}
+        for path in self.extra_train_data or []:
+            resolved = Path(path).expanduser().resolve()
+            if resolved in seen:
+                raise UserError(f"--extra-train-data {path} is the {seen[resolved]} file again: its records would "
+                                "train twice; give each file once")
+            seen[resolved] = "--extra-train-data"
 
     def _problems(self) -> list[str]:
         """Every out-of-range option, as the message that names it and its range."""
@@ -130,8 +142,9 @@ class TrainConfig:
             (self.dtype in ("float32", "bfloat16"), f"--dtype must be float32 or bfloat16, got {self.dtype}"),
             (self.max_steps is None or self.max_steps >= 1,
              f"--max-steps must be >= 1, got {self.max_steps}; leave it out to train for --epochs"),
-            (self.max_steps is not None or (math.isfinite(self.epochs) and self.epochs > 0),
-             f"--epochs must be a finite number > 0 (or set --max-steps), got {self.epochs}"),
+            (math.isfinite(self.epochs) and self.epochs > 0,  # with --max-steps too: a typo is not let through
+             f"--epochs must be a finite number > 0, got {self.epochs}"
+             + ("; --max-steps sets the length of this run, so leave --epochs out" if self.max_steps else "")),
             (0.0 <= self.eval_fraction < 1.0, f"--eval-fraction is the share of --data held out for evaluation, in "
                                               f"[0, 1) (0: no evaluation), got {self.eval_fraction}"),
             (self.eval_every >= 0, f"--eval-every must be >= 0 (0: evaluate only at the end), got {self.eval_every}"),

@@ -32,7 +32,6 @@ from dflash.model.dflash2 import GroupedDynamicConv
 from dflash.model.drafter import DFlashDraftModel
 from dflash.model.loading import load_drafter, resolve_model_dir, save_drafter
 from dflash.model.target import check_compatible, check_drafter_fits
-from dflash.records import read_json_object
 from dflash.training import datagen
 from dflash.training.config import (
     DEFAULT_BLOCK_SIZE,
@@ -494,7 +493,7 @@ class Trainer:
         directory = Path(c.feature_cache)
         manifest, path = self._feature_manifest(), directory / "manifest.json"
         if path.exists():
-            saved = read_json_object(path, "a feature cache manifest", "delete it or pass another directory")
+            saved = _saved_manifest(directory, path)
             changed = _manifest_changes(saved, manifest)
             if changed:
                 raise UserError(f"--feature-cache {directory} holds the features of another setup "
@@ -1213,6 +1212,25 @@ def _why_not_written(err: BaseException) -> str:
     """What to check when a write failed: the permissions where they refused it, else the disk's room."""
     denied = isinstance(err, PermissionError) or "Permission denied" in str(err)
     return "can this user write there?" if denied else "is the disk full?"
+
+
+MANIFEST_KEYS = ("target", "target_files", "target_dtype", "feature_layer_ids", "examples")  # `_feature_manifest`
+
+
+def _saved_manifest(directory: Path, path: Path) -> dict:
+    """The manifest.json of a --feature-cache directory, refused when something else wrote it: "features of another
+    setup" would describe the user's own file as if dflash had written it."""
+    try:
+        value = json.loads(path.read_text()) if path.is_file() else None
+    except OSError as err:
+        raise UserError(f"cannot read {path}: {err.strerror or err}; make it readable, or pass another "
+                        "--feature-cache directory") from None
+    except (UnicodeDecodeError, json.JSONDecodeError, RecursionError):
+        value = None
+    if not isinstance(value, dict) or not set(MANIFEST_KEYS) <= value.keys():
+        raise UserError(f"--feature-cache {directory} holds a manifest.json that is not a dflash feature cache's: "
+                        "the directory holds something else; pass another directory (a new or empty one)")
+    return value
 
 
 def _manifest_changes(saved: dict, now: dict) -> list[str]:

@@ -20,7 +20,7 @@ REQUIRED = {"target": "t", "data": "d.jsonl", "output": "o"}
     ("eval_fraction", 1.5, "--eval-fraction is the share of --data held out for evaluation, in [0, 1)"),
     ("eval_fraction", -0.1, "--eval-fraction is the share"),
     ("grad_clip", -1.0, "--grad-clip is the largest gradient norm kept, >= 0 (0: no clipping), got -1.0"),
-    ("epochs", 0.0, "--epochs must be a finite number > 0 (or set --max-steps), got 0.0"),
+    ("epochs", 0.0, "--epochs must be a finite number > 0, got 0.0"),
     ("epochs", math.inf, "--epochs must be a finite number > 0"),
     ("lr", math.inf, "--lr must be a finite number > 0, got inf"),
     ("lr", math.nan, "--lr must be a finite number > 0, got nan"),
@@ -44,6 +44,29 @@ def test_out_of_range_options_are_refused_by_name(option, value, message):
         values["resume"] = True
     with pytest.raises(UserError, match=re.escape(message)):
         load_config(None, values)
+
+
+@pytest.mark.parametrize("epochs", [0.0, -1.0, math.nan])
+def test_invalid_epochs_are_refused_with_max_steps_too(epochs):
+    """--max-steps decides the length, and an --epochs that could never be right is a typo all the same."""
+    with pytest.raises(UserError, match=re.escape(f"--epochs must be a finite number > 0, got {epochs}; --max-steps "
+                                                  "sets the length of this run, so leave --epochs out")):
+        load_config(None, {**REQUIRED, "max_steps": 5, "epochs": epochs})
+
+
+@pytest.mark.parametrize("extra, again", [(["d.jsonl"], "--data"), (["./d.jsonl"], "--data"),
+                                          (["DIR/d.jsonl"], "--data"), (["link.jsonl"], "--data"),
+                                          (["more.jsonl", "x/../more.jsonl"], "--extra-train-data")])
+def test_a_file_given_as_data_twice_is_refused(tmp_path, monkeypatch, extra, again):
+    """The same file (however its path is written) would train its records twice, --data's held-out ones too."""
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "d.jsonl").write_text("")
+    (tmp_path / "link.jsonl").symlink_to(tmp_path / "d.jsonl")
+    extra = [path.replace("DIR", str(tmp_path)) for path in extra]
+    with pytest.raises(UserError, match=re.escape(f"--extra-train-data {extra[-1]} is the {again} file again: its "
+                                                  "records would train twice; give each file once")):
+        load_config(None, {**REQUIRED, "extra_train_data": extra})
+    assert load_config(None, {**REQUIRED, "extra_train_data": ["more.jsonl"]}).extra_train_data == ["more.jsonl"]
 
 
 def test_grad_clip_zero_is_allowed():

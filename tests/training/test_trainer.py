@@ -75,20 +75,21 @@ def test_export_loads_with_the_same_outputs_and_decodes_losslessly(tiny_pair, tr
 def test_the_exported_config_names_local_paths_absolutely_and_reads_back_anywhere(tiny_pair, train_data, tmp_path,
                                                                                   monkeypatch):
     monkeypatch.chdir(train_data.parent)
-    relative = config(tiny_pair, train_data.name, "out", max_steps=1, extra_train_data=[train_data.name])
+    extra = shutil.copy(train_data, train_data.parent / "extra.jsonl")  # the same file twice is refused
+    relative = config(tiny_pair, train_data.name, "out", max_steps=1, extra_train_data=[extra.name])
     Trainer(relative).setup().train()
     exported = train_data.parent / "out" / "training_config.yaml"
     saved = yaml.safe_load(exported.read_text())
-    assert saved["data"] == str(train_data) and saved["extra_train_data"] == [str(train_data)]
+    assert saved["data"] == str(train_data) and saved["extra_train_data"] == [str(extra)]
     assert saved["output"] == str(train_data.parent / "out") and saved["target"] == str(tiny_pair[0].resolve())
     assert "resume" not in saved and "overwrite" not in saved  # what a run did to its output, not how it trained
     # a run stopped early, exported with --resume --max-steps STEP from another folder: the checkpoint's settings,
     # with paths that name the same files from anywhere (its own are relative to where it ran)
     monkeypatch.chdir(tmp_path)
-    Trainer(config(tiny_pair, train_data, exported.parent, max_steps=1, extra_train_data=[str(train_data)],
+    Trainer(config(tiny_pair, train_data, exported.parent, max_steps=1, extra_train_data=[str(extra)],
                    resume=True)).setup().train()
     saved = yaml.safe_load(exported.read_text())
-    assert saved["data"] == str(train_data) and saved["extra_train_data"] == [str(train_data)]
+    assert saved["data"] == str(train_data) and saved["extra_train_data"] == [str(extra)]
     assert "resume" not in saved and saved["output"] == str(exported.parent)
     monkeypatch.chdir(train_data.parent)
     monkeypatch.chdir(tmp_path)  # another folder: the same run's settings
@@ -280,12 +281,13 @@ def test_records_left_out_by_max_length_are_named(tiny_pair, train_data, tmp_pat
 
 def test_extra_train_data_never_trains_on_a_held_out_prompt(tiny_pair, train_data, tmp_path, capsys):
     plain = Trainer(config(tiny_pair, train_data, tmp_path / "a")).setup()
-    more = Trainer(config(tiny_pair, train_data, tmp_path / "b", extra_train_data=str(train_data))).setup()
+    copy = shutil.copy(train_data, tmp_path / "copy.jsonl")  # the same records (the same file is refused)
+    more = Trainer(config(tiny_pair, train_data, tmp_path / "b", extra_train_data=str(copy))).setup()
     held = len(plain.eval_examples)
     assert held == 2 and len(more.train_examples) == 2 * len(plain.train_examples)
     held_prompts = {tuple(e.input_ids[: e.response_start]) for e in plain.eval_examples}
     assert not any(tuple(e.input_ids[: e.response_start]) in held_prompts for e in more.train_examples)
-    assert (f"--extra-train-data {train_data}: {held} records answer a prompt or the questions of the held-out "
+    assert (f"--extra-train-data {copy}: {held} records answer a prompt or the questions of the held-out "
             "split of --data and are left out of training") in capsys.readouterr().err
 
 
@@ -807,6 +809,20 @@ def test_a_feature_cache_directory_serves_only_the_setup_it_was_made_for(tiny_pa
     torch.save(torch.zeros(3, 64), legacy / "train-0.pt")
     with pytest.raises(UserError, match="holds features but no manifest.json"):
         Trainer(config(tiny_pair, train_data, tmp_path / "e", feature_cache=str(legacy))).setup()
+
+
+@pytest.mark.parametrize("content", ['{"project": "mine"}', "my notes", '{"target": null}'])
+def test_a_feature_cache_directory_with_a_manifest_dflash_did_not_write_is_refused_as_such(tiny_pair, train_data,
+                                                                                         tmp_path, content):
+    """Not "the features of another setup (target None, ...)": the directory is the user's, not a feature cache."""
+    theirs = tmp_path / "theirs"
+    theirs.mkdir()
+    (theirs / "manifest.json").write_text(content)
+    with pytest.raises(UserError, match=re.escape(f"--feature-cache {theirs} holds a manifest.json that is not a "
+                                                  "dflash feature cache's: the directory holds something else; pass "
+                                                  "another directory")):
+        Trainer(config(tiny_pair, train_data, tmp_path / "o", feature_cache=str(theirs))).setup()
+    assert (theirs / "manifest.json").read_text() == content and not list(theirs.glob("*.pt"))
 
 
 def test_grad_clip_zero_means_no_clipping(tiny_pair, train_data, tmp_path):
