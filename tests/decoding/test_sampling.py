@@ -138,5 +138,5 @@ def test_top_k_minus_one_is_no_top_k_as_in_vllm():
 
     assert SamplingParams(1.0, top_k=-1) == SamplingParams(1.0, top_k=0)
     assert GenerationConfig(temperature=1.0, top_k=-1).sampling.top_k == 0
-    with pytest.raises(ValueError, match="0 or -1 disables it"):
+    with pytest.raises(ValueError, match=r"top_k must be a number of tokens >= 1, or 0 or -1 \(off\), got -2"):
         SamplingParams(1.0, top_k=-2)
