@@ -159,13 +159,15 @@ def chat_messages(record: dict) -> list[dict]:
     return messages
 
 
-def read_json_object(path: Path, what: str, fix: str) -> dict:
-    """A JSON file holding one object (a manifest, a settings file); anything else is an error saying it is not
-    `what`, and `fix`."""
+def read_json_object(path: Path, what: str, fix: str, keys: tuple[str, ...] = ()) -> dict:
+    """A JSON file holding one object with at least `keys` (a manifest, a settings file, as dflash writes them);
+    anything else, the user's own file of that name say, is an error saying it is not `what`, and `fix`."""
     try:
-        value = json.loads(Path(path).read_text())
+        value = json.loads(Path(path).read_text()) if Path(path).is_file() else None
+    except OSError as err:
+        raise UserError(f"cannot read {path}: {err.strerror or err}; {fix}") from None
     except (UnicodeDecodeError, json.JSONDecodeError, RecursionError):
         value = None
-    if not isinstance(value, dict):
+    if not isinstance(value, dict) or not set(keys) <= value.keys():
         raise UserError(f"{path} is not {what}; {fix}")
     return value

@@ -26,7 +26,7 @@ from typing import IO, Iterator
 from dflash import hub
 from dflash.errors import UserError, in_brief
 from dflash.extras import require
-from dflash.records import chat_messages, has_chat, read_jsonl, text_field, texts_field
+from dflash.records import chat_messages, has_chat, read_json_object, read_jsonl, text_field, texts_field
 from dflash.training.lock import lock_or_refuse
 
 PROMPT_FIELDS = ("prompt", "question", "instruction", "text")  # looked for in this order without --prompt-field
@@ -313,17 +313,8 @@ def saved_settings(output: Path) -> dict | None:
     path = settings_path(output)
     if not path.exists():
         return None
-    try:
-        value = json.loads(path.read_text()) if path.is_file() else None
-    except OSError as err:
-        raise UserError(f"cannot read {path}, the settings of --output {output}: {err.strerror or err}; make it "
-                        "readable, or pass another --output") from None
-    except (UnicodeDecodeError, json.JSONDecodeError, RecursionError):
-        value = None
-    if not isinstance(value, dict) or not set(SETTINGS_KEYS) <= value.keys():
-        raise UserError(f"{path} is not a dflash datagen settings file, and dflash datagen keeps the settings of "
-                        f"--output {output} there; move that file elsewhere, or pass another --output")
-    return value
+    return read_json_object(path, "a dflash datagen settings file", f"dflash datagen keeps the settings of --output "
+                            f"{output} there: move that file elsewhere, or pass another --output", SETTINGS_KEYS)
 
 
 def done_ids(output: Path) -> dict[int, str | None]:

@@ -32,6 +32,7 @@ from dflash.model.dflash2 import GroupedDynamicConv
 from dflash.model.drafter import DFlashDraftModel
 from dflash.model.loading import load_drafter, resolve_model_dir, save_drafter
 from dflash.model.target import check_compatible, check_drafter_fits
+from dflash.records import read_json_object
 from dflash.training import datagen
 from dflash.training.config import (
     DEFAULT_BLOCK_SIZE,
@@ -1220,17 +1221,8 @@ MANIFEST_KEYS = ("target", "target_files", "target_dtype", "feature_layer_ids", 
 def _saved_manifest(directory: Path, path: Path) -> dict:
     """The manifest.json of a --feature-cache directory, refused when something else wrote it: "features of another
     setup" would describe the user's own file as if dflash had written it."""
-    try:
-        value = json.loads(path.read_text()) if path.is_file() else None
-    except OSError as err:
-        raise UserError(f"cannot read {path}: {err.strerror or err}; make it readable, or pass another "
-                        "--feature-cache directory") from None
-    except (UnicodeDecodeError, json.JSONDecodeError, RecursionError):
-        value = None
-    if not isinstance(value, dict) or not set(MANIFEST_KEYS) <= value.keys():
-        raise UserError(f"--feature-cache {directory} holds a manifest.json that is not a dflash feature cache's: "
-                        "the directory holds something else; pass another directory (a new or empty one)")
-    return value
+    return read_json_object(path, "a dflash feature cache's manifest", f"--feature-cache {directory} holds something "
+                            "else: pass another directory (a new or empty one)", MANIFEST_KEYS)
 
 
 def _manifest_changes(saved: dict, now: dict) -> list[str]:

@@ -639,8 +639,8 @@ def test_a_file_where_the_settings_go_that_datagen_did_not_write_is_refused_and_
     out = tmp_path / "new.jsonl"
     settings_path(out).write_bytes(content)
     assert main(["datagen", "--prompts", str(prompts), "--output", str(out)]) == 2
-    assert (f"{settings_path(out)} is not a dflash datagen settings file, and dflash datagen keeps the settings of "
-            f"--output {out} there; move that file elsewhere, or pass another --output") in capsys.readouterr().err
+    assert (f"{settings_path(out)} is not a dflash datagen settings file; dflash datagen keeps the settings of "
+            f"--output {out} there: move that file elsewhere, or pass another --output") in capsys.readouterr().err
     assert settings_path(out).read_bytes() == content and not out.exists()
 
 

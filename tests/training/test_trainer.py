@@ -818,8 +818,8 @@ def test_a_feature_cache_directory_with_a_manifest_dflash_did_not_write_is_refus
     theirs = tmp_path / "theirs"
     theirs.mkdir()
     (theirs / "manifest.json").write_text(content)
-    with pytest.raises(UserError, match=re.escape(f"--feature-cache {theirs} holds a manifest.json that is not a "
-                                                  "dflash feature cache's: the directory holds something else; pass "
+    with pytest.raises(UserError, match=re.escape(f"{theirs / 'manifest.json'} is not a dflash feature cache's "
+                                                  f"manifest; --feature-cache {theirs} holds something else: pass "
                                                   "another directory")):
         Trainer(config(tiny_pair, train_data, tmp_path / "o", feature_cache=str(theirs))).setup()
     assert (theirs / "manifest.json").read_text() == content and not list(theirs.glob("*.pt"))
