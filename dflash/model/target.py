@@ -58,8 +58,10 @@ def _warn_if_unreadable_generation_config(directory: Path) -> None:
     """transformers falls back to a generation config built from config.json, without a word, when the model's own
     generation_config.json does not parse: its stop tokens and sampling defaults would be lost unseen."""
     path = directory / "generation_config.json"
+    if not path.is_file():
+        return
     try:
-        json.loads(path.read_text()) if path.is_file() else None
+        json.loads(path.read_text())
     except (OSError, ValueError) as err:
         log.warning("%s is unreadable (%s): its stop tokens and sampling defaults are not read (the stop tokens "
                     "come from config.json); fix the file", path, in_brief(err))
