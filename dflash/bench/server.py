@@ -597,7 +597,11 @@ async def run_load(client: Client, samples: list[Sample], concurrency: int, num_
 
     limits = httpx.Limits(max_connections=concurrency, max_keepalive_connections=concurrency)
     async with httpx.AsyncClient(limits=limits, timeout=client.config.timeout_s) as http:
-        await asyncio.gather(*(worker(http) for _ in range(concurrency)))
+        try:
+            await asyncio.gather(*(worker(http) for _ in range(concurrency)))
+        except UserError as err:  # the server went away: a level is reported whole, so say what it had done
+            raise UserError(f"{err} ({len(records)} request(s) of this level to it had finished; they are not "
+                            "reported, as a level is reported whole)") from None
     return LoadResult(records, time.perf_counter() - start, next_index)
 
 

@@ -304,8 +304,28 @@ def test_a_server_that_stops_mid_run_is_named(openai_server):
     server = openai_server()
     backend = ServerBackend(config(server))
     server.__exit__(None, None, None)
-    with pytest.raises(UserError, match=r"lost the connection to .*/chat/completions \(--base-url\) during the run"):
+    with pytest.raises(UserError, match=r"lost the connection to .*/chat/completions \(--base-url\) during the run: "
+                                        r"did the server stop\? \(0 request\(s\) of this level to it had finished"):
         backend.run_level("gsm8k", SAMPLES[:1], 1)
+
+
+def test_a_server_that_stops_within_a_level_says_what_the_level_had_done(scripted_server, monkeypatch):
+    """A level is reported whole: the requests it had finished were dropped without their count."""
+    from dflash.bench import server as server_module
+
+    real, calls = server_module.Client.request, []
+
+    async def request(self, *args, **kwargs):
+        calls.append(1)
+        if len(calls) == 4:  # as `request` says when the server has gone: its connection refused
+            raise UserError("lost the connection to it (--base-url) during the run: did the server stop?")
+        return await real(self, *args, **kwargs)
+
+    monkeypatch.setattr(server_module.Client, "request", request)
+    server = scripted_server(answer_chat)
+    with pytest.raises(UserError, match=r"did the server stop\? \(3 request\(s\) of this level to it had finished; "
+                                        r"they are not reported, as a level is reported whole\)"):
+        ServerBackend(config(server, num_prompts=8)).run_level("gsm8k", SAMPLES[:2], 1)
 
 
 def test_failed_requests_are_counted_with_the_first_error(openai_server, monkeypatch):
