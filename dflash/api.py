@@ -214,10 +214,6 @@ class DFlash:
                                   "generate(prompt, **options) for a dict of them")
         if not isinstance(raw, bool):
             raise GenerationError(f"raw is True or False, got {raw!r}")
-        if isinstance(chat_template_kwargs, dict) and set(chat_template_kwargs) & _OPTION_NAMES:
-            raise GenerationError(f"chat_template_kwargs {sorted(set(chat_template_kwargs) & _OPTION_NAMES)} are "
-                                  "generation options: pass them as keywords, generate(prompt, max_new_tokens=64, "
-                                  "...), or generate(prompt, **options) for a dict of them")
         kind = _prompt_kind(prompt)
         if raw and kind == "messages":
             raise GenerationError("raw=True sends text without the chat template, and messages are always rendered "
@@ -260,6 +256,7 @@ class DFlash:
         """Decode several prompts together (a ragged batch): one `GenerationOutput` per prompt, in order, each
         the same as `generate` gives for that prompt alone."""
         _check_batch(prompts)
+        _refuse_options_as_template_variables(chat_template_kwargs)
         config = self._config(options)
         ids = [self._encode_row(i, p, raw, len(prompts), chat_template_kwargs) for i, p in enumerate(prompts)]
         return self.engine.generate(ids, config) if ids else []  # the engine names a row it refuses likewise
@@ -278,6 +275,7 @@ class DFlash:
                **options: Any) -> "TextStream":
         """Decode one prompt, yielding text pieces as they are decoded (iterate once); `.result` holds the
         `GenerationOutput` once the iteration ends."""
+        _refuse_options_as_template_variables(chat_template_kwargs)
         config = self._config(options)
         ids = self.encode(prompt, raw, chat_template_kwargs)
         if self.tokenizer is None:
@@ -314,8 +312,9 @@ class TextStream:
     def result(self) -> GenerationOutput:
         """The `GenerationOutput`, once the stream has been iterated to its end."""
         if self._result is None and self._started:
-            raise GenerationError("this stream was left before its end (a break), so it has no result: read a new "
-                                  "stream to the end, or call generate(...) for the result alone")
+            raise GenerationError("this stream has no result: it has not been read to its end (it is being read, "
+                                  "was left at a break, or stopped with an error); a stream read to its end has one, "
+                                  "and generate(...) gives the result alone")
         if self._result is None:
             raise GenerationError("a stream's result is there once it has been read to the end: iterate it first "
                                   "(for piece in stream: ...), or call generate(...) for the result alone")
@@ -323,7 +322,7 @@ class TextStream:
 
     def __iter__(self) -> Iterator[str]:
         if self._started:
-            done = "read its .result, or " if self._result is not None else "this one was left before its end; "
+            done = "read its .result, or " if self._result is not None else "this one was read before; "
             raise GenerationError(f"a stream is iterated once; {done}call stream(...) again for a new generation")
         self._started = True
         for new in self._tokens:
@@ -354,6 +353,15 @@ def make_config(**options: Any) -> GenerationConfig:
 _OPTION_NAMES = frozenset(f.name for f in fields(GenerationConfig))
 # Other libraries' names for GenerationConfig's options (vLLM's and OpenAI's; transformers' are its own)
 _OTHER_NAMES = {"max_tokens": "max_new_tokens", "max_completion_tokens": "max_new_tokens", "stop": "stop_strings"}
+
+
+def _refuse_options_as_template_variables(chat_template_kwargs: Any) -> None:
+    """generate(prompt, False, {"max_new_tokens": 64}): an options dict in the template variables' place."""
+    named = sorted(set(chat_template_kwargs) & _OPTION_NAMES) if isinstance(chat_template_kwargs, dict) else []
+    if named:
+        raise GenerationError(f"chat_template_kwargs {named} are generation options: pass them as keywords, "
+                              "generate(prompt, max_new_tokens=64, ...), or generate(prompt, **options) for a dict "
+                              "of them")
 
 
 def refuse_greedy_ignores(options: dict[str, Any]) -> None:

@@ -249,7 +249,7 @@ def load_from_hub(spec: DatasetSpec) -> list[dict]:
             data = datasets.load_dataset(spec.hub.path, spec.hub.config, split=spec.hub.split)
         return [dict(r) for r in data]
     except Exception as err:  # offline, gated repo, a cache without it: all mean "give the data another way"
-        cause = ("HF_HUB_OFFLINE is set" if unreachable is None and hub.offline()
+        cause = ("HF_HUB_OFFLINE (or TRANSFORMERS_OFFLINE) is set" if unreachable is None and hub.offline()
                  else f"the hub is not reachable ({unreachable})" if unreachable is not None else None)
         why = (f"{cause}, and the local datasets cache has no copy of {spec.hub.path} ({in_brief(err)})" if cause
                else f"Hugging Face `datasets` could not load {spec.hub.path}: {in_brief(err)}")

@@ -628,7 +628,7 @@ class ServerBackend:
                                if self.baseline else None)
         if self.drafter == NO_DRAFT:
             self.warnings.append(self._plain_server_warning(baseline_exposition))
-        elif drafts(baseline_exposition) and not drafts(exposition):
+        elif exposition is not None and drafts(baseline_exposition) and not drafts(exposition):
             self.warnings.append(f"the --baseline-url server's metrics ({default_metrics_url(config.baseline_url)}) "
                                  f"say it drafts, and the --base-url server's ({self.metrics_url}) do not: "
                                  "--base-url and --baseline-url look swapped (the DFlash server goes to --base-url)")

@@ -183,11 +183,6 @@ def _fetch(repo_id: str, revision: str | None, download):
         raise CheckpointError(str(err)) from None
     try:
         found = download(offline or unreachable is not None)
-        if unreachable is not None and repo_id not in _stale_warned:
-            _stale_warned.add(repo_id)
-            warnings.warn(DFlashWarning(f"the Hugging Face hub is not reachable ({unreachable}): {repo_id} is the "
-                                        "local cache's copy, which may be older than the hub's"), stacklevel=2)
-        return found
     except LocalEntryNotFoundError as err:
         if not offline and unreachable is None:
             raise _download_failure(repo_id, err) from None
@@ -200,6 +195,11 @@ def _fetch(repo_id: str, revision: str | None, download):
         ) from None
     except Exception as err:  # a download that broke off, a full disk, a denied file: all mean "could not get it"
         raise _download_failure(repo_id, err) from None
+    if unreachable is not None and repo_id not in _stale_warned:  # outside the try: -W error makes it an exception
+        _stale_warned.add(repo_id)
+        warnings.warn(DFlashWarning(f"the Hugging Face hub is not reachable ({unreachable}): {repo_id} is the local "
+                                    "cache's copy, which may be older than the hub's"), stacklevel=2)
+    return found
 
 
 def _download_failure(repo_id: str, err: BaseException) -> CheckpointError:

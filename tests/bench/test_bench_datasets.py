@@ -204,8 +204,8 @@ def test_a_hub_dataset_when_the_hub_does_not_answer_is_a_clear_error_in_seconds(
         load_samples("gsm8k", DataOptions(extra_dirs=[]))
     assert time.monotonic() - start < 15
     monkeypatch.setattr("dflash.hub.offline", lambda: True)
-    with pytest.raises(UserError, match=r"\(HF_HUB_OFFLINE is set, and the local datasets cache has no copy of "
-                                        r"dflash-tests/no-such-set \(.+\)\)$"):  # it had read "ConnectionError"
+    with pytest.raises(UserError, match=r"\(HF_HUB_OFFLINE \(or TRANSFORMERS_OFFLINE\) is set, and the local "
+                                        r"datasets cache has no copy of dflash-tests/no-such-set \(.+\)\)$"):
         load_samples("gsm8k", DataOptions(extra_dirs=[]))
 
 

@@ -624,6 +624,9 @@ def test_swapped_servers_and_other_engines_mismatches_are_told_what_they_likely_
                                metrics="vllm:spec_decode_num_drafts_total 3\n")
     warnings = ServerBackend(config(plain, baseline_url=drafting.base_url)).warnings
     assert any("--base-url and --baseline-url look swapped" in w for w in warnings)
+    unread = ServerBackend(config(plain, baseline_url=drafting.base_url,  # its metrics unread: nothing says swapped
+                                  metrics_url=plain.base_url.removesuffix("/v1") + "/nothing-here")).warnings
+    assert not any("look swapped" in w for w in unread) and any("two drafting servers" in w for w in unread)
     result = ServerBackend(config(drafting, baseline_url=plain.base_url)).run_level("gsm8k", SAMPLES[:1], 1)
     assert result.mismatches == 1
     assert any("other engines' (vLLM, SGLang" in n and "--concurrency 1" in n for n in result.notes)
