@@ -127,6 +127,9 @@ class DFlash:
         self.chat_template_kwargs = check_template_kwargs(chat_template_kwargs)
         self.drafter = drafter
         self.tokenizer = target.tokenizer
+        thinking = self.chat_template_kwargs.get("enable_thinking")
+        if thinking and self.tokenizer is not None and not self.has_chat_template:
+            raise UserError(THINKING_WITHOUT_TEMPLATE)  # every command that builds a pipeline, and the API
         if target.device.type == "cpu":
             drafters = [] if drafter is None else [drafter.model if isinstance(drafter, TargetModel) else drafter]
             use_fast_layout([target.model] + drafters)
@@ -224,8 +227,8 @@ class DFlash:
             raise GenerationError("this target has no tokenizer; pass token ids instead of text")
         has_template = self.has_chat_template
         variables = {**self.chat_template_kwargs, **check_template_kwargs(chat_template_kwargs)}
-        if not has_template and not raw and variables.get("enable_thinking"):
-            raise GenerationError(THINKING_IN_THE_API)  # as the commands refuse --enable-thinking
+        if not has_template and not raw and variables.get("enable_thinking"):  # the call's own (the pipeline's were
+            raise GenerationError(THINKING_WITHOUT_TEMPLATE)                   # refused when it was built)
         if kind == "messages":
             prompt = _text_messages(prompt)
             if not has_template:  # a base model: the turns as plain text
@@ -539,11 +542,10 @@ def _check_unicode(text: str, what: str) -> None:
 PLAIN_CONVERSATION_NOTE = ("the target's tokenizer has no chat template (a base model): prompts are sent as plain "
                            "text, a conversation's turns and answers joined by blank lines (dflash.api."
                            "plain_conversation)")
-# --enable-thinking for a target without a chat template; --no-enable-thinking is taken there, as nothing thinks
-THINKING_WITHOUT_TEMPLATE = ("--enable-thinking sets a chat template variable, and this target's tokenizer has no chat "
-                             "template (a base model) to read it: drop the flag")
-THINKING_IN_THE_API = ("enable_thinking=True sets a chat template variable, and this target's tokenizer has no chat "
-                       "template (a base model) to read it: leave it out of chat_template_kwargs")
+# enable_thinking for a target without a chat template, from the API or a command's flag; False is taken there, as
+# nothing thinks
+THINKING_WITHOUT_TEMPLATE = ("enable_thinking (--enable-thinking) sets a chat template variable, and this target's "
+                             "tokenizer has no chat template (a base model) to read it: leave it out")
 
 
 def plain_conversation(messages: list[dict]) -> str:

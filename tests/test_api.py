@@ -31,10 +31,12 @@ def test_a_base_models_messages_are_its_turns_as_plain_text(pipe, monkeypatch):
                 {"role": "user", "content": "And pens?"}]
     assert pipe.encode(messages) == pipe.encode("How many clips?\n\n72\n\nAnd pens?", raw=True)
     for prompt in (messages, "How many clips?"):  # nothing reads it, as the commands refuse --enable-thinking
-        with pytest.raises(GenerationError, match="enable_thinking=True sets a chat template variable, and this "
-                                                  "target's tokenizer has no chat template"):
+        with pytest.raises(GenerationError, match=r"enable_thinking \(--enable-thinking\) sets a chat template "
+                                                  "variable, and this target's tokenizer has no chat template"):
             pipe.encode(prompt, chat_template_kwargs={"enable_thinking": True})
     assert pipe.encode(messages, chat_template_kwargs={"enable_thinking": False}) == pipe.encode(messages)
+    with pytest.raises(UserError, match=r"enable_thinking \(--enable-thinking\) sets a chat template variable"):
+        DFlash(pipe.target, chat_template_kwargs={"enable_thinking": True})  # a pipeline's own, as each command's
 
 
 def test_generate_matches_plain_decoding(tiny_pair, pipe):

@@ -22,7 +22,6 @@ from dflash.cli.common import (
 )
 from dflash.decoding.sampling import MAX_TEMPERATURE
 from dflash.errors import UserError
-from dflash.training.lock import being_written
 
 DATASET_HELP = ("gsm8k (default), math500, humaneval, mbpp, mt-bench, or all (several: space or comma separated, "
                 "after one --dataset: given twice, it is refused); with --data-file, the dataset whose records the "
@@ -123,8 +122,9 @@ def _claimed(output_dir: str | None, overwrite: bool):
         return
     fd = os.open(output_dir, os.O_RDONLY)
     try:
-        lock_or_refuse(fd, _busy(output_dir))
-        _check_output_dir(Path(output_dir), overwrite, locked=True)  # this run's own lock, not another's
+        lock_or_refuse(fd, f"another dflash bench is writing into --output-dir {output_dir}; let it finish, or pass "
+                           "another --output-dir")
+        _check_earlier_results(Path(output_dir), overwrite)  # once the lock is held: a running bench is told apart
         yield
     finally:
         os.close(fd)
@@ -151,7 +151,7 @@ def bench_config(args: argparse.Namespace):
     if args.data_file and len(names) > 1:
         raise UserError(f"--data-file holds one dataset, but {len(names)} were asked for; pass one --dataset")
     if args.output_dir:
-        _check_output_dir(Path(args.output_dir), getattr(args, "overwrite", False))
+        _check_output_dir(Path(args.output_dir))
     server = None
     if backend == "server" and args.endpoint == "completions" and args.enable_thinking is not None:
         raise UserError("--enable-thinking sets a chat template variable, and --endpoint completions sends raw "
@@ -257,21 +257,11 @@ def _check_numbers(args: argparse.Namespace) -> None:
             raise UserError(f"{flag} was given no value; pass one or a comma-separated list, like {example}")
 
 
-def _check_output_dir(path: Path, overwrite: bool = False, locked: bool = False) -> None:
-    """Before any measurement: a run must not end in an error about where its results go, nor replace an earlier
-    run's results unasked."""
+def _check_output_dir(path: Path) -> None:
+    """Before any measurement: a run must not end in an error about where its results go. (What the directory
+    holds is checked once this run has locked it: `_claimed`.)"""
     if path.exists() and not path.is_dir():
         raise UserError(f"--output-dir {path} is a file; give a directory (it is created if missing)")
-    if not locked and path.is_dir() and being_written(path):  # before its results: that run has not stopped
-        raise UserError(_busy(path))
-    ours = (path / "results.json").is_file()  # an earlier bench run's directory (its results checked below)
-    foreign = [name for name in OUTPUT_FILES if (path / name).exists()] if not ours else []
-    if foreign:  # e.g. a model's directory: bench would write its own config.json over the model's
-        raise UserError(f"--output-dir {path} holds {', '.join(foreign)}, which dflash bench would replace, and no "
-                        "results.json of an earlier bench run: pass a new or empty --output-dir")
-    if _holds_results(path / "results.json") and not overwrite:
-        raise UserError(f"--output-dir {path} holds an earlier run's results (results.json{_stopped_early(path)}); "
-                        "pass another --output-dir, or --overwrite to replace them")
     try:
         path.mkdir(parents=True, exist_ok=True)
     except OSError as err:
@@ -280,9 +270,17 @@ def _check_output_dir(path: Path, overwrite: bool = False, locked: bool = False)
         raise UserError(f"--output-dir {path} is not writable; pick another directory")
 
 
-def _busy(output_dir: str | Path) -> str:
-    return (f"another dflash bench is writing into --output-dir {output_dir}; let it finish, or pass another "
-            "--output-dir")
+def _check_earlier_results(path: Path, overwrite: bool) -> None:
+    """Nothing is replaced unasked: an earlier run's results need --overwrite, and files bench would write over in a
+    directory no bench wrote (a model's config.json) are refused."""
+    ours = (path / "results.json").is_file()  # an earlier bench run's directory (its results checked below)
+    foreign = [name for name in OUTPUT_FILES if (path / name).exists()] if not ours else []
+    if foreign:  # e.g. a model's directory: bench would write its own config.json over the model's
+        raise UserError(f"--output-dir {path} holds {', '.join(foreign)}, which dflash bench would replace, and no "
+                        "results.json of an earlier bench run: pass a new or empty --output-dir")
+    if _holds_results(path / "results.json") and not overwrite:
+        raise UserError(f"--output-dir {path} holds an earlier run's results (results.json{_stopped_early(path)}); "
+                        "pass another --output-dir, or --overwrite to replace them")
 
 
 def _stopped_early(path: Path) -> str:

@@ -122,7 +122,7 @@ def chat_template_kwargs(args: argparse.Namespace) -> dict | None:
 
 
 def load_pipeline(args: argparse.Namespace, warn_unapplied: bool = True):
-    from dflash.api import THINKING_WITHOUT_TEMPLATE, DFlash
+    from dflash.api import DFlash
     from dflash.errors import UserError
 
     if args.draft and not args.target:
@@ -130,12 +130,9 @@ def load_pipeline(args: argparse.Namespace, warn_unapplied: bool = True):
     if args.target and not args.draft and not args.no_draft:
         raise UserError("--target needs --draft, the DFlash drafter trained for it (or --no-draft to decode with "
                         "the target alone)")
-    pipe = DFlash.from_pretrained(
+    return DFlash.from_pretrained(
         args.target, args.draft, no_draft=args.no_draft, dtype=args.dtype, device=args.device,
         block_size=args.block_size, mask_token_id=args.mask_token_id, chat_template_kwargs=chat_template_kwargs(args),
         drafter_precision=args.drafter_precision, branch_length=args.branch_length,
         trust_remote_code=args.trust_remote_code, warn_unapplied=warn_unapplied,
     )
-    if getattr(args, "enable_thinking", None) and not pipe.has_chat_template:  # generate, bench and serve alike
-        raise UserError(THINKING_WITHOUT_TEMPLATE)
-    return pipe

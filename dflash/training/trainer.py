@@ -150,12 +150,8 @@ class Trainer:
         created, no line in train_log.jsonl (what it logged is written only once it has succeeded)."""
         self._setup_distributed()
         created = self._check_directories()
-        self._setup_log = []
-        try:
-            self._lock_output()
-        except BaseException:  # another run holds --output: the directories are its own, even ones this run created
-            self._setup_log = None  # in the same instant as it did
-            raise
+        self._lock_output()  # refused: another run holds --output, and the directories are its own (even ones this
+        self._setup_log = []  # run counted as created, in the same instant as it did)
         try:
             self._setup_output()
             self._setup_target()
@@ -172,6 +168,8 @@ class Trainer:
             _remove_empty(created)
             raise
         logged, self._setup_log = self._setup_log, None
+        if self.rank == 0:
+            self._writing_log(_cut_half_written_line)  # once, before this run's first record
         for record in logged:
             self._write_log(record)
         return self
@@ -1132,12 +1130,17 @@ class Trainer:
                 if kept else "no earlier checkpoint was written: fix that and rerun")
 
     def _write_log(self, record: dict) -> None:
-        path = Path(self.config.output) / "train_log.jsonl"
-        try:
-            path.parent.mkdir(parents=True, exist_ok=True)
-            _cut_half_written_line(path)
+        def append(path: Path) -> None:
             with open(path, "a") as f:
                 f.write(json.dumps(record) + "\n")
+
+        self._writing_log(append)
+
+    def _writing_log(self, write) -> None:
+        """write(path of train_log.jsonl); a write the OS refuses is a UserError naming the checkpoint to go on from."""
+        path = Path(self.config.output) / "train_log.jsonl"
+        try:
+            write(path)
         except OSError as err:
             raise UserError(f"could not write the training log {path} ({in_brief(err)}; {_why_not_written(err)}); "
                             f"{self._resume_from_newest()}") from None

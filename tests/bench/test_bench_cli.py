@@ -461,18 +461,18 @@ def test_a_target_without_a_drafter_is_not_told_to_use_no_draft(tiny_pair, capsy
 def test_a_run_that_measured_nothing_does_not_block_the_next(tiny_pair, data_dir, tmp_path, capsys):
     """A run that failed before measuring left results.json = [], and the next run into that directory was
     refused as holding an earlier run's results."""
-    from dflash.cli.bench import _check_output_dir
+    from dflash.cli.bench import _check_earlier_results
 
     out = tmp_path / "out"
     out.mkdir()
     (out / "results.json").write_text("[]")
-    _check_output_dir(out)  # no error
+    _check_earlier_results(out, overwrite=False)  # no error
     (out / "results.json").write_text('[{"dataset": "gsm8k"}]')
     with pytest.raises(UserError, match="holds an earlier run's results"):
-        _check_output_dir(out)
+        _check_earlier_results(out, overwrite=False)
     (out / "results.json").write_text("{truncated")
     with pytest.raises(UserError, match="holds an earlier run's results"):
-        _check_output_dir(out)
+        _check_earlier_results(out, overwrite=False)
 
 
 def test_repeated_sweep_values_are_measured_once(tiny_pair, data_dir):

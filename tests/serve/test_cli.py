@@ -135,7 +135,7 @@ def test_thinking_for_a_base_model_is_refused_before_serving(tiny_pair, tmp_path
     shutil.copytree(tiny_pair[0], base)
     (base / "chat_template.jinja").unlink()
     assert main(["serve", "--target", str(base), "--no-draft", "--port", "0", "--enable-thinking"]) == 2
-    assert "tokenizer has no chat template (a base model) to read it: drop the flag" in capsys.readouterr().err
+    assert "tokenizer has no chat template (a base model) to read it: leave it out" in capsys.readouterr().err
 
 
 @pytest.mark.parametrize("host, message", [("127.0.0.1", "is in use by another program; pick another with --port"),

@@ -220,8 +220,8 @@ def test_a_target_without_chat_template_gets_plain_text(tiny_pair, tmp_path, cap
 
     plain = AutoTokenizer.from_pretrained(target)("How many clips?")["input_ids"]
     assert read(out)[0]["prompt_ids"] == plain
-    with pytest.raises(UserError, match="--enable-thinking sets a chat template variable, and this target's "
-                                        "tokenizer has no chat template"):  # as generate refuses it
+    with pytest.raises(UserError, match=r"enable_thinking \(--enable-thinking\) sets a chat template variable, and "
+                                        "this target's tokenizer has no chat template"):  # as generate refuses it
         run_datagen(DatagenConfig(target=target, prompts=str(prompts), output=str(tmp_path / "thinking.jsonl"),
                                   max_new_tokens=4, device="cpu", enable_thinking=True))
     assert not (tmp_path / "thinking.jsonl").exists() and not settings_path(tmp_path / "thinking.jsonl").exists()
