@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import email.utils
 import ipaddress
 import json
 import math
@@ -91,6 +92,7 @@ class RequestRecord:
     ttft_s: float | None = None  # streamed requests: until the first chunk holding text
     finish_reason: str | None = None  # as the server gave it: "stop", "length", ...
     content: str | None = None  # the answer without the reasoning a server split off (None: all of `text`)
+    turned_away: int = 0  # HTTP 429 answers (server full) waited out before this answer; its latency holds the waits
 
     @property
     def reply(self) -> str:
@@ -331,14 +333,16 @@ class Client:
                       seed: int) -> RequestRecord:
         url, body = self.payload(messages, seed)
         start = time.perf_counter()
-        answer = self._streamed(http, url, body, sample_id, turn, start) if self.config.stream else \
-            self._whole(http, url, body, sample_id, turn, start)
+        turned_away = [0]  # 429s waited out so far, kept through a timeout
         try:  # httpx's timeout bounds each wait for bytes; this one bounds the whole request, as the flag says
-            return await asyncio.wait_for(answer, self.config.timeout_s)
+            return await asyncio.wait_for(self._answer(http, url, body, sample_id, turn, start, turned_away),
+                                          self.config.timeout_s)
         except (asyncio.TimeoutError, httpx.TimeoutException):
+            waits = f" (turned away with HTTP 429 {turned_away[0]} time(s) first)" if turned_away[0] else ""
             return RequestRecord(sample_id, turn, time.perf_counter() - start, 0, "",
-                                 f"no whole answer within {self.config.timeout_flag} {self.config.timeout_s:g} s; "
-                                 f"raise {self.config.timeout_flag} for longer answers or a slower server")
+                                 f"no whole answer within {self.config.timeout_flag} {self.config.timeout_s:g} s"
+                                 f"{waits}; raise {self.config.timeout_flag} for longer answers or a slower server",
+                                 turned_away=turned_away[0])
         except httpx.ConnectError:  # it answered before the run (ServerBackend checks): it went away since
             raise UserError(f"lost the connection to {url} ({self.flag}) during the run: did the server "
                             "stop?") from None
@@ -347,11 +351,27 @@ class Client:
         except (httpx.HTTPError, ValueError) as err:
             return RequestRecord(sample_id, turn, time.perf_counter() - start, 0, "", f"{type(err).__name__}: {err}")
 
+    async def _answer(self, http: httpx.AsyncClient, url: str, body: dict, sample_id: str, turn: int, start: float,
+                      turned_away: list[int]) -> RequestRecord:
+        """The request sent until the server takes it: a 429 (every slot and queue place taken) is waited out for
+        its Retry-After and sent again, as a client would, so a full server slows the load instead of failing it."""
+        while True:
+            try:
+                record = await (self._streamed if self.config.stream else self._whole)(http, url, body, sample_id,
+                                                                                      turn, start)
+            except TurnedAway as refusal:
+                turned_away[0] += 1
+                await asyncio.sleep(refusal.wait_s)
+                continue
+            record.turned_away = turned_away[0]
+            return record
+
     async def _whole(self, http: httpx.AsyncClient, url: str, body: dict, sample_id: str, turn: int,
                      start: float) -> RequestRecord:
         """One request answered as one JSON object (--no-stream)."""
         response = await http.post(url, json=body, headers=self.headers, timeout=self.config.timeout_s)
         latency = time.perf_counter() - start
+        _raise_if_turned_away(response)
         if response.status_code != 200:
             return RequestRecord(sample_id, turn, latency, 0, "", _http_error(response.status_code, response.text))
         data = _json_object(response.json(), "an answer")
@@ -369,6 +389,7 @@ class Client:
         contents: list[str] = []  # the pieces less the reasoning
         ttft = usage = finish = None
         async with http.stream("POST", url, json=body, headers=self.headers, timeout=self.config.timeout_s) as response:
+            _raise_if_turned_away(response)
             if response.status_code != 200:
                 text = (await response.aread()).decode("utf-8", "replace")
                 return RequestRecord(sample_id, turn, time.perf_counter() - start, 0, "",
@@ -479,6 +500,43 @@ async def _sse_chunks(response: httpx.Response):
             return
         # a ValueError is the request's error, as for a broken non-streamed body
         yield _json_object(json.loads(data), "a stream event")
+
+
+class TurnedAway(Exception):
+    """The server answered 429: full for now; send the request again after `wait_s`."""
+
+    def __init__(self, wait_s: float):
+        super().__init__(f"HTTP 429, retry after {wait_s:g} s")
+        self.wait_s = wait_s
+
+
+DEFAULT_RETRY_AFTER_S = 1.0  # a 429 without a readable Retry-After
+MAX_RETRY_AFTER_S = 30.0  # a longer Retry-After is waited this long (the request's own timeout still bounds it all)
+
+
+def retry_after_s(value: str | None, now: float | None = None) -> float:
+    """Seconds to wait for a Retry-After header: delay-seconds or an HTTP date (RFC 9110); unreadable or
+    missing: DEFAULT_RETRY_AFTER_S; capped at MAX_RETRY_AFTER_S and never negative."""
+    if value is None:
+        return DEFAULT_RETRY_AFTER_S
+    try:
+        wait = float(value.strip())
+    except ValueError:
+        try:
+            when = email.utils.parsedate_to_datetime(value)
+        except (TypeError, ValueError, IndexError):
+            return DEFAULT_RETRY_AFTER_S
+        if when is None or when.tzinfo is None:
+            return DEFAULT_RETRY_AFTER_S
+        wait = when.timestamp() - (time.time() if now is None else now)
+    if not math.isfinite(wait):
+        return DEFAULT_RETRY_AFTER_S
+    return min(max(wait, 0.0), MAX_RETRY_AFTER_S)
+
+
+def _raise_if_turned_away(response: httpx.Response) -> None:
+    if response.status_code == 429:
+        raise TurnedAway(retry_after_s(response.headers.get("retry-after")))
 
 
 ERROR_CHARS = 600  # of a server's error, kept in a record (the whole message of an OpenAI error object, mostly)
@@ -823,6 +881,10 @@ def summarize_load(dataset: str, load: LoadResult, base: LoadResult | None, coun
         dflash_ttft_ms=mean_ms([r.ttft_s for r in ok]), dflash_tpot_ms=mean_ms([r.tpot_s for r in ok]),
         errors=len(failed), first_error=failed[0].error if failed else None, dflash_answers=len(ok),
     )
+    for flag, loaded in (("--base-url", load), ("--baseline-url", base)):
+        note = _turned_away_note(loaded, flag) if loaded is not None else None
+        if note:
+            result.notes.append(note)
     if base is not None:
         base_failed = [r for r in base.records if r.error is not None]
         result.baseline_errors = len(base_failed)
@@ -848,6 +910,17 @@ def summarize_load(dataset: str, load: LoadResult, base: LoadResult | None, coun
         result.acceptance_histogram = hist if counters.accepted_per_pos else []
         result.acceptance_rate_per_position = acceptance_rate_per_position(hist) if counters.accepted_per_pos else []
     return result
+
+
+def _turned_away_note(load: LoadResult, flag: str) -> str | None:
+    """What to say when the server answered 429 (full) and requests waited to be sent again (None: none did)."""
+    waited = [r.turned_away for r in load.records if r.turned_away]
+    if not waited:
+        return None
+    return (f"{flag}: {len(waited)} request(s) were turned away with HTTP 429 ({sum(waited)} time(s) in all) and sent "
+            "again after the server's Retry-After; their latency holds the waits, so this level measured queueing "
+            "as well as decoding: lower --concurrency to what the server takes at once (dflash serve: "
+            "--max-batch-size plus --max-queue)")
 
 
 def capped_answers_warning(loads: list[LoadResult], config: ServerConfig) -> str | None:

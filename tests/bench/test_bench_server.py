@@ -640,3 +640,43 @@ def test_a_warm_up_refused_for_its_key_says_so(scripted_server, status, key, hin
     server = scripted_server(lambda body: JSONResponse({"detail": "Unauthorized"}, status_code=status))
     with pytest.raises(UserError, match=f"warm-up request .* failed: HTTP {status}.*; {hint}"):
         ServerBackend(config(server, warmup_tokens=2, api_key=key)).run_level("gsm8k", SAMPLES[:1], 1)
+
+
+@pytest.mark.parametrize("stream", [True, False])
+def test_a_full_server_is_waited_out_for_its_retry_after_and_the_waits_noted(scripted_server, stream):
+    """A 429 (dflash serve: every batch slot and queue place taken) counted as a failed request and the load went
+    on at full rate; a client waits its Retry-After and sends the request again."""
+    turned = []
+
+    def full_twice(body):
+        if len(turned) < 2:
+            turned.append(body)
+            return JSONResponse({"error": {"message": "queue full"}}, status_code=429,
+                                headers={"Retry-After": "0.2"})
+        return answer_chat(body)
+
+    server = scripted_server(full_twice, metrics="dflash:spec_decode_num_drafts_total 0\n")
+    result = ServerBackend(config(server, stream=stream, warmup_tokens=0)).run_level("gsm8k", SAMPLES[:1], 1)
+    assert len(turned) == 2 and result.errors == 0 and result.dflash_answers == 1
+    assert result.dflash_latency_ms["p50"] >= 400  # the two waits are the request's latency
+    [note] = [n for n in result.notes if "429" in n]
+    assert "--base-url: 1 request(s) were turned away with HTTP 429 (2 time(s) in all)" in note
+    assert "--max-queue" in note
+
+
+def test_a_server_full_past_the_request_timeout_is_that_requests_error(scripted_server):
+    server = scripted_server(lambda body: JSONResponse({"error": {"message": "queue full"}}, status_code=429))
+    record = one_answer(server, timeout_s=1.5)
+    assert record.error.startswith("no whole answer within --request-timeout 1.5 s (turned away with HTTP 429 ")
+    assert record.turned_away >= 1 and record.latency_s < 3
+
+
+def test_retry_after_reads_seconds_and_dates_and_bounds_them():
+    from dflash.bench.server import DEFAULT_RETRY_AFTER_S, MAX_RETRY_AFTER_S, retry_after_s
+
+    assert retry_after_s("2") == 2.0 and retry_after_s(" 0.5 ") == 0.5
+    assert retry_after_s(None) == retry_after_s("soon") == retry_after_s("nan") == DEFAULT_RETRY_AFTER_S
+    assert retry_after_s("-3") == 0.0 and retry_after_s("3600") == MAX_RETRY_AFTER_S
+    now = 1_700_000_000.0  # Tue, 14 Nov 2023 22:13:20 GMT
+    assert retry_after_s("Tue, 14 Nov 2023 22:13:25 GMT", now=now) == pytest.approx(5.0)
+    assert retry_after_s("Tue, 14 Nov 2023 22:13:25", now=now) == DEFAULT_RETRY_AFTER_S  # no zone: unreadable
