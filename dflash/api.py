@@ -162,8 +162,9 @@ class DFlash:
         Neither given: the embedded pair. `target` needs `draft` (the drafter trained for it), or `no_draft=True` to
         decode with the target alone (whatever `draft` says). `dtype`: "auto" (the checkpoint's own), "float32",
         "float16", "bfloat16" or "float64" (or a torch.dtype); `device`: "cpu", "cuda", "cuda:N", ... (default: cuda
-        when a GPU is visible, else cpu). A hub id is looked up once with a timeout (HF_HUB_ETAG_TIMEOUT, 10 s); when
-        the hub cannot be reached, or HF_HUB_OFFLINE=1, only the local cache serves. `drafter_precision`: see `DFlash`.
+        when a GPU is visible, else cpu). A hub id is looked up once with a timeout (HF_HUB_ETAG_TIMEOUT, 10 s a try);
+        when the hub cannot be reached, or HF_HUB_OFFLINE=1, only the local cache serves. `drafter_precision`: see
+        `DFlash`.
         `trust_remote_code`: run the Python code a target (or draft model) ships for an architecture transformers lacks;
         only for checkpoints whose source you trust. `warn_unapplied`: log the target's generation_config.json options
         DFlash does not apply (False: the caller says it, as `dflash serve` does).

@@ -9,6 +9,7 @@ local cache at once.
 from __future__ import annotations
 
 import contextlib
+import time
 from collections.abc import Iterator
 
 from dflash.errors import UserError, in_brief
@@ -47,6 +48,7 @@ def unreachable(repo_id: str, revision: str | None = None, repo_type: str = "mod
 
     noun = "dataset" if repo_type == "dataset" else "repository"
     timeout_s = wait_s()
+    start = time.monotonic()
     try:
         HfApi().repo_info(repo_id, revision=revision, repo_type=repo_type, timeout=timeout_s)
         return None
@@ -62,8 +64,9 @@ def unreachable(repo_id: str, revision: str | None = None, repo_type: str = "mod
         return in_brief(err)
     except Exception as err:  # no network, DNS, refused, timed out (the HTTP client's own error types)
         timed_out = "Timeout" in type(err).__name__
-        _unreachable = (f"no answer in {timeout_s:g} s; HF_HUB_ETAG_TIMEOUT sets the wait" if timed_out
-                        else in_brief(err))
+        waited = time.monotonic() - start  # huggingface_hub may try again after a timeout: say the whole wait
+        _unreachable = (f"no answer in {waited:.1f} s, {timeout_s:g} s a try; HF_HUB_ETAG_TIMEOUT sets the wait"
+                        if timed_out else in_brief(err))
         return _unreachable
 
 

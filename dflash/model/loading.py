@@ -92,7 +92,7 @@ def _device_problem(device: torch.device) -> str | None:
 
 def resolve_model_dir(path_or_id: str | os.PathLike, revision: str | None = None) -> Path:
     """A local directory as is; anything else that reads as a Hugging Face hub repo id is fetched from the hub (or
-    its local cache). The hub is asked once with a timeout (HF_HUB_ETAG_TIMEOUT, 10 s by default); when it cannot
+    its local cache). The hub is asked once with a timeout (HF_HUB_ETAG_TIMEOUT, 10 s a try by default); when it cannot
     be reached, or HF_HUB_OFFLINE is set, only the local cache serves."""
     if isinstance(path_or_id, torch.nn.Module):  # its repr is the whole module tree
         raise CheckpointError(f"a model is a directory path or a hub id like org/name, not a loaded "

@@ -291,7 +291,7 @@ def test_a_hub_id_when_the_hub_does_not_answer_is_a_clear_error_in_seconds(silen
     err = _within(20, lambda: resolve_model_dir("Qwen/Qwen3-8B"))
     assert isinstance(err, CheckpointError), err
     message = str(err)
-    assert "hub is not reachable (no answer in 0.5 s" in message
+    assert "hub is not reachable (no answer in " in message and " s, 0.5 s a try" in message
     assert "local checkpoint directory" in message and "HF_HUB_OFFLINE=1" in message
     start = time.monotonic()
     err = _within(20, lambda: resolve_model_dir("z-lab/Qwen3-8B-DFlash-b16"))  # the drafter: no second wait
@@ -456,8 +456,8 @@ def test_a_cached_copy_served_while_the_hub_is_unreachable_is_said_to_be_one(sil
     monkeypatch.setattr(loading, "_stale_warned", set())
 
     snapshot = cached_copy(Path(constants.HF_HUB_CACHE), "someone/drafter", tiny_pair[1])
-    with pytest.warns(DFlashWarning, match=r"the Hugging Face hub is not reachable \(no answer in 0.5 s.*\): "
-                                           "someone/drafter is the local cache's copy, which may be older"):
+    with pytest.warns(DFlashWarning, match=r"the Hugging Face hub is not reachable \(no answer in .* s, 0.5 s a "
+                                           r"try.*\): someone/drafter is the local cache's copy, which may be older"):
         assert resolve_model_dir("someone/drafter") == snapshot
     with warnings.catch_warnings():
         warnings.simplefilter("error")
