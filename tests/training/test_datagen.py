@@ -418,6 +418,21 @@ def test_a_dataset_saved_with_save_to_disk_is_read(tmp_path):
         read_prompts(config_for(str(tmp_path / "both"), split="dev"))
 
 
+def test_a_saved_single_split_is_read_whole_and_split_or_subset_flags_that_it_cannot_honour_are_refused(tmp_path):
+    """--split on a saved Dataset was not checked (the saved test split read as 'train'), and --subset was ignored."""
+    datasets = pytest.importorskip("datasets")
+    rows = datasets.Dataset.from_list([{"question": "a?"}, {"question": "b?"}], split="test")
+    rows.save_to_disk(str(tmp_path / "test-only"))
+    where = str(tmp_path / "test-only")
+    for split in (None, "test"):
+        assert [p.turns[0][0]["content"] for p in read_prompts(config_for(where, split=split))] == ["a?", "b?"]
+    with pytest.raises(UserError, match=r"test-only holds one split, 'test', saved alone, not 'train': drop --split"):
+        read_prompts(config_for(where, split="train"))
+    with pytest.raises(UserError, match=r"--subset picks a configuration of a hub dataset, and --prompts .*test-only "
+                                        r"is a saved dataset, which holds one: drop --subset"):
+        read_prompts(config_for(where, subset="main"))
+
+
 @pytest.mark.parametrize("missing", ["prompts.jsonl", "./prompts", "data/2024/prompts", "~/nowhere.json", "nope.txt",
                                      "org/prompts.csv"])
 def test_a_missing_file_is_named_and_not_looked_up_on_the_hub(missing, monkeypatch, tmp_path):
