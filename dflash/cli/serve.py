@@ -51,6 +51,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                      "target's generation_config.json sets (as vLLM and SGLang do by default), whose max_new_tokens "
                      "also caps max_tokens (as vLLM does); vllm (or openai) = OpenAI's defaults; DIR = the "
                      "generation_config.json in that directory (default: auto)")
+    net.add_argument("--shutdown-timeout", type=float, metavar="SECONDS",
+                     help="on Ctrl-C or SIGTERM, refuse new requests (503, and 503 on /health) and give those "
+                     "decoding or queued up to SECONDS to finish; a second signal stops at once (default: 0, stop "
+                     "at once, as vLLM's; with --engine vllm, passed on)")
     net.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
     fb = parser.add_argument_group("adaptive drafting (a fallback to plain decoding, and the block size of each step)")
     fb.add_argument("--fallback-min-acceptance", type=_threshold, default="auto", metavar="TAU|auto",
@@ -125,6 +129,9 @@ def _check_args(args: argparse.Namespace) -> None:
         raise UserError(f"--fallback-hysteresis must be at least 0 and below 1, got {args.fallback_hysteresis}")
     if args.max_request_bytes is not None and args.max_request_bytes < 1:
         raise UserError(f"--max-request-bytes must be >= 1, got {args.max_request_bytes}")
+    if args.shutdown_timeout is not None and not (math.isfinite(args.shutdown_timeout) and args.shutdown_timeout >= 0):
+        raise UserError(f"--shutdown-timeout is the seconds requests get to finish at a stop, a number >= 0 (0: stop "
+                        f"at once), got {args.shutdown_timeout}")
     if args.max_model_len is not None and args.max_model_len < 2:
         raise UserError(f"--max-model-len must be >= 2, got {args.max_model_len}")
     threshold = args.fallback_min_acceptance
@@ -218,7 +225,7 @@ def _hand_off(args: argparse.Namespace) -> int:
         dtype=None if args.dtype == "auto" else args.dtype, chat_template_kwargs=chat_template_kwargs(args),
         log_level=None if args.log_level == "info" else args.log_level,  # info: both engines' default
         trust_remote_code=args.trust_remote_code, generation_config=args.generation_config,
-        attention_backend=args.attention_backend,
+        attention_backend=args.attention_backend, shutdown_timeout=args.shutdown_timeout,
     )
     with _warnings_to_stderr():
         command = handoff.engine_command(args.engine, target, draft, args.block_size, options)
@@ -229,7 +236,7 @@ def _hand_off(args: argparse.Namespace) -> int:
             print(f"dflash serve: note: the command reads the API key from ${handoff.API_KEY_ENV}; export it in the "
                   "shell that runs the command", file=sys.stderr)
         return 0
-    return handoff.launch(args.engine, command)
+    return handoff.launch(args.engine, command, args.shutdown_timeout)
 
 
 # this server's own flags: the engines have their own ways (or none) for what they set
@@ -301,7 +308,7 @@ def _serve(args: argparse.Namespace) -> int:
     _warm_up(pipe)
     _warn_if_open(args)
     http = uvicorn.Server(uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level))
-    return _run(http, app.state.server.scheduler, f"{args.host}:{args.port}")
+    return _run(http, app.state.server.scheduler, f"{args.host}:{args.port}", args.shutdown_timeout or 0.0)
 
 
 def check_address(host: str, port: int) -> None:
@@ -325,27 +332,42 @@ def check_address(host: str, port: int) -> None:
                             "(--host must be an address of this machine)") from None
 
 
-def _run(http, scheduler, address: str) -> int:
+def _run(http, scheduler, address: str, shutdown_timeout: float = 0.0) -> int:
     """HTTP on a thread, decoding on this one: the thread that loaded, warmed up and calibrated the models (see
-    `Scheduler.run`). Ctrl-C or SIGTERM stops both; so does the HTTP side stopping on its own."""
+    `Scheduler.run`). Ctrl-C or SIGTERM stops both once the requests taken have finished or `shutdown_timeout`
+    has passed (0: after the step under way), those left ending with a 503; a second signal stops after the step
+    under way, a third at once. So does the HTTP side stopping on its own."""
     def serve_http() -> None:
         try:
             http.run()
         finally:
             scheduler.stop()
 
+    signals = 0
+
+    def on_signal(signum, frame) -> None:
+        nonlocal signals
+        signals += 1
+        if signals > 2:  # a decode loop held in one long forward (a huge prompt's prefill) stops there
+            raise KeyboardInterrupt
+        # between steps, not inside one: a request taken from the queue but not yet decoding is never lost
+        scheduler.drain(shutdown_timeout if signals == 1 else 0.0)
+
     thread = threading.Thread(target=serve_http, name="dflash-http", daemon=True)
-    previous = signal.signal(signal.SIGTERM, signal.default_int_handler)
+    # a SIGINT ignored from the start (a background job of a shell) stays ignored
+    caught = [sig for sig in (signal.SIGTERM, signal.SIGINT) if signal.getsignal(sig) is not signal.SIG_IGN]
+    previous = {sig: signal.signal(sig, on_signal) for sig in caught}
     interrupted = False
     try:
         scheduler.run(on_start=thread.start)
     except KeyboardInterrupt:
         interrupted = True
     finally:
-        signal.signal(signal.SIGTERM, previous)
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
         http.should_exit = True
         thread.join(timeout=30)
-    if not http.started and not interrupted:
+    if not http.started and not interrupted and not scheduler.draining:
         raise UserError(f"the server could not listen on {address} (the log above says why); if the port is in "
                         "use, pick another with --port")
     return 0

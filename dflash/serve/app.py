@@ -3,7 +3,7 @@
     GET  /v1/models             the one served model (GET /v1/models/{id}: that model, or 404)
     POST /v1/chat/completions   chat messages -> chat template -> decode (stream or not)
     POST /v1/completions        raw text or token ids -> decode
-    GET  /health                200 while the decode thread runs (with running / waiting counts)
+    GET  /health                200 while requests are taken (with running / waiting counts); 503 draining or down
     GET  /metrics               Prometheus exposition (see `metrics`)
 
 Every client mistake is answered as an OpenAI error object with a 4xx status; the handlers never let one
@@ -360,8 +360,9 @@ def create_app(pipe, config: ServeConfig | None = None) -> FastAPI:
     @app.api_route("/health", methods=["GET", "HEAD"])
     async def health():
         counts = server.scheduler.counts()
-        if not server.scheduler.alive:
-            return JSONResponse({"status": "down", **counts}, status_code=503)
+        if not server.scheduler.alive:  # draining: a load balancer stops sending requests, the running ones finish
+            status = "draining" if server.scheduler.draining else "down"
+            return JSONResponse({"status": status, **counts}, status_code=503)
         return {"status": "ok", **counts}
 
     @app.get("/metrics")

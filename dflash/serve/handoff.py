@@ -12,6 +12,7 @@ from __future__ import annotations
 import importlib.util
 import json
 import logging
+import math
 import os
 import shlex
 import shutil
@@ -66,6 +67,9 @@ class HandoffOptions:
     # --attention-backend: the engine's backend, "auto" for its own choice; None: vLLM with a drafter gets
     # VLLM_DRAFT_ATTENTION_BACKEND (but for a latent-attention target), the rest their own choice
     attention_backend: str | None = None
+    # --shutdown-timeout: seconds in-flight requests get at SIGTERM (vLLM's flag of that name, >= 0.18); None: the
+    # engine's default (vLLM: stop at once; SGLang: it finishes them by its own rules, with no flag for it)
+    shutdown_timeout: float | None = None
 
 
 @dataclass
@@ -257,7 +261,10 @@ def vllm_command(target: str, draft: str | None, block_size: int, options: Hando
     cmd += ["--host", options.host, "--port", str(options.port)]
     cmd += _optional({"--max-model-len": options.max_model_len, "--served-model-name": options.served_model_name,
                       "--max-num-seqs": options.max_batch_size, "--dtype": options.dtype,
-                      "--uvicorn-log-level": options.log_level})
+                      "--uvicorn-log-level": options.log_level,
+                      # whole seconds, rounded up: a fraction is no drain worth cutting short
+                      "--shutdown-timeout": None if options.shutdown_timeout is None else
+                      math.ceil(options.shutdown_timeout)})
     if options.chat_template_kwargs:
         cmd += ["--default-chat-template-kwargs", json.dumps(options.chat_template_kwargs)]
     cmd += ["--trust-remote-code"] if options.trust_remote_code else []
@@ -311,6 +318,9 @@ def sglang_command(target: str, draft: str | None, block_size: int, options: Han
         raise UserError(f"--generation-config {options.generation_config}: SGLang reads sampling defaults from the "
                         "target's own generation_config.json only; copy that file into the target's directory, or "
                         "give auto or vllm")
+    if options.shutdown_timeout is not None:
+        raise UserError("--shutdown-timeout has no SGLang server flag: SGLang finishes the requests in flight at "
+                        "SIGTERM by its own rules (bound it with your process manager's grace period); drop it")
     cmd = ["python", "-m", "sglang.launch_server", "--model-path", target]
     if draft is not None:
         cmd += ["--speculative-algorithm", "DFLASH", "--speculative-draft-model-path", draft,
@@ -378,8 +388,12 @@ def ensure_installed(engine: str) -> None:
                         "supports, or add --dry-run to print the command and run it there")
 
 
-def launch(engine: str, command: EngineCommand) -> int:
-    """Run the engine in the foreground and return its exit status."""
+ENGINE_STOP_S = 30.0  # how long a terminated engine gets to exit, beyond its --shutdown-timeout, before it is killed
+
+
+def launch(engine: str, command: EngineCommand, shutdown_timeout: float | None = None) -> int:
+    """Run the engine in the foreground and return its exit status. At Ctrl-C or SIGTERM the engine gets its
+    `shutdown_timeout` (the drain it was given) and ENGINE_STOP_S more to exit before it is killed."""
     ensure_installed(engine)
     argv = command.argv
     if argv[0] == "python":
@@ -392,7 +406,7 @@ def launch(engine: str, command: EngineCommand) -> int:
     except KeyboardInterrupt:  # Ctrl-C reached the engine too; SIGTERM (ours, as Terminated) did not: pass it on
         engine_process.terminate()
         try:
-            engine_process.wait(timeout=30)
+            engine_process.wait(timeout=(shutdown_timeout or 0.0) + ENGINE_STOP_S)
         except subprocess.TimeoutExpired:
             engine_process.kill()
         raise

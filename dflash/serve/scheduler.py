@@ -126,6 +126,10 @@ class Scheduler:
         self._running: dict[str, Batch] = {}  # decoder -> batch; decode thread only
         self._requests: dict[int, Request] = {}  # id(seq) -> request; decode thread only
         self._stopping = False
+        # draining (`drain`): new requests are refused and the loop stops once those admitted are done or at this
+        # time.monotonic(); set without the lock, as a signal handler on the decode thread sets it
+        self._drain_deadline: float | None = None
+        self._drain_told = False  # the decode thread has logged the drain
         self._thread: threading.Thread | None = None  # the decode thread, once running
         self._spawned: threading.Thread | None = None  # the decode thread when start() made it
 
@@ -159,10 +163,25 @@ class Scheduler:
         if self._spawned is not None and self._spawned is not threading.current_thread():
             self._spawned.join(timeout)
 
+    def drain(self, timeout_s: float) -> None:
+        """Stop taking requests, and stop decoding once every admitted one (decoding or queued) has finished or
+        `timeout_s` from now, whichever is first; those left then fail as at a stop (HTTP 503). A later call can
+        only bring the stop forward (`drain(0)`: after the step under way). Safe in a signal handler: it only sets
+        a time, which the decode loop reads between steps (an idle one within IDLE_WAKE_S)."""
+        deadline = time.monotonic() + timeout_s
+        if self._drain_deadline is None or deadline < self._drain_deadline:
+            self._drain_deadline = deadline
+
+    @property
+    def draining(self) -> bool:
+        return self._drain_deadline is not None
+
     # ---- the handlers' side ----------------------------------------------------------------------------
     @property
     def alive(self) -> bool:
-        return self._thread is not None and self._thread.is_alive() and not self._stopping
+        """Whether requests are taken: the decode thread runs, and it is neither stopping nor draining."""
+        return (self._thread is not None and self._thread.is_alive() and not self._stopping
+                and not self.draining)
 
     def submit(self, seq: Sequence, workload: str, stream: bool = True) -> Request:
         """Queue a sequence (from the event loop); raises QueueFull when no slot or queue place is left.
@@ -219,11 +238,11 @@ class Scheduler:
         decoding, their prompts add up to at most `max_prefill_tokens` (or are one prompt): the rest wait for the
         next turn, after a decode step."""
         with self._cond:
-            while not self._stopping and not self._running and not self._waiting:
+            while not self._stopping and not self._running and not self._waiting and not self.draining:
                 # a timeout, not an endless wait: a signal the kernel hands to another thread (Ctrl-C, SIGTERM)
                 # reaches Python's handler only when this thread runs Python code again
                 self._cond.wait(timeout=IDLE_WAKE_S)
-            if self._stopping:
+            if self._stopping or self._drained():
                 return None
             decoding = self._running_rows()
             free = self.config.max_batch_size - decoding
@@ -244,6 +263,27 @@ class Scheduler:
             else:
                 admitted.append(request)
         return admitted
+
+    def _drained(self) -> bool:
+        """Whether a drain ends now: every admitted request is done, or its time is up (those left then fail as at
+        a stop). Logs what it does; called with the lock held."""
+        if self._drain_deadline is None:
+            return False
+        left = self._running_rows() + len(self._waiting)
+        if left == 0:
+            if self._drain_told:
+                log.warning("drained: every request finished")
+            return True
+        if time.monotonic() >= self._drain_deadline:
+            log.warning("stopping: %d request(s) still decoding or queued end with HTTP 503%s", left,
+                        "" if self._drain_told else " (--shutdown-timeout gives them time to finish)")
+            return True
+        if not self._drain_told:
+            self._drain_told = True
+            log.warning("draining: new requests are refused; %d decoding and %d queued get up to %.0f s to finish "
+                        "(Ctrl-C or SIGTERM again stops them)", self._running_rows(), len(self._waiting),
+                        self._drain_deadline - time.monotonic())
+        return False
 
     def _prefill(self, requests: list[Request]) -> None:
         """Run each new prompt through the target and merge the new rows into the running batches."""

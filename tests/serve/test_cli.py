@@ -187,3 +187,60 @@ def test_drafting_flags_that_cannot_apply_are_refused_before_the_models_load(tin
     assert main(["serve", *pair, *args, "--port", "0"]) == 2
     err = capsys.readouterr().err
     assert (message or "the models would load now") in err and len(err.strip().splitlines()) == 1
+
+
+class RequestingHTTP:
+    """Plays uvicorn for `_run`: once the decode loop runs, sends one request and keeps its events."""
+
+    def __init__(self, scheduler, seq):
+        self.scheduler, self.seq = scheduler, seq
+        self.started, self.should_exit = False, False
+        self.events = []
+
+    def run(self) -> None:
+        import asyncio
+
+        async def ask():
+            request = self.scheduler.submit(self.seq, "chat/greedy", stream=True)
+            self.started = True
+            while not self.events or not self.events[-1].done:
+                self.events.append(await asyncio.wait_for(request.events.get(), 10))
+
+        try:
+            asyncio.run(ask())
+        except TimeoutError:
+            self.events.append("lost: no event in 10 s")
+
+
+@pytest.mark.parametrize("shutdown_timeout", [0.0, 30.0])
+def test_a_signal_during_a_prefill_never_loses_the_request(tiny_pair, monkeypatch, shutdown_timeout):
+    """SIGTERM raised KeyboardInterrupt wherever the decode thread was: inside a prefill, the request taken from
+    the queue was in no batch yet, got no answer, and the server took 30 s to exit. Now a signal is acted on
+    between steps: with no --shutdown-timeout the request ends with a 503, with one it finishes whole."""
+    from dflash.api import DFlash
+    from dflash.cli.serve import _run
+    from dflash.decoding.engine import GenerationConfig
+    from dflash.serve import ServeConfig, create_app
+
+    pipe = DFlash.from_pretrained(*map(str, tiny_pair), device="cpu")
+    scheduler = create_app(pipe, ServeConfig(decode_thread=False)).state.server.scheduler
+    prefill = pipe.engine.prefill
+
+    def prefill_under_a_signal(*args, **kwargs):
+        signal.raise_signal(signal.SIGTERM)  # its handler runs here, in this (the main) thread
+        return prefill(*args, **kwargs)
+
+    monkeypatch.setattr(pipe.engine, "prefill", prefill_under_a_signal)
+    seq = pipe.engine.new_sequence([5, 6, 7], GenerationConfig(max_new_tokens=12, ignore_eos=True))
+    http = RequestingHTTP(scheduler, seq)
+    before = signal.getsignal(signal.SIGTERM)
+    start = time.monotonic()
+    assert _run(http, scheduler, "test", shutdown_timeout) == 0
+    assert time.monotonic() - start < 10
+    last = http.events[-1]
+    assert not isinstance(last, str), last
+    if shutdown_timeout:
+        assert (last.finish_reason, last.error) == ("length", None) and len(seq.output_ids) == 12
+    else:
+        assert last.unavailable and "shutting down" in last.error
+    assert signal.getsignal(signal.SIGTERM) is before  # put back as it was

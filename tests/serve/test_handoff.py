@@ -87,9 +87,10 @@ class FakeEngine:
     """A launched engine: exits at once, or is stopped by our SIGTERM while it runs."""
 
     def __init__(self, stops: bool = False):
-        self.stops, self.signals = stops, []
+        self.stops, self.signals, self.waits = stops, [], []
 
     def wait(self, timeout=None):
+        self.waits.append(timeout)
         if self.stops and not self.signals:
             raise Terminated  # our SIGTERM, arriving while we wait for the engine
         return 0
@@ -111,6 +112,23 @@ def test_a_sigterm_to_the_hand_off_stops_the_engine_too(tiny_pair, monkeypatch, 
     assert main(["serve", "--target", target, "--draft", draft, "--engine", "vllm"]) == 143
     assert engine.signals == ["TERM"]
     assert "dflash serve: terminated" in capsys.readouterr().err
+
+
+def test_the_shutdown_timeout_goes_to_vllm_and_the_engine_gets_it_before_being_killed(tiny_pair, monkeypatch,
+                                                                                     capsys):
+    target, draft = map(str, tiny_pair)
+    argv = dry_run(capsys, "--target", target, "--draft", draft, "--engine", "vllm", "--shutdown-timeout", "44.2")
+    assert argv[argv.index("--shutdown-timeout") + 1] == "45"  # whole seconds, rounded up
+    assert "--shutdown-timeout" not in dry_run(capsys, "--target", target, "--draft", draft, "--engine", "vllm")
+    assert main(["serve", "--target", target, "--draft", draft, "--engine", "sglang", "--shutdown-timeout", "30",
+                 "--dry-run"]) == 2
+    assert "--shutdown-timeout has no SGLang server flag" in capsys.readouterr().err
+    engine = FakeEngine(stops=True)  # SIGTERM while it runs: it drains, and is killed only past its drain
+    monkeypatch.setattr(handoff, "ensure_installed", lambda engine: None)
+    monkeypatch.setattr(handoff.subprocess, "Popen", lambda argv, env: engine)
+    assert main(["serve", "--target", target, "--draft", draft, "--engine", "vllm", "--shutdown-timeout",
+                 "60"]) == 143
+    assert engine.signals == ["TERM"] and engine.waits[-1] == 60 + handoff.ENGINE_STOP_S
 
 
 def test_an_empty_api_key_variable_means_no_key(tiny_pair, capsys, monkeypatch):
@@ -384,7 +402,9 @@ def test_flag_mistakes(tiny_pair, capsys):
                            (["--max-request-bytes", "0"], "--max-request-bytes"),
                            (["--fallback-min-acceptance", "nan"], "--fallback-min-acceptance must be a number"),
                            (["--served-model-name", " "], "--served-model-name is empty"),
-                           (["--served-model-name", " x "], "--served-model-name ' x ' starts or ends with spaces")]:
+                           (["--served-model-name", " x "], "--served-model-name ' x ' starts or ends with spaces"),
+                           (["--shutdown-timeout", "-1"], "--shutdown-timeout is the seconds requests get"),
+                           (["--shutdown-timeout", "inf"], "a number >= 0 (0: stop at once), got inf")]:
         assert main(["serve", *args]) == 2
         assert expected in capsys.readouterr().err
 

@@ -134,6 +134,56 @@ def test_requests_in_flight_at_shutdown_get_503(start_server):
     assert httpx.post(url, json=LONG, timeout=30).status_code == 503  # as a request arriving now
 
 
+def test_a_drain_finishes_what_was_taken_refuses_what_comes_and_stops(start_server):
+    """--shutdown-timeout: at SIGTERM the requests decoding and queued finish whole; new ones and /health get 503
+    (a load balancer stops routing); the decode loop then stops by itself."""
+    server = start_server(slow_step_s=0.01, scheduler=SchedulerConfig(max_batch_size=1, max_queue=1))
+    url = f"{server.url}/v1/chat/completions"
+    scheduler = server.server_state.scheduler
+    short = {**LONG, "max_tokens": 40}
+    answers = {}
+
+    def ask_whole():
+        answers["queued"] = httpx.post(url, json=short, timeout=30)
+
+    asking = threading.Thread(target=ask_whole)
+    with httpx.Client(timeout=30) as client, client.stream("POST", url, json={**short, "stream": True}) as streamed:
+        lines = first_content(streamed)
+        asking.start()
+        deadline = time.monotonic() + 5
+        while health(server)["waiting"] < 1:
+            assert time.monotonic() < deadline, health(server)
+            time.sleep(0.01)
+        scheduler.drain(30)
+        refused = httpx.post(url, json=short, timeout=30)
+        assert refused.status_code == 503 and refused.json()["error"]["code"] == "unavailable"
+        said = httpx.get(f"{server.url}/health")
+        assert said.status_code == 503 and said.json()["status"] == "draining"
+        rest = list(lines)
+    asking.join(30)
+    assert [line for line in rest if line][-1] == "data: [DONE]" and not any('"error"' in line for line in rest)
+    assert any('"finish_reason":"length"' in line for line in rest)
+    queued = answers["queued"]
+    assert queued.status_code == 200 and queued.json()["usage"]["completion_tokens"] == 40
+    deadline = time.monotonic() + 5
+    while scheduler._thread.is_alive():  # drained: the loop ends without a stop()
+        assert time.monotonic() < deadline, "the decode loop went on after the drain"
+        time.sleep(0.01)
+
+
+def test_a_drain_whose_time_is_up_stops_the_rest_with_503(start_server):
+    server = start_server(slow_step_s=0.02, scheduler=SchedulerConfig(max_batch_size=1, max_queue=1))
+    url = f"{server.url}/v1/chat/completions"
+    with httpx.Client(timeout=30) as client, client.stream("POST", url, json={**LONG, "stream": True}) as streamed:
+        lines = first_content(streamed)
+        started = time.monotonic()
+        server.server_state.scheduler.drain(0.3)
+        rest = list(lines)
+    assert time.monotonic() - started < 5  # LONG takes ~8 s undrained
+    errors = [line for line in rest if '"error"' in line]
+    assert errors and '"code":"unavailable"' in errors[0] and [line for line in rest if line][-1] == "data: [DONE]"
+
+
 # ---- the decode loop itself, without HTTP ---------------------------------------------------------------------
 def decode_with_scheduler(scheduler: Scheduler, seq, stream: bool) -> list:
     """Submit one sequence from an event loop and collect its events until done."""
