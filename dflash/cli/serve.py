@@ -53,8 +53,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                      "generation_config.json in that directory (default: auto)")
     net.add_argument("--shutdown-timeout", type=float, metavar="SECONDS",
                      help="on Ctrl-C or SIGTERM, refuse new requests (503, and 503 on /health) and give those "
-                     "decoding or queued up to SECONDS to finish; a second signal stops at once (default: 0, stop "
-                     "at once, as vLLM's; with --engine vllm, passed on)")
+                     "decoding or queued up to SECONDS to finish, then stop those left (503); a second signal "
+                     "stops them after the step under way (default: 0, stop after the step under way, as vLLM "
+                     "stops at once; with --engine vllm, passed on)")
     net.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
     fb = parser.add_argument_group("adaptive drafting (a fallback to plain decoding, and the block size of each step)")
     fb.add_argument("--fallback-min-acceptance", type=_threshold, default="auto", metavar="TAU|auto",
