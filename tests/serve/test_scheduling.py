@@ -105,65 +105,55 @@ def test_full_queue_is_429_and_cancelled_waiters_leave(slow):
     assert out.usage.completion_tokens >= 1
 
 
+def stream_beside_a_whole_request(server, body: dict, ready, act) -> tuple[list[str], httpx.Response]:
+    """Stream `body` and, once its first text is read, send it again whole beside it; when `ready(health)` holds,
+    run `act()`. Returns the stream's remaining lines and the whole request's answer."""
+    url = f"{server.url}/v1/chat/completions"
+    answers = {}
+    asking = threading.Thread(target=lambda: answers.setdefault("whole", httpx.post(url, json=body, timeout=30)))
+    with httpx.Client(timeout=30) as client, client.stream("POST", url, json={**body, "stream": True}) as streamed:
+        lines = first_content(streamed)
+        asking.start()
+        deadline = time.monotonic() + 5
+        while not ready(health(server)):
+            assert time.monotonic() < deadline, health(server)
+            time.sleep(0.01)
+        act()
+        rest = list(lines)
+    asking.join(30)
+    return rest, answers["whole"]
+
+
 def test_requests_in_flight_at_shutdown_get_503(start_server):
     """Ctrl-C or SIGTERM stops the decode loop: requests still decoding are told to retry (503), as new ones
     are, not that the server failed (500)."""
     server = start_server(slow_step_s=0.02, scheduler=SchedulerConfig(max_batch_size=2, max_queue=1))
-    url = f"{server.url}/v1/chat/completions"
-    answers = {}
-
-    def ask_whole():
-        answers["whole"] = httpx.post(url, json=LONG, timeout=30)
-
-    asking = threading.Thread(target=ask_whole)
-    with httpx.Client(timeout=30) as client, client.stream("POST", url, json={**LONG, "stream": True}) as streamed:
-        lines = first_content(streamed)
-        asking.start()
-        deadline = time.monotonic() + 5
-        while health(server)["running"] < 2:
-            assert time.monotonic() < deadline, health(server)
-            time.sleep(0.02)
-        server.server_state.scheduler.stop()
-        rest = list(lines)
-    asking.join(30)
-    whole = answers["whole"]
+    rest, whole = stream_beside_a_whole_request(server, LONG, lambda h: h["running"] == 2,
+                                                server.server_state.scheduler.stop)
     assert whole.status_code == 503, whole.text
     assert whole.json()["error"]["code"] == "unavailable" and "shutting down" in whole.json()["error"]["message"]
     errors = [line for line in rest if '"error"' in line]
     assert errors and '"code":"unavailable"' in errors[0]
-    assert httpx.post(url, json=LONG, timeout=30).status_code == 503  # as a request arriving now
+    assert httpx.post(f"{server.url}/v1/chat/completions", json=LONG, timeout=30).status_code == 503  # as a new one
 
 
 def test_a_drain_finishes_what_was_taken_refuses_what_comes_and_stops(start_server):
     """--shutdown-timeout: at SIGTERM the requests decoding and queued finish whole; new ones and /health get 503
     (a load balancer stops routing); the decode loop then stops by itself."""
     server = start_server(slow_step_s=0.01, scheduler=SchedulerConfig(max_batch_size=1, max_queue=1))
-    url = f"{server.url}/v1/chat/completions"
     scheduler = server.server_state.scheduler
     short = {**LONG, "max_tokens": 40}
-    answers = {}
 
-    def ask_whole():
-        answers["queued"] = httpx.post(url, json=short, timeout=30)
-
-    asking = threading.Thread(target=ask_whole)
-    with httpx.Client(timeout=30) as client, client.stream("POST", url, json={**short, "stream": True}) as streamed:
-        lines = first_content(streamed)
-        asking.start()
-        deadline = time.monotonic() + 5
-        while health(server)["waiting"] < 1:
-            assert time.monotonic() < deadline, health(server)
-            time.sleep(0.01)
+    def drain_and_try_more():
         scheduler.drain(30)
-        refused = httpx.post(url, json=short, timeout=30)
+        refused = httpx.post(f"{server.url}/v1/chat/completions", json=short, timeout=30)
         assert refused.status_code == 503 and refused.json()["error"]["code"] == "unavailable"
         said = httpx.get(f"{server.url}/health")
         assert said.status_code == 503 and said.json()["status"] == "draining"
-        rest = list(lines)
-    asking.join(30)
+
+    rest, queued = stream_beside_a_whole_request(server, short, lambda h: h["waiting"] == 1, drain_and_try_more)
     assert [line for line in rest if line][-1] == "data: [DONE]" and not any('"error"' in line for line in rest)
     assert any('"finish_reason":"length"' in line for line in rest)
-    queued = answers["queued"]
     assert queued.status_code == 200 and queued.json()["usage"]["completion_tokens"] == 40
     deadline = time.monotonic() + 5
     while scheduler._thread.is_alive():  # drained: the loop ends without a stop()
