@@ -23,6 +23,7 @@ from dflash.bench.metrics import (
     BenchResult,
     acceptance_histogram,
     acceptance_rate_per_position,
+    few_steps_note,
     mean_acceptance_length,
     mean_ms,
     ratio,
@@ -178,7 +179,7 @@ def summarize(dataset: str, num_prompts: int, records: list[TurnRecord], config:
     hist = acceptance_histogram(steps, block_size)
     base_tps, fast_tps = tokens_per_s(base), tokens_per_s(fast)
     mismatched = [f"{r.sample_id}#{r.turn}" for r in records if r.baseline.output_ids != r.dflash.output_ids]
-    return BenchResult(
+    result = BenchResult(
         dataset=dataset, backend="local", num_prompts=num_prompts, num_requests=len(records),
         block_size=block_size, mean_block_size=sum(blocks) / len(blocks) if blocks else None,
         branch_length=config.branch_length,
@@ -194,6 +195,10 @@ def summarize(dataset: str, num_prompts: int, records: list[TurnRecord], config:
         baseline_tpot_ms=mean_ms([_tpot(o) for o in base if o.stats.num_output_tokens > 1]),
         dflash_tpot_ms=mean_ms([_tpot(o) for o in fast if o.stats.num_output_tokens > 1]),
     )
+    note = few_steps_note(len(steps), result.dflash_output_tokens)
+    if note:
+        result.notes.append(note)
+    return result
 
 
 def tokens_per_s(outputs: list[GenerationOutput]) -> float | None:

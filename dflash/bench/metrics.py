@@ -36,7 +36,9 @@ class BenchResult:
     speedup_per_round: list[float] = field(default_factory=list)  # server backend with --rounds > 1
     mean_acceptance_length: float | None = None  # tau
     acceptance_histogram: list[int] = field(default_factory=list)  # [n] = verify steps producing n tokens, 0..B
-    acceptance_rate_per_position: list[float] = field(default_factory=list)  # [i] = P(draft token i+1 accepted)
+    # [i] = the share of verify steps that accepted draft token i+1 (vLLM's accepted_per_pos / drafts); with blocks
+    # of several sizes (auto, a server's adaptive block) steps too short to reach it count too
+    acceptance_rate_per_position: list[float] = field(default_factory=list)
     mismatches: int | None = None  # greedy requests whose DFlash output differs from the baseline's; None: not checked
     mismatched_prompts: list[str] = field(default_factory=list)
     skipped_turns: list[str] = field(default_factory=list)  # local: later turns past the target's context (id#turn)
@@ -92,6 +94,17 @@ def acceptance_rate_per_position(hist: list[int]) -> list[float]:
     if not steps:
         return []
     return [sum(hist[i + 2:]) / steps for i in range(len(hist) - 2)]
+
+
+FEW_VERIFY_STEPS = 50  # fewer verify steps than this in a result: its tau and speedup rest on too little
+
+
+def few_steps_note(steps: float, output_tokens: int) -> str | None:
+    """What to say when a result rests on few verify steps (None: it does not)."""
+    if not 0 < steps < FEW_VERIFY_STEPS:
+        return None
+    return (f"only {steps:.0f} verify steps ({output_tokens} output tokens) were measured, too few for a steady tau "
+            "or speedup: raise --max-samples or --max-new-tokens")
 
 
 def histogram_from_counters(drafts: float, accepted_per_pos: list[float]) -> list[int]:

@@ -331,7 +331,7 @@ def plot_throughput(results: list[BenchResult]):
     for dataset, rs in by_dataset.items():
         rs = sorted(rs, key=lambda r: r.concurrency)
         line = ax.plot([r.concurrency for r in rs], [r.dflash_tokens_per_s or 0 for r in rs], marker="o",
-                       label=f"{dataset}, DFlash")
+                       label=f"{dataset}, {drafted_by(rs)}")
         if any(r.baseline_tokens_per_s for r in rs):
             ax.plot([r.concurrency for r in rs], [r.baseline_tokens_per_s or 0 for r in rs], marker="x",
                     linestyle="--", color=line[0].get_color(), label=f"{dataset}, plain decoding")

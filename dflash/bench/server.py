@@ -39,6 +39,7 @@ from dflash.bench.metrics import (
     NO_DRAFT,
     BenchResult,
     acceptance_rate_per_position,
+    few_steps_note,
     histogram_from_counters,
     mean_ms,
     percentiles,
@@ -786,6 +787,10 @@ class ServerBackend:
                                 f"counters at {self.metrics_url} did not move), so tau is '-' and the figures are "
                                 "plain decoding's: dflash serve's adaptive fallback decodes plainly while drafting "
                                 "does not pay (see dflash:fallback_active in its metrics)")
+        if counters is not None:
+            note = few_steps_note(counters.drafts, result.dflash_output_tokens)
+            if note:
+                result.notes.append(note)
         self._tell_once(result, "capped", capped_answers_warning(loads, self.config))
 
     def _tell_once(self, result: BenchResult, topic: str, note: str | None) -> None:

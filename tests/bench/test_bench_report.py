@@ -114,7 +114,9 @@ def test_plots_have_titles_whole_number_ticks_and_a_label_for_every_line():
     assert ax.get_title() and list(ax.get_xticks()) == [1, 2, 4, 8, 16]
     labels = [t.get_text() for t in ax.get_legend().get_texts()]
     assert labels == ["gsm8k, DFlash", "gsm8k, plain decoding"] and len(ax.get_lines()) == len(labels)
-    for figure in (histograms, speedup, throughput):
+    drafted_by_a_model = plot_throughput([server("gsm8k", c, drafter="draft model") for c in (1, 2)])
+    assert drafted_by_a_model.axes[0].get_legend().get_texts()[0].get_text() == "gsm8k, draft model"
+    for figure in (histograms, speedup, throughput, drafted_by_a_model):
         plt.close(figure)
 
 

@@ -680,3 +680,17 @@ def test_retry_after_reads_seconds_and_dates_and_bounds_them():
     now = 1_700_000_000.0  # Tue, 14 Nov 2023 22:13:20 GMT
     assert retry_after_s("Tue, 14 Nov 2023 22:13:25 GMT", now=now) == pytest.approx(5.0)
     assert retry_after_s("Tue, 14 Nov 2023 22:13:25", now=now) == DEFAULT_RETRY_AFTER_S  # no zone: unreadable
+
+
+def test_a_level_of_few_drafted_steps_says_its_tau_and_speedup_rest_on_too_little(scripted_server):
+    scrapes = []
+
+    def counters():  # 7 drafted steps between one scrape and the next
+        scrapes.append(1)
+        return f"dflash:spec_decode_num_drafts_total {7 * len(scrapes)}\n"
+
+    server = scripted_server(answer_chat, metrics=counters)
+    result = ServerBackend(config(server, warmup_tokens=0)).run_level("gsm8k", SAMPLES[:1], 1)
+    [note] = [n for n in result.notes if "verify steps" in n]
+    assert note == ("only 7 verify steps (3 output tokens) were measured, too few for a steady tau or speedup: raise "
+                    "--max-samples or --max-new-tokens")
