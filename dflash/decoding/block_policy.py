@@ -134,7 +134,9 @@ class AcceptanceByConfidence:
         self.accepted = [0.0] * self.bins
 
     def _bin(self, confidence: float) -> int:
-        return min(max(int(confidence * self.bins), 0), self.bins - 1)
+        if not confidence > 0:  # NaN too (a drafter's float16 overflow): no confidence at all
+            return 0
+        return min(int(confidence * self.bins), self.bins - 1)
 
     def rate(self, confidence: float) -> float:
         b = self._bin(confidence)

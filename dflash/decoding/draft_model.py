@@ -172,7 +172,7 @@ class DraftModelProposer:
             if seq.params.greedy:
                 chosen.append((greedy[r], None))
                 continue
-            dist = to_probs(logits[r : r + 1], seq.params)  # (1, vocab)
+            dist = to_probs(logits[r : r + 1], seq.params, proposal=True)  # (1, vocab)
             if seq.noise is not None:
                 chosen.append((int(seq.noise.choose(dist, seq.next_position + t)[0]), None))
             else:

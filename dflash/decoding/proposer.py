@@ -106,9 +106,9 @@ def draft_per_position(logits: torch.Tensor, rows: list) -> Draft:
         if row.params.greedy:
             continue
         if row.noise is not None:  # the position's own noise on the drafter's distribution (no probs needed)
-            tokens[r] = row.noise.choose(to_probs(logits[r], row.params), row.next_position)
+            tokens[r] = row.noise.choose(to_probs(logits[r], row.params, proposal=True), row.next_position)
         else:
-            probs[r] = to_probs(logits[r], row.params)
+            probs[r] = to_probs(logits[r], row.params, proposal=True)
             tokens[r] = sample(probs[r], row.generator)
     return Draft(tokens=tokens, probs=probs,
                  confidence_fn=lambda: logits.softmax(-1).gather(-1, tokens[..., None])[..., 0],  # (b, k)
@@ -171,7 +171,7 @@ def _sample_path(lattice: Lattice, r: int, row, vocab_size: int) -> tuple[torch.
     for t in range(k):
         candidates, scores = lattice.candidates[r, t], lattice.scores[r, t, previous]  # (K,), (K,)
         logits = scores.new_full((vocab_size,), float("-inf")).scatter(0, candidates, scores)
-        probs[t] = to_probs(logits, row.params)
+        probs[t] = to_probs(logits, row.params, proposal=True)
         if row.noise is not None:
             tokens[t] = row.noise.choose(probs[t][None], row.next_position + t)[0]
         else:

@@ -38,16 +38,20 @@ class SamplingParams:
         return self.temperature == 0
 
 
-def to_probs(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
+def to_probs(logits: torch.Tensor, params: SamplingParams, proposal: bool = False) -> torch.Tensor:
     """logits (..., vocab) -> probabilities (..., vocab) after temperature, top-k and top-p.
 
     Target and drafter go through this same transform, which is what keeps rejection sampling lossless
     with respect to the transformed target distribution. A +inf logit (a float16 overflow, or a model that
     forces a token) takes all the probability, shared with any other +inf; a NaN is an error that says how to
-    load the model instead.
+    load the model instead. A `proposal` (a drafter's logits) only proposes tokens: a NaN there (a float16
+    overflow in the drafter alone) counts as a logit of 0, and a row with no finite logit as all 0 (uniform),
+    so the draft is poor but the answer is the target's, whose probabilities these are checked against.
     """
     logits = logits.float()
     if not bool(torch.isfinite(logits).all()):
+        if proposal:
+            logits = _without_nan(logits)
         logits = _where_infinite(logits)
     logits = logits / max(params.temperature, MIN_TEMPERATURE)
     if params.top_k and params.top_k < logits.shape[-1]:
@@ -78,6 +82,12 @@ def _where_infinite(logits: torch.Tensor) -> torch.Tensor:
                               f"sample from; {OVERFLOW_ADVICE}")
     forced = logits == float("inf")
     return torch.where(forced.any(-1, keepdim=True), torch.where(forced, 0.0, float("-inf")), logits)
+
+
+def _without_nan(logits: torch.Tensor) -> torch.Tensor:
+    """A proposal's logits with NaN as 0, and rows of -inf everywhere (after that) all 0."""
+    logits = torch.where(torch.isnan(logits), 0.0, logits)
+    return torch.where((logits == float("-inf")).all(-1, keepdim=True), 0.0, logits)
 
 
 def sample(probs: torch.Tensor, generator: torch.Generator | None) -> torch.Tensor:

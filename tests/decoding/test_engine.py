@@ -7,6 +7,7 @@ from __future__ import annotations
 import dataclasses
 
 import pytest
+import torch
 
 from conftest import VOCAB, OracleProposer, hf_greedy, random_prompts, tiny_drafter
 from dflash.decoding import DFlashProposer, GenerationConfig, NoDraftProposer, SpeculativeEngine
@@ -289,6 +290,50 @@ def test_nan_logits_stop_greedy_decoding_with_the_fix_not_garbage(forwards, sett
     nan_after(target, forwards, monkeypatch)
     with pytest.raises(GenerationError, match="logits are NaN.*load the model in bfloat16 or float32"):
         engine.generate([[5, 6, 7], [8, 9]], config)
+
+
+def nan_proposer(kind: str, target, monkeypatch):
+    """A proposer whose drafter gives NaN logits (a float16 overflow in the drafter alone)."""
+    from conftest import dflash2_drafter, perturbed_copy
+    from dflash.decoding.draft_model import DraftModelProposer
+
+    if kind == "draft model":
+        draft = perturbed_copy(target, 0.5)
+        proposer = DraftModelProposer(draft, target, 4)  # its checks at load see sound outputs
+        original = draft.forward
+
+        def forward(*args, **kwargs):
+            out = original(*args, **kwargs)
+            return dataclasses.replace(out, logits=torch.full_like(out.logits, float("nan")))
+
+        monkeypatch.setattr(draft, "forward", forward)
+        return proposer
+    drafter = dflash2_drafter(target) if kind == "dflash2" else tiny_drafter(target)
+    proposer = DFlashProposer(drafter, target)  # its probe forwards at load see sound outputs
+    original = drafter.forward
+    monkeypatch.setattr(drafter, "forward", lambda *a, **k: torch.full_like(original(*a, **k), float("nan")))
+    return proposer
+
+
+@pytest.mark.parametrize("kind", ["dflash", "dflash2", "draft model"])
+@pytest.mark.parametrize("sampling", ["greedy", "seeded", "unseeded"])
+def test_nan_from_the_drafter_alone_costs_drafts_not_the_answer(kind, sampling, monkeypatch):
+    """A drafter only proposes: NaN in its logits (a float16 overflow in it alone) stopped sampled decoding with
+    the target's error, though the target was sound; now such a draft proposes at random and the text is the
+    target's own."""
+    from conftest import tiny_target_model
+    from dflash.model import TargetModel
+
+    target = TargetModel(tiny_target_model())
+    temperature, seed = {"greedy": (0.0, None), "seeded": (0.8, 3), "unseeded": (0.8, None)}[sampling]
+    config = GenerationConfig(max_new_tokens=12, ignore_eos=True, temperature=temperature, seed=seed,
+                              block_size="auto" if kind == "dflash" else None)
+    prompts = [[5, 6, 7], [8, 9]]
+    drafted = SpeculativeEngine(target, nan_proposer(kind, target, monkeypatch)).generate(prompts, config)
+    assert [len(out.output_ids) for out in drafted] == [12, 12]
+    if sampling != "unseeded":
+        alone = SpeculativeEngine(target, NoDraftProposer()).generate(prompts, config)
+        assert [out.output_ids for out in drafted] == [out.output_ids for out in alone]
 
 
 @pytest.mark.parametrize("bad", [
