@@ -26,13 +26,26 @@ def ctrl_c_as_in_a_terminal() -> None:
     signal.signal(signal.SIGINT, signal.SIG_DFL)
 
 
-def serve_process(tiny_pair, port: int) -> subprocess.Popen:
+def serve_process(tiny_pair, port: int, *flags: str) -> subprocess.Popen:
     target, draft = map(str, tiny_pair)
     return subprocess.Popen(
         [sys.executable, "-m", "dflash.cli.main", "serve", "--target", target, "--draft", draft, "--port", str(port),
-         "--served-model-name", "tiny", "--api-key", "k", "--max-batch-size", "4", "--log-level", "warning"],
+         "--served-model-name", "tiny", "--api-key", "k", "--max-batch-size", "4", "--log-level", "warning", *flags],
         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, preexec_fn=ctrl_c_as_in_a_terminal,
     )
+
+
+def wait_until_up(proc: subprocess.Popen, port: int) -> None:
+    deadline = time.monotonic() + 90
+    while True:
+        assert proc.poll() is None, proc.communicate()[1]
+        try:
+            if httpx.get(f"http://127.0.0.1:{port}/health", timeout=1).status_code == 200:
+                return
+        except httpx.TransportError:
+            pass
+        assert time.monotonic() < deadline, "dflash serve did not come up"
+        time.sleep(0.2)
 
 
 @pytest.mark.parametrize("stop_signal", [signal.SIGINT, signal.SIGTERM], ids=["ctrl-c", "sigterm"])
@@ -40,16 +53,7 @@ def test_dflash_serve_process(tiny_pair, stop_signal):
     port = free_port()
     proc = serve_process(tiny_pair, port)
     try:
-        deadline = time.monotonic() + 90
-        while True:
-            assert proc.poll() is None, proc.communicate()[1]
-            try:
-                if httpx.get(f"http://127.0.0.1:{port}/health", timeout=1).status_code == 200:
-                    break
-            except httpx.TransportError:
-                pass
-            assert time.monotonic() < deadline, "dflash serve did not come up"
-            time.sleep(0.2)
+        wait_until_up(proc, port)
         client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="k", max_retries=0)
         out = client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "hi"}],
                                              max_tokens=6, temperature=0)
@@ -244,3 +248,30 @@ def test_a_signal_during_a_prefill_never_loses_the_request(tiny_pair, monkeypatc
     else:
         assert last.unavailable and "shutting down" in last.error
     assert signal.getsignal(signal.SIGTERM) is before  # put back as it was
+
+
+def test_a_sigterm_with_a_shutdown_timeout_lets_the_stream_in_flight_finish(tiny_pair):
+    """`dflash serve --shutdown-timeout`: the stream being decoded at SIGTERM ends whole, and the server exits."""
+    import json
+
+    port = free_port()
+    proc = serve_process(tiny_pair, port, "--shutdown-timeout", "60")
+    try:
+        wait_until_up(proc, port)
+        body = {"model": "tiny", "messages": [{"role": "user", "content": "count"}], "max_tokens": 600,
+                "temperature": 0, "ignore_eos": True, "stream": True, "stream_options": {"include_usage": True}}
+        with httpx.stream("POST", f"http://127.0.0.1:{port}/v1/chat/completions", json=body, timeout=60,
+                          headers={"Authorization": "Bearer k"}) as r:
+            lines = r.iter_lines()
+            for line in lines:
+                if '"content":"' in line:
+                    break
+            proc.send_signal(signal.SIGTERM)
+            rest = [json.loads(line[6:]) for line in lines if line.startswith("data: {")]
+        assert not any("error" in chunk for chunk in rest), rest[-1]
+        assert rest[-1]["usage"]["completion_tokens"] == 600
+        _, err = proc.communicate(timeout=30)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert proc.returncode == 0 and "draining" in err and "drained: every request finished" in err, err
