@@ -59,12 +59,19 @@ def _describe(kind: Any) -> str:
     return _NAMES.get(kind, getattr(kind, "__name__", str(kind)))
 
 
-def parse_int_list(text: str) -> list[int]:
-    """'4,8,16' -> [4, 8, 16], as flags and config files write lists of integers: a trailing comma is allowed, no
-    value at all is [] (for the caller to name), and anything else that is not an integer is a ValueError."""
-    items = text.split(",")
-    if not any(x.strip() for x in items):
+def split_list(text: str) -> list[str]:
+    """'4, 8,16' -> ['4', '8', '16'], as flags and config files write lists: a trailing comma is allowed, no value at
+    all is [] (for the caller to name), and an empty item between two (a typo) is a ValueError."""
+    items = [x.strip() for x in text.split(",")]
+    if not any(items):
         return []
-    if len(items) > 1 and not items[-1].strip():
+    if len(items) > 1 and not items[-1]:
         items.pop()
-    return [int(x) for x in items]
+    if not all(items):
+        raise ValueError(f"an empty item in {text!r}")
+    return items
+
+
+def parse_int_list(text: str) -> list[int]:
+    """'4,8,16' -> [4, 8, 16] (`split_list`); anything that is not an integer is a ValueError."""
+    return [int(x) for x in split_list(text)]

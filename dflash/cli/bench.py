@@ -19,6 +19,7 @@ from dflash.cli.common import (
     chat_template_kwargs,
     int_list,
     load_pipeline,
+    refuse_empty_flags,
 )
 from dflash.decoding.sampling import MAX_TEMPERATURE
 from dflash.errors import UserError
@@ -136,10 +137,8 @@ def bench_config(args: argparse.Namespace):
     from dflash.bench.runner import BenchConfig
     from dflash.extras import require
 
-    for flag in ("--output-dir", "--base-url", "--baseline-url", "--metrics-url", "--data-file", "--data-dir"):
-        value = getattr(args, flag[2:].replace("-", "_"), None)
-        if value is not None and not value.strip():  # '' would read as no flag at all, or as '.'
-            raise UserError(f"{flag} is empty; give a value or leave the flag out")
+    refuse_empty_flags(args, dict.fromkeys(("--output-dir", "--base-url", "--baseline-url", "--metrics-url",
+                                            "--data-file", "--data-dir")))
     backend = args.backend or ("server" if args.base_url else "local")
     if backend == "server" and not args.base_url:
         raise UserError("the server backend needs --base-url, e.g. http://127.0.0.1:8000/v1")

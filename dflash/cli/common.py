@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import argparse
 
-from dflash.config_types import parse_int_list
+from dflash.config_types import parse_int_list, split_list
+from dflash.errors import UserError
 
 
 def int_list(text: str) -> list[int]:
@@ -37,12 +38,22 @@ def block_size(text: str) -> int | str:
 def block_size_list(text: str) -> list[int | str]:
     """'auto,8,16' -> ['auto', 8, 16]; as `int_list`, a trailing comma is allowed and an empty item between two is
     a typo, refused."""
-    items = text.split(",")
-    if len(items) > 1 and not items[-1].strip():
-        items.pop()
-    if any(x.strip() for x in items) and not all(x.strip() for x in items):
-        raise argparse.ArgumentTypeError(f"expected block sizes separated by commas (like auto,8,16), got {text!r}")
-    return [block_size(x) for x in items if x.strip()]
+    try:
+        items = split_list(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected block sizes separated by commas (like auto,8,16), got "
+                                         f"{text!r}") from None
+    return [block_size(x) for x in items]
+
+
+def refuse_empty_flags(args: argparse.Namespace, examples: dict[str, str | None]) -> None:
+    """A flag given as '' (or spaces) is refused rather than read as no flag at all, or as the path '.'.
+    `examples`: each flag, with a value to show (None: none)."""
+    for flag, example in examples.items():
+        value = getattr(args, flag[2:].replace("-", "_"), None)
+        if value is not None and not value.strip():
+            shown = f" ({example})" if example else ""
+            raise UserError(f"{flag} is empty; give a value{shown} or leave the flag out")
 
 
 SWEEP_EXAMPLES = {"dataset": "gsm8k,mbpp", "block_size": "auto,8,16", "concurrency": "1,4,8"}  # in SweepOnce's error
@@ -123,7 +134,6 @@ def chat_template_kwargs(args: argparse.Namespace) -> dict | None:
 
 def load_pipeline(args: argparse.Namespace, warn_unapplied: bool = True):
     from dflash.api import DFlash
-    from dflash.errors import UserError
 
     if args.draft and not args.target:
         raise UserError("--draft needs --target (the drafter must be paired with the target it was trained for)")

@@ -19,7 +19,13 @@ import sys
 import threading
 from pathlib import Path
 
-from dflash.cli.common import add_model_arguments, changed_flags, chat_template_kwargs, load_pipeline
+from dflash.cli.common import (
+    add_model_arguments,
+    changed_flags,
+    chat_template_kwargs,
+    load_pipeline,
+    refuse_empty_flags,
+)
 from dflash.errors import UserError
 
 DEFAULT_MAX_BATCH_SIZE = 8
@@ -151,10 +157,8 @@ def _check_args(args: argparse.Namespace) -> None:
     if args.attention_backend is not None and args.engine == "dflash":
         raise UserError("--attention-backend picks vLLM's or SGLang's attention kernels; use it with --engine vllm "
                         "or --engine sglang")
-    for flag, value, example in (("--attention-backend", args.attention_backend, "flash_attn, or auto"),
-                                 ("--generation-config", args.generation_config, "auto, vllm or a directory")):
-        if value is not None and not value.strip():
-            raise UserError(f"{flag} is empty; give a value ({example}) or leave the flag out")
+    refuse_empty_flags(args, {"--attention-backend": "flash_attn, or auto",
+                              "--generation-config": "auto, vllm or a directory"})
     _check_generation_config(args.generation_config, args.target)
     if args.api_key is not None and not args.api_key:
         raise UserError("--api-key is empty; give a key or leave the flag out")

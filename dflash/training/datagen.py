@@ -244,7 +244,7 @@ def _load_dataset(config: DatagenConfig, source: str, local: bool = False) -> li
     require(["datasets"], "reading a dataset instead of a JSONL file")
     import datasets
     if local and any((Path(source) / name).exists() for name in ("state.json", "dataset_dict.json")):
-        return _saved_dataset(source, config.split, config.subset)
+        return _saved_dataset(source, config)
     try:
         unreachable = None if local or hub.offline() else hub.unreachable(source, repo_type="dataset",
                                                                           instead="pass a local JSONL file")
@@ -282,12 +282,12 @@ def _load_dataset_file(path: Path) -> list[dict]:
         raise UserError(f"could not read --prompts {path} as a {path.suffix} file: {in_brief(err)}") from None
 
 
-def _saved_dataset(source: str, split: str | None, subset: str | None) -> list[dict]:
-    """The rows of a `save_to_disk` directory: a Dataset (whole; `split`, when given, must be the one it was saved
-    from), or `split` (default train) of a DatasetDict."""
+def _saved_dataset(source: str, config: DatagenConfig) -> list[dict]:
+    """The rows of a `save_to_disk` directory: a Dataset (whole; --split, when given, must be the one it was saved
+    from), or --split (default train) of a DatasetDict."""
     import datasets
 
-    if subset is not None:
+    if config.subset is not None:
         raise UserError(f"--subset picks a configuration of a hub dataset, and --prompts {source} is a saved dataset, "
                         "which holds one: drop --subset")
     try:
@@ -295,14 +295,14 @@ def _saved_dataset(source: str, split: str | None, subset: str | None) -> list[d
     except Exception as err:
         raise UserError(f"could not read the saved dataset {source!r}: {in_brief(err)}") from None
     if isinstance(saved, datasets.DatasetDict):
-        split = split or "train"
+        split = config.dataset_split()
         if split not in saved:
             raise UserError(f"--prompts {source} holds the splits {', '.join(saved)}, not {split!r}; pick one with "
                             "--split")
         saved = saved[split]
-    elif split is not None and saved.split is not None and str(saved.split) != split:
-        raise UserError(f"--prompts {source} holds one split, {str(saved.split)!r}, saved alone, not {split!r}: drop "
-                        "--split to read it whole")
+    elif config.split is not None and saved.split is not None and str(saved.split) != config.split:
+        raise UserError(f"--prompts {source} holds one split, {str(saved.split)!r}, saved alone, not "
+                        f"{config.split!r}: drop --split to read it whole")
     return list(saved)
 
 

@@ -110,13 +110,18 @@ def test_python_dash_m_dflash_is_the_dflash_command():
 def test_integer_lists_take_a_trailing_comma_but_not_an_empty_item():
     import argparse
 
-    from dflash.cli.common import int_list
+    from dflash.cli.common import block_size_list, int_list
 
     assert int_list("1,9,17") == [1, 9, 17] and int_list("1,9,") == [1, 9] and int_list(" 4 , 8") == [4, 8]
     assert int_list(",") == [] == int_list("")  # the flag's own check names it ("--concurrency was given no value")
     for typo in ("1,,2", ",1", "1;2"):
         with pytest.raises(argparse.ArgumentTypeError, match="expected integers separated by commas"):
             int_list(typo)
+    # --block-size's lists follow the same rule (one splitter, dflash.config_types.split_list)
+    assert block_size_list("auto, 8,16,") == ["auto", 8, 16] and block_size_list(",") == []
+    for typo in ("8,,16", ",8"):
+        with pytest.raises(argparse.ArgumentTypeError, match="expected block sizes separated by commas"):
+            block_size_list(typo)
 
 
 def test_the_decoding_commands_name_the_flags_in_the_api_errors(capsys):
