@@ -3,8 +3,11 @@
 A JSONL record has `messages` or ShareGPT `conversations` (a chat list with assistant answers), or `prompt` /
 `turns` plus `response`. Records written by `dflash datagen` also carry `prompt_ids` and `response_ids`, the
 exact tokens the target saw and produced for the last turn, and for a conversation of several turns
-`earlier_turns`, the same pair for each turn before it; those are used as they are. Every assistant turn is an
-example of its own: its response after exactly the prompt the target answered it from.
+`earlier_turns`, the same pair for each turn before it; those are used as they are. Every assistant turn trains on
+its response after exactly the prompt the target answered it from. Turns whose prompt continues the turn before it
+(its prompt and response, token for token: most chat templates) are one example, one sequence with several
+responses, so the target computes a conversation once rather than once per turn; a turn whose prompt renders the
+conversation otherwise (Qwen3's template drops earlier answers' thinking) starts an example of its own.
 """
 
 from __future__ import annotations
@@ -22,16 +25,44 @@ import torch
 from dflash.errors import UserError
 from dflash.records import RecordError, chat_messages, has_chat, read_jsonl, shown, text_field, texts_field
 
+Span = tuple[int, int]  # [start, end) of one response's tokens in an example's input_ids
+
 
 @dataclass
 class Example:
+    """One training sequence: a response, or several turns' responses each after the context it was answered in."""
+
     input_ids: list[int]
-    response_start: int  # index of the first response token
+    responses: list[Span]  # in order; the last ends the sequence
     record: int = 0  # the record's line: a conversation's turns stay on one side of the held-out split
-    asked: int = 0  # a hash of the user messages up to this turn: another answer to a held-out question shares it
+    asked: tuple[int, ...] = ()  # per response, a hash of the user messages before it: another answer to a
+    # held-out question shares it
+
+    def __post_init__(self) -> None:
+        self.asked = tuple(self.asked) or (0,) * len(self.responses)
 
     def __len__(self) -> int:
         return len(self.input_ids)
+
+    @property
+    def response_start(self) -> int:
+        """Where the first response starts: what precedes it is the first prompt."""
+        return self.responses[0][0]
+
+    def prompts(self) -> list[tuple[int, ...]]:
+        """Each response's prompt: the tokens before it."""
+        return [tuple(self.input_ids[:start]) for start, _ in self.responses]
+
+    def response_tokens(self) -> list[int]:
+        return [t for start, end in self.responses for t in self.input_ids[start:end]]
+
+    def keeping(self, kept: list[int]) -> Example | None:
+        """This example with only the responses at the indices `kept` (the others stay as context, untrained),
+        cut after the last one; None when none is kept."""
+        if not kept:
+            return None
+        responses = [self.responses[i] for i in kept]
+        return Example(self.input_ids[: responses[-1][1]], responses, self.record, tuple(self.asked[i] for i in kept))
 
 
 def record_messages(record: dict) -> list[dict]:
@@ -77,13 +108,41 @@ def _tokenized(record: dict, tokenizer, max_length: int, vocab_size: int | None,
     """`tokenize_record`, with what `read_examples` counts; the record's texts are read once."""
     texts = _texts(record)
     turns = record_turns(record, tokenizer, vocab_size, template_kwargs, texts)
+    asked = _asked(texts, [p for p, _ in turns], prompt_suffix)
     examples = []
-    for (prompt, response), asked in zip(turns, _asked(texts, [p for p, _ in turns], prompt_suffix)):
-        ids = (prompt + response)[:max_length]
-        if len(ids) - len(prompt) >= 2:
-            examples.append(Example(ids, len(prompt), asked=asked))
+    for group in _continued_turns(turns):
+        prompt, response = turns[group[-1]]
+        whole = Example(prompt + response, [_span(*turns[i]) for i in group], asked=tuple(asked[i] for i in group))
+        examples.append(_cut(whole, max_length))
+    examples = [e for e in examples if e is not None]
     old_format = _has_ids(record) and "earlier_turns" not in record
     return _Tokenized(examples, len(turns), max(0, len(_answered(texts)) - 1) if old_format else 0)
+
+
+def _span(prompt: list[int], response: list[int]) -> Span:
+    return len(prompt), len(prompt) + len(response)
+
+
+def _continued_turns(turns: list[tuple[list[int], list[int]]]) -> list[list[int]]:
+    """The turns' indices grouped into sequences: a turn joins the one before it when its prompt starts with that
+    turn's prompt and response, token for token (then its sequence holds both as they were answered)."""
+    groups: list[list[int]] = []
+    for i, (prompt, _) in enumerate(turns):
+        before = turns[i - 1][0] + turns[i - 1][1] if i else None
+        if before is not None and prompt[: len(before)] == before:
+            groups[-1].append(i)
+        else:
+            groups.append([i])
+    return groups
+
+
+def _cut(example: Example, max_length: int) -> Example | None:
+    """The example within max_length tokens: the responses with at least 2 tokens left (a block needs an anchor
+    and a label), the sequence ending with the last of them; None when none is left."""
+    ids = example.input_ids[:max_length]
+    cut = [(start, min(end, len(ids))) for start, end in example.responses]
+    kept = [i for i, (start, end) in enumerate(cut) if end - start >= 2]
+    return Example(ids, cut, example.record, example.asked).keeping(kept)
 
 
 def _asked(texts: list[dict], prompts: list[list[int]], prompt_suffix: str) -> list[int]:
@@ -242,7 +301,7 @@ def _ids(encoded) -> list[int]:
 
 @dataclass
 class ExampleFile:
-    examples: list[Example]  # a turn each; a record of several answered turns gives several
+    examples: list[Example]  # a record's turns, one or more sequences of them (`_continued_turns`)
     records: int  # how many records the file holds
     dropped: list[int]  # line numbers of records none of whose turns has 2 response tokens within max_length
     cut_turns: int = 0  # turns of the other records left out so
@@ -267,7 +326,7 @@ def read_examples(path: str | Path, tokenizer, max_length: int, vocab_size: int 
         if not read.examples:
             dropped.append(n)
         else:
-            cut += read.turns - len(read.examples)
+            cut += read.turns - sum(len(e.responses) for e in read.examples)
         unstored += read.answers_without_ids
         texts += not _has_ids(record)
     if not examples:
@@ -277,10 +336,13 @@ def read_examples(path: str | Path, tokenizer, max_length: int, vocab_size: int 
 
 
 def fingerprint(examples: list[Example]) -> str:
-    """A hash of the examples' tokens, in order: the same data gives the same value."""
+    """A hash of the examples' tokens, in order: the same data gives the same value (and single-response examples
+    the value they had before an example could hold several)."""
     digest = hashlib.sha256()
     for e in examples:
         digest.update(struct.pack("<qq", len(e.input_ids), e.response_start))
+        if len(e.responses) > 1:
+            digest.update(array("q", [i for span in e.responses for i in span]).tobytes())
         digest.update(array("q", e.input_ids).tobytes())
     return digest.hexdigest()[:16]
 
@@ -308,7 +370,7 @@ def split_records(examples: list[Example], eval_fraction: float, seed: int) -> t
 class Batch:
     input_ids: torch.Tensor  # (b, T), right-padded
     attention_mask: torch.Tensor  # (b, T) bool: real tokens
-    loss_mask: torch.Tensor  # (b, T) bool: response tokens
+    loss_mask: torch.Tensor  # (b, T) bool: response tokens (a block never runs from one response into the next)
     indices: list[int]  # example indices within their split (anchor seeds, feature cache keys)
     split: str = "train"
 
@@ -321,7 +383,8 @@ def collate(examples: list[Example], indices: list[int], pad_id: int, split: str
     for r, e in enumerate(examples):
         ids[r, : len(e)] = torch.tensor(e.input_ids)
         real[r, : len(e)] = True
-        response[r, e.response_start: len(e)] = True
+        for start, end in e.responses:
+            response[r, start:end] = True
     return Batch(ids, real, response, indices, split)
 
 

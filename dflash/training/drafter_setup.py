@@ -53,7 +53,7 @@ def mask_token_problem(mask_id: int, target: TargetModel) -> str | None:
 
 def mask_token_uses(mask_id: int, examples: list[Example]) -> int:
     """How often the mask token is a response token of the data, where blocks start and are labelled."""
-    return sum(e.input_ids[e.response_start:].count(mask_id) for e in examples)
+    return sum(e.response_tokens().count(mask_id) for e in examples)
 
 
 def mask_token_advice(tokenizer, vocab_size: int) -> str:

@@ -113,7 +113,9 @@ def build_blocks(
     in_range = positions < T
     safe = positions.clamp(max=T - 1)
     targets = input_ids.gather(1, safe.view(b, -1)).view(b, n, B)
-    labelled = in_range & loss_mask.gather(1, safe.view(b, -1)).view(b, n, B) & anchor_valid[:, :, None]
+    in_response = in_range & loss_mask.gather(1, safe.view(b, -1)).view(b, n, B)
+    # up to the anchor's response's end: a block never runs on into a later turn's response
+    labelled = in_response.long().cumprod(-1).bool() & anchor_valid[:, :, None]
     labelled[:, :, 0] = False  # the anchor itself is given, not predicted
     tokens = torch.full((b, n, B), mask_token_id, dtype=input_ids.dtype, device=device)
     tokens[:, :, 0] = input_ids.gather(1, anchors)
@@ -240,8 +242,9 @@ def walk_decoding_anchors(
     """Where greedy decoding of each response would start its blocks, found by drafting them in turn.
 
     Decoding anchors its first block at the first response token (the prefill produced it) and each next one
-    where the last one's accepted tokens end (its bonus token); it stops when no label follows. Every anchor but
-    the first sits after a miss, and these are the blocks decoding's acceptance length is measured on.
+    where the last one's accepted tokens end (its bonus token); it stops when no label follows, and goes on at
+    the next response's first token (a later turn's prefill). Every anchor but a response's first sits after a
+    miss, and these are the blocks decoding's acceptance length is measured on.
     `acceptance_lengths(rows (r,), anchors (r,)) -> (r,)` drafts one block per row at the given
     anchors and returns 1 + its leading correct draft tokens (`leading_correct`).
 
@@ -250,20 +253,36 @@ def walk_decoding_anchors(
     """
     b, T = loss_mask.shape
     candidates = anchor_candidates(loss_mask)
+    last, next_first = _response_bounds(loss_mask, candidates)
     walked = torch.zeros_like(loss_mask)
     tokens = torch.zeros(b, dtype=torch.long, device=loss_mask.device)
-    anchor = loss_mask.long().argmax(1)  # (b,) first response token
-    last = loss_mask.long().cumsum(1).argmax(1)  # (b,) last response token
-    active = candidates.gather(1, anchor[:, None])[:, 0]
+    anchor = next_first[:, 0].clone()  # (b,) the first response's first token (T: none)
+    active = anchor < T
     while bool(active.any()):
         rows = active.nonzero().flatten()  # (r,)
         walked[rows, anchor[rows]] = True
         accepted = acceptance_lengths(rows, anchor[rows]).to(anchor)  # (r,) >= 1
-        accepted = torch.minimum(accepted, last[rows] - anchor[rows])  # no bonus token past the text
+        accepted = torch.minimum(accepted, last[rows, anchor[rows]] - anchor[rows])  # no bonus token past the text
         tokens[rows] += accepted
         anchor[rows] += accepted
-        active[rows] = (anchor[rows] < T) & candidates[rows, anchor[rows].clamp(max=T - 1)]
+        at = anchor[rows].clamp(max=T - 1)
+        ended = (anchor[rows] >= T) | ~candidates[rows, at]  # this response is done: on to the next one's first
+        anchor[rows] = torch.where(ended, next_first[rows, at], anchor[rows])
+        active[rows] = anchor[rows] < T
     return walked, tokens
+
+
+def _response_bounds(loss_mask: torch.Tensor, candidates: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """For each position (b, T): the last token of the response it is in, and the first token at or after it of
+    a response that has a label to draft (T where there is none)."""
+    b, T = loss_mask.shape
+    t = torch.arange(T, device=loss_mask.device).expand(b, T)
+    never = torch.full_like(t, T)
+    ends = loss_mask & ~torch.cat([loss_mask[:, 1:], torch.zeros_like(loss_mask[:, :1])], dim=1)
+    last = torch.where(ends, t, never).flip(1).cummin(1).values.flip(1)  # (b, T) next response end at or after
+    starts = candidates & ~torch.cat([torch.zeros_like(loss_mask[:, :1]), loss_mask[:, :-1]], dim=1)
+    next_first = torch.where(starts, t, never).flip(1).cummin(1).values.flip(1)  # (b, T)
+    return last, next_first
 
 
 def estimated_acceptance_length(accepted: float, blocks: float) -> float:

@@ -377,18 +377,22 @@ class Trainer:
                        f"{self.config.target or ours}`")
 
     def _without_held_out_prompts(self, examples: list[Example], flag: str, path: str) -> list[Example]:
-        """Training examples, less those whose prompt is a held-out one (another answer to it, or the same record
-        twice in --data): the held-out figures must come from prompts training never saw."""
-        held = {tuple(e.input_ids[: e.response_start]) for e in self.eval_examples}
-        asked = {e.asked for e in self.eval_examples}  # the same questions after other answers (a sampled rerun)
-        kept, left = [], set()
+        """Training examples, less the responses whose prompt is a held-out one (another answer to it, or the same
+        record twice in --data): the held-out figures must come from prompts training never saw. Such a response
+        stays in its sequence as context of the turns after it, untrained."""
+        held = {prompt for e in self.eval_examples for prompt in e.prompts()}
+        asked = {a for e in self.eval_examples for a in e.asked}  # the same questions after other answers
+        kept, left, turns_left = [], set(), 0
         for e in examples:
-            if e.asked in asked or tuple(e.input_ids[: e.response_start]) in held:
+            fresh = [i for i, (prompt, question) in enumerate(zip(e.prompts(), e.asked))
+                     if question not in asked and prompt not in held]
+            if len(fresh) < len(e.responses):
                 left.add(e.record)
-            else:
-                kept.append(e)
+                turns_left += len(e.responses) - len(fresh)
+            if fresh:
+                kept.append(e.keeping(fresh))
         if left:
-            turns = f" ({len(examples) - len(kept)} turns)" if len(examples) - len(kept) != len(left) else ""
+            turns = f" ({turns_left} turns)" if turns_left != len(left) else ""
             self._warn(f"{flag} {path}: {len(left)} records{turns} answer a prompt or the questions of the held-out "
                        "split of --data and are left out of training (the held-out figures would be measured on "
                        "prompts training saw)")
@@ -1010,7 +1014,7 @@ class Trainer:
             order.append("the training or held-out examples differ (--data, --extra-train-data, --max-length, "
                          "--eval-fraction, --enable-thinking, or the files themselves; or the version that wrote the "
                          "checkpoint read them otherwise: since 2026-12-06 every answer of a multi-turn record "
-                         "trains)")
+                         "trains, and the turns of a conversation that continue one another train as one sequence)")
         if "data" not in state:  # a checkpoint of an older version: compare the options
             then = {**old, "max_length": min(old.get("max_length", 0), self.context or math.inf)}  # it was not capped
             order += [f"{k} {then.get(k)!r}, now {getattr(self.config, k)!r}"

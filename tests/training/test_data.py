@@ -59,13 +59,13 @@ def test_text_records_of_a_base_model_train_on_the_plain_conversation(tmp_path, 
                 {"role": "user", "content": "And in May?"}, {"role": "assistant", "content": "24 clips."}]
     path = tmp_path / "data.jsonl"
     path.write_text(json.dumps({"messages": messages}) + "\n")
-    examples = read_examples(path, base, max_length=64).examples
-    assert len(examples) == 2
-    for example, answered in zip(examples, (1, 3)):
-        prompt = example.input_ids[: example.response_start]
-        assert prompt == base(plain_conversation(messages[:answered]))["input_ids"]
-        assert example.input_ids == base(plain_conversation(messages[: answered + 1]))["input_ids"]
-        assert base.decode(example.input_ids[example.response_start:]).endswith(messages[answered]["content"])
+    [example] = read_examples(path, base, max_length=64).examples  # the second prompt continues the first turn
+    assert example.input_ids == base(plain_conversation(messages))["input_ids"]
+    assert len(example.responses) == 2
+    for (start, end), answered in zip(example.responses, (1, 3)):
+        assert example.input_ids[:start] == base(plain_conversation(messages[:answered]))["input_ids"]
+        assert example.input_ids[:end] == base(plain_conversation(messages[: answered + 1]))["input_ids"]
+        assert base.decode(example.input_ids[start:end]).endswith(messages[answered]["content"])
 
 
 def test_a_base_model_tokenizer_that_merges_across_the_prompts_end_is_refused(tmp_path):
@@ -169,6 +169,30 @@ def test_bad_earlier_turns_are_named_with_their_line(tmp_path, tokenizer, earlie
         read_examples(path, tokenizer, max_length=64, vocab_size=128)
 
 
+def test_turns_that_continue_one_another_are_one_sequence(tmp_path, tokenizer):
+    """Where a turn's prompt starts with the turn before it, prompt and answer token for token, the turns are one
+    example holding both answers: the target computes the conversation once. A turn whose prompt renders the
+    conversation otherwise starts a sequence of its own; --max-length keeps the answers it leaves 2 tokens of."""
+    first, second, third = ([5, 6], [20, 21, 22]), ([5, 6, 20, 21, 22, 7], [30, 31, 32]), ([5, 6, 20, 9], [40, 41])
+    record = {"prompt_ids": third[0], "response_ids": third[1],
+              "earlier_turns": [{"prompt_ids": p, "response_ids": r} for p, r in (first, second)]}
+    path = tmp_path / "data.jsonl"
+    path.write_text(json.dumps(record) + "\n")
+    loaded = read_examples(path, tokenizer, max_length=64, vocab_size=128)
+    assert [(e.input_ids, e.responses) for e in loaded.examples] == [
+        ([5, 6, 20, 21, 22, 7, 30, 31, 32], [(2, 5), (6, 9)]), ([5, 6, 20, 9, 40, 41], [(4, 6)])]
+    assert loaded.examples[0].prompts() == [(5, 6), (5, 6, 20, 21, 22, 7)]
+    assert loaded.examples[0].response_tokens() == [20, 21, 22, 30, 31, 32]
+    cut = read_examples(path, tokenizer, max_length=8, vocab_size=128)  # 2 tokens of the second answer are left
+    assert [(e.input_ids, e.responses) for e in cut.examples] == [
+        ([5, 6, 20, 21, 22, 7, 30, 31], [(2, 5), (6, 8)]), ([5, 6, 20, 9, 40, 41], [(4, 6)])]
+    cut = read_examples(path, tokenizer, max_length=7, vocab_size=128)  # 1: the sequence ends with the first
+    assert [(e.input_ids, e.responses) for e in cut.examples] == [([5, 6, 20, 21, 22], [(2, 5)]),
+                                                                  ([5, 6, 20, 9, 40, 41], [(4, 6)])]
+    assert cut.cut_turns == 1 and cut.examples[0].asked == loaded.examples[0].asked[:1]
+    assert fingerprint(loaded.examples) != fingerprint([loaded.examples[0].keeping([1]), loaded.examples[1]])
+
+
 def test_a_conversation_with_no_answer_after_a_prompt_is_named(tmp_path, tokenizer):
     path = tmp_path / "data.jsonl"
     path.write_text(json.dumps(GOOD) + "\n" + json.dumps({"messages": [{"role": "assistant", "content": "hi"}]}) + "\n")
@@ -184,12 +208,13 @@ def test_every_assistant_turn_of_a_text_conversation_is_an_example(tmp_path, tok
                 {"role": "assistant", "content": "36 clips."}]
     path = tmp_path / "data.jsonl"
     path.write_text(json.dumps({"messages": messages}) + "\n")
-    examples = read_examples(path, tokenizer, max_length=512).examples
-    assert len(examples) == 2
-    for example, end in zip(examples, (3, 5)):
-        prompt = _ids(_apply_template(tokenizer, messages[: end - 1], add_generation_prompt=True))
-        assert example.input_ids == _ids(_apply_template(tokenizer, messages[:end]))
-        assert example.input_ids[: example.response_start] == prompt
+    [example] = read_examples(path, tokenizer, max_length=512).examples  # one sequence: the template continues
+    assert example.input_ids == _ids(_apply_template(tokenizer, messages))
+    assert len(example.responses) == 2
+    for (start, end), answered in zip(example.responses, (3, 5)):
+        prompt = _ids(_apply_template(tokenizer, messages[: answered - 1], add_generation_prompt=True))
+        assert example.input_ids[:end] == _ids(_apply_template(tokenizer, messages[:answered]))
+        assert example.input_ids[:start] == prompt
 
 
 def test_the_held_out_split_keeps_a_conversation_together_and_one_turn_records_split_as_before(tmp_path, tokenizer):
@@ -213,8 +238,8 @@ def test_a_sharegpt_conversation_trains_as_the_same_messages_would(tmp_path, tok
     path = tmp_path / "data.jsonl"
     path.write_text(json.dumps({"conversations": [{"from": f, "value": v} for f, v in turns]}) + "\n"
                     + json.dumps({"messages": [{"role": roles[f], "content": v} for f, v in turns]}) + "\n")
-    examples = [(e.input_ids, e.response_start) for e in read_examples(path, tokenizer, max_length=512).examples]
-    assert len(examples) == 4 and examples[:2] == examples[2:]
+    examples = [(e.input_ids, e.responses) for e in read_examples(path, tokenizer, max_length=512).examples]
+    assert len(examples) == 2 and examples[0] == examples[1] and len(examples[0][1]) == 2
 
 
 # as Qwen3's template: thinking off opens the answer with an empty think block, in the prompt and in the full
@@ -256,7 +281,7 @@ def test_a_turn_is_known_by_the_user_messages_before_its_answer_whatever_the_rec
                       "earlier_turns": [{"prompt_ids": [5, 6], "response_ids": [7, 8]}]}
 
     def asked(record, prompt_suffix=""):
-        return [e.asked for e in tokenize_record(record, tokenizer, 512, prompt_suffix=prompt_suffix)]
+        return [a for e in tokenize_record(record, tokenizer, 512, prompt_suffix=prompt_suffix) for a in e.asked]
 
     text = asked({"messages": talk})
     assert len(set(text)) == 2 and asked(datagen_record, suffix) == text

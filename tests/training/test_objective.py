@@ -194,6 +194,41 @@ def test_decoding_walk_steps_from_each_accepted_end_and_has_no_bonus_past_the_te
     assert all(loss_mask[r, a] and loss_mask[r, a + 1] for r, a in asked)  # only drafted where a label follows
 
 
+def test_a_block_ends_with_its_response_and_never_labels_the_next_turns():
+    """A conversation of several turns is one sequence: a block anchored near the end of one response labels
+    only what is left of it, not the next turn's prompt nor, past a short one, the next response."""
+    ids = torch.arange(20)[None]  # (1, 20)
+    real = torch.ones(1, 20, dtype=torch.bool)
+    loss_mask = torch.zeros(1, 20, dtype=torch.bool)
+    loss_mask[0, 3:9] = True  # the first answer
+    loss_mask[0, 11:20] = True  # the second, after a 2-token prompt
+    anchors, valid = torch.tensor([[7, 11]]), torch.ones(1, 2, dtype=torch.bool)
+    blocks = build_blocks(ids, loss_mask, real, anchors, valid, 6, MASK_TOKEN_ID, gamma=7.0)
+    labels = blocks.labels.view(2, 6)
+    assert labels[0].tolist() == [-100, 8, -100, -100, -100, -100]  # 11 and 12 would be the next answer's
+    assert labels[1].tolist() == [-100, 12, 13, 14, 15, 16]
+    assert (blocks.weights.view(2, 6)[0, 2:] == 0).all()
+
+
+def test_decoding_walk_goes_on_at_each_response_of_a_conversation():
+    loss_mask = torch.zeros(1, 20, dtype=torch.bool)
+    loss_mask[0, 2:7] = True  # 5 tokens
+    loss_mask[0, 9] = True  # one token: nothing to draft
+    loss_mask[0, 12:18] = True  # 6 tokens
+    accepted = {2: 3, 5: 4, 12: 2, 14: 9}  # 5: capped at the end of its response, 14: at the end of the next
+    from dflash.training.objective import walk_decoding_anchors
+
+    asked = []
+
+    def acceptance_lengths(rows, anchors):
+        asked.extend(anchors.tolist())
+        return torch.tensor([accepted[a] for a in anchors.tolist()])
+
+    walked, tokens = walk_decoding_anchors(loss_mask, acceptance_lengths)
+    assert asked == [2, 5, 12, 14] and walked[0].nonzero().flatten().tolist() == asked
+    assert tokens.tolist() == [(5 - 1) + (6 - 1)]  # each response's first token came from its prompt's prefill
+
+
 def test_preferred_anchors_come_first_and_random_ones_fill_up():
     ids, real, loss_mask = toy_batch()
     preferred = torch.zeros_like(loss_mask)

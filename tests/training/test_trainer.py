@@ -313,13 +313,40 @@ def test_no_held_out_question_trains_and_cut_turns_are_named(tiny_pair, tmp_path
     again = conversations(tmp_path / "again.jsonl", 1)  # the same questions, other answers
     trainer = Trainer(config(tiny_pair, data, tmp_path / "o", eval_fraction=0.25, max_length=60,
                              extra_train_data=str(again))).setup()
-    held = {e.asked for e in trainer.eval_examples}
-    assert not any(e.asked in held for e in trainer.train_examples)
-    second_turns = [e for e in trainer.train_examples if e.response_start > 6]
+    held = {question for e in trainer.eval_examples for question in e.asked}
+    assert not any(question in held for e in trainer.train_examples for question in e.asked)
+    # each conversation is one sequence; its "Hello" answer stays as the context of its second turn, untrained
+    second_turns = [e for e in trainer.train_examples if len(e.responses) == 1 and e.response_start > 6]
     assert len(trainer.train_examples) == len(second_turns) == 10  # 5 of each file: line 1's turn 2 is cut
+    assert all(e.input_ids[:6] == [4, 5, 6, 7, 8, 9] for e in second_turns)
     err = " ".join(capsys.readouterr().err.split())
     assert f"--extra-train-data {again}: 8 records (10 turns) answer a prompt or the questions of the held-out" in err
     assert f"--data {data}: 1 turns of conversations are left out" in err  # line 1's second turn, cut by 60
+
+
+def test_a_conversation_trains_its_first_turn_as_that_turn_alone_would(tiny_pair, tmp_path):
+    """Turns that continue one another are one sequence (the target computes it once); a block of the first
+    answer sees the same context, and drafts the same logits, as in a sequence of that turn alone: what comes
+    after it in the conversation changes nothing."""
+    rng = random.Random(3)
+    prompt, answer = [rng.randrange(4, 120) for _ in range(6)], [rng.randrange(4, 120) for _ in range(14)]
+    later = prompt + answer + [rng.randrange(4, 120) for _ in range(4)]
+    data = tmp_path / "data.jsonl"
+    data.write_text(json.dumps({"prompt_ids": later, "response_ids": [rng.randrange(4, 120) for _ in range(12)],
+                                "earlier_turns": [{"prompt_ids": prompt, "response_ids": answer}]}) + "\n"
+                    + json.dumps({"prompt_ids": prompt, "response_ids": answer}) + "\n")
+    trainer = Trainer(config(tiny_pair, data, tmp_path / "o", eval_fraction=0, batch_size=2)).setup()
+    conversation, alone = trainer.train_examples
+    assert len(conversation.responses) == 2 and alone.responses == conversation.responses[:1]
+    batch = trainer._batch("train", [0, 1])
+    features, _ = trainer._features(batch)  # (2, T, F)
+    anchors = torch.tensor([[6, 10, 16], [6, 10, 16]])  # in the first answer (tokens 6..19)
+    blocks = build_blocks(batch.input_ids, batch.loss_mask, batch.attention_mask, anchors,
+                          torch.ones_like(anchors).bool(), 4, trainer.drafter_config.mask_token_id, 7.0)
+    assert torch.equal(blocks.labels[0], blocks.labels[1]) and torch.equal(blocks.weights[0], blocks.weights[1])
+    with torch.no_grad():
+        logits = trainer._draft(batch, features, blocks).logits  # (2, 12, vocab)
+    assert torch.allclose(logits[0], logits[1], atol=1e-5)
 
 
 def test_a_held_out_split_of_nothing_is_warned_of(tiny_pair, tmp_path, capsys):
