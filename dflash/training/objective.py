@@ -64,7 +64,8 @@ def sample_anchors(
     (e.g. greedy decoding's anchors, `walk_decoding_anchors`), those are taken first (a random subset of them
     when there are more than num_anchors) and random other candidates fill the remaining places.
 
-    Returns anchors (b, n) sorted and anchor_valid (b, n) bool (rows with short responses get fewer).
+    Returns anchors (b, n) sorted and anchor_valid (b, n) bool (rows with short responses get fewer); n is
+    num_anchors, or the most candidates a row of the batch has when that is fewer.
     """
     b, T = loss_mask.shape
     candidates = anchor_candidates(loss_mask)
@@ -76,7 +77,8 @@ def sample_anchors(
     if preferred is not None:
         scores = torch.where(preferred, scores - 1.0, scores)  # preferred in [-1, 0), the others in [0, 1)
     scores = scores.masked_fill(~candidates, 2.0)
-    n = min(num_anchors, T)
+    # no more places than the row with the most candidates fills: an empty one still costs a whole block
+    n = max(1, min(num_anchors, int(candidates.sum(1).max())))
     chosen_scores, chosen = torch.topk(scores, n, dim=1, largest=False)  # n random candidates per row
     valid = chosen_scores < 2.0
     anchors = torch.where(valid, chosen, torch.zeros_like(chosen))

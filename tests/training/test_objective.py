@@ -43,6 +43,20 @@ def test_anchors_fall_inside_the_response_with_a_label_after_them():
             assert anchors[r][valid[r]].tolist() == sorted(anchors[r][valid[r]].tolist())
 
 
+def test_a_batch_drafts_no_more_blocks_than_its_fullest_row_fills():
+    """An anchor place no candidate fills still costs a whole block of drafter compute: with --anchors-per-sequence
+    above what a batch's responses hold (512 in the published recipe), the batch gets as many places as its
+    fullest row fills, and every candidate of each row is an anchor all the same."""
+    ids, real, loss_mask = toy_batch()  # rows' candidates: 8..22 (15) and 8..18 (11)
+    gens = [torch.Generator().manual_seed(r) for r in range(2)]
+    anchors, valid = sample_anchors(loss_mask, 512, gens)
+    assert anchors.shape == (2, 15) and valid.sum(1).tolist() == [15, 11]
+    assert anchors[0].tolist() == list(range(8, 23)) and anchors[1][valid[1]].tolist() == list(range(8, 19))
+    nothing = torch.zeros_like(loss_mask)
+    anchors, valid = sample_anchors(nothing, 512, gens)
+    assert anchors.shape == (2, 1) and not valid.any()
+
+
 def test_labels_are_same_position_and_weights_decay():
     ids, real, loss_mask = toy_batch()
     anchors = torch.tensor([[8, 12], [10, 17]])
