@@ -125,11 +125,12 @@ def _span(prompt: list[int], response: list[int]) -> Span:
 
 def _continued_turns(turns: list[tuple[list[int], list[int]]]) -> list[list[int]]:
     """The turns' indices grouped into sequences: a turn joins the one before it when its prompt starts with that
-    turn's prompt and response, token for token (then its sequence holds both as they were answered)."""
+    turn's prompt and response, token for token, and adds a token of its own (then its sequence holds both as they
+    were answered; two answers with nothing between them would read as one response)."""
     groups: list[list[int]] = []
     for i, (prompt, _) in enumerate(turns):
         before = turns[i - 1][0] + turns[i - 1][1] if i else None
-        if before is not None and prompt[: len(before)] == before:
+        if before is not None and len(prompt) > len(before) and prompt[: len(before)] == before:
             groups[-1].append(i)
         else:
             groups.append([i])

@@ -382,20 +382,22 @@ class Trainer:
         stays in its sequence as context of the turns after it, untrained."""
         held = {prompt for e in self.eval_examples for prompt in e.prompts()}
         asked = {a for e in self.eval_examples for a in e.asked}  # the same questions after other answers
-        kept, left, turns_left = [], set(), 0
+        kept, left, answers_left = [], set(), 0
         for e in examples:
             fresh = [i for i, (prompt, question) in enumerate(zip(e.prompts(), e.asked))
                      if question not in asked and prompt not in held]
             if len(fresh) < len(e.responses):
                 left.add(e.record)
-                turns_left += len(e.responses) - len(fresh)
+                answers_left += len(e.responses) - len(fresh)
             if fresh:
                 kept.append(e.keeping(fresh))
         if left:
-            turns = f" ({turns_left} turns)" if turns_left != len(left) else ""
-            self._warn(f"{flag} {path}: {len(left)} records{turns} answer a prompt or the questions of the held-out "
-                       "split of --data and are left out of training (the held-out figures would be measured on "
-                       "prompts training saw)")
+            answers = f" ({answers_left} answers)" if answers_left != len(left) else ""
+            still = len(left & {e.record for e in kept})
+            others = f"; {still} of these records train on their other answers" if still else ""
+            self._warn(f"{flag} {path}: {len(left)} records{answers} answer a prompt or the questions of the held-out "
+                       f"split of --data, and those answers are left out of training{others} (the held-out figures "
+                       "would be measured on prompts training saw)")
         return kept
 
     def _setup_drafter(self) -> None:
@@ -861,18 +863,23 @@ class Trainer:
                "eval_tau_estimate": round(estimated_acceptance_length(totals["accepted"], totals["blocks"]), 3)}
         if recalls:
             out["eval_candidate_recall"] = round(sum(recalls) / len(recalls), 4)
-        replayed = min(self.config.eval_decoding_examples, len(self.eval_examples))
-        if replayed:
-            out["eval_tau_decoding"] = round(self._decoding_acceptance_length(replayed), 3)
+        if self.config.eval_decoding_examples:
+            out["eval_tau_decoding"] = round(self._decoding_acceptance_length(self.config.eval_decoding_examples), 3)
         self.drafter.train()
         accuracy = (correct[1:].float() / counted[1:].clamp_min(1)).tolist()
         return {**out, "eval_accuracy_per_position": [round(a, 3) for a in accuracy]}
 
-    def _decoding_acceptance_length(self, num_examples: int) -> float:
-        """tau of greedy decoding on the first held-out responses, walked one response at a time (`_walk`)."""
+    def _decoding_acceptance_length(self, num_responses: int) -> float:
+        """tau of greedy decoding on the first `num_responses` held-out responses, walked one sequence at a time
+        (`_walk`); a sequence's responses past that number are left out of its loss mask."""
         tokens = steps = 0
-        for i in range(num_examples):
+        for i, example in enumerate(self.eval_examples):
+            if num_responses <= 0:
+                break
             batch = self._batch("eval", [i])
+            if len(example.responses) > num_responses:
+                batch.loss_mask[0, example.responses[num_responses][0]:] = False
+            num_responses -= len(example.responses)
             features, _ = self._features(batch)  # (1, T, F)
             walked, walk_tokens = self._walk(*(t.to(self.device) for t in (batch.input_ids, batch.attention_mask,
                                                                           batch.loss_mask)), features)

@@ -190,6 +190,11 @@ def test_turns_that_continue_one_another_are_one_sequence(tmp_path, tokenizer):
     assert [(e.input_ids, e.responses) for e in cut.examples] == [([5, 6, 20, 21, 22], [(2, 5)]),
                                                                   ([5, 6, 20, 9, 40, 41], [(4, 6)])]
     assert cut.cut_turns == 1 and cut.examples[0].asked == loaded.examples[0].asked[:1]
+    # a prompt that adds nothing to the turn before it: the two answers would touch and read as one response
+    record["earlier_turns"][1]["prompt_ids"] = first[0] + first[1]
+    path.write_text(json.dumps(record) + "\n")
+    touching = read_examples(path, tokenizer, max_length=64, vocab_size=128)
+    assert [e.responses for e in touching.examples] == [[(2, 5)], [(5, 8)], [(4, 6)]]
     assert fingerprint(loaded.examples) != fingerprint([loaded.examples[0].keeping([1]), loaded.examples[1]])
 
 

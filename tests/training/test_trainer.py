@@ -288,7 +288,7 @@ def test_extra_train_data_never_trains_on_a_held_out_prompt(tiny_pair, train_dat
     held_prompts = {tuple(e.input_ids[: e.response_start]) for e in plain.eval_examples}
     assert not any(tuple(e.input_ids[: e.response_start]) in held_prompts for e in more.train_examples)
     assert (f"--extra-train-data {copy}: {held} records answer a prompt or the questions of the held-out "
-            "split of --data and are left out of training") in capsys.readouterr().err
+            "split of --data, and those answers are left out of training (the held-out") in capsys.readouterr().err
 
 
 def test_no_held_out_question_trains_and_cut_turns_are_named(tiny_pair, tmp_path, capsys):
@@ -320,7 +320,9 @@ def test_no_held_out_question_trains_and_cut_turns_are_named(tiny_pair, tmp_path
     assert len(trainer.train_examples) == len(second_turns) == 10  # 5 of each file: line 1's turn 2 is cut
     assert all(e.input_ids[:6] == [4, 5, 6, 7, 8, 9] for e in second_turns)
     err = " ".join(capsys.readouterr().err.split())
-    assert f"--extra-train-data {again}: 8 records (10 turns) answer a prompt or the questions of the held-out" in err
+    assert (f"--extra-train-data {again}: 8 records (10 answers) answer a prompt or the questions of the held-out "
+            "split of --data, and those answers are left out of training; 5 of these records train on their other "
+            "answers") in err
     assert f"--data {data}: 1 turns of conversations are left out" in err  # line 1's second turn, cut by 60
 
 
@@ -349,6 +351,32 @@ def test_a_conversation_trains_its_first_turn_as_that_turn_alone_would(tiny_pair
     assert torch.allclose(logits[0], logits[1], atol=1e-5)
 
 
+def test_eval_decoding_examples_counts_held_out_answers_not_sequences(tiny_pair, tmp_path, monkeypatch):
+    """A held-out conversation is one sequence of several answers: --eval-decoding-examples N replays N answers."""
+    rng = random.Random(4)
+    data = tmp_path / "data.jsonl"
+    with data.open("w") as f:
+        for _ in range(8):
+            first, answer = [rng.randrange(4, 120) for _ in range(5)], [rng.randrange(4, 120) for _ in range(10)]
+            second = first + answer + [rng.randrange(4, 120) for _ in range(3)]
+            f.write(json.dumps({"prompt_ids": second, "response_ids": [rng.randrange(4, 120) for _ in range(10)],
+                                "earlier_turns": [{"prompt_ids": first, "response_ids": answer}]}) + "\n")
+    trainer = Trainer(config(tiny_pair, data, tmp_path / "o", eval_fraction=0.25, batch_size=2)).setup()
+    assert [len(e.responses) for e in trainer.eval_examples] == [2, 2]
+    walked_masks = []
+    walk = trainer._walk
+    monkeypatch.setattr(trainer, "_walk", lambda ids, real, mask, features: walked_masks.append(mask.clone())
+                        or walk(ids, real, mask, features))
+
+    def answers_replayed(n: int) -> int:
+        walked_masks.clear()
+        trainer._decoding_acceptance_length(n)
+        starts = [m[0, 1:] & ~m[0, :-1] for m in walked_masks]  # each answer's first token (none at 0 here)
+        return sum(int(s.sum()) for s in starts)
+
+    assert [answers_replayed(n) for n in (1, 2, 3, 64)] == [1, 2, 3, 4]
+
+
 def test_a_held_out_split_of_nothing_is_warned_of(tiny_pair, tmp_path, capsys):
     """Turns of a record stay together, so --data of one conversation holds nothing out."""
     turns = [{"prompt_ids": [5 + k, 6, 7], "response_ids": list(range(20, 32))} for k in range(4)]
@@ -370,7 +398,8 @@ def test_a_record_listed_twice_in_data_never_trains_on_its_held_out_copy(tiny_pa
     assert not any(tuple(e.input_ids[: e.response_start]) in held_prompts for e in trainer.train_examples)
     left_out = 32 - 8 - len(trainer.train_examples)
     assert left_out > 0 and (f"--data {twice}: {left_out} records answer a prompt or the questions of the held-out "
-                             "split of --data and are left out of training") in capsys.readouterr().err
+                             "split of --data, and those answers are left out of training (the held-out figures"
+                             ) in capsys.readouterr().err
 
 
 def test_datagens_prompt_suffix_and_the_thinking_mode_reach_the_records_reader(tiny_pair, train_data, tmp_path,
