@@ -1,6 +1,7 @@
 """The DFlash training objective (REFERENCE section 4).
 
-For each sequence, anchors are sampled inside the response. Anchor a starts the block
+For each sequence, anchors are sampled inside the response (a conversation's sequence holds one per answer, and a
+block stops at the end of its anchor's). Anchor a starts the block
 `[x_a, MASK x (B-1)]` at positions a..a+B-1. The block sees the target's context features of positions
 strictly before a, all of its own block (bidirectional; a drafter whose config makes a layer causal or windowed
 narrows that layer's view, `DrafterConfig.layer_attention`) and no other block. Block position k (1..B-1)
