@@ -6,7 +6,7 @@ import argparse
 import sys
 
 from dflash.cli.common import add_thinking_argument, add_trust_remote_code_argument
-from dflash.training.datagen import DatagenConfig, read_prompts, run_datagen
+from dflash.training.datagen import DatagenConfig, Shard, read_prompts, run_datagen
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -46,9 +46,12 @@ def run(args: argparse.Namespace) -> int:
     prompts = read_prompts(config)  # once, and every record checked before the target loads
     if config.target is not None:  # found (or fetched) before the progress bar is drawn
         check_target_dir(resolve_model_dir(config.target))
-    bar = _Bar(len(prompts))
-    try:
-        result = run_datagen(config, progress=bar.advance, prompts=prompts)
+    shard = Shard.of_torchrun()
+    mine = len(prompts) if shard is None else sum(p.id % shard.world == shard.rank for p in prompts)
+    bar = _Bar(mine, "datagen" if shard is None else f"datagen, rank 0 of {shard.world}")
+    try:  # under torchrun rank 0 alone draws its share's bar and prints the summary
+        result = run_datagen(config, progress=bar.advance if shard is None or shard.rank == 0 else None,
+                             prompts=prompts)
     except KeyboardInterrupt:  # every answer is written whole and flushed: a rerun continues after the last one
         bar.stop()
         print(f"dflash datagen: stopped; the answers written to {config.output} are kept: rerun the same command to "
@@ -56,8 +59,10 @@ def run(args: argparse.Namespace) -> int:
         raise
     finally:
         bar.stop()
-    skipped = (f"; {len(result.skipped)} skipped: too long for the target's context (named above; a rerun skips "
-               "them again)" if result.skipped else "")
+    if shard is not None and shard.rank != 0:
+        return 0
+    skipped = (f"; {result.skipped_count} skipped: too long for the target's context (named above; a rerun skips "
+               "them again)" if result.skipped_count else "")
     skipped += (f"; {_count(result.cut, 'conversation')} {'ends' if result.cut == 1 else 'end'} early, a later "
                 "turn too long for the context" if result.cut else "")
     print(f"wrote {_count(result.written, 'new record')} to {config.output} ({_count(len(prompts), 'prompt')} in "
@@ -69,8 +74,8 @@ class _Bar:
     """The progress bar, drawn from the first prompt accounted for: after the output and its settings are checked,
     so a refusal (another job's output, other settings) is not preceded by an empty bar."""
 
-    def __init__(self, total: int):
-        self.total, self.progress, self.task = total, None, None
+    def __init__(self, total: int, label: str = "datagen"):
+        self.total, self.label, self.progress, self.task = total, label, None, None
 
     def advance(self, n: int) -> None:
         if self.progress is None:
@@ -78,7 +83,7 @@ class _Bar:
 
             self.progress = Progress(transient=False)
             self.progress.start()
-            self.task = self.progress.add_task("datagen", total=self.total)
+            self.task = self.progress.add_task(self.label, total=self.total)
         self.progress.advance(self.task, n)
 
     def stop(self) -> None:

@@ -5,6 +5,10 @@ already done and drops a half-written last line, so interrupted runs resume with
 must continue the same job: every record keeps a hash of its prompt and `OUTPUT.datagen.json` the
 generation settings, and a rerun with another prompt file, order or settings is refused, never mixed in.
 
+Under torchrun each process answers its share of the prompts (ids i with i % processes == its rank) into its own
+part file beside the output, on its own GPU (LOCAL_RANK); when all are done, rank 0 appends the parts to the output
+and deletes them. A rerun, with any number of processes or none, resumes from the output and the parts it finds.
+
 A prompt too long for the target's context is skipped with a warning that names it. It is not recorded:
 whether a prompt fits depends only on the prompt and the target, both pinned by the checks above, so a
 rerun skips it again, at the cost of tokenizing it. Answers stop at the end of the target's context
@@ -14,12 +18,14 @@ rerun skips it again, at the cost of tokenizing it. Answers stop at the end of t
 from __future__ import annotations
 
 import contextlib
+import glob
 import hashlib
 import json
 import os
 import re
 import sys
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
+from datetime import timedelta
 from pathlib import Path
 from typing import IO, Iterator
 
@@ -153,6 +159,11 @@ class DatagenResult:
     held: int = 0  # records the output holds now (a rerun with a lower --limit leaves the ones beyond it)
     skipped: list[str] = field(default_factory=list)  # prompts too long for the target's context: why, each
     cut: int = 0  # conversations ended early: a later turn did not fit in the target's context
+    skipped_elsewhere: int = 0  # under torchrun: the other processes' skipped prompts (they named them)
+
+    @property
+    def skipped_count(self) -> int:
+        return len(self.skipped) + self.skipped_elsewhere
 
 
 def prompt_messages(record: dict, prompt_field: str | None = None) -> list[list[dict]]:
@@ -379,9 +390,10 @@ def _output_record(value) -> dict | None:
     return None
 
 
-def check_rerun(config: DatagenConfig, prompts: list[Prompt], done: dict[int, str | None]) -> None:
+def check_rerun(config: DatagenConfig, prompts: list[Prompt], done: dict[int, str | None], record: bool = True,
+                ) -> None:
     """Refuse to add to an output made from other prompts or with other settings; record the settings of a new
-    output (`OUTPUT.datagen.json`)."""
+    output (`OUTPUT.datagen.json`) unless `record` is False."""
     output = Path(config.output)
     _check_prompts(output, prompts, done, limited=config.limit is not None)
     path, settings = settings_path(output), config.settings()
@@ -394,6 +406,8 @@ def check_rerun(config: DatagenConfig, prompts: list[Prompt], done: dict[int, st
         if changed:
             raise UserError(f"{output} was generated with other settings ({'; '.join(changed)}); rerun with the "
                             "same ones to resume it, or pass another --output")
+        return
+    if not record:
         return
     if done:
         _warn(f"{output} has no {path.name} (written by an older dflash): this run's settings cannot be checked "
@@ -434,23 +448,146 @@ def _check_prompts(output: Path, prompts: list[Prompt], done: dict[int, str | No
 # ---- generation ----------------------------------------------------------------------------------------------
 def run_datagen(config: DatagenConfig, progress=None, prompts: list[Prompt] | None = None) -> DatagenResult:
     """Generate what is missing from `output`. `progress(n)`: n more prompts are accounted for (done before,
-    skipped or answered now); `prompts`: when the caller has read them already (`read_prompts`)."""
+    skipped or answered now); `prompts`: when the caller has read them already (`read_prompts`). Under torchrun,
+    each process its share (`_run_shard`)."""
     config.validate()
-    output = Path(config.output)
     prompts = read_prompts(config) if prompts is None else prompts
     if config.enable_thinking:
         _refuse_thinking_without_template(config)
+    shard = Shard.of_torchrun()
+    if shard is not None:
+        return _run_shard(config, prompts, progress, shard)
+    output = Path(config.output)
     with _claim(output) as f:  # before the target loads: a run must not end in an error about where answers go
-        done = done_ids(output)
-        check_rerun(config, prompts, done)
-        todo = [p for p in prompts if p.id not in done]
-        if progress:
-            progress(len(prompts) - len(todo))
-        result = DatagenResult()
-        if todo:
-            _answer(config, todo, f, result, progress)
-        result.held = len(done) + result.written
+        check_rerun(config, prompts, done_ids(output))
+        _join_leftover_parts(f, config, prompts)
+        return _generate(config, prompts, f, progress)
+
+
+def _generate(config: DatagenConfig, prompts: list[Prompt], f: IO[str], progress, skip: set[int] | None = None,
+              ) -> DatagenResult:
+    """Answer the prompts that `config.output` (open as `f`, claimed) lacks, after checking it is theirs; `skip`:
+    ids done elsewhere (a shard's in the output its part joins)."""
+    output = Path(config.output)
+    done = done_ids(output)
+    check_rerun(config, prompts, done)
+    todo = [p for p in prompts if p.id not in done and p.id not in (skip or ())]
+    if progress:
+        progress(len(prompts) - len(todo))
+    result = DatagenResult()
+    if todo:
+        _answer(config, todo, f, result, progress)
+    result.held = len(done) + result.written
     return result
+
+
+@dataclass
+class Shard:
+    """This process's place under torchrun: it answers the prompts whose id % world == rank."""
+
+    rank: int
+    world: int
+    local_rank: int
+
+    @staticmethod
+    def of_torchrun() -> "Shard | None":
+        world = int(os.environ.get("WORLD_SIZE", "1"))
+        if world <= 1:
+            return None
+        return Shard(int(os.environ["RANK"]), world, int(os.environ.get("LOCAL_RANK", "0")))
+
+    def part(self, output: Path, rank: int | None = None) -> Path:
+        """The file the process of `rank` (default this one) writes its answers to, beside the output."""
+        rank = self.rank if rank is None else rank
+        return output.with_name(f"{output.name}.part-{rank}-of-{self.world}")
+
+    def device(self, device: str | None) -> str | None:
+        """This process's GPU (LOCAL_RANK) for --device cuda or none given on a machine with GPUs."""
+        import torch
+
+        if device in (None, "cuda") and torch.cuda.is_available():
+            return f"cuda:{self.local_rank}"
+        return device
+
+    def barrier(self) -> None:
+        import torch.distributed as dist
+
+        if not dist.is_initialized():  # gloo: a rendezvous and a few sums, on any device; one share may take hours
+            dist.init_process_group("gloo", timeout=timedelta(days=7))
+        dist.barrier()
+
+    def sum(self, values: list[int]) -> list[int]:
+        import torch
+        import torch.distributed as dist
+
+        total = torch.tensor(values, dtype=torch.long)
+        dist.all_reduce(total)
+        return total.tolist()
+
+
+def _run_shard(config: DatagenConfig, prompts: list[Prompt], progress, shard: Shard) -> DatagenResult:
+    """This process's share into its part file; then rank 0 appends every part to the output (claimed by rank 0
+    from the start, so no other job writes it meanwhile) and deletes them. The output's settings are checked
+    against its records by rank 0 before anyone starts, and each part's against its own."""
+    output = Path(config.output)
+    with _claim(output) if shard.rank == 0 else contextlib.nullcontext() as f:
+        # every process checks (a refusal then stops them all at once); rank 0 records the settings
+        check_rerun(config, prompts, done_ids(output), record=shard.rank == 0)
+        if shard.rank == 0:
+            _join_leftover_parts(f, config, prompts)
+        shard.barrier()
+        done = set(done_ids(output))  # as rank 0 left it
+        part = shard.part(output)
+        share = [p for p in prompts if p.id % shard.world == shard.rank]
+        with _claim(part) as part_file:
+            result = _generate(replace(config, output=str(part), device=shard.device(config.device)), share,
+                               part_file, progress, skip=done)
+        written, skipped, cut = shard.sum([result.written, len(result.skipped), result.cut])
+        shard.barrier()
+        if shard.rank == 0:
+            result.held = _append_parts(f, output, [shard.part(output, r) for r in range(shard.world)])
+    result.written, result.cut = written, cut
+    result.skipped_elsewhere = skipped - len(result.skipped)  # the other processes named theirs
+    return result
+
+
+def _join_leftover_parts(f: IO[str], config: DatagenConfig, prompts: list[Prompt]) -> None:
+    """The part files a stopped torchrun run left beside the output (any number of processes), checked as its own
+    answers to these prompts with these settings, appended to the output (open as `f`)."""
+    output = Path(config.output)
+    parts = sorted(path for path in output.parent.glob(glob.escape(output.name) + ".part-*-of-*")
+                   if re.fullmatch(r"part-\d+-of-\d+", path.name[len(output.name) + 1:]))
+    for part in parts:
+        check_rerun(replace(config, output=str(part)), prompts, done_ids(part), record=False)
+    if parts:
+        _append_parts(f, output, parts)
+
+
+def _append_parts(f: IO[str], output: Path, parts: list[Path]) -> int:
+    """Append the parts' records the output lacks to it (open as `f`), then delete them and their settings; how
+    many records the output holds. A run stopped in between appends nothing twice when it is run again."""
+    done = set(done_ids(output))
+    try:
+        for part in parts:
+            if not part.exists():
+                continue
+            done_ids(part)  # checked as datagen output; a half-written last line is cut
+            with part.open("rb") as lines:
+                for line in lines:
+                    record = _output_record(_json(line))
+                    if record is not None and record["id"] not in done:
+                        f.write(line.decode("utf-8"))
+                        done.add(record["id"])
+        f.flush()
+        os.fsync(f.fileno())
+        for part in parts:
+            for path in (part, settings_path(part)):
+                path.unlink(missing_ok=True)
+    except OSError as err:
+        raise UserError(f"could not join the processes' answers into {output} ({in_brief(err)}); they are kept in "
+                        f"{parts[0].name} ... beside it: free some space and rerun the same command to join "
+                        "them") from None
+    return len(done)
 
 
 def _refuse_thinking_without_template(config: DatagenConfig) -> None:

@@ -82,6 +82,64 @@ def test_generates_all_turns_with_the_target_own_answers(tiny_pair, prompts, tmp
         "content"]
 
 
+def torchrun_datagen(*flags: str, processes: int = 2):
+    import os
+    import socket
+    import subprocess
+    import sys
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    return subprocess.run(
+        [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(processes), "--master_port", str(port),
+         "-m", "dflash.cli.main", "datagen", *flags], capture_output=True, text=True, timeout=300,
+        env={**os.environ, "OMP_NUM_THREADS": "1"})
+
+
+def test_under_torchrun_each_process_answers_its_share_and_rank_0_joins_them(tiny_pair, prompts, tmp_path):
+    """Two processes write what one would (the same greedy records), into the one output, without duplicates: also
+    when a stopped run left part of the output and a part file, which a rerun with another process count resumes."""
+    common = ["--target", str(tiny_pair[0]), "--prompts", str(prompts), "--max-new-tokens", "8", "--batch-size", "2",
+              "--device", "cpu"]
+    one = tmp_path / "one.jsonl"
+    assert main(["datagen", *common, "--output", str(one)]) == 0
+    two = tmp_path / "two.jsonl"
+    proc = torchrun_datagen(*common, "--output", str(two))
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert proc.stdout.count("wrote 5 new records to") == 1 and "it holds 5" in proc.stdout  # rank 0's summary
+    by_id = {r["id"]: r for r in read(one)}
+    assert sorted(read(two), key=lambda r: r["id"]) == [by_id[i] for i in range(5)]
+    assert sorted(p.name for p in tmp_path.iterdir() if p.name.startswith("two")) == [
+        "two.jsonl", "two.jsonl.datagen.json"]  # the parts are joined and gone
+    # a stopped 3-process run: ids 0 and 3 (rank 0's) in the output, id 1 in rank 1's part, with half a line
+    stopped = tmp_path / "stopped.jsonl"
+    stopped.write_text(json.dumps(by_id[0]) + "\n" + json.dumps(by_id[3]) + "\n")
+    shutil.copy(settings_path(one), settings_path(stopped))
+    part = tmp_path / "stopped.jsonl.part-1-of-3"
+    part.write_text(json.dumps(by_id[1]) + "\n" + '{"id": 4, "prompt_ha')
+    shutil.copy(settings_path(one), settings_path(part))
+    proc = torchrun_datagen(*common, "--output", str(stopped))  # two processes now: the part is joined first
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "wrote 2 new records to" in proc.stdout and "it holds 5" in proc.stdout
+    assert sorted(read(stopped), key=lambda r: r["id"]) == [by_id[i] for i in range(5)]
+    assert not part.exists() and not settings_path(part).exists()
+    # one process resumes a stopped torchrun run too; a part made with other settings is refused, not joined
+    alone = tmp_path / "alone.jsonl"
+    part = tmp_path / "alone.jsonl.part-0-of-2"
+    part.write_text(json.dumps(by_id[0]) + "\n" + json.dumps(by_id[2]) + "\n")
+    settings_path(part).write_text(settings_path(one).read_text().replace('"max_new_tokens": 8', '"max_new_tokens": 9'))
+    with pytest.raises(UserError, match=re.escape(f"{part} was generated with other settings (max_new_tokens 9, now "
+                                                  "8)")):
+        run_datagen(DatagenConfig(target=str(tiny_pair[0]), prompts=str(prompts), output=str(alone), max_new_tokens=8,
+                                  batch_size=2, device="cpu"))
+    shutil.copy(settings_path(one), settings_path(part))
+    result = run_datagen(DatagenConfig(target=str(tiny_pair[0]), prompts=str(prompts), output=str(alone),
+                                       max_new_tokens=8, batch_size=2, device="cpu"))
+    assert (result.written, result.held) == (3, 5) and not part.exists()
+    assert sorted(read(alone), key=lambda r: r["id"]) == [by_id[i] for i in range(5)]
+
+
 def test_a_sharegpt_record_is_asked_as_its_messages_would_be():
     from dflash.training.datagen import prompt_messages
 
