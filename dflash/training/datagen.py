@@ -527,8 +527,8 @@ class Shard:
 
 def _run_shard(config: DatagenConfig, prompts: list[Prompt], progress, shard: Shard) -> DatagenResult:
     """This process's share into its part file; then rank 0 appends every part to the output (claimed by rank 0
-    from the start, so no other job writes it meanwhile) and deletes them. The output's settings are checked
-    against its records by rank 0 before anyone starts, and each part's against its own."""
+    from the start, so no other job writes it meanwhile) and deletes them. Every process checks the output's
+    records and settings before anyone starts (rank 0 joins a stopped run's parts then), and each part's own."""
     output = Path(config.output)
     with _claim(output) if shard.rank == 0 else contextlib.nullcontext() as f:
         # every process checks (a refusal then stops them all at once); rank 0 records the settings
