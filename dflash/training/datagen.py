@@ -336,10 +336,10 @@ def saved_settings(output: Path) -> dict | None:
                             f"{output} there: move that file elsewhere, or pass another --output", SETTINGS_KEYS)
 
 
-def done_ids(output: Path) -> dict[int, str | None]:
+def done_ids(output: Path, cut: bool = True) -> dict[int, str | None]:
     """The ids already written, with their prompt hashes (None in records of older versions). A file that is not
     datagen output, or is broken before its last line, is refused; a half-written last line (an interrupted run)
-    is cut off."""
+    is cut off, or with `cut` False (a reader that does not hold the file's lock) only left out."""
     if not output.exists():
         return {}
     try:
@@ -367,8 +367,9 @@ def done_ids(output: Path) -> dict[int, str | None]:
         if not ours_so_far or (whole is not _NOT_JSON and _output_record(whole) is None):
             raise UserError(f"{output} is not dflash datagen output (line {len(lines) + 1} is not a record); pass "
                             "another --output")
-        with output.open("r+b") as f:  # the interrupted write of a record: it is generated again
-            f.truncate(len(data) - len(tail))
+        if cut:
+            with output.open("r+b") as f:  # the interrupted write of a record: it is generated again
+                f.truncate(len(data) - len(tail))
     return {record["id"]: record.get("prompt_hash") for _, _, record in parsed}
 
 
@@ -483,7 +484,8 @@ def _generate(config: DatagenConfig, prompts: list[Prompt], f: IO[str], progress
 
 @dataclass
 class Shard:
-    """This process's place under torchrun: it answers the prompts whose id % world == rank."""
+    """This process's place under torchrun: it answers the prompts whose id % world == rank. The processes meet
+    over gloo (a rendezvous and a few sums, whatever the device; one share may take hours)."""
 
     rank: int
     world: int
@@ -494,6 +496,11 @@ class Shard:
         world = int(os.environ.get("WORLD_SIZE", "1"))
         if world <= 1:
             return None
+        missing = [name for name in ("RANK", "MASTER_ADDR", "MASTER_PORT") if name not in os.environ]
+        if missing:
+            raise UserError(f"WORLD_SIZE is {world}, but {', '.join(missing)} {'is' if len(missing) == 1 else 'are'} "
+                            "not set: run several processes with torchrun (torchrun --nproc_per_node N -m "
+                            "dflash.cli.main datagen ...), or unset WORLD_SIZE for one")
         return Shard(int(os.environ["RANK"]), world, int(os.environ.get("LOCAL_RANK", "0")))
 
     def part(self, output: Path, rank: int | None = None) -> Path:
@@ -509,41 +516,65 @@ class Shard:
             return f"cuda:{self.local_rank}"
         return device
 
-    def barrier(self) -> None:
+    def join(self) -> None:
         import torch.distributed as dist
 
-        if not dist.is_initialized():  # gloo: a rendezvous and a few sums, on any device; one share may take hours
-            dist.init_process_group("gloo", timeout=timedelta(days=7))
-        dist.barrier()
+        if not dist.is_initialized():
+            try:
+                dist.init_process_group("gloo", timeout=timedelta(days=7))
+            except (RuntimeError, ValueError) as err:
+                raise UserError(f"the processes of this torchrun job could not meet ({in_brief(err)}); check "
+                                "torchrun's --master-addr / --master-port and rerun") from None
+
+    def agree(self, failure: UserError | None) -> None:
+        """Every process learns whether any of them failed here: the one that did raises its error, the others
+        one that points to it, so all stop at once."""
+        failed = self.sum([failure is not None])[0]
+        if failure is not None:
+            raise failure
+        if failed:
+            raise UserError("another process of this torchrun job stopped (its error is above); nothing was generated")
 
     def sum(self, values: list[int]) -> list[int]:
+        """The values summed over the processes; a process that died meanwhile (its error above) stops this one
+        with a UserError, not gloo's traceback."""
         import torch
         import torch.distributed as dist
 
         total = torch.tensor(values, dtype=torch.long)
-        dist.all_reduce(total)
+        try:
+            dist.all_reduce(total)
+        except RuntimeError as err:
+            raise UserError(f"another process of this torchrun job stopped (its error is above; here: "
+                            f"{in_brief(err)}); the answers written are kept: rerun the same command to resume"
+                            ) from None
         return total.tolist()
 
 
 def _run_shard(config: DatagenConfig, prompts: list[Prompt], progress, shard: Shard) -> DatagenResult:
     """This process's share into its part file; then rank 0 appends every part to the output (claimed by rank 0
-    from the start, so no other job writes it meanwhile) and deletes them. Every process checks the output's
-    records and settings before anyone starts (rank 0 joins a stopped run's parts then), and each part's own."""
+    from the start, so no other job writes it meanwhile) and deletes them. Rank 0 checks the output's records and
+    settings and joins a stopped run's parts before anyone starts (the others wait, and stop with it if it
+    refuses); each part is checked against its own settings."""
     output = Path(config.output)
-    with _claim(output) if shard.rank == 0 else contextlib.nullcontext() as f:
-        # every process checks (a refusal then stops them all at once); rank 0 records the settings
-        check_rerun(config, prompts, done_ids(output), record=shard.rank == 0)
+    shard.join()
+    with contextlib.ExitStack() as claimed:
+        failure, f = None, None
         if shard.rank == 0:
-            _join_leftover_parts(f, config, prompts)
-        shard.barrier()
-        done = set(done_ids(output))  # as rank 0 left it
+            try:
+                f = claimed.enter_context(_claim(output))
+                check_rerun(config, prompts, done_ids(output))
+                _join_leftover_parts(f, config, prompts)
+            except UserError as err:
+                failure = err
+        shard.agree(failure)
+        done = set(done_ids(output, cut=False))  # as rank 0 left it; nobody writes it until the parts are done
         part = shard.part(output)
         share = [p for p in prompts if p.id % shard.world == shard.rank]
         with _claim(part) as part_file:
             result = _generate(replace(config, output=str(part), device=shard.device(config.device)), share,
                                part_file, progress, skip=done)
-        written, skipped, cut = shard.sum([result.written, len(result.skipped), result.cut])
-        shard.barrier()
+        written, skipped, cut = shard.sum([result.written, len(result.skipped), result.cut])  # all parts done
         if shard.rank == 0:
             result.held = _append_parts(f, output, [shard.part(output, r) for r in range(shard.world)])
     result.written, result.cut = written, cut
@@ -553,14 +584,25 @@ def _run_shard(config: DatagenConfig, prompts: list[Prompt], progress, shard: Sh
 
 def _join_leftover_parts(f: IO[str], config: DatagenConfig, prompts: list[Prompt]) -> None:
     """The part files a stopped torchrun run left beside the output (any number of processes), checked as its own
-    answers to these prompts with these settings, appended to the output (open as `f`)."""
+    answers to these prompts with these settings, appended to the output (open as `f`); a settings file left
+    without its part is deleted."""
     output = Path(config.output)
-    parts = sorted(path for path in output.parent.glob(glob.escape(output.name) + ".part-*-of-*")
-                   if re.fullmatch(r"part-\d+-of-\d+", path.name[len(output.name) + 1:]))
+    found = output.parent.glob(glob.escape(output.name) + ".part-*-of-*")
+    names = {path.name[len(output.name) + 1:]: path for path in found}
+    parts = [names[name] for name in sorted(names) if re.fullmatch(r"part-\d+-of-\d+", name)]
     for part in parts:
-        check_rerun(replace(config, output=str(part)), prompts, done_ids(part), record=False)
+        try:
+            check_rerun(replace(config, output=str(part)), prompts, done_ids(part), record=False)
+        except UserError as err:
+            raise UserError(f"{part} is taken for the part file of a stopped torchrun run of dflash datagen on "
+                            f"{output.name}, and it cannot be joined to it: {err}. Move it out of "
+                            f"{output.parent} (its answers are then generated again)") from None
     if parts:
         _append_parts(f, output, parts)
+    for name, path in names.items():
+        own = output.with_name(f"{output.name}.{name.removesuffix('.datagen.json')}")
+        if re.fullmatch(r"part-\d+-of-\d+\.datagen\.json", name) and not own.exists():
+            path.unlink(missing_ok=True)
 
 
 def _append_parts(f: IO[str], output: Path, parts: list[Path]) -> int:

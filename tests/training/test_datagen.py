@@ -124,20 +124,36 @@ def test_under_torchrun_each_process_answers_its_share_and_rank_0_joins_them(tin
     assert "wrote 2 new records to" in proc.stdout and "it holds 5" in proc.stdout
     assert sorted(read(stopped), key=lambda r: r["id"]) == [by_id[i] for i in range(5)]
     assert not part.exists() and not settings_path(part).exists()
-    # one process resumes a stopped torchrun run too; a part made with other settings is refused, not joined
+    # a part made with other settings is refused, not joined: by rank 0, and the other process stops with it at
+    # once (not when torchrun gives up on it after 30 s)
     alone = tmp_path / "alone.jsonl"
     part = tmp_path / "alone.jsonl.part-0-of-2"
     part.write_text(json.dumps(by_id[0]) + "\n" + json.dumps(by_id[2]) + "\n")
     settings_path(part).write_text(settings_path(one).read_text().replace('"max_new_tokens": 8', '"max_new_tokens": 9'))
-    with pytest.raises(UserError, match=re.escape(f"{part} was generated with other settings (max_new_tokens 9, now "
-                                                  "8)")):
-        run_datagen(DatagenConfig(target=str(tiny_pair[0]), prompts=str(prompts), output=str(alone), max_new_tokens=8,
-                                  batch_size=2, device="cpu"))
+    started = time.monotonic()
+    proc = torchrun_datagen(*common, "--output", str(alone))
+    assert proc.returncode != 0 and time.monotonic() - started < 25
+    assert (f"[rank 0/2]: error: {part} is taken for the part file of a stopped torchrun run of dflash datagen on "
+            "alone.jsonl, and it cannot be joined to it") in proc.stderr
+    assert "(max_new_tokens 9, now 8)" in proc.stderr
+    assert "[rank 1/2]: error: another process of this torchrun job stopped (its error is above)" in proc.stderr
+    # one process resumes a stopped torchrun run too, and drops a settings file left without its part
     shutil.copy(settings_path(one), settings_path(part))
+    orphan = settings_path(tmp_path / "alone.jsonl.part-1-of-2")
+    shutil.copy(settings_path(one), orphan)
     result = run_datagen(DatagenConfig(target=str(tiny_pair[0]), prompts=str(prompts), output=str(alone),
                                        max_new_tokens=8, batch_size=2, device="cpu"))
-    assert (result.written, result.held) == (3, 5) and not part.exists()
+    assert (result.written, result.held) == (3, 5) and not part.exists() and not orphan.exists()
     assert sorted(read(alone), key=lambda r: r["id"]) == [by_id[i] for i in range(5)]
+
+
+def test_a_world_size_without_torchrun_is_named(prompts, tmp_path, monkeypatch, capsys):
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    monkeypatch.delenv("MASTER_ADDR", raising=False)
+    monkeypatch.setenv("RANK", "0")
+    assert main(["datagen", "--prompts", str(prompts), "--output", str(tmp_path / "o.jsonl")]) == 2
+    assert ("WORLD_SIZE is 2, but MASTER_ADDR, MASTER_PORT are not set: run several processes with torchrun"
+            in capsys.readouterr().err)
 
 
 def test_a_sharegpt_record_is_asked_as_its_messages_would_be():
