@@ -526,6 +526,14 @@ class Shard:
                 raise UserError(f"the processes of this torchrun job could not meet ({in_brief(err)}); check "
                                 "torchrun's --master-addr / --master-port and rerun") from None
 
+    def leave(self) -> None:
+        """Close the process group: left open, its gloo threads can abort the process as it exits ("terminate
+        called without an active exception")."""
+        import torch.distributed as dist
+
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
     def agree(self, failure: UserError | None) -> None:
         """Every process learns whether any of them failed here: the one that did raises its error, the others
         one that points to it, so all stop at once."""
@@ -559,6 +567,7 @@ def _run_shard(config: DatagenConfig, prompts: list[Prompt], progress, shard: Sh
     output = Path(config.output)
     shard.join()
     with contextlib.ExitStack() as claimed:
+        claimed.callback(shard.leave)  # last: after the output's lock is let go
         failure, f = None, None
         if shard.rank == 0:
             try:
