@@ -528,10 +528,13 @@ class Shard:
 
     def leave(self) -> None:
         """Close the process group: left open, its gloo threads can abort the process as it exits ("terminate
-        called without an active exception")."""
+        called without an active exception"); its last work is collected first."""
+        import gc
+
         import torch.distributed as dist
 
         if dist.is_initialized():
+            gc.collect()
             dist.destroy_process_group()
 
     def agree(self, failure: UserError | None) -> None:
@@ -586,6 +589,7 @@ def _run_shard(config: DatagenConfig, prompts: list[Prompt], progress, shard: Sh
         written, skipped, cut = shard.sum([result.written, len(result.skipped), result.cut])  # all parts done
         if shard.rank == 0:
             result.held = _append_parts(f, output, [shard.part(output, r) for r in range(shard.world)])
+        shard.sum([0])  # the processes leave together: none exits while another still uses the group
     result.written, result.cut = written, cut
     result.skipped_elsewhere = skipped - len(result.skipped)  # the other processes named theirs
     return result
