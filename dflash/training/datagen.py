@@ -34,6 +34,7 @@ from dflash.errors import UserError, in_brief
 from dflash.extras import require
 from dflash.records import chat_messages, has_chat, read_json_object, read_jsonl, text_field, texts_field
 from dflash.training.lock import lock_or_refuse
+from dflash.training.processes import process_device
 
 PROMPT_FIELDS = ("prompt", "question", "instruction", "text")  # looked for in this order without --prompt-field
 RECORD_START = b'{"id": '  # how every output line starts: a half-written last line is recognised by it
@@ -458,21 +459,24 @@ def run_datagen(config: DatagenConfig, progress=None, prompts: list[Prompt] | No
     shard = Shard.of_torchrun()
     if shard is not None:
         return _run_shard(config, prompts, progress, shard)
-    output = Path(config.output)
-    with _claim(output) as f:  # before the target loads: a run must not end in an error about where answers go
-        check_rerun(config, prompts, done_ids(output))
-        _join_leftover_parts(f, config, prompts)
-        return _generate(config, prompts, f, progress)
+    with _claim(Path(config.output)) as f:  # before the target loads: a run must not end in an error about where
+        done = _checked_output(config, prompts, f)  # answers go
+        return _generate(config, prompts, f, progress, done)
 
 
-def _generate(config: DatagenConfig, prompts: list[Prompt], f: IO[str], progress, skip: set[int] | None = None,
-              ) -> DatagenResult:
-    """Answer the prompts that `config.output` (open as `f`, claimed) lacks, after checking it is theirs; `skip`:
-    ids done elsewhere (a shard's in the output its part joins)."""
-    output = Path(config.output)
-    done = done_ids(output)
+def _checked_output(config: DatagenConfig, prompts: list[Prompt], f: IO[str]) -> set[int]:
+    """The ids `config.output` (open as `f`, claimed) holds, once it is checked as these prompts' answers with
+    these settings (which a new output records) and the parts a stopped torchrun run left are joined to it."""
+    done = done_ids(Path(config.output))
     check_rerun(config, prompts, done)
-    todo = [p for p in prompts if p.id not in done and p.id not in (skip or ())]
+    done = set(done)
+    _join_leftover_parts(f, config, prompts, done)
+    return done
+
+
+def _generate(config: DatagenConfig, prompts: list[Prompt], f: IO[str], progress, done: set[int]) -> DatagenResult:
+    """Answer the prompts whose ids are not in `done` into `config.output` (open as `f`, claimed and checked)."""
+    todo = [p for p in prompts if p.id not in done]
     if progress:
         progress(len(prompts) - len(todo))
     result = DatagenResult()
@@ -489,7 +493,6 @@ class Shard:
 
     rank: int
     world: int
-    local_rank: int
 
     @staticmethod
     def of_torchrun() -> "Shard | None":
@@ -501,20 +504,12 @@ class Shard:
             raise UserError(f"WORLD_SIZE is {world}, but {', '.join(missing)} {'is' if len(missing) == 1 else 'are'} "
                             "not set: run several processes with torchrun (torchrun --nproc_per_node N -m "
                             "dflash.cli.main datagen ...), or unset WORLD_SIZE for one")
-        return Shard(int(os.environ["RANK"]), world, int(os.environ.get("LOCAL_RANK", "0")))
+        return Shard(int(os.environ["RANK"]), world)
 
     def part(self, output: Path, rank: int | None = None) -> Path:
         """The file the process of `rank` (default this one) writes its answers to, beside the output."""
         rank = self.rank if rank is None else rank
         return output.with_name(f"{output.name}.part-{rank}-of-{self.world}")
-
-    def device(self, device: str | None) -> str | None:
-        """This process's GPU (LOCAL_RANK) for --device cuda or none given on a machine with GPUs."""
-        import torch
-
-        if device in (None, "cuda") and torch.cuda.is_available():
-            return f"cuda:{self.local_rank}"
-        return device
 
     def join(self) -> None:
         import torch.distributed as dist
@@ -571,34 +566,35 @@ def _run_shard(config: DatagenConfig, prompts: list[Prompt], progress, shard: Sh
     shard.join()
     with contextlib.ExitStack() as claimed:
         claimed.callback(shard.leave)  # last: after the output's lock is let go
-        failure, f = None, None
+        failure, f, done = None, None, set()
         if shard.rank == 0:
             try:
                 f = claimed.enter_context(_claim(output))
-                check_rerun(config, prompts, done_ids(output))
-                _join_leftover_parts(f, config, prompts)
+                done = _checked_output(config, prompts, f)
             except UserError as err:
                 failure = err
         shard.agree(failure)
-        done = set(done_ids(output, cut=False))  # as rank 0 left it; nobody writes it until the parts are done
-        part = shard.part(output)
+        if shard.rank != 0:  # as rank 0 left it; nobody writes it until the parts are done
+            done = set(done_ids(output, cut=False))
+        part_config = replace(config, output=str(shard.part(output)), device=process_device(config.device))
         share = [p for p in prompts if p.id % shard.world == shard.rank]
-        with _claim(part) as part_file:
-            result = _generate(replace(config, output=str(part), device=shard.device(config.device)), share,
-                               part_file, progress, skip=done)
+        with _claim(Path(part_config.output)) as part_file:
+            in_part = done_ids(Path(part_config.output))
+            check_rerun(part_config, share, in_part)
+            result = _generate(part_config, share, part_file, progress, done | set(in_part))
         written, skipped, cut = shard.sum([result.written, len(result.skipped), result.cut])  # all parts done
         if shard.rank == 0:
-            result.held = _append_parts(f, output, [shard.part(output, r) for r in range(shard.world)])
+            result.held = _append_parts(f, output, [shard.part(output, r) for r in range(shard.world)], done)
         shard.sum([0])  # the processes leave together: none exits while another still uses the group
     result.written, result.cut = written, cut
     result.skipped_elsewhere = skipped - len(result.skipped)  # the other processes named theirs
     return result
 
 
-def _join_leftover_parts(f: IO[str], config: DatagenConfig, prompts: list[Prompt]) -> None:
+def _join_leftover_parts(f: IO[str], config: DatagenConfig, prompts: list[Prompt], done: set[int]) -> None:
     """The part files a stopped torchrun run left beside the output (any number of processes), checked as its own
-    answers to these prompts with these settings, appended to the output (open as `f`); a settings file left
-    without its part is deleted."""
+    answers to these prompts with these settings, appended to the output (open as `f`, holding the ids `done`,
+    which grows); a settings file left without its part is deleted."""
     output = Path(config.output)
     found = output.parent.glob(glob.escape(output.name) + ".part-*-of-*")
     names = {path.name[len(output.name) + 1:]: path for path in found}
@@ -611,22 +607,22 @@ def _join_leftover_parts(f: IO[str], config: DatagenConfig, prompts: list[Prompt
                             f"{output.name}, and it cannot be joined to it: {err}. Move it out of "
                             f"{output.parent} (its answers are then generated again)") from None
     if parts:
-        _append_parts(f, output, parts)
+        _append_parts(f, output, parts, done)
     for name, path in names.items():
         own = output.with_name(f"{output.name}.{name.removesuffix('.datagen.json')}")
         if re.fullmatch(r"part-\d+-of-\d+\.datagen\.json", name) and not own.exists():
             path.unlink(missing_ok=True)
 
 
-def _append_parts(f: IO[str], output: Path, parts: list[Path]) -> int:
-    """Append the parts' records the output lacks to it (open as `f`), then delete them and their settings; how
-    many records the output holds. A run stopped in between appends nothing twice when it is run again."""
-    done = set(done_ids(output))
+def _append_parts(f: IO[str], output: Path, parts: list[Path], done: set[int]) -> int:
+    """Append the parts' records that the output (open as `f`, holding the ids `done`, which grows) lacks, then
+    delete the parts and their settings; how many records the output holds. The parts are checked datagen output
+    (a stopped run's by `_join_leftover_parts`), and a run stopped in between appends nothing twice when it is run
+    again."""
     try:
         for part in parts:
             if not part.exists():
                 continue
-            done_ids(part)  # checked as datagen output; a half-written last line is cut
             with part.open("rb") as lines:
                 for line in lines:
                     record = _output_record(_json(line))

@@ -71,6 +71,7 @@ from dflash.training.objective import (
     true_predecessors,
     walk_decoding_anchors,
 )
+from dflash.training.processes import process_device
 
 
 def parameter_groups(drafter: DFlashDraftModel, lr: float) -> list[dict]:
@@ -182,11 +183,10 @@ class Trainer:
             self.rank, self.world = dist.get_rank(), dist.get_world_size()
 
     def _device(self) -> torch.device:
-        """--device, checked; by default this process's GPU when there is one (LOCAL_RANK under torchrun)."""
-        local_rank = int(os.environ.get("LOCAL_RANK", "0"))
-        name = self.config.device
+        """--device, checked; by default this process's GPU when there is one (`process_device`)."""
+        name = process_device(self.config.device)
         if not name:
-            return torch.device("cuda", local_rank) if torch.cuda.is_available() else torch.device("cpu")
+            return torch.device("cpu")
         try:
             device = torch.device(name)
         except RuntimeError:
@@ -196,7 +196,6 @@ class Trainer:
             if not torch.cuda.is_available():
                 raise UserError(f"--device {name}, but torch sees no CUDA GPU here; pass --device cpu, or leave "
                                 "--device out to use a GPU when there is one")
-            device = torch.device("cuda", local_rank if device.index is None else device.index)
             if device.index >= torch.cuda.device_count():
                 raise UserError(f"--device {device} does not exist: torch sees {torch.cuda.device_count()} GPU(s)")
         return device
