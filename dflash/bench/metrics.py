@@ -57,6 +57,8 @@ class BenchResult:
     first_error: str | None = None
     baseline_first_error: str | None = None
     notes: list[str] = field(default_factory=list)  # what the backend saw that a reader of the numbers must know
+    # server: the level was cut short (a server went away, Ctrl-C); its figures cover what had finished (notes: what)
+    partial: bool = False
     baseline_cost_per_1m_tokens_usd: float | None = None
     dflash_cost_per_1m_tokens_usd: float | None = None
 

@@ -34,7 +34,7 @@ class Column:
 
 
 COLUMNS: list[Column] = [
-    Column("dataset", lambda r: r.dataset, key=True),
+    Column("dataset", lambda r: r.dataset + (" (partial)" if r.partial else ""), key=True),
     Column("B", lambda r: r.block_size, key=True),
     Column("mean B", lambda r: r.mean_block_size, "{:.1f}"),
     Column("prompts", lambda r: r.num_prompts),
@@ -46,9 +46,9 @@ COLUMNS: list[Column] = [
 ]
 TIMING_COLUMNS: list[Column] = [  # when measured: local decoding, or streamed server requests
     Column("TTFT ms", lambda r: r.dflash_ttft_ms, "{:.1f}"),
-    Column("base TPOT ms", lambda r: r.baseline_tpot_ms, "{:.2f}"),
     Column("TPOT ms", lambda r: r.dflash_tpot_ms, "{:.2f}"),
 ]
+BASELINE_TPOT = Column("base TPOT ms", lambda r: r.baseline_tpot_ms, "{:.2f}")  # before TPOT, when measured
 COST_COLUMNS: list[Column] = [
     Column("base $/1M", lambda r: r.baseline_cost_per_1m_tokens_usd, "{:.2f}"),
     Column("DFlash $/1M", lambda r: r.dflash_cost_per_1m_tokens_usd, "{:.2f}"),
@@ -93,6 +93,8 @@ def columns_for(results: list[BenchResult]) -> list[Column]:
         columns.insert([c.header for c in columns].index("prompts") + 1, DISTINCT)
     if any(r.dflash_ttft_ms is not None for r in results):
         columns += TIMING_COLUMNS
+        if any(r.baseline_tpot_ms is not None for r in results):
+            columns.insert(len(columns) - 1, BASELINE_TPOT)
     if any(r.speedup_per_round for r in results):
         columns += ROUNDS_COLUMNS
     if any(r.dflash_cost_per_1m_tokens_usd is not None for r in results):
@@ -225,7 +227,8 @@ def markdown(results: list[BenchResult], setup: dict) -> str:
               "|" + "|".join("---" for _ in columns) + "|"]
     lines += ["| " + " | ".join(cell(c.get(r), c.fmt) for c in columns) + " |" for r in results]
     label = drafted_by(results)
-    rounds = (" (with rounds, the median of the rounds' speedups; speedup range: their min-max)"
+    rounds = (" (with rounds, the median of the rounds' speedups; speedup range: their min-max; prompts: a round's "
+              "conversations, errors: those of every round)"
               if any(r.speedup_per_round for r in results) else "")
     lines += ["", f"tok/s: output tokens per second of generation time; speedup: {label} tok/s / baseline tok/s"
               f"{rounds}; "
@@ -323,7 +326,7 @@ def plot_throughput(results: list[BenchResult]):
 
     by_dataset: dict[str, list[BenchResult]] = defaultdict(list)
     for r in results:
-        if r.backend == "server" and r.concurrency is not None:
+        if r.backend == "server" and r.concurrency is not None and not r.partial:  # a cut level reads low
             by_dataset[r.dataset].append(r)
     if not any(len({r.concurrency for r in rs}) > 1 for rs in by_dataset.values()):
         return None

@@ -61,7 +61,7 @@ def run_bench(config: BenchConfig, pipe=None, console: Console | None = None,
     stdout = stdout or Console()
     data = load_data(config) if data is None else data
     if config.backend == "server":
-        runs = _server_runs(config, _server_backend(config, console), data, console)
+        runs = _server_runs(config, _server_backend(config, data, console), data, console)
     else:
         runs = _local_runs(config, _local_backend(config, data, pipe, console), data, console)
     info = setup(config, pipe, data)
@@ -121,7 +121,9 @@ def _show_partial(results: list[BenchResult], written: int, config: BenchConfig,
     else:
         where = (f"in the table above; {config.output_dir} holds the first {written} (writing it failed)" if written
                  else f"in the table above only (writing {config.output_dir} failed)")
-    console.print(f"{stopped} after {len(results)} of {planned_runs(config)} runs; the finished ones are {where}",
+    whole = sum(not r.partial for r in results)
+    cut = " and part of one more (marked partial)" if whole < len(results) else ""
+    console.print(f"{stopped} after {whole} of {planned_runs(config)} runs{cut}; the finished ones are {where}",
                   style="bold yellow", highlight=False, soft_wrap=True)
 
 
@@ -156,7 +158,9 @@ def _local_runs(config: BenchConfig, backend: LocalBackend, data: dict[str, list
 
 
 # ---- server ---------------------------------------------------------------------------------------------
-def _server_backend(config: BenchConfig, console: Console) -> ServerBackend:
+def _server_backend(config: BenchConfig, data: dict[str, list[Sample]], console: Console) -> ServerBackend:
+    """Both servers checked and warmed up (a failed warm-up is a UserError before the output directory is
+    touched)."""
     from dflash.bench.server import ServerBackend
 
     server = config.server
@@ -166,12 +170,14 @@ def _server_backend(config: BenchConfig, console: Console) -> ServerBackend:
     server.model = backend.client.model  # config.json records the name sent, not None for "the first listed"
     for warning in backend.warnings:
         console.print(f"warning: {warning}", style="yellow", highlight=False, soft_wrap=True)
+    if not backend.warmed_up:
+        backend.warm_up(next(iter(data.values()))[0])  # the sample the first level would warm up with
     return backend
 
 
 def _server_runs(config: BenchConfig, backend: ServerBackend, data: dict[str, list[Sample]],
                  console: Console) -> Iterator[BenchResult]:
-    from dflash.bench.server import short_answers_warning
+    from dflash.bench.server import LevelCut, short_answers_warning
 
     server = config.server
     warned = False
@@ -182,8 +188,13 @@ def _server_runs(config: BenchConfig, backend: ServerBackend, data: dict[str, li
         for concurrency in server.concurrency:
             total = sum(len(s.turns) for s in samples) * backend.num_prompts(samples) // len(samples)
             total *= (2 if server.baseline_url else 1) * server.rounds
-            with _progress(config, f"{name} c={concurrency}", total, console) as advance:
-                result = backend.run_level(name, samples, concurrency, on_request=advance)
+            try:
+                with _progress(config, f"{name} c={concurrency}", total, console) as advance:
+                    result = backend.run_level(name, samples, concurrency, on_request=advance)
+            except LevelCut as cut:  # what the level had measured is reported (and saved), then the run stops
+                if cut.result is not None:
+                    yield cut.result
+                raise cut.error from None
             warning = None if warned else short_answers_warning(result, server)
             if warning:
                 console.print(f"warning: {warning}", style="yellow", highlight=False, soft_wrap=True)

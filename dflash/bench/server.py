@@ -208,10 +208,22 @@ def api_base_url(url: str, flag: str) -> str:
 
 
 def _check_http(url: str, flag: str, example: str):
-    parts = urlsplit(url.strip())
+    try:
+        parts = urlsplit(url.strip())
+        _ = parts.port  # a port that is no number raises here, not at the first request
+        httpx.URL(url.strip())  # what httpx refuses (a host it cannot encode, ...) is refused before the run too
+    except (ValueError, httpx.InvalidURL) as err:
+        raise UserError(f"{flag} {url!r} is no URL ({err}): give one like {example}") from None
     if parts.scheme not in ("http", "https") or not parts.netloc:
         raise UserError(f"{flag} must be an http:// or https:// URL like {example}, got {url!r}")
     return parts
+
+
+def api_url(base_url: str, path: str) -> str:
+    """An endpoint under the API root: the path goes before any query the root holds (a proxy's
+    `?api-version=...` stays at the end, where it belongs)."""
+    parts = urlsplit(base_url)
+    return urlunsplit((parts.scheme, parts.netloc, parts.path.rstrip("/") + path, parts.query, ""))
 
 
 def server_root(url: str) -> str:
@@ -334,68 +346,87 @@ class Client:
                       seed: int) -> RequestRecord:
         url, body = self.payload(messages, seed)
         start = time.perf_counter()
-        turned_away = [0]  # 429s waited out so far, kept through a timeout
+        attempts = Attempts()  # 429s waited out so far, kept through a timeout
         try:  # httpx's timeout bounds each wait for bytes; this one bounds the whole request, as the flag says
-            return await asyncio.wait_for(self._answer(http, url, body, sample_id, turn, start, turned_away),
+            return await asyncio.wait_for(self._answer(http, url, body, sample_id, turn, start, attempts),
                                           self.config.timeout_s)
         except (asyncio.TimeoutError, httpx.TimeoutException):
-            waits = f" (turned away with HTTP 429 {turned_away[0]} time(s) first)" if turned_away[0] else ""
-            return RequestRecord(sample_id, turn, time.perf_counter() - start, 0, "",
-                                 f"no whole answer within {self.config.timeout_flag} {self.config.timeout_s:g} s"
-                                 f"{waits}; raise {self.config.timeout_flag} for longer answers or a slower server",
-                                 turned_away=turned_away[0])
+            return RequestRecord(sample_id, turn, time.perf_counter() - start, 0, "", self._timed_out(attempts),
+                                 turned_away=attempts.turned_away)
         except httpx.ConnectError:  # it answered before the run (ServerBackend checks): it went away since
             raise UserError(f"lost the connection to {url} ({self.flag}) during the run: did the server "
                             "stop?") from None
         except BadReply as err:
-            return RequestRecord(sample_id, turn, time.perf_counter() - start, 0, "", str(err))
+            return RequestRecord(sample_id, turn, time.perf_counter() - start, 0, "", str(err),
+                                 turned_away=attempts.turned_away)
         except (httpx.HTTPError, ValueError) as err:
-            return RequestRecord(sample_id, turn, time.perf_counter() - start, 0, "", f"{type(err).__name__}: {err}")
+            return RequestRecord(sample_id, turn, time.perf_counter() - start, 0, "", f"{type(err).__name__}: {err}",
+                                 turned_away=attempts.turned_away)
+
+    def _timed_out(self, attempts: "Attempts") -> str:
+        limit = f"{self.config.timeout_flag} {self.config.timeout_s:g} s"
+        if attempts.waiting:  # still turned away when the time ran out: the server never took it
+            return (f"the server turned it away with HTTP 429 {attempts.turned_away} time(s) within {limit} and "
+                    "never took it (full all along): lower --concurrency to what the server takes at once "
+                    "(dflash serve: --max-batch-size plus --max-queue), or give it room")
+        if attempts.last_event is not None:  # the answer had ended, and the stream did not
+            return (f"the stream sent its {attempts.last_event} and then neither 'data: [DONE]' nor the end of the "
+                    f"response within {limit}: the server does not close its streams (run with --no-stream)")
+        waits = f" (turned away with HTTP 429 {attempts.turned_away} time(s) first)" if attempts.turned_away else ""
+        return (f"no whole answer within {limit}{waits}; raise {self.config.timeout_flag} for longer answers or a "
+                "slower server")
 
     async def _answer(self, http: httpx.AsyncClient, url: str, body: dict, sample_id: str, turn: int, start: float,
-                      turned_away: list[int]) -> RequestRecord:
+                      attempts: "Attempts") -> RequestRecord:
         """The request sent until the server takes it: a 429 (every slot and queue place taken) is waited out for
-        its Retry-After and sent again, as a client would, so a full server slows the load instead of failing it."""
+        its Retry-After, at least a wait that doubles with each refusal (`Attempts.backoff_s`), and sent again, as a
+        client would, so a full server slows the load instead of failing it."""
         while True:
             try:
                 record = await (self._streamed if self.config.stream else self._whole)(http, url, body, sample_id,
-                                                                                      turn, start)
+                                                                                      turn, start, attempts)
             except TurnedAway as refusal:
-                turned_away[0] += 1
-                await asyncio.sleep(refusal.wait_s)
+                attempts.turned_away += 1
+                attempts.waiting = True
+                await asyncio.sleep(max(refusal.wait_s, attempts.backoff_s()))
+                attempts.waiting = False
                 continue
-            record.turned_away = turned_away[0]
+            record.turned_away = attempts.turned_away
             return record
 
     async def _whole(self, http: httpx.AsyncClient, url: str, body: dict, sample_id: str, turn: int,
-                     start: float) -> RequestRecord:
+                     start: float, attempts: "Attempts") -> RequestRecord:
         """One request answered as one JSON object (--no-stream)."""
         response = await http.post(url, json=body, headers=self.headers, timeout=self.config.timeout_s)
         latency = time.perf_counter() - start
         _raise_if_turned_away(response)
         if response.status_code != 200:
             return RequestRecord(sample_id, turn, latency, 0, "", _http_error(response.status_code, response.text))
-        data = _json_object(response.json(), "an answer")
+        data = _json_object(_parsed(response.text, "an answer"), "an answer")
         tokens = _completion_tokens(data.get("usage"))
         (text, content), finish = _choice_text(data, self.config.endpoint), _finish_reason(data)
         if tokens is None:
             return RequestRecord(sample_id, turn, latency, 0, text, _no_usage(data.get("usage"), "answer"))
+        problem = _implausible_count(tokens, text, body["max_tokens"])
+        if problem:
+            return RequestRecord(sample_id, turn, latency, 0, text, problem)
         return RequestRecord(sample_id, turn, latency, tokens, text, finish_reason=finish, content=content)
 
     async def _streamed(self, http: httpx.AsyncClient, url: str, body: dict, sample_id: str, turn: int,
-                        start: float) -> RequestRecord:
+                        start: float, attempts: "Attempts") -> RequestRecord:
         """One request as server-sent events; the token count comes from the usage chunk the stream ends with."""
         body = {**body, "stream": True, "stream_options": {"include_usage": True}}
         pieces: list[str] = []
         contents: list[str] = []  # the pieces less the reasoning
         ttft = usage = finish = None
+        events = EventStream()
         async with http.stream("POST", url, json=body, headers=self.headers, timeout=self.config.timeout_s) as response:
             _raise_if_turned_away(response)
             if response.status_code != 200:
                 text = (await response.aread()).decode("utf-8", "replace")
                 return RequestRecord(sample_id, turn, time.perf_counter() - start, 0, "",
                                      _http_error(response.status_code, text))
-            async for chunk in _sse_chunks(response):
+            async for chunk in events.chunks(response):
                 if "error" in chunk:
                     return RequestRecord(sample_id, turn, time.perf_counter() - start, 0, "".join(pieces),
                                          f"error event in the stream: {_cut(str(chunk['error']))}")
@@ -406,12 +437,20 @@ class Client:
                 contents.append(content)
                 usage = chunk["usage"] if isinstance(chunk.get("usage"), dict) else usage
                 finish = _finish_reason(chunk) or finish
+                if finish is not None and usage is not None:  # all of the answer is in: only the end is awaited
+                    attempts.last_event = "finish reason and usage"
         latency = time.perf_counter() - start
+        text = "".join(pieces)
         tokens = _completion_tokens(usage)
         if tokens is None:
+            if events.count == 0:  # not one event: no stream at all
+                return RequestRecord(sample_id, turn, latency, 0, "", _no_events(response, events.first_line))
             error = NO_STREAM_USAGE if usage is None or "completion_tokens" not in usage else _no_usage(usage, "stream")
-            return RequestRecord(sample_id, turn, latency, 0, "".join(pieces), error)
-        return RequestRecord(sample_id, turn, latency, tokens, "".join(pieces), ttft_s=ttft, finish_reason=finish,
+            return RequestRecord(sample_id, turn, latency, 0, text, error)
+        problem = _implausible_count(tokens, text, body["max_tokens"])
+        if problem:
+            return RequestRecord(sample_id, turn, latency, 0, text, problem)
+        return RequestRecord(sample_id, turn, latency, tokens, text, ttft_s=ttft, finish_reason=finish,
                              content="".join(contents))
 
     def payload(self, messages: list[dict], seed: int) -> tuple[str, dict]:
@@ -425,8 +464,8 @@ class Client:
         if self.config.endpoint == "chat":
             if self.config.chat_template_kwargs:
                 body["chat_template_kwargs"] = self.config.chat_template_kwargs
-            return f"{self.base_url}/chat/completions", {**body, "messages": messages}
-        return f"{self.base_url}/completions", {**body, "prompt": "\n\n".join(m["content"] for m in messages)}
+            return api_url(self.base_url, "/chat/completions"), {**body, "messages": messages}
+        return api_url(self.base_url, "/completions"), {**body, "prompt": "\n\n".join(m["content"] for m in messages)}
 
 
 class BadReply(ValueError):
@@ -491,16 +530,68 @@ def _chunk_text(chunk: dict, endpoint: str) -> tuple[str, str]:
     return text, text
 
 
-async def _sse_chunks(response: httpx.Response):
-    """The JSON objects of a server-sent event stream, up to `data: [DONE]`."""
-    async for line in response.aiter_lines():
-        if not line.startswith("data:"):
-            continue  # blank separators, comments and keep-alives
-        data = line[len("data:"):].strip()
-        if data == "[DONE]":
-            return
-        # a ValueError is the request's error, as for a broken non-streamed body
-        yield _json_object(json.loads(data), "a stream event")
+@dataclass
+class Attempts:
+    """What sending one request has met so far, for the error its timeout gives."""
+
+    turned_away: int = 0  # HTTP 429s waited out
+    waiting: bool = False  # waiting out a 429 now (the server has not taken the request)
+    last_event: str | None = None  # a stream's last awaited event when all of the answer had come (None: not yet)
+
+    def backoff_s(self) -> float:
+        """The least wait after the n-th 429 in a row: MIN_RETRY_WAIT_S, doubling up to MAX_RETRY_WAIT_S, so a
+        server that says Retry-After: 0 (or nothing) while it stays full is not asked again at once, over and over."""
+        return min(MIN_RETRY_WAIT_S * 2 ** max(self.turned_away - 1, 0), MAX_RETRY_WAIT_S)
+
+
+class EventStream:
+    """The JSON objects of a server-sent event stream, up to `data: [DONE]`; it counts the events, and keeps the
+    first other line seen (what a server that does not stream sent instead)."""
+
+    def __init__(self):
+        self.count = 0
+        self.first_line: str | None = None
+
+    async def chunks(self, response: httpx.Response):
+        async for line in response.aiter_lines():
+            if not line.startswith("data:"):
+                if line.strip() and not line.startswith((":", "event:", "id:", "retry:")) and self.first_line is None:
+                    self.first_line = line
+                continue  # blank separators, comments, keep-alives and other fields
+            self.count += 1
+            data = line[len("data:"):].strip()
+            if data == "[DONE]":
+                return
+            # a ValueError is the request's error, as for a broken non-streamed body
+            yield _json_object(_parsed(data, "a stream event"), "a stream event")
+
+
+def _parsed(text: str, what: str):
+    """JSON text -> its value; what is no JSON (or nests too deep to read) is the request's BadReply."""
+    try:
+        return json.loads(text)
+    except (ValueError, RecursionError) as err:
+        problem = "nests too deep to read" if isinstance(err, RecursionError) else f"is no JSON ({err})"
+        raise BadReply(f"the server sent {what} that {problem}: {_cut(text)!r}") from None
+
+
+def _implausible_count(tokens: int, text: str, max_tokens: int) -> str | None:
+    """What is wrong with an answer's usage.completion_tokens that its request rules out (None: nothing): more
+    tokens than max_tokens allowed, or none for an answer with text. Such a count would be the figures' lie."""
+    if tokens > max_tokens:
+        return (f"the server counted {tokens} output tokens (usage.completion_tokens) for an answer of at most "
+                f"max_tokens {max_tokens}: its usage is wrong, so the answer's throughput is unknown")
+    if tokens == 0 and text:
+        return (f"the server counted 0 output tokens (usage.completion_tokens) for an answer with text "
+                f"({_cut(text)!r}): its usage is wrong, so the answer's throughput is unknown")
+    return None
+
+
+def _no_events(response: httpx.Response, first_line: str | None) -> str:
+    kind = response.headers.get("content-type") or "no content type"
+    sent = f", beginning {_cut(first_line)!r}" if first_line else ", and nothing"
+    return (f"the server answered the streamed request with {kind}{sent}: no server-sent event (data: ...) came; "
+            "a server that does not stream is benchmarked with --no-stream")
 
 
 class TurnedAway(Exception):
@@ -512,6 +603,8 @@ class TurnedAway(Exception):
 
 
 DEFAULT_RETRY_AFTER_S = 1.0  # a 429 without a readable Retry-After
+MIN_RETRY_WAIT_S = 0.1  # the least wait after a first 429 (`Attempts.backoff_s`), whatever Retry-After says ...
+MAX_RETRY_WAIT_S = 5.0  # ... doubling with each refusal in a row up to this
 MAX_RETRY_AFTER_S = 30.0  # a longer Retry-After is waited this long (the request's own timeout still bounds it all)
 
 
@@ -573,7 +666,7 @@ class ModelList:
 def list_models(base_url: str, config: ServerConfig, flag: str) -> ModelList:
     """The model names a server lists at /models. An unreachable server, or one that refuses the key, is a
     UserError naming `flag`, before any load is sent."""
-    url = base_url.rstrip("/") + "/models"
+    url = api_url(base_url, "/models")
     try:
         response = httpx.get(url, timeout=30, headers=_headers(config))
     except httpx.HTTPError as err:
@@ -628,40 +721,49 @@ def check_baseline(baseline_url: str, config: ServerConfig, model: str) -> None:
 
 
 async def run_load(client: Client, samples: list[Sample], concurrency: int, num_prompts: int,
-                   duration_s: float | None, seed: int, on_request: Callable[[], None] | None = None) -> LoadResult:
+                   duration_s: float | None, seed: int, on_request: Callable[[], None] | None = None,
+                   load: LoadResult | None = None) -> LoadResult:
     """`concurrency` workers take conversations in turn until `num_prompts` are done (or, with a
-    duration, until the time is up; prompts cycle)."""
-    next_index = 0
-    records: list[RequestRecord] = []
+    duration, until the time is up; prompts cycle). The records go into `load` as they finish, so a caller
+    whose load was cut short (the server went away: a UserError; Ctrl-C) still holds them, with the time until
+    then."""
+    load = LoadResult([], 0.0) if load is None else load
     start = time.perf_counter()
     deadline = start + duration_s if duration_s else None
 
     def take() -> int | None:
-        nonlocal next_index
         if deadline is not None:
             if time.perf_counter() >= deadline:
                 return None
-        elif next_index >= num_prompts:
+        elif load.conversations >= num_prompts:
             return None
-        next_index += 1
-        return next_index - 1
+        load.conversations += 1
+        return load.conversations - 1
 
     async def worker(http: httpx.AsyncClient) -> None:
         while (index := take()) is not None:
             sample = samples[index % len(samples)]
             for record in await client.conversation(http, sample, seed + index % len(samples)):
-                records.append(record)
+                load.records.append(record)
                 if on_request is not None:
                     on_request()
 
     limits = httpx.Limits(max_connections=concurrency, max_keepalive_connections=concurrency)
-    async with httpx.AsyncClient(limits=limits, timeout=client.config.timeout_s) as http:
-        try:
+    try:
+        async with httpx.AsyncClient(limits=limits, timeout=client.config.timeout_s) as http:
             await asyncio.gather(*(worker(http) for _ in range(concurrency)))
-        except UserError as err:  # the server went away: a level is reported whole, so say what it had done
-            raise UserError(f"{err} ({len(records)} request(s) of this level to it had finished; they are not "
-                            "reported, as a level is reported whole)") from None
-    return LoadResult(records, time.perf_counter() - start, next_index)
+    finally:
+        load.wall_s = time.perf_counter() - start
+    return load
+
+
+class LevelCut(Exception):
+    """A level stopped partway (`error`: a server went away, or Ctrl-C); `result` is what it had measured, marked
+    partial (None: nothing to report). The run reports it, then stops with the error."""
+
+    def __init__(self, result: BenchResult | None, error: BaseException):
+        super().__init__(str(error))
+        self.result, self.error = result, error
 
 
 class ServerBackend:
@@ -728,16 +830,26 @@ class ServerBackend:
         if not self.warmed_up:
             self.warm_up(samples[0])
 
-        def load_on(client: Client) -> LoadResult:
-            return asyncio.run(run_load(client, samples, concurrency, self.num_prompts(samples), cfg.duration_s,
-                                        cfg.seed, on_request))
-
-        loads, bases = [], []
+        loads: list[LoadResult] = []
+        bases: list[LoadResult] = []
         servers = [(self.client, loads)] + ([(self.baseline, bases)] if self.baseline is not None else [])
         before = fetch_metrics(self.metrics_url, api_key=cfg.api_key)  # only the DFlash server's loads move them
         for i in range(cfg.rounds):
             for client, into in servers if i % 2 == 0 else servers[::-1]:  # plain first in every other round
-                into.append(load_on(client))
+                load = LoadResult([], 0.0)
+                try:
+                    asyncio.run(run_load(client, samples, concurrency, self.num_prompts(samples), cfg.duration_s,
+                                         cfg.seed, on_request, load))
+                except (UserError, KeyboardInterrupt) as err:
+                    raise LevelCut(self._cut_level(dataset, concurrency, loads, bases, (client, load, i),
+                                                   len(samples), before, err), err) from None
+                into.append(load)
+        return self._level_result(dataset, concurrency, loads, bases, before, len(samples))
+
+    def _level_result(self, dataset: str, concurrency: int, loads: list[LoadResult], bases: list[LoadResult],
+                      before: tuple[SpecDecodeCounters | None, str | None], num_samples: int) -> BenchResult:
+        """A level's row from its rounds' loads (the DFlash server's, the baseline's)."""
+        cfg = self.config
         counters, lost = self._level_counters(before, fetch_metrics(self.metrics_url, api_key=cfg.api_key))
         result = summarize_load(dataset, pooled(loads), pooled(bases) if bases else None, counters, cfg,
                                 concurrency)
@@ -747,7 +859,7 @@ class ServerBackend:
         if len(speedups) > 1 and None not in speedups and result.speedup is not None:  # a round without baseline
             result.speedup_per_round = speedups  # tokens keeps the pooled ratio; failed requests, none at all
             result.speedup = statistics.median(speedups)
-        self._note(result, counters, self.num_prompts(samples), loads + bases)
+        self._note(result, counters, cfg.num_prompts or num_samples, loads + bases)
         if lost:
             result.notes.append(lost)
         if result.mismatches and not self.dflash_server:
@@ -755,6 +867,41 @@ class ServerBackend:
                 "greedy answers differ between the servers: dflash serve's are batch-invariant, but other engines' "
                 "(vLLM, SGLang, in bfloat16 above all) may change a late token with the batch and its kernels, "
                 "drafting or not; run --concurrency 1 to tell that from a lossy drafter"))
+        return result
+
+    def _cut_level(self, dataset: str, concurrency: int, loads: list[LoadResult], bases: list[LoadResult],
+                   cut: tuple[Client, LoadResult, int], num_samples: int,
+                   before: tuple[SpecDecodeCounters | None, str | None], error: BaseException) -> BenchResult | None:
+        """The row of a level cut short, marked partial, or None when nothing had finished. `cut`: the client whose
+        load was cut, the load (its finished requests) and the round (0-based); `loads`, `bases`: the finished
+        loads. Whole rounds stand as measured and the cut round is left out; a level cut in its first round
+        reports the requests that had finished, without a speedup."""
+        client, cut_load, cut_round = cut
+        why = (f"interrupted (Ctrl-C) during the load on {client.flag}" if isinstance(error, KeyboardInterrupt)
+               else f"{client.flag} stopped answering")
+        finished = sum(r.error is None for r in cut_load.records)
+        if cut_round > 0:
+            loads, bases = loads[:cut_round], bases[:cut_round]
+            note = (f"partial: {why} in round {cut_round + 1} of {self.config.rounds}; the row stands on the "
+                    f"{cut_round} whole round(s) before it, and that round's requests are left out")
+        else:  # the first round: what each server had answered (the cut load's finished requests)
+            loads = loads + [cut_load] if client is self.client else loads
+            bases = bases + [cut_load] if client is not self.client else bases
+            note = (f"partial: {why} after {finished} of its requests had finished; the row holds the requests that "
+                    f"finished, and {client.flag}'s tokens/s counts their tokens over the time until then (answers "
+                    "still in flight are lost, so it reads low)")
+        loads, bases = [load for load in loads if load.records], [load for load in bases if load.records]
+        if not any(r.error is None for load in loads for r in load.records):
+            return None
+        try:
+            result = self._level_result(dataset, concurrency, loads, bases, before, num_samples)
+        except UserError:  # every request to the baseline had failed: nothing comparable to show
+            return None
+        if cut_round == 0 and result.speedup is not None:
+            result.speedup, result.speedup_per_round = None, []
+            note += "; the speedup is left out, as the two servers did unequal work"
+        result.partial = True
+        result.notes.insert(0, note)
         return result
 
     def _level_counters(self, before: tuple[SpecDecodeCounters | None, str | None],
@@ -870,9 +1017,9 @@ def pooled(loads: list[LoadResult]) -> LoadResult:
 def summarize_load(dataset: str, load: LoadResult, base: LoadResult | None, counters: SpecDecodeCounters | None,
                    config: ServerConfig, concurrency: int) -> BenchResult:
     ok = [r for r in load.records if r.error is None]
-    _check_some_answered(load, config.base_url, "--base-url")
+    _check_some_answered(load, config.base_url, "--base-url", config.duration_s)
     if base is not None:
-        _check_some_answered(base, config.baseline_url, "--baseline-url")
+        _check_some_answered(base, config.baseline_url, "--baseline-url", config.duration_s)
     failed = [r for r in load.records if r.error is not None]
     fast_tps = _throughput(load)
     base_tps = _throughput(base) if base is not None else None
@@ -956,8 +1103,11 @@ def short_answers_warning(result: BenchResult, config: ServerConfig) -> str | No
             f"to measure decoding;{why}")
 
 
-def _check_some_answered(load: LoadResult, url: str, flag: str) -> None:
-    if load.records and all(r.error is not None for r in load.records):
+def _check_some_answered(load: LoadResult, url: str, flag: str, duration_s: float | None = None) -> None:
+    if not load.records:  # only --duration can end a level before its first request
+        ended = f"the level's --duration {duration_s:g} s was up" if duration_s else "the level ended"
+        raise UserError(f"no request to {url} ({flag}) was sent: {ended} before the first; give a longer --duration")
+    if all(r.error is not None for r in load.records):
         raise UserError(f"every request to {url} ({flag}) failed; the first: {load.records[0].error}")
 
 

@@ -543,3 +543,41 @@ def test_a_block_size_list_with_an_empty_item_is_a_typo_refused(sizes, capsys):
         main(["bench", "--block-size", sizes])
     assert exit_code.value.code == 2
     assert f"expected block sizes separated by commas (like auto,8,16), got '{sizes}'" in capsys.readouterr().err
+
+
+def test_a_server_dying_in_a_level_leaves_that_level_saved_as_partial(scripted_server, data_dir, tmp_path, capsys,
+                                                                     monkeypatch):
+    """The level under way when the server went away was dropped, with everything it had measured."""
+    from .conftest import chat_chunks
+    from .test_bench_server import going_away_after
+
+    server = scripted_server(lambda body: chat_chunks("a ", "b"))
+    going_away_after(monkeypatch, 4 + 2)  # level c=2: 4 samples; c=1: 2 of them, then the server is gone
+    out = tmp_path / "out"
+    code = main(["bench", "--base-url", server.base_url, "--data-dir", str(data_dir), "--concurrency", "2,1,4",
+                 "--max-new-tokens", "2", "--warmup-tokens", "0", "--output-dir", str(out), "--no-progress"])
+    captured = capsys.readouterr()
+    assert code == 2
+    results = json.loads((out / "results.json").read_text())
+    assert [(r["concurrency"], r["partial"], r["dflash_answers"]) for r in results] == [(2, False, 4), (1, True, 2)]
+    assert "stopped by the error below after 1 of 3 runs and part of one more (marked partial); the finished ones " \
+           f"are saved in {out}" in captured.err
+    assert "did the server stop?" in captured.err and "gsm8k (partial)" in captured.out
+    assert "partial: --base-url stopped answering after 2 of its requests had finished" in (
+        out / "results.md").read_text()
+
+
+def test_a_failed_warm_up_leaves_an_earlier_runs_results_alone_even_with_overwrite(scripted_server, data_dir,
+                                                                                   tmp_path, capsys):
+    """--overwrite emptied the output directory before the warm-up, and then the warm-up failed: nothing measured,
+    and the earlier results gone."""
+    from fastapi.responses import JSONResponse
+
+    server = scripted_server(lambda body: JSONResponse({"error": {"message": "no such model"}}, status_code=400))
+    out = tmp_path / "out"
+    out.mkdir()
+    (out / "results.json").write_text('[{"dataset": "gsm8k", "speedup": 2.0}]')
+    code = main(["bench", "--base-url", server.base_url, "--data-dir", str(data_dir), "--max-new-tokens", "2",
+                 "--output-dir", str(out), "--overwrite", "--no-progress"])
+    assert code == 2 and "the warm-up request to" in capsys.readouterr().err
+    assert json.loads((out / "results.json").read_text())[0]["speedup"] == 2.0

@@ -76,6 +76,18 @@ def test_time_to_first_token_and_per_output_token_are_shown_when_measured():
     assert "3.61" in wide and "1.95" in wide
     unstreamed = server("gsm8k", 1)  # a server benchmark run with --no-stream measures neither
     assert "TTFT" not in markdown([unstreamed], {}).split("tok/s: output tokens")[0]
+    alone = server("gsm8k", 1, dflash_ttft_ms=20.0, dflash_tpot_ms=2.0)  # streamed, no --baseline-url: an empty
+    table = markdown([alone], {}).split("tok/s: output tokens")[0]  # base TPOT column was shown
+    assert "| TTFT ms | TPOT ms |" in table and "base TPOT" not in table
+
+
+def test_a_partial_level_is_marked_in_the_table_and_left_out_of_the_throughput_plot():
+    from dflash.bench.report import plot_throughput
+
+    whole, cut = server("gsm8k", 1), server("gsm8k", 2, partial=True)
+    assert "| gsm8k (partial) | - | 2 |" in markdown([whole, cut], {})
+    assert plot_throughput([whole, cut]) is None  # one level left to plot: no line
+    assert plot_throughput([whole, server("gsm8k", 2)]) is not None
 
 
 def test_a_speedup_above_tau_is_flagged_as_noise():
@@ -142,4 +154,5 @@ def test_the_legend_explains_the_speedup_range_only_where_rounds_give_one():
     assert "speedup: DFlash tok/s / baseline tok/s; tau" in plain and "min-max" not in plain
     rounds = local("gsm8k")
     rounds.speedup_per_round = [1.9, 2.1, 2.0]
-    assert "(with rounds, the median of the rounds' speedups; speedup range: their min-max)" in markdown([rounds], {})
+    assert ("(with rounds, the median of the rounds' speedups; speedup range: their min-max; prompts: a round's "
+            "conversations, errors: those of every round)") in markdown([rounds], {})

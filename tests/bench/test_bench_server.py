@@ -2,12 +2,15 @@
 
 from __future__ import annotations
 
+import re
+
 import pytest
 from fastapi.responses import JSONResponse
 
 from dflash.bench.datasets import Sample
 from dflash.bench.metrics import histogram_from_counters
 from dflash.bench.server import (
+    LevelCut,
     ServerBackend,
     ServerConfig,
     default_metrics_url,
@@ -300,32 +303,89 @@ def test_missing_metrics_are_a_warning_up_front(openai_server):
     assert "cannot read http://127.0.0.1:9/metrics (ConnectError)" in unreachable.warnings[0]
 
 
-def test_a_server_that_stops_mid_run_is_named(openai_server):
+def test_a_server_that_stops_before_a_level_is_named_and_the_level_has_nothing_to_report(openai_server):
     server = openai_server()
     backend = ServerBackend(config(server))
     server.__exit__(None, None, None)
-    with pytest.raises(UserError, match=r"lost the connection to .*/chat/completions \(--base-url\) during the run: "
-                                        r"did the server stop\? \(0 request\(s\) of this level to it had finished"):
+    with pytest.raises(LevelCut) as cut:
         backend.run_level("gsm8k", SAMPLES[:1], 1)
+    assert cut.value.result is None
+    assert isinstance(cut.value.error, UserError)
+    assert re.fullmatch(r"lost the connection to .*/chat/completions \(--base-url\) during the run: did the server "
+                        r"stop\?", str(cut.value.error))
 
 
-def test_a_server_that_stops_within_a_level_says_what_the_level_had_done(scripted_server, monkeypatch):
-    """A level is reported whole: the requests it had finished were dropped without their count."""
+def going_away_after(monkeypatch, answered: int, error: BaseException | None = None, flag: str | None = None):
+    """Requests (to the server of `flag`, default both) after the first `answered` fail as when that server has
+    gone (`request` raises `error`, default the UserError it raises when its connection is refused)."""
     from dflash.bench import server as server_module
 
     real, calls = server_module.Client.request, []
 
     async def request(self, *args, **kwargs):
-        calls.append(1)
-        if len(calls) == 4:  # as `request` says when the server has gone: its connection refused
-            raise UserError("lost the connection to it (--base-url) during the run: did the server stop?")
+        if flag is None or self.flag == flag:
+            calls.append(1)
+            if len(calls) > answered:
+                raise error or UserError(f"lost the connection to it ({self.flag}) during the run: did the server "
+                                         "stop?")
         return await real(self, *args, **kwargs)
 
     monkeypatch.setattr(server_module.Client, "request", request)
+
+
+def test_a_level_cut_by_a_server_going_away_reports_what_had_finished_marked_partial(scripted_server, monkeypatch):
+    """A level was reported whole or not at all: the requests it had finished were thrown away."""
+    going_away_after(monkeypatch, 3)
     server = scripted_server(answer_chat)
-    with pytest.raises(UserError, match=r"did the server stop\? \(3 request\(s\) of this level to it had finished; "
-                                        r"they are not reported, as a level is reported whole\)"):
+    with pytest.raises(LevelCut) as cut:
         ServerBackend(config(server, num_prompts=8)).run_level("gsm8k", SAMPLES[:2], 1)
+    result = cut.value.result
+    assert result.partial and result.num_requests == 3 and result.dflash_answers == 3 and result.errors == 0
+    assert result.dflash_output_tokens == 9 and result.dflash_tokens_per_s > 0
+    assert result.notes[0] == ("partial: --base-url stopped answering after 3 of its requests had finished; the row "
+                               "holds the requests that finished, and --base-url's tokens/s counts their tokens over "
+                               "the time until then (answers still in flight are lost, so it reads low)")
+    assert "did the server stop?" in str(cut.value.error)
+
+
+def test_a_level_cut_in_a_later_round_stands_on_its_whole_rounds(scripted_server, monkeypatch):
+    plain = scripted_server(answer_chat)
+    fast = scripted_server(answer_chat)
+    going_away_after(monkeypatch, 2 * 2 + 1, flag="--base-url")  # two rounds of 2 requests, then one more
+    cfg = config(fast, baseline_url=plain.base_url, num_prompts=2, rounds=3)
+    with pytest.raises(LevelCut) as cut:
+        ServerBackend(cfg).run_level("gsm8k", SAMPLES[:2], 1)
+    result = cut.value.result
+    assert result.partial and result.num_requests == 4 and result.num_prompts == 2  # the whole rounds' alone
+    assert len(plain.app.state.requests) == 4  # round 3 began on --base-url (rounds alternate) and stopped there
+    assert result.speedup is not None and len(result.speedup_per_round) == 2 and result.mismatches == 0
+    assert result.notes[0] == ("partial: --base-url stopped answering in round 3 of 3; the row stands on the 2 whole "
+                               "round(s) before it, and that round's requests are left out")
+
+
+def test_a_baseline_going_away_in_the_first_round_keeps_the_dflash_load_without_a_speedup(scripted_server,
+                                                                                          monkeypatch):
+    plain = scripted_server(answer_chat)
+    fast = scripted_server(answer_chat)
+    going_away_after(monkeypatch, 1, flag="--baseline-url")
+    with pytest.raises(LevelCut) as cut:
+        ServerBackend(config(fast, baseline_url=plain.base_url, num_prompts=2)).run_level("gsm8k", SAMPLES[:2], 1)
+    result = cut.value.result
+    assert result.partial and result.dflash_answers == 2 and result.baseline_output_tokens == 3
+    assert result.speedup is None and result.mismatches == 0
+    assert result.notes[0].startswith("partial: --baseline-url stopped answering after 1 of its requests had "
+                                      "finished")
+    assert result.notes[0].endswith("; the speedup is left out, as the two servers did unequal work")
+
+
+def test_ctrl_c_in_a_level_reports_what_had_finished_and_interrupts(scripted_server, monkeypatch):
+    going_away_after(monkeypatch, 2, KeyboardInterrupt())
+    with pytest.raises(LevelCut) as cut:
+        ServerBackend(config(scripted_server(answer_chat), num_prompts=4)).run_level("gsm8k", SAMPLES[:2], 1)
+    assert isinstance(cut.value.error, KeyboardInterrupt)
+    assert cut.value.result.dflash_answers == 2
+    assert cut.value.result.notes[0].startswith("partial: interrupted (Ctrl-C) during the load on --base-url after 2 "
+                                                "of its requests had finished")
 
 
 def test_failed_requests_are_counted_with_the_first_error(openai_server, monkeypatch):
@@ -667,8 +727,20 @@ def test_a_full_server_is_waited_out_for_its_retry_after_and_the_waits_noted(scr
 def test_a_server_full_past_the_request_timeout_is_that_requests_error(scripted_server):
     server = scripted_server(lambda body: JSONResponse({"error": {"message": "queue full"}}, status_code=429))
     record = one_answer(server, timeout_s=1.5)
-    assert record.error.startswith("no whole answer within --request-timeout 1.5 s (turned away with HTTP 429 ")
+    assert record.error.startswith("the server turned it away with HTTP 429 ")
+    assert record.error.endswith(" time(s) within --request-timeout 1.5 s and never took it (full all along): lower "
+                                 "--concurrency to what the server takes at once (dflash serve: --max-batch-size plus "
+                                 "--max-queue), or give it room")
     assert record.turned_away >= 1 and record.latency_s < 3
+
+
+def test_a_full_server_saying_retry_after_0_is_asked_again_ever_more_slowly(scripted_server):
+    """Retry-After: 0 was taken at its word: one request was sent 1,616 times in 3 s."""
+    server = scripted_server(lambda body: JSONResponse({"error": {"message": "queue full"}}, status_code=429,
+                                                       headers={"Retry-After": "0"}))
+    record = one_answer(server, timeout_s=2.0)
+    # waits of 0.1, 0.2, 0.4, 0.8 s fill 1.5 s: five tries at most in 2 s (the next wait is 1.6 s)
+    assert 3 <= len(server.app.state.requests) <= 5 and record.turned_away == len(server.app.state.requests)
 
 
 def test_retry_after_reads_seconds_and_dates_and_bounds_them():
@@ -694,3 +766,95 @@ def test_a_level_of_few_drafted_steps_says_its_tau_and_speedup_rest_on_too_littl
     [note] = [n for n in result.notes if "verify steps" in n]
     assert note == ("only 7 verify steps (3 output tokens) were measured, too few for a steady tau or speedup: raise "
                     "--max-samples or --max-new-tokens")
+
+
+@pytest.mark.parametrize("flag, url", [("--base-url", "http://[::1"), ("--base-url", "http://127.0.0.1:abc/v1"),
+                                       ("--metrics-url", "http://[::1"), ("--metrics-url", "http://127.0.0.1:x/m"),
+                                       ("--baseline-url", "http://127.0.0.1:99999/v1")])
+def test_a_url_that_is_no_url_is_a_user_error_naming_its_flag(flag, url):
+    """ValueError: Invalid IPv6 URL and httpx.InvalidURL: Invalid port came out as tracebacks."""
+    fields = {"base_url": "http://127.0.0.1:8000/v1", {"--base-url": "base_url", "--metrics-url": "metrics_url",
+                                                       "--baseline-url": "baseline_url"}[flag]: url}
+    with pytest.raises(UserError, match=rf"^{flag} '{re.escape(url)}' is no URL \(.+\): give one like http://"):
+        ServerConfig(**fields)
+
+
+def test_a_query_in_the_api_root_stays_after_each_endpoints_path(scripted_server):
+    """http://host/v1?x=1 became http://host/v1?x=1/models: a proxy's api-version query broke every request."""
+    from dflash.bench.server import api_url
+
+    assert api_url("http://h:1/v1?api-version=2", "/models") == "http://h:1/v1/models?api-version=2"
+    assert api_url("http://h:1/v1/", "/completions") == "http://h:1/v1/completions"
+    server = scripted_server(answer_chat)
+    cfg = ServerConfig(base_url=server.base_url + "?api-version=2", max_new_tokens=10, warmup_tokens=0)
+    assert ServerBackend(cfg).run_level("gsm8k", SAMPLES[:1], 1).dflash_answers == 1
+
+
+@pytest.mark.parametrize("stream", [True, False])
+@pytest.mark.parametrize("text, tokens, error", [
+    ("tok tok", 100000, "the server counted 100000 output tokens (usage.completion_tokens) for an answer of at most "
+                        "max_tokens 10: its usage is wrong"),
+    ("tok tok", 0, "the server counted 0 output tokens (usage.completion_tokens) for an answer with text"),
+])
+def test_a_token_count_the_request_rules_out_is_the_requests_error(scripted_server, stream, text, tokens, error):
+    """100000 tokens for max_tokens 32 gave 1,926,659 tok/s and no warning; 0 tokens for text, 0 tok/s."""
+    record = one_answer(scripted_server(lambda body: answer_chat(body, text, tokens)), stream=stream)
+    assert record.error is not None and record.error.startswith(error) and record.output_tokens == 0
+    assert one_answer(scripted_server(lambda body: answer_chat(body, "", 0)), stream=stream).error is None
+
+
+def test_a_duration_up_before_the_first_request_is_a_user_error(scripted_server):
+    """--duration 1e-7 reported a level of 0 prompts at 0.0 tok/s, and exit code 0."""
+    with pytest.raises(UserError, match=r"no request to .* \(--base-url\) was sent: the level's --duration 1e-07 s "
+                                        r"was up before the first; give a longer --duration"):
+        ServerBackend(config(scripted_server(answer_chat), duration_s=1e-7)).run_level("gsm8k", SAMPLES[:1], 1)
+
+
+@pytest.mark.parametrize("stream", [True, False])
+def test_json_nested_too_deep_to_read_is_the_requests_error(scripted_server, stream):
+    """RecursionError escaped every handler as a traceback."""
+    from fastapi.responses import PlainTextResponse, StreamingResponse
+
+    deep = "[" * 100000 + "]" * 100000
+    reply = (StreamingResponse(iter([f"data: {deep}\n\n"]), media_type="text/event-stream") if stream
+             else PlainTextResponse(deep, media_type="application/json"))
+    record = one_answer(scripted_server(lambda body: reply), stream=stream)
+    assert record.error.startswith(f"the server sent {'a stream event' if stream else 'an answer'} that nests too "
+                                   "deep to read: ")
+
+
+def test_a_body_that_is_no_json_says_what_came(scripted_server):
+    from fastapi.responses import PlainTextResponse
+
+    record = one_answer(scripted_server(lambda body: PlainTextResponse("Service Unavailable")), stream=False)
+    assert record.error.startswith("the server sent an answer that is no JSON (Expecting value: line 1 column 1 "
+                                   "(char 0)): 'Service Unavailable'")
+
+
+def test_a_streamed_request_answered_without_events_says_what_came_instead(scripted_server):
+    """It was blamed on a missing usage chunk."""
+    from fastapi.responses import PlainTextResponse
+
+    record = one_answer(scripted_server(lambda body: PlainTextResponse("hello there")), stream=True)
+    assert record.error == ("the server answered the streamed request with text/plain; charset=utf-8, beginning "
+                            "'hello there': no server-sent event (data: ...) came; a server that does not stream is "
+                            "benchmarked with --no-stream")
+
+
+def test_a_stream_that_never_ends_after_the_whole_answer_says_so(scripted_server):
+    """A stream that sent its finish reason and usage, then hung, was blamed on long answers or a slow server."""
+    import asyncio
+    import json as json_module
+
+    from fastapi.responses import StreamingResponse
+
+    async def hang():
+        for chunk in chat_chunks("a", "b"):
+            yield f"data: {json_module.dumps(chunk)}\n\n"
+        await asyncio.sleep(30)
+
+    server = scripted_server(lambda body: StreamingResponse(hang(), media_type="text/event-stream"))
+    record = one_answer(server, timeout_s=0.5)
+    assert record.error == ("the stream sent its finish reason and usage and then neither 'data: [DONE]' nor the end "
+                            "of the response within --request-timeout 0.5 s: the server does not close its streams "
+                            "(run with --no-stream)")
