@@ -122,9 +122,10 @@ def _show_partial(results: list[BenchResult], written: int, config: BenchConfig,
         where = (f"in the table above; {config.output_dir} holds the first {written} (writing it failed)" if written
                  else f"in the table above only (writing {config.output_dir} failed)")
     whole = sum(not r.partial for r in results)
-    cut = " and part of one more (marked partial)" if whole < len(results) else ""
-    console.print(f"{stopped} after {whole} of {planned_runs(config)} runs{cut}; the finished ones are {where}",
-                  style="bold yellow", highlight=False, soft_wrap=True)
+    when = (f"in run {whole + 1} of {planned_runs(config)} (what it had measured is marked partial)"
+            if whole < len(results) else f"after {whole} of {planned_runs(config)} runs")
+    console.print(f"{stopped} {when}; the finished ones are {where}", style="bold yellow", highlight=False,
+                  soft_wrap=True)
 
 
 # ---- local ----------------------------------------------------------------------------------------------

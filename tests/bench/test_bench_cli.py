@@ -560,8 +560,8 @@ def test_a_server_dying_in_a_level_leaves_that_level_saved_as_partial(scripted_s
     assert code == 2
     results = json.loads((out / "results.json").read_text())
     assert [(r["concurrency"], r["partial"], r["dflash_answers"]) for r in results] == [(2, False, 4), (1, True, 2)]
-    assert "stopped by the error below after 1 of 3 runs and part of one more (marked partial); the finished ones " \
-           f"are saved in {out}" in captured.err
+    assert ("stopped by the error below in run 2 of 3 (what it had measured is marked partial); the finished ones "
+            f"are saved in {out}") in captured.err
     assert "did the server stop?" in captured.err and "gsm8k (partial)" in captured.out
     assert "partial: --base-url stopped answering after 2 of its requests had finished" in (
         out / "results.md").read_text()
