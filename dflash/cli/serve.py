@@ -35,7 +35,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     add_model_arguments(parser)
     net = parser.add_argument_group("server")
     net.add_argument("--host", default="127.0.0.1", help="address to bind (default: 127.0.0.1, this machine only)")
-    net.add_argument("--port", type=int, default=8000)
+    net.add_argument("--port", type=int, default=8000, help="default: 8000")
     net.add_argument("--api-key", default=os.environ.get("DFLASH_API_KEY") or None,  # exported but empty: none
                      help="require 'Authorization: Bearer KEY' on /v1 (default: $DFLASH_API_KEY, else none)")
     net.add_argument("--allowed-origins", type=_origins, default=(), metavar="ORIGINS",
@@ -62,7 +62,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                      "decoding or queued up to SECONDS to finish, then stop those left (503); a second signal "
                      "stops them after the step under way (default: 0, stop after the step under way, as vLLM "
                      "stops at once; with --engine vllm, passed on)")
-    net.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
+    net.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"], help="default: info")
     fb = parser.add_argument_group("adaptive drafting (a fallback to plain decoding, and the block size of each step)")
     fb.add_argument("--fallback-min-acceptance", type=_threshold, default="auto", metavar="TAU|auto",
                     help="mean acceptance length below which a workload stops drafting; 0 = never; auto = where "
