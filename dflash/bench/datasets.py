@@ -183,6 +183,16 @@ def subset(samples: list[Sample], max_samples: int | None, seed: int) -> list[Sa
     return [samples[i] for i in picked]
 
 
+def request_seed(seed: int, sample_index: int, turn: int) -> int:
+    """The seed a bench run seeded `seed` samples turn `turn` of its sample `sample_index` with (the same for plain
+    decoding and DFlash, locally and on both servers): a hash (`derive_seed`), so that no two turns share one (with
+    seed + index + turn, a sample's second turn drew what the next sample's first did), in [0, 2**31) so that any
+    server takes it."""
+    from dflash.decoding.sampling import derive_seed
+
+    return derive_seed(derive_seed(seed, sample_index), turn) % 2**31
+
+
 # ---- sources ----------------------------------------------------------------------------------------
 def find_source(spec: DatasetSpec, options: DataOptions) -> Path | HubSource:
     if options.data_file:

@@ -1,6 +1,6 @@
 """The local backend: the same target decodes every prompt twice in one process, plainly (the baseline)
 and with DFlash, after a warm-up. The two outputs must be identical token for token, at any temperature:
-greedy decoding is lossless, and every prompt is sampled with its own seed (`--seed` + its index), which fixes
+greedy decoding is lossless, and every turn is sampled with its own seed (`datasets.request_seed`), which fixes
 each position's draw whatever the drafting (`dflash.decoding.sampling.PositionNoise`). Every difference is
 counted in `mismatches`.
 
@@ -17,7 +17,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Callable, Protocol
 
-from dflash.bench.datasets import Sample
+from dflash.bench.datasets import Sample, request_seed
 from dflash.bench.metrics import (
     DRAFT_MODEL,
     BenchResult,
@@ -108,7 +108,7 @@ class LocalBackend:
         self.warm_up(samples[0], config)
         records, skipped = [], []
         for index, sample in enumerate(samples):
-            conversation = self.run_sample(sample, config, seed=config.seed + index, on_turn=on_turn)
+            conversation = self.run_sample(sample, config, index, on_turn=on_turn)
             records.extend(conversation.records)
             skipped.extend(conversation.skipped_turns)
         result = summarize(dataset, len(samples), records, config, block_size)
@@ -126,8 +126,10 @@ class LocalBackend:
         self.baseline.generate([ids], self.generation_config(config, short, baseline=True))
         self.dflash.generate([ids], self.generation_config(config, short, baseline=False))
 
-    def run_sample(self, sample: Sample, config: LocalConfig, seed: int,
+    def run_sample(self, sample: Sample, config: LocalConfig, index: int,
                    on_turn: Callable[[], None] | None = None) -> Conversation:
+        """Sample `index` of the dataset's, each turn decoded plainly and with DFlash with one seed
+        (`request_seed`)."""
         messages = list(sample.history)
         conversation = Conversation([])
         for turn, text in enumerate(sample.turns):
@@ -136,8 +138,9 @@ class LocalBackend:
             if not self.fits(len(ids), config):  # the answers so far left no room for this turn
                 conversation.skipped_turns = [f"{sample.id}#{t}" for t in range(turn, len(sample.turns))]
                 break
-            base_cfg = self.generation_config(config, config.max_new_tokens, baseline=True, seed=seed + turn)
-            dflash_cfg = self.generation_config(config, config.max_new_tokens, baseline=False, seed=seed + turn)
+            seed = request_seed(config.seed, index, turn)
+            base_cfg = self.generation_config(config, config.max_new_tokens, baseline=True, seed=seed)
+            dflash_cfg = self.generation_config(config, config.max_new_tokens, baseline=False, seed=seed)
             baseline = self.baseline.generate([ids], base_cfg)[0]
             dflash = self.dflash.generate([ids], dflash_cfg)[0]
             conversation.records.append(TurnRecord(sample.id, turn, baseline, dflash))

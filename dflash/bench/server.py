@@ -34,7 +34,7 @@ from urllib.parse import urlsplit, urlunsplit
 
 import httpx
 
-from dflash.bench.datasets import Sample
+from dflash.bench.datasets import Sample, request_seed
 from dflash.bench.metrics import (
     NO_DRAFT,
     BenchResult,
@@ -330,12 +330,13 @@ class Client:
         self.flag = flag  # named in errors: which of the two servers failed
         self.headers = _headers(config)
 
-    async def conversation(self, http: httpx.AsyncClient, sample: Sample, seed: int) -> list[RequestRecord]:
+    async def conversation(self, http: httpx.AsyncClient, sample: Sample, index: int) -> list[RequestRecord]:
+        """Sample `index` of the level's samples (a repeat of a sample is sent with the same seeds)."""
         messages = list(sample.history)
         records = []
         for turn, text in enumerate(sample.turns):
             messages.append({"role": "user", "content": text})
-            record = await self.request(http, messages, sample.id, turn, seed + turn)
+            record = await self.request(http, messages, sample.id, turn, request_seed(self.config.seed, index, turn))
             records.append(record)
             if record.error is not None:
                 break
@@ -721,7 +722,7 @@ def check_baseline(baseline_url: str, config: ServerConfig, model: str) -> None:
 
 
 async def run_load(client: Client, samples: list[Sample], concurrency: int, num_prompts: int,
-                   duration_s: float | None, seed: int, on_request: Callable[[], None] | None = None,
+                   duration_s: float | None, on_request: Callable[[], None] | None = None,
                    load: LoadResult | None = None) -> LoadResult:
     """`concurrency` workers take conversations in turn until `num_prompts` are done (or, with a
     duration, until the time is up; prompts cycle). The records go into `load` as they finish, so a caller
@@ -743,7 +744,7 @@ async def run_load(client: Client, samples: list[Sample], concurrency: int, num_
     async def worker(http: httpx.AsyncClient) -> None:
         while (index := take()) is not None:
             sample = samples[index % len(samples)]
-            for record in await client.conversation(http, sample, seed + index % len(samples)):
+            for record in await client.conversation(http, sample, index % len(samples)):
                 load.records.append(record)
                 if on_request is not None:
                     on_request()
@@ -839,7 +840,7 @@ class ServerBackend:
                 load = LoadResult([], 0.0)
                 try:
                     asyncio.run(run_load(client, samples, concurrency, self.num_prompts(samples), cfg.duration_s,
-                                         cfg.seed, on_request, load))
+                                         on_request, load))
                 except (UserError, KeyboardInterrupt) as err:
                     raise LevelCut(self._cut_level(dataset, concurrency, loads, bases, (client, load, i),
                                                    len(samples), before, err), err) from None

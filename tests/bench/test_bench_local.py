@@ -73,7 +73,7 @@ def test_second_turn_follows_the_models_own_first_answer(pipe):
     recorder = RecordingEngine(SpeculativeEngine(pipe.target))
     backend = LocalBackend(pipe, baseline=recorder)
     sample = Sample("81", ("Write about clips.", "Now shorter."))
-    [first, second] = backend.run_sample(sample, FAST, seed=0).records
+    [first, second] = backend.run_sample(sample, FAST, 0).records
     answer = pipe.tokenizer.decode(first.baseline.output_ids, skip_special_tokens=True)
     expected = pipe.encode([{"role": "user", "content": "Write about clips."},
                             {"role": "assistant", "content": answer},
@@ -114,6 +114,23 @@ def test_sampled_outputs_are_compared_too(pipe):
     result = LocalBackend(pipe).run("gsm8k", SAMPLES[:2], config)
     assert result.mismatches == 0 and result.temperature == 0.8
     assert result.dflash_output_tokens > 0
+
+
+def test_every_turn_is_sampled_with_a_seed_of_its_own_the_same_for_both_decoders(pipe):
+    """Seeds were --seed + sample index + turn: a sample's second turn drew what the next sample's first did."""
+
+    class SeedRecorder(RecordingEngine):
+        def generate(self, prompts, config):
+            self.prompts.append(config.seed)
+            return self.engine.generate(prompts, config)
+
+    baseline, dflash = SeedRecorder(SpeculativeEngine(pipe.target)), SeedRecorder(pipe.engine)
+    backend = LocalBackend(pipe, baseline=baseline)
+    backend.dflash = dflash
+    config = LocalConfig(max_new_tokens=4, temperature=0.8, warmup_tokens=0)
+    backend.run("mt-bench", [Sample("81", ("Hi.", "More.")), Sample("82", ("Yes.", "No."))], config)
+    assert baseline.prompts == dflash.prompts and len(set(baseline.prompts)) == 4
+    assert all(0 <= seed < 2**31 for seed in baseline.prompts)
 
 
 def test_block_size_is_checked_against_the_drafter(pipe):

@@ -536,7 +536,7 @@ async def _conversation(client, sample):
     import httpx
 
     async with httpx.AsyncClient(timeout=30) as http:
-        return await client.conversation(http, sample, seed=0)
+        return await client.conversation(http, sample, 0)
 
 
 def test_one_server_spelled_two_ways_is_refused_and_a_drafting_baseline_warned_of(scripted_server, monkeypatch):
@@ -858,3 +858,11 @@ def test_a_stream_that_never_ends_after_the_whole_answer_says_so(scripted_server
     assert record.error == ("the stream sent its finish reason and usage and then neither 'data: [DONE]' nor the end "
                             "of the response within --request-timeout 0.5 s: the server does not close its streams "
                             "(run with --no-stream)")
+
+
+def test_every_turn_is_sent_with_a_seed_of_its_own_the_same_to_both_servers(scripted_server):
+    plain, fast = scripted_server(answer_chat), scripted_server(answer_chat)
+    samples = [Sample("81", ("Hi.", "More.")), Sample("82", ("Yes.", "No."))]
+    ServerBackend(config(fast, baseline_url=plain.base_url, temperature=0.7)).run_level("mt-bench", samples, 1)
+    seeds = [body["seed"] for body in fast.app.state.requests]
+    assert seeds == [body["seed"] for body in plain.app.state.requests] and len(set(seeds)) == 4
