@@ -57,7 +57,10 @@ def _check_given_mask(given: Any, own: Any, vocab_size: Any) -> None:
         raise DrafterConfigError(f"this drafter was trained with mask token {own}, and a drafter drafts with its own: "
                                  f"drop the mask token id {given} (--mask-token-id, or mask_token_id= in Python), "
                                  "which is for drafters whose config does not name one")
-    if isinstance(vocab_size, int) and not (isinstance(given, int) and 0 <= given < vocab_size):
+    if not isinstance(given, numbers.Integral) or isinstance(given, bool):
+        raise DrafterConfigError(f"mask token id {given!r} is not a token id: give a whole number (the id of the token "
+                                 "the drafter was trained with as its mask)")
+    if isinstance(vocab_size, int) and not 0 <= given < vocab_size:
         raise DrafterConfigError(f"mask token id {given} is outside the vocabulary (0 to {vocab_size - 1}); pass "
                                  "the id of the token the drafter was trained with as its mask")
 
@@ -201,7 +204,7 @@ class DrafterConfig:
     num_key_value_heads: int
     head_dim: int
     vocab_size: int
-    num_target_layers: int
+    num_target_layers: int | None  # None: the config does not say (the target's depth is then not checked)
     target_layer_ids: list[int]
     mask_token_id: int
     block_size: int = 16
@@ -227,6 +230,11 @@ class DrafterConfig:
                                      f"multiple of num_key_value_heads {self.num_key_value_heads}")
         if not self.layer_types:
             self.layer_types = ["full_attention"] * self.num_hidden_layers
+        unknown = sorted({kind for kind in self.layer_types if kind not in ("full_attention", "sliding_attention")},
+                         key=str)
+        if unknown:
+            raise DrafterConfigError(f"drafter config: layer_types holds {unknown}; a draft layer is "
+                                     "full_attention or sliding_attention")
         if len(self.layer_types) != self.num_hidden_layers:
             raise DrafterConfigError(
                 f"layer_types has {len(self.layer_types)} entries but num_hidden_layers is {self.num_hidden_layers}"
@@ -338,7 +346,7 @@ class DrafterConfig:
         check_layer_ids(layer_ids)
         heads = raw["num_attention_heads"]
         rope = {k: raw[k] for k in ("rope_theta", "rope_scaling", "rope_parameters") if raw.get(k) is not None}
-        return cls(
+        config = cls(
             hidden_size=raw["hidden_size"],
             intermediate_size=raw.get("intermediate_size", 4 * raw["hidden_size"]),
             num_hidden_layers=n_layers,
@@ -346,7 +354,7 @@ class DrafterConfig:
             num_key_value_heads=raw.get("num_key_value_heads", heads),
             head_dim=raw.get("head_dim") or raw["hidden_size"] // heads,
             vocab_size=raw["vocab_size"],
-            num_target_layers=n_target if n_target is not None else max(layer_ids) + 1,
+            num_target_layers=n_target,
             target_layer_ids=list(layer_ids),
             mask_token_id=mask,
             block_size=dflash.get("block_size", raw.get("block_size", 16)),
@@ -360,6 +368,19 @@ class DrafterConfig:
             extra={k: v for k, v in raw.items() if k not in _OWNED},
             dflash_extra={k: v for k, v in dflash.items() if k not in _DFLASH_OWNED},
         )
+        config.check_rotary()
+        return config
+
+    def check_rotary(self) -> None:
+        """Refuse rope fields (and a head_dim) transformers cannot build this drafter's rotary embedding from."""
+        from dflash.model import hf_compat
+
+        try:
+            hf_compat.rotary_embedding(self.qwen3_fields())
+        except (*hf_compat.CONFIG_ERRORS, ValueError) as err:
+            raise DrafterConfigError(f"drafter config: transformers cannot build its rotary embedding from it "
+                                     f"({hf_compat.config_error_text(err)}); fix the field this names (rope_theta, "
+                                     "rope_scaling or rope_parameters, head_dim)") from None
 
     def to_dict(self) -> dict[str, Any]:
         """The public config.json (Qwen3 fields + DFlash fields) that vLLM, SGLang and this package read."""
@@ -384,7 +405,7 @@ class DrafterConfig:
             attention_bias=False,
             tie_word_embeddings=False,
             block_size=self.block_size,
-            num_target_layers=self.num_target_layers,
+            **({} if self.num_target_layers is None else {"num_target_layers": self.num_target_layers}),
             dflash_config={
                 **self.dflash_extra,
                 "mask_token_id": self.mask_token_id,

@@ -551,6 +551,26 @@ def text_config(config: Any) -> Any:
     return getattr(config, "text_config", None) or config
 
 
+def _config_errors() -> tuple[type[BaseException], ...]:
+    """What transformers raises for a config field it cannot build from: TypeError and KeyError (a value of the wrong
+    type, an unknown rope type) and, from 5.x, huggingface_hub's strict-dataclass validation errors."""
+    try:
+        from huggingface_hub.errors import StrictDataclassError
+    except ImportError:  # huggingface_hub before the strict dataclasses: transformers 4.x raises the others
+        return (TypeError, KeyError)
+    return (TypeError, KeyError, StrictDataclassError)
+
+
+CONFIG_ERRORS = _config_errors()
+
+
+def config_error_text(err: BaseException, limit: int = 300) -> str:
+    """A CONFIG_ERRORS error in one line: its type and all of its text (a strict-dataclass error's first line only
+    names the field; the lines after it say what is wrong with it)."""
+    text = " ".join(line.strip() for line in str(err).splitlines() if line.strip())
+    return f"{type(err).__name__}: {text[:limit]}" if text else type(err).__name__
+
+
 def rotary_embedding(fields: dict[str, Any]) -> nn.Module:
     """A Qwen3 rotary embedding built from config fields (rope_theta / rope_scaling / rope_parameters)."""
     from transformers import Qwen3Config

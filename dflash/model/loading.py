@@ -429,9 +429,19 @@ def load_drafter(
             f"{directory} does not match the DFlash drafter layout: missing {missing[:5]}, unexpected "
             f"{unexpected[:5]}{' ...' if len(missing) + len(unexpected) > 10 else ''}{hint}"
         )
-    torch_dtype = parse_dtype(dtype) or parse_dtype(config.dtype) or next(iter(state.values())).dtype
+    torch_dtype = parse_dtype(dtype) or _config_dtype(config.dtype, directory) or next(iter(state.values())).dtype
     model.source = str(path_or_id)
     return model.to(device=device, dtype=torch_dtype).eval()
+
+
+def _config_dtype(dtype: str | None, directory: Path) -> torch.dtype | None:
+    """The dtype a drafter's config.json names (torch_dtype / dtype), refused with where it was read."""
+    try:
+        return parse_dtype(dtype)
+    except CheckpointError:
+        raise CheckpointError(f"{directory / 'config.json'} gives the drafter's dtype as {dtype!r}, which is none "
+                              "dflash loads weights in: fix it there (float32, float16 or bfloat16), or pass a dtype "
+                              "(--dtype, dtype=)") from None
 
 
 def save_drafter(model: DFlashDraftModel, directory: str | os.PathLike, dtype: torch.dtype | None = None) -> None:

@@ -161,7 +161,9 @@ class TargetModel:
         torch_dtype = parse_dtype(dtype) or "auto"
         code = {"trust_remote_code": trust_remote_code}  # False, not None: transformers would ask on a terminal
         try:
-            model = AutoModelForCausalLM.from_pretrained(directory, dtype=torch_dtype, **code).to(device)
+            model, loaded = AutoModelForCausalLM.from_pretrained(directory, dtype=torch_dtype, output_loading_info=True,
+                                                                 **code)
+            model = model.to(device)
         except ValueError as err:  # transformers' word for a config it cannot build a causal LM from
             if "trust_remote_code" in str(err):
                 raise CheckpointError(NEEDS_ITS_OWN_CODE.format(path=path_or_id)) from None
@@ -170,15 +172,23 @@ class TargetModel:
             if "mismatched" not in str(err) and "size mismatch" not in str(err):
                 raise
             raise _mismatch_error(directory) from None
+        except hf_compat.CONFIG_ERRORS as err:  # a field of the wrong type, an unknown rope type, ...
+            raise CheckpointError(f"could not load {path_or_id} as a causal LM: transformers cannot build it from its "
+                                  f"config.json ({hf_compat.config_error_text(err)}); fix the field this names, "
+                                  "or restore the "
+                                  "config.json that came with the weights") from None
+        missing = sorted(loaded.get("missing_keys") or [])
+        if missing:  # transformers starts them at random: a model, but not the one trained
+            shown = ", ".join(missing[:3]) + (f" (and {len(missing) - 3} more)" if len(missing) > 3 else "")
+            raise CheckpointError(f"the weights in {directory} lack {len(missing)} tensor(s) its config.json "
+                                  f"describes: {shown}; transformers would start them at random. Restore the "
+                                  "missing files (a shard, say) or the config.json that came with these weights")
         try:
             tokenizer = AutoTokenizer.from_pretrained(directory, **code)
         except Exception as err:
             if "trust_remote_code" in str(err):
                 raise CheckpointError(NEEDS_ITS_OWN_CODE.format(path=path_or_id)) from None
-            explained = tokenizer_failure(directory, err)
-            if explained is None:
-                raise
-            raise explained from None
+            raise (tokenizer_failure(directory, err) or _tokenizer_error(directory, err)) from None
         return cls(model, tokenizer)
 
     # ---- facts about the target -------------------------------------------------------------------
@@ -511,7 +521,7 @@ def check_compatible(target: TargetModel, config: DrafterConfig) -> None:
     problems = []
     if config.hidden_size != target.hidden_size:
         problems.append(f"hidden size: drafter {config.hidden_size}, target {target.hidden_size}")
-    if config.num_target_layers != target.num_layers:
+    if config.num_target_layers not in (None, target.num_layers):
         problems.append(f"number of target layers: drafter was built for {config.num_target_layers}, "
                         f"target has {target.num_layers}")
     bad_ids = [i for i in config.target_layer_ids if not 0 <= i < target.num_layers]
@@ -527,6 +537,17 @@ def check_compatible(target: TargetModel, config: DrafterConfig) -> None:
             "this drafter does not fit this target: " + "; ".join(problems)
             + ". Use the drafter trained for this target (or train one with `dflash train`)."
         )
+
+
+def _tokenizer_error(directory: Path, err: BaseException) -> CheckpointError:
+    """A tokenizer transformers could not load, for a reason `tokenizer_failure` cannot tell better: a library it
+    needs (sentencepiece, protobuf, tiktoken), or files this tokenizers release cannot read."""
+    if isinstance(err, ImportError) or "library" in str(err).lower():
+        fix = "install the library it names (pip install ...)"
+    else:
+        fix = ("its files are damaged, or were saved by a newer tokenizers than this one: pip install -U tokenizers "
+               "transformers, or copy the tokenizer files again")
+    return CheckpointError(f"could not load the tokenizer in {directory} ({in_brief(err)}): {fix}")
 
 
 def _mismatch_error(directory: Path) -> CheckpointError:

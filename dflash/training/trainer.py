@@ -452,6 +452,7 @@ class Trainer:
         (`widen_mlp`) and --draft-layers add layers (`deepen`)."""
         drafter = load_drafter(path, dtype=torch.float32, device=self.device)
         check_drafter_fits(self.target, drafter.config)
+        drafter.config.num_target_layers = self.target.num_layers  # stated in the export, where its config had none
         check_kept_options(self.config, drafter.config, path)
         self.config.block_size = drafter.config.block_size = self.config.block_size or drafter.config.block_size
         wanted = self.config.target_layer_ids

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 import shutil
 import subprocess
 import sys
@@ -200,6 +201,22 @@ def test_drafter_for_another_target_is_refused(tmp_path, target):
     message = str(err.value)
     for expected in ("number of target layers", "out of range", "vocab size", "mask_token_id"):
         assert expected in message
+
+
+def test_a_config_that_does_not_state_the_targets_depth_is_not_refused_for_a_guess_of_it(tmp_path, target):
+    """Without num_target_layers the depth was guessed as max(target_layer_ids) + 1, and a drafter made for a deeper
+    target was refused: "drafter was built for 2, target has N"."""
+    config = public_config(vocab_size=target.vocab_size, hidden_size=target.hidden_size,
+                           dflash_config={"mask_token_id": 3, "target_layer_ids": [0, 1]})
+    del config["num_target_layers"]
+    write_checkpoint(tmp_path / "d", config, public_state_dict(2, 2 * target.hidden_size))
+    drafter = load_drafter(tmp_path / "d")
+    assert target.num_layers > 2 and drafter.config.num_target_layers is None
+    check_compatible(target, drafter.config)  # no guess to refuse it for
+    assert "num_target_layers" not in drafter.config.to_dict()  # written back as it came: unstated
+    drafter.config.target_layer_ids = [0, target.num_layers]
+    with pytest.raises(IncompatibleDrafterError, match="out of range"):  # the ids are still checked
+        check_compatible(target, drafter.config)
 
 
 def test_cli_refuses_a_mismatched_drafter_without_traceback(tmp_path, tiny_pair):
@@ -422,6 +439,83 @@ def test_a_target_without_tokenizer_files_says_so(tiny_pair, tmp_path):
         TargetModel.from_pretrained(target)
 
 
+def test_a_target_whose_weights_lack_tensors_its_config_describes_is_refused(tiny_pair, tmp_path):
+    """transformers started the missing tensors at random and said so in a report dflash silences: the target
+    loaded, and decoded text that changed from run to run."""
+    import shutil
+
+    from safetensors.torch import load_file
+
+    from dflash.model.target import TargetModel
+
+    target = tmp_path / "target"
+    shutil.copytree(tiny_pair[0], target)
+    weights = load_file(target / "model.safetensors")
+    dropped = sorted(k for k in weights if "layers.0.mlp.up_proj" in k)
+    save_file({k: v for k, v in weights.items() if k not in dropped}, target / "model.safetensors")
+    with pytest.raises(CheckpointError, match=rf"^the weights in {target} lack 1 tensor\(s\) its config.json "
+                                              rf"describes: {dropped[0]}; transformers would start them at random"):
+        TargetModel.from_pretrained(target)
+    config = json.loads((target / "config.json").read_text())
+    save_file(weights, target / "model.safetensors")
+    deeper = {**config, "num_hidden_layers": config["num_hidden_layers"] + 1}
+    deeper.pop("layer_types", None)  # one per layer: the class would refuse the new depth
+    (target / "config.json").write_text(json.dumps(deeper))
+    with pytest.raises(CheckpointError, match=r"lack \d+ tensor\(s\) its config.json describes: "):
+        TargetModel.from_pretrained(target)  # a config deeper than its weights
+
+
+@pytest.mark.parametrize("fields, named", [
+    ({"rope_theta": "abc"}, "TypeError: unsupported operand"),
+    ({"rope_parameters": {"rope_type": "nonsense", "rope_theta": 10000.0}}, "KeyError: 'nonsense'"),
+    ({"rope_parameters": {"rope_type": "yarn", "rope_theta": 10000.0}}, "factor"),
+    ({"head_dim": 15}, "even rotary dimension"),
+])
+def test_a_drafter_config_transformers_cannot_build_a_rotary_embedding_from_is_a_clear_error(tmp_path, fields,
+                                                                                             named):
+    """Each came out as the traceback of transformers' rotary embedding."""
+    write_checkpoint(tmp_path / "d", public_config(**fields), public_state_dict(2, 2 * H))
+    with pytest.raises(UserError, match=f"^cannot use the drafter in {tmp_path / 'd'}: drafter config: transformers "
+                                        r"cannot build its rotary embedding from it \(.*"
+                                        f"{re.escape(named)}"):
+        load_drafter(tmp_path / "d")
+
+
+@pytest.mark.parametrize("edit, named", [
+    (lambda c: c.update(hidden_size=str(c["hidden_size"])), "expected int, got str"),
+    (lambda c: c.update(rope_parameters={"rope_type": "nonsense", "rope_theta": 10000.0}), "KeyError: 'nonsense'"),
+])
+def test_a_target_config_transformers_cannot_build_from_is_a_clear_error(tiny_pair, tmp_path, edit, named):
+    import shutil
+
+    from dflash.model.target import TargetModel
+
+    target = tmp_path / "target"
+    shutil.copytree(tiny_pair[0], target)
+    config = json.loads((target / "config.json").read_text())
+    edit(config)
+    (target / "config.json").write_text(json.dumps(config))
+    with pytest.raises(CheckpointError, match=f"^could not load {target} as a causal LM: transformers cannot build it "
+                                              rf"from its config.json \(.*{re.escape(named)}"):
+        TargetModel.from_pretrained(target)
+
+
+def test_a_tokenizer_this_tokenizers_release_cannot_read_is_a_clear_error(tiny_pair, tmp_path):
+    """tokenizers' own `Exception: data did not match any variant of untagged enum ModelUntagged` escaped."""
+    import shutil
+
+    from dflash.model.target import TargetModel
+
+    target = tmp_path / "target"
+    shutil.copytree(tiny_pair[0], target)
+    tokenizer = json.loads((target / "tokenizer.json").read_text())
+    tokenizer["model"]["type"] = "FromTheFuture"
+    (target / "tokenizer.json").write_text(json.dumps(tokenizer))
+    with pytest.raises(CheckpointError, match=rf"^could not load the tokenizer in {target} \(.+\): its files are "
+                                              "damaged, or were saved by a newer tokenizers"):
+        TargetModel.from_pretrained(target)
+
+
 def test_a_dflash2_drafter_whose_config_lost_its_architecture_is_told_what_to_add(tmp_path):
     import shutil
 
@@ -495,3 +589,22 @@ def test_an_unreadable_generation_config_is_named(tiny_pair, tmp_path, caplog):
         TargetModel.from_pretrained(target)
     assert any(f"{target / 'generation_config.json'} is unreadable" in r.getMessage() and "fix the file"
                in r.getMessage() for r in caplog.records)
+
+
+def test_config_values_of_the_wrong_kind_say_what_they_should_be(tmp_path):
+    """A mask token id given as text was called 'outside the vocabulary'; a config dtype dflash does not load was
+    'unknown' with no word of where it came from; a layer type no engine knows ran as full attention."""
+    no_mask = public_config(dflash_config={"target_layer_ids": [1, 2]})
+    write_checkpoint(tmp_path / "m", no_mask, public_state_dict(2, 2 * H))
+    with pytest.raises(UserError, match="mask token id '4' is not a token id: give a whole number"):
+        load_drafter(tmp_path / "m", mask_token_id="4")
+    write_checkpoint(tmp_path / "t", public_config(dtype="nonsense"), public_state_dict(2, 2 * H))
+    with pytest.raises(CheckpointError, match=rf"^{re.escape(str(tmp_path / 't' / 'config.json'))} gives the "
+                                              r"drafter's dtype as 'nonsense', which is none dflash loads"):
+        load_drafter(tmp_path / "t")
+    assert load_drafter(tmp_path / "t", dtype="float32").dtype == torch.float32  # a dtype given wins
+    write_checkpoint(tmp_path / "l", public_config(layer_types=["full_attention", "weird"]),
+                     public_state_dict(2, 2 * H))
+    with pytest.raises(UserError, match=r"layer_types holds \['weird'\]; a draft layer is full_attention or "
+                                        "sliding_attention"):
+        load_drafter(tmp_path / "l")
