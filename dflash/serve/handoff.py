@@ -21,9 +21,12 @@ import sys
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 
-from dflash.errors import UserError
-from dflash.model.config import DrafterConfig, LayerAttention, is_causal_lm, is_dflash2, untappable
-from dflash.model.loading import hub_file, is_hub_id, read_config
+import torch
+
+from dflash.errors import UserError, in_brief
+from dflash.model.config import DrafterConfig, LayerAttention, is_causal_lm, is_dflash2, is_whole_number, untappable
+from dflash.model.drafter import DFlashDraftModel
+from dflash.model.loading import CheckpointError, check_target_dir, hub_file, is_hub_id, read_config
 from dflash.model.target import check_compatible
 from dflash.serve.limits import check_max_model_len
 from dflash.serve.sampling_defaults import NEUTRAL_CHOICES
@@ -106,15 +109,30 @@ def _read_config(path_or_id: str, what: str) -> dict:
     path = Path(path_or_id).expanduser()
     if path.is_dir():
         return read_config(path, what)
-    if path.exists() or str(path_or_id).startswith((".", "/", "~")):
+    if path.exists():
         raise UserError(f"{path_or_id} is not a directory; give a checkpoint directory or a hub id like org/name")
+    if str(path_or_id).startswith((".", "/", "~")):
+        raise UserError(f"{path_or_id} does not exist; give a checkpoint directory or a hub id like org/name")
     if not is_hub_id(str(path_or_id)):
         raise UserError(f"{path_or_id} does not exist; give a checkpoint directory or a hub id like org/name")
     return read_config(hub_file(str(path_or_id), "config.json").parent, what)
 
 
+# Heads of other tasks than generating text: a checkpoint declaring only these is no causal LM to serve
+_NOT_GENERATIVE = ("ForMaskedLM", "ForSequenceClassification", "ForTokenClassification", "ForQuestionAnswering",
+                   "ForMultipleChoice", "ForNextSentencePrediction", "ForPreTraining", "ForImageClassification")
+
+
 def target_facts(target: str) -> TargetFacts:
+    """The target's shape from its config.json; a local directory is checked as loading it would be (a causal LM,
+    not a drafter, with a tokenizer), without its weights."""
+    if Path(target).expanduser().is_dir():
+        try:
+            check_target_dir(Path(target).expanduser())
+        except CheckpointError as err:
+            raise UserError(str(err)) from None
     raw = _read_config(target, "a Hugging Face causal LM checkpoint")
+    _check_generative(target, raw)
     text = raw.get("text_config") or raw  # multimodal configs keep the language model's fields there
     names = _own_names(text.get("model_type"))
     fields = {k: text.get(k, text.get(names.get(k, k))) for k in (
@@ -122,9 +140,25 @@ def target_facts(target: str) -> TargetFacts:
     missing = [k for k in ("hidden_size", "num_hidden_layers", "vocab_size") if fields[k] is None]
     if missing:
         raise UserError(f"the target's config.json lacks {', '.join(missing)}; is {target} a causal LM checkpoint?")
+    bad = [f"{k} {v!r}" for k, v in fields.items() if v is not None and not is_whole_number(v)]
+    if bad:
+        raise UserError(f"the target's config.json ({target}) gives {', '.join(bad)}: each must be a whole number "
+                        ">= 1; restore the config.json that came with the weights")
     return TargetFacts(fields["hidden_size"], fields["num_hidden_layers"], fields["vocab_size"],
                        fields["max_position_embeddings"], latent_attention=bool(text.get("kv_lora_rank")),
                        model_type=text.get("model_type"))
+
+
+def _check_generative(target: str, raw: dict) -> None:
+    """Refuse an encoder-decoder (T5, BART) or a checkpoint whose every head does another task (BERT's masked LM):
+    DFlash drafts for a decoder-only causal LM, and the engines would refuse it only after their start-up."""
+    architectures = [str(a) for a in raw.get("architectures") or []]
+    if raw.get("is_encoder_decoder"):
+        raise UserError(f"{target} is an encoder-decoder model ({', '.join(architectures) or raw.get('model_type')}); "
+                        "DFlash drafts for a decoder-only causal LM")
+    if architectures and all(a.endswith(_NOT_GENERATIVE) for a in architectures):
+        raise UserError(f"{target} declares architectures {architectures}, heads for other tasks than generating "
+                        "text: give a causal LM (a ...ForCausalLM checkpoint) as the target")
 
 
 def _own_names(model_type: str | None) -> dict[str, str]:
@@ -190,19 +224,41 @@ def check_drafter_weights(draft: str, config: DrafterConfig) -> set[str] | None:
     files = sorted(directory.glob("*.safetensors"))
     if not files:
         raise UserError(f"no *.safetensors weights in {directory}")
-    from safetensors import safe_open
-
-    names: set[str] = set()
-    for file in files:
-        with safe_open(file, framework="pt") as f:
-            names.update(f.keys())
-    keys = {k.removeprefix("model.") for k in names}
+    shapes = _weight_shapes(files)
+    names = set(shapes)
+    keys = {k.removeprefix("model."): shape for k, shape in shapes.items()}
     wanted = [*_TOP_KEYS, *(f"layers.{i}.{k}" for i in range(config.num_hidden_layers) for k in _LAYER_KEYS)]
     missing = [k for k in wanted if k not in keys]
     if missing:
         raise UserError(f"{directory} is not in the DFlash drafter format: missing weights {missing[:5]}"
                         f"{' ...' if len(missing) > 5 else ''}")
+    if config.not_run_here():  # a layout dflash's drafter does not build (vLLM's loader reads it): names checked
+        return names
+    with torch.device("meta"):  # the shapes config.json builds, without memory
+        expected = {k: list(v.shape) for k, v in DFlashDraftModel(config).state_dict().items() if "rotary" not in k}
+    unexpected = sorted(k for k in keys if k not in expected)
+    wrong = [f"{k}: file {shape}, config {expected[k]}" for k, shape in keys.items() if expected.get(k, shape) != shape]
+    if unexpected or wrong:
+        raise UserError(f"the weights in {directory} do not fit its config.json: "
+                        + "; ".join(([f"unexpected {unexpected[:5]}"] if unexpected else []) + wrong[:4])
+                        + "; fix config.json or use the weights it was saved with (dflash's own loader refuses "
+                        "them too)")
     return names
+
+
+def _weight_shapes(files: list[Path]) -> dict[str, list[int]]:
+    """Each weight's shape from the safetensors headers (no tensor is read)."""
+    from safetensors import safe_open
+
+    shapes: dict[str, list[int]] = {}
+    for file in files:
+        try:
+            with safe_open(file, framework="pt") as f:
+                shapes.update({k: list(f.get_slice(k).get_shape()) for k in f.keys()})
+        except Exception as err:  # noqa: BLE001 - safetensors' own error type is not importable everywhere
+            raise UserError(f"the drafter's weights in {file} are damaged or incomplete ({in_brief(err)}): copy or "
+                            "export them again") from None
+    return shapes
 
 
 def check_pair(target: TargetFacts, draft: str, block_size: int | None) -> CheckedDrafter:

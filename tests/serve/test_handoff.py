@@ -193,6 +193,11 @@ def broken_copy(tmp_path, draft, edit=None, drop_weights=False):
     ("target_as_draft", "a draft model for classic speculative decoding"),
     ("no_hidden_size", "hidden_size"),
     ("dflash2", "serve it with `dflash serve`"),
+    # each below printed a command, or a traceback, where loading the pair refuses it
+    ("damaged_weights", "model.safetensors are damaged or incomplete (SafetensorError: "),
+    ("wrong_shape", "do not fit its config.json: layers.0.mlp.down_proj.weight: file "),
+    ("extra_weights", "do not fit its config.json: unexpected ['embed_tokens.weight']"),
+    ("bad_rope", "transformers cannot build its rotary embedding from it (TypeError: "),
 ])
 def test_bad_pairs_are_refused(tiny_pair, tmp_path, capsys, case, expected):
     target, draft = tiny_pair
@@ -215,11 +220,54 @@ def test_bad_pairs_are_refused(tiny_pair, tmp_path, capsys, case, expected):
         draft = broken_copy(tmp_path, draft, lambda c: c.update(architectures=["DFlash2DraftModel"]))
     elif case == "block_too_big":
         extra = ["--block-size", "32"]
+    elif case == "damaged_weights":
+        draft = broken_copy(tmp_path, draft)
+        weights = draft / "model.safetensors"
+        weights.write_bytes(weights.read_bytes()[:300])
+    elif case in ("wrong_shape", "extra_weights"):
+        from safetensors.torch import load_file, save_file
+
+        draft = broken_copy(tmp_path, draft, (lambda c: c.update(intermediate_size=c["intermediate_size"] + 8))
+                            if case == "wrong_shape" else None)
+        weights = load_file(draft / "model.safetensors")
+        if case == "extra_weights":
+            weights["embed_tokens.weight"] = weights["fc.weight"].clone()
+        save_file(weights, draft / "model.safetensors")
+    elif case == "bad_rope":
+        draft = broken_copy(tmp_path, draft, lambda c: c.update(rope_theta="abc"))
     else:
         draft = target
     code = main(["serve", "--target", str(target), "--draft", str(draft), "--engine", "vllm", "--dry-run", *extra])
     err = capsys.readouterr().err
     assert code == 2 and expected in err and "Traceback" not in err and "?." not in err
+
+
+@pytest.mark.parametrize("case, expected", [
+    ("masked_lm", "declares architectures ['BertForMaskedLM'], heads for other tasks than generating text"),
+    ("encoder_decoder", "is an encoder-decoder model (T5ForConditionalGeneration); DFlash drafts for a decoder-only"),
+    ("no_tokenizer", "has no tokenizer"),
+    ("size_as_text", "gives hidden_size '64': each must be a whole number >= 1"),
+])
+def test_targets_loading_refuses_are_refused_by_the_dry_run_too(tiny_pair, tmp_path, capsys, case, expected):
+    """Each printed a command for the engine to refuse after its start-up (hidden_size "64": 'drafter 64, target
+    64')."""
+    target, draft = tiny_pair
+    fields = {"masked_lm": {"architectures": ["BertForMaskedLM"]},
+              "encoder_decoder": {"architectures": ["T5ForConditionalGeneration"], "is_encoder_decoder": True},
+              "size_as_text": {"hidden_size": "64"}}.get(case, {})
+    copy = tmp_path / "target"
+    shutil.copytree(target, copy)
+    config = json.loads((copy / "config.json").read_text())
+    if case == "size_as_text":
+        fields["hidden_size"] = str(config["hidden_size"])
+        expected = expected.replace("'64'", repr(fields["hidden_size"]))
+    (copy / "config.json").write_text(json.dumps({**config, **fields}))
+    if case == "no_tokenizer":
+        (copy / "tokenizer.json").unlink()
+        (copy / "tokenizer_config.json").unlink()
+    code = main(["serve", "--target", str(copy), "--draft", str(draft), "--engine", "vllm", "--dry-run"])
+    err = capsys.readouterr().err
+    assert code == 2 and expected in err and "Traceback" not in err
 
 
 def legacy_form(config: dict, keep_layer_ids: bool = False) -> None:
@@ -501,3 +549,15 @@ def test_the_log_level_carries_over_and_a_block_size_without_a_drafter_is_refuse
         assert main(["serve", "--target", target, "--no-draft", "--block-size", "4", "--engine", engine,
                      "--dry-run"]) == 2
         assert "--no-draft hands over the target alone" in capsys.readouterr().err
+
+
+def test_a_local_path_that_does_not_exist_is_said_not_to_exist(tiny_pair, tmp_path, capsys):
+    """./nope was 'not a directory'."""
+    target, _ = tiny_pair
+    for missing in ("./nope", str(tmp_path / "nope")):
+        assert main(["serve", "--target", str(target), "--draft", missing, "--engine", "vllm", "--dry-run"]) == 2
+        assert f"{missing} does not exist; give a checkpoint directory" in capsys.readouterr().err
+    (tmp_path / "file").write_text("x")
+    assert main(["serve", "--target", str(target), "--draft", str(tmp_path / "file"), "--engine", "vllm",
+                 "--dry-run"]) == 2
+    assert "file is not a directory" in capsys.readouterr().err
