@@ -19,22 +19,26 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="output JSONL; re-running the same command resumes it (the generation settings are "
                              "kept next to it in OUTPUT.datagen.json, and a rerun with others is refused)")
     parser.add_argument("--max-new-tokens", type=int, default=512,
-                        help="answer length limit; answers also stop at the end of the target's context")
+                        help="answer length limit (default 512); answers also stop at the end of the target's "
+                             "context")
     parser.add_argument("--temperature", type=float, default=0.0,
                         help="0 = greedy (default); above 0, each prompt is sampled with its own seed")
-    parser.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling at --temperature > 0 (1 = off)")
+    parser.add_argument("--top-p", type=float, default=1.0,
+                        help="nucleus sampling at --temperature > 0 (default 1 = off)")
     parser.add_argument("--seed", type=int, default=0,
                         help="at --temperature > 0: prompt i is sampled with a seed hashed from SEED and i, so "
                         "runs with different seeds draw independent answers to every prompt (default 0)")
-    parser.add_argument("--batch-size", type=int, default=16, help="prompts decoded together")
+    parser.add_argument("--batch-size", type=int, default=16, help="prompts decoded together (default 16)")
     parser.add_argument("--limit", type=int, help="only the first N prompts")
     parser.add_argument("--split", help="dataset split (datasets; default train)")  # None: not given (a file has none)
     parser.add_argument("--subset", help="dataset configuration, e.g. main for openai/gsm8k (datasets)")
     parser.add_argument("--prompt-field", help="dataset column holding the prompt")
     parser.add_argument("--prompt-suffix", default="", help="text appended to every user turn")
     add_thinking_argument(parser)
-    parser.add_argument("--dtype", choices=["auto", "float32", "float16", "bfloat16"], default="auto")
-    parser.add_argument("--device")
+    parser.add_argument("--dtype", choices=["auto", "float32", "float16", "bfloat16"], default="auto",
+                        help="the target's weights (default auto: the checkpoint's own)")
+    parser.add_argument("--device", help="cpu, cuda or cuda:N (default: this process's GPU when there is one; under "
+                                         "torchrun, GPU LOCAL_RANK)")
     add_trust_remote_code_argument(parser)
 
 

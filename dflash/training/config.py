@@ -34,7 +34,9 @@ class TrainConfig:
     target_layer_ids: list[int] | None = None  # default: the published formula
     mask_token_id: int | None = None  # default: the tokenizer's mask token, or the first unused embedding row
     intermediate_size: int | None = None  # default: the target's
-    dflash2: bool = False  # a DFlash2 drafter (in-block convolutions + candidate selector)
+    # a DFlash2 drafter (in-block convolutions + candidate selector); None: not said (a new drafter is DFlash, an
+    # --init-from drafter stays what it is)
+    dflash2: bool | None = None
     selector_rank: int | None = None  # DFlash2: codebook width (default 256; with init_from: the drafter's own)
     selector_top_k: int | None = None  # DFlash2: candidates per draft position (default 16; likewise)
     selector_loss_weight: float = 1.0  # DFlash2: the selector's cross-entropy next to the block loss
@@ -118,8 +120,8 @@ class TrainConfig:
             (self.selector_top_k is None or self.selector_top_k >= 1,
              f"--selector-top-k must be >= 1, got {self.selector_top_k}"),
             (self.dflash2 or self.init_from or (self.selector_rank is None and self.selector_top_k is None),
-             "--selector-rank and --selector-top-k shape a DFlash2 drafter's selector: add --dflash2, or leave them "
-             "out"),
+             "--selector-rank and --selector-top-k (selector_rank and selector_top_k in a config file) shape a "
+             "DFlash2 drafter's selector: add --dflash2 (dflash2: true), or leave them out"),
             (math.isfinite(self.selector_loss_weight) and self.selector_loss_weight >= 0,
              f"--selector-loss-weight must be a finite number >= 0, got {self.selector_loss_weight}"),
             (self.batch_size >= 1, f"--batch-size must be >= 1, got {self.batch_size}"),

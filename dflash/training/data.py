@@ -391,7 +391,7 @@ def collate(examples: list[Example], indices: list[int], pad_id: int, split: str
 
 def epoch_batches(num_examples: int, global_batch: int, epoch: int, seed: int) -> list[list[int]]:
     """The example indices of every global batch of an epoch (the same on every process)."""
-    g = torch.Generator().manual_seed(seed * 1_000_003 + epoch)
+    g = torch.Generator().manual_seed((seed * 1_000_003 + epoch) % 2**64)  # any seed: torch takes 64 bits
     order = torch.randperm(num_examples, generator=g).tolist()
     usable = len(order) - len(order) % global_batch if len(order) >= global_batch else len(order)
     return [order[i: i + global_batch] for i in range(0, usable, global_batch)]

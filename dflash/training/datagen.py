@@ -291,6 +291,8 @@ def _load_dataset_file(path: Path) -> list[dict]:
         with hub.datasets_offline(True):
             return list(datasets.load_dataset(DATASET_FILES[path.suffix.lower()], data_files=str(path), split="train"))
     except Exception as err:
+        if "corresponds to no data" in str(err):  # the builder's word for a file of no rows (a CSV of its header)
+            raise UserError(f"{path} has no records; give a file with one prompt per row") from None
         raise UserError(f"could not read --prompts {path} as a {path.suffix} file: {in_brief(err)}") from None
 
 

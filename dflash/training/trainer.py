@@ -125,7 +125,7 @@ _EVAL_EPOCH = 999_999  # anchors for evaluation are drawn once, the same at ever
 
 
 def _example_generator(seed: int, epoch: int, index: int) -> torch.Generator:
-    return torch.Generator().manual_seed((seed * 1_000_003 + epoch) * 10_000_019 + index)
+    return torch.Generator().manual_seed(((seed * 1_000_003 + epoch) * 10_000_019 + index) % 2**64)
 
 
 class Trainer:
@@ -330,7 +330,8 @@ class Trainer:
         self.global_batch = c.batch_size * c.grad_accum * self.world
         if len(self.train_examples) < self.global_batch:
             held = f" ({len(self.eval_examples)} more held out by --eval-fraction)" if self.eval_examples else ""
-            raise UserError(f"only {len(self.train_examples)} training examples{held} for a global batch of "
+            count = len(self.train_examples)
+            raise UserError(f"only {count} training example{'' if count == 1 else 's'}{held} for a global batch of "
                             f"{self.global_batch} (--batch-size x --grad-accum x processes); lower --batch-size or "
                             "--grad-accum, or add data")
         self.batches_per_epoch = len(self.train_examples) // self.global_batch
@@ -401,11 +402,12 @@ class Trainer:
 
     def _setup_drafter(self) -> None:
         c = self.config
-        torch.manual_seed(c.seed)
+        torch.manual_seed(c.seed % 2**64)  # any --seed: torch takes 64 bits (a larger one overflowed)
         if c.init_from:
             self.drafter = self._pretrained_drafter(c.init_from)
             self.drafter_config = self.drafter.config
         else:
+            c.dflash2 = bool(c.dflash2)  # not said: a DFlash drafter
             c.block_size = c.block_size or DEFAULT_BLOCK_SIZE
             mask_id = choose_mask_token_id(c, self.tokenizer, self.target.vocab_size)
             self._check_mask_token(mask_id)
@@ -452,6 +454,10 @@ class Trainer:
         (`widen_mlp`) and --draft-layers add layers (`deepen`)."""
         drafter = load_drafter(path, dtype=torch.float32, device=self.device)
         check_drafter_fits(self.target, drafter.config)
+        if self.config.dflash2 is False and drafter.config.dflash2 is not None:
+            raise UserError(f"--no-dflash2: the drafter in {path} is a DFlash2 drafter, whose convolutions and "
+                            "selector cannot be taken out; leave --no-dflash2 out to fine-tune it as it is, or train "
+                            "a DFlash drafter from scratch (without --init-from)")
         drafter.config.num_target_layers = self.target.num_layers  # stated in the export, where its config had none
         check_kept_options(self.config, drafter.config, path)
         self.config.block_size = drafter.config.block_size = self.config.block_size or drafter.config.block_size
@@ -465,6 +471,7 @@ class Trainer:
             deepen(drafter, self.config.draft_layers)
         if self.config.dflash2 and drafter.config.dflash2 is None:
             to_dflash2(drafter, dflash2_options(self.config))
+        self.config.dflash2 = drafter.config.dflash2 is not None  # training_config.yaml says what was trained
         problem = mask_token_problem(drafter.config.mask_token_id, self.target)
         if problem:  # the drafter learnt with this mask token: a warning, it cannot change now
             self._warn(f"the drafter's mask token ({drafter.config.mask_token_id}) aliases a real token: {problem}; "
@@ -496,6 +503,10 @@ class Trainer:
         if c.feature_cache in (None, "memory"):
             return
         directory = Path(c.feature_cache)
+        if directory.resolve().is_relative_to(self.checkpoint_dir.resolve()):
+            raise UserError(f"--feature-cache {directory} lies in {self.checkpoint_dir}, which holds this run's "
+                            "checkpoints alone (--overwrite deletes it whole): give a directory outside it, e.g. "
+                            f"{Path(c.output) / 'features'}")
         manifest, path = self._feature_manifest(), directory / "manifest.json"
         if path.exists():
             saved = _saved_manifest(directory, path)
@@ -733,6 +744,7 @@ class Trainer:
                 final = {"step": self.step, **self._train_times()}
                 if self.eval_examples:
                     final.update(self.evaluate())
+                    self._check_held_out_loss(final.get("eval_loss"))
                 self.export()
         except KeyboardInterrupt:  # SIGTERM's Terminated too
             if stop.requested and not self._stopped:  # a second signal, at once: say what is kept
@@ -789,15 +801,27 @@ class Trainer:
             what = "loss" if not math.isfinite(loss) else "gradient norm"
             self._diverged(f"the training {what} became {loss if what == 'loss' else grad_norm} at step {self.step}")
 
+    def _check_held_out_loss(self, loss: float | None) -> None:
+        """The final evaluation's loss: not a finite number, the last step broke the weights (they may still be
+        finite, only huge), and they are neither saved nor exported."""
+        if loss is not None and not math.isfinite(loss):
+            if self.trained_with is None:  # this run saved them just before: they are the diverged step's
+                self._on_rank_0(lambda: shutil.rmtree(self.checkpoint_dir / f"step-{self.step:08d}",
+                                                      ignore_errors=True))
+            self._diverged(f"the held-out loss became {loss} after the last step (step {self.step})")
+
     def _diverged(self, what: str) -> None:
+        c = self.config
         checkpoints = self._checkpoints()
         self._log({"event": "diverged", "step": self.step, "message": what,
                    "checkpoint": str(checkpoints[-1]) if checkpoints else None})
-        float32 = " or train in float32 (--dtype float32)" if self.config.dtype == "bfloat16" else ""
+        fix = f"lower --lr (now {c.lr})"
+        if c.lr * c.weight_decay >= 1:  # AdamW takes lr x weight_decay of every weight each step: all of it, or more
+            fix = f"lower --weight-decay (now {c.weight_decay}: with --lr {c.lr} it takes all of every weight, or more)"
+        fix += " or train in float32 (--dtype float32)" if c.dtype == "bfloat16" else ""
         kept = (f"the newest checkpoint, {checkpoints[-1]}, is kept (nothing was saved from the diverged steps); "
-                f"lower --lr (now {self.config.lr}){float32} and rerun with --resume to continue from it"
-                if checkpoints else
-                f"no checkpoint was written before it; lower --lr (now {self.config.lr}){float32} and rerun")
+                f"{fix} and rerun with --resume to continue from it" if checkpoints else
+                f"no checkpoint was written before it; {fix} and rerun")
         raise UserError(f"{what}: training diverged and stopped; {kept}")
 
     def _stop_requested(self, stop: StopRequest) -> bool:
@@ -830,8 +854,8 @@ class Trainer:
             print(f"dflash train: stopped at once; the newest checkpoint is {checkpoints[-1]} (step {step}): "
                   f"{self._resume_advice(step)}", file=sys.stderr, flush=True)
         else:
-            print("dflash train: stopped at once, before the first checkpoint: nothing is saved to resume from; rerun "
-                  "with --overwrite to start afresh", file=sys.stderr, flush=True)
+            print("dflash train: stopped at once, before the first checkpoint: nothing is saved to resume from; run "
+                  "the same command again to start afresh", file=sys.stderr, flush=True)
 
     def _resume_advice(self, step: int | None = None) -> str:
         step = self.step if step is None else step
@@ -1012,11 +1036,16 @@ class Trainer:
         saved = DrafterConfig.from_dict(self._with_fields_it_dropped(state["drafter_config"])).to_dict()
         shape = [f"{k} {saved.get(k)!r}, now {v!r}" for k, v in self.drafter_config.to_dict().items()
                  if saved.get(k) != v]
-        if shape:
-            raise UserError(f"{checkpoint} holds a drafter of another shape ({'; '.join(shape)}); resume with the "
-                            f"options it was trained with, or {fresh}")
         old = state["config"]
+        if shape:
+            started = old.get("init_from")
+            hint = (f" (it started from --init-from {started}: give that again)"
+                    if started and started != self.config.init_from else "")
+            raise UserError(f"{checkpoint} holds a drafter of another shape ({'; '.join(shape)}); resume with the "
+                            f"options it was trained with{hint}, or {fresh}")
         order = []
+        if old.get("seed") != self.config.seed:  # first: it also draws the held-out split, so the examples differ too
+            order.append(f"seed {old.get('seed')}, now {self.config.seed}")
         if "data" in state and state["data"] != self.data_fingerprint:
             order.append("the training or held-out examples differ (--data, --extra-train-data, --max-length, "
                          "--eval-fraction, --enable-thinking, or the files themselves; or the version that wrote the "
@@ -1027,8 +1056,6 @@ class Trainer:
             order += [f"{k} {then.get(k)!r}, now {getattr(self.config, k)!r}"
                       for k in ("data", "extra_train_data", "eval_fraction", "max_length")
                       if then.get(k) != getattr(self.config, k)]
-        if old.get("seed") != self.config.seed:
-            order.append(f"seed {old.get('seed')}, now {self.config.seed}")
         old_global = old.get("batch_size", 0) * old.get("grad_accum", 1) * state.get("world_size", self.world)
         if old_global != self.global_batch:
             order.append(f"global batch {old_global}, now {self.global_batch} (--batch-size x --grad-accum x "

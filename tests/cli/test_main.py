@@ -139,3 +139,16 @@ def test_the_decoding_commands_name_the_flags_in_the_api_errors(capsys):
     # only the generation options' own errors: a path or a drafter's config.json field is no flag
     assert main(["datagen", "--prompts", "sweeps/temperature/prompts.jsonl", "--output", "o.jsonl"]) == 2
     assert "--prompts sweeps/temperature/prompts.jsonl: there is no local file" in capsys.readouterr().err
+
+
+def test_the_command_line_module_imports_nothing_heavy_before_its_interrupt_handler():
+    """`import dflash` imported torch and transformers: a Ctrl-C in the first second or two of any command ended in
+    a KeyboardInterrupt traceback, before `main` (which catches it while it loads them) ran. The package's names
+    still import as before."""
+    import subprocess
+    import sys
+
+    probe = ("import sys, dflash.cli.main; heavy = [m for m in ('torch', 'transformers') if m in sys.modules]; "
+             "print(heavy); from dflash import DFlash, load_drafter, UserError; print(DFlash.__name__)")
+    out = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, check=True).stdout.split()
+    assert out == ["[]", "DFlash"]

@@ -26,8 +26,10 @@ REQUIRED = {"target": "t", "data": "d.jsonl", "output": "o"}
     ("lr", math.nan, "--lr must be a finite number > 0, got nan"),
     ("lr", 0.0, "--lr must be a finite number > 0, got 0.0"),
     ("target_layer_ids", [], "--target-layer-ids needs at least one layer id"),
-    ("selector_rank", 64, "--selector-rank and --selector-top-k shape a DFlash2 drafter's selector: add --dflash2"),
-    ("selector_top_k", 8, "--selector-rank and --selector-top-k shape a DFlash2 drafter's selector: add --dflash2"),
+    ("selector_rank", 64, "--selector-rank and --selector-top-k (selector_rank and selector_top_k in a config file) "
+                            "shape a DFlash2 drafter's selector: add --dflash2 (dflash2: true)"),
+    ("selector_top_k", 8, "--selector-rank and --selector-top-k (selector_rank and selector_top_k in a config file) "
+                            "shape a DFlash2 drafter's selector: add --dflash2 (dflash2: true)"),
     ("log_every", 0, "--log-every must be >= 1, got 0"),
     ("checkpoint_every", -1, "--checkpoint-every must be >= 0"),
     ("keep_checkpoints", 0, "--keep-checkpoints must be >= 1, got 0"),

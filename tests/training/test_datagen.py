@@ -479,6 +479,9 @@ def test_a_parquet_or_csv_file_of_prompts_is_read(tmp_path):
     (tmp_path / "broken.parquet").write_bytes(b"not parquet")
     with pytest.raises(UserError, match=r"could not read --prompts .+broken.parquet as a .parquet file"):
         read_prompts(config_for(str(tmp_path / "broken.parquet")))
+    (tmp_path / "header.csv").write_text("question\n")  # was `Instruction "train" corresponds to no data!`
+    with pytest.raises(UserError, match=r"header.csv has no records; give a file with one prompt per row"):
+        read_prompts(config_for(str(tmp_path / "header.csv")))
 
 
 def test_a_dataset_saved_with_save_to_disk_is_read(tmp_path):

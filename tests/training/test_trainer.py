@@ -867,6 +867,17 @@ def test_a_feature_cache_directory_serves_only_the_setup_it_was_made_for(tiny_pa
         Trainer(config(tiny_pair, train_data, tmp_path / "e", feature_cache=str(legacy))).setup()
 
 
+def test_a_feature_cache_inside_the_checkpoints_folder_is_refused(tiny_pair, train_data, tmp_path):
+    """--overwrite deleted the folder whole after the manifest was written: the features came back without it, and
+    the next run was told an older dflash wrote them."""
+    out = tmp_path / "out"
+    for inside in (out / "checkpoints", out / "checkpoints" / "features"):
+        with pytest.raises(UserError, match=f"--feature-cache {inside} lies in {out / 'checkpoints'}, which holds this "
+                                            "run's checkpoints alone"):
+            Trainer(config(tiny_pair, train_data, out, feature_cache=str(inside))).setup()
+    Trainer(config(tiny_pair, train_data, out, feature_cache=str(out / "features"), max_steps=1)).setup()
+
+
 @pytest.mark.parametrize("content", ['{"project": "mine"}', "my notes", '{"target": null}'])
 def test_a_feature_cache_directory_with_a_manifest_dflash_did_not_write_is_refused_as_such(tiny_pair, train_data,
                                                                                          tmp_path, content):
@@ -1080,6 +1091,29 @@ def test_a_diverging_run_stops_and_keeps_its_checkpoints(tiny_pair, train_data, 
     with pytest.raises(UserError, match="the drafter's weights are no longer finite numbers at step 5"):
         poisoned.train()
     assert checkpoint_names(out) == ["step-00000003", "step-00000004"]
+
+
+def test_weights_the_last_step_broke_are_neither_exported_nor_kept(tiny_pair, train_data, tmp_path):
+    """--weight-decay 1e30 left huge but finite weights after the last step: the held-out loss was NaN, and they were
+    exported with exit status 0. The advice named --lr alone."""
+    out = tmp_path / "out"
+    trainer = Trainer(config(tiny_pair, train_data, out, max_steps=4, checkpoint_every=2, weight_decay=1e30)).setup()
+    original = trainer._train_step
+
+    def decay_at_the_last_step_only(indices, epoch):
+        for group in trainer.optimizer.param_groups:
+            group["weight_decay"] = 1e30 if trainer.step == 3 else 0.0
+        return original(indices, epoch)
+
+    trainer._train_step = decay_at_the_last_step_only
+    newest = out / "checkpoints" / "step-00000002"
+    with pytest.raises(UserError, match=re.escape("the held-out loss became nan after the last step (step 4): "
+                                                  f"training diverged and stopped; the newest checkpoint, {newest}, is "
+                                                  "kept (nothing was saved from the diverged steps); lower "
+                                                  "--weight-decay (now 1e+30: with --lr 0.003 it takes all of every "
+                                                  "weight, or more)")):
+        trainer.train()
+    assert checkpoint_names(out) == ["step-00000002"] and not (out / "model.safetensors").exists()
 
 
 # ---- interruptions, a second run, a full disk ----------------------------------------------------------------
@@ -1378,7 +1412,8 @@ def test_ctrl_c_after_the_last_step_finishes_the_run_and_says_so(tiny_pair, trai
 @pytest.mark.parametrize("at_step, said", [
     (4, "the newest checkpoint is {out}/checkpoints/step-00000003 (step 3): run the same command with --resume to "
         "continue from it"),
-    (2, "stopped at once, before the first checkpoint: nothing is saved to resume from"),
+    (2, "stopped at once, before the first checkpoint: nothing is saved to resume from; run the same command again "
+        "to start afresh"),
 ])
 def test_a_second_ctrl_c_stops_at_once_and_names_the_checkpoint_to_resume_from(tiny_pair, train_data, tmp_path,
                                                                                  capsys, at_step, said):
@@ -1397,6 +1432,8 @@ def test_a_second_ctrl_c_stops_at_once_and_names_the_checkpoint_to_resume_from(t
     with pytest.raises(KeyboardInterrupt):
         trainer.train()
     assert said.format(out=out) in capsys.readouterr().err
+    if at_step == 2:  # as it says (it said --overwrite, which the same command did not need)
+        assert Trainer(config(tiny_pair, train_data, out, max_steps=1)).setup().train()["step"] == 1
 
 
 def test_a_second_ctrl_c_in_the_final_evaluation_says_resume_exports_the_last_step(tiny_pair, train_data, tmp_path,
@@ -1524,3 +1561,36 @@ def test_any_failure_of_rank_0s_work_stops_the_other_processes_saying_where_to_l
     other = types.SimpleNamespace(**{**vars(process), "rank": 1})
     with pytest.raises(UserError, match="process 0 failed while writing out"):  # the others: told, at once
         Trainer._on_rank_0(other, full_disk)
+
+
+def test_no_dflash2_with_a_dflash2_drafter_to_start_from_is_refused_and_the_config_says_what_trained(
+        tiny_pair, train_data, tmp_path):
+    """--no-dflash2 was the default's False: ignored, the DFlash2 drafter fine-tuned as it was, and
+    training_config.yaml said dflash2: false beside a DFlash2DraftModel."""
+    grown = tmp_path / "grown"
+    Trainer(config(tiny_pair, train_data, grown, max_steps=1, dflash2=True, selector_rank=8, selector_top_k=4,
+                   checkpoint_every=0)).setup().train()
+    with pytest.raises(UserError, match=f"--no-dflash2: the drafter in {grown} is a DFlash2 drafter, whose "
+                                        "convolutions and selector cannot be taken out"):
+        Trainer(config(tiny_pair, train_data, tmp_path / "no", max_steps=1, init_from=str(grown),
+                       dflash2=False)).setup()
+    tuned = tmp_path / "tuned"
+    Trainer(config(tiny_pair, train_data, tuned, max_steps=1, init_from=str(grown), checkpoint_every=0)).setup().train()
+    assert yaml.safe_load((tuned / "training_config.yaml").read_text())["dflash2"] is True
+    assert json.loads((tuned / "config.json").read_text())["architectures"] == ["DFlash2DraftModel"]
+
+
+@pytest.mark.parametrize("seed", [2**64, -(2**63) - 1, 10**7])
+def test_any_whole_number_seeds_a_run(tiny_pair, train_data, tmp_path, seed):
+    """--seed 2**63 and beyond (or 10**7, through the anchors' generator seeds) overflowed torch's seed: a
+    traceback."""
+    result = Trainer(config(tiny_pair, train_data, tmp_path / "out", max_steps=1, seed=seed)).setup().train()
+    assert math.isfinite(result["eval_loss"])
+
+
+def test_a_resume_without_the_drafter_it_started_from_says_to_give_it_again(tiny_pair, train_data, tmp_path):
+    out = tmp_path / "out"
+    Trainer(config(tiny_pair, train_data, out, max_steps=1, init_from=str(tiny_pair[1]))).setup().train()
+    with pytest.raises(UserError, match=rf"another shape .*; resume with the options it was trained with \(it started "
+                                        rf"from --init-from {re.escape(str(tiny_pair[1]))}: give that again\)"):
+        Trainer(config(tiny_pair, train_data, out, max_steps=2, resume=True)).setup()
