@@ -417,11 +417,35 @@ def load_target(path_or_id: str | os.PathLike, dtype: str | torch.dtype | None =
         raise load_failure(what, directory, err) from None
 
 
+# What only a DFlash drafter's config.json holds (the published forms, legacy ones included)
+_DRAFTER_FIELDS = ("dflash_config", "target_layer_ids", "num_target_layers", "mask_token_id", "block_size")
+
+
 def is_draft_model(path_or_id: str | os.PathLike) -> bool:
     """Whether the checkpoint directory `path_or_id` is a plain causal LM (a draft model for classic speculative
-    decoding) rather than a DFlash drafter, by its config.json: a causal LM architecture and no `dflash_config`."""
-    raw = read_config(Path(path_or_id), "a DFlash drafter or a causal LM checkpoint")
-    return "dflash_config" not in raw and is_causal_lm(raw.get("architectures") or [])
+    decoding) rather than a DFlash drafter, by its config.json: a causal LM architecture and no `dflash_config`; or,
+    naming no architecture, none of a drafter's fields and a causal LM's own weights (an embedding table)."""
+    directory = Path(path_or_id)
+    raw = read_config(directory, "a DFlash drafter or a causal LM checkpoint")
+    if raw.get("architectures"):
+        return "dflash_config" not in raw and is_causal_lm(raw["architectures"])
+    return not any(field in raw for field in _DRAFTER_FIELDS) and _has_embedding_table(directory)
+
+
+def _has_embedding_table(directory: Path) -> bool:
+    """Whether the safetensors headers in `directory` name an embedding table (a drafter has none: it borrows the
+    target's)."""
+    from safetensors import safe_open
+
+    for file in directory.glob("*.safetensors"):
+        try:
+            with safe_open(file, framework="pt") as f:
+                if any(name.endswith(("embed_tokens.weight", "wte.weight", "word_embeddings.weight"))
+                       for name in f.keys()):
+                    return True
+        except Exception:  # noqa: BLE001 - damaged weights: the loader that reads them names the damage
+            continue
+    return False
 
 
 def check_drafter_precision(precision: Any) -> str:

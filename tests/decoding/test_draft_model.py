@@ -134,6 +134,20 @@ def test_from_pretrained_takes_a_causal_lm_as_the_draft(draft_model_pair):
         DFlash.from_pretrained(target_dir, draft_dir, mask_token_id=3)
 
 
+def test_a_draft_model_whose_config_names_no_architecture_is_a_causal_lm_still(draft_model_pair, tmp_path):
+    """Without `architectures` it was taken for a legacy DFlash drafter: 'does not name its mask token'."""
+    import json
+    import shutil
+
+    target_dir, draft_dir = draft_model_pair
+    bare = tmp_path / "bare"
+    shutil.copytree(draft_dir, bare)
+    config = json.loads((bare / "config.json").read_text())
+    del config["architectures"]
+    (bare / "config.json").write_text(json.dumps(config))
+    assert isinstance(DFlash.from_pretrained(target_dir, bare).engine.proposer, DraftModelProposer)
+
+
 def test_a_gpt2_family_draft_model_is_a_causal_lm_too(tmp_path):
     """GPT-2's classes end in LMHeadModel, not ForCausalLM (gpt2 drafted by distilgpt2, transformers' own pair)."""
     target_dir, _ = save_tiny_pair(tmp_path, family="gpt2")
