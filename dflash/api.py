@@ -547,10 +547,10 @@ def _prompt_kind(prompt: Any) -> str:
     raise GenerationError(f"a prompt is {_PROMPT_KINDS}, not {type(prompt).__name__}")
 
 
-def check_text(text: str, what: str = "the prompt") -> None:
-    """Refuse empty text, and text that is not Unicode (see `_check_unicode`)."""
+def check_text(text: str, what: str = "the prompt", fix: str = "give the text to decode") -> None:
+    """Refuse empty text (`fix` says what to do instead), and text that is not Unicode (see `_check_unicode`)."""
     if not text:
-        raise GenerationError(f"{what} is empty; give the text to decode")
+        raise GenerationError(f"{what} is empty; {fix}")
     _check_unicode(text, what)
 
 

@@ -133,9 +133,9 @@ def _check_arguments(args: argparse.Namespace, prompt: str) -> dict:
                         "decode, e.g. --prompt \"What is 7 * 8?\"")
     check_text(prompt, source)
     for stop in args.stop or []:  # a stop string that is not text could never be met
-        check_text(stop, "--stop")
+        check_text(stop, "--stop", "give the text that ends the answer, or leave the flag out")
     if args.system is not None:
-        check_text(args.system, "--system")
+        check_text(args.system, "--system", "give the system message, or leave the flag out")
         if args.raw:
             raise UserError("--system adds a message for the chat template, and --raw sends the prompt without the "
                             "template: drop one of them")
@@ -159,7 +159,8 @@ def _check_room(engine: SpeculativeEngine, prompt_tokens: int, max_new_tokens: i
     if room < 1:
         raise UserError(f"the prompt ({prompt_tokens} tokens) leaves no room for an answer in the target's context "
                         f"of {engine.target.context_words}; shorten the prompt")
-    raise UserError(f"the prompt ({prompt_tokens} tokens) leaves room for at most {room} new tokens in the target's "
+    raise UserError(f"the prompt ({prompt_tokens} tokens) leaves room for at most {room} new "
+                    f"token{'' if room == 1 else 's'} in the target's "
                     f"context of {engine.target.context_words}; lower --max-new-tokens to {room} or shorten the "
                     "prompt")
 

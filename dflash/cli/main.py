@@ -44,6 +44,10 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
+    if sys.stdout is None:  # started with stdout closed (`>&-`): Python has no stream to print the results to
+        print("dflash: standard output is closed, so there is nowhere to write the results; redirect it to a file "
+              "(> FILE) or to /dev/null instead of closing it", file=sys.stderr)
+        return 2
     try:
         parser = build_parser()  # imports torch and transformers: a second or two to Ctrl-C in
     except KeyboardInterrupt:

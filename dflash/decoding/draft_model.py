@@ -23,7 +23,7 @@ import torch
 from dflash.decoding.proposer import Draft, PendingContext
 from dflash.decoding.sampling import sample, to_probs
 from dflash.decoding.slots import compact_cache, merge_caches, pad_and_concat, select_cache_rows, worth_compacting
-from dflash.errors import UserError
+from dflash.errors import GenerationError
 from dflash.model.target import IncompatibleDrafterError, TargetModel
 
 DEFAULT_BLOCK_SIZE = 5  # 4 draft tokens: the usual setting for a draft model
@@ -207,8 +207,8 @@ def drop_last_valid(valid: torch.Tensor, counts: list[int]) -> torch.Tensor:
 
 def check_block_size(block_size: int) -> None:
     if not 2 <= block_size <= MAX_BLOCK_SIZE:
-        raise UserError(f"block size {block_size} is not usable with a draft model: choose 2..{MAX_BLOCK_SIZE} "
-                        "(the anchor + the draft tokens verified per step)")
+        raise GenerationError(f"block_size {block_size} is not usable with a draft model: choose 2..{MAX_BLOCK_SIZE} "
+                              "(the anchor + the draft tokens verified per step)")
 
 
 def unseen_tokens(seq, start: int) -> list[int]:

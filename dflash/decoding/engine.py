@@ -92,6 +92,13 @@ class GenerationConfig:
             self.seed = int(self.seed)  # a numpy integer would overflow in the seeded noise's 64-bit arithmetic
         if any(s == "" for s in self.stop_strings):
             raise GenerationError("a stop string is empty (every text would stop before its first token); drop it")
+        for text in self.stop_strings:  # a lone surrogate (a byte that was not UTF-8) is in no decoded text
+            try:
+                text.encode("utf-8")
+            except UnicodeEncodeError as err:
+                raise GenerationError(f"the stop string {text!r} is not valid text: character {err.start} stands for "
+                                      "a byte that was not UTF-8, which no decoded text holds; pass UTF-8 "
+                                      "text") from None
         if self.max_new_tokens < 1:
             raise GenerationError(f"max_new_tokens must be >= 1, got {self.max_new_tokens}")
         if self.branch_length < 0:
@@ -296,7 +303,8 @@ class SpeculativeEngine:
         if room is not None and config.max_new_tokens > room:
             fix = "shorten the prompt or lower max_new_tokens" if room > 0 else "shorten the prompt"
             raise GenerationError(
-                f"a prompt of {len(prompt_ids)} tokens leaves room for at most {max(room, 0)} new tokens, not "
+                f"a prompt of {len(prompt_ids)} tokens leaves room for at most {max(room, 0)} new "
+                f"token{'' if room == 1 else 's'}, not "
                 f"max_new_tokens={config.max_new_tokens}: the target's context is {self.target.context_words}; {fix}"
             )
         if config.stop_token_ids:  # an id outside the vocabulary is never generated: a stop never met

@@ -15,7 +15,7 @@ import torch.nn.functional as F
 
 from dflash.decoding.sampling import sample, to_probs
 from dflash.decoding.slots import compaction_index, pad_and_concat, padded_width
-from dflash.errors import UserError
+from dflash.errors import GenerationError, UserError
 from dflash.model.dflash2 import Lattice, path_confidence, walk
 from dflash.model.drafter import DFlashDraftModel, DrafterCache
 from dflash.model.slot_buffer import spare_room
@@ -244,8 +244,8 @@ class DFlashProposer:
         check_drafter_fits(target, drafter.config)
         trained = drafter.config.block_size
         if block_size is not None and not 2 <= block_size <= trained:
-            raise UserError(f"block size {block_size} is not usable with this drafter: choose 2..{trained} "
-                             "(a drafter works at or below the block size it was trained for)")
+            raise GenerationError(f"block_size {block_size} is not usable with this drafter: choose 2..{trained} "
+                                  "(a drafter works at or below the block size it was trained for)")
         self.drafter = drafter
         self.target = target
         self.block_size = block_size or trained  # tokens per verify forward: the anchor + draft tokens

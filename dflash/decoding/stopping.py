@@ -7,6 +7,8 @@ from dataclasses import dataclass
 from dflash.decoding.detokenizer import tail_text
 from dflash.errors import GenerationError
 
+REPLACEMENT = "\ufffd"  # what bytes that do not (yet) make a whole UTF-8 character decode to
+
 
 @dataclass
 class StopDecision:
@@ -49,6 +51,10 @@ class StopChecker:
         could start in, holds one: one decode per step; the tokens are checked one by one only then."""
         if not self.stop_strings:
             return False
+        if any(REPLACEMENT in s for s in self.stop_strings):
+            # U+FFFD is also what a character cut between two tokens decodes to: a step decoded whole has the
+            # character whole, where one token at a time has it cut, so only the tokens one by one stop alike
+            return True
         text, _ = tail_text(self.tokenizer, ids, len(ids), self._longest_stop, since=since)
         return any(s in text for s in self.stop_strings)
 

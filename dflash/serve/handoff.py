@@ -268,7 +268,7 @@ def check_pair(target: TargetFacts, draft: str, block_size: int | None) -> Check
     check_feature_layers(draft, config.target_layer_ids, target.num_layers)
     names = check_drafter_weights(draft, config)
     if block_size is not None and not 2 <= block_size <= config.block_size:
-        raise UserError(f"block size {block_size} is not usable with this drafter: choose 2..{config.block_size}")
+        raise UserError(f"--block-size {block_size} is not usable with this drafter: choose 2..{config.block_size}")
     return CheckedDrafter(raw, config, names, block_size or config.block_size)
 
 

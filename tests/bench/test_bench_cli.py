@@ -232,7 +232,7 @@ SERVER = ["--base-url", "http://127.0.0.1:9/v1"]  # nothing listens there: every
     (["--dataset", "gsmk"], "unknown dataset 'gsmk'"),
     (["--dataset", ","], "no dataset given"),
     (["--dataset", ""], "no dataset given"),
-    (["--block-size", "99"], "block size 99"),
+    (["--block-size", "99"], "--block-size 99 is not usable with this drafter"),
     (["--block-size", "8,1"], "--block-size 1 is too small: a block holds the anchor and at least one draft token"),
     (["--block-size", ","], "--block-size was given no value"),
     (["--no-draft"], "drop --no-draft"),

@@ -136,7 +136,7 @@ def test_every_turn_is_sampled_with_a_seed_of_its_own_the_same_for_both_decoders
 def test_block_size_is_checked_against_the_drafter(pipe):
     backend = LocalBackend(pipe)
     assert backend.block_size(4) == 4
-    with pytest.raises(UserError, match="block size 99"):
+    with pytest.raises(UserError, match="block_size 99 is not usable"):
         backend.block_size(99)
 
 

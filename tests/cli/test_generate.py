@@ -7,6 +7,7 @@ import torch
 
 from dflash.cli import generate
 from dflash.cli.main import build_parser, main
+from dflash.errors import GenerationError
 
 
 def test_json_output_has_the_documented_fields(tiny_pair, capsys):
@@ -38,7 +39,7 @@ def test_user_errors_are_one_line(tiny_pair, capsys):
     target, draft = tiny_pair
     assert main(["generate", "--target", str(target), "--draft", str(draft), "--prompt", "x",
                  "--block-size", "99"]) == 2
-    assert "block size 99" in capsys.readouterr().err
+    assert "--block-size 99 is not usable with this drafter" in capsys.readouterr().err
     assert main(["generate", "--target", str(target), "--no-draft", "--prompt", "x", "--top-p", "0"]) == 2
     assert "--top-p must be in (0, 1]" in capsys.readouterr().err
     assert main(["generate", "--draft", str(draft), "--prompt", "x"]) == 2
@@ -125,6 +126,7 @@ def test_stop_strings_read_escapes_as_the_readme_writes_them(capsys):
     (["--raw", "--enable-thinking"], "drop one of them"),
     (["--max-new-tokens", "0"], "--max-new-tokens must be >= 1"),
     (["--device", "bogus"], "unknown device 'bogus'"),
+    (["--system", ""], "--system is empty; give the system message, or leave the flag out"),  # "the text to decode"
 ])
 def test_bad_options_are_refused_before_any_model_loads(flags, message, capsys):
     """The target does not exist: the option is named first, without waiting for a model to load."""
@@ -339,3 +341,25 @@ def test_a_prompt_files_or_the_inputs_one_final_line_break_is_dropped(tmp_path, 
         monkeypatch.setattr("sys.stdin", io.StringIO(written))
         assert read_prompt(argparse.Namespace(prompt_file=None, prompt="-")) == read.replace("\r", "")
     assert read_prompt(argparse.Namespace(prompt_file=None, prompt="x\n")) == "x\n"  # --prompt TEXT is as given
+
+
+def test_a_block_size_beyond_the_drafters_names_the_flag_and_one_token_of_room_is_one_token(tiny_pair, capsys):
+    assert main(_args(tiny_pair, "--prompt", "x", "--block-size", "17")) == 2
+    assert "error: --block-size 17 is not usable with this drafter: choose 2.." in capsys.readouterr().err
+    from dflash.api import DFlash
+
+    pipe = DFlash.from_pretrained(*tiny_pair)
+    with pytest.raises(GenerationError, match=r"leaves room for at most 1 new token, not max_new_tokens=2"):
+        pipe.generate([3] * 1023, max_new_tokens=2)
+
+
+def test_standard_output_closed_is_one_line_not_a_traceback(tiny_pair):
+    """`dflash generate ... >&-` ended in AttributeError: 'NoneType' object has no attribute 'write'."""
+    import os
+    import subprocess
+    import sys
+
+    proc = subprocess.run([sys.executable, "-m", "dflash.cli.main", *_args(tiny_pair, "--prompt", "x")],
+                          stderr=subprocess.PIPE, text=True, preexec_fn=lambda: os.close(1))
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr
+    assert "standard output is closed, so there is nowhere to write the results" in proc.stderr

@@ -392,7 +392,7 @@ def test_a_request_beyond_the_context_is_told_how_many_tokens_fit(target):
 def test_a_block_size_the_drafter_cannot_verify_is_refused_in_any_rows_config(target):
     engine = SpeculativeEngine(target, DFlashProposer(tiny_drafter(target), target))
     configs = [GenerationConfig(max_new_tokens=4), GenerationConfig(max_new_tokens=4, block_size=17)]
-    with pytest.raises(GenerationError, match="prompt 1: block size 17 is not usable with this drafter"):
+    with pytest.raises(GenerationError, match="prompt 1: block_size 17 is not usable with this drafter"):
         engine.generate([[1, 2], [3, 4]], configs)
 
 
@@ -408,6 +408,13 @@ def test_bad_generation_config(field, value):
 
 def test_one_stop_string_is_not_split_into_characters():
     assert GenerationConfig(stop_strings="###").stop_strings == ["###"]
+
+
+def test_a_stop_string_of_a_byte_that_was_not_utf8_is_refused():
+    """A lone surrogate (Python's stand-in for such a byte) is in no decoded text: it was taken, and never matched."""
+    with pytest.raises(GenerationError, match=r"the stop string 'ab\\udcff' is not valid text: character 2 stands for "
+                                              "a byte that was not UTF-8"):
+        GenerationConfig(stop_strings=["###", "ab\udcff"])
 
 
 def test_numpy_integers_are_integers():

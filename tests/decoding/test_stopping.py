@@ -37,3 +37,27 @@ def test_a_step_stops_where_decoding_one_token_at_a_time_would(stop_ids, stop_st
     kept, reason = one_at_a_time(checker, tokens)
     decision = checker.check(kept[:1], tokens[1:])
     assert (kept[:1] + tokens[1:][: decision.keep], decision.reason) == (kept, reason)
+
+
+@pytest.mark.parametrize("step", [2, 3, 16])
+def test_a_stop_string_holding_the_replacement_character_stops_alike_at_every_step_size(step):
+    """A character cut between two tokens decodes to U+FFFD one token at a time, and whole in a step that holds
+    both: with a stop string holding U+FFFD, steps of 2 tokens stopped later than steps of 1, and of 16 never."""
+    from transformers import AutoTokenizer
+
+    from dflash.api import DEFAULT_TARGET
+
+    tokenizer = AutoTokenizer.from_pretrained(DEFAULT_TARGET)
+    ids = tokenizer.encode("Hi é and 你好 ok", add_special_tokens=False)
+    assert any(tokenizer.decode([i]) == "\ufffd" for i in ids)  # byte tokens: characters cut between tokens
+
+    def decode(step_size: int) -> tuple[list[int], str | None]:
+        checker, kept = StopChecker([], ["\ufffd"], 100, tokenizer), []
+        for start in range(0, len(ids), step_size):
+            decision = checker.check(kept, ids[start:start + step_size])
+            kept += ids[start:start + step_size][:decision.keep]
+            if decision.reason:
+                return kept, decision.reason
+        return kept, None
+
+    assert decode(step) == decode(1) and decode(1)[1] == "stop"

@@ -189,7 +189,7 @@ def broken_copy(tmp_path, draft, edit=None, drop_weights=False):
     ("unknown_architecture", "architectures"),
     ("no_mask", "mask token"),
     ("no_weights", "safetensors"),
-    ("block_too_big", "block size"),
+    ("block_too_big", "--block-size 32 is not usable"),
     ("target_as_draft", "a draft model for classic speculative decoding"),
     ("no_hidden_size", "hidden_size"),
     ("dflash2", "serve it with `dflash serve`"),
