@@ -74,9 +74,9 @@ def _jsonl_hint(raw: bytes, line: str, number: int) -> str:
     """What a line that is not JSON most likely is, and what to do about it."""
     start = line.strip()[:1]
     if not raw.endswith(b"\n") and start == "{":
-        return ("it is the last line and ends without a newline, cut short: a `dflash datagen` run that was stopped "
-                "while writing leaves one; rerun it to finish the file (it continues where it stopped), or remove "
-                "that line")
+        return ("it is the last line and ends without a newline, cut short: if `dflash datagen` wrote the file, it "
+                "was stopped while writing, and a rerun finishes it (it continues where it stopped); otherwise "
+                "complete or remove that line")
     if number == 1 and start == "[":
         return ("the file looks like one JSON array; JSONL holds one JSON object per line: write each element on a "
                 "line of its own")

@@ -26,8 +26,8 @@ def test_a_jsonl_line_nested_too_deeply_is_named_by_its_line(tmp_path):
 
 
 @pytest.mark.parametrize("content, hint", [
-    ('{"prompt": "a"}\n{"prompt": "cut sh', "it is the last line and ends without a newline, cut short: a `dflash "
-                                           "datagen` run that was stopped"),
+    ('{"prompt": "a"}\n{"prompt": "cut sh', "it is the last line and ends without a newline, cut short: if `dflash "
+                                           "datagen` wrote the file, it was stopped while writing"),
     ('[\n  {"prompt": "a"},\n  {"prompt": "b"}\n]\n', "the file looks like one JSON array"),
     ("prompt,answer\nhow many?,3\n", "the file looks like CSV"),
     ('{"prompt": "a"}\n{prompt: b}\n', "the file must be JSONL, one JSON object per line"),

@@ -201,6 +201,10 @@ def summarize(dataset: str, num_prompts: int, records: list[TurnRecord], config:
     note = few_steps_note(len(steps), result.dflash_output_tokens)
     if note:
         result.notes.append(note)
+    if not steps and records:  # the prefill's token alone: both sides timed the same prefill, not decoding
+        result.speedup = None
+        result.notes.append("no verify step was measured (every answer ended at the prefill's first token), so there "
+                            "is no speedup ('-'): raise --max-new-tokens")
     return result
 
 

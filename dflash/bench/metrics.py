@@ -105,8 +105,10 @@ def few_steps_note(steps: float, output_tokens: int) -> str | None:
     """What to say when a result rests on few verify steps (None: it does not)."""
     if not 0 < steps < FEW_VERIFY_STEPS:
         return None
-    return (f"only {steps:.0f} verify steps ({output_tokens} output tokens) were measured, too few for a steady tau "
-            "or speedup: raise --max-samples or --max-new-tokens")
+    one = round(steps) == 1
+    return (f"only {steps:.0f} verify step{'' if one else 's'} ({output_tokens} output tokens) "
+            f"{'was' if one else 'were'} measured, too few for a steady tau or speedup: raise --max-samples or "
+            "--max-new-tokens")
 
 
 def histogram_from_counters(drafts: float, accepted_per_pos: list[float]) -> list[int]:

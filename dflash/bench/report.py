@@ -214,8 +214,12 @@ def write_outputs(results: list[BenchResult], output_dir: str | Path, setup: dic
 
 def _replace(path: Path, write: Callable[[Path], object]) -> None:
     aside = path.with_name(f".{path.name}.partial")
-    write(aside)
-    os.replace(aside, path)
+    try:
+        write(aside)
+        os.replace(aside, path)
+    except BaseException:
+        aside.unlink(missing_ok=True)  # no half-written file left beside the whole one
+        raise
 
 
 def markdown(results: list[BenchResult], setup: dict) -> str:

@@ -22,6 +22,7 @@ from dflash.bench.datasets import DATA_DIR_ENV, DataOptions, Sample, data_source
 from dflash.bench.local import LocalBackend, LocalConfig
 from dflash.bench.metrics import BenchResult, add_costs
 from dflash.decoding.engine import AUTO
+from dflash.errors import UserError, in_brief
 from dflash.model.target import TargetModel
 
 if TYPE_CHECKING:  # the server backend needs httpx (the `bench` extra); a local run does not
@@ -66,7 +67,8 @@ def run_bench(config: BenchConfig, pipe=None, console: Console | None = None,
         runs = _local_runs(config, _local_backend(config, data, pipe, console), data, console)
     info = setup(config, pipe, data)
     if config.output_dir:
-        report.write_outputs([], config.output_dir, info)  # this run's config; no stale results or plots
+        info["runs_finished"] = f"0 of {planned_runs(config)}"  # a run stopped before its first result says so
+        _write(results=[], config=config, info=info)  # this run's config; no stale results or plots
     results: list[BenchResult] = []
     written = 0  # results the output directory holds whole (its plots included)
     try:
@@ -75,7 +77,7 @@ def run_bench(config: BenchConfig, pipe=None, console: Console | None = None,
             results.append(result)
             if config.output_dir:
                 info["runs_finished"] = f"{len(results)} of {planned_runs(config)}"  # a stopped run says so
-                report.write_outputs(results, config.output_dir, info)
+                _write(results, config, info)
                 written = len(results)
     except (Exception, KeyboardInterrupt) as err:
         if isinstance(err, KeyboardInterrupt) and config.output_dir and written < len(results):
@@ -89,6 +91,15 @@ def run_bench(config: BenchConfig, pipe=None, console: Console | None = None,
         console.print(f"wrote results.json, results.md, config.json and plots to {config.output_dir}",
                       soft_wrap=True, highlight=False)
     return results
+
+
+def _write(results: list[BenchResult], config: BenchConfig, info: dict) -> None:
+    """The output directory rewritten; a failure to write it is a UserError that names it."""
+    try:
+        report.write_outputs(results, config.output_dir, info)
+    except OSError as err:
+        raise UserError(f"could not write the results into {config.output_dir} ({in_brief(err)}): free some space or "
+                        "fix its permissions, or give another --output-dir") from None
 
 
 def _write_again(results: list[BenchResult], config: BenchConfig, info: dict) -> bool:
@@ -119,7 +130,8 @@ def _show_partial(results: list[BenchResult], written: int, config: BenchConfig,
     elif written == len(results):
         where = f"saved in {config.output_dir} (results.json, results.md, plots)"
     else:
-        where = (f"in the table above; {config.output_dir} holds the first {written} (writing it failed)" if written
+        where = (f"in the table above; {config.output_dir} was last written whole with the first {written} (writing "
+                 "it again failed, so some of its files may hold more)" if written
                  else f"in the table above only (writing {config.output_dir} failed)")
     whole = sum(not r.partial for r in results)
     when = (f"in run {whole + 1} of {planned_runs(config)} (what it had measured is marked partial)"

@@ -42,6 +42,9 @@ LOCAL_FLAGS = {"target": "--target", "draft": "--draft", "no_draft": "--no-draft
 LOCAL_INSTEAD = {"--model": "--target names the model", "--num-prompts": "--max-samples sets how many samples"}
 
 
+MAX_HOURLY_USD = 1e9  # far above any machine's price, far below where the cost of 1M tokens overflows a float
+
+
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     add_model_arguments(parser, block_size_sweep=True)
     data = parser.add_argument_group("data")
@@ -244,8 +247,9 @@ def _check_numbers(args: argparse.Namespace) -> None:
         raise UserError(f"--branch-length must be >= 0 (0 = no branch), got {args.branch_length}")
     if args.warmup_tokens is not None and args.warmup_tokens < 0:
         raise UserError(f"--warmup-tokens must be >= 0 (0 = no warm-up), got {args.warmup_tokens}")
-    if args.gpu_hourly_usd is not None and not (math.isfinite(args.gpu_hourly_usd) and args.gpu_hourly_usd > 0):
-        raise UserError(f"--gpu-hourly-usd must be a finite price > 0, got {args.gpu_hourly_usd}")
+    if args.gpu_hourly_usd is not None and not 0 < args.gpu_hourly_usd <= MAX_HOURLY_USD:
+        raise UserError(f"--gpu-hourly-usd must be a price per hour > 0 and at most {MAX_HOURLY_USD:g} (a cost of 1M "
+                        f"tokens must stay a number), got {args.gpu_hourly_usd}")
     for size in args.block_size or []:
         if size != "auto" and size < 2:
             raise UserError(f"--block-size {size} is too small: a block holds the anchor and at least one draft token "

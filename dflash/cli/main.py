@@ -51,7 +51,9 @@ def main(argv: list[str] | None = None) -> int:
     try:
         parser = build_parser()  # imports torch and transformers: a second or two to Ctrl-C in
     except KeyboardInterrupt:
-        print("dflash: interrupted", file=sys.stderr)
+        given = (sys.argv[1:] if argv is None else argv)[:1]
+        prog = f"dflash {given[0]}" if given and given[0] in COMMANDS else "dflash"  # as its later messages say
+        print(f"{prog}: interrupted", file=sys.stderr)
         return 130
     args, unknown = parser.parse_known_args(argv)
     if unknown:  # the subcommand's usage and a hint, where argparse would print the top level's usage alone

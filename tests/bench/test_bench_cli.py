@@ -241,8 +241,9 @@ SERVER = ["--base-url", "http://127.0.0.1:9/v1"]  # nothing listens there: every
     (SERVER + ["--concurrency", ","], "--concurrency was given no value"),
     (SERVER + ["--concurrency", "0"], "--concurrency takes values >= 1"),
     (["--data-file", "x.jsonl", "--dataset", "gsm8k", "mbpp"], "--data-file holds one dataset"),
-    (["--gpu-hourly-usd", "-1"], "--gpu-hourly-usd must be a finite price > 0"),
-    (["--gpu-hourly-usd", "nan"], "--gpu-hourly-usd must be a finite price > 0"),
+    (["--gpu-hourly-usd", "-1"], "--gpu-hourly-usd must be a price per hour > 0 and at most 1e+09"),
+    (["--gpu-hourly-usd", "nan"], "--gpu-hourly-usd must be a price per hour > 0"),
+    (["--gpu-hourly-usd", "1.7e308"], "--gpu-hourly-usd must be a price per hour > 0"),  # wrote Infinity: no JSON
     (["--temperature", "nan"], "--temperature must be a finite number >= 0"),
     (["--temperature", "inf"], "--temperature must be a finite number >= 0"),
     (["--temperature", "-0.5"], "--temperature must be a finite number >= 0"),

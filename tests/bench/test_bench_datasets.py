@@ -237,3 +237,12 @@ def test_a_given_data_dir_without_the_dataset_is_named_where_the_data_comes_from
         load_samples("gsm8k", DataOptions(data_dir=str(data_dir), use_hub=False))
         monkeypatch.delenv(datasets.DATA_DIR_ENV)
         load_samples("gsm8k", DataOptions(use_hub=False))  # no directory given: the bundled copy, no warning
+
+
+def test_repeated_ids_get_suffixes_in_order_and_a_genuine_suffix_is_kept_apart():
+    from dflash.bench.datasets import Sample, _distinct_ids
+
+    samples = [Sample(i, ("q",)) for i in ["a", "a", "b", "a", "a (2)", "a"]]
+    assert [s.id for s in _distinct_ids(samples)] == ["a", "a (2)", "b", "a (3)", "a (2) (2)", "a (4)"]
+    many = _distinct_ids([Sample("same", ("q",))] * 20_000)  # each next suffix from the last (was: counted from 2)
+    assert len({s.id for s in many}) == 20_000 and many[-1].id == "same (20000)"

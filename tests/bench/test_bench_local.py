@@ -167,3 +167,14 @@ def test_a_later_turn_past_the_context_ends_its_conversation(pipe, monkeypatch):
     result = backend.run("mt-bench", [sample, Sample("82", ("Hi.",))], config)
     assert result.skipped_turns == ["81#1"]
     assert result.num_prompts == 2 and result.num_requests == 2 and result.mismatches == 0
+
+
+def test_answers_of_the_prefills_token_alone_measure_no_speedup(pipe):
+    """--max-new-tokens 1 timed the same prefill on both sides and reported its ratio (0.95x) as a speedup."""
+    result = LocalBackend(pipe).run("gsm8k", SAMPLES[:1], LocalConfig(max_new_tokens=1, warmup_tokens=0))
+    assert result.speedup is None and result.mean_acceptance_length is None
+    assert "no verify step was measured (every answer ended at the prefill's first token)" in result.notes[-1]
+    from dflash.bench.metrics import few_steps_note
+
+    assert few_steps_note(1, 2) == ("only 1 verify step (2 output tokens) was measured, too few for a steady tau or "
+                                    "speedup: raise --max-samples or --max-new-tokens")

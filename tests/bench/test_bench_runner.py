@@ -98,8 +98,27 @@ def test_a_stop_by_a_failed_write_does_not_claim_the_results_are_saved(openai_se
                  "--max-new-tokens", "4", "--concurrency", "1,2,4", "--output-dir", str(out), "--no-progress"])
     assert code == 2 and calls == [0, 1, 2]
     err = " ".join(capsys.readouterr().err.split())
-    assert f"stopped by the error below after 2 of 3 runs; the finished ones are in the table above; {out} holds " \
-           "the first 1 (writing it failed)" in err
+    assert (f"stopped by the error below after 2 of 3 runs; the finished ones are in the table above; {out} was last "
+            "written whole with the first 1 (writing it again failed, so some of its files may hold more)") in err
+    assert (f"error: could not write the results into {out} (PermissionError: [Errno 13] Permission denied): free "
+            "some space or fix its permissions, or give another --output-dir") in err  # was the raw errno
+
+
+def test_a_write_that_fails_leaves_no_half_written_file_beside_the_whole_one(tmp_path, monkeypatch):
+    from dflash.bench import report
+
+    report.write_outputs([], tmp_path, {})
+    real_replace = report.os.replace
+
+    def refuse(source, target):
+        if str(target).endswith("results.md"):
+            raise PermissionError(1, "Operation not permitted")
+        return real_replace(source, target)
+
+    monkeypatch.setattr(report.os, "replace", refuse)
+    with pytest.raises(PermissionError):
+        report.write_outputs([], tmp_path, {"runs_finished": "0 of 1"})
+    assert not list(tmp_path.glob(".*.partial"))  # was: .results.md.partial left behind
 
 
 def test_failed_requests_make_the_command_fail(openai_server, data_dir, monkeypatch, capsys):
