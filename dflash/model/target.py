@@ -175,8 +175,7 @@ class TargetModel:
         except hf_compat.CONFIG_ERRORS as err:  # a field of the wrong type, an unknown rope type, ...
             raise CheckpointError(f"could not load {path_or_id} as a causal LM: transformers cannot build it from its "
                                   f"config.json ({hf_compat.config_error_text(err)}); fix the field this names, "
-                                  "or restore the "
-                                  "config.json that came with the weights") from None
+                                  "or restore the config.json that came with the weights") from None
         missing = sorted(loaded.get("missing_keys") or [])
         if missing:  # transformers starts them at random: a model, but not the one trained
             shown = ", ".join(missing[:3]) + (f" (and {len(missing) - 3} more)" if len(missing) > 3 else "")
