@@ -304,7 +304,10 @@ def _split_messages(fields: dict) -> tuple[tuple[dict, ...], str]:
     messages = list(chat_messages(fields))
     while messages and messages[-1]["role"] == "assistant":
         messages.pop()
-    if not messages or messages[-1]["role"] != "user" or not messages[-1]["content"]:
+    if not messages or messages[-1]["role"] != "user" or not messages[-1]["content"].strip():
+        last = messages[-1]["role"] if messages else None
+        spelled = (f"; roles are lowercase: its last role is {last!r}, not 'user'"
+                   if isinstance(last, str) and last.lower() == "user" and last != "user" else "")
         raise RecordError("the conversation must end with a non-empty user message to answer (assistant messages "
-                          "after it are dropped)")
+                          f"after it are dropped){spelled}")
     return tuple({"role": m["role"], "content": m["content"]} for m in messages[:-1]), messages[-1]["content"]

@@ -152,7 +152,11 @@ def test_bad_files_are_user_errors(tmp_path):
     ("gsm8k", {"prompt": 7}, "`prompt` must be a non-empty string, got 7"),
     ("gsm8k", {"messages": [{"role": "user", "content": None}]}, '`messages`[0] needs a string "role" and a string'),
     ("gsm8k", {"messages": [{"role": "assistant", "content": "a"}]}, "must end with a non-empty user message"),
-])
+    ("gsm8k", {"messages": [{"role": "User", "content": "hi"}]},  # was: as if it were no user message
+     "must end with a non-empty user message to answer (assistant messages after it are dropped); roles are "
+     "lowercase: its last role is 'User', not 'user'"),
+    ("gsm8k", {"messages": [{"role": "user", "content": "   "}]}, "must end with a non-empty user message"),  # as a
+])  # whitespace-only prompt or turn is refused
 def test_bad_fields_name_the_file_line_and_field(tmp_path, name, line, message):
     path = tmp_path / "data.jsonl"
     write_jsonl(path, [{"prompt": "a fine first record"}, line])
