@@ -25,7 +25,7 @@ import torch
 from jinja2 import TemplateError, TemplateSyntaxError
 from safetensors import SafetensorError
 
-from dflash.decoding.detokenizer import TextDeltas
+from dflash.decoding.detokenizer import TextDeltas, check_utf8
 from dflash.decoding.draft_model import DraftModelProposer
 from dflash.decoding.engine import (
     AUTO,
@@ -41,6 +41,7 @@ from dflash.model.cpu_layout import use_fast_layout
 from dflash.model.cpu_precision import PRECISIONS, use_bfloat16_matmuls
 from dflash.model.drafter import DFlashDraftModel
 from dflash.model.loading import (
+    CheckpointError,
     load_drafter,
     load_failure,
     parse_dtype,
@@ -48,6 +49,7 @@ from dflash.model.loading import (
     resolve_device,
     resolve_model_dir,
     trained_for,
+    weight_shapes,
 )
 from dflash.model.target import TargetModel, check_drafter_fits, warn_unapplied_generation_options
 
@@ -435,17 +437,11 @@ def is_draft_model(path_or_id: str | os.PathLike) -> bool:
 def _has_embedding_table(directory: Path) -> bool:
     """Whether the safetensors headers in `directory` name an embedding table (a drafter has none: it borrows the
     target's)."""
-    from safetensors import safe_open
-
-    for file in directory.glob("*.safetensors"):
-        try:
-            with safe_open(file, framework="pt") as f:
-                if any(name.endswith(("embed_tokens.weight", "wte.weight", "word_embeddings.weight"))
-                       for name in f.keys()):
-                    return True
-        except Exception:  # noqa: BLE001 - damaged weights: the loader that reads them names the damage
-            continue
-    return False
+    try:
+        names = weight_shapes(sorted(directory.glob("*.safetensors")))
+    except CheckpointError:  # damaged weights: the loader that reads them names the damage
+        return False
+    return any(name.endswith(("embed_tokens.weight", "wte.weight", "word_embeddings.weight")) for name in names)
 
 
 def check_drafter_precision(precision: Any) -> str:
@@ -548,19 +544,10 @@ def _prompt_kind(prompt: Any) -> str:
 
 
 def check_text(text: str, what: str = "the prompt", fix: str = "give the text to decode") -> None:
-    """Refuse empty text (`fix` says what to do instead), and text that is not Unicode (see `_check_unicode`)."""
+    """Refuse empty text (`fix` says what to do instead), and text that is not Unicode (see `check_utf8`)."""
     if not text:
         raise GenerationError(f"{what} is empty; {fix}")
-    _check_unicode(text, what)
-
-
-def _check_unicode(text: str, what: str) -> None:
-    """Refuse lone surrogates: Python's stand-ins for bytes that were not UTF-8 (e.g. in a command line)."""
-    try:
-        text.encode("utf-8")
-    except UnicodeEncodeError as err:
-        raise GenerationError(f"{what} is not valid text: character {err.start} ({text[err.start]!r}) stands for a "
-                              "byte that was not UTF-8; pass UTF-8 text") from None
+    check_utf8(text, what)
 
 
 # said by the commands that send a base model conversations (bench, datagen), so users know what it was given
@@ -590,7 +577,7 @@ def _text_messages(messages: list | tuple) -> list[dict]:
         if not isinstance(m, dict) or not isinstance(m.get("role"), str) or not isinstance(m.get("content"), str):
             raise GenerationError(f"each message needs a string 'role' and a 'content' (a string or a list of text "
                                   f"parts), got {m!r}")
-        _check_unicode(m["content"], "a message's content")
+        check_utf8(m["content"], "a message's content")
         checked.append(m)
     return checked
 

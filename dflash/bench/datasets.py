@@ -159,8 +159,10 @@ def load_samples(name: str, options: DataOptions) -> list[Sample]:
 def _distinct_ids(samples: list[Sample]) -> list[Sample]:
     """Samples whose ids repeat an earlier one's get ' (2)', ' (3)', ...: answers are matched by id."""
     seen: set[str] = set()
-    last: dict[str, int] = {}  # the last suffix each id got: the next search starts there (counting from 2 each
-    out = []  # time took the square of the repeats, minutes for a file of 100,000 records of one id)
+    # the last suffix each id got: the next search starts there (counting from 2 each time took the square of the
+    # repeats, minutes for a file of 100,000 records of one id)
+    last: dict[str, int] = {}
+    out = []
     for sample in samples:
         sample_id, n = sample.id, last.get(sample.id, 1)
         while sample_id in seen:

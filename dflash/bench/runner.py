@@ -68,7 +68,7 @@ def run_bench(config: BenchConfig, pipe=None, console: Console | None = None,
     info = setup(config, pipe, data)
     if config.output_dir:
         info["runs_finished"] = f"0 of {planned_runs(config)}"  # a run stopped before its first result says so
-        _write(results=[], config=config, info=info)  # this run's config; no stale results or plots
+        _write([], config, info)  # this run's config; no stale results or plots
     results: list[BenchResult] = []
     written = 0  # results the output directory holds whole (its plots included)
     try:

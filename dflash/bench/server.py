@@ -722,13 +722,11 @@ def check_baseline(baseline_url: str, config: ServerConfig, model: str) -> None:
 
 
 async def run_load(client: Client, samples: list[Sample], concurrency: int, num_prompts: int,
-                   duration_s: float | None, on_request: Callable[[], None] | None = None,
-                   load: LoadResult | None = None) -> LoadResult:
+                   duration_s: float | None, load: LoadResult, on_request: Callable[[], None] | None = None) -> None:
     """`concurrency` workers take conversations in turn until `num_prompts` are done (or, with a
     duration, until the time is up; prompts cycle). The records go into `load` as they finish, so a caller
     whose load was cut short (the server went away: a UserError; Ctrl-C) still holds them, with the time until
     then."""
-    load = LoadResult([], 0.0) if load is None else load
     start = time.perf_counter()
     deadline = start + duration_s if duration_s else None
 
@@ -755,7 +753,6 @@ async def run_load(client: Client, samples: list[Sample], concurrency: int, num_
             await asyncio.gather(*(worker(http) for _ in range(concurrency)))
     finally:
         load.wall_s = time.perf_counter() - start
-    return load
 
 
 class LevelCut(Exception):
@@ -840,16 +837,17 @@ class ServerBackend:
                 load = LoadResult([], 0.0)
                 try:
                     asyncio.run(run_load(client, samples, concurrency, self.num_prompts(samples), cfg.duration_s,
-                                         on_request, load))
+                                         load, on_request))
                 except (UserError, KeyboardInterrupt) as err:
                     raise LevelCut(self._cut_level(dataset, concurrency, loads, bases, (client, load, i),
-                                                   len(samples), before, err), err) from None
+                                                   self.num_prompts(samples), before, err), err) from None
                 into.append(load)
-        return self._level_result(dataset, concurrency, loads, bases, before, len(samples))
+        return self._level_result(dataset, concurrency, loads, bases, before, self.num_prompts(samples))
 
     def _level_result(self, dataset: str, concurrency: int, loads: list[LoadResult], bases: list[LoadResult],
-                      before: tuple[SpecDecodeCounters | None, str | None], num_samples: int) -> BenchResult:
-        """A level's row from its rounds' loads (the DFlash server's, the baseline's)."""
+                      before: tuple[SpecDecodeCounters | None, str | None], conversations: int) -> BenchResult:
+        """A level's row from its rounds' loads (the DFlash server's, the baseline's); `conversations`: a round's
+        (`num_prompts`)."""
         cfg = self.config
         counters, lost = self._level_counters(before, fetch_metrics(self.metrics_url, api_key=cfg.api_key))
         result = summarize_load(dataset, pooled(loads), pooled(bases) if bases else None, counters, cfg,
@@ -860,7 +858,7 @@ class ServerBackend:
         if len(speedups) > 1 and None not in speedups and result.speedup is not None:  # a round without baseline
             result.speedup_per_round = speedups  # tokens keeps the pooled ratio; failed requests, none at all
             result.speedup = statistics.median(speedups)
-        self._note(result, counters, cfg.num_prompts or num_samples, loads + bases)
+        self._note(result, counters, conversations, loads + bases)
         if lost:
             result.notes.append(lost)
         if result.mismatches and not self.dflash_server:
@@ -871,7 +869,7 @@ class ServerBackend:
         return result
 
     def _cut_level(self, dataset: str, concurrency: int, loads: list[LoadResult], bases: list[LoadResult],
-                   cut: tuple[Client, LoadResult, int], num_samples: int,
+                   cut: tuple[Client, LoadResult, int], conversations: int,
                    before: tuple[SpecDecodeCounters | None, str | None], error: BaseException) -> BenchResult | None:
         """The row of a level cut short, marked partial, or None when nothing had finished. `cut`: the client whose
         load was cut, the load (its finished requests) and the round (0-based); `loads`, `bases`: the finished
@@ -895,7 +893,7 @@ class ServerBackend:
         if not any(r.error is None for load in loads for r in load.records):
             return None
         try:
-            result = self._level_result(dataset, concurrency, loads, bases, before, num_samples)
+            result = self._level_result(dataset, concurrency, loads, bases, before, conversations)
         except UserError:  # every request to the baseline had failed: nothing comparable to show
             return None
         if cut_round == 0 and result.speedup is not None:

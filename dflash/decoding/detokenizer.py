@@ -15,6 +15,9 @@ from __future__ import annotations
 
 from typing import Sequence
 
+from dflash.errors import GenerationError
+
+REPLACEMENT = "\ufffd"  # what bytes that do not (yet) make a whole UTF-8 character decode to
 # What decoding a window from one of the output's tokens gets wrong is its first few characters (a dropped
 # leading space, up to three replacement characters for half a character); a window reaches this much further.
 TAIL_MARGIN_CHARS = 16
@@ -75,10 +78,10 @@ class TextDeltas:
         start = old_end - OVERLAP_TOKENS
         if start > 0:
             decode = self._tokenizer.decode
-            before = decode(self._ids[start:old_end], skip_special_tokens=True).rstrip("\ufffd")
+            before = decode(self._ids[start:old_end], skip_special_tokens=True).rstrip(REPLACEMENT)
             after = decode(self._ids[start:], skip_special_tokens=True)
-            settled = before.lstrip("\ufffd")  # the window may start in half a character too
-            text = self._text.rstrip("\ufffd")
+            settled = before.lstrip(REPLACEMENT)  # the window may start in half a character too
+            text = self._text.rstrip(REPLACEMENT)
             if settled and after.startswith(before) and text.endswith(settled):
                 return text + after[len(before):]
         return self._tokenizer.decode(self._ids, skip_special_tokens=True)
@@ -87,7 +90,7 @@ class TextDeltas:
         hits = [i for i in (text.find(s) for s in self._stops) if i >= 0]
         if hits:
             return min(hits)
-        safe = len(text.rstrip("\ufffd"))  # half a character decodes to one replacement character per byte
+        safe = len(text.rstrip(REPLACEMENT))  # half a character decodes to one replacement character per byte
         for stop, ends in zip(self._stops, self._prefix_ends):  # a tail that could begin a stop string waits
             for n in ends.get(text[safe - 1], ()) if safe else ():
                 if n <= safe and text.endswith(stop[:n], 0, safe):
@@ -102,3 +105,13 @@ def _prefix_lengths_by_last_char(stop: str) -> dict[str, list[int]]:
     for n in range(len(stop) - 1, 0, -1):
         ends.setdefault(stop[n - 1], []).append(n)
     return ends
+
+
+def check_utf8(text: str, what: str) -> None:
+    """Refuse lone surrogates: Python's stand-ins for bytes that were not UTF-8 (e.g. in a command line), which no
+    decoded text holds."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as err:
+        raise GenerationError(f"{what} is not valid text: character {err.start} ({text[err.start]!r}) stands for a "
+                              "byte that was not UTF-8; pass UTF-8 text") from None

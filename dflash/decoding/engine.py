@@ -22,6 +22,7 @@ import torch
 
 from dflash.config_types import type_mismatch
 from dflash.decoding.branch import Branch, accept_branch, block_visibility, most_likely_first_miss
+from dflash.decoding.detokenizer import check_utf8
 from dflash.decoding.proposer import Draft, NoDraftProposer, PendingContext, Proposer, check_proposer
 from dflash.decoding.sampling import PositionNoise, SamplingParams, to_probs
 from dflash.decoding.slots import (
@@ -92,13 +93,8 @@ class GenerationConfig:
             self.seed = int(self.seed)  # a numpy integer would overflow in the seeded noise's 64-bit arithmetic
         if any(s == "" for s in self.stop_strings):
             raise GenerationError("a stop string is empty (every text would stop before its first token); drop it")
-        for text in self.stop_strings:  # a lone surrogate (a byte that was not UTF-8) is in no decoded text
-            try:
-                text.encode("utf-8")
-            except UnicodeEncodeError as err:
-                raise GenerationError(f"the stop string {text!r} is not valid text: character {err.start} stands for "
-                                      "a byte that was not UTF-8, which no decoded text holds; pass UTF-8 "
-                                      "text") from None
+        for text in self.stop_strings:
+            check_utf8(text, f"the stop string {text!r}")
         if self.max_new_tokens < 1:
             raise GenerationError(f"max_new_tokens must be >= 1, got {self.max_new_tokens}")
         if self.branch_length < 0:

@@ -4,10 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from dflash.decoding.detokenizer import tail_text
+from dflash.decoding.detokenizer import REPLACEMENT, tail_text
 from dflash.errors import GenerationError
-
-REPLACEMENT = "\ufffd"  # what bytes that do not (yet) make a whole UTF-8 character decode to
 
 
 @dataclass
@@ -27,6 +25,9 @@ class StopChecker:
         self.stop_token_ids = set(stop_token_ids)
         self.stop_strings = [s for s in stop_strings if s]
         self._longest_stop = max((len(s) for s in self.stop_strings), default=0)
+        # U+FFFD is also what a character cut between two tokens decodes to: a step decoded whole has the character
+        # whole, where one token at a time has it cut, so only the tokens one by one stop alike
+        self._token_by_token = any(REPLACEMENT in s for s in self.stop_strings)
         self.max_new_tokens = max_new_tokens
         self.tokenizer = tokenizer
 
@@ -51,9 +52,7 @@ class StopChecker:
         could start in, holds one: one decode per step; the tokens are checked one by one only then."""
         if not self.stop_strings:
             return False
-        if any(REPLACEMENT in s for s in self.stop_strings):
-            # U+FFFD is also what a character cut between two tokens decodes to: a step decoded whole has the
-            # character whole, where one token at a time has it cut, so only the tokens one by one stop alike
+        if self._token_by_token:
             return True
         text, _ = tail_text(self.tokenizer, ids, len(ids), self._longest_stop, since=since)
         return any(s in text for s in self.stop_strings)

@@ -313,13 +313,16 @@ def portable_tokenizer_config(config: dict) -> tuple[dict, list[str]]:
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json", "spiece.model", "vocab.txt", "tekken.json")
 
 
-def tokenizer_failure(directory: Path, err: BaseException) -> CheckpointError | None:
-    """Why transformers could not load the tokenizer in `directory` (raising `err`), where that can be told
-    better than its own message does; None otherwise.
+def tokenizer_failure(directory: Path, err: BaseException) -> CheckpointError:
+    """Why transformers could not load the tokenizer in `directory` (raising `err`), told better than its own message
+    where that can be:
+    - A directory with no tokenizer file at all (transformers: "Couldn't instantiate the backend tokenizer").
     - A tokenizer JSON file that does not parse is damaged: transformers then falls back to other ways of building
       the tokenizer and fails with an unrelated error (4.57: "requires the protobuf library").
     - A tokenizer saved by transformers 5 cannot be read by 4.x (`portable_tokenizer_config`).
-    - A directory with no tokenizer file at all (transformers: "Couldn't instantiate the backend tokenizer")."""
+    - A tokenizer.json that parses but this tokenizers release cannot read (a newer one's format): 4.57 falls back
+      as for a damaged file, 5.x says "data did not match any variant of untagged enum ModelUntagged".
+    - Else a library it needs (sentencepiece, protobuf, tiktoken), or other damage."""
     if not any((directory / name).is_file() for name in TOKENIZER_FILES):
         return CheckpointError(f"{directory} holds no tokenizer ({', '.join(TOKENIZER_FILES[:3])}, ...): copy the "
                                "tokenizer files of the model it was saved from into it (tokenizer.save_pretrained)")
@@ -333,18 +336,55 @@ def tokenizer_failure(directory: Path, err: BaseException) -> CheckpointError | 
         except (ValueError, UnicodeDecodeError) as json_err:
             return load_failure(f"the tokenizer ({name})", directory, json_err)
     config = parsed.get("tokenizer_config.json")
-    if not isinstance(config, dict) or hf_compat.TRANSFORMERS_MAJOR >= 5:
-        return None
-    _, edits = portable_tokenizer_config(config)
-    if not edits:
-        return None
-    import transformers
+    edits = portable_tokenizer_config(config)[1] if isinstance(config, dict) else []
+    if edits and hf_compat.TRANSFORMERS_MAJOR < 5:
+        import transformers
 
-    return CheckpointError(
-        f"the tokenizer in {directory} was saved by transformers 5, which transformers {transformers.__version__} "
-        f"cannot load: upgrade it (pip install -U 'transformers>=5'), or in {directory / 'tokenizer_config.json'} "
-        + " and ".join(edits)
-    )
+        return CheckpointError(
+            f"the tokenizer in {directory} was saved by transformers 5, which transformers {transformers.__version__} "
+            f"cannot load: upgrade it (pip install -U 'transformers>=5'), or in {directory / 'tokenizer_config.json'} "
+            + " and ".join(edits)
+        )
+    unread = _tokenizer_json_problem(directory / "tokenizer.json") if "tokenizer.json" in parsed else None
+    if unread is not None:
+        import tokenizers
+
+        return CheckpointError(f"could not load the tokenizer in {directory}: tokenizers {tokenizers.__version__} "
+                               f"cannot read its tokenizer.json ({unread}): it was saved by a newer tokenizers, or is "
+                               "damaged; pip install -U tokenizers transformers, or copy the file again")
+    if isinstance(err, ImportError) or "library" in str(err).lower():
+        fix = "install the library it names (pip install ...)"
+    else:
+        fix = ("its files are damaged, or were saved by a newer tokenizers than this one: pip install -U tokenizers "
+               "transformers, or copy the tokenizer files again")
+    return CheckpointError(f"could not load the tokenizer in {directory} ({in_brief(err)}): {fix}")
+
+
+def _tokenizer_json_problem(path: Path) -> str | None:
+    """Why the tokenizers library cannot read `path` (None: it can)."""
+    from tokenizers import Tokenizer
+
+    try:
+        Tokenizer.from_file(str(path))
+    except Exception as err:  # noqa: BLE001 - the library raises plain Exception for a file it cannot read
+        return in_brief(err)
+    return None
+
+
+def weight_shapes(files: list[Path]) -> dict[str, list[int]]:
+    """Each weight's shape from the safetensors headers of `files` (no tensor is read); a header that cannot be read
+    is a CheckpointError naming its file."""
+    from safetensors import safe_open
+
+    shapes: dict[str, list[int]] = {}
+    for file in files:
+        try:
+            with safe_open(str(file), framework="pt") as f:
+                shapes.update({name: list(f.get_slice(name).get_shape()) for name in f.keys()})
+        except Exception as err:  # noqa: BLE001 - safetensors' own error type is not importable everywhere
+            raise CheckpointError(f"the weights in {file} are damaged or incomplete ({in_brief(err)}): copy or "
+                                  "export them again") from None
+    return shapes
 
 
 def _read_state_dict(directory: Path) -> dict[str, torch.Tensor]:
@@ -380,20 +420,14 @@ def _shape_mismatches(model: torch.nn.Module, state: dict[str, torch.Tensor]) ->
 def causal_lm_shape_mismatches(directory: Path) -> list[str]:
     """Weights in a causal LM checkpoint's safetensors whose shape differs from what its config.json builds
     (built on the meta device: no memory), as 'name: file [..], config [..]'."""
-    from safetensors import safe_open
     from transformers import AutoConfig, AutoModelForCausalLM
 
     with torch.device("meta"):  # a checkpoint's own code is never run here (nor a question asked about it)
         model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(directory, trust_remote_code=False))
     expected = {k: list(v.shape) for k, v in model.state_dict().items()}
-    found = []
-    for file in sorted(directory.glob("*.safetensors")):
-        with safe_open(str(file), framework="pt") as weights:
-            for name in weights.keys():
-                shape = list(weights.get_slice(name).get_shape())
-                if name in expected and shape != expected[name]:
-                    found.append(f"{name}: file {shape}, config {expected[name]}")
-    return found
+    return [f"{name}: file {shape}, config {expected[name]}"
+            for name, shape in weight_shapes(sorted(directory.glob("*.safetensors"))).items()
+            if name in expected and shape != expected[name]]
 
 
 def load_drafter(

@@ -187,7 +187,7 @@ class TargetModel:
         except Exception as err:
             if "trust_remote_code" in str(err):
                 raise CheckpointError(NEEDS_ITS_OWN_CODE.format(path=path_or_id)) from None
-            raise (tokenizer_failure(directory, err) or _tokenizer_error(directory, err)) from None
+            raise tokenizer_failure(directory, err) from None
         return cls(model, tokenizer)
 
     # ---- facts about the target -------------------------------------------------------------------
@@ -538,42 +538,11 @@ def check_compatible(target: TargetModel, config: DrafterConfig) -> None:
         )
 
 
-def _tokenizer_error(directory: Path, err: BaseException) -> CheckpointError:
-    """A tokenizer transformers could not load, for a reason `tokenizer_failure` cannot tell better: a tokenizer.json
-    this tokenizers release cannot read (transformers 4 then falls back to other ways of building the tokenizer, and
-    says a library is missing), a library it needs (sentencepiece, protobuf, tiktoken), or other damage."""
-    unread = _tokenizer_json_problem(directory / "tokenizer.json")
-    if unread is not None:
-        import tokenizers
-
-        return CheckpointError(f"could not load the tokenizer in {directory}: tokenizers {tokenizers.__version__} "
-                               f"cannot read its tokenizer.json ({unread}): it was saved by a newer tokenizers, or is "
-                               "damaged; pip install -U tokenizers transformers, or copy the file again")
-    if isinstance(err, ImportError) or "library" in str(err).lower():
-        fix = "install the library it names (pip install ...)"
-    else:
-        fix = ("its files are damaged, or were saved by a newer tokenizers than this one: pip install -U tokenizers "
-               "transformers, or copy the tokenizer files again")
-    return CheckpointError(f"could not load the tokenizer in {directory} ({in_brief(err)}): {fix}")
-
-
-def _tokenizer_json_problem(path: Path) -> str | None:
-    """Why the tokenizers library cannot read `path` (None: it can, or there is none)."""
-    if not path.is_file():
-        return None
-    from tokenizers import Tokenizer
-
-    try:
-        Tokenizer.from_file(str(path))
-    except Exception as err:  # noqa: BLE001 - the library raises plain Exception for a file it cannot read
-        return in_brief(err)
-    return None
-
-
 def _mismatch_error(directory: Path) -> CheckpointError:
     try:
         mismatches = causal_lm_shape_mismatches(directory)
-    except (ValueError, OSError):  # a config only the checkpoint's own code builds: the shapes go unnamed
+    except (ValueError, OSError, CheckpointError):  # a config only the checkpoint's own code builds, or headers that
+        # cannot be read: the shapes go unnamed
         mismatches = []
     shown = "; ".join(mismatches[:3]) + (f" (and {len(mismatches) - 3} more)" if len(mismatches) > 3 else "")
     return CheckpointError(f"the weights in {directory} do not fit its config.json ({shown or 'shapes differ'}): "

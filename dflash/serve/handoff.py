@@ -23,10 +23,17 @@ from pathlib import Path
 
 import torch
 
-from dflash.errors import UserError, in_brief
+from dflash.errors import UserError
 from dflash.model.config import DrafterConfig, LayerAttention, is_causal_lm, is_dflash2, is_whole_number, untappable
 from dflash.model.drafter import DFlashDraftModel
-from dflash.model.loading import CheckpointError, check_target_dir, hub_file, is_hub_id, read_config
+from dflash.model.loading import (
+    CheckpointError,
+    check_target_dir,
+    hub_file,
+    is_hub_id,
+    read_config,
+    weight_shapes,
+)
 from dflash.model.target import check_compatible
 from dflash.serve.limits import check_max_model_len
 from dflash.serve.sampling_defaults import NEUTRAL_CHOICES
@@ -224,7 +231,7 @@ def check_drafter_weights(draft: str, config: DrafterConfig) -> set[str] | None:
     files = sorted(directory.glob("*.safetensors"))
     if not files:
         raise UserError(f"no *.safetensors weights in {directory}")
-    shapes = _weight_shapes(files)
+    shapes = weight_shapes(files)
     names = set(shapes)
     keys = {k.removeprefix("model."): shape for k, shape in shapes.items()}
     wanted = [*_TOP_KEYS, *(f"layers.{i}.{k}" for i in range(config.num_hidden_layers) for k in _LAYER_KEYS)]
@@ -244,21 +251,6 @@ def check_drafter_weights(draft: str, config: DrafterConfig) -> set[str] | None:
                         + "; fix config.json or use the weights it was saved with (dflash's own loader refuses "
                         "them too)")
     return names
-
-
-def _weight_shapes(files: list[Path]) -> dict[str, list[int]]:
-    """Each weight's shape from the safetensors headers (no tensor is read)."""
-    from safetensors import safe_open
-
-    shapes: dict[str, list[int]] = {}
-    for file in files:
-        try:
-            with safe_open(file, framework="pt") as f:
-                shapes.update({k: list(f.get_slice(k).get_shape()) for k in f.keys()})
-        except Exception as err:  # noqa: BLE001 - safetensors' own error type is not importable everywhere
-            raise UserError(f"the drafter's weights in {file} are damaged or incomplete ({in_brief(err)}): copy or "
-                            "export them again") from None
-    return shapes
 
 
 def check_pair(target: TargetFacts, draft: str, block_size: int | None) -> CheckedDrafter:

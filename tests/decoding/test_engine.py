@@ -412,8 +412,8 @@ def test_one_stop_string_is_not_split_into_characters():
 
 def test_a_stop_string_of_a_byte_that_was_not_utf8_is_refused():
     """A lone surrogate (Python's stand-in for such a byte) is in no decoded text: it was taken, and never matched."""
-    with pytest.raises(GenerationError, match=r"the stop string 'ab\\udcff' is not valid text: character 2 stands for "
-                                              "a byte that was not UTF-8"):
+    with pytest.raises(GenerationError, match=r"the stop string 'ab\\udcff' is not valid text: character 2 "
+                                              r"\('\\udcff'\) stands for a byte that was not UTF-8"):
         GenerationConfig(stop_strings=["###", "ab\udcff"])
 
 

@@ -347,7 +347,8 @@ def test_a_tokenizer_config_written_by_transformers_5_is_made_portable():
 def test_a_tokenizer_file_that_does_not_parse_is_named_as_damaged(tmp_path, name):
     (tmp_path / "tokenizer.json").write_text('{"version": "1.0"}')
     (tmp_path / "tokenizer_config.json").write_text("{}")
-    assert loading.tokenizer_failure(tmp_path, ValueError("anything")) is None  # both parse: nothing to add
+    # both parse, and tokenizers cannot read that tokenizer.json (no model): said so, not transformers' own error
+    assert "cannot read its tokenizer.json" in str(loading.tokenizer_failure(tmp_path, ValueError("anything")))
     (tmp_path / name).write_text('{"version": "1.0", "model": {"vocab": {"a"')
     explained = loading.tokenizer_failure(tmp_path, ImportError("requires the protobuf library"))
     assert isinstance(explained, CheckpointError)
