@@ -8,6 +8,7 @@ import copy
 import json
 import math
 import os
+import sys
 from pathlib import Path
 
 from dflash.api import refuse_greedy_ignores
@@ -110,9 +111,21 @@ def run(args: argparse.Namespace) -> int:
     config = bench_config(args)
     with _claimed(config.output_dir, getattr(args, "overwrite", False)):
         data = load_data(config)  # a bad record is named before the models load, which can take minutes
+        _note_small_datasets(args.max_samples, data)
         pipe = None if config.backend == "server" else _load_pair(args)
         results = run_bench(config, pipe, data=data)
     return 1 if any(r.mismatches or r.errors or r.baseline_errors for r in results) else 0
+
+
+def _note_small_datasets(max_samples: int | None, data: dict) -> None:
+    """A note on stderr for each dataset holding fewer samples than an explicit --max-samples asked for: the
+    run measures all it holds, and the report's num_prompts would otherwise be the first sign."""
+    if not max_samples:
+        return
+    for name, samples in data.items():
+        if len(samples) < max_samples:
+            print(f"note: {name} holds {len(samples)} samples, fewer than --max-samples {max_samples}; all "
+                  f"{len(samples)} are used", file=sys.stderr)
 
 
 @contextlib.contextmanager

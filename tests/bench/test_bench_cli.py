@@ -50,6 +50,19 @@ def test_local_bench_writes_json_markdown_and_plots(tiny_pair, data_dir, tmp_pat
     assert not (out / "throughput_vs_concurrency.png").exists()  # no concurrency sweep
     captured = capsys.readouterr()
     assert "dflash bench" in captured.out and "dflash bench" not in captured.err  # the table, on stdout
+    assert "fewer than --max-samples" not in captured.err
+
+
+def test_a_max_samples_above_a_datasets_size_is_noted(tiny_pair, data_dir, capsys):
+    target, draft = tiny_pair
+    code = main(["bench", "--target", str(target), "--draft", str(draft), "--dataset", "gsm8k", "--data-dir",
+                 str(data_dir), "--max-samples", "50", "--max-new-tokens", "4", "--warmup-tokens", "2",
+                 "--block-size", "4", "--no-progress"])
+    assert code == 0
+    held = sum(1 for line in (data_dir / "gsm8k" / "test.jsonl").read_text().splitlines() if line.strip())
+    assert held < 50
+    note = f"note: gsm8k holds {held} samples, fewer than --max-samples 50; all {held} are used"
+    assert note in capsys.readouterr().err
 
 
 def test_a_base_model_without_a_chat_template_is_benchmarked_on_plain_text(tiny_pair, data_dir, tmp_path, capsys):
