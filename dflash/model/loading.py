@@ -387,13 +387,21 @@ def weight_shapes(files: list[Path]) -> dict[str, list[int]]:
     return shapes
 
 
-def _read_state_dict(directory: Path) -> dict[str, torch.Tensor]:
+def drafter_weight_files(directory: Path) -> list[Path]:
+    """The safetensors files a drafter directory's weights are in: the shards its model.safetensors.index.json
+    lists (a CheckpointError names any that is missing), else every *.safetensors file; at least one."""
     index = directory / "model.safetensors.index.json"
     if index.exists():
         try:
             files = [directory / shard for shard in sorted(set(json.loads(index.read_text())["weight_map"].values()))]
         except (ValueError, KeyError, TypeError, AttributeError, UnicodeDecodeError) as err:
             raise load_failure("the drafter's weight index", directory, err) from None
+        missing = [f.name for f in files if not f.is_file()]
+        if missing:
+            in_cache = _incomplete_cache_copy(directory)
+            raise CheckpointError(f"{directory}: the shard{'s' if len(missing) > 1 else ''} {', '.join(missing)} "
+                                  f"listed in {index.name} {'are' if len(missing) > 1 else 'is'} missing; "
+                                  + (in_cache or "copy or download the drafter again"))
     else:
         files = sorted(directory.glob("*.safetensors"))
     if not files and (directory / "checkpoints").is_dir():
@@ -401,6 +409,11 @@ def _read_state_dict(directory: Path) -> dict[str, torch.Tensor]:
     if not files:
         in_cache = _incomplete_cache_copy(directory)
         raise CheckpointError(f"no *.safetensors weights in {directory}" + (f"; {in_cache}" if in_cache else ""))
+    return files
+
+
+def _read_state_dict(directory: Path) -> dict[str, torch.Tensor]:
+    files = drafter_weight_files(directory)
     state: dict[str, torch.Tensor] = {}
     for f in files:
         try:

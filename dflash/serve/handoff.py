@@ -29,6 +29,7 @@ from dflash.model.drafter import DFlashDraftModel
 from dflash.model.loading import (
     CheckpointError,
     check_target_dir,
+    drafter_weight_files,
     hub_file,
     is_hub_id,
     read_config,
@@ -228,10 +229,7 @@ def check_drafter_weights(draft: str, config: DrafterConfig) -> set[str] | None:
     directory = Path(draft).expanduser()
     if not directory.is_dir():
         return None  # a hub id: the configs were checked; weights are read by the engine
-    files = sorted(directory.glob("*.safetensors"))
-    if not files:
-        raise UserError(f"no *.safetensors weights in {directory}")
-    shapes = weight_shapes(files)
+    shapes = weight_shapes(drafter_weight_files(directory))
     names = set(shapes)
     keys = {k.removeprefix("model."): shape for k, shape in shapes.items()}
     wanted = [*_TOP_KEYS, *(f"layers.{i}.{k}" for i in range(config.num_hidden_layers) for k in _LAYER_KEYS)]

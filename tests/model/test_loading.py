@@ -87,6 +87,14 @@ def test_public_format_loads_with_weights_in_place(tmp_path, shards):
     assert load_drafter(tmp_path / "d", dtype="float32").fc.weight.dtype == torch.float32  # argument wins
 
 
+def test_a_shard_missing_from_a_sharded_drafter_is_named(tmp_path):
+    write_checkpoint(tmp_path / "d", public_config(), public_state_dict(2, 2 * H), shards=3)
+    (tmp_path / "d" / "model-00002-of-00003.safetensors").unlink()
+    with pytest.raises(CheckpointError, match=r"the shard model-00002-of-00003.safetensors listed in "
+                                              r"model.safetensors.index.json is missing; copy or download"):
+        load_drafter(tmp_path / "d")
+
+
 def test_legacy_checkpoint_without_dflash_config(tmp_path):
     config = public_config(num_target_layers=36)
     del config["dflash_config"]

@@ -198,6 +198,7 @@ def broken_copy(tmp_path, draft, edit=None, drop_weights=False):
     ("wrong_shape", "do not fit its config.json: layers.0.mlp.down_proj.weight: file "),
     ("extra_weights", "do not fit its config.json: unexpected ['embed_tokens.weight']"),
     ("bad_rope", "transformers cannot build its rotary embedding from it (TypeError: "),
+    ("missing_shard", "the shard model-00002-of-00002.safetensors listed in model.safetensors.index.json is missing"),
 ])
 def test_bad_pairs_are_refused(tiny_pair, tmp_path, capsys, case, expected):
     target, draft = tiny_pair
@@ -235,6 +236,17 @@ def test_bad_pairs_are_refused(tiny_pair, tmp_path, capsys, case, expected):
         save_file(weights, draft / "model.safetensors")
     elif case == "bad_rope":
         draft = broken_copy(tmp_path, draft, lambda c: c.update(rope_theta="abc"))
+    elif case == "missing_shard":  # a sharded drafter whose second shard did not arrive
+        from safetensors.torch import load_file, save_file
+
+        draft = broken_copy(tmp_path, draft)
+        weights = load_file(draft / "model.safetensors")
+        (draft / "model.safetensors").unlink()
+        names = sorted(weights)
+        shards = {"model-00001-of-00002.safetensors": names[::2], "model-00002-of-00002.safetensors": names[1::2]}
+        save_file({k: weights[k] for k in names[::2]}, draft / "model-00001-of-00002.safetensors")
+        weight_map = {k: shard for shard, keys in shards.items() for k in keys}
+        (draft / "model.safetensors.index.json").write_text(json.dumps({"weight_map": weight_map}))
     else:
         draft = target
     code = main(["serve", "--target", str(target), "--draft", str(draft), "--engine", "vllm", "--dry-run", *extra])
