@@ -35,9 +35,11 @@ from dflash.decoding.slots import (
 )
 from dflash.decoding.stopping import StopChecker
 from dflash.decoding.verify import (
+    NAN_LOGITS,
+    NO_TOKEN,
+    RowsFailed,
     greedy_verify,
     matching_prefix,
-    refuse_no_token,
     rejection_sample,
     sample_target_only,
     target_argmax,
@@ -201,6 +203,7 @@ class Sequence:
             self.generator.seed()  # a fresh non-deterministic seed, leaving torch's global RNG alone
         self.output_ids: list[int] = []
         self.finish_reason: str | None = None
+        self.error: str | None = None  # why it finished with finish_reason 'error' (`fail`)
         self.long_rotated = False  # a longrope target's cache of this row holds its long factors' rotation
         self.stats = GenerationStats(prompt_tokens=len(prompt_ids))
         self.started = time.perf_counter()
@@ -229,6 +232,10 @@ class Sequence:
         self.stats.decode_time_s = now - self.started - self.stats.time_to_first_token_s
         self.finish_reason = decision.reason
         return kept
+
+    def fail(self, message: str) -> None:
+        """Finish with finish_reason 'error': the target gave this row no token (`RowsFailed`)."""
+        self.finish_reason, self.error = "error", message
 
     def result(self) -> GenerationOutput:
         text, stop_string = self.stop.ending(self.output_ids) if self.stop.tokenizer is not None else (None, None)
@@ -439,23 +446,31 @@ class SpeculativeEngine:
                                   feature_layer_ids=batch.proposer.feature_layer_ids, visibility=visibility,
                                   long_rope_rows=self._rope_rows(rows))
         t2 = time.perf_counter()
+        failed: dict[int, str] = {}  # rows the target gave no token (NaN logits), and why
         if branch is None:
-            new_tokens = self._verify(draft, out.logits, rows)
+            new_tokens = self._verify(draft, out.logits, rows, failed)
             batch.accepted, kept_slots = [len(t) - 1 for t in new_tokens], None
         else:
-            target_tokens = self._target_tokens(out.logits, rows, block.shape[1], branch)  # (b, q)
+            target_tokens = self._target_tokens(out.logits, rows, block.shape[1], branch, failed)  # (b, q)
             num_accepted = matching_prefix(draft.tokens, target_tokens[:, : block.shape[1]])
             new_tokens, kept_slots = accept_branch(num_accepted, target_tokens, branch, block.shape[1])
             batch.accepted = num_accepted.tolist()
-        refuse_no_token(new_tokens)
+        failed.update({r: NAN_LOGITS for r, t in enumerate(new_tokens) if NO_TOKEN in t and r not in failed})
+        # a failed row leaves the batch: a placeholder token keeps the commit's shapes for the step of the others
+        new_tokens = [[0] if r in failed else t for r, t in enumerate(new_tokens)]
         self._commit(batch, new_tokens, out.features, positions,
                      drafter_forwards=draft.forwards if draft.tokens.shape[1] > 0 else 0, kept_slots=kept_slots)
-        kept = [seq.record(new, tokens.shape[1]) for seq, new in zip(rows, new_tokens)]
+        kept = [[] if r in failed else seq.record(new, tokens.shape[1]) for r, (seq, new) in
+                enumerate(zip(rows, new_tokens))]
+        for r, message in failed.items():
+            rows[r].fail(message)
         batch.block_size, batch.branched, batch.verified = block.shape[1], branch is not None, tokens.shape[1]
         self.profile.steps += 1
         self.profile.draft_s += t1 - t0
         self.profile.target_s += t2 - t1
         self.profile.total_s += time.perf_counter() - t0
+        if failed:
+            raise RowsFailed(next(iter(failed.values())), kept)
         return kept
 
     def _positions_left(self, rows: list[Sequence]) -> int:
@@ -524,20 +539,28 @@ class SpeculativeEngine:
                 block_visibility(block.shape[1], branch.start, branch.length))
 
     @staticmethod
-    def _target_tokens(logits: torch.Tensor, rows: list[Sequence], block_size: int, branch: Branch) -> torch.Tensor:
+    def _target_tokens(logits: torch.Tensor, rows: list[Sequence], block_size: int, branch: Branch,
+                       failed: dict[int, str]) -> torch.Tensor:
         """The target's own token after each of a forward's q tokens (b, q), for greedy rows and seeded ones (the
-        seed's noise at the position each token would take). logits (b, q, vocab)."""
+        seed's noise at the position each token would take); a row without a distribution goes in `failed`.
+        logits (b, q, vocab)."""
         tokens = target_argmax(logits)  # (b, q)
         for r, seq in enumerate(rows):
             if seq.noise is None:
                 continue
-            probs = to_probs(logits[r], seq.params)  # (q, vocab)
+            try:
+                probs = to_probs(logits[r], seq.params)  # (q, vocab)
+            except GenerationError as err:
+                failed[r] = str(err)
+                continue
             tokens[r, :block_size] = seq.noise.choose(probs[:block_size], seq.next_position)
             tokens[r, block_size:] = seq.noise.choose(probs[block_size:], seq.next_position + int(branch.start[r]) + 1)
         return tokens
 
-    def _verify(self, draft, target_logits: torch.Tensor, rows: list[Sequence]) -> list[list[int]]:
-        """Each row's new tokens: its accepted draft tokens plus one recovered or bonus token.
+    def _verify(self, draft, target_logits: torch.Tensor, rows: list[Sequence],
+                failed: dict[int, str]) -> list[list[int]]:
+        """Each row's new tokens: its accepted draft tokens plus one recovered or bonus token; NO_TOKEN last where
+        the target's logits are NaN, and a sampled row without a distribution goes in `failed`.
         target_logits (b, k + 1, vocab)."""
         if all(s.params.greedy for s in rows):
             num_accepted, target_tokens = greedy_verify(draft.tokens, target_logits)
@@ -545,19 +568,27 @@ class SpeculativeEngine:
             return [t[: n + 1] for t, n in zip(tokens, counts)]
         new_tokens = []
         for r, seq in enumerate(rows):
-            if seq.params.greedy:
-                n, t = greedy_verify(draft.tokens[r : r + 1], target_logits[r : r + 1])
-                new_tokens.append(t[0, : int(n) + 1].tolist())
-            elif seq.noise is not None:  # the target's own tokens at these positions, then as greedy
-                p = to_probs(target_logits[r], seq.params)  # (k + 1, vocab)
-                target_tokens = seq.noise.choose(p, seq.next_position)  # (k + 1,)
-                n = int(matching_prefix(draft.tokens[r : r + 1], target_tokens[None]))
-                new_tokens.append(target_tokens[: n + 1].tolist())
-            else:
-                p = to_probs(target_logits[r], seq.params)
-                q = draft.probs[r] if draft.probs[r] is not None else p.new_zeros(0, p.shape[-1])
-                new_tokens.append(rejection_sample(draft.tokens[r], q, p, seq.generator))
+            try:
+                new_tokens.append(self._verify_row(draft, target_logits, r, seq))
+            except GenerationError as err:  # NaN logits: no distribution to sample from
+                failed[r] = str(err)
+                new_tokens.append([NO_TOKEN])
         return new_tokens
+
+    @staticmethod
+    def _verify_row(draft, target_logits: torch.Tensor, r: int, seq: Sequence) -> list[int]:
+        """Row r's new tokens in a batch of mixed sampling settings."""
+        if seq.params.greedy:
+            n, t = greedy_verify(draft.tokens[r : r + 1], target_logits[r : r + 1])
+            return t[0, : int(n) + 1].tolist()
+        if seq.noise is not None:  # the target's own tokens at these positions, then as greedy
+            p = to_probs(target_logits[r], seq.params)  # (k + 1, vocab)
+            target_tokens = seq.noise.choose(p, seq.next_position)  # (k + 1,)
+            n = int(matching_prefix(draft.tokens[r : r + 1], target_tokens[None]))
+            return target_tokens[: n + 1].tolist()
+        p = to_probs(target_logits[r], seq.params)
+        q = draft.probs[r] if draft.probs[r] is not None else p.new_zeros(0, p.shape[-1])
+        return rejection_sample(draft.tokens[r], q, p, seq.generator)
 
     def _commit(self, batch: Batch, new_tokens: list[list[int]], features, positions, drafter_forwards: int,
                 kept_slots: torch.Tensor | None = None) -> None:

@@ -27,11 +27,25 @@ def target_argmax(logits: torch.Tensor) -> torch.Tensor:
     return tokens.masked_fill(torch.isnan(values), NO_TOKEN)
 
 
+NAN_LOGITS = f"the model's logits are NaN, so it chose no token; {OVERFLOW_ADVICE}"
+
+
+class RowsFailed(GenerationError):
+    """A step in which some rows got no token (their target logits were NaN): those rows finished with
+    finish_reason 'error' (`Sequence.error` says why), and the step stands for the others, whose kept tokens are
+    `kept` (the failed rows' are empty). A caller that serves rows on their own (the server) goes on with them;
+    any other fails as at any GenerationError."""
+
+    def __init__(self, message: str, kept: list[list[int]]):
+        super().__init__(message)
+        self.kept = kept
+
+
 def refuse_no_token(new_tokens: list[list[int]]) -> list[list[int]]:
     """The rows' new tokens, unless a NaN logit left one without a token (`target_argmax`): then a GenerationError
     that says how to load the model."""
     if any(NO_TOKEN in tokens for tokens in new_tokens):
-        raise GenerationError(f"the model's logits are NaN, so it chose no token; {OVERFLOW_ADVICE}")
+        raise GenerationError(NAN_LOGITS)
     return new_tokens
 
 

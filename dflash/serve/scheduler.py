@@ -26,6 +26,7 @@ from typing import Callable
 from dflash.decoding.block_policy import BlockSizePolicy
 from dflash.decoding.engine import Batch, Sequence, SpeculativeEngine
 from dflash.decoding.proposer import NoDraftProposer
+from dflash.decoding.verify import RowsFailed
 from dflash.errors import UserError
 from dflash.serve.fallback import AdaptiveFallback, FallbackConfig
 from dflash.serve.metrics import DECODERS, ServerMetrics
@@ -373,7 +374,11 @@ class Scheduler:
         if decoder == DRAFT and self.block_policy is not None:
             batch.proposer, choose = self.block_policy.plan(batch.sequences)
         rows = len(batch)
-        kept = self.engine.step(batch, choose)
+        try:
+            kept = self.engine.step(batch, choose)
+        except RowsFailed as failed:  # a row's NaN logits (a float16 overflow on its text): it alone fails
+            log.error("a request failed: %s", failed)
+            kept = failed.kept
         block_size = batch.block_size if decoder == DRAFT else 1
         if decoder == DRAFT:
             self.metrics.block_size.set(block_size)
@@ -414,7 +419,7 @@ class Scheduler:
         batch = self._running[decoder]
         for seq in batch.sequences:
             if seq.finished:
-                self._finish(self._requests.pop(id(seq)), seq.finish_reason)
+                self._finish(self._requests.pop(id(seq)), seq.finish_reason, seq.error)
         batch = self.engine.drop_finished(batch)
         if batch is None:
             del self._running[decoder]

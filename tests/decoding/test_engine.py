@@ -292,6 +292,51 @@ def test_nan_logits_stop_greedy_decoding_with_the_fix_not_garbage(forwards, sett
         engine.generate([[5, 6, 7], [8, 9]], config)
 
 
+@pytest.mark.parametrize("sampling", ["greedy", "seeded", "unseeded"])
+@pytest.mark.parametrize("branch_length", [0, 2])
+def test_a_rows_nan_logits_fail_that_row_alone_and_the_others_decode_on(sampling, branch_length, monkeypatch):
+    """One row's NaN logits (a float16 overflow on its text) failed the whole step, so a server failed every
+    request decoding with it; the step now finishes that row with finish_reason 'error', raises RowsFailed with the
+    others' tokens, and the others decode on to their own outputs."""
+    from conftest import tiny_target_model
+    from dflash.decoding.verify import RowsFailed
+    from dflash.model import TargetModel
+
+    if branch_length and sampling == "unseeded":
+        pytest.skip("a branch is verified for greedy and seeded rows only")
+    target = TargetModel(tiny_target_model())
+    engine = SpeculativeEngine(target, DFlashProposer(tiny_drafter(target), target))
+    temperature, seed = {"greedy": (0.0, None), "seeded": (0.8, 3), "unseeded": (0.8, None)}[sampling]
+    config = GenerationConfig(max_new_tokens=14, ignore_eos=True, temperature=temperature, seed=seed, block_size=4,
+                              branch_length=branch_length)
+    prompts = random_prompts(3, seed=11)
+    alone = [engine.generate([p], config)[0].output_ids for p in prompts]
+    rows = [engine.new_sequence(p, config) for p in prompts]
+    batch = engine.merge([engine.prefill(seq) for seq in rows])
+    original = target.forward
+
+    def forward(*args, **kwargs):  # row 1's logits hold a NaN in this one forward
+        out = original(*args, **kwargs)
+        logits = out.logits.clone()
+        logits[1, :, 3] = float("nan")
+        return dataclasses.replace(out, logits=logits)
+
+    monkeypatch.setattr(target, "forward", forward)
+    with pytest.raises(RowsFailed, match="logits are NaN.*load the model in bfloat16 or float32") as failed:
+        engine.step(batch)
+    monkeypatch.setattr(target, "forward", original)
+    assert failed.value.kept[1] == [] and all(failed.value.kept[r] for r in (0, 2))
+    assert rows[1].finish_reason == "error" and "NaN" in rows[1].error and len(rows[1].output_ids) == 1  # prefill's
+    batch = engine.drop_finished(batch)
+    assert batch.sequences == [rows[0], rows[2]]
+    while batch is not None:
+        engine.step(batch)
+        batch = engine.drop_finished(batch)
+    assert [rows[0].finish_reason, rows[2].finish_reason] == ["length", "length"]
+    if sampling != "unseeded":  # greedy and seeded text is the target's own, whatever the batch went through
+        assert [rows[0].output_ids, rows[2].output_ids] == [alone[0], alone[2]]
+
+
 def nan_proposer(kind: str, target, monkeypatch):
     """A proposer whose drafter gives NaN logits (a float16 overflow in the drafter alone)."""
     from conftest import dflash2_drafter, perturbed_copy

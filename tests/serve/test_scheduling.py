@@ -5,6 +5,7 @@ still running when the test acts."""
 from __future__ import annotations
 
 import asyncio
+import json
 import threading
 import time
 
@@ -247,6 +248,47 @@ def test_nan_logits_fail_the_batch_with_the_models_fix_and_the_server_goes_on(st
     assert failed.status_code == 500 and "load the model in bfloat16 or float32" in failed.json()["error"]["message"]
     monkeypatch.undo()
     assert httpx.post(f"{server.url}/v1/chat/completions", json=body, timeout=60).status_code == 200
+
+
+def test_one_requests_nan_logits_fail_that_request_alone(start_server):
+    """NaN logits in one row (a float16 overflow on its text) failed every request decoding in that batch; now that
+    request alone fails, with the model's fix, and the one decoding beside it ends as it would have alone."""
+    import dataclasses
+
+    server = start_server(slow_step_s=0.02)
+    target = server.pipe.engine.target
+    original, poisoned = target.forward, []
+
+    def forward(tokens, *args, **kwargs):  # the first forward of two rows: the second row's logits hold a NaN
+        out = original(tokens, *args, **kwargs)
+        if tokens.shape[0] == 2 and not poisoned:
+            poisoned.append(1)
+            logits = out.logits.clone()
+            logits[1, :, 3] = float("nan")
+            out = dataclasses.replace(out, logits=logits)
+        return out
+
+    body = {"model": MODEL, "max_tokens": 60, "temperature": 0, "ignore_eos": True}
+    first = {**body, "messages": [{"role": "user", "content": "count"}], "stream": True}
+    target.forward = forward
+    try:
+        with httpx.stream("POST", f"{server.url}/v1/chat/completions", json=first, timeout=60) as r:
+            lines, seen = r.iter_lines(), []
+            for line in lines:  # up to the first text: decoding, so the second request joins its batch
+                seen.append(line)
+                if '"content":"' in line and '"content":""' not in line:
+                    break
+            second = httpx.post(f"{server.url}/v1/chat/completions", timeout=60,
+                                json={**body, "messages": [{"role": "user", "content": "hi"}]})
+            seen += list(lines)
+    finally:
+        target.forward = original
+    assert poisoned and second.status_code == 500
+    assert "load the model in bfloat16 or float32" in second.json()["error"]["message"]
+    chunks = [json.loads(line[6:])["choices"][0] for line in seen if line.startswith("data: {")]
+    assert [c["finish_reason"] for c in chunks if c["finish_reason"]] == ["length"]
+    alone = httpx.post(f"{server.url}/v1/chat/completions", json={**first, "stream": False}, timeout=60).json()
+    assert "".join(c["delta"].get("content") or "" for c in chunks) == alone["choices"][0]["message"]["content"]
 
 
 def test_a_burst_of_long_prompts_is_prefilled_between_decode_steps(fresh_pipe):
