@@ -227,12 +227,30 @@ class Scheduler:
             try:
                 self._prefill(new)
                 for decoder in list(self._running):
-                    self._step(decoder)
+                    self._step_or_fail(decoder)
                 self._move_rows()
-            except Exception as err:  # a bug, or the model's (NaN logits), not a client's mistake: fail what is
-                log.exception("decode loop error; failing the running requests")  # decoding, keep serving
-                for decoder in list(self._running):
-                    self._fail_batch(decoder, _failure(err, "internal error while decoding"))
+            except Exception as err:  # a bug, not a client's mistake: fail what is decoding, keep serving
+                log.exception("decode loop error; failing the running requests")
+                self._fail_all(_failure(err, "internal error while decoding"))
+
+    def _step_or_fail(self, decoder: str) -> None:
+        """One step of a decoder's batch; an error in it fails that batch only (the other decoder's rows go on)."""
+        try:
+            self._step(decoder)
+        except Exception as err:  # a bug, or the model's: not a client's mistake
+            log.exception("decode step error; failing the %s batch's requests", decoder)
+            self._fail_batch(decoder, _failure(err, "internal error while decoding"))
+
+    def _fail_all(self, message: str) -> None:
+        """Fail every request the decode thread holds: the batches' rows, and any row not in a batch yet (one
+        whose merge into a batch failed), which would otherwise hold its slot and its client forever."""
+        for decoder in list(self._running):
+            self._fail_batch(decoder, message)
+        for key, request in list(self._requests.items()):
+            del self._requests[key]
+            if not request.finished:
+                self._finish(request, "error", message)
+        self._update_running()
 
     def _admit(self) -> list[Request] | None:
         """Waiting requests that get a row now (cancelled ones are finished here); None to stop. While rows are
@@ -429,7 +447,9 @@ class Scheduler:
         return batch is not None
 
     def _fail_batch(self, decoder: str, message: str, unavailable: bool = False) -> None:
-        batch = self._running.pop(decoder)
+        batch = self._running.pop(decoder, None)
+        if batch is None:  # the step that failed had dropped its last rows
+            return
         for seq in batch.sequences:
             request = self._requests.pop(id(seq), None)
             if request is not None and not request.finished:

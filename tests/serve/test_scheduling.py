@@ -291,6 +291,30 @@ def test_one_requests_nan_logits_fail_that_request_alone(start_server):
     assert "".join(c["delta"].get("content") or "" for c in chunks) == alone["choices"][0]["message"]["content"]
 
 
+def test_a_request_whose_merge_into_the_batch_fails_gets_its_error_and_frees_its_slot(start_server):
+    """A request prefilled but not merged into a batch (an error in the merge) was held by no batch, so the loop's
+    error handling never finished it: its client waited forever and its slot stayed taken."""
+    server = start_server()
+    engine = server.pipe.engine
+    merge, calls = engine.merge, []
+
+    def failing_merge(batches):
+        calls.append(1)
+        if len(calls) == 1:
+            raise RuntimeError("injected")
+        return merge(batches)
+
+    body = {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 8}
+    engine.merge = failing_merge
+    try:
+        failed = httpx.post(f"{server.url}/v1/chat/completions", json=body, timeout=30)
+        assert failed.status_code == 500 and "internal error while decoding" in failed.json()["error"]["message"]
+        wait_idle(server)
+        assert httpx.post(f"{server.url}/v1/chat/completions", json=body, timeout=30).status_code == 200
+    finally:
+        engine.merge = merge
+
+
 def test_a_burst_of_long_prompts_is_prefilled_between_decode_steps(fresh_pipe):
     """While rows decode, each turn prefills prompts of at most max_prefill_tokens (or one prompt), then steps:
     a burst of long prompts no longer holds a running stream for all their prefills."""
