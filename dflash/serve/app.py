@@ -26,6 +26,7 @@ from fastapi.middleware.cors import CORSMiddleware
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.concurrency import run_in_threadpool
 from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.requests import ClientDisconnect
 
 from dflash.api import check_template_kwargs
 from dflash.decoding.block_policy import BlockSizePolicy
@@ -103,7 +104,7 @@ class Server:
     async def read_request(self, http: Request, model: type):
         """The validated request of a JSON body, parsed on a worker thread: a body of megabytes takes a second to
         read, and the event loop must go on answering /health and streaming other requests meanwhile."""
-        check_content_type(http.headers.get("content-type"))
+        check_content_type(http.headers.get("content-type"), http.headers.get("content-encoding"))
         return await run_in_threadpool(parse_request, await self.read_body(http), model)
 
     async def read_body(self, http: Request) -> bytes:
@@ -113,10 +114,14 @@ class Server:
         if declared.isdigit() and int(declared) > limit:
             raise _too_large(limit)
         body = bytearray()
-        async for chunk in http.stream():
-            body += chunk
-            if len(body) > limit:
-                raise _too_large(limit)
+        try:
+            async for chunk in http.stream():
+                body += chunk
+                if len(body) > limit:
+                    raise _too_large(limit)
+        except ClientDisconnect:  # the client left mid-body: its mistake (or its choice), not the server's error
+            log.info("a client disconnected before sending its whole request body")
+            raise APIError(400, "the client disconnected before sending its whole request body") from None
         return bytes(body)
 
     async def encode_chat(self, req: ChatCompletionRequest) -> list[int]:
@@ -328,12 +333,12 @@ def create_app(pipe, config: ServeConfig | None = None) -> FastAPI:
     def card() -> dict:
         return model_card(server.config.served_model_name, server.created, server.max_model_len)
 
-    @app.get("/v1/models")
+    @app.api_route("/v1/models", methods=["GET", "HEAD"])
     async def models(http: Request):
         authorize(http)
         return model_list(card())
 
-    @app.get("/v1/models/{model:path}")
+    @app.api_route("/v1/models/{model:path}", methods=["GET", "HEAD"])
     async def model(http: Request, model: str):
         authorize(http)
         server.check_model(model)
@@ -365,7 +370,7 @@ def create_app(pipe, config: ServeConfig | None = None) -> FastAPI:
             return JSONResponse({"status": status, **counts}, status_code=503)
         return {"status": "ok", **counts}
 
-    @app.get("/metrics")
+    @app.api_route("/metrics", methods=["GET", "HEAD"])
     async def metrics():
         return Response(server.metrics.exposition(), media_type=server.metrics.content_type)
 
@@ -452,6 +457,6 @@ def _add_error_handlers(app: FastAPI) -> None:
 
     @app.exception_handler(StarletteHTTPException)
     async def http_error(_, err: StarletteHTTPException):
-        kind = "not_found_error" if err.status_code == 404 else "invalid_request_error"
-        return _error_response(APIError(err.status_code, str(err.detail), type=kind), err.headers)
+        # OpenAI's type for an unknown route as for an unknown model; its clients read the status for the rest
+        return _error_response(APIError(err.status_code, str(err.detail), type="invalid_request_error"), err.headers)
 

@@ -17,7 +17,9 @@ from typing import Any, Callable, ClassVar, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
+from dflash.decoding.detokenizer import check_utf8
 from dflash.decoding.engine import SEED_RANGE
+from dflash.errors import UserError
 from dflash.records import shown
 
 log = logging.getLogger("dflash.serve")
@@ -248,10 +250,16 @@ class SamplingRequest(_Strict):
             raise ValueError(f"at most {MAX_STOP_STRINGS} stop strings")
         if stop == "" or (isinstance(stop, list) and "" in stop):
             raise ValueError("a stop string is empty (every answer would stop before its first token); drop it")
-        longest = max(map(len, [stop] if isinstance(stop, str) else stop), default=0)
+        stops = [stop] if isinstance(stop, str) else stop or []
+        longest = max(map(len, stops), default=0)
         if longest > MAX_STOP_STRING_CHARS:
             raise ValueError(f"a stop string of {longest} characters; this server takes up to "
                              f"{MAX_STOP_STRING_CHARS} per stop string")
+        for text in stops:  # here, so that the error names `stop` (the engine refuses it too, naming no field)
+            try:
+                check_utf8(text, f"the stop string {text!r}")
+            except UserError as err:
+                raise ValueError(str(err)) from None
         return stop
 
     @property
@@ -360,10 +368,15 @@ class CompletionRequest(SamplingRequest):
         return prompt
 
 
-def check_content_type(content_type: str | None) -> None:
+def check_content_type(content_type: str | None, content_encoding: str | None = None) -> None:
     """Refuse a body not declared as JSON (415). A browser posts text/plain, form and untyped bodies to any site
     without asking it first (no CORS preflight), so taking them as JSON would let any web page a user visits make
-    a server without --api-key decode for it."""
+    a server without --api-key decode for it. A compressed body is refused too (415): this server reads it as
+    it is."""
+    encoding = (content_encoding or "").strip().lower()
+    if encoding not in ("", "identity"):
+        raise APIError(415, f"the request body is declared as Content-Encoding {encoding!r}, which this server does "
+                            "not decode; send it uncompressed (without a Content-Encoding header)")
     media = (content_type or "").split(";", 1)[0].strip().lower()
     if media == "application/json" or (media.startswith("application/") and media.endswith("+json")):
         return

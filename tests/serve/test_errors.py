@@ -4,6 +4,7 @@ keeps serving after it. Options it cannot honour are refused by name, never sile
 from __future__ import annotations
 
 import json
+import time
 
 import httpx
 import openai
@@ -105,8 +106,42 @@ def test_a_request_body_is_parsed_off_the_event_loop(server, monkeypatch):
     assert len(threads) == 1 and threads[0] is not server._thread  # the thread uvicorn runs the event loop on
 
 
-def test_health_answers_head_requests_too(server):
-    assert httpx.head(f"{server.url}/health").status_code == 200
+@pytest.mark.parametrize("path", ["/health", "/v1/models", f"/v1/models/{MODEL}", "/metrics"])
+def test_every_get_route_answers_head_requests_too(server, path):
+    response = httpx.head(f"{server.url}{path}")
+    assert response.status_code == 200 and response.content == b""
+
+
+@pytest.mark.parametrize("encoding", ["gzip", "br"])
+def test_a_compressed_body_is_415_saying_to_send_it_uncompressed(server, encoding):
+    """A gzip body was read as text and answered 'not valid JSON: utf-8 codec can't decode byte 0x8b'."""
+    import gzip
+
+    body = gzip.compress(json.dumps({"messages": MESSAGES, "max_tokens": 1}).encode())
+    error = assert_error(post(server, "chat/completions", content=body, headers={
+        "content-type": "application/json", "content-encoding": encoding}), 415)
+    assert f"Content-Encoding '{encoding}'" in error["message"] and "send it uncompressed" in error["message"]
+    plain = json.dumps({"messages": MESSAGES, "max_tokens": 1}).encode()
+    assert post(server, "chat/completions", content=plain, headers={
+        "content-type": "application/json", "content-encoding": "identity"}).status_code == 200
+
+
+def test_a_client_that_leaves_mid_body_is_no_server_error(server, caplog):
+    """A client that declared more body than it sent, then closed, was logged as an unexpected server error with
+    a traceback (starlette's ClientDisconnect)."""
+    import socket
+
+    with caplog.at_level("INFO", logger="dflash.serve"):
+        with socket.create_connection(("127.0.0.1", server.port)) as sock:
+            sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                         b"Content-Length: 1000\r\n\r\n{\"prompt\": ")
+        deadline = time.monotonic() + 10
+        while time.monotonic() < deadline and not any("disconnected" in r.getMessage() for r in caplog.records):
+            time.sleep(0.05)
+    messages = [r.getMessage() for r in caplog.records]
+    assert any("disconnected before sending its whole request body" in m for m in messages), messages
+    assert not any(r.levelname == "ERROR" for r in caplog.records), messages
+    assert httpx.get(f"{server.url}/health").status_code == 200
 
 
 def test_a_template_switch_that_is_not_a_boolean_is_400(server):
@@ -232,6 +267,12 @@ def test_a_lone_surrogate_in_a_message_names_the_messages(server):
     assert "a message's content is not valid text" in assert_error(response, 400, "messages")["message"]
 
 
+def test_a_lone_surrogate_in_a_stop_string_names_stop(server):
+    body = b'{"messages": [{"role": "user", "content": "hi"}], "stop": ["\\ud800"], "max_tokens": 2}'
+    response = post(server, "chat/completions", content=body, headers={"content-type": "application/json"})
+    assert "the stop string '\\ud800' is not valid text" in assert_error(response, 400, "stop")["message"]
+
+
 @pytest.mark.parametrize("body,param,says", [
     ({"prompt": 5}, "prompt", "must be a string, a list of one string, or a list of token ids"),
     ({"prompt": [1, "a"]}, "prompt", "must be a string, a list of one string, or a list of token ids"),
@@ -336,7 +377,7 @@ def test_unknown_model_is_404(server, client):
     with pytest.raises(openai.NotFoundError) as err:
         client.chat.completions.create(model="gpt-9", messages=MESSAGES, max_tokens=4)
     assert err.value.body["code"] == "model_not_found"
-    assert_error(httpx.get(f"{server.url}/v1/nowhere"), 404)
+    assert assert_error(httpx.get(f"{server.url}/v1/nowhere"), 404)["type"] == "invalid_request_error"  # as OpenAI
 
 
 def test_a_method_the_path_does_not_take_is_405_with_allow(server):
