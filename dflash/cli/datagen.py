@@ -32,7 +32,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--limit", type=int, help="only the first N prompts")
     parser.add_argument("--split", help="dataset split (datasets; default train)")  # None: not given (a file has none)
     parser.add_argument("--subset", help="dataset configuration, e.g. main for openai/gsm8k (datasets)")
-    parser.add_argument("--prompt-field", help="dataset column holding the prompt")
+    parser.add_argument("--prompt-field", help="dataset column holding the prompt (default: a record's messages, "
+                                               "conversations or turns, else the first of its prompt, question, "
+                                               "instruction (with an Alpaca input after it) and text)")
     parser.add_argument("--prompt-suffix", default="", help="text appended to every user turn")
     add_thinking_argument(parser)
     parser.add_argument("--dtype", choices=["auto", "float32", "float16", "bfloat16"], default="auto",

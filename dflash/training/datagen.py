@@ -180,11 +180,34 @@ def prompt_messages(record: dict, prompt_field: str | None = None) -> list[list[
         return _message_turns(chat_messages(record))
     if "turns" in record:
         return [[{"role": "user", "content": t}] for t in texts_field(record, "turns")]
-    for name in PROMPT_FIELDS:
-        if name in record:
-            return [[{"role": "user", "content": text_field(record, name)}]]
+    name = prompt_field_of(record)
+    if name is not None:
+        content = text_field(record, name)
+        extra = record.get("input") if name == "instruction" else None
+        if isinstance(extra, str) and extra.strip():  # Alpaca: the instruction, then the text it is about
+            content = f"{content}\n\n{extra}"
+        return [[{"role": "user", "content": content}]]
     raise UserError(f"cannot find a prompt in record with fields {sorted(record)}; use `prompt`, `turns` or "
                     "`messages` (or ShareGPT `conversations`, or --prompt-field for a dataset column)")
+
+
+def prompt_field_of(record: dict) -> str | None:
+    """The field a record without messages or turns has its prompt in (PROMPT_FIELDS, in order), or None."""
+    return next((name for name in PROMPT_FIELDS if name in record), None)
+
+
+def _guessed_fields_note(records: list[dict], prompt_field: str | None) -> str | None:
+    """What to tell a user whose records give their prompts in a field other than the documented forms (`prompt`,
+    `turns`, `messages`): which field was read, so that a wrong guess is seen before the target answers it."""
+    if prompt_field:
+        return None
+    used = {prompt_field_of(r) for r in records if not has_chat(r) and "turns" not in r} - {None, "prompt"}
+    if not used:
+        return None
+    alpaca = "instruction" in used and any(isinstance(r.get("input"), str) and r["input"].strip() for r in records)
+    named = ", ".join(f"`{name}`" + (" (with `input` after it, as in Alpaca)" if name == "instruction" and alpaca
+                                     else "") for name in PROMPT_FIELDS if name in used)
+    return f"the prompts are read from the records' {named} field (--prompt-field names another)"
 
 
 def _message_turns(messages: list[dict]) -> list[list[dict]]:
@@ -209,6 +232,9 @@ def _message_turns(messages: list[dict]) -> list[list[dict]]:
 def read_prompts(config: DatagenConfig) -> list[Prompt]:
     """Every prompt (up to --limit), checked before anything is generated; the bad records are named."""
     rows = _read_rows(config)
+    note = _guessed_fields_note([record for _, record in rows], config.prompt_field)
+    if note and os.environ.get("RANK", "0") == "0":  # under torchrun, once
+        print(f"dflash datagen: {note}", file=sys.stderr, flush=True)
     prompts, problems = [], []
     for i, (where, record) in enumerate(rows):
         try:

@@ -648,6 +648,30 @@ def test_a_prompt_field_the_record_lacks_is_named_with_the_fields_it_has(tmp_pat
                                    prompt_field="bar"))
 
 
+def test_a_guessed_prompt_field_is_named_and_an_alpaca_input_follows_its_instruction(tmp_path, capsys):
+    """An Alpaca record's `input` (the text its instruction is about) was dropped without a word: the target was
+    asked only 'Summarize the following text.'."""
+    records = [{"instruction": "Summarize the following text.", "input": "The cat sat on the mat all day."},
+               {"instruction": "Name a colour.", "input": ""}]
+    path = write_jsonl(tmp_path / "alpaca.jsonl", records)
+    prompts = read_prompts(DatagenConfig(target=None, prompts=str(path), output=str(tmp_path / "o.jsonl")))
+    assert [p.turns[0][-1]["content"] for p in prompts] == [
+        "Summarize the following text.\n\nThe cat sat on the mat all day.", "Name a colour."]
+    assert ("the prompts are read from the records' `instruction` (with `input` after it, as in Alpaca) field "
+            "(--prompt-field names another)") in capsys.readouterr().err
+    path = write_jsonl(tmp_path / "q.jsonl", [{"question": "How many clips?"}, {"prompt": "Hi"}])
+    read_prompts(DatagenConfig(target=None, prompts=str(path), output=str(tmp_path / "o.jsonl")))
+    assert "read from the records' `question` field" in capsys.readouterr().err
+    for documented in ({"prompt": "Hi"}, {"turns": ["Hi", "And?"]}, {"messages": [{"role": "user", "content": "Hi"}]}):
+        read_prompts(DatagenConfig(target=None, prompts=str(write_jsonl(tmp_path / "d.jsonl", [documented])),
+                                   output=str(tmp_path / "o.jsonl")))
+        assert capsys.readouterr().err == ""
+    path = write_jsonl(tmp_path / "q.jsonl", [{"question": "How many clips?"}])
+    read_prompts(DatagenConfig(target=None, prompts=str(path), output=str(tmp_path / "o.jsonl"),
+                               prompt_field="question"))
+    assert capsys.readouterr().err == ""
+
+
 def test_a_local_dataset_directory_that_fails_does_not_blame_the_network(tmp_path, monkeypatch):
     datasets = pytest.importorskip("datasets")
 
