@@ -782,11 +782,13 @@ class Trainer:
                 if self.step % c.log_every == 0 or self.step == self.total_steps:
                     self._log(self._train_record(stats, window_tokens, time.perf_counter() - window_start))
                     window_tokens, window_start = 0, time.perf_counter()
+                paused = time.perf_counter()  # evaluation and checkpoints are not training: tokens/s leaves them out
                 if self.eval_examples and c.eval_every and self.step % c.eval_every == 0:
                     self._log({"step": self.step, **self.evaluate()})
                 saved = c.checkpoint_every and self.step % c.checkpoint_every == 0 and self.step < self.total_steps
                 if saved:
                     self.save_checkpoint()
+                window_start += time.perf_counter() - paused
                 if self._stop_requested(stop):
                     self._stop(saved)
                 if self.step >= self.total_steps:

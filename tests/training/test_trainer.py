@@ -452,6 +452,22 @@ def test_another_targets_answers_are_named_in_a_warning(tiny_pair, train_data, t
     assert f"--data {zipped} holds the answers of another target" in capsys.readouterr().err
 
 
+def test_tokens_per_s_leaves_evaluation_and_checkpoints_out(tiny_pair, train_data, tmp_path, monkeypatch):
+    """The step after an evaluation logged a fraction of the others' tokens/s: its window held the evaluation."""
+    trainer = Trainer(config(tiny_pair, train_data, tmp_path / "out", max_steps=6, log_every=1, eval_every=2,
+                             checkpoint_every=3)).setup()
+    evaluate, save = trainer.evaluate, trainer.save_checkpoint
+    monkeypatch.setattr(trainer, "evaluate", lambda *a, **k: (time.sleep(1.0), evaluate(*a, **k))[1])
+    monkeypatch.setattr(trainer, "save_checkpoint", lambda *a, **k: (time.sleep(1.0), save(*a, **k))[1])
+    trainer.train()
+    log = [json.loads(line) for line in (tmp_path / "out" / "train_log.jsonl").read_text().splitlines()]
+    rates = [r["tokens_per_s"] for r in log if "tokens_per_s" in r]
+    steps = [r["step"] for r in log if "tokens_per_s" in r]
+    assert steps == [1, 2, 3, 4, 5, 6]
+    # steps 3, 4 and 5 follow an evaluation or a checkpoint of a second or more; a step of this pair is far shorter
+    assert min(rates[2:5]) > 0.2 * max(rates[0], rates[1]), rates
+
+
 def test_a_missing_extra_file_names_its_own_flag(tiny_pair, train_data, tmp_path):
     with pytest.raises(UserError, match="nothing.jsonl does not exist; create it with `dflash datagen` or pass "
                                         "another --extra-train-data"):
