@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import sys
+from pathlib import Path
 
 from dflash.cli.common import add_thinking_argument, add_trust_remote_code_argument
 from dflash.training.datagen import DatagenConfig, Shard, read_prompts, run_datagen
@@ -60,8 +61,13 @@ def run(args: argparse.Namespace) -> int:
                              prompts=prompts)
     except KeyboardInterrupt:  # every answer is written whole and flushed: a rerun continues after the last one
         bar.stop()
-        print(f"dflash datagen: stopped; the answers written to {config.output} are kept: rerun the same command to "
-              "resume", file=sys.stderr, flush=True)
+        if shard is None:
+            print(f"dflash datagen: stopped; the answers written to {config.output} are kept: rerun the same command "
+                  "to resume", file=sys.stderr, flush=True)
+        elif shard.rank == 0:  # once for the job: the answers are in the processes' part files
+            print(f"dflash datagen: stopped; the answers written are kept in {Path(config.output).name}.part-*-of-"
+                  f"{shard.world} beside {config.output}: rerun the same command (one process is enough) to join "
+                  "them and resume", file=sys.stderr, flush=True)
         raise
     finally:
         bar.stop()

@@ -451,6 +451,30 @@ def check_rerun(config: DatagenConfig, prompts: list[Prompt], done: dict[int, st
         raise _unwritable(output, err) from None
 
 
+def mark_finished(output: Path, finished: bool) -> None:
+    """Record in the output's settings file whether the run writing it has finished (`dflash train` warns of a
+    stopped run's output). An output without a settings file (an older dflash's) is left as it is."""
+    path = settings_path(output)
+    try:
+        settings = json.loads(path.read_text())
+    except (OSError, ValueError):
+        return
+    if not isinstance(settings, dict) or settings.get("finished") == finished:
+        return
+    tmp = path.with_name(path.name + ".tmp")
+    try:
+        tmp.write_text(json.dumps({**settings, "finished": finished}, indent=1) + "\n")
+        os.replace(tmp, path)
+    except OSError as err:
+        raise _unwritable(output, err) from None
+
+
+def stopped_parts(output: Path) -> list[Path]:
+    """The part files a torchrun run of dflash datagen stopped before joining left beside `output`."""
+    found = output.parent.glob(glob.escape(output.name) + ".part-*-of-*")
+    return sorted(path for path in found if re.fullmatch(r"part-\d+-of-\d+", path.name[len(output.name) + 1:]))
+
+
 def _setting(name: str, value) -> str:
     """A setting as the flag took it: dtype None is the flag's default, auto (the checkpoint's own)."""
     return "auto (the checkpoint's own)" if name == "dtype" and value is None else repr(value)
@@ -489,7 +513,10 @@ def run_datagen(config: DatagenConfig, progress=None, prompts: list[Prompt] | No
         return _run_shard(config, prompts, progress, shard)
     with _claim(Path(config.output)) as f:  # before the target loads: a run must not end in an error about where
         done = _checked_output(config, prompts, f)  # answers go
-        return _generate(config, prompts, f, progress, done)
+        mark_finished(Path(config.output), False)
+        result = _generate(config, prompts, f, progress, done)
+        mark_finished(Path(config.output), True)
+        return result
 
 
 def _checked_output(config: DatagenConfig, prompts: list[Prompt], f: IO[str]) -> set[int]:
@@ -599,6 +626,7 @@ def _run_shard(config: DatagenConfig, prompts: list[Prompt], progress, shard: Sh
             try:
                 f = claimed.enter_context(_claim(output))
                 done = _checked_output(config, prompts, f)
+                mark_finished(output, False)
             except UserError as err:
                 failure = err
         shard.agree(failure)
@@ -613,6 +641,7 @@ def _run_shard(config: DatagenConfig, prompts: list[Prompt], progress, shard: Sh
         written, skipped, cut = shard.sum([result.written, len(result.skipped), result.cut])  # all parts done
         if shard.rank == 0:
             result.held = _append_parts(f, output, [shard.part(output, r) for r in range(shard.world)], done)
+            mark_finished(output, True)
         shard.sum([0])  # the processes leave together: none exits while another still uses the group
     result.written, result.cut = written, cut
     result.skipped_elsewhere = skipped - len(result.skipped)  # the other processes named theirs
@@ -626,7 +655,7 @@ def _join_leftover_parts(f: IO[str], config: DatagenConfig, prompts: list[Prompt
     output = Path(config.output)
     found = output.parent.glob(glob.escape(output.name) + ".part-*-of-*")
     names = {path.name[len(output.name) + 1:]: path for path in found}
-    parts = [names[name] for name in sorted(names) if re.fullmatch(r"part-\d+-of-\d+", name)]
+    parts = stopped_parts(output)
     for part in parts:
         try:
             check_rerun(replace(config, output=str(part)), prompts, done_ids(part), record=False)

@@ -345,7 +345,17 @@ class Trainer:
         if being_written(path):
             raise UserError(f"{flag} {path} is still being written by dflash datagen; let it finish, then train (a run "
                             "on part of it could not be resumed once the file has grown)")
+        parts = datagen.stopped_parts(Path(path))
+        if parts:
+            raise UserError(f"{flag} {path}: a torchrun run of dflash datagen on it was stopped before joining its "
+                            f"processes' answers, which are in {', '.join(p.name for p in parts[:3])}"
+                            f"{' ...' if len(parts) > 3 else ''} beside it: rerun that datagen command (one process "
+                            "is enough) to finish and join them, or delete those files to train on what it holds")
         settings = _datagen_settings(path)
+        if settings.get("finished") is False:
+            self._warn(f"{flag} {path} is the output of a dflash datagen run that was stopped before it finished: "
+                       "training on what it holds so far. Rerun that datagen command to finish it first, as a "
+                       "--resume of this run is refused once the file has grown (its examples differ)")
         suffix = settings.get("prompt_suffix")
         loaded = read_examples(path, self.tokenizer, self.config.max_length, self.target.vocab_size, flag,
                                self.config.chat_template_kwargs(), suffix if isinstance(suffix, str) else "")

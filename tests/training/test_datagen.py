@@ -68,6 +68,7 @@ def test_generates_all_turns_with_the_target_own_answers(tiny_pair, prompts, tmp
     for r in records.values():
         assert 1 <= len(r["response_ids"]) <= 8 and r["prompt_ids"] and r["prompt_hash"]
     assert json.loads(settings_path(out).read_text())["max_new_tokens"] == 8
+    assert json.loads(settings_path(out).read_text())["finished"] is True
     # each earlier turn keeps the ids it was answered from and with: turn 1 of "Weng earns" is what the target
     # answers to it alone, and the later prompt holds that answer's text
     assert [sorted(r) == sorted(records[0]) for r in records.values()] == [True, False, True, True, False]
@@ -112,6 +113,7 @@ def test_under_torchrun_each_process_answers_its_share_and_rank_0_joins_them(tin
     assert sorted(read(two), key=lambda r: r["id"]) == [by_id[i] for i in range(5)]
     assert sorted(p.name for p in tmp_path.iterdir() if p.name.startswith("two")) == [
         "two.jsonl", "two.jsonl.datagen.json"]  # the parts are joined and gone
+    assert json.loads(settings_path(two).read_text())["finished"] is True
     # a stopped 3-process run: ids 0 and 3 (rank 0's) in the output, id 1 in rank 1's part, with half a line
     stopped = tmp_path / "stopped.jsonl"
     stopped.write_text(json.dumps(by_id[0]) + "\n" + json.dumps(by_id[3]) + "\n")
@@ -604,6 +606,28 @@ def test_an_output_that_cannot_be_written_names_the_flag(prompts, tmp_path, caps
     assert f"--output {tmp_path / output}" in err and message in err and ".tmp" not in err
 
 
+def test_a_stopped_run_is_recorded_as_not_finished_until_a_rerun_finishes_it(tiny_pair, prompts, tmp_path,
+                                                                             monkeypatch):
+    out = tmp_path / "data.jsonl"
+    config = DatagenConfig(target=str(tiny_pair[0]), prompts=str(prompts), output=str(out), max_new_tokens=4,
+                           batch_size=2, device="cpu")
+    answer, calls = datagen._Generator.answer, []
+
+    def stopping_answer(self, *args, **kwargs):  # Ctrl-C after the first batch's records
+        calls.append(1)
+        if len(calls) > 1:
+            raise KeyboardInterrupt
+        yield from answer(self, *args, **kwargs)
+
+    monkeypatch.setattr(datagen._Generator, "answer", stopping_answer)
+    with pytest.raises(KeyboardInterrupt):
+        run_datagen(config)
+    assert 0 < len(read(out)) < 5 and json.loads(settings_path(out).read_text())["finished"] is False
+    monkeypatch.undo()
+    assert run_datagen(config).held == 5
+    assert json.loads(settings_path(out).read_text())["finished"] is True
+
+
 def test_ctrl_c_says_how_to_resume(prompts, tmp_path, capsys, monkeypatch):
     import dflash.cli.datagen
 
@@ -613,6 +637,16 @@ def test_ctrl_c_says_how_to_resume(prompts, tmp_path, capsys, monkeypatch):
     monkeypatch.setattr(dflash.cli.datagen, "run_datagen", interrupted)
     assert main(["datagen", "--prompts", str(prompts), "--output", str(tmp_path / "o.jsonl")]) == 130
     assert "rerun the same command to resume" in capsys.readouterr().err
+    # under torchrun the answers are in the processes' part files, and the job says so once, not once per process
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    monkeypatch.setenv("MASTER_ADDR", "127.0.0.1")
+    monkeypatch.setenv("MASTER_PORT", "1")
+    for rank, told in (("0", True), ("1", False)):
+        monkeypatch.setenv("RANK", rank)
+        assert main(["datagen", "--prompts", str(prompts), "--output", str(tmp_path / "o.jsonl")]) == 130
+        err = capsys.readouterr().err
+        assert ("the answers written are kept in o.jsonl.part-*-of-2 beside" in err) is told, err
+        assert "the answers written to" not in err
 
 
 def test_a_chat_template_that_refuses_a_later_turn_names_the_record_and_keeps_earlier_answers(tiny_pair, tmp_path):
@@ -775,7 +809,7 @@ def test_a_run_stopped_before_its_first_record_is_rerun_with_any_settings(tiny_p
     out.write_text("")
     settings_path(out).write_text(json.dumps(saved))
     assert run_datagen(config).written == 1
-    assert json.loads(settings_path(out).read_text()) == config.settings()
+    assert json.loads(settings_path(out).read_text()) == {**config.settings(), "finished": True}
 
 
 @pytest.mark.parametrize("flags, message", [

@@ -468,6 +468,27 @@ def test_tokens_per_s_leaves_evaluation_and_checkpoints_out(tiny_pair, train_dat
     assert min(rates[2:5]) > 0.2 * max(rates[0], rates[1]), rates
 
 
+def test_a_stopped_datagen_runs_output_is_warned_of_and_its_unjoined_parts_refused(tiny_pair, train_data, tmp_path,
+                                                                                   capsys):
+    """Training on a stopped datagen run's output went ahead without a word, and on a stopped torchrun run's
+    (whose answers are in part files) said the output 'has no records'."""
+    data = tmp_path / "answers.jsonl"
+    shutil.copy(train_data, data)
+    settings = datagen.settings_path(data)
+    settings.write_text(json.dumps({"target": str(tiny_pair[0].resolve()), "max_new_tokens": 8, "finished": True}))
+    Trainer(config(tiny_pair, data, tmp_path / "finished")).setup()
+    assert "stopped" not in capsys.readouterr().err
+    settings.write_text(json.dumps({"target": str(tiny_pair[0].resolve()), "max_new_tokens": 8, "finished": False}))
+    Trainer(config(tiny_pair, data, tmp_path / "stopped")).setup()
+    assert (f"--data {data} is the output of a dflash datagen run that was stopped before it finished: training on "
+            "what it holds so far") in capsys.readouterr().err
+    data.write_text("")  # a stopped torchrun run: rank 0 had written nothing to the output yet
+    shutil.copy(train_data, tmp_path / "answers.jsonl.part-0-of-2")
+    with pytest.raises(UserError, match=r"a torchrun run of dflash datagen on it was stopped before joining its "
+                                        r"processes' answers, which are in answers.jsonl.part-0-of-2 beside it: rerun"):
+        Trainer(config(tiny_pair, data, tmp_path / "parts")).setup()
+
+
 def test_a_missing_extra_file_names_its_own_flag(tiny_pair, train_data, tmp_path):
     with pytest.raises(UserError, match="nothing.jsonl does not exist; create it with `dflash datagen` or pass "
                                         "another --extra-train-data"):
