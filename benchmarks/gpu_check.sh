@@ -12,7 +12,8 @@
 #   runs/embedded; scripts/embedded/pack_answers.py keeps only the token ids: ten sets in 2.9 MB).
 #   Every stage has a deadline, and a failed stage does not stop the next one.
 #   SKIP_TESTS=1, SKIP_BENCH=1 and SKIP_TRAIN=1 leave out stages 1, 2 and 3; PER_STEP=SECONDS skips the timing of
-#   30 steps; DRAFT=DIR benches that drafter (default: the one this tree ships).
+#   30 steps; DRAFT=DIR benches that drafter (default: the one this tree ships) with TARGET=DIR (default: the
+#   embedded target).
 #   DEVICE=cpu SAMPLES=2 PROBE=2 runs the same plumbing on a CPU (the tests then skip), where `python3` has the
 #   package's requirements.
 set -uo pipefail
@@ -43,9 +44,10 @@ log "1. losslessness on the GPU"
 log "2. dflash bench on the GPU"
 if [ -z "${SKIP_BENCH:-}" ]; then
     draft=${DRAFT:-dflash/assets/drafter}
-    timeout 110 dflash bench --device "$device" --draft "$draft" --dtype float32 --dataset gsm8k --max-samples "$samples" \
+    target=${TARGET:-dflash/assets/target}  # a --draft goes with the --target it was trained for
+    timeout 110 dflash bench --device "$device" --target "$target" --draft "$draft" --dtype float32 --dataset gsm8k --max-samples "$samples" \
         --max-new-tokens 256 --block-size 16,auto --output-dir "$out/bench" --no-progress
-    timeout 50 dflash bench --device "$device" --draft "$draft" --dtype bfloat16 --dataset gsm8k --max-samples "$samples" \
+    timeout 50 dflash bench --device "$device" --target "$target" --draft "$draft" --dtype bfloat16 --dataset gsm8k --max-samples "$samples" \
         --max-new-tokens 256 --block-size 16 --output-dir "$out/bench_bf16" --no-progress
 fi
 rm -f "$out"/bench*/*.png "$out"/bench*/config.json "$out"/bench_bf16/results.md  # a call brings back 8 files
@@ -61,7 +63,8 @@ if [ -z "${PER_STEP:-}" ]; then
     timeout 100 dflash train --config "$config" --device "$device" --max-steps "$probe" --output /tmp/probe \
         --eval-decoding-examples 0 --checkpoint-every 0 --overwrite > /tmp/probe.log 2>&1 || tail -20 /tmp/probe.log
     PER_STEP=$(python3 -c "import json; d=[json.loads(l) for l in open('/tmp/probe/train_log.jsonl')]; \
-print([r['train_time_s'] / r['step'] for r in d if r.get('event') == 'done'][0])") || exit 1
+print([r['train_time_s'] / r['step'] for r in d if r.get('event') == 'done'][0])" 2> /dev/null) || {
+        log "the timing probe did not finish (its log: /tmp/probe.log): pass PER_STEP=SECONDS, or a lower PROBE"; exit 1; }
     log "$probe steps took ${PER_STEP}s each"
 fi
 setup=60  # loading, the held-out evaluation (64 replays) and the export, with room to spare
