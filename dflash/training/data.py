@@ -308,15 +308,21 @@ class ExampleFile:
     cut_turns: int = 0  # turns of the other records left out so
     answers_without_ids: int = 0  # answers of datagen records (before 2026-12-06) that hold only the last turn's ids
     text_records: int = 0  # records rendered here from their text (the others hold datagen's token ids)
+    decode_checked: int = 0  # datagen records whose answer ids were decoded with the target's tokenizer (`_decodes`)
+    decode_differs: int = 0  # ... and did not give their answer's text: ids of another tokenizer
 
 
 def read_examples(path: str | Path, tokenizer, max_length: int, vocab_size: int | None = None,
                   flag: str = "--data", template_kwargs: dict | None = None, prompt_suffix: str = "") -> ExampleFile:
     """Every record of the JSONL file that `flag` names as an example, and the records that leave nothing to train
     on; a bad record is an error naming its line."""
-    examples, dropped, cut, unstored, texts = [], [], 0, 0, 0
+    examples, dropped, cut, unstored, texts, checked, differs = [], [], 0, 0, 0, 0, 0
     rows = read_jsonl(path, missing=f"create it with `dflash datagen` or pass another {flag}")
     for n, record in rows:
+        if checked < DECODE_CHECKS and tokenizer is not None:
+            decodes = _decodes(record, tokenizer)
+            if decodes is not None:
+                checked, differs = checked + 1, differs + (not decodes)
         try:
             read = _tokenized(record, tokenizer, max_length, vocab_size, template_kwargs, prompt_suffix)
         except UserError as err:
@@ -333,7 +339,24 @@ def read_examples(path: str | Path, tokenizer, max_length: int, vocab_size: int 
     if not examples:
         raise UserError(f"no usable examples in {flag} {path}: every response is empty or cut off by --max-length "
                         f"({max_length} tokens with its prompt)")
-    return ExampleFile(examples, len(rows), dropped, cut, unstored, texts)
+    return ExampleFile(examples, len(rows), dropped, cut, unstored, texts, checked, differs)
+
+
+DECODE_CHECKS = 16  # datagen records per file whose answer ids are decoded to check the tokenizer
+
+
+def _decodes(record: dict, tokenizer) -> bool | None:
+    """Whether a datagen record's answer ids decode, with this tokenizer, to the answer text beside them (as datagen
+    wrote it); None for a record that holds no such pair (ids alone, or text alone)."""
+    messages = record.get("messages")
+    if not (_has_ids(record) and isinstance(messages, list) and messages and isinstance(messages[-1], dict)
+            and messages[-1].get("role") == "assistant" and isinstance(messages[-1].get("content"), str)):
+        return None
+    try:
+        text = tokenizer.decode(record["response_ids"], skip_special_tokens=True)
+    except Exception:  # noqa: BLE001 - ids this tokenizer cannot decode at all: not its ids
+        return False
+    return text.strip() == messages[-1]["content"].strip()
 
 
 def fingerprint(examples: list[Example]) -> str:

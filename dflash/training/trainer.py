@@ -360,6 +360,12 @@ class Trainer:
         loaded = read_examples(path, self.tokenizer, self.config.max_length, self.target.vocab_size, flag,
                                self.config.chat_template_kwargs(), suffix if isinstance(suffix, str) else "")
         self._check_data_target(flag, path, settings)
+        if loaded.decode_checked >= 3 and loaded.decode_differs * 2 > loaded.decode_checked:
+            self._warn(f"{flag} {path}: the answer token ids of {loaded.decode_differs} of the {loaded.decode_checked} "
+                       "records checked do not decode, with this target's tokenizer, to the answer text beside them: "
+                       "the data look made with another tokenizer (another target's dflash datagen?), and a drafter "
+                       "trained on them drafts nothing this target says; make them with `dflash datagen --target` "
+                       "this target")
         self.text_records += loaded.text_records
         if loaded.dropped:
             lines = ", ".join(map(str, loaded.dropped[:10])) + (" ..." if len(loaded.dropped) > 10 else "")

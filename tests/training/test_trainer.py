@@ -489,6 +489,33 @@ def test_a_stopped_datagen_runs_output_is_warned_of_and_its_unjoined_parts_refus
         Trainer(config(tiny_pair, data, tmp_path / "parts")).setup()
 
 
+def test_answer_ids_of_another_tokenizer_are_warned_of_without_a_settings_file(tiny_pair, train_data, tmp_path,
+                                                                              capsys):
+    """Datagen output of another target, copied without its settings file, trained without a word (every id was
+    below the vocabulary size): the answers' ids are now decoded and compared with the answers' text."""
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(tiny_pair[0])
+    records = [json.loads(line) for line in train_data.read_text().splitlines()]
+
+    def write(name: str, text_of) -> Path:
+        path = tmp_path / name
+        path.write_text("".join(json.dumps({**r, "messages": [
+            {"role": "user", "content": f"q{r['id']}"},
+            {"role": "assistant", "content": text_of(r["response_ids"])}]}) + "\n" for r in records))
+        return path
+
+    ours = write("ours.jsonl", lambda ids: tokenizer.decode(ids, skip_special_tokens=True))
+    Trainer(config(tiny_pair, ours, tmp_path / "ours")).setup()
+    assert "another tokenizer" not in capsys.readouterr().err
+    # the text another tokenizer made of the same ids: here, this one's of other ids
+    theirs = write("theirs.jsonl", lambda ids: tokenizer.decode([(t * 7 + 3) % 120 + 4 for t in ids],
+                                                                skip_special_tokens=True))
+    Trainer(config(tiny_pair, theirs, tmp_path / "theirs")).setup()
+    assert (f"--data {theirs}: the answer token ids of 16 of the 16 records checked do not decode, with this target's "
+            "tokenizer, to the answer text beside them") in capsys.readouterr().err
+
+
 def test_a_missing_extra_file_names_its_own_flag(tiny_pair, train_data, tmp_path):
     with pytest.raises(UserError, match="nothing.jsonl does not exist; create it with `dflash datagen` or pass "
                                         "another --extra-train-data"):
