@@ -994,7 +994,8 @@ class Trainer:
             # its settings, with this run's paths: the checkpoint keeps them as its run gave them (relative to where
             # that ran), and this run's name the same files (the data were checked by their fingerprint)
             here, then = self.config.portable_dict(), portable_settings(state["config"])
-            self.trained_with = {**then, **{k: here[k] for k in PATH_OPTIONS}}
+            # the final evaluation's settings too: they are what the log's last held-out figures measured
+            self.trained_with = {**then, **{k: here[k] for k in (*PATH_OPTIONS, *EVAL_CHANGES)}}
             if absolute_if_local(state["config"].get("target")) != absolute_if_local(self.config.target):
                 self.trained_with["target"] = then.get("target")  # another model now: name the one that trained it
 
@@ -1101,6 +1102,11 @@ class Trainer:
         elif changed:
             self._warn(f"other settings than the checkpoint's: {'; '.join(changed)}; no step is left to train, so they "
                        "change nothing: the checkpoint is evaluated and exported with the settings that trained it")
+        measured = [f"{k} {old.get(k)!r} -> {getattr(c, k)!r}" for k in EVAL_CHANGES
+                    if k in old and old[k] != getattr(c, k)]
+        if measured:  # the log's held-out figures after this point are not comparable with the ones before
+            self._warn(f"evaluating with other settings than the checkpoint's: {'; '.join(measured)}; the held-out "
+                       "figures logged from here on use the new values (training_config.yaml records them)")
         self.scheduler.base_lrs = [c.lr * scale for scale in self.lr_scales]  # each group keeps its share of lr
         for group, scale, base in zip(self.optimizer.param_groups, self.lr_scales, self.scheduler.base_lrs):
             group["initial_lr"], group["lr_scale"], group["weight_decay"] = base, scale, c.weight_decay
@@ -1217,6 +1223,7 @@ CHECKPOINT_KEYS = ("step", "drafter", "optimizer", "scheduler", "config", "draft
 RESUMABLE_CHANGES = ("lr", "weight_decay", "warmup_ratio", "grad_clip", "anchors_per_sequence", "anchor_policy",
                      "loss_gamma", "distill_weight", "selector_loss_weight", "dtype", "max_steps", "epochs")
 SCHEDULE_END = ("max_steps", "epochs")
+EVAL_CHANGES = ("eval_decoding_examples",)  # changes what the held-out figures measure, not the training
 EXPORTED_FILES = ("config.json", "model.safetensors", "training_config.yaml")  # what `export` writes
 
 

@@ -1555,6 +1555,11 @@ def test_exporting_a_run_stopped_early_keeps_its_settings_and_says_nothing_train
     Trainer(config(tiny_pair, train_data, out, max_steps=3, lr=1e-3, resume=True)).setup().train()
     assert ("other settings than the checkpoint's: lr 0.003 -> 0.001; no step is left to train, so they change "
             "nothing") in capsys.readouterr().err
+    # an evaluation setting changes what the final evaluation measures: said, and recorded with the export
+    Trainer(config(tiny_pair, train_data, out, max_steps=3, eval_decoding_examples=1, resume=True)).setup().train()
+    assert ("evaluating with other settings than the checkpoint's: eval_decoding_examples 64 -> 1; the held-out "
+            "figures logged from here on use the new values") in capsys.readouterr().err
+    assert yaml.safe_load((out / "training_config.yaml").read_text())["eval_decoding_examples"] == 1
     # another target (here a copy elsewhere): the export names the one that trained the drafter, and says so
     trained_by = yaml.safe_load((out / "training_config.yaml").read_text())["target"]
     other = tmp_path / "other_target"
