@@ -759,7 +759,9 @@ class Trainer:
                     self.save_checkpoint()  # the last step, before the final evaluation: an interrupt loses no step
                 final = {"step": self.step, **self._train_times()}
                 if self.eval_examples:
-                    final.update(self.evaluate())
+                    evaluated = self.evaluate()
+                    self._log({"step": self.step, **evaluated})  # a step record like every evaluation's
+                    final.update(evaluated)
                     self._check_held_out_loss(final.get("eval_loss"))
                 self.export()
         except KeyboardInterrupt:  # SIGTERM's Terminated too
@@ -799,7 +801,8 @@ class Trainer:
                     self._log(self._train_record(stats, window_tokens, time.perf_counter() - window_start))
                     window_tokens, window_start = 0, time.perf_counter()
                 paused = time.perf_counter()  # evaluation and checkpoints are not training: tokens/s leaves them out
-                if self.eval_examples and c.eval_every and self.step % c.eval_every == 0:
+                if (self.eval_examples and c.eval_every and self.step % c.eval_every == 0
+                        and self.step < self.total_steps):  # the last step's is the final evaluation (`train`)
                     self._log({"step": self.step, **self.evaluate()})
                 saved = c.checkpoint_every and self.step % c.checkpoint_every == 0 and self.step < self.total_steps
                 if saved:

@@ -516,6 +516,21 @@ def test_answer_ids_of_another_tokenizer_are_warned_of_without_a_settings_file(t
             "tokenizer, to the answer text beside them") in capsys.readouterr().err
 
 
+@pytest.mark.parametrize("eval_every, evaluated_at", [(3, [3, 6]), (4, [4, 6])])
+def test_the_last_step_is_evaluated_once_and_logged_as_a_step(tiny_pair, train_data, tmp_path, eval_every,
+                                                              evaluated_at):
+    """The last step was evaluated twice when --eval-every divided the steps (the loop's, then the final one), and
+    otherwise its evaluation was missing from the step records (only in the done record)."""
+    trainer = Trainer(config(tiny_pair, train_data, tmp_path / "out", max_steps=6, eval_every=eval_every)).setup()
+    evaluate, calls = trainer.evaluate, []
+    trainer.evaluate = lambda *a, **k: (calls.append(trainer.step), evaluate(*a, **k))[1]
+    done = trainer.train()
+    log = [json.loads(line) for line in (tmp_path / "out" / "train_log.jsonl").read_text().splitlines()]
+    assert calls == evaluated_at
+    assert [r["step"] for r in log if "eval_loss" in r and "event" not in r] == evaluated_at
+    assert log[-1]["event"] == "done" and log[-1]["eval_loss"] == done["eval_loss"] == log[-2]["eval_loss"]
+
+
 def test_a_missing_extra_file_names_its_own_flag(tiny_pair, train_data, tmp_path):
     with pytest.raises(UserError, match="nothing.jsonl does not exist; create it with `dflash datagen` or pass "
                                         "another --extra-train-data"):
