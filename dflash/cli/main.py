@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import errno
 import importlib
 import re
 import sys
@@ -112,7 +113,7 @@ def run_command(args: argparse.Namespace, prog: str, flag_names: dict[str, str] 
         _drop_stdout()
         return 141  # 128 + SIGPIPE, what a shell reports for a command stopped by a closed pipe
     except (FileNotFoundError, OSError) as err:
-        print(f"{prog}: error: {err}", file=sys.stderr)
+        print(f"{prog}: error: {_os_error_text(err)}", file=sys.stderr)
         return 2
     except Terminated:
         print(f"{prog}: terminated", file=sys.stderr)
@@ -181,6 +182,14 @@ def _as_flags(err, args: argparse.Namespace) -> str:
     if isinstance(err, GenerationError) and getattr(args, "command", None) in DECODING_COMMANDS:
         return _respelled(message, GENERATION_FLAGS)
     return message
+
+
+def _os_error_text(err: OSError) -> str:
+    """An OSError as one line, with what to do where the error alone does not say it."""
+    if err.errno == errno.ENAMETOOLONG:  # the name given, or one the command writes beside it (OUTPUT.datagen.json)
+        return (f"a file name is too long: {err.filename}; shorten the name you gave (most file systems take up to "
+                "255 bytes per name, and some commands write files named after it, with a suffix)")
+    return str(err)
 
 
 def _respelled(message: str, flag_names: dict[str, str]) -> str:

@@ -152,3 +152,13 @@ def test_the_command_line_module_imports_nothing_heavy_before_its_interrupt_hand
              "print(heavy); from dflash import DFlash, load_drafter, UserError; print(DFlash.__name__)")
     out = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, check=True).stdout.split()
     assert out == ["[]", "DFlash"]
+
+
+def test_a_name_too_long_for_the_file_system_says_to_shorten_it(tmp_path, capsys):
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text('{"prompt": "hi"}\n')
+    output = tmp_path / ("a" * 250 + ".jsonl")  # its settings file, OUTPUT.datagen.json, is past 255 bytes
+    assert main(["datagen", "--prompts", str(prompts), "--output", str(output)]) == 2
+    err = capsys.readouterr().err
+    assert "error: a file name is too long: " in err and "shorten the name you gave" in err
+    assert "[Errno" not in err
