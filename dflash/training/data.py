@@ -70,8 +70,11 @@ def record_messages(record: dict) -> list[dict]:
     if has_chat(record):
         return chat_messages(record)
     if "response" not in record:
+        unanswered = any(k in record for k in ("prompt", "turns", "question", "instruction"))
         raise UserError("a training record needs `messages` or ShareGPT `conversations` (with the assistant's "
-                        "answers), or a `response`")
+                        "answers), or a `response`" + ("; this one holds a prompt without its answer: have the "
+                                                       "target answer the prompts with `dflash datagen` first, and "
+                                                       "train on its output" if unanswered else ""))
     response = text_field(record, "response")
     if "prompt" in record:
         user = [{"role": "user", "content": text_field(record, "prompt")}]

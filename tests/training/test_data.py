@@ -29,7 +29,10 @@ GOOD = {"id": 0, "messages": [], "prompt_ids": [5, 6, 7], "response_ids": [8, 9,
     ({"prompt": "q", "response": ["x"]}, "`response` must be a non-empty string"),
     ({"turns": "q", "response": "x"}, "`turns` must be a list of strings"),
     ({"turns": ["q", "and then?"], "response": "x"}, "this record has 2 `turns` and one `response`"),
-    ({"prompt": "q"}, "needs `messages` or ShareGPT `conversations` (with the assistant's answers), or a `response`"),
+    ({"prompt": "q"}, "needs `messages` or ShareGPT `conversations` (with the assistant's answers), or a `response`; "
+                      "this one holds a prompt without its answer: have the target answer the prompts with `dflash "
+                      "datagen` first"),
+    ({"text": "q"}, "needs `messages` or ShareGPT `conversations` (with the assistant's answers), or a `response`"),
     ({"messages": [{"role": "user", "content": "q"}]}, "the conversation has no assistant message after a prompt"),
     ({"messages": [{"role": "user", "content": "q"}, {"role": "assistant", "content": " "}]},
      "message 1 of the conversation is an empty answer"),
