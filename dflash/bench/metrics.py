@@ -25,7 +25,7 @@ class BenchResult:
     distinct_prompts: int | None = None  # distinct samples among the conversations (fewer: prompts repeated)
     drafter: str = "DFlash"  # what drafted: "DFlash", DRAFT_MODEL (classic) or, a server says so, NO_DRAFT
     block_size: int | str | None = None  # the widest block ("auto": chosen before every step); a server: its drafter's
-    mean_block_size: float | None = None  # tokens per verify forward's block (anchor + draft tokens), averaged
+    mean_block_size: float | None = None  # tokens per verify forward (anchor + draft tokens, a branch's too), averaged
     branch_length: int = 0  # local: the branch verified with each greedy block (0: none)
     concurrency: int | None = None
     temperature: float = 0.0

@@ -217,7 +217,8 @@ def summary(out) -> dict:
         "stop_string": out.stop_string,  # the --stop that ended the text, else null
         "acceptance_lengths": s.acceptance_lengths,
         "mean_acceptance_length": round(s.mean_acceptance_length, 3),
-        "block_sizes": s.block_sizes,  # the block each verify step checked (varies under --block-size auto)
+        # the block each verify step checked (varies under --block-size auto): acceptance_lengths[1:], step by step
+        "block_sizes": s.block_sizes,
         "time_to_first_token_s": round(s.time_to_first_token_s, 4),
         "decode_tokens_per_s": round(s.decode_tokens_per_s, 2),
         "target_forwards": s.target_forwards,

@@ -28,6 +28,9 @@ DECODING_COMMANDS = ("generate", "datagen", "bench", "serve")
 # Other tools' names for our flags (the reference benchmark's, vLLM's), for a hint when one is given.
 FLAG_ALIASES = {"--draft-model": "--draft", "--model": "--target", "--speculative-model": "--draft",
                 "--max-tokens": "--max-new-tokens", "--num-speculative-tokens": "--block-size"}
+# Aliases whose value means another number here: vLLM's speculative tokens are the draft tokens, one fewer than the
+# block (the anchor and its draft tokens)
+ALIAS_VALUES = {"--num-speculative-tokens": "N + 1 for N speculative tokens: the block holds the anchor too"}
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -76,7 +79,8 @@ def unknown_flag_hint(unknown: list[str], parser: argparse.ArgumentParser) -> st
         alias = FLAG_ALIASES.get(flag)
         close = [alias] if alias in ours else difflib.get_close_matches(flag, ours, n=1, cutoff=0.75)
         if close:
-            return f" (did you mean {close[0]} for {flag}?)"
+            value = f", {ALIAS_VALUES[flag]}" if close[0] == alias and flag in ALIAS_VALUES else ""
+            return f" (did you mean {close[0]} for {flag}{value}?)"
     return ""
 
 

@@ -53,6 +53,9 @@ def test_under_torchrun_each_process_names_its_rank(monkeypatch, capsys):
     (["generate", "--prompt", "x", "--temprature=0.5"], "(did you mean --temperature for --temprature?)"),
     (["serve", "--no-draft", "--model", "m"], "(did you mean --target for --model?)"),
     (["train", "--frobnicate"], "unrecognized arguments: --frobnicate\n"),
+    (["generate", "--prompt", "x", "--num-speculative-tokens", "15"],
+     "(did you mean --block-size for --num-speculative-tokens, N + 1 for N speculative tokens: the block holds the "
+     "anchor too?)"),
 ])
 def test_an_unknown_flag_gets_the_subcommands_usage_and_a_hint(argv, hint, capsys):
     with pytest.raises(SystemExit) as exit_info:
