@@ -690,7 +690,8 @@ class SpeculativeEngine:
         if not isinstance(prompts, (list, tuple)) or any(isinstance(p, (str, numbers.Integral)) for p in prompts):
             raise GenerationError("prompts is a list of prompts, each a list of token ids: [[1, 2, 3], ...]")
         if len(configs) != len(prompts):
-            raise GenerationError(f"{len(configs)} generation configs for {len(prompts)} prompts")
+            raise GenerationError(f"{len(configs)} generation configs for {len(prompts)} prompts; give one config for "
+                                  "all of them, or a list of one per prompt")
         if not prompts:
             return []
         proposer = self.proposer_for(configs[0])

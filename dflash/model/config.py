@@ -237,7 +237,8 @@ class DrafterConfig:
                                      "full_attention or sliding_attention")
         if len(self.layer_types) != self.num_hidden_layers:
             raise DrafterConfigError(
-                f"layer_types has {len(self.layer_types)} entries but num_hidden_layers is {self.num_hidden_layers}"
+                f"layer_types has {len(self.layer_types)} entries but num_hidden_layers is {self.num_hidden_layers}; "
+                "give one entry per draft layer in config.json"
             )
         self._check_attention_fields()
         if self.block_size < 2:

@@ -542,7 +542,8 @@ def decoder_layers(model: nn.Module) -> nn.ModuleList:
             return layers
     lists = [m for m in model.modules() if isinstance(m, nn.ModuleList)]
     if not lists:
-        raise ValueError(f"cannot find the decoder layers of {type(model).__name__}")
+        raise ValueError(f"cannot find the decoder layers of {type(model).__name__}: it holds no list of layers, so "
+                         "dflash cannot tap its hidden states; give a decoder-only transformer checkpoint")
     return max(lists, key=len)
 
 

@@ -326,7 +326,9 @@ class TargetModel:
         """Hooks are added once per layer and capture only while that layer's output is wanted."""
         bad = [i for i in layer_ids if not 0 <= i < self.num_layers]
         if bad:
-            raise IncompatibleDrafterError(f"feature layer ids {bad} are outside the target's {self.num_layers} layers")
+            raise IncompatibleDrafterError(
+                f"feature layer ids {bad} are outside the target's {self.num_layers} layers: the drafter was trained "
+                "for another target; use the drafter trained for this one, or train one for it (dflash train --target)")
         with self._hooks_lock:
             for i in layer_ids:
                 if i not in self._hooks:
