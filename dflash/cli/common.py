@@ -132,11 +132,15 @@ def chat_template_kwargs(args: argparse.Namespace) -> dict | None:
     return None if thinking is None else {"enable_thinking": thinking}
 
 
+def check_draft_has_target(args: argparse.Namespace) -> None:
+    if args.draft and not args.target:
+        raise UserError("--draft needs --target (the drafter must be paired with the target it was trained for)")
+
+
 def load_pipeline(args: argparse.Namespace, warn_unapplied: bool = True):
     from dflash.api import DFlash
 
-    if args.draft and not args.target:
-        raise UserError("--draft needs --target (the drafter must be paired with the target it was trained for)")
+    check_draft_has_target(args)
     if args.target and not args.draft and not args.no_draft:
         raise UserError("--target needs --draft, the DFlash drafter trained for it (or --no-draft to decode with "
                         "the target alone)")

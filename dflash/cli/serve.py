@@ -23,6 +23,7 @@ from dflash.cli.common import (
     add_model_arguments,
     changed_flags,
     chat_template_kwargs,
+    check_draft_has_target,
     load_pipeline,
     refuse_empty_flags,
 )
@@ -120,8 +121,7 @@ def run(args: argparse.Namespace) -> int:
 
 
 def _check_args(args: argparse.Namespace) -> None:
-    if args.draft and not args.target:
-        raise UserError("--draft needs --target (the drafter must be paired with the target it was trained for)")
+    check_draft_has_target(args)
     batch = args.max_batch_size if args.max_batch_size is not None else DEFAULT_MAX_BATCH_SIZE
     for flag, value, low in (("--max-batch-size", batch, 1), ("--max-queue", args.max_queue, 0),
                              ("--max-prefill-tokens", args.max_prefill_tokens, 1), ("--port", args.port, 0),
