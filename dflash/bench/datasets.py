@@ -208,7 +208,7 @@ def find_source(spec: DatasetSpec, options: DataOptions) -> Path | HubSource:
                 return path
     if spec.hub is not None and options.use_hub:
         return spec.hub
-    raise UserError(_missing_message(spec, options))
+    raise UserError(_missing_message(spec))
 
 
 def _warn_if_not_in_the_given_dir(spec: DatasetSpec, options: DataOptions, source: Path | HubSource) -> None:
@@ -252,12 +252,12 @@ def _data_dirs(options: DataOptions) -> list[Path]:
 def load_from_hub(spec: DatasetSpec) -> list[dict]:
     """The dataset from the Hugging Face Hub, or the local `datasets` cache alone when the hub cannot be reached
     (`hub.unreachable`, asked once with a bounded wait)."""
-    require(["datasets"], f"{_missing_message(spec, None)}; reading it from the hub")
+    require(["datasets"], f"{_missing_message(spec)}; reading it from the hub")
     import datasets
     try:
         unreachable = None if hub.offline() else hub.unreachable(spec.hub.path, repo_type="dataset")
     except hub.RepoError as err:  # the hub answered that it has no such dataset (or hides it)
-        raise UserError(f"{_missing_message(spec, None)} ({err})") from None
+        raise UserError(f"{_missing_message(spec)} ({err})") from None
     try:
         with hub.datasets_offline(unreachable is not None):
             data = datasets.load_dataset(spec.hub.path, spec.hub.config, split=spec.hub.split)
@@ -267,10 +267,10 @@ def load_from_hub(spec: DatasetSpec) -> list[dict]:
                  else f"the hub is not reachable ({unreachable})" if unreachable is not None else None)
         why = (f"{cause}, and the local datasets cache has no copy of {spec.hub.path} ({in_brief(err)})" if cause
                else f"Hugging Face `datasets` could not load {spec.hub.path}: {in_brief(err)}")
-        raise UserError(f"{_missing_message(spec, None)} ({why})") from None
+        raise UserError(f"{_missing_message(spec)} ({why})") from None
 
 
-def _missing_message(spec: DatasetSpec, options: DataOptions | None) -> str:
+def _missing_message(spec: DatasetSpec) -> str:
     return (f"no data for {spec.name}: pass --data-file FILE.jsonl (one JSON object per line, with "
             f"{'/'.join(repr(f) for f in spec.native_fields)} or 'prompt'/'turns'/'messages'), or put "
             f"{spec.files[0]} under --data-dir DIR (or ${DATA_DIR_ENV})"
