@@ -221,6 +221,51 @@ def test_sampling_without_a_seed_uses_rejection_sampling_and_varies(target):
     assert first != second
 
 
+@pytest.mark.parametrize("drafting", ["dflash", "draft model"])
+def test_unseeded_speculative_sampling_follows_the_targets_distribution(drafting):
+    """The engine's rejection sampling end to end (the drafter's distribution handed to verification, accepted,
+    recovered and bonus tokens): the first three tokens of many unseeded generations are counted against the
+    target's own probabilities of each triple. A random DFlash drafter is rejected at nearly every step (recovered
+    tokens); a perturbed copy of the target as draft model is accepted often (accepted and bonus tokens)."""
+    from scipy.stats import chisquare
+
+    from conftest import perturbed_copy, tiny_target_model
+    from dflash.decoding.draft_model import DraftModelProposer
+    from dflash.decoding.sampling import SamplingParams, to_probs
+    from dflash.model import TargetModel
+
+    target = TargetModel(tiny_target_model())
+    proposer = (DFlashProposer(tiny_drafter(target), target) if drafting == "dflash"
+                else DraftModelProposer(perturbed_copy(target, 0.5), target, 4))
+    engine = SpeculativeEngine(target, proposer)
+    params = SamplingParams(temperature=1.0, top_k=3)  # three tokens per position: 27 triples to count
+    config = GenerationConfig(max_new_tokens=3, temperature=1.0, top_k=3, ignore_eos=True, block_size=4)
+    prompt = random_prompts(1, seed=21)[0]
+    draws = 1500
+    counts: dict[tuple, int] = {}
+    for _ in range(draws // 500):
+        for out in engine.generate([prompt] * 500, config):
+            counts[tuple(out.output_ids)] = counts.get(tuple(out.output_ids), 0) + 1
+
+    @torch.no_grad()
+    def next_probs(ids: list[int]) -> torch.Tensor:  # the target alone, through transformers: (vocab,)
+        return to_probs(target.model(torch.tensor([ids])).logits[0, -1], params)
+
+    exact: dict[tuple, float] = {}
+    first = next_probs(prompt)
+    for a in first.nonzero()[:, 0].tolist():
+        second = next_probs(prompt + [a])
+        for b in second.nonzero()[:, 0].tolist():
+            third = next_probs(prompt + [a, b])
+            for c in third.nonzero()[:, 0].tolist():
+                exact[a, b, c] = float(first[a] * second[b] * third[c])
+    assert set(counts) <= set(exact), "a triple the target cannot sample was drawn"
+    big = [t for t in exact if exact[t] * draws >= 5]  # the rest pooled into one cell
+    observed = [counts.get(t, 0) for t in big] + [draws - sum(counts.get(t, 0) for t in big)]
+    expected = [exact[t] * draws for t in big] + [draws - sum(exact[t] * draws for t in big)]
+    assert chisquare(observed, expected).pvalue > 1e-3, sorted(zip(big, observed, expected))
+
+
 def test_stop_tokens_strings_and_limits(target):
     prompt = random_prompts(1, seed=3)[0]
     engine = SpeculativeEngine(target, DFlashProposer(tiny_drafter(target), target))

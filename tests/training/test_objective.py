@@ -146,6 +146,11 @@ def test_a_block_does_not_see_other_blocks(head):
     alone = logits_for(head, features, ids, real, loss_mask, torch.tensor([[10]]))
     assert torch.allclose(base[0, 0], other[0, 0], atol=1e-5)
     assert torch.allclose(base[0, 0], alone[0, 0], atol=1e-5)
+    # and the other way: a later block does not see an earlier one (the earlier one moved, or gone)
+    second_alone = logits_for(head, features, ids, real, loss_mask, torch.tensor([[15]]))
+    second_after_another = logits_for(head, features, ids, real, loss_mask, torch.tensor([[12, 15]]))
+    assert torch.allclose(base[0, 1], second_alone[0, 0], atol=1e-5)
+    assert torch.allclose(base[0, 1], second_after_another[0, 1], atol=1e-5)
 
 
 def _blocks_with_known_hits(leading_correct: list[int], B: int = 4, vocab: int = 10):

@@ -465,7 +465,7 @@ def test_tokens_per_s_leaves_evaluation_and_checkpoints_out(tiny_pair, train_dat
     steps = [r["step"] for r in log if "tokens_per_s" in r]
     assert steps == [1, 2, 3, 4, 5, 6]
     # steps 3, 4 and 5 follow an evaluation or a checkpoint of a second or more; a step of this pair is far shorter
-    assert min(rates[2:5]) > 0.2 * max(rates[0], rates[1]), rates
+    assert min(rates[2:5]) > 0.1 * max(rates[0], rates[1]), rates  # with the pauses counted: ~0.01
 
 
 def test_a_stopped_datagen_runs_output_is_warned_of_and_its_unjoined_parts_refused(tiny_pair, train_data, tmp_path,
