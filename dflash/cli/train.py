@@ -6,7 +6,14 @@ from __future__ import annotations
 import argparse
 
 from dflash.cli.common import add_thinking_argument, int_list
-from dflash.training.config import TrainConfig, load_config
+from dflash.training.config import (
+    DEFAULT_BLOCK_SIZE,
+    DEFAULT_MAX_LENGTH,
+    DEFAULT_SELECTOR_RANK,
+    DEFAULT_SELECTOR_TOP_K,
+    TrainConfig,
+    load_config,
+)
 
 DEFAULTS = TrainConfig()  # the values a flag left out takes (the flags themselves default to None: "not given")
 
@@ -23,8 +30,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="drafter layers (default 1); with --init-from, more than the drafter has adds layers "
                              "that start silent, so the drafter starts unchanged")
     parser.add_argument("--block-size", type=int,
-                        help="tokens per block: the anchor + the draft tokens (default 16; with --init-from, the "
-                             "drafter's own)")
+                        help=f"tokens per block: the anchor + the draft tokens (default {DEFAULT_BLOCK_SIZE}; with "
+                             "--init-from, the drafter's own)")
     parser.add_argument("--target-layer-ids", type=int_list, metavar="IDS",
                         help="comma-separated target layer ids, each in 0..(target layers - 1), e.g. 1,9,17 (default: "
                              "the published formula); a value that starts with '-' is written --target-layer-ids=-1,3")
@@ -39,11 +46,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "selector (architecture DFlash2DraftModel); with --init-from a DFlash drafter, both are "
                              "added in a form that starts by drafting as it did")
     parser.add_argument("--selector-rank", type=int,
-                        help="DFlash2: width of the selector's codebooks (default 256; with --init-from a DFlash2 "
-                             "drafter, its own)")
+                        help=f"DFlash2: width of the selector's codebooks (default {DEFAULT_SELECTOR_RANK}; with "
+                             "--init-from a DFlash2 drafter, its own)")
     parser.add_argument("--selector-top-k", type=int,
-                        help="DFlash2: candidates per draft position (default 16; with --init-from a DFlash2 "
-                             "drafter, its own)")
+                        help=f"DFlash2: candidates per draft position (default {DEFAULT_SELECTOR_TOP_K}; with "
+                             "--init-from a DFlash2 drafter, its own)")
     parser.add_argument("--selector-loss-weight", type=float,
                         help="DFlash2: weight of the selector's cross-entropy next to the block loss (default "
                              f"{DEFAULTS.selector_loss_weight:g})")
@@ -58,25 +65,29 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="decay of the loss weights along a block, exp(-(k-1)/gamma) at position k (default: 7 for "
                              "block size 16, 5 for 10, 4 for 8)")
     parser.add_argument("--max-length", type=int,
-                        help="tokens of prompt + response per example; longer ones are cut (default 3072, or the "
-                             "target's context when shorter)")
+                        help=f"tokens of prompt + response per example; longer ones are cut (default "
+                             f"{DEFAULT_MAX_LENGTH}, or the target's context when shorter)")
     parser.add_argument("--distill-weight", type=float,
                         help="weight w of the soft labels: each position's loss is (1 - w) * cross-entropy on the "
-                             "target's token + w * KL(target's distribution || drafter's); default 0 (hard labels)")
+                             f"target's token + w * KL(target's distribution || drafter's); default "
+                             f"{DEFAULTS.distill_weight:g} (hard labels)")
     parser.add_argument("--epochs", type=float,
-                        help="passes over --data (default 6); --max-steps, when set, decides instead (and an --epochs "
-                             "flag drops a --config file's max_steps)")
+                        help=f"passes over --data (default {DEFAULTS.epochs:g}); --max-steps, when set, decides "
+                             "instead (and an --epochs flag drops a --config file's max_steps)")
     parser.add_argument("--max-steps", type=int, help="optimizer steps to train; overrides --epochs")
-    parser.add_argument("--batch-size", type=int, help="sequences per process per forward (default 4)")
+    parser.add_argument("--batch-size", type=int,
+                        help=f"sequences per process per forward (default {DEFAULTS.batch_size})")
     parser.add_argument("--grad-accum", type=int,
-                        help="forwards whose gradients add up before each optimizer step (default 1): a step then "
-                             "trains --batch-size x --grad-accum x processes sequences, with the memory of one forward")
+                        help=f"forwards whose gradients add up before each optimizer step (default "
+                             f"{DEFAULTS.grad_accum}): a step then trains --batch-size x --grad-accum x processes "
+                             "sequences, with the memory of one forward")
     parser.add_argument("--lr", type=float, help=f"peak learning rate of AdamW (default {DEFAULTS.lr:g})")
     parser.add_argument("--weight-decay", type=float, help=f"AdamW's weight decay (default {DEFAULTS.weight_decay:g})")
     parser.add_argument("--warmup-ratio", type=float,
                         help="share of the steps spent warming the learning rate up, before its cosine decay "
                              f"(default {DEFAULTS.warmup_ratio:g})")
-    parser.add_argument("--grad-clip", type=float, help="largest gradient norm kept (default 1.0; 0: no clipping)")
+    parser.add_argument("--grad-clip", type=float,
+                        help=f"largest gradient norm kept (default {DEFAULTS.grad_clip}; 0: no clipping)")
     parser.add_argument("--dtype", choices=["float32", "bfloat16"],
                         help=f"precision of the drafter's forward: bfloat16 autocasts, the weights stay float32 "
                              f"(default {DEFAULTS.dtype})")
@@ -89,7 +100,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help=f"evaluate every N steps (default {DEFAULTS.eval_every}; 0: only at the end)")
     parser.add_argument("--eval-decoding-examples", type=int,
                         help="held-out responses replayed to measure eval_tau_decoding, the acceptance length "
-                             "greedy decoding would get (default 64; 0 skips it)")
+                             f"greedy decoding would get (default {DEFAULTS.eval_decoding_examples}; 0 skips it)")
     parser.add_argument("--log-every", type=int, help=f"log every N steps (default {DEFAULTS.log_every})")
     parser.add_argument("--checkpoint-every", type=int,
                         help=f"save a checkpoint every N steps (default {DEFAULTS.checkpoint_every}; 0: only at the "
