@@ -419,10 +419,31 @@ class SpeculativeEngine:
     @torch.inference_mode()
     def step(self, batch: Batch, choose: Callable[[Draft], int] | None = None) -> list[list[int]]:
         """One draft-verify-accept round for every row; returns the tokens each row kept. `choose`: the block
-        size to verify, picked from the draft (its first draft tokens are verified); None: all of it."""
+        size to verify, picked from the draft (its first draft tokens are verified); None: all of it. A row the
+        target gives no token (NaN logits) finishes with finish_reason 'error': the step stands for the others,
+        and RowsFailed carries their tokens."""
         t0 = time.perf_counter()
         if self._rope_switch is not None:
             self._read_again_past_rope_switch(batch)
+        draft, branch = self._draft(batch, choose)
+        t1 = time.perf_counter()
+        block = torch.cat([batch.anchors[:, None], draft.tokens], dim=1)  # (b, block_size): anchor + draft tokens
+        tokens, positions, out = self._verify_forward(batch, block, branch)  # tokens, positions (b, q)
+        t2 = time.perf_counter()
+        failed: dict[int, str] = {}  # rows the target gave no token (NaN logits), and why
+        new_tokens, kept_slots = self._accept(batch, draft, branch, block.shape[1], out.logits, failed)
+        self._commit(batch, new_tokens, out.features, positions,
+                     drafter_forwards=draft.forwards if draft.tokens.shape[1] > 0 else 0, kept_slots=kept_slots)
+        kept = self._record(batch.sequences, new_tokens, failed, verified=tokens.shape[1])
+        batch.block_size, batch.branched, batch.verified = block.shape[1], branch is not None, tokens.shape[1]
+        self._profile_step(t0, t1, t2)
+        if failed:
+            raise RowsFailed(next(iter(failed.values())), kept)
+        return kept
+
+    def _draft(self, batch: Batch, choose: Callable[[Draft], int] | None) -> tuple[Draft, Branch | None]:
+        """The draft tokens this step verifies (b, k): what fits before the context's end, cut to the block size
+        `choose` picks; and the branch verified with them (None: none)."""
         rows = batch.sequences
         fit = self._positions_left(rows)
         proposer = batch.proposer if fit >= batch.proposer.block_size else batch.proposer.with_block_size(max(fit, 2))
@@ -431,9 +452,12 @@ class SpeculativeEngine:
             draft = draft.first(choose(draft) - 1)
         if draft.tokens.shape[1] >= fit:  # the anchor takes one of the positions left
             draft = draft.first(fit - 1)
-        branch = self._branch(batch, draft, min(proposer.block_size, fit))
-        t1 = time.perf_counter()
-        block = torch.cat([batch.anchors[:, None], draft.tokens], dim=1)  # (b, block_size)
+        return draft, self._branch(batch, draft, min(proposer.block_size, fit))
+
+    def _verify_forward(self, batch: Batch, block: torch.Tensor, branch: Branch | None):
+        """The target's forward over the block (b, block_size) and a branch, whose keys and values it writes into
+        the cache: the tokens it read and their positions (b, q), and its output (logits (b, q, vocab), the
+        features the drafter reads)."""
         offsets = torch.arange(block.shape[1], device=block.device)
         positions = batch.anchor_positions[:, None] + offsets  # (b, block_size)
         tokens, visibility = block, None
@@ -444,34 +468,42 @@ class SpeculativeEngine:
             mask = torch.cat([batch.target_valid, torch.ones_like(tokens, dtype=torch.bool)], dim=1).long()
         out = self.target.forward(tokens, positions, batch.target_cache, attention_mask=mask,
                                   feature_layer_ids=batch.proposer.feature_layer_ids, visibility=visibility,
-                                  long_rope_rows=self._rope_rows(rows))
-        t2 = time.perf_counter()
-        failed: dict[int, str] = {}  # rows the target gave no token (NaN logits), and why
+                                  long_rope_rows=self._rope_rows(batch.sequences))
+        return tokens, positions, out
+
+    def _accept(self, batch: Batch, draft: Draft, branch: Branch | None, block_size: int, logits: torch.Tensor,
+                failed: dict[int, str]) -> tuple[list[list[int]], torch.Tensor | None]:
+        """Each row's new tokens: its accepted draft tokens and the recovered or bonus token (a placeholder for a
+        row that goes in `failed`); and the forward's slots that stay in the cache (b, q), None for each row's
+        first len(new tokens). Sets the batch's accepted counts. logits (b, q, vocab)."""
+        rows = batch.sequences
         if branch is None:
-            new_tokens = self._verify(draft, out.logits, rows, failed)
+            new_tokens = self._verify(draft, logits, rows, failed)
             batch.accepted, kept_slots = [len(t) - 1 for t in new_tokens], None
         else:
-            target_tokens = self._target_tokens(out.logits, rows, block.shape[1], branch, failed)  # (b, q)
-            num_accepted = matching_prefix(draft.tokens, target_tokens[:, : block.shape[1]])
-            new_tokens, kept_slots = accept_branch(num_accepted, target_tokens, branch, block.shape[1])
+            target_tokens = self._target_tokens(logits, rows, block_size, branch, failed)  # (b, q)
+            num_accepted = matching_prefix(draft.tokens, target_tokens[:, :block_size])
+            new_tokens, kept_slots = accept_branch(num_accepted, target_tokens, branch, block_size)
             batch.accepted = num_accepted.tolist()
         failed.update({r: NAN_LOGITS for r, t in enumerate(new_tokens) if NO_TOKEN in t and r not in failed})
         # a failed row leaves the batch: a placeholder token keeps the commit's shapes for the step of the others
-        new_tokens = [[0] if r in failed else t for r, t in enumerate(new_tokens)]
-        self._commit(batch, new_tokens, out.features, positions,
-                     drafter_forwards=draft.forwards if draft.tokens.shape[1] > 0 else 0, kept_slots=kept_slots)
-        kept = [[] if r in failed else seq.record(new, tokens.shape[1]) for r, (seq, new) in
-                enumerate(zip(rows, new_tokens))]
+        return [[0] if r in failed else t for r, t in enumerate(new_tokens)], kept_slots
+
+    @staticmethod
+    def _record(rows: list[Sequence], new_tokens: list[list[int]], failed: dict[int, str],
+                verified: int) -> list[list[int]]:
+        """Each row's new tokens added to its output, cut at a stop (a failed row finishes with its error instead):
+        the tokens each row kept. `verified`: the tokens per row the forward checked."""
+        kept = [[] if r in failed else seq.record(new, verified) for r, (seq, new) in enumerate(zip(rows, new_tokens))]
         for r, message in failed.items():
             rows[r].fail(message)
-        batch.block_size, batch.branched, batch.verified = block.shape[1], branch is not None, tokens.shape[1]
-        self.profile.steps += 1
-        self.profile.draft_s += t1 - t0
-        self.profile.target_s += t2 - t1
-        self.profile.total_s += time.perf_counter() - t0
-        if failed:
-            raise RowsFailed(next(iter(failed.values())), kept)
         return kept
+
+    def _profile_step(self, started: float, drafted: float, verified: float) -> None:
+        self.profile.steps += 1
+        self.profile.draft_s += drafted - started
+        self.profile.target_s += verified - drafted
+        self.profile.total_s += time.perf_counter() - started
 
     def _positions_left(self, rows: list[Sequence]) -> int:
         """How many positions this step may write into the target's cache, from the anchor on, so that no row
