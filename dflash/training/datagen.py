@@ -207,7 +207,8 @@ def _guessed_fields_note(records: list[dict], prompt_field: str | None) -> str |
     alpaca = "instruction" in used and any(isinstance(r.get("input"), str) and r["input"].strip() for r in records)
     named = ", ".join(f"`{name}`" + (" (with `input` after it, as in Alpaca)" if name == "instruction" and alpaca
                                      else "") for name in PROMPT_FIELDS if name in used)
-    return f"the prompts are read from the records' {named} field (--prompt-field names another)"
+    fields = "field" if len(used) == 1 else "fields"
+    return f"the prompts are read from the records' {named} {fields} (--prompt-field names another)"
 
 
 def _message_turns(messages: list[dict]) -> list[list[dict]]:
