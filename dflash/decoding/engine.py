@@ -430,15 +430,14 @@ class SpeculativeEngine:
         block = torch.cat([batch.anchors[:, None], draft.tokens], dim=1)  # (b, block_size): anchor + draft tokens
         tokens, positions, out = self._verify_forward(batch, block, branch)  # tokens, positions (b, q)
         t2 = time.perf_counter()
-        failed: dict[int, str] = {}  # rows the target gave no token (NaN logits), and why
-        new_tokens, kept_slots = self._accept(batch, draft, branch, block.shape[1], out.logits, failed)
+        new_tokens, kept_slots, failed = self._accept(batch, draft, branch, block.shape[1], out.logits)
         self._commit(batch, new_tokens, out.features, positions,
                      drafter_forwards=draft.forwards if draft.tokens.shape[1] > 0 else 0, kept_slots=kept_slots)
         kept = self._record(batch.sequences, new_tokens, failed, verified=tokens.shape[1])
         batch.block_size, batch.branched, batch.verified = block.shape[1], branch is not None, tokens.shape[1]
         self._profile_step(t0, t1, t2)
         if failed:
-            raise RowsFailed(next(iter(failed.values())), kept)
+            raise RowsFailed(NAN_LOGITS, kept)
         return kept
 
     def _draft(self, batch: Batch, choose: Callable[[Draft], int] | None) -> tuple[Draft, Branch | None]:
@@ -471,32 +470,32 @@ class SpeculativeEngine:
                                   long_rope_rows=self._rope_rows(batch.sequences))
         return tokens, positions, out
 
-    def _accept(self, batch: Batch, draft: Draft, branch: Branch | None, block_size: int, logits: torch.Tensor,
-                failed: dict[int, str]) -> tuple[list[list[int]], torch.Tensor | None]:
-        """Each row's new tokens: its accepted draft tokens and the recovered or bonus token (a placeholder for a
-        row that goes in `failed`); and the forward's slots that stay in the cache (b, q), None for each row's
-        first len(new tokens). Sets the batch's accepted counts. logits (b, q, vocab)."""
+    def _accept(self, batch: Batch, draft: Draft, branch: Branch | None, block_size: int,
+                logits: torch.Tensor) -> tuple[list[list[int]], torch.Tensor | None, set[int]]:
+        """Each row's new tokens: its accepted draft tokens and the recovered or bonus token; the forward's slots
+        that stay in the cache (b, q), None for each row's first len(new tokens); and the rows the target gave no
+        token (NaN logits: NO_TOKEN), whose new tokens are a placeholder. Sets the batch's accepted counts.
+        logits (b, q, vocab)."""
         rows = batch.sequences
         if branch is None:
-            new_tokens = self._verify(draft, logits, rows, failed)
+            new_tokens = self._verify(draft, logits, rows)
             batch.accepted, kept_slots = [len(t) - 1 for t in new_tokens], None
         else:
-            target_tokens = self._target_tokens(logits, rows, block_size, branch, failed)  # (b, q)
+            target_tokens = self._target_tokens(logits, rows, block_size, branch)  # (b, q)
             num_accepted = matching_prefix(draft.tokens, target_tokens[:, :block_size])
             new_tokens, kept_slots = accept_branch(num_accepted, target_tokens, branch, block_size)
             batch.accepted = num_accepted.tolist()
-        failed.update({r: NAN_LOGITS for r, t in enumerate(new_tokens) if NO_TOKEN in t and r not in failed})
+        failed = {r for r, t in enumerate(new_tokens) if NO_TOKEN in t}
         # a failed row leaves the batch: a placeholder token keeps the commit's shapes for the step of the others
-        return [[0] if r in failed else t for r, t in enumerate(new_tokens)], kept_slots
+        return [[0] if r in failed else t for r, t in enumerate(new_tokens)], kept_slots, failed
 
     @staticmethod
-    def _record(rows: list[Sequence], new_tokens: list[list[int]], failed: dict[int, str],
-                verified: int) -> list[list[int]]:
-        """Each row's new tokens added to its output, cut at a stop (a failed row finishes with its error instead):
+    def _record(rows: list[Sequence], new_tokens: list[list[int]], failed: set[int], verified: int) -> list[list[int]]:
+        """Each row's new tokens added to its output, cut at a stop (a failed row finishes with NAN_LOGITS instead):
         the tokens each row kept. `verified`: the tokens per row the forward checked."""
         kept = [[] if r in failed else seq.record(new, verified) for r, (seq, new) in enumerate(zip(rows, new_tokens))]
-        for r, message in failed.items():
-            rows[r].fail(message)
+        for r in failed:
+            rows[r].fail(NAN_LOGITS)
         return kept
 
     def _profile_step(self, started: float, drafted: float, verified: float) -> None:
@@ -571,10 +570,9 @@ class SpeculativeEngine:
                 block_visibility(block.shape[1], branch.start, branch.length))
 
     @staticmethod
-    def _target_tokens(logits: torch.Tensor, rows: list[Sequence], block_size: int, branch: Branch,
-                       failed: dict[int, str]) -> torch.Tensor:
+    def _target_tokens(logits: torch.Tensor, rows: list[Sequence], block_size: int, branch: Branch) -> torch.Tensor:
         """The target's own token after each of a forward's q tokens (b, q), for greedy rows and seeded ones (the
-        seed's noise at the position each token would take); a row without a distribution goes in `failed`.
+        seed's noise at the position each token would take); NO_TOKEN where there is none (NaN logits).
         logits (b, q, vocab)."""
         tokens = target_argmax(logits)  # (b, q)
         for r, seq in enumerate(rows):
@@ -582,18 +580,16 @@ class SpeculativeEngine:
                 continue
             try:
                 probs = to_probs(logits[r], seq.params)  # (q, vocab)
-            except GenerationError as err:
-                failed[r] = str(err)
+            except GenerationError:  # no distribution to draw from
+                tokens[r] = NO_TOKEN
                 continue
             tokens[r, :block_size] = seq.noise.choose(probs[:block_size], seq.next_position)
             tokens[r, block_size:] = seq.noise.choose(probs[block_size:], seq.next_position + int(branch.start[r]) + 1)
         return tokens
 
-    def _verify(self, draft, target_logits: torch.Tensor, rows: list[Sequence],
-                failed: dict[int, str]) -> list[list[int]]:
+    def _verify(self, draft, target_logits: torch.Tensor, rows: list[Sequence]) -> list[list[int]]:
         """Each row's new tokens: its accepted draft tokens plus one recovered or bonus token; NO_TOKEN last where
-        the target's logits are NaN, and a sampled row without a distribution goes in `failed`.
-        target_logits (b, k + 1, vocab)."""
+        the target gave none (NaN logits). target_logits (b, k + 1, vocab)."""
         if all(s.params.greedy for s in rows):
             num_accepted, target_tokens = greedy_verify(draft.tokens, target_logits)
             counts, tokens = num_accepted.tolist(), target_tokens.tolist()  # the step's one host sync
@@ -602,8 +598,7 @@ class SpeculativeEngine:
         for r, seq in enumerate(rows):
             try:
                 new_tokens.append(self._verify_row(draft, target_logits, r, seq))
-            except GenerationError as err:  # NaN logits: no distribution to sample from
-                failed[r] = str(err)
+            except GenerationError:  # NaN logits: no distribution to sample from
                 new_tokens.append([NO_TOKEN])
         return new_tokens
 

@@ -27,14 +27,14 @@ def target_argmax(logits: torch.Tensor) -> torch.Tensor:
     return tokens.masked_fill(torch.isnan(values), NO_TOKEN)
 
 
-NAN_LOGITS = f"the model's logits are NaN, so it chose no token; {OVERFLOW_ADVICE}"
+NAN_LOGITS = f"the model's logits are NaN (or -inf everywhere), so it chose no token; {OVERFLOW_ADVICE}"
 
 
 class RowsFailed(GenerationError):
     """A step in which some rows got no token (their target logits were NaN): those rows finished with
-    finish_reason 'error' (`Sequence.error` says why), and the step stands for the others, whose kept tokens are
-    `kept` (the failed rows' are empty). A caller that serves rows on their own (the server) goes on with them;
-    any other fails as at any GenerationError."""
+    finish_reason 'error' (`Sequence.error`: NAN_LOGITS), and the step stands for the others, whose kept tokens
+    are `kept` (the failed rows' are empty). A caller that serves rows on their own (the server) goes on with
+    them; any other fails as at any GenerationError."""
 
     def __init__(self, message: str, kept: list[list[int]]):
         super().__init__(message)

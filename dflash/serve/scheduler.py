@@ -417,18 +417,22 @@ class Scheduler:
     def _record_drafts(self, batch: Batch, kept: list[list[int]]) -> None:
         # Tokens kept = accepted draft tokens (a branch's included) + 1 (the recovered or bonus token), of the
         # tokens the forward checked; a row's last step may be cut short by a stop, which can only undercount.
-        accepted = [max(len(tokens) - 1, 0) for tokens in kept]
+        # A row that failed (`RowsFailed`) drafted nothing the target judged: it counts nowhere
+        rows = [r for r, seq in enumerate(batch.sequences) if seq.error is None]
+        if not rows:
+            return
+        accepted = [max(len(kept[r]) - 1, 0) for r in rows]
         self.metrics.record_drafts(accepted, batch.verified - 1)
         if self.block_policy is not None:  # the block's own acceptance: a branch's tokens are not its positions'
-            self.block_policy.observe(batch.accepted, batch.block_size - 1)
+            self.block_policy.observe([batch.accepted[r] for r in rows], batch.block_size - 1)
             if self.fallback.config.auto:
                 # judged at the batch drafting would get if it came back: every running row. A probe drafts
                 # one row while the rest decode plainly, and one row breaks even far sooner than eight.
                 self.fallback.set_threshold(self.block_policy.break_even(self._running_rows()))
                 self.metrics.fallback_threshold.set(self.fallback.threshold)
         by_workload: dict[str, list[int]] = {}
-        for seq, tokens in zip(batch.sequences, kept):
-            by_workload.setdefault(self._requests[id(seq)].workload, []).append(len(tokens))
+        for r in rows:
+            by_workload.setdefault(self._requests[id(batch.sequences[r])].workload, []).append(len(kept[r]))
         for workload, lengths in by_workload.items():
             self.fallback.observe(workload, lengths)
 

@@ -291,6 +291,26 @@ def test_one_requests_nan_logits_fail_that_request_alone(start_server):
     assert "".join(c["delta"].get("content") or "" for c in chunks) == alone["choices"][0]["message"]["content"]
 
 
+def test_a_failed_rows_step_counts_as_no_draft(fresh_pipe):
+    """A row whose NaN logits failed it drafted nothing the target judged: counted, its empty step read as a draft
+    with nothing accepted, and (as an acceptance length of 0) pulled its workload's fallback window down."""
+    import types
+
+    engine = fresh_pipe.engine
+    scheduler = Scheduler(engine, SchedulerConfig(max_batch_size=2))
+    rows = [engine.new_sequence([5, 6, 7], GenerationConfig(max_new_tokens=8)) for _ in range(2)]
+    rows[1].fail("the model's logits are NaN")
+    for seq in rows:
+        scheduler._requests[id(seq)] = types.SimpleNamespace(workload="chat/greedy")
+    observed = []
+    scheduler.fallback.observe = lambda workload, lengths: observed.append((workload, lengths))
+    batch = types.SimpleNamespace(sequences=rows, verified=4, accepted=[2, 0], block_size=4)
+    scheduler._record_drafts(batch, [[11, 12, 13], []])
+    metrics = scheduler.metrics
+    assert metrics.num_drafts._value.get() == 1 and metrics.num_accepted_tokens._value.get() == 2
+    assert observed == [("chat/greedy", [3])]
+
+
 def test_a_request_whose_merge_into_the_batch_fails_gets_its_error_and_frees_its_slot(start_server):
     """A request prefilled but not merged into a batch (an error in the merge) was held by no batch, so the loop's
     error handling never finished it: its client waited forever and its slot stayed taken."""
