@@ -129,6 +129,14 @@ SHAREGPT_ROLES = {"human": "user", "user": "user", "gpt": "assistant", "chatgpt"
                   "model": "assistant", "bing": "assistant", "bard": "assistant", "system": "system"}
 
 
+PROMPT_FIELDS = ("prompt", "question", "instruction", "text")  # a prompt's field, in this order, without chat or turns
+
+
+def prompt_field_of(record: dict) -> str | None:
+    """The field a record without messages or turns has its prompt in (PROMPT_FIELDS, in order), or None."""
+    return next((name for name in PROMPT_FIELDS if name in record), None)
+
+
 def has_chat(record: dict) -> bool:
     return "messages" in record or "conversations" in record
 

@@ -20,16 +20,16 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="output JSONL; re-running the same command resumes it (the generation settings are "
                              "kept next to it in OUTPUT.datagen.json, and a rerun with others is refused)")
     parser.add_argument("--max-new-tokens", type=int, default=512,
-                        help="answer length limit (default 512); answers also stop at the end of the target's "
+                        help="answer length limit (default %(default)s); answers also stop at the end of the target's "
                              "context")
     parser.add_argument("--temperature", type=float, default=0.0,
                         help="0 = greedy (default); above 0, each prompt is sampled with its own seed")
     parser.add_argument("--top-p", type=float, default=1.0,
-                        help="nucleus sampling at --temperature > 0 (default 1 = off)")
+                        help="nucleus sampling at --temperature > 0 (default %(default)g = off)")
     parser.add_argument("--seed", type=int, default=0,
                         help="at --temperature > 0: prompt i is sampled with a seed hashed from SEED and i, so "
-                        "runs with different seeds draw independent answers to every prompt (default 0)")
-    parser.add_argument("--batch-size", type=int, default=16, help="prompts decoded together (default 16)")
+                        "runs with different seeds draw independent answers to every prompt (default %(default)s)")
+    parser.add_argument("--batch-size", type=int, default=16, help="prompts decoded together (default %(default)s)")
     parser.add_argument("--limit", type=int, help="only the first N prompts")
     parser.add_argument("--split", help="dataset split (datasets; default train)")  # None: not given (a file has none)
     parser.add_argument("--subset", help="dataset configuration, e.g. main for openai/gsm8k (datasets)")

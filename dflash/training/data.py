@@ -23,7 +23,16 @@ from typing import Any
 import torch
 
 from dflash.errors import UserError
-from dflash.records import RecordError, chat_messages, has_chat, read_jsonl, shown, text_field, texts_field
+from dflash.records import (
+    RecordError,
+    chat_messages,
+    has_chat,
+    prompt_field_of,
+    read_jsonl,
+    shown,
+    text_field,
+    texts_field,
+)
 
 Span = tuple[int, int]  # [start, end) of one response's tokens in an example's input_ids
 
@@ -70,7 +79,7 @@ def record_messages(record: dict) -> list[dict]:
     if has_chat(record):
         return chat_messages(record)
     if "response" not in record:
-        unanswered = any(k in record for k in ("prompt", "turns", "question", "instruction"))
+        unanswered = "turns" in record or prompt_field_of(record) is not None
         raise UserError("a training record needs `messages` or ShareGPT `conversations` (with the assistant's "
                         "answers), or a `response`" + ("; this one holds a prompt without its answer: have the "
                                                        "target answer the prompts with `dflash datagen` first, and "
@@ -415,9 +424,18 @@ def collate(examples: list[Example], indices: list[int], pad_id: int, split: str
     return Batch(ids, real, response, indices, split)
 
 
+def torch_seed(value: int) -> int:
+    """Any whole number as a seed torch takes (64 bits: a larger one, or a negative one, overflowed)."""
+    return value % 2**64
+
+
+def seeded_generator(value: int) -> torch.Generator:
+    return torch.Generator().manual_seed(torch_seed(value))
+
+
 def epoch_batches(num_examples: int, global_batch: int, epoch: int, seed: int) -> list[list[int]]:
     """The example indices of every global batch of an epoch (the same on every process)."""
-    g = torch.Generator().manual_seed((seed * 1_000_003 + epoch) % 2**64)  # any seed: torch takes 64 bits
+    g = seeded_generator(seed * 1_000_003 + epoch)
     order = torch.randperm(num_examples, generator=g).tolist()
     usable = len(order) - len(order) % global_batch if len(order) >= global_batch else len(order)
     return [order[i: i + global_batch] for i in range(0, usable, global_batch)]

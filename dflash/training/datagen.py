@@ -32,11 +32,19 @@ from typing import IO, Iterator
 from dflash import hub
 from dflash.errors import UserError, in_brief
 from dflash.extras import require
-from dflash.records import chat_messages, has_chat, read_json_object, read_jsonl, text_field, texts_field
+from dflash.records import (
+    PROMPT_FIELDS,
+    chat_messages,
+    has_chat,
+    prompt_field_of,
+    read_json_object,
+    read_jsonl,
+    text_field,
+    texts_field,
+)
 from dflash.training.lock import lock_or_refuse
 from dflash.training.processes import process_device
 
-PROMPT_FIELDS = ("prompt", "question", "instruction", "text")  # looked for in this order without --prompt-field
 RECORD_START = b'{"id": '  # how every output line starts: a half-written last line is recognised by it
 MAX_WARNINGS = 20  # skipped prompts named one by one; the rest are counted
 # A name ending like a file (prompts.jsonl, data.csv.gz) is a local path, never a hub dataset; a version such as
@@ -189,11 +197,6 @@ def prompt_messages(record: dict, prompt_field: str | None = None) -> list[list[
         return [[{"role": "user", "content": content}]]
     raise UserError(f"cannot find a prompt in record with fields {sorted(record)}; use `prompt`, `turns` or "
                     "`messages` (or ShareGPT `conversations`, or --prompt-field for a dataset column)")
-
-
-def prompt_field_of(record: dict) -> str | None:
-    """The field a record without messages or turns has its prompt in (PROMPT_FIELDS, in order), or None."""
-    return next((name for name in PROMPT_FIELDS if name in record), None)
 
 
 def _guessed_fields_note(records: list[dict], prompt_field: str | None) -> str | None:
@@ -443,6 +446,12 @@ def check_rerun(config: DatagenConfig, prompts: list[Prompt], done: dict[int, st
     if done:
         _warn(f"{output} has no {path.name} (written by an older dflash): this run's settings cannot be checked "
               "against the records it holds; writing them there now")
+    _write_settings(output, settings)
+
+
+def _write_settings(output: Path, settings: dict) -> None:
+    """OUTPUT.datagen.json replaced whole (written aside, then moved in place)."""
+    path = settings_path(output)
     tmp = path.with_name(path.name + ".tmp")
     try:
         output.parent.mkdir(parents=True, exist_ok=True)
@@ -455,19 +464,12 @@ def check_rerun(config: DatagenConfig, prompts: list[Prompt], done: dict[int, st
 def mark_finished(output: Path, finished: bool) -> None:
     """Record in the output's settings file whether the run writing it has finished (`dflash train` warns of a
     stopped run's output). An output without a settings file (an older dflash's) is left as it is."""
-    path = settings_path(output)
     try:
-        settings = json.loads(path.read_text())
+        settings = json.loads(settings_path(output).read_text())
     except (OSError, ValueError):
         return
-    if not isinstance(settings, dict) or settings.get("finished") == finished:
-        return
-    tmp = path.with_name(path.name + ".tmp")
-    try:
-        tmp.write_text(json.dumps({**settings, "finished": finished}, indent=1) + "\n")
-        os.replace(tmp, path)
-    except OSError as err:
-        raise _unwritable(output, err) from None
+    if isinstance(settings, dict) and settings.get("finished") != finished:
+        _write_settings(output, {**settings, "finished": finished})
 
 
 def stopped_parts(output: Path) -> list[Path]:

@@ -42,7 +42,17 @@ from dflash.training.config import (
     absolute_if_local,
     portable_settings,
 )
-from dflash.training.data import Batch, Example, collate, epoch_batches, fingerprint, read_examples, split_records
+from dflash.training.data import (
+    Batch,
+    Example,
+    collate,
+    epoch_batches,
+    fingerprint,
+    read_examples,
+    seeded_generator,
+    split_records,
+    torch_seed,
+)
 from dflash.training.drafter_setup import (
     check_kept_options,
     choose_mask_token_id,
@@ -125,7 +135,7 @@ _EVAL_EPOCH = 999_999  # anchors for evaluation are drawn once, the same at ever
 
 
 def _example_generator(seed: int, epoch: int, index: int) -> torch.Generator:
-    return torch.Generator().manual_seed(((seed * 1_000_003 + epoch) * 10_000_019 + index) % 2**64)
+    return seeded_generator((seed * 1_000_003 + epoch) * 10_000_019 + index)
 
 
 class Trainer:
@@ -418,7 +428,7 @@ class Trainer:
 
     def _setup_drafter(self) -> None:
         c = self.config
-        torch.manual_seed(c.seed % 2**64)  # any --seed: torch takes 64 bits (a larger one overflowed)
+        torch.manual_seed(torch_seed(c.seed))
         if c.init_from:
             self.drafter = self._pretrained_drafter(c.init_from)
             self.drafter_config = self.drafter.config
