@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from concurrent.futures import ThreadPoolExecutor
+from types import SimpleNamespace
 
 import pytest
 
@@ -13,7 +14,7 @@ from dflash.decoding.block_policy import BlockSizePolicy, StepCosts
 
 class FakeBatch:
     def __init__(self, rows: int, block_size: int):
-        self.sequences = [object() for _ in range(rows)]
+        self.sequences = [SimpleNamespace(error=None) for _ in range(rows)]  # rows decoding, none failed
         self.proposer = FakeProposer(block_size)
         self.block_size = block_size  # what its last step verified
         self.verified, self.branched, self.accepted = block_size, False, []
