@@ -14,6 +14,7 @@ _EXPORTS = {
     "GenerationConfig": "dflash.decoding",
     "GenerationError": "dflash.decoding",
     "GenerationOutput": "dflash.decoding",
+    "NoTokenError": "dflash.errors",
     "SpeculativeEngine": "dflash.decoding",
     "UserError": "dflash.errors",
     "CheckpointError": "dflash.model",
@@ -23,12 +24,12 @@ _EXPORTS = {
 }
 
 __all__ = ["CheckpointError", "DFlash", "DFlashDraftModel", "GenerationConfig", "GenerationError", "GenerationOutput",
-           "SpeculativeEngine", "TargetModel", "UserError", "load_drafter"]
+           "NoTokenError", "SpeculativeEngine", "TargetModel", "UserError", "load_drafter"]
 
 if TYPE_CHECKING:
     from dflash.api import DFlash
     from dflash.decoding import GenerationConfig, GenerationError, GenerationOutput, SpeculativeEngine
-    from dflash.errors import UserError
+    from dflash.errors import NoTokenError, UserError
     from dflash.model import CheckpointError, DFlashDraftModel, TargetModel, load_drafter
 
 

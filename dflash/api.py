@@ -253,14 +253,18 @@ class DFlash:
         """Decode one prompt (`raw` and `chat_template_kwargs` as `encode` takes them). Options are
         `GenerationConfig` fields: max_new_tokens, temperature, top_p, top_k, seed, stop_token_ids (besides the
         target's EOS ids), ignore_eos, stop_strings, block_size, branch_length. Returns a `GenerationOutput`:
-        `output_ids` (the new tokens), `text`, `finish_reason` ("stop" or "length") and `stats`."""
+        `output_ids` (the new tokens), `text`, `finish_reason` ("stop" or "length") and `stats`. A prompt the
+        target gives no token (NaN logits: a float16 overflow) raises a NoTokenError that says how to load it."""
         _prompt_kind(prompt)  # what is wrong with a prompt that is none of the kinds, said about one prompt
-        return self.generate_batch([prompt], raw=raw, chat_template_kwargs=chat_template_kwargs, **options)[0]
+        outputs = self.generate_batch([prompt], raw=raw, chat_template_kwargs=chat_template_kwargs, **options)
+        return outputs[0].raise_for_error()
 
     def generate_batch(self, prompts: list[Prompt], raw: bool = False,
                        chat_template_kwargs: dict[str, Any] | None = None, **options: Any) -> list[GenerationOutput]:
         """Decode several prompts together (a ragged batch): one `GenerationOutput` per prompt, in order, each
-        the same as `generate` gives for that prompt alone."""
+        the same as `generate` gives for that prompt alone. A prompt the target gives no token (NaN logits: a
+        float16 overflow on its text) finishes with finish_reason "error", its `error` saying why, and the
+        others decode on; `out.raise_for_error()` turns it into the NoTokenError `generate` raises."""
         _check_batch(prompts)
         _refuse_options_as_template_variables(chat_template_kwargs)
         config = self._config(options)

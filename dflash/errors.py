@@ -13,6 +13,11 @@ class GenerationError(UserError):
     """A request the engine cannot serve as given; the message says what to change."""
 
 
+class NoTokenError(GenerationError):
+    """The target gave a row no token: its logits were NaN (or -inf everywhere), usually a float16 overflow on
+    that row's text. It fails that row alone: a batch's other rows decode on."""
+
+
 class DFlashWarning(UserWarning):
     """A likely mistake that does not stop the work (e.g. a drafter trained for another target: decoding stays
     lossless, only slower); the CLI prints it as one line."""

@@ -47,6 +47,34 @@ def test_generate_matches_plain_decoding(tiny_pair, pipe):
     assert a.stats.drafter_forwards > 0 and b.stats.drafter_forwards == 0
 
 
+def test_a_prompt_with_nan_logits_fails_alone_in_a_batch_and_raises_on_its_own(tiny_pair, monkeypatch):
+    """generate_batch failed the whole call, and every other prompt's answer, on one prompt's NaN logits."""
+    import dataclasses
+
+    from dflash import NoTokenError
+
+    pipe = DFlash.from_pretrained(*tiny_pair, device="cpu")
+    prompts = ["How many clips?", "Natalia sold clips.", "How much did she earn?"]
+    alone = [pipe.generate(p, max_new_tokens=10).output_ids for p in prompts]
+    overflowing = pipe.encode(prompts[1])
+    original = pipe.target.forward
+
+    def forward(input_ids, *args, **kwargs):  # that prompt's prefill gives NaN logits
+        out = original(input_ids, *args, **kwargs)
+        if input_ids.shape[0] == 1 and input_ids[0].tolist() == overflowing:
+            out = dataclasses.replace(out, logits=torch.full_like(out.logits, math.nan))
+        return out
+
+    monkeypatch.setattr(pipe.target, "forward", forward)
+    outputs = pipe.generate_batch(prompts, max_new_tokens=10)
+    assert [out.finish_reason for out in outputs][1] == "error" and "NaN" in outputs[1].error
+    assert [outputs[0].output_ids, outputs[2].output_ids] == [alone[0], alone[2]]
+    with pytest.raises(NoTokenError, match="logits are NaN.*bfloat16 or float32"):
+        pipe.generate(prompts[1], max_new_tokens=10)
+    with pytest.raises(NoTokenError, match="logits are NaN"):
+        list(pipe.stream(prompts[1], max_new_tokens=10))
+
+
 def test_a_pipeline_without_a_drafter_refuses_per_call_drafting_options(tiny_pair):
     plain = DFlash.from_pretrained(tiny_pair[0], no_draft=True, device="cpu")
     for options, named in (({"block_size": 4}, "block_size shapes"), ({"branch_length": 2}, "branch_length shapes"),

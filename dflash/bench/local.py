@@ -123,8 +123,8 @@ class LocalBackend:
             return
         ids = self.encode(first_turn(sample))
         short = min(config.warmup_tokens, config.max_new_tokens)
-        self.baseline.generate([ids], self.generation_config(config, short, baseline=True))
-        self.dflash.generate([ids], self.generation_config(config, short, baseline=False))
+        self.baseline.generate([ids], self.generation_config(config, short, baseline=True))[0].raise_for_error()
+        self.dflash.generate([ids], self.generation_config(config, short, baseline=False))[0].raise_for_error()
 
     def run_sample(self, sample: Sample, config: LocalConfig, index: int,
                    on_turn: Callable[[], None] | None = None) -> Conversation:
@@ -141,8 +141,8 @@ class LocalBackend:
             seed = request_seed(config.seed, index, turn)
             base_cfg = self.generation_config(config, config.max_new_tokens, baseline=True, seed=seed)
             dflash_cfg = self.generation_config(config, config.max_new_tokens, baseline=False, seed=seed)
-            baseline = self.baseline.generate([ids], base_cfg)[0]
-            dflash = self.dflash.generate([ids], dflash_cfg)[0]
+            baseline = self.baseline.generate([ids], base_cfg)[0].raise_for_error()
+            dflash = self.dflash.generate([ids], dflash_cfg)[0].raise_for_error()
             conversation.records.append(TurnRecord(sample.id, turn, baseline, dflash))
             messages.append({"role": "assistant", "content": self.answer_text(baseline)})
             if on_turn is not None:

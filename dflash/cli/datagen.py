@@ -77,6 +77,8 @@ def run(args: argparse.Namespace) -> int:
                "them again)" if result.skipped_count else "")
     skipped += (f"; {_count(result.cut, 'conversation')} {'ends' if result.cut == 1 else 'end'} early, a later "
                 "turn too long for the context" if result.cut else "")
+    skipped += (f"; {result.failed} failed: the target gave no token (named above; a rerun tries them again)"
+                if result.failed else "")
     print(f"wrote {_count(result.written, 'new record')} to {config.output} ({_count(len(prompts), 'prompt')} in "
           f"all{skipped}; it holds {result.held})")
     return 0

@@ -13,6 +13,7 @@ the target forward also checks a second path leaving the draft where its first m
 
 from __future__ import annotations
 
+import contextlib
 import numbers
 import time
 from dataclasses import dataclass, field, fields
@@ -44,7 +45,7 @@ from dflash.decoding.verify import (
     sample_target_only,
     target_argmax,
 )
-from dflash.errors import GenerationError
+from dflash.errors import GenerationError, NoTokenError
 from dflash.model import hf_compat
 from dflash.model.target import TargetModel
 
@@ -165,10 +166,18 @@ class GenerationOutput:
     a stop string), its text (cut before a stop string; None without a tokenizer), why it finished, and stats."""
 
     output_ids: list[int]  # generated ids only
-    finish_reason: str  # "stop" or "length"
+    finish_reason: str  # "stop", "length", or "error" (the target gave no token: `error` says why)
     stats: GenerationStats
     text: str | None = None
     stop_string: str | None = None  # the stop string the text was cut at (finish_reason "stop"), else None
+    error: str | None = None  # why the generation failed (finish_reason "error"), else None
+
+    def raise_for_error(self) -> "GenerationOutput":
+        """This output, unless its generation failed: then the NoTokenError that says why (for a caller that
+        decodes one prompt, to whom a failed one is an error rather than a result)."""
+        if self.error is not None:
+            raise NoTokenError(self.error)
+        return self
 
 
 @dataclass
@@ -239,7 +248,8 @@ class Sequence:
 
     def result(self) -> GenerationOutput:
         text, stop_string = self.stop.ending(self.output_ids) if self.stop.tokenizer is not None else (None, None)
-        return GenerationOutput(list(self.output_ids), self.finish_reason or "length", self.stats, text, stop_string)
+        return GenerationOutput(list(self.output_ids), self.finish_reason or "length", self.stats, text, stop_string,
+                                self.error)
 
 
 @dataclass
@@ -709,6 +719,8 @@ class SpeculativeEngine:
 
         `config` is shared, or one per prompt (e.g. different seeds); the first one's block size is used
         (a number, the drafter's own, or "auto": chosen before every step for the rows still decoding).
+        A prompt the target gives no token (NaN logits) finishes with finish_reason "error" and its `error`
+        says why; the others decode on (`GenerationOutput.raise_for_error` makes that an exception).
         """
         configs = config if isinstance(config, list) else [config or GenerationConfig()] * len(prompts)
         if not all(isinstance(c, GenerationConfig) for c in configs):
@@ -725,12 +737,23 @@ class SpeculativeEngine:
         policy = self.block_policy_for(configs[0], len(prompts))  # before any request's clock starts
         sequences = [self._new_row(i, p, c, len(prompts))
                      for i, (p, c) in enumerate(zip(prompts, configs))]
-        batch = self.merge([self.prefill(s, proposer) for s in sequences])
-        batch = self.drop_finished(batch)
+        batch = self._prefill_rows(sequences, proposer)
         while batch is not None:
-            self.adaptive_step(batch, policy)
+            with contextlib.suppress(RowsFailed):  # those rows finished with finish_reason "error"; the rest go on
+                self.adaptive_step(batch, policy)
             batch = self.drop_finished(batch)
         return [s.result() for s in sequences]
+
+    def _prefill_rows(self, sequences: list[Sequence], proposer: Proposer) -> Batch | None:
+        """The rows' prefills merged into one batch of those still decoding (None: none is). A prompt the target
+        gives no first token finishes with finish_reason "error", as a row that gets none in a step does."""
+        batches = []
+        for seq in sequences:
+            try:
+                batches.append(self.prefill(seq, proposer))
+            except NoTokenError as err:
+                seq.fail(str(err))
+        return self.drop_finished(self.merge(batches)) if batches else None
 
     def stream(self, prompt_ids: list[int], config: GenerationConfig | None = None) -> "TokenStream":
         """Iterate over the new tokens of each step; `.result` holds the full output afterwards."""

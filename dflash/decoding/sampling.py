@@ -7,7 +7,7 @@ from dataclasses import dataclass
 
 import torch
 
-from dflash.errors import GenerationError
+from dflash.errors import NoTokenError
 
 MAX_TEMPERATURE = 100.0  # far past any useful one (all but uniform there), far below float32's overflow
 MIN_TEMPERATURE = 1e-5  # a smaller one samples at this (all but greedy), so logits / T stays finite
@@ -78,7 +78,7 @@ def _where_infinite(logits: torch.Tensor) -> torch.Tensor:
     """Rows with a +inf: 0 there, -inf elsewhere (the +inf tokens share the probability). NaN, or a row with no
     finite logit, is refused: no distribution is left to sample from."""
     if bool(torch.isnan(logits).any()) or bool((logits == float("-inf")).all(-1).any()):
-        raise GenerationError("the model's logits are NaN (or -inf everywhere), so there is no distribution to "
+        raise NoTokenError("the model's logits are NaN (or -inf everywhere), so there is no distribution to "
                               f"sample from; {OVERFLOW_ADVICE}")
     forced = logits == float("inf")
     return torch.where(forced.any(-1, keepdim=True), torch.where(forced, 0.0, float("-inf")), logits)

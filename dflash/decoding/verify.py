@@ -15,7 +15,7 @@ from __future__ import annotations
 import torch
 
 from dflash.decoding.sampling import OVERFLOW_ADVICE, SamplingParams, sample, to_probs
-from dflash.errors import GenerationError
+from dflash.errors import NoTokenError
 
 NO_TOKEN = -1  # the target's greedy choice where its logits hold a NaN: there is none
 
@@ -30,11 +30,10 @@ def target_argmax(logits: torch.Tensor) -> torch.Tensor:
 NAN_LOGITS = f"the model's logits are NaN (or -inf everywhere), so it chose no token; {OVERFLOW_ADVICE}"
 
 
-class RowsFailed(GenerationError):
+class RowsFailed(NoTokenError):
     """A step in which some rows got no token (their target logits were NaN): those rows finished with
     finish_reason 'error' (`Sequence.error`: NAN_LOGITS), and the step stands for the others, whose kept tokens
-    are `kept` (the failed rows' are empty). A caller that serves rows on their own (the server) goes on with
-    them; any other fails as at any GenerationError."""
+    are `kept` (the failed rows' are empty). The server and `SpeculativeEngine.generate` go on with them."""
 
     def __init__(self, message: str, kept: list[list[int]]):
         super().__init__(message)
@@ -42,10 +41,10 @@ class RowsFailed(GenerationError):
 
 
 def refuse_no_token(new_tokens: list[list[int]]) -> list[list[int]]:
-    """The rows' new tokens, unless a NaN logit left one without a token (`target_argmax`): then a GenerationError
+    """The rows' new tokens, unless a NaN logit left one without a token (`target_argmax`): then a NoTokenError
     that says how to load the model."""
     if any(NO_TOKEN in tokens for tokens in new_tokens):
-        raise GenerationError(NAN_LOGITS)
+        raise NoTokenError(NAN_LOGITS)
     return new_tokens
 
 

@@ -12,7 +12,9 @@ and deletes them. A rerun, with any number of processes or none, resumes from th
 A prompt too long for the target's context is skipped with a warning that names it. It is not recorded:
 whether a prompt fits depends only on the prompt and the target, both pinned by the checks above, so a
 rerun skips it again, at the cost of tokenizing it. Answers stop at the end of the target's context
-(finish_reason "length").
+(finish_reason "length"). A prompt the target gives no token (NaN logits: a float16 overflow on its text) is
+named in a warning and not recorded either (a cut answer would teach the drafter an ending the target never
+wrote); the prompts answered with it are kept, and a rerun tries it again.
 """
 
 from __future__ import annotations
@@ -168,6 +170,7 @@ class DatagenResult:
     held: int = 0  # records the output holds now (a rerun with a lower --limit leaves the ones beyond it)
     skipped: list[str] = field(default_factory=list)  # prompts too long for the target's context: why, each
     cut: int = 0  # conversations ended early: a later turn did not fit in the target's context
+    failed: int = 0  # prompts the target gave no token (NaN logits), named in warnings; under torchrun, all of them
     skipped_elsewhere: int = 0  # under torchrun: the other processes' skipped prompts (they named them)
 
     @property
@@ -641,12 +644,13 @@ def _run_shard(config: DatagenConfig, prompts: list[Prompt], progress, shard: Sh
             in_part = done_ids(Path(part_config.output))
             check_rerun(part_config, share, in_part)
             result = _generate(part_config, share, part_file, progress, done | set(in_part))
-        written, skipped, cut = shard.sum([result.written, len(result.skipped), result.cut])  # all parts done
+        written, skipped, cut, failed = shard.sum([result.written, len(result.skipped), result.cut,
+                                                   result.failed])  # all parts done
         if shard.rank == 0:
             result.held = _append_parts(f, output, [shard.part(output, r) for r in range(shard.world)], done)
             mark_finished(output, True)
         shard.sum([0])  # the processes leave together: none exits while another still uses the group
-    result.written, result.cut = written, cut
+    result.written, result.cut, result.failed = written, cut, failed
     result.skipped_elsewhere = skipped - len(result.skipped)  # the other processes named theirs
     return result
 
@@ -814,10 +818,12 @@ class _Generator:
 
     def answer(self, chunk: list[Prompt], first_ids: dict[int, list[int]], result: DatagenResult) -> list[dict]:
         """Answer every turn of every prompt in the chunk; a turn sees the target's own earlier answers. A turn
-        that no longer fits in the target's context ends its conversation there (a warning says so)."""
+        that no longer fits in the target's context ends its conversation there (a warning says so); a prompt
+        the target gives no token has no record (`_failed`)."""
         conversations: dict[int, list[dict]] = {p.id: [] for p in chunk}
         answered: dict[int, list[tuple[list[int], list[int], str]]] = {p.id: [] for p in chunk}  # ids of each turn
         ended: set[int] = set()  # conversations whose next turn does not fit
+        failed: set[int] = set()  # prompts the target gave no token
         for turn in range(max(len(p.turns) for p in chunk)):
             asked, prompt_ids = [], []
             for p in chunk:
@@ -841,9 +847,21 @@ class _Generator:
                 break
             configs = [self._generation_config(p, ids) for p, ids in zip(asked, prompt_ids)]
             for p, ids, out in zip(asked, prompt_ids, self.pipe.engine.generate(prompt_ids, configs)):
+                if out.error is not None:
+                    self._failed(p, turn, out.error, result)
+                    ended.add(p.id)
+                    failed.add(p.id)
+                    continue
                 conversations[p.id].append({"role": "assistant", "content": out.text})
                 answered[p.id].append((ids, out.output_ids, out.finish_reason))
-        return [_record(p, conversations[p.id], answered[p.id]) for p in chunk]
+        return [_record(p, conversations[p.id], answered[p.id]) for p in chunk if p.id not in failed]
+
+    @staticmethod
+    def _failed(prompt: Prompt, turn: int, error: str, result: DatagenResult) -> None:
+        result.failed += 1
+        which = f"turn {turn + 1} of {len(prompt.turns)}" if len(prompt.turns) > 1 else "its prompt"
+        _warn_capped(result.failed, f"no record for {prompt.where} (output id {prompt.id}): {which} got no answer, "
+                     f"{error}", "more prompts got no answer (NaN logits): the summary counts them")
 
     def _with_suffix(self, messages: list[dict]) -> list[dict]:
         new = [dict(m) for m in messages]

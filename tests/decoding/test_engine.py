@@ -333,8 +333,47 @@ def test_nan_logits_stop_greedy_decoding_with_the_fix_not_garbage(forwards, sett
                               branch_length=2 if setting == "branch" else 0)
     engine = SpeculativeEngine(target, proposer)  # its probe forwards at load see sound logits
     nan_after(target, forwards, monkeypatch)
+    outputs = engine.generate([[5, 6, 7], [8, 9]], config)
+    assert [out.finish_reason for out in outputs] == ["error", "error"]
+    assert [len(out.output_ids) for out in outputs] == [0, 0] if forwards == 1 else [1, 1]  # the prefill's token
     with pytest.raises(GenerationError, match="logits are NaN.*load the model in bfloat16 or float32"):
-        engine.generate([[5, 6, 7], [8, 9]], config)
+        outputs[1].raise_for_error()
+
+
+@pytest.mark.parametrize("where", ["prefill", "step"])
+def test_generate_finishes_a_row_without_a_token_as_an_error_and_decodes_the_others(where, monkeypatch):
+    """`generate` failed the whole call on one prompt's NaN logits, so a datagen batch lost its other answers and
+    a rerun met the same prompt again; that prompt now finishes with finish_reason "error" and the others decode
+    to their own outputs."""
+    from conftest import tiny_target_model
+    from dflash.model import TargetModel
+
+    target = TargetModel(tiny_target_model())
+    engine = SpeculativeEngine(target, DFlashProposer(tiny_drafter(target), target))
+    config = GenerationConfig(max_new_tokens=14, ignore_eos=True, block_size=4)
+    prompts = random_prompts(3, seed=12)
+    alone = [engine.generate([p], config)[0] for p in prompts]
+    original, calls = target.forward, []
+
+    def forward(*args, **kwargs):  # prompt 1's prefill (the 2nd forward), or row 1 of the first 3-row step
+        out = original(*args, **kwargs)
+        calls.append(out.logits.shape[0])
+        first_step = calls[-1] == 3 and calls.count(3) == 1
+        if not ((where == "prefill" and len(calls) == 2) or (where == "step" and first_step)):
+            return out
+        logits = out.logits.clone()
+        logits[0 if where == "prefill" else 1, :, 3] = float("nan")
+        return dataclasses.replace(out, logits=logits)
+
+    monkeypatch.setattr(target, "forward", forward)
+    outputs = engine.generate(prompts, config)
+    assert [out.finish_reason for out in outputs] == ["length", "error", "length"]
+    assert "NaN" in outputs[1].error and outputs[0].error is None and outputs[2].error is None
+    assert len(outputs[1].output_ids) == (0 if where == "prefill" else 1)
+    assert [outputs[r].output_ids for r in (0, 2)] == [alone[0].output_ids, alone[2].output_ids]
+    assert outputs[0].raise_for_error() is outputs[0]
+    with pytest.raises(GenerationError, match="logits are NaN"):
+        outputs[1].raise_for_error()
 
 
 @pytest.mark.parametrize("sampling", ["greedy", "seeded", "unseeded"])

@@ -286,6 +286,40 @@ def test_prompts_too_long_for_the_context_are_skipped_by_name_and_answers_stop_a
     assert "prompts.jsonl:2 (output id 1)" in capsys.readouterr().err
 
 
+def test_a_prompt_the_target_gives_no_token_has_no_record_and_the_others_are_kept(tiny_pair, prompts, tmp_path,
+                                                                                  capsys, monkeypatch):
+    """One prompt's NaN logits (a float16 overflow on its text) failed its whole batch, and the run: a rerun met
+    the same prompt again, so no run could finish. Now that prompt is named and left out, and its batch's others
+    are written."""
+    from dflash.decoding.engine import SpeculativeEngine
+
+    original = SpeculativeEngine.generate
+
+    def generate(self, prompt_ids, config=None):  # the turns that hold "And then?" get no token, as NaN logits give
+        outputs = original(self, prompt_ids, config)
+        for ids, out in zip(prompt_ids, outputs):
+            if "And then?" in self.target.tokenizer.decode(ids):
+                out.finish_reason, out.error = "error", "the model's logits are NaN"
+        return outputs
+
+    monkeypatch.setattr(SpeculativeEngine, "generate", generate)
+    out = tmp_path / "data.jsonl"
+    config = DatagenConfig(target=str(tiny_pair[0]), prompts=str(prompts), output=str(out), max_new_tokens=8,
+                           batch_size=5, device="cpu")
+    result = run_datagen(config)
+    assert (result.written, result.failed) == (3, 2)
+    assert sorted(r["id"] for r in read(out)) == [0, 2, 3]
+    err = capsys.readouterr().err
+    assert "prompts.jsonl:2 (output id 1): turn 2 of 2 got no answer, the model's logits are NaN" in err
+    assert "(output id 4)" in err
+    assert main(["datagen", "--target", str(tiny_pair[0]), "--prompts", str(prompts), "--output", str(out),
+                 "--max-new-tokens", "8", "--batch-size", "5", "--device", "cpu"]) == 0
+    assert "2 failed: the target gave no token" in capsys.readouterr().out
+    monkeypatch.setattr(SpeculativeEngine, "generate", original)
+    assert run_datagen(config).written == 2  # a rerun tries them again
+    assert sorted(r["id"] for r in read(out)) == [0, 1, 2, 3, 4]
+
+
 def test_a_target_without_chat_template_gets_plain_text(tiny_pair, tmp_path, capsys):
     target = variant(tiny_pair, tmp_path, chat_template=False)
     prompts = write_jsonl(tmp_path / "prompts.jsonl", [{"prompt": "How many clips?"}])
