@@ -86,9 +86,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                          help="dflash (this server), or launch vLLM / SGLang with the DFlash speculative config")
     handoff.add_argument("--dry-run", action="store_true", help="with --engine vllm|sglang: print the command only")
     handoff.add_argument("--attention-backend", metavar="NAME",
-                         help="with --engine vllm|sglang: the engine's attention backend, for the target too, or auto "
-                         "for the engine's own choice (default: flash_attn for vLLM with a drafter, whose block "
-                         "attends both ways, but for a latent-attention target; the engine's choice otherwise)")
+                         help="with --engine vllm|sglang: the target's attention backend, or auto for the engine's "
+                         "own choice for the drafter too (default: the engine's choice for the target; vLLM's "
+                         "drafter, whose block attends both ways, gets FLASH_ATTN in its speculative config)")
 
 
 def _threshold(value: str) -> str | float:
@@ -237,6 +237,8 @@ def _hand_off(args: argparse.Namespace) -> int:
     _warn_if_open(args)
     if args.dry_run:
         print(command.shown())
+        for note in command.notes:
+            print(f"dflash serve: note: {note}", file=sys.stderr)
         if args.api_key:
             print(f"dflash serve: note: the command reads the API key from ${handoff.API_KEY_ENV}; export it in the "
                   "shell that runs the command", file=sys.stderr)
@@ -393,5 +395,5 @@ def _warm_up(pipe) -> None:
 
     ids = pipe.encode("Hello", raw=True) if pipe.tokenizer is not None else [0]
     config = GenerationConfig(max_new_tokens=4, ignore_eos=True)
-    pipe.engine.generate([ids], config)
-    SpeculativeEngine(pipe.target).generate([ids], config)
+    pipe.engine.generate([ids], config)[0].raise_for_error()
+    SpeculativeEngine(pipe.target).generate([ids], config)[0].raise_for_error()

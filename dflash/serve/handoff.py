@@ -1,8 +1,8 @@
 """Hand a pair to vLLM or SGLang: check it from its configs (no weights loaded), then launch the engine with
 its DFlash speculative configuration (REFERENCE section 3), or print the command.
 
-    vllm serve TARGET --speculative-config '{"method": "dflash", "model": DRAFT, "num_speculative_tokens": B-1}' \
-        --attention-backend flash_attn
+    vllm serve TARGET --speculative-config \
+        '{"method": "dflash", "model": DRAFT, "num_speculative_tokens": B-1, "attention_backend": "FLASH_ATTN"}'
     python -m sglang.launch_server --model-path TARGET --speculative-algorithm DFLASH \
         --speculative-draft-model-path DRAFT --speculative-num-draft-tokens B
 """
@@ -52,10 +52,11 @@ _LAYER_KEYS = ("self_attn.q_proj.weight", "self_attn.k_proj.weight", "self_attn.
                "input_layernorm.weight", "post_attention_layernorm.weight")
 _TOP_KEYS = ("fc.weight", "hidden_norm.weight", "norm.weight")
 # The drafter's block attends both ways: FlashAttention is the vLLM attention backend that took that in every
-# release with DFlash (FlexAttention and FlashInfer learnt it later), and DFlash's own vLLM command names it. The
-# flag sets the target's backend too, so a target whose attention needs backends of its own (DeepSeek's latent
-# attention) is left to vLLM's choice, and --attention-backend overrides it either way.
-VLLM_DRAFT_ATTENTION_BACKEND = "flash_attn"
+# release with DFlash (FlexAttention and FlashInfer learnt it later; FlashInfer's gave near-zero acceptance on
+# Blackwell until mid-2026). Since April 2026 (vLLM PR 39930) the drafter takes its backend from the speculative
+# config's attention_backend alone, and chooses its own when that is unset, whatever --attention-backend gives the
+# target; older releases refuse that key and give the drafter the target's --attention-backend.
+VLLM_DRAFT_ATTENTION_BACKEND = "FLASH_ATTN"
 
 log = logging.getLogger("dflash")
 
@@ -78,6 +79,8 @@ class HandoffOptions:
     # --attention-backend: the engine's backend, "auto" for its own choice; None: vLLM with a drafter gets
     # VLLM_DRAFT_ATTENTION_BACKEND (but for a latent-attention target), the rest their own choice
     attention_backend: str | None = None
+    # vLLM's drafter backend, in its speculative config (set by `engine_command`; None: none named there)
+    draft_attention_backend: str | None = None
     # --shutdown-timeout: seconds in-flight requests get at SIGTERM (vLLM's flag of that name, >= 0.18); None: the
     # engine's default (vLLM: stop at once; SGLang: it finishes them by its own rules, with no flag for it)
     shutdown_timeout: float | None = None
@@ -89,6 +92,7 @@ class EngineCommand:
 
     argv: list[str]
     env: dict[str, str] = field(default_factory=dict)
+    notes: list[str] = field(default_factory=list)  # what --dry-run says beside it (the engine's version it needs)
 
     def shown(self) -> str:
         """The command as a shell line to copy, the API key read from $DFLASH_API_KEY rather than printed."""
@@ -109,6 +113,7 @@ class TargetFacts:
     max_position_embeddings: int | None = None
     latent_attention: bool = False  # DeepSeek's multi-head latent attention (kv_lora_rank): its own vLLM backends
     model_type: str | None = None
+    dtype: str | None = None  # the dtype its config.json names (torch_dtype, or transformers 5's dtype)
 
 
 # ---- checking the pair ---------------------------------------------------------------------------------
@@ -154,7 +159,16 @@ def target_facts(target: str) -> TargetFacts:
                         ">= 1; restore the config.json that came with the weights")
     return TargetFacts(fields["hidden_size"], fields["num_hidden_layers"], fields["vocab_size"],
                        fields["max_position_embeddings"], latent_attention=bool(text.get("kv_lora_rank")),
-                       model_type=text.get("model_type"))
+                       model_type=text.get("model_type"), dtype=declared_dtype(raw))
+
+
+def declared_dtype(raw: dict) -> str | None:
+    """The dtype a config.json names: torch_dtype, or transformers 5's dtype (a multimodal one's text_config's)."""
+    for config in (raw, raw.get("text_config") or {}):
+        dtype = config.get("torch_dtype") or config.get("dtype")
+        if isinstance(dtype, str):
+            return dtype.removeprefix("torch.")
+    return None
 
 
 def _check_generative(target: str, raw: dict) -> None:
@@ -302,6 +316,8 @@ def vllm_command(target: str, draft: str | None, block_size: int, options: Hando
     cmd = ["vllm", "serve", target]
     if draft is not None:
         spec = {"method": "dflash", "model": draft, "num_speculative_tokens": block_size - 1}
+        if options.draft_attention_backend is not None:
+            spec["attention_backend"] = options.draft_attention_backend
         cmd += ["--speculative-config", json.dumps(spec)]
     cmd += _backend(options)
     cmd += ["--host", options.host, "--port", str(options.port)]
@@ -337,9 +353,15 @@ def sglang_layer_attention(config: DrafterConfig, i: int) -> LayerAttention:
     return LayerAttention(config.sliding_window if sliding else None, sliding if causal is None else causal)
 
 
-def check_sglang_reads(draft: str, drafter: CheckedDrafter) -> None:
-    """Refuse a drafter whose layers SGLang would run with other attention than they were trained with."""
+def check_sglang_reads(draft: str, drafter: CheckedDrafter, target: TargetFacts) -> None:
+    """Refuse a drafter whose layers SGLang would run with other attention than they were trained with, or whose
+    target layers it would refuse: without a top-level num_target_layers it takes the drafter's own depth for the
+    target's, and a layer id past that is out of range."""
     config = drafter.config
+    if drafter.raw.get("num_target_layers") is None and max(config.target_layer_ids) >= config.num_hidden_layers:
+        raise UserError(f"{draft}/config.json does not give num_target_layers, and SGLang then counts the target's "
+                        f"layers as the drafter's {config.num_hidden_layers}, so it refuses target layer "
+                        f"{max(config.target_layer_ids)}; add \"num_target_layers\": {target.num_layers} to the file")
     for i in range(config.num_hidden_layers):
         ours, theirs = config.layer_attention(i), sglang_layer_attention(config, i)
         if ours != theirs:
@@ -347,6 +369,17 @@ def check_sglang_reads(draft: str, drafter: CheckedDrafter) -> None:
                             f"{_described(ours)} (SGLang reads neither dflash_config's causal nor its use_swa and "
                             "swa_window_size); state it in the fields SGLang reads (is_causal, or layer_types with "
                             "sliding_window and use_sliding_window true), or hand it to vLLM (--engine vllm)")
+
+
+def sglang_dtype(options: HandoffOptions, target: TargetFacts, drafter: CheckedDrafter) -> HandoffOptions:
+    """SGLang loads each model in the dtype its config.json names, and a float32 one in float16, then hands the
+    drafter the target's hidden states as they are: a drafter exported in float32 (dflash train's default) beside a
+    bfloat16 target fails at its first draft on the dtypes. --dtype, which SGLang gives both, is the target's then,
+    unless it is given."""
+    draft_dtype = declared_dtype(drafter.raw)
+    if options.dtype is None and target.dtype in ("bfloat16", "float16") and draft_dtype != target.dtype:
+        return replace(options, dtype=target.dtype)
+    return options
 
 
 def _described(attention: LayerAttention) -> str:
@@ -407,10 +440,10 @@ def engine_command(engine: str, target: str, draft: str | None, block_size: int 
         drafter = check_pair(facts, draft, block_size)
         if engine == "vllm":
             check_vllm_reads(draft, drafter)
-            if options.attention_backend is None and not facts.latent_attention:
-                options = replace(options, attention_backend=VLLM_DRAFT_ATTENTION_BACKEND)
+            options = vllm_attention_backends(options, facts)
         else:
-            check_sglang_reads(draft, drafter)
+            check_sglang_reads(draft, drafter, facts)
+            options = sglang_dtype(options, facts, drafter)
             if str(facts.model_type).startswith("gemma3"):  # its embedding module scales (Gemma, Gemma 2: the forward)
                 log.warning("SGLang embeds a Gemma 3 target's tokens times sqrt(hidden size) for the drafter too, and "
                             "a drafter trained by dflash drafts from the embedding table's rows as vLLM does: expect "
@@ -423,7 +456,38 @@ def engine_command(engine: str, target: str, draft: str | None, block_size: int 
     command = build(target, draft, block_size or 0, options)
     if engine == "vllm" and draft is not None and mixes_sliding_and_full(drafter.config):
         command.env[VLLM_V2_RUNNER_ENV] = "1"
+    if options.draft_attention_backend is not None and vllm_takes_draft_attention_backend() is None:
+        command.notes.append("vLLM is not installed here: the command is for vLLM since April 2026 (PR 39930), whose "
+                             "drafter takes its attention backend from --speculative-config alone; an older vLLM "
+                             "refuses attention_backend there: drop it and add --attention-backend flash_attn")
     return command
+
+
+def vllm_attention_backends(options: HandoffOptions, facts: TargetFacts) -> HandoffOptions:
+    """The drafter's attention backend (VLLM_DRAFT_ATTENTION_BACKEND) in the speculative config, the target's left to
+    --attention-backend (`auto`: both left to vLLM). An older vLLM installed here, without that key, gets it as
+    --attention-backend, which it gives the drafter too (but not for a latent-attention target, whose backends are
+    its own)."""
+    if options.attention_backend == "auto":
+        return options
+    if vllm_takes_draft_attention_backend() is False:
+        if options.attention_backend is None and not facts.latent_attention:
+            return replace(options, attention_backend=VLLM_DRAFT_ATTENTION_BACKEND.lower())
+        return options
+    return replace(options, draft_attention_backend=VLLM_DRAFT_ATTENTION_BACKEND)
+
+
+def vllm_takes_draft_attention_backend() -> bool | None:
+    """Whether the vLLM installed here reads attention_backend in its speculative config (None: no vLLM here).
+    Read from its source, not imported: importing vLLM takes seconds and may want a GPU."""
+    spec = importlib.util.find_spec("vllm")
+    if spec is None or not spec.submodule_search_locations:
+        return None
+    for root in spec.submodule_search_locations:
+        source = Path(root) / "config" / "speculative.py"
+        if source.is_file():
+            return "attention_backend" in source.read_text(errors="replace")
+    return False
 
 
 def ensure_installed(engine: str) -> None:

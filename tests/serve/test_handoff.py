@@ -28,31 +28,72 @@ def test_vllm_command(tiny_pair, capsys):
                    "--max-model-len", "512", "--max-batch-size", "16")
     assert argv[:3] == ["vllm", "serve", target]
     spec = json.loads(argv[argv.index("--speculative-config") + 1])
-    assert spec == {"method": "dflash", "model": draft, "num_speculative_tokens": 7}  # block size 8
+    # block size 8; the drafter's block attends both ways, and its backend is named where vLLM gives it the drafter
+    assert spec == {"method": "dflash", "model": draft, "num_speculative_tokens": 7, "attention_backend": "FLASH_ATTN"}
     flags = dict(zip(argv[5::2], argv[6::2]))
     assert flags["--port"] == "9000" and flags["--host"] == "127.0.0.1" and "--api-key" not in flags
     assert flags["--max-model-len"] == "512" and flags["--max-num-seqs"] == "16"
-    assert flags["--attention-backend"] == "flash_attn"  # the drafter's block attends both ways
+    assert "--attention-backend" not in flags  # the target's backend is vLLM's own choice
     assert "--attention-backend" not in dry_run(capsys, "--target", target, "--no-draft", "--engine", "vllm")
 
 
+def backends(argv: list[str]) -> tuple[str | None, str | None]:
+    """The target's backend (--attention-backend) and the drafter's (vLLM's speculative config) in a command."""
+    target = argv[argv.index("--attention-backend") + 1] if "--attention-backend" in argv else None
+    spec = json.loads(argv[argv.index("--speculative-config") + 1]) if "--speculative-config" in argv else {}
+    return target, spec.get("attention_backend")
+
+
 @pytest.mark.parametrize("engine,given,expected", [
-    ("vllm", [], "flash_attn"), ("vllm", ["--attention-backend", "auto"], None),
-    ("vllm", ["--attention-backend", "FLEX_ATTENTION"], "FLEX_ATTENTION"), ("sglang", [], None),
-    ("sglang", ["--attention-backend", "fa3"], "fa3")])
-def test_the_attention_backend_is_flash_attn_for_vllm_unless_given(tiny_pair, capsys, engine, given, expected):
+    ("vllm", [], (None, "FLASH_ATTN")), ("vllm", ["--attention-backend", "auto"], (None, None)),
+    ("vllm", ["--attention-backend", "FLEX_ATTENTION"], ("FLEX_ATTENTION", "FLASH_ATTN")),
+    ("sglang", [], (None, None)), ("sglang", ["--attention-backend", "fa3"], ("fa3", None))])
+def test_vllms_drafter_gets_flash_attn_in_its_speculative_config_and_the_flag_sets_the_targets(
+        tiny_pair, capsys, engine, given, expected):
+    """vLLM (since PR 39930) gives the drafter the speculative config's attention_backend alone, and its own choice
+    without one, whatever --attention-backend says: the flag alone no longer reached the drafter."""
     target, draft = map(str, tiny_pair)
     argv = dry_run(capsys, "--target", target, "--draft", draft, "--engine", engine, *given)
-    assert (argv[argv.index("--attention-backend") + 1] if "--attention-backend" in argv else None) == expected
+    assert backends(argv) == expected
 
 
-def test_a_latent_attention_target_keeps_vllms_own_backend(tiny_pair, tmp_path, capsys):
-    """The flag sets the target's backend too, and DeepSeek's latent attention (kv_lora_rank) has backends of its
-    own."""
+def test_without_vllm_here_the_dry_run_says_which_releases_its_command_is_for(tiny_pair, capsys):
+    target, draft = map(str, tiny_pair)
+    assert main(["serve", "--target", target, "--draft", draft, "--engine", "vllm", "--dry-run"]) == 0
+    assert "an older vLLM refuses attention_backend there: drop it and add --attention-backend flash_attn" in \
+        capsys.readouterr().err
+
+
+@pytest.mark.parametrize("latent", [False, True])
+def test_an_older_vllm_here_gets_the_drafters_backend_as_the_flag_but_for_a_latent_attention_target(
+        tiny_pair, tmp_path, capsys, monkeypatch, latent):
+    """Before PR 39930 vLLM refused attention_backend in the speculative config and gave the drafter the target's
+    --attention-backend; DeepSeek's latent attention (kv_lora_rank) has backends of its own, so it keeps vLLM's."""
     target, draft = tiny_pair
-    latent = broken_copy(tmp_path, target, lambda c: c.update(kv_lora_rank=16))
-    assert "--attention-backend" not in dry_run(capsys, "--target", str(latent), "--draft", str(draft), "--engine",
-                                                "vllm")
+    if latent:
+        target = broken_copy(tmp_path, target, lambda c: c.update(kv_lora_rank=16))
+    monkeypatch.setattr(handoff, "vllm_takes_draft_attention_backend", lambda: False)
+    argv = dry_run(capsys, "--target", str(target), "--draft", str(draft), "--engine", "vllm")
+    assert backends(argv) == (None if latent else "flash_attn", None)
+    monkeypatch.setattr(handoff, "vllm_takes_draft_attention_backend", lambda: True)
+    assert main(["serve", "--target", str(target), "--draft", str(draft), "--engine", "vllm", "--dry-run"]) == 0
+    out, err = capsys.readouterr()
+    assert backends(shlex.split(out)) == (None, "FLASH_ATTN") and "vLLM is not installed here" not in err
+
+
+@pytest.mark.parametrize("source,expected", [(None, None), ("class SpeculativeConfig:\n    method: str\n", False),
+                                             ("    attention_backend: AttentionBackendEnum | None = None\n", True)])
+def test_whether_the_installed_vllm_takes_the_drafters_backend_is_read_from_its_source(
+        tmp_path, monkeypatch, source, expected):
+    if source is not None:
+        (tmp_path / "vllm" / "config").mkdir(parents=True)
+        (tmp_path / "vllm" / "__init__.py").write_text("raise ImportError('vLLM must not be imported')\n")
+        (tmp_path / "vllm" / "config" / "speculative.py").write_text(source)
+        monkeypatch.syspath_prepend(str(tmp_path))
+    assert handoff.vllm_takes_draft_attention_backend() is expected
+
+
+def test_the_attention_backend_flag_is_for_a_hand_off(capsys):
     assert main(["serve", "--attention-backend", "flash_attn"]) == 2
     assert "use it with --engine vllm or --engine sglang" in capsys.readouterr().err
 
@@ -489,7 +530,8 @@ def test_the_default_hand_off_is_the_embedded_pair_with_its_dflash_drafter(capsy
     spec = json.loads(argv[argv.index("--speculative-config") + 1])
     assert argv[2] == str(DEFAULT_TARGET)
     assert argv[argv.index("--served-model-name") + 1] == "dflash"  # the name dflash serve gives it, not a path
-    assert spec == {"method": "dflash", "model": str(HANDOFF_DRAFT), "num_speculative_tokens": 15}
+    assert spec == {"method": "dflash", "model": str(HANDOFF_DRAFT), "num_speculative_tokens": 15,
+                    "attention_backend": "FLASH_ATTN"}
     argv = dry_run(capsys, "--engine", "sglang")
     assert argv[argv.index("--speculative-draft-model-path") + 1] == str(HANDOFF_DRAFT)
 
@@ -573,3 +615,43 @@ def test_a_local_path_that_does_not_exist_is_said_not_to_exist(tiny_pair, tmp_pa
     assert main(["serve", "--target", str(target), "--draft", str(tmp_path / "file"), "--engine", "vllm",
                  "--dry-run"]) == 2
     assert "file is not a directory" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("target_dtype,draft_dtype,given,expected", [
+    ("bfloat16", "float32", [], "bfloat16"), ("float16", None, [], "float16"), ("bfloat16", "bfloat16", [], None),
+    ("float32", "float32", [], None), ("bfloat16", "float32", ["--dtype", "float16"], "float16")])
+def test_sglang_runs_a_float32_drafter_in_the_dtype_of_a_16_bit_target(tiny_pair, tmp_path, capsys, target_dtype,
+                                                                         draft_dtype, given, expected):
+    """SGLang loads a float32 config in float16 and hands the drafter the target's hidden states as they are: a
+    float32 drafter (dflash train's export) beside a bfloat16 target would fail at its first draft."""
+    target, draft = tiny_pair
+
+    def declare(dtype):
+        def edit(config):
+            config.pop("dtype", None)
+            config.pop("torch_dtype", None)
+            if dtype is not None:
+                config["torch_dtype"] = dtype
+        return edit
+
+    target = broken_copy(tmp_path / "t", target, declare(target_dtype))
+    draft = broken_copy(tmp_path / "d", draft, declare(draft_dtype))
+    argv = dry_run(capsys, "--target", str(target), "--draft", str(draft), "--engine", "sglang", *given)
+    assert (argv[argv.index("--dtype") + 1] if "--dtype" in argv else None) == expected
+    argv = dry_run(capsys, "--target", str(target), "--draft", str(draft), "--engine", "vllm", *given)
+    assert "--dtype" not in argv or given  # vLLM runs the drafter in the target's dtype itself
+
+
+def test_sglang_is_refused_a_drafter_without_num_target_layers_whose_layers_it_would_count_wrong(tiny_pair, tmp_path,
+                                                                                               capsys):
+    target, draft = tiny_pair
+    config = json.loads((draft / "config.json").read_text())
+    layers, taps = config["num_hidden_layers"], config["dflash_config"]["target_layer_ids"]
+    assert max(taps) >= layers  # else SGLang's count would do
+    lacking = broken_copy(tmp_path, draft, lambda c: c.pop("num_target_layers"))
+    assert main(["serve", "--target", str(target), "--draft", str(lacking), "--engine", "sglang", "--dry-run"]) == 2
+    target_layers = json.loads((target / "config.json").read_text())["num_hidden_layers"]
+    assert f'SGLang then counts the target\'s layers as the drafter\'s {layers}, so it refuses target layer ' \
+           f'{max(taps)}; add "num_target_layers": {target_layers} to the file' in capsys.readouterr().err
+    dry_run(capsys, "--target", str(target), "--draft", str(lacking), "--engine", "vllm")  # vLLM reads the target's
+    dry_run(capsys, "--target", str(target), "--draft", str(draft), "--engine", "sglang")
