@@ -27,3 +27,9 @@ def in_brief(err: BaseException, limit: int = 160) -> str:
     """An exception in a few words, for a message that quotes it: its type and the first line of its text."""
     lines = str(err).strip().splitlines()
     return f"{type(err).__name__}: {lines[0][:limit]}" if lines else type(err).__name__
+
+
+def why_not_written(err: BaseException) -> str:
+    """What to check when a write failed: the permissions where they refused it, else the disk's room."""
+    denied = isinstance(err, PermissionError) or "Permission denied" in str(err)
+    return "can this user write there?" if denied else "is the disk full?"

@@ -26,13 +26,12 @@ import torch.distributed as dist
 import yaml
 from torch import nn
 
-from dflash.errors import UserError, in_brief
+from dflash.errors import UserError, in_brief, why_not_written
 from dflash.model.config import ATTENTION_FIELDS, DFLASH_ATTENTION_FIELDS, DrafterConfig, untappable
 from dflash.model.dflash2 import GroupedDynamicConv
 from dflash.model.drafter import DFlashDraftModel
 from dflash.model.loading import load_drafter, resolve_model_dir, save_drafter
 from dflash.model.target import check_compatible, check_drafter_fits
-from dflash.records import read_json_object
 from dflash.training import datagen
 from dflash.training.config import (
     DEFAULT_BLOCK_SIZE,
@@ -67,6 +66,7 @@ from dflash.training.drafter_setup import (
     widen_mlp,
 )
 from dflash.training.drafting_head import DraftingHead, DraftOutput
+from dflash.training.feature_cache import FeatureCache
 from dflash.training.lock import DirectoryLock, being_written
 from dflash.training.objective import (
     Blocks,
@@ -148,7 +148,8 @@ class Trainer:
         self.earlier_train_time_s = 0.0  # the time the resumed checkpoint's runs trained, before this one
         self._run_started = time.perf_counter()  # reset when training starts
         self.rank, self.world = 0, 1
-        self._feature_cache: dict[str, torch.Tensor] = {}
+        # holds nothing of the trainer: a trainer nobody holds any more lets go of --output at once (no cycle)
+        self.feature_cache = FeatureCache(config.feature_cache)
         self.history: list[dict] = []
         self.trained_with: dict | None = None  # a resume with no step left: the checkpoint's settings, exported
         self._output_lock: DirectoryLock | None = None  # rank 0's, on --output from setup to the end of train
@@ -522,38 +523,13 @@ class Trainer:
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, schedule)
 
     def _setup_feature_cache(self) -> None:
-        """A --feature-cache directory holds the features of one target, one set of examples and one choice of
-        feature layers, named in its manifest.json: features of another setup would train silently wrong, so a
-        run that differs is refused."""
-        c = self.config
-        if c.feature_cache in (None, "memory"):
+        """A --feature-cache directory serves only the setup its manifest names (`FeatureCache.check`)."""
+        if self.feature_cache.directory is None:
             return
-        directory = Path(c.feature_cache)
-        if directory.resolve().is_relative_to(self.checkpoint_dir.resolve()):
-            raise UserError(f"--feature-cache {directory} lies in {self.checkpoint_dir}, which holds this run's "
-                            "checkpoints alone (--overwrite deletes it whole): give a directory outside it, e.g. "
-                            f"{Path(c.output) / 'features'}")
-        manifest, path = self._feature_manifest(), directory / "manifest.json"
-        if path.exists():
-            saved = _saved_manifest(directory, path)
-            changed = _manifest_changes(saved, manifest)
-            if changed:
-                raise UserError(f"--feature-cache {directory} holds the features of another setup "
-                                f"({'; '.join(changed)}); pass another directory, or delete this one to compute "
-                                "them again")
-        elif any(directory.glob("*.pt")):
-            raise UserError(f"--feature-cache {directory} holds features but no manifest.json (an older dflash wrote "
-                            "them): what they were computed from is unknown; delete it or pass another directory")
+        manifest = self._feature_manifest()
+        self.feature_cache.check(manifest, self.checkpoint_dir)
         self._barrier()  # every process has checked before the manifest is written
-
-        def write_manifest() -> None:
-            if not path.exists():
-                directory.mkdir(parents=True, exist_ok=True)
-                tmp = directory / ".manifest.json.tmp"
-                tmp.write_text(json.dumps(manifest, indent=1) + "\n")
-                os.replace(tmp, path)
-
-        self._on_rank_0(write_manifest)  # a failure there stops every process (and ends as the barrier did)
+        self._on_rank_0(lambda: self.feature_cache.write_manifest(manifest))  # a failure there stops every process
 
     def _feature_manifest(self) -> dict:
         return {"target": absolute_if_local(self.config.target), "target_files": _model_files(self.config.target),
@@ -572,17 +548,17 @@ class Trainer:
         """(b, T, F [+ h]) from the target, cached per example when --feature-cache is set."""
         ids, real = batch.input_ids.to(self.device), batch.attention_mask.to(self.device)
         layer_ids = self.drafter_config.target_layer_ids
-        if not self.config.feature_cache:
+        if not self.feature_cache.enabled:
             return self.target.context_features(ids, real, layer_ids, with_final_hidden=soft).float()
         keys = [f"{batch.split}-{i}{'-soft' if soft else ''}" for i in batch.indices]
         width = self.drafter_config.num_features + (self.target.hidden_size if soft else 0)
         lengths = batch.attention_mask.sum(dim=1).tolist()
-        rows = [self._cached(key, (length, width)) for key, length in zip(keys, lengths)]
+        rows = [self.feature_cache.get(key, (length, width), self._warn) for key, length in zip(keys, lengths)]
         missing = [r for r, row in enumerate(rows) if row is None]
         if missing:
             computed = self.target.context_features(ids[missing], real[missing], layer_ids, with_final_hidden=soft)
             for r, row in zip(missing, computed):
-                rows[r] = self._store(keys[r], row[: lengths[r]])
+                rows[r] = self.feature_cache.put(keys[r], row[: lengths[r]])
         out = torch.zeros(len(keys), ids.shape[1], width, device=self.device)
         for r, row in enumerate(rows):
             out[r, : row.shape[0]] = row.to(self.device).float()
@@ -595,52 +571,6 @@ class Trainer:
         hidden = final_hidden.gather(1, previous[:, :, None].expand(-1, -1, final_hidden.shape[2]))
         with torch.no_grad():
             return self.target.logits(hidden.to(self.target.dtype)).float()
-
-    def _cached(self, key: str, shape: tuple[int, int]) -> torch.Tensor | None:
-        """The cached features (T, F [+ h]) of one example, or None when they are not cached yet.
-
-        A file of a --feature-cache directory that cannot be read, or holds another shape, is computed again and
-        rewritten, with a warning: the cache only saves time, its contents are exactly what the target computes
-        again, so stopping the run (and losing the steps since the last checkpoint) would cost more than it
-        protects. Writes are atomic, so this takes a disk that damaged the file, or someone else's hand."""
-        if self.config.feature_cache == "memory":
-            return self._feature_cache.get(key)
-        path = Path(self.config.feature_cache) / f"{key}.pt"
-        if not path.exists():
-            return None
-        try:
-            features = torch.load(path, map_location="cpu", weights_only=True)
-        except torch.cuda.OutOfMemoryError:  # not damage: let it say what it is
-            raise
-        except Exception as err:  # a damaged file fails in any of the unpickler's ways
-            problem = f"it cannot be read ({in_brief(err)})"
-        else:
-            if isinstance(features, torch.Tensor) and tuple(features.shape) == tuple(shape):
-                return features
-            problem = (f"it holds {tuple(features.shape) if isinstance(features, torch.Tensor) else type(features)}"
-                       f", not features of shape {tuple(shape)}")
-        self._warn(f"the feature cache file {path} is damaged: {problem}; its features are computed again and the "
-                   "file rewritten")
-        return None
-
-    def _store(self, key: str, features: torch.Tensor) -> torch.Tensor:
-        """Cache one example's features (T, F [+ h]); returns them as cached (on the CPU)."""
-        features = features.detach().cpu().clone()
-        if self.config.feature_cache == "memory":
-            self._feature_cache[key] = features
-            return features
-        directory = Path(self.config.feature_cache)
-        directory.mkdir(parents=True, exist_ok=True)
-        tmp = directory / f".{key}.pt.tmp{self.rank}"
-        try:
-            torch.save(features, tmp)
-            os.replace(tmp, directory / f"{key}.pt")
-        except (OSError, RuntimeError) as err:
-            tmp.unlink(missing_ok=True)
-            raise UserError(f"could not write to the feature cache {directory} ({in_brief(err)}; "
-                            f"{_why_not_written(err)}): fix that, or pass --feature-cache memory (or leave the option "
-                            "out)") from None
-        return features
 
     def _loss(self, batch: Batch, epoch: int, decoding_anchors: bool = False):
         """The objective on a batch. With decoding_anchors, greedy decoding's anchors under the current drafter
@@ -975,7 +905,7 @@ class Trainer:
         except (OSError, RuntimeError) as err:  # a full disk fails inside torch's writer as a RuntimeError
             shutil.rmtree(tmp, ignore_errors=True)
             raise UserError(f"could not write checkpoint step {self.step} into {self.checkpoint_dir} ({in_brief(err)}; "
-                            f"{_why_not_written(err)}); {self._resume_from_newest()}") from None
+                            f"{why_not_written(err)}); {self._resume_from_newest()}") from None
         shutil.rmtree(final, ignore_errors=True)
         os.replace(tmp, final)
         for old in self._checkpoints()[: -self.config.keep_checkpoints]:
@@ -1135,7 +1065,7 @@ class Trainer:
                 (Path(self.config.output) / "training_config.yaml").write_text(yaml.safe_dump(trained_with))
             except (OSError, RuntimeError) as err:
                 raise UserError(f"could not export the drafter into {self.config.output} ({in_brief(err)}; "
-                                f"{_why_not_written(err)}); step {self.step} is saved in {self.checkpoint_dir}: fix "
+                                f"{why_not_written(err)}); step {self.step} is saved in {self.checkpoint_dir}: fix "
                                 "that and rerun the same command with --resume to export it") from None
 
         self._on_rank_0(write)
@@ -1217,7 +1147,7 @@ class Trainer:
         try:
             write(path)
         except OSError as err:
-            raise UserError(f"could not write the training log {path} ({in_brief(err)}; {_why_not_written(err)}); "
+            raise UserError(f"could not write the training log {path} ({in_brief(err)}; {why_not_written(err)}); "
                             f"{self._resume_from_newest()}") from None
 
     def _note(self, message: str) -> None:
@@ -1286,34 +1216,6 @@ def _cut_half_written_line(path: Path) -> None:
             return
         data = f.seek(0) or f.read()
         f.truncate(data.rfind(b"\n") + 1)
-
-
-def _why_not_written(err: BaseException) -> str:
-    """What to check when a write failed: the permissions where they refused it, else the disk's room."""
-    denied = isinstance(err, PermissionError) or "Permission denied" in str(err)
-    return "can this user write there?" if denied else "is the disk full?"
-
-
-MANIFEST_KEYS = ("target", "target_files", "target_dtype", "feature_layer_ids", "examples")  # `_feature_manifest`
-
-
-def _saved_manifest(directory: Path, path: Path) -> dict:
-    """The manifest.json of a --feature-cache directory, refused when something else wrote it: "features of another
-    setup" would describe the user's own file as if dflash had written it."""
-    return read_json_object(path, "a dflash feature cache's manifest", f"--feature-cache {directory} holds something "
-                            "else: pass another directory (a new or empty one)", MANIFEST_KEYS)
-
-
-def _manifest_changes(saved: dict, now: dict) -> list[str]:
-    what = {"target_files": lambda: f"target {saved.get('target')!r}, now {now['target']!r} (its config or weight "
-                                    "files differ in size or modification time: a copy made without keeping the "
-                                    "times reads as changed)",
-            "target_dtype": lambda: f"target dtype {saved.get('target_dtype')}, now {now['target_dtype']}",
-            "feature_layer_ids": lambda: f"feature layers {saved.get('feature_layer_ids')}, now "
-                                         f"{now['feature_layer_ids']}",
-            "examples": lambda: "the examples differ (another --data, --extra-train-data, --max-length, "
-                                "--eval-fraction or --seed, or the files changed)"}
-    return [describe() for key, describe in what.items() if saved.get(key) != now[key]]
 
 
 def _datagen_settings(path: str) -> dict:
