@@ -13,7 +13,6 @@ for prompts and options.
 from __future__ import annotations
 
 import difflib
-import functools
 import numbers
 import os
 import warnings
@@ -22,10 +21,21 @@ from pathlib import Path
 from typing import Any, Iterator, Union
 
 import torch
-from jinja2 import TemplateError, TemplateSyntaxError
 from safetensors import SafetensorError
 
-from dflash.decoding.detokenizer import TextDeltas, check_utf8
+from dflash.chat import (  # noqa: F401 - PLAIN_CONVERSATION_NOTE, TemplateRefusal, encode_plain: dflash.api's too
+    PLAIN_CONVERSATION_NOTE,
+    THINKING_WITHOUT_TEMPLATE,
+    TemplateRefusal,
+    as_ids,
+    check_template_kwargs,
+    check_text,
+    encode_plain,
+    plain_conversation,
+    render_chat,
+    text_messages,
+)
+from dflash.decoding.detokenizer import TextDeltas
 from dflash.decoding.draft_model import DraftModelProposer
 from dflash.decoding.engine import (
     AUTO,
@@ -62,42 +72,6 @@ HANDOFF_DRAFT = ASSETS / "drafter-dflash"  # DFlash, the format vLLM and SGLang 
 Prompt = Union[str, list[dict[str, str]], list[int]]
 
 _PROMPT_KINDS = "text, a list of chat messages [{'role': 'user', 'content': ...}] or a list of token ids"
-
-
-class TemplateRefusal(GenerationError):
-    """The target's chat template raised on a conversation (a role or an order it does not take)."""
-
-
-def encode_plain(tokenizer, text: str) -> list[int]:
-    """Token ids of text sent as it is (no chat template): with the tokenizer's special tokens (e.g. BOS). The
-    tokenizer does not warn of a text longer than its model's context (see `render_chat`)."""
-    return tokenizer(text, add_special_tokens=True, verbose=False)["input_ids"]
-
-
-def render_chat(tokenizer, messages: list[dict], /, **options) -> Any:
-    """The tokenizer's chat template applied to `messages` (token ids); a `TemplateRefusal` quoting the template
-    when it raises on them. The tokenizer does not warn of a prompt longer than its model's context: the caller
-    measures that against the target's own and says what to do."""
-    try:
-        return tokenizer.apply_chat_template(messages, tokenize=True, tokenizer_kwargs={"verbose": False}, **options)
-    except TemplateSyntaxError as err:  # the template itself is broken, whatever the messages
-        where = getattr(tokenizer, "name_or_path", "") or "the model"
-        raise TemplateRefusal(f"the chat template of {where} is not a valid Jinja template ({err}, line {err.lineno}); "
-                              "fix its chat_template.jinja (or chat_template in tokenizer_config.json)") from None
-    except TemplateError as err:  # templates refuse some conversations (roles, order) by raising
-        raise TemplateRefusal(f"the model's chat template refused these messages: {err}") from None
-    except ValueError as err:  # transformers, when the template changes the final message it is to continue
-        if options.get("continue_final_message"):
-            raise TemplateRefusal(f"the last message cannot be continued: {err}") from None
-        raise TemplateRefusal(_cannot_render(err)) from None
-    except (TypeError, KeyError, AttributeError, IndexError) as err:  # e.g. `arguments | tojson` of a tool call
-        raise TemplateRefusal(_cannot_render(err)) from None
-
-
-def _cannot_render(err: Exception) -> str:
-    """A template that fails on the messages' contents (a field missing or of another type than it reads)."""
-    return (f"the model's chat template cannot render these messages ({type(err).__name__}: {err}); check each "
-            "message's fields against OpenAI's chat format (e.g. a tool call's function needs a name and arguments)")
 
 
 class DFlash:
@@ -216,8 +190,8 @@ class DFlash:
         opened). `add_generation_prompt=False`: the messages are rendered without the template's opening of the
         assistant's turn (as vLLM's request field)."""
         if isinstance(raw, (dict, GenerationConfig)):
-            raise GenerationError("generation options are keywords: generate(prompt, max_new_tokens=64, ...), or "
-                                  "generate(prompt, **options) for a dict of them")
+            raise GenerationError(f"generation options are keywords: generate(prompt, max_new_tokens=64, ...), or "
+                                  f"generate(prompt, **options) for a dict of them{_FROM_CONFIG}")
         if not isinstance(raw, bool):
             raise GenerationError(f"raw is True or False, got {raw!r}")
         kind = _prompt_kind(prompt)
@@ -233,13 +207,13 @@ class DFlash:
         if not has_template and not raw and variables.get("enable_thinking"):  # the call's own (the pipeline's were
             raise GenerationError(THINKING_WITHOUT_TEMPLATE)                   # refused when it was built)
         if kind == "messages":
-            prompt = _text_messages(prompt)
+            prompt = text_messages(prompt)
             if not has_template:  # a base model: the turns as plain text
                 return self.encode(plain_conversation(prompt), raw=True)
             if continue_final_message:
-                return _as_ids(render_chat(self.tokenizer, list(prompt), add_generation_prompt=False,
+                return as_ids(render_chat(self.tokenizer, list(prompt), add_generation_prompt=False,
                                            continue_final_message=True, **variables))
-            return _as_ids(render_chat(self.tokenizer, list(prompt), add_generation_prompt=add_generation_prompt,
+            return as_ids(render_chat(self.tokenizer, list(prompt), add_generation_prompt=add_generation_prompt,
                                        **variables))
         check_text(prompt)
         if has_template and not raw:
@@ -295,10 +269,10 @@ class DFlash:
         return TextStream(self, self.engine.stream(ids, config), config.stop_strings)
 
     def _config(self, options: dict[str, Any]) -> GenerationConfig:
-        """The generation options, with the pipeline's block size and branch length unless they name them (a
-        block_size of None names none: the pipeline's, as when it is left out)."""
-        if options.get("block_size", AUTO) is None:
-            options = {k: v for k, v in options.items() if k != "block_size"}
+        """The generation options, with the pipeline's block size and branch length unless they name them. An
+        option given as None names none, as in an OpenAI request ("stop": null): its default (for block_size, the
+        pipeline's), as when it is left out."""
+        options = {k: v for k, v in options.items() if v is not None}
         if self.drafter is None:  # as from_pretrained(no_draft=True, ...) refuses them ("auto" chooses nothing there)
             _refuse_drafting_options({"block_size": options.get("block_size") not in (None, AUTO),
                                       "branch_length": bool(options.get("branch_length"))},
@@ -351,6 +325,8 @@ def make_config(**options: Any) -> GenerationConfig:
     top_p with it); the commands refuse them from a user's flags (`refuse_greedy_ignores`)."""
     known = _OPTION_NAMES
     unknown = sorted(set(options) - known)
+    if any(isinstance(options[name], GenerationConfig) for name in unknown):
+        raise GenerationError(f"generation options are keywords, not a GenerationConfig{_FROM_CONFIG}")
     if unknown:
         meant = [_OTHER_NAMES.get(name) or next(iter(difflib.get_close_matches(name, known, 1)), None)
                  for name in unknown]
@@ -361,6 +337,7 @@ def make_config(**options: Any) -> GenerationConfig:
 
 
 _OPTION_NAMES = frozenset(f.name for f in fields(GenerationConfig))
+_FROM_CONFIG = " (a GenerationConfig's: generate(prompt, **dataclasses.asdict(config)))"
 # Other libraries' names for GenerationConfig's options (vLLM's and OpenAI's; transformers' are its own)
 _OTHER_NAMES = {"max_tokens": "max_new_tokens", "max_completion_tokens": "max_new_tokens", "stop": "stop_strings"}
 
@@ -507,8 +484,10 @@ def _pair_paths(target, draft, no_draft: bool) -> tuple[str | os.PathLike, str |
 
 def _check_models(target: Any, drafter: Any) -> None:
     if not isinstance(target, TargetModel):
+        loaded = (" (for a model loaded already: DFlash(TargetModel(model, tokenizer), load_drafter(path)))"
+                  if isinstance(target, torch.nn.Module) else "")
         raise UserError(f"DFlash(target, drafter) takes a dflash.TargetModel, not {type(target).__name__}; to load "
-                        "from directories or hub ids use DFlash.from_pretrained(target, draft)")
+                        f"from directories or hub ids use DFlash.from_pretrained(target, draft){loaded}")
     if drafter is not None and not isinstance(drafter, (DFlashDraftModel, TargetModel)):
         raise UserError(f"the drafter is a dflash.DFlashDraftModel (dflash.load_drafter(path)), a draft model as a "
                         f"dflash.TargetModel, or None, not {type(drafter).__name__}")
@@ -547,53 +526,6 @@ def _prompt_kind(prompt: Any) -> str:
     raise GenerationError(f"a prompt is {_PROMPT_KINDS}, not {type(prompt).__name__}")
 
 
-def check_text(text: str, what: str = "the prompt", fix: str = "give the text to decode") -> None:
-    """Refuse empty text (`fix` says what to do instead), and text that is not Unicode (see `check_utf8`)."""
-    if not text:
-        raise GenerationError(f"{what} is empty; {fix}")
-    check_utf8(text, what)
-
-
-# said by the commands that send a base model conversations (bench, datagen), so users know what it was given
-PLAIN_CONVERSATION_NOTE = ("the target's tokenizer has no chat template (a base model): prompts are sent as plain "
-                           "text, a conversation's turns and answers joined by blank lines (dflash.api."
-                           "plain_conversation)")
-# enable_thinking for a target without a chat template, from the API or a command's flag; False is taken there, as
-# nothing thinks
-THINKING_WITHOUT_TEMPLATE = ("enable_thinking (--enable-thinking) sets a chat template variable, and this target's "
-                             "tokenizer has no chat template (a base model) to read it: leave it out")
-
-
-def plain_conversation(messages: list[dict]) -> str:
-    """A conversation as plain text for a target without a chat template (a base model): the messages' contents
-    joined by blank lines."""
-    return "\n\n".join(m["content"] for m in messages)
-
-
-def _text_messages(messages: list | tuple) -> list[dict]:
-    """The messages, each with string 'role' and 'content': a content of OpenAI text parts ([{"type": "text",
-    "text": ...}]) becomes their texts joined by newlines, as `dflash serve` and other OpenAI-compatible servers
-    join them."""
-    checked = []
-    for m in messages:
-        if isinstance(m, dict) and isinstance(m.get("content"), list):
-            m = {**m, "content": _joined_parts(m["content"])}
-        if not isinstance(m, dict) or not isinstance(m.get("role"), str) or not isinstance(m.get("content"), str):
-            raise GenerationError(f"each message needs a string 'role' and a 'content' (a string or a list of text "
-                                  f"parts), got {m!r}")
-        check_utf8(m["content"], "a message's content")
-        checked.append(m)
-    return checked
-
-
-def _joined_parts(parts: list) -> str:
-    for part in parts:
-        if not isinstance(part, dict) or part.get("type") != "text" or not isinstance(part.get("text"), str):
-            raise GenerationError(f"a message's content parts must be text parts like {{'type': 'text', 'text': "
-                                  f"'...'}} (this package reads text only), got {part!r}")
-    return "\n".join(part["text"] for part in parts)
-
-
 def _check_batch(prompts: Any) -> None:
     if not isinstance(prompts, (list, tuple)):
         raise GenerationError(f"generate_batch takes a list of prompts, not {type(prompts).__name__}; for one "
@@ -603,41 +535,3 @@ def _check_batch(prompts: Any) -> None:
                               "generate(ids), or generate_batch([ids])")
 
 
-def _as_ids(encoded) -> list[int]:
-    if hasattr(encoded, "keys") and "input_ids" in encoded:
-        encoded = encoded["input_ids"]
-    return list(encoded)
-
-
-# variables a caller may not set: apply_chat_template's own arguments, which the engine decides (those of the
-# installed transformers join these: padding, truncation, max_length ... would cut or pad the prompt unseen)
-_RESERVED_TEMPLATE_VARIABLES = {"add_generation_prompt", "tokenize", "conversation", "messages", "return_dict",
-                                "return_tensors", "continue_final_message", "chat_template", "tools", "documents"}
-
-
-@functools.cache
-def reserved_template_variables() -> frozenset[str]:
-    import inspect
-
-    from transformers import PreTrainedTokenizerBase
-
-    named = inspect.signature(PreTrainedTokenizerBase.apply_chat_template).parameters.values()
-    own = {p.name for p in named if p.kind not in (p.VAR_KEYWORD, p.VAR_POSITIONAL) and p.name != "self"}
-    return frozenset(_RESERVED_TEMPLATE_VARIABLES | own)
-
-
-def check_template_kwargs(kwargs: dict[str, Any] | None) -> dict[str, Any]:
-    """Chat template variables, checked: a mapping of names (e.g. enable_thinking) to values."""
-    if kwargs is None:
-        return {}
-    if not isinstance(kwargs, dict) or not all(isinstance(k, str) for k in kwargs):
-        raise GenerationError("chat_template_kwargs must be a JSON object of template variables, e.g. "
-                              '{"enable_thinking": false}')
-    thinking = kwargs.get("enable_thinking")
-    if thinking is not None and not isinstance(thinking, bool):
-        raise GenerationError(f"chat_template_kwargs.enable_thinking must be true or false, got {thinking!r}")
-    reserved = sorted(set(kwargs) & reserved_template_variables())
-    if reserved:
-        raise GenerationError(f"chat_template_kwargs may not set {', '.join(reserved)}: dflash sets "
-                              f"{'it' if len(reserved) == 1 else 'them'} itself")
-    return dict(kwargs)

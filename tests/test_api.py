@@ -132,6 +132,32 @@ def test_openai_text_parts_are_their_texts_joined_as_the_server_joins_them(pipe)
         pipe.encode([{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}])
 
 
+def test_an_option_given_as_none_is_its_default_as_in_an_openai_request(pipe):
+    """A program forwarding an OpenAI request passes "stop": null, "temperature": null ...; they were refused."""
+    options = dict(stop_strings=None, temperature=None, top_p=None, top_k=None, seed=None, ignore_eos=None,
+                   branch_length=None, block_size=None, stop_token_ids=None)
+    plain = pipe.generate("hi", max_new_tokens=6).output_ids
+    assert pipe.generate("hi", max_new_tokens=6, **options).output_ids == plain
+
+
+def test_a_generation_config_or_a_loaded_model_is_refused_with_the_way_to_pass_it(pipe, tiny_pair):
+    import dataclasses
+
+    import transformers
+
+    from dflash import GenerationConfig
+
+    config = GenerationConfig(max_new_tokens=5)
+    for call in (lambda: pipe.generate("hi", config), lambda: pipe.generate("hi", config=config)):
+        with pytest.raises(GenerationError, match=r"generate\(prompt, \*\*dataclasses.asdict\(config\)\)"):
+            call()
+    plain = pipe.generate("hi", max_new_tokens=5).output_ids
+    assert pipe.generate("hi", **dataclasses.asdict(config)).output_ids == plain
+    model = transformers.AutoModelForCausalLM.from_pretrained(tiny_pair[0])
+    with pytest.raises(UserError, match=r"DFlash\(TargetModel\(model, tokenizer\), load_drafter\(path\)\)"):
+        DFlash(model)
+
+
 def test_bad_prompts_and_options(pipe):
     with pytest.raises(UserError, match="role"):
         pipe.generate([{"content": "hi"}])

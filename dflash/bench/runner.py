@@ -16,11 +16,11 @@ from typing import TYPE_CHECKING, Iterator
 
 from rich.console import Console
 
-from dflash.api import PLAIN_CONVERSATION_NOTE
 from dflash.bench import report
 from dflash.bench.datasets import DATA_DIR_ENV, DataOptions, Sample, data_source, load_samples, resolve_names
 from dflash.bench.local import LocalBackend, LocalConfig
 from dflash.bench.metrics import BenchResult, add_costs
+from dflash.chat import PLAIN_CONVERSATION_NOTE
 from dflash.decoding.engine import AUTO
 from dflash.errors import UserError, in_brief
 from dflash.model.target import TargetModel

@@ -8,7 +8,8 @@ import re
 import sys
 from pathlib import Path
 
-from dflash.api import check_text, make_config, refuse_greedy_ignores
+from dflash.api import make_config, refuse_greedy_ignores
+from dflash.chat import check_text
 from dflash.cli.common import add_model_arguments, load_pipeline
 from dflash.decoding.engine import SpeculativeEngine
 from dflash.errors import UserError

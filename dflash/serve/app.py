@@ -28,7 +28,7 @@ from starlette.concurrency import run_in_threadpool
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.requests import ClientDisconnect
 
-from dflash.api import check_template_kwargs
+from dflash.chat import check_template_kwargs
 from dflash.decoding.block_policy import BlockSizePolicy
 from dflash.decoding.detokenizer import TextDeltas
 from dflash.decoding.engine import GenerationConfig, GenerationOutput, check_token_ids

@@ -281,7 +281,7 @@ def _templated(messages: list[dict], tokenizer, variables: dict) -> tuple[list[i
 def _plain(messages: list[dict], tokenizer) -> tuple[list[int], list[int]]:
     """(prompt, response) ids of a conversation as plain text (`plain_conversation`), its last message the response:
     the tokens the full text adds to its prompt's."""
-    from dflash.api import encode_plain, plain_conversation
+    from dflash.chat import encode_plain, plain_conversation
 
     prompt = _ids(encode_plain(tokenizer, plain_conversation(messages[:-1])))
     full = _ids(encode_plain(tokenizer, plain_conversation(messages)))
@@ -294,7 +294,7 @@ def _plain(messages: list[dict], tokenizer) -> tuple[list[int], list[int]]:
 
 def _apply_template(tokenizer, messages: list[dict], **options):
     """The chat template's tokens of `messages`; a template that refuses them is a UserError quoting it."""
-    from dflash.api import TemplateRefusal, render_chat
+    from dflash.chat import TemplateRefusal, render_chat
 
     try:
         return render_chat(tokenizer, messages, **options)

@@ -75,7 +75,8 @@ class DatagenConfig:
     trust_remote_code: bool = False  # run the Python code the target ships (its config.json's auto_map)
 
     def validate(self) -> None:
-        from dflash.api import check_text, make_config, refuse_greedy_ignores
+        from dflash.api import make_config, refuse_greedy_ignores
+        from dflash.chat import check_text
 
         # Path("") is ".", the current directory: the messages about it would name a path the user never gave
         if not self.prompts:
@@ -710,7 +711,7 @@ def _refuse_thinking_without_template(config: DatagenConfig) -> None:
     settings are written (the tokenizer alone loads here)."""
     from transformers import AutoTokenizer
 
-    from dflash.api import THINKING_WITHOUT_TEMPLATE
+    from dflash.chat import THINKING_WITHOUT_TEMPLATE
 
     try:
         tokenizer = AutoTokenizer.from_pretrained(config.target, trust_remote_code=config.trust_remote_code)
@@ -781,7 +782,7 @@ class _Generator:
         self.pipe, self.config = pipe, config
         self.context_words = pipe.engine.target.context_words  # for the messages of prompts that do not fit
         if pipe.tokenizer is not None and not pipe.has_chat_template:  # `DFlash.encode` joins the turns then
-            from dflash.api import PLAIN_CONVERSATION_NOTE
+            from dflash.chat import PLAIN_CONVERSATION_NOTE
 
             _warn(PLAIN_CONVERSATION_NOTE)
 

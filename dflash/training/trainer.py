@@ -308,7 +308,7 @@ class Trainer:
             p.requires_grad_(False)
         self.tokenizer = self.target.tokenizer
         if self.config.enable_thinking and not getattr(self.tokenizer, "chat_template", None):
-            from dflash.api import THINKING_WITHOUT_TEMPLATE
+            from dflash.chat import THINKING_WITHOUT_TEMPLATE
 
             raise UserError(THINKING_WITHOUT_TEMPLATE)
         problem = self.target.distillation_problem() if self.config.distill_weight > 0 else None

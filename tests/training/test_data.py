@@ -54,7 +54,7 @@ def test_bad_training_records_are_named_with_their_line(tmp_path, tokenizer, rec
 def test_text_records_of_a_base_model_train_on_the_plain_conversation(tmp_path, tokenizer):
     """A tokenizer without a chat template (a base model): each answer after the plain text its prompt is sent as
     (`plain_conversation`, as generate, datagen and bench send it), then a blank line; every turn trains."""
-    from dflash.api import plain_conversation
+    from dflash.chat import plain_conversation
 
     base = copy.deepcopy(tokenizer)
     base.chat_template = None
