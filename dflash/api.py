@@ -99,6 +99,10 @@ class DFlash:
         if isinstance(drafter, DFlashDraftModel):  # before the precision check below runs a draft on the target's head
             check_drafter_fits(target, drafter.config)
         check_drafter_precision(drafter_precision)
+        if isinstance(drafter, TargetModel) and drafter_precision == "bfloat16":
+            raise UserError("drafter precision bfloat16 sets a DFlash drafter's matrix products, and this drafter is "
+                            "a draft model (classic drafting), which runs in its dtype: load it in bfloat16 (dtype) "
+                            "instead, or leave the precision out")
         self.target = target
         self.chat_template_kwargs = check_template_kwargs(chat_template_kwargs)
         self.drafter = drafter

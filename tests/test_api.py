@@ -594,3 +594,10 @@ def test_a_mistyped_drafter_is_named_before_the_target_loads(tiny_pair, tmp_path
     monkeypatch.setattr(TargetModel, "from_pretrained", no_loading)
     with pytest.raises(CheckpointError, match="drafterr"):
         DFlash.from_pretrained(tiny_pair[0], tmp_path / "drafterr", device="cpu")
+
+
+def test_bfloat16_drafter_precision_is_refused_for_a_draft_model_it_would_not_change(draft_model_pair):
+    """A draft model runs in its own dtype: the option was taken and did nothing."""
+    with pytest.raises(UserError, match="this drafter is a draft model .* load it in bfloat16 \\(dtype\\) instead"):
+        DFlash.from_pretrained(*draft_model_pair, drafter_precision="bfloat16")
+    assert DFlash.from_pretrained(*draft_model_pair, drafter_precision="float32").drafter is not None
