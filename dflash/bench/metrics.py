@@ -23,6 +23,7 @@ class BenchResult:
     num_prompts: int  # conversations sent (an mt-bench conversation has two turns); a server: in each round
     num_requests: int  # generations: one per turn
     distinct_prompts: int | None = None  # distinct samples among the conversations (fewer: prompts repeated)
+    baseline_num_prompts: int | None = None  # server: the baseline's conversations in each round (--duration: its own)
     drafter: str = "DFlash"  # what drafted: "DFlash", DRAFT_MODEL (classic) or, a server says so, NO_DRAFT
     block_size: int | str | None = None  # the widest block ("auto": chosen before every step); a server: its drafter's
     mean_block_size: float | None = None  # tokens per verify forward (anchor + draft tokens, a branch's too), averaged
@@ -101,13 +102,14 @@ def acceptance_rate_per_position(hist: list[int]) -> list[float]:
 FEW_VERIFY_STEPS = 50  # fewer verify steps than this in a result: its tau and speedup rest on too little
 
 
-def few_steps_note(steps: float, output_tokens: int) -> str | None:
-    """What to say when a result rests on few verify steps (None: it does not)."""
+def few_steps_note(steps: float, output_tokens: int, more: str = "--max-samples") -> str | None:
+    """What to say when a result rests on few verify steps (None: it does not); `more`: the flag that sends more
+    prompts (a server's: --num-prompts or --duration)."""
     if not 0 < steps < FEW_VERIFY_STEPS:
         return None
     one = round(steps) == 1
     return (f"only {steps:.0f} verify step{'' if one else 's'} ({output_tokens} output tokens) "
-            f"{'was' if one else 'were'} measured, too few for a steady tau or speedup: raise --max-samples or "
+            f"{'was' if one else 'were'} measured, too few for a steady tau or speedup: raise {more} or "
             "--max-new-tokens")
 
 

@@ -76,7 +76,9 @@ def run_bench(config: BenchConfig, pipe=None, console: Console | None = None,
             add_costs([result], config.gpu_hourly_usd)
             results.append(result)
             if config.output_dir:
-                info["runs_finished"] = f"{len(results)} of {planned_runs(config)}"  # a stopped run says so
+                # a stopped run says so: a server load cut short yields its partial result, which is no finished run
+                finished = sum(not r.partial for r in results)
+                info["runs_finished"] = f"{finished} of {planned_runs(config)}"
                 _write(results, config, info)
                 written = len(results)
     except (Exception, KeyboardInterrupt) as err:

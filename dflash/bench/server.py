@@ -853,6 +853,8 @@ class ServerBackend:
         result = summarize_load(dataset, pooled(loads), pooled(bases) if bases else None, counters, cfg,
                                 concurrency)
         result.num_prompts = round(statistics.mean(load.conversations for load in loads))  # a round's, as asked
+        if bases:
+            result.baseline_num_prompts = round(statistics.mean(load.conversations for load in bases))
         result.drafter = self.drafter
         speedups = [ratio(_throughput(fast), _throughput(base)) for fast, base in zip(loads, bases)]
         if len(speedups) > 1 and None not in speedups and result.speedup is not None:  # a round without baseline
@@ -928,13 +930,28 @@ class ServerBackend:
             result.notes.append(f"--concurrency {level} is above the level's {conversations} conversation(s), so at "
                                 f"most {conversations} request(s) were in flight: give --num-prompts {level} or more "
                                 f"to load the server at {level}")
-        if counters is not None and counters.drafts == 0 and self.drafter != NO_DRAFT and result.dflash_answers:
+        if result.dflash_answers and result.dflash_output_tokens <= result.dflash_answers:
+            result.speedup, result.speedup_per_round = None, []  # the prefill's token alone: no decoding was timed
+            why = ("raise --max-new-tokens" if self.config.max_new_tokens <= 1 else
+                   "the model ended every answer at once (a chat model asked through --endpoint completions often "
+                   "does: try --endpoint chat)")
+            result.notes.append(f"every answer ended at its first token (the prefill's), so no decoding was measured "
+                                f"and there is no speedup ('-'): {why}")
+        elif counters is not None and counters.drafts == 0 and self.drafter != NO_DRAFT and result.dflash_answers:
             result.notes.append(f"the --base-url server did no drafted step during this level (its spec-decode "
                                 f"counters at {self.metrics_url} did not move), so tau is '-' and the figures are "
                                 "plain decoding's: dflash serve's adaptive fallback decodes plainly while drafting "
                                 "does not pay (see dflash:fallback_active in its metrics)")
+        if self.config.duration_s is not None and not self.dflash_server and result.distinct_prompts is not None \
+                and result.num_prompts > result.distinct_prompts:
+            baseline = (f", the baseline's {result.baseline_num_prompts}" if result.baseline_num_prompts is not None
+                        else "")
+            result.notes.append(f"--duration cycled {result.distinct_prompts} distinct samples ({result.num_prompts} "
+                                f"conversations to --base-url{baseline}): a server with a prefix cache (vLLM, SGLang) "
+                                "answers a repeated prompt's prefill from memory, and the faster one repeats more, "
+                                "which flatters its TTFT and throughput; load more samples (--max-samples 0: all)")
         if counters is not None:
-            note = few_steps_note(counters.drafts, result.dflash_output_tokens)
+            note = few_steps_note(counters.drafts, result.dflash_output_tokens, "--num-prompts (or --duration)")
             if note:
                 result.notes.append(note)
         self._tell_once(result, "capped", capped_answers_warning(loads, self.config))

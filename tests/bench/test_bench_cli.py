@@ -579,6 +579,8 @@ def test_a_server_dying_in_a_level_leaves_that_level_saved_as_partial(scripted_s
     assert "did the server stop?" in captured.err and "gsm8k (partial)" in captured.out
     assert "partial: --base-url stopped answering after 2 of its requests had finished" in (
         out / "results.md").read_text()
+    # the level cut short is no finished run: config.json said "2 of 3", and a rerun then took the run as whole
+    assert json.loads((out / "config.json").read_text())["runs_finished"] == "1 of 3"
 
 
 def test_a_failed_warm_up_leaves_an_earlier_runs_results_alone_even_with_overwrite(scripted_server, data_dir,

@@ -27,7 +27,8 @@ SAMPLES = [Sample("a", ("How many clips?",)), Sample("b", ("Weng earns",)),
 
 def config(server, **kw) -> ServerConfig:
     """No warm-up unless asked for: the tests below count every request a server got."""
-    return ServerConfig(base_url=server.base_url, max_new_tokens=10, **{"concurrency": [1], "warmup_tokens": 0, **kw})
+    defaults = {"max_new_tokens": 10, "concurrency": [1], "warmup_tokens": 0}
+    return ServerConfig(base_url=server.base_url, **{**defaults, **kw})
 
 
 def test_chat_load_reads_throughput_latency_and_counters(openai_server):
@@ -158,6 +159,18 @@ def test_duration_keeps_the_load_up(openai_server):
     result = ServerBackend(config(server, duration_s=1.0)).run_level("gsm8k", SAMPLES[:1], 1)
     assert result.num_requests >= 2  # one sample, cycled until the time was up (a count would stop at 1)
     assert result.num_prompts == result.num_requests and result.distinct_prompts == 1  # conversations sent
+
+
+def test_a_duration_run_that_cycles_its_samples_says_what_that_does_to_a_prefix_cache(openai_server):
+    """The faster server repeats the pool more, and its prefix cache answers the repeats: the comparison was
+    unequal without a word, and only the DFlash side's conversations were recorded."""
+    fast, slow = openai_server(delay_s=0.01), openai_server(delay_s=0.1)
+    result = ServerBackend(config(fast, duration_s=1.0, baseline_url=slow.base_url)).run_level("gsm8k",
+                                                                                                SAMPLES[:2], 1)
+    assert result.num_prompts > max(result.baseline_num_prompts, 2) and result.distinct_prompts == 2
+    [note] = [n for n in result.notes if n.startswith("--duration cycled")]
+    assert (f"--duration cycled 2 distinct samples ({result.num_prompts} conversations to --base-url, the "
+            f"baseline's {result.baseline_num_prompts}): a server with a prefix cache") in note
 
 
 def test_unreachable_server_is_a_user_error():
@@ -487,6 +500,21 @@ def test_a_level_above_its_conversations_and_a_level_without_drafts_are_noted(sc
     assert "did no drafted step" in plain and "did not move" in plain and "fallback" in plain
 
 
+@pytest.mark.parametrize("max_new_tokens,why", [(1, "raise --max-new-tokens"), (10, "try --endpoint chat")])
+def test_answers_of_one_token_measure_no_decoding_and_give_no_speedup(scripted_server, max_new_tokens, why):
+    """A ratio of two prefills was shown as the speedup (and drawn in the speedup plot), with a note blaming the
+    fallback; the local backend already left it out."""
+    one_token = lambda body: answer_chat(body, text="tok", tokens=1)  # noqa: E731
+    fast = scripted_server(one_token, metrics="dflash:spec_decode_num_drafts_total 5\n")
+    base = scripted_server(one_token)
+    result = ServerBackend(config(fast, num_prompts=2, max_new_tokens=max_new_tokens,
+                                  baseline_url=base.base_url)).run_level("gsm8k", SAMPLES[:2], 1)
+    assert result.baseline_tokens_per_s and result.dflash_tokens_per_s and result.speedup is None
+    [note] = [n for n in result.notes if "first token" in n]
+    assert "no decoding was measured and there is no speedup ('-')" in note and why in note
+    assert not any("fallback" in n for n in result.notes)
+
+
 def test_failed_requests_are_counted_per_server_and_leave_the_speedup_out(scripted_server):
     from dflash.bench.report import markdown, warnings
 
@@ -765,7 +793,7 @@ def test_a_level_of_few_drafted_steps_says_its_tau_and_speedup_rest_on_too_littl
     result = ServerBackend(config(server, warmup_tokens=0)).run_level("gsm8k", SAMPLES[:1], 1)
     [note] = [n for n in result.notes if "verify steps" in n]
     assert note == ("only 7 verify steps (3 output tokens) were measured, too few for a steady tau or speedup: raise "
-                    "--max-samples or --max-new-tokens")
+                    "--num-prompts (or --duration) or --max-new-tokens")  # --max-samples sends a server no more
 
 
 @pytest.mark.parametrize("flag, url", [("--base-url", "http://[::1"), ("--base-url", "http://127.0.0.1:abc/v1"),
