@@ -1,7 +1,8 @@
 """Optional dependencies: the extra that brings each, and one clear error when one is missing.
 
 The core install decodes and trains; `dflash serve` needs the `serve` extra, `dflash bench` the `bench` extra
-(its plots, a server run, hub datasets). PyPI's `dflash` is another project, so the hint installs from the
+(its plots, a server run), and reading prompts or benchmark sets from the hub, parquet, CSV or a dataset
+directory the `data` extra (which `bench` brings too). PyPI's `dflash` is another project, so the hint installs from the
 checkout, or the package alone.
 """
 
@@ -19,7 +20,7 @@ OPTIONAL = {
     "prometheus_client": ("serve", "prometheus-client"),
     "httpx": ("bench", "httpx"),
     "matplotlib": ("bench", "matplotlib"),
-    "datasets": ("bench", "datasets"),
+    "datasets": ("data", "datasets"),
 }
 
 
@@ -28,10 +29,11 @@ class MissingExtraError(UserError):
 
 
 def require(modules: list[str], needed_for: str) -> None:
-    """Raise MissingExtraError naming the first of `modules` that is not installed (before any work starts)."""
-    for module in modules:
-        if not _installed(module):
-            raise MissingExtraError(missing_message(module, needed_for))
+    """Raise MissingExtraError naming every one of `modules` that is not installed (before any work starts), so one
+    install fixes it."""
+    missing = [module for module in modules if not _installed(module)]
+    if missing:
+        raise MissingExtraError(missing_message(missing, needed_for))
 
 
 def _installed(module: str) -> bool:
@@ -40,12 +42,17 @@ def _installed(module: str) -> bool:
     return importlib.util.find_spec(module) is not None
 
 
-def missing_message(module: str, needed_for: str) -> str:
-    extra, package = OPTIONAL.get(module, (None, module))
-    fix = f"pip install {package}"
-    if extra:
-        fix += f", or DFlash's '{extra}' extra: pip install -e \".[{extra}]\" in the DFlash checkout"
-    return f"{needed_for} needs the Python package {module!r}, which is not installed: {fix}"
+def missing_message(modules: str | list[str], needed_for: str) -> str:
+    modules = [modules] if isinstance(modules, str) else modules
+    packages = [OPTIONAL.get(module, (None, module))[1] for module in modules]
+    extras = sorted({OPTIONAL[module][0] for module in modules if module in OPTIONAL})
+    fix = f"pip install {' '.join(packages)}"
+    if len(extras) == 1:
+        fix += f", or DFlash's '{extras[0]}' extra: pip install -e \".[{extras[0]}]\" in the DFlash checkout"
+    named = ", ".join(repr(module) for module in modules)
+    if len(modules) == 1:
+        return f"{needed_for} needs the Python package {named}, which is not installed: {fix}"
+    return f"{needed_for} needs the Python packages {named}, which are not installed: {fix}"
 
 
 def as_missing_extra(err: ModuleNotFoundError, needed_for: str) -> MissingExtraError | None:

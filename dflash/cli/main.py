@@ -33,7 +33,9 @@ FLAG_ALIASES = {"--draft-model": "--draft", "--model": "--target", "--speculativ
 ALIAS_VALUES = {"--num-speculative-tokens": "N + 1 for N speculative tokens: the block holds the anchor too"}
 
 
-def build_parser() -> argparse.ArgumentParser:
+def build_parser(commands: list[str] | None = None) -> argparse.ArgumentParser:
+    """The parser of every command, or of `commands` alone (the others are listed, without their flags: a command's
+    module imports torch and transformers, seconds that `dflash --help` need not wait)."""
     from dflash import __version__
 
     parser = argparse.ArgumentParser(prog="dflash", description="Lossless block-diffusion speculative decoding.")
@@ -42,7 +44,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser.commands = {}  # name -> its parser, for errors in the subcommand's own words
     for name, (module, help_text) in COMMANDS.items():
         command = parser.commands[name] = sub.add_parser(name, help=help_text, description=help_text)
-        importlib.import_module(module).add_arguments(command)
+        if commands is None or name in commands:
+            importlib.import_module(module).add_arguments(command)
         command.set_defaults(module=module)
     return parser
 
@@ -53,7 +56,9 @@ def main(argv: list[str] | None = None) -> int:
               "(> FILE) or to /dev/null instead of closing it", file=sys.stderr)
         return 2
     try:
-        parser = build_parser()  # imports torch and transformers: a second or two to Ctrl-C in
+        given = sys.argv[1:] if argv is None else argv
+        command = next((word for word in given if not word.startswith("-")), None)  # the top level has flags alone
+        parser = build_parser([command])  # imports torch and transformers: a second or two to Ctrl-C in
     except KeyboardInterrupt:
         given = (sys.argv[1:] if argv is None else argv)[:1]
         prog = f"dflash {given[0]}" if given and given[0] in COMMANDS else "dflash"  # as its later messages say
@@ -62,7 +67,8 @@ def main(argv: list[str] | None = None) -> int:
     args, unknown = parser.parse_known_args(argv)
     if unknown:  # the subcommand's usage and a hint, where argparse would print the top level's usage alone
         command = parser.commands[args.command]
-        command.error(f"unrecognized arguments: {' '.join(unknown)}{unknown_flag_hint(unknown, command)}")
+        hint = unknown_flag_hint(unknown, command) or list_hint(args.command, unknown)
+        command.error(f"unrecognized arguments: {' '.join(unknown)}{hint}")
     return run_command(args, f"dflash {args.command}{_rank_tag()}")
 
 
@@ -81,6 +87,15 @@ def unknown_flag_hint(unknown: list[str], parser: argparse.ArgumentParser) -> st
         if close:
             value = f", {ALIAS_VALUES[flag]}" if close[0] == alias and flag in ALIAS_VALUES else ""
             return f" (did you mean {close[0]} for {flag}{value}?)"
+    return ""
+
+
+def list_hint(command: str, unknown: list[str]) -> str:
+    """bench's sweeps take their values joined by commas: "--concurrency 1 4" leaves "4" over."""
+    import re
+
+    if command == "bench" and re.fullmatch(r"[0-9.,]+|auto", unknown[0]):
+        return " (a sweep's values go joined by commas: --concurrency 1,4, --block-size 8,16)"
     return ""
 
 

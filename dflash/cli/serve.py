@@ -287,6 +287,9 @@ def _warn_if_open(args: argparse.Namespace) -> None:
 
 
 def _serve(args: argparse.Namespace) -> int:
+    from dflash.extras import require
+
+    require(["fastapi", "uvicorn", "prometheus_client"], "dflash serve")  # all it lacks named at once
     import uvicorn
     from prometheus_client import disable_created_metrics
 

@@ -53,6 +53,8 @@ def test_under_torchrun_each_process_names_its_rank(monkeypatch, capsys):
     (["generate", "--prompt", "x", "--temprature=0.5"], "(did you mean --temperature for --temprature?)"),
     (["serve", "--no-draft", "--model", "m"], "(did you mean --target for --model?)"),
     (["train", "--frobnicate"], "unrecognized arguments: --frobnicate\n"),
+    (["bench", "--concurrency", "1", "4"], "arguments: 4 (a sweep's values go joined by commas: --concurrency 1,4"),
+    (["generate", "--prompt", "x", "4"], "unrecognized arguments: 4\n"),
     (["generate", "--prompt", "x", "--num-speculative-tokens", "15"],
      "(did you mean --block-size for --num-speculative-tokens, N + 1 for N speculative tokens: the block holds the "
      "anchor too?)"),
@@ -165,3 +167,19 @@ def test_a_name_too_long_for_the_file_system_says_to_shorten_it(tmp_path, capsys
     err = capsys.readouterr().err
     assert "error: a file name is too long: " in err and "shorten the name you gave" in err
     assert "[Errno" not in err
+
+
+@pytest.mark.parametrize("argv, loads_torch", [(["--help"], False), (["--version"], False),
+                                               (["generate", "--help"], True)])
+def test_the_top_levels_help_and_version_load_no_command(argv, loads_torch):
+    """`dflash --help` and `--version` took 2-3 s: every command's module was imported (torch, transformers) for
+    flags they do not show."""
+    import subprocess
+    import sys
+
+    script = (f"import sys\nfrom dflash.cli.main import main\ntry:\n    main({argv!r})\nexcept SystemExit:\n    pass\n"
+              "print('torch' in sys.modules, file=sys.stderr)")
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
+    assert done.stderr.strip().splitlines()[-1] == str(loads_torch)
+    if argv == ["--help"]:
+        assert all(name in done.stdout for name in ("generate", "datagen", "train", "serve", "bench"))
