@@ -785,6 +785,9 @@ class ServerBackend:
         self.dflash_server = _said_drafter(exposition) is not None  # dflash serve says what it drafts with
         baseline_exposition = (fetch_exposition(default_metrics_url(config.baseline_url), api_key=config.api_key)[0]
                                if self.baseline else None)
+        # dflash serve with and without a drafter: seeded sampling gives the same tokens on both, so the texts are
+        # compared at any temperature (other engines promise that at temperature 0 at most)
+        self.seeded_pair = self.dflash_server and _said_drafter(baseline_exposition) == NO_DRAFT
         if self.drafter == NO_DRAFT:
             self.warnings.append(self._plain_server_warning(baseline_exposition))
         elif exposition is not None and drafts(baseline_exposition) and not drafts(exposition):
@@ -851,7 +854,7 @@ class ServerBackend:
         cfg = self.config
         counters, lost = self._level_counters(before, fetch_metrics(self.metrics_url, api_key=cfg.api_key))
         result = summarize_load(dataset, pooled(loads), pooled(bases) if bases else None, counters, cfg,
-                                concurrency)
+                                concurrency, compare_sampled=self.seeded_pair)
         result.num_prompts = round(statistics.mean(load.conversations for load in loads))  # a round's, as asked
         if bases:
             result.baseline_num_prompts = round(statistics.mean(load.conversations for load in bases))
@@ -1031,7 +1034,9 @@ def pooled(loads: list[LoadResult]) -> LoadResult:
 
 
 def summarize_load(dataset: str, load: LoadResult, base: LoadResult | None, counters: SpecDecodeCounters | None,
-                   config: ServerConfig, concurrency: int) -> BenchResult:
+                   config: ServerConfig, concurrency: int, compare_sampled: bool = False) -> BenchResult:
+    """A level's row; the two servers' texts are compared at temperature 0, and when sampling too with
+    `compare_sampled` (two dflash serve, whose seeded answers are the target's own with that seed)."""
     ok = [r for r in load.records if r.error is None]
     _check_some_answered(load, config.base_url, "--base-url", config.duration_s)
     if base is not None:
@@ -1067,7 +1072,7 @@ def summarize_load(dataset: str, load: LoadResult, base: LoadResult | None, coun
         result.baseline_latency_ms = _latency_ms(base)
         result.baseline_ttft_ms = mean_ms([r.ttft_s for r in answered])
         result.baseline_tpot_ms = mean_ms([r.tpot_s for r in answered])
-        if config.temperature == 0:
+        if config.temperature == 0 or compare_sampled:
             result.mismatched_prompts = _compare_texts(base.records, load.records)
             result.mismatches = len(result.mismatched_prompts)
     if counters is not None and counters.drafts > 0:
