@@ -27,7 +27,8 @@ DECODING_COMMANDS = ("generate", "datagen", "bench", "serve")
 
 # Other tools' names for our flags (the reference benchmark's, vLLM's), for a hint when one is given.
 FLAG_ALIASES = {"--draft-model": "--draft", "--model": "--target", "--speculative-model": "--draft",
-                "--max-tokens": "--max-new-tokens", "--num-speculative-tokens": "--block-size"}
+                "--max-tokens": "--max-new-tokens", "--num-speculative-tokens": "--block-size",
+                "--stop-strings": "--stop", "--stop-string": "--stop"}  # the API's stop_strings
 # Aliases whose value means another number here: vLLM's speculative tokens are the draft tokens, one fewer than the
 # block (the anchor and its draft tokens)
 ALIAS_VALUES = {"--num-speculative-tokens": "N + 1 for N speculative tokens: the block holds the anchor too"}

@@ -53,6 +53,7 @@ def test_under_torchrun_each_process_names_its_rank(monkeypatch, capsys):
     (["generate", "--prompt", "x", "--temprature=0.5"], "(did you mean --temperature for --temprature?)"),
     (["serve", "--no-draft", "--model", "m"], "(did you mean --target for --model?)"),
     (["train", "--frobnicate"], "unrecognized arguments: --frobnicate\n"),
+    (["generate", "--prompt", "x", "--stop-strings", "y"], "(did you mean --stop for --stop-strings?)"),
     (["bench", "--concurrency", "1", "4"], "arguments: 4 (a sweep's values go joined by commas: --concurrency 1,4"),
     (["generate", "--prompt", "x", "4"], "unrecognized arguments: 4\n"),
     (["generate", "--prompt", "x", "--num-speculative-tokens", "15"],
