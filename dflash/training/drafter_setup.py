@@ -19,13 +19,17 @@ from dflash.training.data import Example
 
 
 def choose_mask_token_id(config: TrainConfig, tokenizer, vocab_size: int) -> int:
-    """An id that is no real token: the tokenizer's mask token, `<|mask|>`, or the first unused embedding row."""
+    """An id that is no real token: the tokenizer's `<|MASK|>`, its mask token, `<|mask|>`, or the first unused
+    embedding row. `<|MASK|>` first: SGLang refuses a drafter whose mask_token_id is not that token's id when the
+    tokenizer has it."""
     if config.mask_token_id is not None:
         return config.mask_token_id
     if tokenizer is not None:
+        vocab = tokenizer.get_vocab()
+        if "<|MASK|>" in vocab:
+            return vocab["<|MASK|>"]
         if getattr(tokenizer, "mask_token_id", None) is not None:
             return tokenizer.mask_token_id
-        vocab = tokenizer.get_vocab()
         if "<|mask|>" in vocab:
             return vocab["<|mask|>"]
         if len(tokenizer) < vocab_size:
