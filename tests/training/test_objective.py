@@ -262,3 +262,51 @@ def test_preferred_anchors_come_first_and_random_ones_fill_up():
         many[:, 8:18] = True  # 10 preferred candidates for 6 places: a random subset of them
         anchors, valid = sample_anchors(loss_mask, 6, gens, preferred=many)
         assert valid.all() and all(8 <= a < 18 for a in anchors.flatten().tolist())
+
+
+def test_a_training_block_attends_both_ways(head):
+    """Causal block attention (a public trainers' pitfall) was caught only through a trained drafter's acceptance:
+    here the first draft position must see what the last one holds."""
+    ids, real, loss_mask = toy_batch()
+    ids, real, loss_mask = ids[:1] % 100, real[:1], loss_mask[:1]
+    features = torch.randn(1, ids.shape[1], head[1].config.num_features)
+    blocks = build_blocks(ids, loss_mask, real, torch.tensor([[10]]), torch.ones(1, 1, dtype=torch.bool), B,
+                          MASK_TOKEN_ID, 7.0)
+    changed = blocks.tokens.clone()
+    changed[0, B - 1] = 7  # the block's last token
+    with torch.no_grad():
+        base, after = (head[0](features, tokens, blocks.positions, real, blocks.attn_mask).logits
+                       for tokens in (blocks.tokens, changed))
+    assert not torch.allclose(base[0, 1], after[0, 1], atol=1e-4)
+
+
+@pytest.mark.parametrize("family", ["qwen3", "llama"])
+def test_a_training_block_gives_the_logits_decoding_gives_at_that_anchor(family):
+    """Training and decoding run the drafter on the same inputs: the target's features before the anchor, the block
+    at the anchor's positions. A shift, a leak or another mask on either side breaks this."""
+    from conftest import tiny_target_model
+    from dflash.decoding.proposer import DFlashProposer, PendingContext
+    from dflash.model.target import TargetModel
+
+    target = TargetModel(tiny_target_model(family))
+    drafter = tiny_drafter(target, layers=2, block_size=8)
+    layers = drafter.config.target_layer_ids
+    ids = torch.randint(0, 100, (1, 30), generator=torch.Generator().manual_seed(3))
+    real, loss_mask = torch.ones(1, 30, dtype=torch.bool), torch.arange(30)[None] >= 10
+    anchors = torch.tensor([[12, 20]])
+    blocks = build_blocks(ids, loss_mask, real, anchors, torch.ones_like(anchors).bool(), 8, MASK_TOKEN_ID, 7.0)
+    with torch.no_grad():
+        features = target.context_features(ids, real, layers).float()
+        trained = DraftingHead(drafter, target)(features, blocks.tokens, blocks.positions, real,
+                                                blocks.attn_mask).logits.view(1, 2, 8, -1)
+        proposer = DFlashProposer(drafter, target)
+        for j, anchor in enumerate(anchors[0].tolist()):
+            seen = torch.arange(anchor)[None]
+            out = target.forward(ids[:, :anchor], seen, target.new_cache(), feature_layer_ids=layers)
+            state = proposer.new_state()
+            proposer.observe(state, PendingContext(out.features, seen, torch.ones(1, anchor, dtype=torch.bool)))
+            block = torch.tensor([[int(ids[0, anchor])] + [MASK_TOKEN_ID] * 7])
+            hidden = drafter(block_embeds=target.embed(block), block_positions=anchor + torch.arange(8)[None],
+                             context=drafter.project_context(out.features.float()), context_positions=seen,
+                             cache=state.cache)
+            assert torch.allclose(target.lm_head(hidden)[0], trained[0, j], atol=1e-4)
