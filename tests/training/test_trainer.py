@@ -439,7 +439,12 @@ def test_another_targets_answers_are_named_in_a_warning(tiny_pair, train_data, t
     settings = datagen.settings_path(data)
     settings.write_text(json.dumps({"target": str(tiny_pair[0].resolve()), "max_new_tokens": 8}))
     Trainer(config(tiny_pair, data, tmp_path / "same")).setup()
-    assert "another target" not in capsys.readouterr().err
+    err = capsys.readouterr().err
+    assert "another target" not in err and "no dflash datagen settings" not in err
+    settings.unlink()  # answers from elsewhere: whose they are is unknown, and said (a public trainers' pitfall)
+    Trainer(config(tiny_pair, data, tmp_path / "elsewhere")).setup()
+    assert (f"--data {data} has no dflash datagen settings beside it, so whose answers it holds is unknown" in
+            capsys.readouterr().err)
     settings.write_text(json.dumps({"target": "/models/other-target", "max_new_tokens": 8}))
     Trainer(config(tiny_pair, data, tmp_path / "other")).setup()
     assert (f"--data {data} holds the answers of another target (/models/other-target, says answers.jsonl.datagen"
