@@ -60,7 +60,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                            "the dataset has that many)")
     data.add_argument("--seed", type=int, default=0, help="picks the subset; seeds sampling at temperature > 0")
     gen = parser.add_argument_group("generation")
-    gen.add_argument("--max-new-tokens", type=int, default=256)
+    gen.add_argument("--max-new-tokens", type=int, default=256,
+                     help="the longest answer of each turn, in tokens (default: %(default)s)")
     gen.add_argument("--temperature", type=float, default=0.0, help="0 = greedy; outputs must match at any temperature "
                      "(each prompt is sampled with its own seed)")
     gen.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling at temperature > 0 (1 = off)")
