@@ -295,6 +295,7 @@ class TextStream:
         self._deltas = TextDeltas(pipe.tokenizer, stop_strings, tokens.stop_token_ids)
         self._started = False
         self._result: GenerationOutput | None = None  # set when the iteration ends
+        self._pieces: Iterator[str] | None = None  # the iteration `next(stream)` reads
 
     @property
     def result(self) -> GenerationOutput:
@@ -307,6 +308,12 @@ class TextStream:
             raise GenerationError("a stream's result is there once it has been read to the end: iterate it first "
                                   "(for piece in stream: ...), or call generate(...) for the result alone")
         return self._result
+
+    def __next__(self) -> str:
+        """The next text piece, as iterating gives them (a stream is also read with next())."""
+        if self._pieces is None:
+            self._pieces = iter(self)
+        return next(self._pieces)
 
     def __iter__(self) -> Iterator[str]:
         if self._started:

@@ -233,6 +233,12 @@ def test_batches_and_streams_are_used_as_documented(pipe):
         left.result  # noqa: B018 - reading it is the test
     with pytest.raises(GenerationError, match="iterated once; this one was read before; call stream"):
         list(left)
+    read = pipe.stream("Weng earns", max_new_tokens=8, ignore_eos=True)  # next() reads it too, piece by piece
+    pieces = [next(read)]
+    with pytest.raises(StopIteration):
+        while True:
+            pieces.append(next(read))
+    assert "".join(pieces) == read.result.text == pipe.generate("Weng earns", max_new_tokens=8, ignore_eos=True).text
 
 
 def test_a_streams_time_to_first_token_runs_from_its_first_read(pipe):
