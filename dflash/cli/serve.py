@@ -10,6 +10,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import errno
+import gc
 import logging
 import math
 import os
@@ -316,6 +317,10 @@ def _serve(args: argparse.Namespace) -> int:
     )
     app = create_app(pipe, config)
     _warm_up(pipe)
+    # the models' and libraries' objects live as long as the server: out of the collector's sight, a full
+    # collection no longer walks them while requests wait, nor at exit (seconds, after the last request had gone)
+    gc.collect()
+    gc.freeze()
     _warn_if_open(args)
     http = uvicorn.Server(uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level))
     return _run(http, app.state.server.scheduler, f"{args.host}:{args.port}", args.shutdown_timeout or 0.0)
