@@ -76,8 +76,8 @@ class HandoffOptions:
     log_level: str | None = None  # debug, info, warning or error (vLLM: its HTTP server's, SGLang: its own)
     trust_remote_code: bool = False  # both engines take --trust-remote-code as dflash does
     generation_config: str = "auto"  # --generation-config: auto (both engines' default), vllm / openai, or a directory
-    # --attention-backend: the engine's backend, "auto" for its own choice; None: vLLM with a drafter gets
-    # VLLM_DRAFT_ATTENTION_BACKEND (but for a latent-attention target), the rest their own choice
+    # --attention-backend: the target's backend (the engine's flag), "auto" for the engine's own choice, the vLLM
+    # drafter's too; None: the engine's choice for the target (`vllm_attention_backends` says the vLLM drafter's)
     attention_backend: str | None = None
     # vLLM's drafter backend, in its speculative config (set by `engine_command`; None: none named there)
     draft_attention_backend: str | None = None
