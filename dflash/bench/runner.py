@@ -134,7 +134,8 @@ def _show_partial(results: list[BenchResult], written: int, config: BenchConfig,
     else:
         where = (f"in the table above; {config.output_dir} was last written whole with the first {written} (writing "
                  "it again failed, so some of its files may hold more)" if written
-                 else f"in the table above only (writing {config.output_dir} failed)")
+                 else f"in the table above (writing {config.output_dir} failed partway, so its files may hold "
+                 "some of them: the plots are written last)")
     whole = sum(not r.partial for r in results)
     when = (f"in run {whole + 1} of {planned_runs(config)} (what it had measured is marked partial)"
             if whole < len(results) else f"after {whole} of {planned_runs(config)} runs")

@@ -104,6 +104,29 @@ def test_a_stop_by_a_failed_write_does_not_claim_the_results_are_saved(openai_se
             "some space or fix its permissions, or give another --output-dir") in err  # was the raw errno
 
 
+def test_a_first_write_that_fails_partway_does_not_say_nothing_was_written(openai_server, data_dir, tmp_path,
+                                                                           monkeypatch, capsys):
+    """A full disk failed the plots after results.json and results.md were written, and the message said the
+    results were in the table only."""
+    from dflash.bench import report
+
+    real_plots = report.write_plots
+
+    def plots_fail(results, out):  # the run's start writes no result and its plots go through
+        if results:
+            raise OSError(28, "No space left on device")
+        return real_plots(results, out)
+
+    monkeypatch.setattr(report, "write_plots", plots_fail)
+    out = tmp_path / "out"
+    code = main(["bench", "--base-url", openai_server().base_url, "--data-dir", str(data_dir), "--max-samples", "1",
+                 "--max-new-tokens", "4", "--concurrency", "1", "--output-dir", str(out), "--no-progress"])
+    err = " ".join(capsys.readouterr().err.split())
+    assert code == 2 and (out / "results.json").exists()
+    assert (f"the finished ones are in the table above (writing {out} failed partway, so its files may hold some of "
+            "them: the plots are written last)") in err
+
+
 def test_a_write_that_fails_leaves_no_half_written_file_beside_the_whole_one(tmp_path, monkeypatch):
     from dflash.bench import report
 
