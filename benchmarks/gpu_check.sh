@@ -57,7 +57,9 @@ config=${CONFIG:-scripts/embedded/drafter_round27.yaml}
 log "3. training the embedded drafter: $config"
 read -r run init < <(python3 -c "import yaml; c = yaml.safe_load(open('$config')); print(c['output'], c['init_from'])")
 mkdir -p runs/embedded
-tar xf runs/gpu/answers.tgz -C runs/embedded
+# Python's tarfile reads any compression; tar needs the xz binary for pack_answers.py's archive
+python3 -c "import tarfile; tarfile.open('runs/gpu/answers.tgz').extractall('runs/embedded')" \
+    || { log "cannot unpack runs/gpu/answers.tgz: carry it (scripts/embedded/pack_answers.py makes it)"; exit 1; }
 [ -e "$init" ] || { log "init_from $init is not on this machine: carry it, or start from dflash/assets/drafter"; exit 1; }
 if [ -z "${PER_STEP:-}" ]; then
     timeout 100 dflash train --config "$config" --device "$device" --max-steps "$probe" --output /tmp/probe \
@@ -67,16 +69,20 @@ print([r['train_time_s'] / r['step'] for r in d if r.get('event') == 'done'][0])
         log "the timing probe did not finish (its log: /tmp/probe.log): pass PER_STEP=SECONDS, or a lower PROBE"; exit 1; }
     log "$probe steps took ${PER_STEP}s each"
 fi
-setup=60  # loading, the held-out evaluation (64 replays) and the export, with room to spare
-steps=$(python3 -c "print(max(20, int(($(left) - $setup) / $PER_STEP) // 20 * 20))")
+# loading, two held-out evaluations (64 replays each: the timing probe ran none) and the export, with room to spare
+setup=90
+export_s=65  # kept back from the training's deadline: a run stopped there is exported by a --resume within it
+[ "$(left)" -gt $((setup + export_s)) ] || { log "too little time left to train: pass PER_STEP, or a larger budget"; exit 1; }
+steps=$(python3 -c "print(max(20, int(($(left) - $setup - $export_s) / $PER_STEP) // 20 * 20))")
 log "training $steps steps"
-timeout $(($(left) - 5)) dflash train --config "$config" --device "$device" --max-steps "$steps" \
+timeout $(($(left) - export_s)) dflash train --config "$config" --device "$device" --max-steps "$steps" \
     --eval-every $((steps / 2)) --overwrite 2>&1 | grep -v '^{"step"' | tail -30
 if [ ! -f $run/model.safetensors ] && ls -d $run/checkpoints/step-* > /dev/null 2>&1; then
     last=$(ls -d $run/checkpoints/step-* | tail -1)
     log "stopped at the deadline: exporting $last"
-    timeout 60 dflash train --config "$config" --device "$device" --resume --max-steps "$((10#${last##*step-}))" \
-        2>&1 | grep -v '^{"step"' | tail -5
+    # within the budget: past it the machine's limit kills the call before the drafter is copied into OUT_DIR
+    timeout $(($(left) - 5)) dflash train --config "$config" --device "$device" --resume \
+        --max-steps "$((10#${last##*step-}))" 2>&1 | grep -v '^{"step"' | tail -5
 fi
 mkdir -p "$out/drafter"
 for f in config.json model.safetensors train_log.jsonl training_config.yaml; do

@@ -149,6 +149,20 @@ def walk(lattice: Lattice) -> tuple[torch.Tensor, torch.Tensor]:
     return lattice.candidates.gather(2, chosen[..., None])[..., 0], chosen
 
 
+def walk_on_device(lattice: Lattice) -> tuple[torch.Tensor, torch.Tensor]:
+    """`walk`'s path, followed on the lattice's device by k dependent gathers instead of on the host: for the
+    thousands of blocks of a training batch, whose b x k x K integers cost a GPU more to bring to the host (a sync,
+    then a Python loop) than its whole step."""
+    best = lattice.scores.argmax(-1)  # (b, k, K): the best candidate at t after each candidate at t-1
+    previous = torch.zeros(best.shape[0], 1, dtype=torch.long, device=best.device)  # row 0 at t = 0: the anchor's
+    chosen = []
+    for t in range(best.shape[1]):
+        previous = best[:, t].gather(1, previous)  # (b, 1)
+        chosen.append(previous)
+    chosen = torch.cat(chosen, dim=1)  # (b, k)
+    return lattice.candidates.gather(2, chosen[..., None])[..., 0], chosen
+
+
 def path_confidence(lattice: Lattice, tokens: torch.Tensor) -> torch.Tensor:
     """tokens (b, k), a path through the lattice's candidates -> (b, k): at each position, the softmax of the
     scores after the path's token at the position before, at the path's token. The selector's own estimate

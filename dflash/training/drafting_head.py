@@ -8,7 +8,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from dflash.model.dflash2 import walk
+from dflash.model.dflash2 import walk_on_device
 from dflash.model.drafter import DFlashDraftModel
 from dflash.model.target import TargetModel
 
@@ -68,5 +68,5 @@ class DraftingHead(nn.Module):
         blocks = block_tokens.reshape(-1, B)  # (b*n, B)
         lattice = selector.lattice(out.logits.reshape(blocks.shape[0], B, -1)[:, 1:].float(),
                                    out.hidden.reshape(blocks.shape[0], B, -1)[:, 1:], blocks[:, 0])
-        tokens, _ = walk(lattice)  # (b*n, B-1)
+        tokens, _ = walk_on_device(lattice)  # (b*n, B-1): decoding's path (`walk`), without a host round trip
         return torch.cat([blocks[:, :1], tokens], dim=1).view(b, -1)

@@ -70,10 +70,11 @@ def sample_anchors(
     """
     b, T = loss_mask.shape
     candidates = anchor_candidates(loss_mask)
-    lengths = loss_mask.long().cumsum(1).argmax(1) + 1  # up to each row's last response token
+    # up to each row's last response token; read once (a mask on a GPU: one host sync, not two a row)
+    lengths = (loss_mask.long().cumsum(1).argmax(1) + 1).tolist()
     scores = torch.full((b, T), 2.0)
     for r, g in enumerate(generators):
-        scores[r, : lengths[r]] = torch.rand(int(lengths[r]), generator=g)
+        scores[r, : lengths[r]] = torch.rand(lengths[r], generator=g)
     scores = scores.to(loss_mask.device)
     if preferred is not None:
         scores = torch.where(preferred, scores - 1.0, scores)  # preferred in [-1, 0), the others in [0, 1)

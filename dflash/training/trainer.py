@@ -188,6 +188,8 @@ class Trainer:
 
     def _setup_distributed(self) -> None:
         self.device = self._device()
+        if self.device.type == "cuda":  # nccl's collectives, and any CUDA work without a device, use this GPU
+            torch.cuda.set_device(self.device)
         if int(os.environ.get("WORLD_SIZE", "1")) > 1 and not dist.is_initialized():
             dist.init_process_group("nccl" if self.device.type == "cuda" else "gloo")
         if dist.is_initialized():
@@ -1088,7 +1090,11 @@ class Trainer:
 
     # ---- helpers ---------------------------------------------------------------------------------------
     def _barrier(self) -> None:
-        if dist.is_initialized():
+        if not dist.is_initialized():
+            return
+        if self.device.type == "cuda":  # nccl's barrier on this process's GPU, which it would otherwise guess
+            dist.barrier(device_ids=[self.device.index])
+        else:
             dist.barrier()
 
     def _on_rank_0(self, work) -> None:

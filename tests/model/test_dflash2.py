@@ -11,7 +11,7 @@ import torch
 from conftest import DFLASH2_OPTIONS as OPTIONS
 from conftest import dflash2_drafter, random_prompts, tiny_drafter
 from dflash.model.config import DrafterConfig, DrafterConfigError
-from dflash.model.dflash2 import Lattice, block_conv, path_confidence, walk
+from dflash.model.dflash2 import Lattice, block_conv, path_confidence, walk, walk_on_device
 from dflash.model.loading import load_drafter
 from dflash.training.drafter_setup import to_dflash2
 
@@ -50,6 +50,17 @@ def test_the_walk_takes_the_best_candidate_after_the_one_it_chose():
     scores[0, 2, 1, 0] = 5.0  # after 21 it would be 30: not on the path
     tokens, chosen = walk(Lattice(candidates, candidates.float(), scores))
     assert tokens.tolist() == [[11, 20, 31]] and chosen.tolist() == [[1, 0, 1]]
+    tokens, chosen = walk_on_device(Lattice(candidates, candidates.float(), scores))
+    assert tokens.tolist() == [[11, 20, 31]] and chosen.tolist() == [[1, 0, 1]]
+
+
+def test_the_walk_on_the_device_follows_the_host_walks_path():
+    """Training walks thousands of blocks without the host round trip; its path must be decoding's."""
+    g = torch.Generator().manual_seed(0)
+    candidates = torch.randint(0, 1000, (64, 15, 16), generator=g)
+    scores = torch.randn(64, 15, 16, 16, generator=g)
+    lattice = Lattice(candidates, candidates.float(), scores)
+    assert all(torch.equal(a, b) for a, b in zip(walk(lattice), walk_on_device(lattice)))
 
 
 def test_path_confidence_is_each_steps_softmax_after_the_token_before_it():
