@@ -23,10 +23,8 @@ from typing import Any, Iterator, Union
 import torch
 from safetensors import SafetensorError
 
-from dflash.chat import (  # noqa: F401 - PLAIN_CONVERSATION_NOTE, TemplateRefusal, encode_plain: dflash.api's too
-    PLAIN_CONVERSATION_NOTE,
+from dflash.chat import (
     THINKING_WITHOUT_TEMPLATE,
-    TemplateRefusal,
     as_ids,
     check_template_kwargs,
     check_text,

@@ -33,8 +33,8 @@ from dflash.errors import UserError
 from dflash.model.target import TargetModel
 
 
-class Engine(Protocol):
-    def generate(self, prompts: list[list[int]], config: GenerationConfig) -> list[GenerationOutput]: ...
+class Engine(Protocol):  # as `SpeculativeEngine.generate_one`: the bench decodes one prompt at a time
+    def generate_one(self, prompt_ids: list[int], config: GenerationConfig) -> GenerationOutput: ...
 
 
 @dataclass
@@ -123,8 +123,8 @@ class LocalBackend:
             return
         ids = self.encode(first_turn(sample))
         short = min(config.warmup_tokens, config.max_new_tokens)
-        self.baseline.generate([ids], self.generation_config(config, short, baseline=True))[0].raise_for_error()
-        self.dflash.generate([ids], self.generation_config(config, short, baseline=False))[0].raise_for_error()
+        self.baseline.generate_one(ids, self.generation_config(config, short, baseline=True))
+        self.dflash.generate_one(ids, self.generation_config(config, short, baseline=False))
 
     def run_sample(self, sample: Sample, config: LocalConfig, index: int,
                    on_turn: Callable[[], None] | None = None) -> Conversation:
@@ -141,8 +141,8 @@ class LocalBackend:
             seed = request_seed(config.seed, index, turn)
             base_cfg = self.generation_config(config, config.max_new_tokens, baseline=True, seed=seed)
             dflash_cfg = self.generation_config(config, config.max_new_tokens, baseline=False, seed=seed)
-            baseline = self.baseline.generate([ids], base_cfg)[0].raise_for_error()
-            dflash = self.dflash.generate([ids], dflash_cfg)[0].raise_for_error()
+            baseline = self.baseline.generate_one(ids, base_cfg)
+            dflash = self.dflash.generate_one(ids, dflash_cfg)
             conversation.records.append(TurnRecord(sample.id, turn, baseline, dflash))
             messages.append({"role": "assistant", "content": self.answer_text(baseline)})
             if on_turn is not None:

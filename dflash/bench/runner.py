@@ -76,9 +76,7 @@ def run_bench(config: BenchConfig, pipe=None, console: Console | None = None,
             add_costs([result], config.gpu_hourly_usd)
             results.append(result)
             if config.output_dir:
-                # a stopped run says so: a server load cut short yields its partial result, which is no finished run
-                finished = sum(not r.partial for r in results)
-                info["runs_finished"] = f"{finished} of {planned_runs(config)}"
+                info["runs_finished"] = f"{_finished(results)} of {planned_runs(config)}"  # a stopped run says so
                 _write(results, config, info)
                 written = len(results)
     except (Exception, KeyboardInterrupt) as err:
@@ -118,6 +116,11 @@ def planned_runs(config: BenchConfig) -> int:
     return len(resolve_names(config.datasets)) * len(settings)
 
 
+def _finished(results: list[BenchResult]) -> int:
+    """The finished runs among the results: a server level cut short (a server gone, Ctrl-C) yields a partial one."""
+    return sum(not r.partial for r in results)
+
+
 def _show_partial(results: list[BenchResult], written: int, config: BenchConfig, err: BaseException,
                   console: Console, stdout: Console) -> None:
     """What a stopped run had measured, and where it is (`written`: how many results the output directory holds
@@ -136,7 +139,7 @@ def _show_partial(results: list[BenchResult], written: int, config: BenchConfig,
                  "it again failed, so some of its files may hold more)" if written
                  else f"in the table above (writing {config.output_dir} failed partway, so its files may hold "
                  "some of them: the plots are written last)")
-    whole = sum(not r.partial for r in results)
+    whole = _finished(results)
     when = (f"in run {whole + 1} of {planned_runs(config)} (what it had measured is marked partial)"
             if whole < len(results) else f"after {whole} of {planned_runs(config)} runs")
     console.print(f"{stopped} {when}; the finished ones are {where}", style="bold yellow", highlight=False,

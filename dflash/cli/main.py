@@ -56,20 +56,19 @@ def main(argv: list[str] | None = None) -> int:
         print("dflash: standard output is closed, so there is nowhere to write the results; redirect it to a file "
               "(> FILE) or to /dev/null instead of closing it", file=sys.stderr)
         return 2
+    given = sys.argv[1:] if argv is None else argv
+    command = next((word for word in given if not word.startswith("-")), None)  # the top level has flags alone
     try:
-        given = sys.argv[1:] if argv is None else argv
-        command = next((word for word in given if not word.startswith("-")), None)  # the top level has flags alone
-        parser = build_parser([command])  # imports torch and transformers: a second or two to Ctrl-C in
+        parser = build_parser([command])  # imports that command's torch and transformers: seconds to Ctrl-C in
     except KeyboardInterrupt:
-        given = (sys.argv[1:] if argv is None else argv)[:1]
-        prog = f"dflash {given[0]}" if given and given[0] in COMMANDS else "dflash"  # as its later messages say
+        prog = f"dflash {command}" if command in COMMANDS else "dflash"  # as its later messages say
         print(f"{prog}: interrupted", file=sys.stderr)
         return 130
     args, unknown = parser.parse_known_args(argv)
     if unknown:  # the subcommand's usage and a hint, where argparse would print the top level's usage alone
-        command = parser.commands[args.command]
-        hint = unknown_flag_hint(unknown, command) or list_hint(args.command, unknown)
-        command.error(f"unrecognized arguments: {' '.join(unknown)}{hint}")
+        sub = parser.commands[args.command]
+        hint = unknown_flag_hint(unknown, sub) or list_hint(args.command, unknown)
+        sub.error(f"unrecognized arguments: {' '.join(unknown)}{hint}")
     return run_command(args, f"dflash {args.command}{_rank_tag()}")
 
 

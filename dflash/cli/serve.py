@@ -403,5 +403,5 @@ def _warm_up(pipe) -> None:
 
     ids = pipe.encode("Hello", raw=True) if pipe.tokenizer is not None else [0]
     config = GenerationConfig(max_new_tokens=4, ignore_eos=True)
-    pipe.engine.generate([ids], config)[0].raise_for_error()
-    SpeculativeEngine(pipe.target).generate([ids], config)[0].raise_for_error()
+    pipe.engine.generate_one(ids, config)
+    SpeculativeEngine(pipe.target).generate_one(ids, config)

@@ -25,7 +25,7 @@ from dflash.config_types import type_mismatch
 from dflash.decoding.branch import Branch, accept_branch, block_visibility, most_likely_first_miss
 from dflash.decoding.detokenizer import check_utf8
 from dflash.decoding.proposer import Draft, NoDraftProposer, PendingContext, Proposer, check_proposer
-from dflash.decoding.sampling import PositionNoise, SamplingParams, to_probs
+from dflash.decoding.sampling import NAN_LOGITS, PositionNoise, SamplingParams, to_probs
 from dflash.decoding.slots import (
     compact_cache,
     has_gaps,
@@ -36,7 +36,6 @@ from dflash.decoding.slots import (
 )
 from dflash.decoding.stopping import StopChecker
 from dflash.decoding.verify import (
-    NAN_LOGITS,
     NO_TOKEN,
     RowsFailed,
     greedy_verify,
@@ -590,7 +589,7 @@ class SpeculativeEngine:
                 continue
             try:
                 probs = to_probs(logits[r], seq.params)  # (q, vocab)
-            except GenerationError:  # no distribution to draw from
+            except NoTokenError:  # no distribution to draw from
                 tokens[r] = NO_TOKEN
                 continue
             tokens[r, :block_size] = seq.noise.choose(probs[:block_size], seq.next_position)
@@ -608,7 +607,7 @@ class SpeculativeEngine:
         for r, seq in enumerate(rows):
             try:
                 new_tokens.append(self._verify_row(draft, target_logits, r, seq))
-            except GenerationError:  # NaN logits: no distribution to sample from
+            except NoTokenError:  # NaN logits: no distribution to sample from
                 new_tokens.append([NO_TOKEN])
         return new_tokens
 
@@ -754,6 +753,11 @@ class SpeculativeEngine:
             except NoTokenError as err:
                 seq.fail(str(err))
         return self.drop_finished(self.merge(batches)) if batches else None
+
+    def generate_one(self, prompt_ids: list[int], config: GenerationConfig | None = None) -> GenerationOutput:
+        """One prompt's output, for a caller that decodes it alone: a prompt the target gives no token is the
+        NoTokenError that says why (`generate` finishes it with finish_reason "error" beside the others)."""
+        return self.generate([prompt_ids], config)[0].raise_for_error()
 
     def stream(self, prompt_ids: list[int], config: GenerationConfig | None = None) -> "TokenStream":
         """Iterate over the new tokens of each step; `.result` holds the full output afterwards."""

@@ -72,14 +72,15 @@ def to_probs(logits: torch.Tensor, params: SamplingParams, proposal: bool = Fals
 
 OVERFLOW_ADVICE = ("in float16 that is usually an overflow: load the model in bfloat16 or float32 (--dtype, or dtype= "
                    "in the Python API)")
+# a row whose logits give no token (greedy) or no distribution (sampling); it fails that row alone (NoTokenError)
+NAN_LOGITS = f"the model's logits are NaN (or -inf everywhere), so it chose no token; {OVERFLOW_ADVICE}"
 
 
 def _where_infinite(logits: torch.Tensor) -> torch.Tensor:
     """Rows with a +inf: 0 there, -inf elsewhere (the +inf tokens share the probability). NaN, or a row with no
     finite logit, is refused: no distribution is left to sample from."""
     if bool(torch.isnan(logits).any()) or bool((logits == float("-inf")).all(-1).any()):
-        raise NoTokenError("the model's logits are NaN (or -inf everywhere), so there is no distribution to "
-                              f"sample from; {OVERFLOW_ADVICE}")
+        raise NoTokenError(NAN_LOGITS)
     forced = logits == float("inf")
     return torch.where(forced.any(-1, keepdim=True), torch.where(forced, 0.0, float("-inf")), logits)
 

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import torch
 
-from dflash.decoding.sampling import OVERFLOW_ADVICE, SamplingParams, sample, to_probs
+from dflash.decoding.sampling import NAN_LOGITS, SamplingParams, sample, to_probs
 from dflash.errors import NoTokenError
 
 NO_TOKEN = -1  # the target's greedy choice where its logits hold a NaN: there is none
@@ -25,9 +25,6 @@ def target_argmax(logits: torch.Tensor) -> torch.Tensor:
     would take the NaN's index for a token, and decoding would go on with garbage)."""
     values, tokens = logits.max(-1)  # argmax's tokens (the first of tied ones), and on CPUs 2-3x faster than argmax
     return tokens.masked_fill(torch.isnan(values), NO_TOKEN)
-
-
-NAN_LOGITS = f"the model's logits are NaN (or -inf everywhere), so it chose no token; {OVERFLOW_ADVICE}"
 
 
 class RowsFailed(NoTokenError):

@@ -376,7 +376,7 @@ def sglang_dtype(options: HandoffOptions, target: TargetFacts, drafter: CheckedD
     drafter the target's hidden states as they are: a drafter exported in float32 (dflash train's default) beside a
     bfloat16 target fails at its first draft on the dtypes. --dtype, which SGLang gives both, is the target's then,
     unless it is given."""
-    draft_dtype = declared_dtype(drafter.raw)
+    draft_dtype = str(drafter.config.dtype).removeprefix("torch.")  # as its config.json names it (torch_dtype, dtype)
     if options.dtype is None and target.dtype in ("bfloat16", "float16") and draft_dtype != target.dtype:
         return replace(options, dtype=target.dtype)
     return options
@@ -436,11 +436,17 @@ def engine_command(engine: str, target: str, draft: str | None, block_size: int 
     facts = target_facts(target)
     if options.max_model_len is not None:
         check_max_model_len(options.max_model_len, facts.max_position_embeddings)
+    notes = []  # what a dry run says beside the command
     if draft is not None:
         drafter = check_pair(facts, draft, block_size)
         if engine == "vllm":
             check_vllm_reads(draft, drafter)
-            options = vllm_attention_backends(options, facts)
+            vllm_here = vllm_takes_draft_attention_backend()
+            options = vllm_attention_backends(options, facts, vllm_here)
+            if options.draft_attention_backend is not None and vllm_here is None:
+                notes.append("vLLM is not installed here: the command is for vLLM since April 2026 (PR 39930), "
+                             "whose drafter takes its attention backend from --speculative-config alone; an older "
+                             "vLLM refuses attention_backend there: drop it and add --attention-backend flash_attn")
         else:
             check_sglang_reads(draft, drafter, facts)
             options = sglang_dtype(options, facts, drafter)
@@ -456,21 +462,18 @@ def engine_command(engine: str, target: str, draft: str | None, block_size: int 
     command = build(target, draft, block_size or 0, options)
     if engine == "vllm" and draft is not None and mixes_sliding_and_full(drafter.config):
         command.env[VLLM_V2_RUNNER_ENV] = "1"
-    if options.draft_attention_backend is not None and vllm_takes_draft_attention_backend() is None:
-        command.notes.append("vLLM is not installed here: the command is for vLLM since April 2026 (PR 39930), whose "
-                             "drafter takes its attention backend from --speculative-config alone; an older vLLM "
-                             "refuses attention_backend there: drop it and add --attention-backend flash_attn")
+    command.notes.extend(notes)
     return command
 
 
-def vllm_attention_backends(options: HandoffOptions, facts: TargetFacts) -> HandoffOptions:
+def vllm_attention_backends(options: HandoffOptions, facts: TargetFacts, vllm_here: bool | None) -> HandoffOptions:
     """The drafter's attention backend (VLLM_DRAFT_ATTENTION_BACKEND) in the speculative config, the target's left to
-    --attention-backend (`auto`: both left to vLLM). An older vLLM installed here, without that key, gets it as
-    --attention-backend, which it gives the drafter too (but not for a latent-attention target, whose backends are
-    its own)."""
+    --attention-backend (`auto`: both left to vLLM). An older vLLM installed here (`vllm_here` False: it reads no such
+    key) gets it as --attention-backend, which it gives the drafter too (but not for a latent-attention target,
+    whose backends are its own)."""
     if options.attention_backend == "auto":
         return options
-    if vllm_takes_draft_attention_backend() is False:
+    if vllm_here is False:
         if options.attention_backend is None and not facts.latent_attention:
             return replace(options, attention_backend=VLLM_DRAFT_ATTENTION_BACKEND.lower())
         return options

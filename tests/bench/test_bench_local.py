@@ -20,21 +20,20 @@ class CorruptingEngine:
     def __init__(self, engine, victim_ids: list[int]):
         self.engine, self.victim_ids = engine, victim_ids
 
-    def generate(self, prompts, config):
-        outputs = self.engine.generate(prompts, config)
-        for prompt, out in zip(prompts, outputs):
-            if prompt == self.victim_ids and config.max_new_tokens == FAST.max_new_tokens:
-                out.output_ids[-1] = (out.output_ids[-1] + 1) % 100
-        return outputs
+    def generate_one(self, prompt, config):
+        out = self.engine.generate_one(prompt, config)
+        if prompt == self.victim_ids and config.max_new_tokens == FAST.max_new_tokens:
+            out.output_ids[-1] = (out.output_ids[-1] + 1) % 100
+        return out
 
 
 class RecordingEngine:
     def __init__(self, engine):
         self.engine, self.prompts = engine, []
 
-    def generate(self, prompts, config):
-        self.prompts.extend(prompts)
-        return self.engine.generate(prompts, config)
+    def generate_one(self, prompt, config):
+        self.prompts.append(prompt)
+        return self.engine.generate_one(prompt, config)
 
 
 def test_honest_run_has_no_mismatches_and_consistent_acceptance(pipe):
@@ -95,9 +94,9 @@ def test_oracle_drafts_give_full_blocks(pipe):
         def __init__(self, engine):
             self.engine = engine
 
-        def generate(self, prompts, config):
+        def generate_one(self, prompt, config):
             config.ignore_eos = True
-            return self.engine.generate(prompts, config)
+            return self.engine.generate_one(prompt, config)
 
     backend = LocalBackend(pipe, baseline=NoStop(plain), dflash=NoStop(oracle))
     result = backend.run("gsm8k", SAMPLES, LocalConfig(max_new_tokens=33, warmup_tokens=0))
@@ -120,9 +119,9 @@ def test_every_turn_is_sampled_with_a_seed_of_its_own_the_same_for_both_decoders
     """Seeds were --seed + sample index + turn: a sample's second turn drew what the next sample's first did."""
 
     class SeedRecorder(RecordingEngine):
-        def generate(self, prompts, config):
+        def generate_one(self, prompt, config):
             self.prompts.append(config.seed)
-            return self.engine.generate(prompts, config)
+            return self.engine.generate_one(prompt, config)
 
     baseline, dflash = SeedRecorder(SpeculativeEngine(pipe.target)), SeedRecorder(pipe.engine)
     backend = LocalBackend(pipe, baseline=baseline)
