@@ -73,7 +73,6 @@ def test_sigterm_stops_a_command_as_ctrl_c_does_and_says_so(monkeypatch, capsys)
     """A scheduler's SIGTERM runs the commands' own stop paths (datagen says how to resume, bench keeps its
     results) and ends in one line and status 143, instead of killing the process mid-write without a word."""
     import argparse
-    import os
     import signal
     import sys
     import time
@@ -86,7 +85,7 @@ def test_sigterm_stops_a_command_as_ctrl_c_does_and_says_so(monkeypatch, capsys)
 
     def run(args):
         try:
-            os.kill(os.getpid(), signal.SIGTERM)
+            signal.raise_signal(signal.SIGTERM)
             time.sleep(10)  # the signal arrives long before
         except KeyboardInterrupt:
             stopped.append(True)  # what datagen and bench catch to keep their work

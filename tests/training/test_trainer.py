@@ -839,7 +839,7 @@ def test_ctrl_c_saves_a_checkpoint_that_resumes_exactly(tiny_pair, train_data, t
     def step_then_ctrl_c(indices, epoch):
         stats = original(indices, epoch)
         if stopped.step == 4:
-            os.kill(os.getpid(), signal.SIGINT)  # Ctrl-C in the middle of step 4: the step finishes first
+            signal.raise_signal(signal.SIGINT)  # Ctrl-C in the middle of step 4: the step finishes first
         return stats
 
     stopped._train_step = step_then_ctrl_c
@@ -1466,7 +1466,7 @@ def test_overwrite_removes_the_earlier_export_so_a_stopped_run_cannot_load_it(ti
 
     def step_then_ctrl_c(indices, epoch):
         stats = original(indices, epoch)
-        os.kill(os.getpid(), signal.SIGINT)
+        signal.raise_signal(signal.SIGINT)
         return stats
 
     stopped._train_step = step_then_ctrl_c
@@ -1483,7 +1483,7 @@ def test_ctrl_c_after_the_last_step_finishes_the_run_and_says_so(tiny_pair, trai
     evaluate = trainer.evaluate
 
     def ctrl_c_then_evaluate():
-        os.kill(os.getpid(), signal.SIGINT)
+        signal.raise_signal(signal.SIGINT)
         return evaluate()
 
     monkeypatch.setattr(trainer, "evaluate", ctrl_c_then_evaluate)
@@ -1508,8 +1508,8 @@ def test_a_second_ctrl_c_stops_at_once_and_names_the_checkpoint_to_resume_from(t
     def step_then_two_ctrl_cs(indices, epoch):
         stats = original(indices, epoch)
         if trainer.step == at_step:
-            os.kill(os.getpid(), signal.SIGINT)
-            os.kill(os.getpid(), signal.SIGINT)  # the second acts at once
+            signal.raise_signal(signal.SIGINT)
+            signal.raise_signal(signal.SIGINT)  # the second acts at once
         return stats
 
     trainer._train_step = step_then_two_ctrl_cs
@@ -1525,9 +1525,10 @@ def test_a_second_ctrl_c_in_the_final_evaluation_says_resume_exports_the_last_st
     out = tmp_path / "out"
     trainer = Trainer(config(tiny_pair, train_data, out, max_steps=2)).setup()
 
-    def two_ctrl_cs():
-        os.kill(os.getpid(), signal.SIGINT)
-        os.kill(os.getpid(), signal.SIGINT)
+    def two_ctrl_cs():  # raise_signal runs the handler at once, in this thread: two kill()s could come as one
+        signal.raise_signal(signal.SIGINT)
+        signal.raise_signal(signal.SIGINT)
+        pytest.fail("the second Ctrl-C did not stop the run at once")
 
     monkeypatch.setattr(trainer, "evaluate", two_ctrl_cs)
     with pytest.raises(KeyboardInterrupt):
