@@ -12,8 +12,6 @@ import gc
 import json
 import math
 import os
-import re
-import shutil
 import signal
 import sys
 import threading
@@ -27,12 +25,13 @@ import yaml
 from torch import nn
 
 from dflash.errors import UserError, in_brief, why_not_written
-from dflash.model.config import ATTENTION_FIELDS, DFLASH_ATTENTION_FIELDS, DrafterConfig, untappable
+from dflash.model.config import untappable
 from dflash.model.dflash2 import GroupedDynamicConv
 from dflash.model.drafter import DFlashDraftModel
 from dflash.model.loading import load_drafter, resolve_model_dir, save_drafter
 from dflash.model.target import check_compatible, check_drafter_fits
 from dflash.training import datagen
+from dflash.training.checkpoints import CheckpointDir, check_resumable, step_of
 from dflash.training.config import (
     DEFAULT_BLOCK_SIZE,
     DEFAULT_MAX_LENGTH,
@@ -150,6 +149,7 @@ class Trainer:
         self.rank, self.world = 0, 1
         # holds nothing of the trainer: a trainer nobody holds any more lets go of --output at once (no cycle)
         self.feature_cache = FeatureCache(config.feature_cache)
+        self.checkpoints = CheckpointDir(Path(config.output) / "checkpoints")
         self.history: list[dict] = []
         self.trained_with: dict | None = None  # a resume with no step left: the checkpoint's settings, exported
         self._output_lock: DirectoryLock | None = None  # rank 0's, on --output from setup to the end of train
@@ -262,7 +262,7 @@ class Trainer:
         and --resume would continue the old run. --overwrite deletes them, once the whole set-up has succeeded
         (`_clear_earlier_run`): a mistyped option must not cost the earlier run."""
         c = self.config
-        found = self._checkpoints()
+        found = self.checkpoints.all()
         self._barrier()  # every process has looked before any deletes
         if found and not c.resume and not c.overwrite:
             raise UserError(f"{self.checkpoint_dir} holds checkpoints of an earlier run (newest: {found[-1].name}); "
@@ -278,14 +278,12 @@ class Trainer:
         if c.resume or not c.overwrite:
             return
         exported = [Path(c.output) / name for name in EXPORTED_FILES]
-        if not self._checkpoints() and not any(p.is_file() for p in exported):
+        if not self.checkpoints.all() and not any(p.is_file() for p in exported):
             return
         self._barrier()  # every process has set up (and looked) before any deletes
 
         def delete() -> None:
-            if self._checkpoints():
-                shutil.rmtree(self.checkpoint_dir)
-                self.checkpoint_dir.mkdir()
+            self.checkpoints.clear()
             for path in [*exported, Path(c.output) / "train_log.jsonl"]:
                 path.unlink(missing_ok=True)
 
@@ -776,13 +774,12 @@ class Trainer:
         finite, only huge), and they are neither saved nor exported."""
         if loss is not None and not math.isfinite(loss):
             if self.trained_with is None:  # this run saved them just before: they are the diverged step's
-                self._on_rank_0(lambda: shutil.rmtree(self.checkpoint_dir / f"step-{self.step:08d}",
-                                                      ignore_errors=True))
+                self._on_rank_0(lambda: self.checkpoints.remove(self.step))
             self._diverged(f"the held-out loss became {loss} after the last step (step {self.step})")
 
     def _diverged(self, what: str) -> None:
         c = self.config
-        checkpoints = self._checkpoints()
+        checkpoints = self.checkpoints.all()
         self._log({"event": "diverged", "step": self.step, "message": what,
                    "checkpoint": str(checkpoints[-1]) if checkpoints else None})
         fix = f"lower --lr (now {c.lr})"
@@ -803,7 +800,7 @@ class Trainer:
     def _stop(self, saved: bool) -> None:
         if not saved:
             self.save_checkpoint()
-        checkpoint = self.checkpoint_dir / f"step-{self.step:08d}"
+        checkpoint = self.checkpoints.step_path(self.step)
         self._log({"event": "interrupted", "step": self.step, "checkpoint": str(checkpoint)})
         if self.rank == 0:
             print(f"dflash train: stopped at step {self.step} and saved {checkpoint}; {self._resume_advice()}",
@@ -814,13 +811,13 @@ class Trainer:
     def _stopped_at_once(self) -> None:
         """A second Ctrl-C (or SIGTERM) stopped the run wherever it was: name the newest checkpoint, which --resume
         continues from (or exports, when it is the last step)."""
-        checkpoints = self._checkpoints()
+        checkpoints = self.checkpoints.all()
         self._log({"event": "interrupted", "step": self.step,
                    "checkpoint": str(checkpoints[-1]) if checkpoints else None})
         if self.rank != 0:
             return
         if checkpoints:
-            step = int(checkpoints[-1].name.removeprefix("step-"))
+            step = step_of(checkpoints[-1])
             print(f"dflash train: stopped at once; the newest checkpoint is {checkpoints[-1]} (step {step}): "
                   f"{self._resume_advice(step)}", file=sys.stderr, flush=True)
         else:
@@ -883,7 +880,7 @@ class Trainer:
     # ---- checkpoints -----------------------------------------------------------------------------------
     @property
     def checkpoint_dir(self) -> Path:
-        return Path(self.config.output) / "checkpoints"
+        return self.checkpoints.path
 
     def save_checkpoint(self) -> None:
         """Write checkpoints/step-N atomically (temporary directory, then rename); keep the newest few. Weights that
@@ -894,9 +891,6 @@ class Trainer:
         self._on_rank_0(self._write_checkpoint)
 
     def _write_checkpoint(self) -> None:
-        final = self.checkpoint_dir / f"step-{self.step:08d}"
-        tmp = self.checkpoint_dir / f".tmp-step-{self.step:08d}"
-        shutil.rmtree(tmp, ignore_errors=True)
         state = {
             "step": self.step,
             "drafter": self.drafter.state_dict(),
@@ -908,30 +902,15 @@ class Trainer:
             "world_size": self.world,
             "train_time_s": self.train_time_s(),  # a resumed run's done record counts it in
         }
-        try:
-            tmp.mkdir(parents=True)
-            torch.save(state, tmp / "training_state.pt")
-        except (OSError, RuntimeError) as err:  # a full disk fails inside torch's writer as a RuntimeError
-            shutil.rmtree(tmp, ignore_errors=True)
-            raise UserError(f"could not write checkpoint step {self.step} into {self.checkpoint_dir} ({in_brief(err)}; "
-                            f"{why_not_written(err)}); {self._resume_from_newest()}") from None
-        shutil.rmtree(final, ignore_errors=True)
-        os.replace(tmp, final)
-        for old in self._checkpoints()[: -self.config.keep_checkpoints]:
-            shutil.rmtree(old, ignore_errors=True)
-
-    def _checkpoints(self) -> list[Path]:
-        """checkpoints/step-N, oldest first (only directories named as this trainer names them)."""
-        found = self.checkpoint_dir.glob("step-*") if self.checkpoint_dir.is_dir() else []
-        return sorted(p for p in found if CHECKPOINT_NAME.fullmatch(p.name) and p.is_dir())
+        self.checkpoints.write(self.step, state, self.config.keep_checkpoints, self._resume_from_newest())
 
     def _load_latest_checkpoint(self) -> None:
-        checkpoints = self._checkpoints()
+        checkpoints = self.checkpoints.all()
         if not checkpoints:
             self._log({"event": "resume", "note": "no checkpoint found; starting from scratch"})
             self._warn(f"--resume: no checkpoint found in {self.checkpoint_dir}, so training starts from scratch")
             return
-        state = self._read_checkpoint(checkpoints[-1])
+        state = self.checkpoints.read(checkpoints[-1], self.device)
         self._restore(state, checkpoints[-1])
         self.step = state["step"]
         self.earlier_train_time_s = float(state.get("train_time_s", 0.0))  # none in checkpoints of older versions
@@ -951,30 +930,13 @@ class Trainer:
             if absolute_if_local(state["config"].get("target")) != absolute_if_local(self.config.target):
                 self.trained_with["target"] = then.get("target")  # another model now: name the one that trained it
 
-    def _read_checkpoint(self, checkpoint: Path) -> dict:
-        """The training state of checkpoints/step-N; one that cannot be read (a truncated copy, a damaged disk, a
-        file removed by hand) is an error that says how to go on."""
-        path = checkpoint / "training_state.pt"
-        try:
-            state = torch.load(path, map_location=self.device, weights_only=False)
-        except torch.cuda.OutOfMemoryError:  # not damage: let it say what it is
-            raise
-        except Exception as err:  # a damaged file fails in any of the unpickler's ways (or is missing)
-            problem = in_brief(err)
-        else:
-            missing = [k for k in CHECKPOINT_KEYS if not isinstance(state, dict) or k not in state]
-            if not missing:
-                return state
-            problem = f"it lacks {', '.join(missing)}"
-        raise UserError(f"checkpoint {checkpoint} is damaged or incomplete ({path.name}: {problem}); delete that "
-                        "step directory to resume from the previous checkpoint, or run without --resume and with "
-                        "--overwrite to start over")
-
     def _restore(self, state: dict, checkpoint: Path) -> None:
         """Load a checkpoint's drafter, optimizer and schedule. One that reads but does not fit together (edited by
         hand, or written by something else) is an error that says how to go on, as a damaged one is."""
         try:
-            self._check_resumable(state, checkpoint)
+            check_resumable(state, checkpoint, drafter_config=self.drafter_config, config=self.config,
+                            data_fingerprint=self.data_fingerprint, global_batch=self.global_batch, world=self.world,
+                            context=self.context)
             self.drafter.load_state_dict(state["drafter"])
             self.optimizer.load_state_dict(state["optimizer"])
             self.scheduler.load_state_dict(state["scheduler"])
@@ -985,55 +947,6 @@ class Trainer:
             raise UserError(f"checkpoint {checkpoint} does not hold a training state this version can resume "
                             f"(training_state.pt: {in_brief(err)}); delete that step directory to resume from the "
                             "previous checkpoint, or run without --resume and with --overwrite to start over") from None
-
-    def _with_fields_it_dropped(self, saved: dict) -> dict:
-        """A checkpoint's drafter config with the fields checkpoints before 2026-12-06 dropped (those this package
-        did not own, e.g. use_sliding_window) taken from the drafter being trained: missing, they are its own, not
-        another shape. The fields that set how layers attend are not filled in: a difference there is one."""
-        if not isinstance(saved, dict):
-            return saved
-        current = self.drafter_config
-        raw = {**{k: v for k, v in current.extra.items() if k not in ATTENTION_FIELDS}, **saved}
-        dflash = raw.get("dflash_config")
-        if isinstance(dflash, dict):
-            ours = {k: v for k, v in current.dflash_extra.items() if k not in DFLASH_ATTENTION_FIELDS}
-            raw["dflash_config"] = {**ours, **dflash}
-        return raw
-
-    def _check_resumable(self, state: dict, checkpoint: Path) -> None:
-        """Refuse a resume that would not continue the same training: another drafter shape, other examples or
-        another order of them (data, split, seed, global batch)."""
-        fresh = "pass another --output, or --overwrite to delete its checkpoints and train from scratch"
-        saved = DrafterConfig.from_dict(self._with_fields_it_dropped(state["drafter_config"])).to_dict()
-        shape = [f"{k} {saved.get(k)!r}, now {v!r}" for k, v in self.drafter_config.to_dict().items()
-                 if saved.get(k) != v]
-        old = state["config"]
-        if shape:
-            started = old.get("init_from")
-            hint = (f" (it started from --init-from {started}: give that again)"
-                    if started and started != self.config.init_from else "")
-            raise UserError(f"{checkpoint} holds a drafter of another shape ({'; '.join(shape)}); resume with the "
-                            f"options it was trained with{hint}, or {fresh}")
-        order = []
-        if old.get("seed") != self.config.seed:  # first: it also draws the held-out split, so the examples differ too
-            order.append(f"seed {old.get('seed')}, now {self.config.seed}")
-        if "data" in state and state["data"] != self.data_fingerprint:
-            order.append("the training or held-out examples differ (--data, --extra-train-data, --max-length, "
-                         "--eval-fraction, --enable-thinking, or the files themselves; or the version that wrote the "
-                         "checkpoint read them otherwise: since 2026-12-06 every answer of a multi-turn record "
-                         "trains, and the turns of a conversation that continue one another train as one sequence)")
-        if "data" not in state:  # a checkpoint of an older version: compare the options
-            then = {**old, "max_length": min(old.get("max_length", 0), self.context or math.inf)}  # it was not capped
-            order += [f"{k} {then.get(k)!r}, now {getattr(self.config, k)!r}"
-                      for k in ("data", "extra_train_data", "eval_fraction", "max_length")
-                      if then.get(k) != getattr(self.config, k)]
-        old_global = old.get("batch_size", 0) * old.get("grad_accum", 1) * state.get("world_size", self.world)
-        if old_global != self.global_batch:
-            order.append(f"global batch {old_global}, now {self.global_batch} (--batch-size x --grad-accum x "
-                         "processes)")
-        if order:
-            raise UserError(f"{checkpoint} cannot be resumed with this data order: {'; '.join(order)}. Resume with "
-                            f"the data and options it was trained with, or {fresh}")
 
     def _continue_with_given_settings(self, old: dict, steps_left: bool) -> None:
         """Settings that may change on resume take the values given now (lr and weight decay too, which the loaded
@@ -1143,7 +1056,7 @@ class Trainer:
 
     def _resume_from_newest(self) -> str:
         """What a run stopped by a failed write keeps, and how to go on from it."""
-        kept = self._checkpoints()
+        kept = self.checkpoints.all()
         return (f"the newest checkpoint, {kept[-1]}, is kept: fix that and rerun with --resume to continue from it"
                 if kept else "no earlier checkpoint was written: fix that and rerun")
 
@@ -1172,9 +1085,7 @@ class Trainer:
             print(f"dflash train: warning: {message}", file=sys.stderr, flush=True)
 
 
-CHECKPOINT_NAME = re.compile(r"step-\d{8}")
 MODEL_SUFFIXES = (".safetensors", ".bin", ".pt", ".gguf")
-CHECKPOINT_KEYS = ("step", "drafter", "optimizer", "scheduler", "config", "drafter_config")
 
 RESUMABLE_CHANGES = ("lr", "weight_decay", "warmup_ratio", "grad_clip", "anchors_per_sequence", "anchor_policy",
                      "loss_gamma", "distill_weight", "selector_loss_weight", "dtype", "max_steps", "epochs")

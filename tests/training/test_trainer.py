@@ -1213,7 +1213,7 @@ def test_an_interrupt_in_the_final_evaluation_keeps_the_last_step(tiny_pair, tra
     monkeypatch.setattr(trainer, "evaluate", interrupted)
     with pytest.raises(KeyboardInterrupt):
         trainer.train()
-    assert trainer._checkpoints()[-1].name == "step-00000006"
+    assert trainer.checkpoints.all()[-1].name == "step-00000006"
     resumed = Trainer(config(tiny_pair, train_data, out, resume=True)).setup()  # the lock went with the run
     assert resumed.step == 6
 
