@@ -78,7 +78,7 @@ def forward_costs(pipe: DFlash, context: int, block: int, repeats: int) -> dict:
 def engine_profile(pipe: DFlash, prompt_ids: list[int], max_new_tokens: int) -> dict:
     engine = pipe.engine
     engine.generate([prompt_ids], GenerationConfig(max_new_tokens=8))  # warm-up
-    engine.profile = type(engine.profile)()
+    engine.profile = type(engine.profile)(synchronize=True)  # a GPU's forwards timed as they run
     seq = engine.new_sequence(prompt_ids, GenerationConfig(max_new_tokens=max_new_tokens))
     batch = engine.prefill(seq)
     slots_vs_accepted = []

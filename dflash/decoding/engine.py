@@ -181,12 +181,21 @@ class GenerationOutput:
 
 @dataclass
 class StepProfile:
-    """Where a decode step's time goes; the engine's own overhead is what is left outside model forwards."""
+    """Where a decode step's time goes; the engine's own overhead is what is left outside model forwards. On a GPU
+    the forwards return once their kernels are queued: `synchronize` waits for them at each mark, so the split is
+    the kernels' (and the step a little slower); without it, their time shows up where the host next waits."""
 
     steps: int = 0
     draft_s: float = 0.0
     target_s: float = 0.0
     total_s: float = 0.0
+    synchronize: bool = False
+
+    def mark(self, device: torch.device) -> float:
+        """Now, once `device` has done its queued work when `synchronize` asks for it."""
+        if self.synchronize and device.type == "cuda":
+            torch.cuda.synchronize(device)
+        return time.perf_counter()
 
     @property
     def overhead_s(self) -> float:
@@ -431,14 +440,14 @@ class SpeculativeEngine:
         size to verify, picked from the draft (its first draft tokens are verified); None: all of it. A row the
         target gives no token (NaN logits) finishes with finish_reason 'error': the step stands for the others,
         and RowsFailed carries their tokens."""
-        t0 = time.perf_counter()
+        t0 = self.profile.mark(self.target.device)
         if self._rope_switch is not None:
             self._read_again_past_rope_switch(batch)
         draft, branch = self._draft(batch, choose)
-        t1 = time.perf_counter()
+        t1 = self.profile.mark(self.target.device)
         block = torch.cat([batch.anchors[:, None], draft.tokens], dim=1)  # (b, block_size): anchor + draft tokens
         tokens, positions, out = self._verify_forward(batch, block, branch)  # tokens, positions (b, q)
-        t2 = time.perf_counter()
+        t2 = self.profile.mark(self.target.device)
         new_tokens, kept_slots, failed = self._accept(batch, draft, branch, block.shape[1], out.logits)
         self._commit(batch, new_tokens, out.features, positions,
                      drafter_forwards=draft.forwards if draft.tokens.shape[1] > 0 else 0, kept_slots=kept_slots)
@@ -511,7 +520,7 @@ class SpeculativeEngine:
         self.profile.steps += 1
         self.profile.draft_s += drafted - started
         self.profile.target_s += verified - drafted
-        self.profile.total_s += time.perf_counter() - started
+        self.profile.total_s += self.profile.mark(self.target.device) - started
 
     def _positions_left(self, rows: list[Sequence]) -> int:
         """How many positions this step may write into the target's cache, from the anchor on, so that no row

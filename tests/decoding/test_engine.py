@@ -11,7 +11,7 @@ import torch
 
 from conftest import VOCAB, OracleProposer, hf_greedy, random_prompts, tiny_drafter
 from dflash.decoding import DFlashProposer, GenerationConfig, NoDraftProposer, SpeculativeEngine
-from dflash.decoding.engine import GenerationError
+from dflash.decoding.engine import GenerationError, StepProfile
 
 MAX_NEW = 48
 
@@ -549,3 +549,18 @@ def test_a_stop_string_of_a_byte_that_was_not_utf8_is_refused():
 def test_numpy_integers_are_integers():
     np = pytest.importorskip("numpy")
     assert GenerationConfig(max_new_tokens=np.int64(3), seed=np.int32(7), temperature=np.float32(0.5)).seed == 7
+
+
+def test_the_step_profile_splits_a_step_and_waits_for_a_gpu_only_when_asked(target, monkeypatch):
+    waited = []
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda device=None: waited.append(device))
+    for synchronize, device, waits in ((True, "cuda:0", 1), (False, "cuda:0", 0), (True, "cpu", 0)):
+        StepProfile(synchronize=synchronize).mark(torch.device(device))
+        assert len(waited) == waits
+        waited.clear()
+    engine = SpeculativeEngine(target, DFlashProposer(tiny_drafter(target, block_size=4), target))
+    engine.profile = StepProfile(synchronize=True)
+    engine.generate([random_prompts(1, 6)[0]], GenerationConfig(max_new_tokens=9))
+    profile = engine.profile
+    assert profile.steps >= 3 and profile.draft_s > 0 and profile.target_s > 0
+    assert 0 <= profile.overhead_s < profile.total_s
