@@ -91,6 +91,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--dtype", choices=["float32", "bfloat16"],
                         help=f"precision of the drafter's forward: bfloat16 autocasts, the weights stay float32 "
                              f"(default {DEFAULTS.dtype})")
+    parser.add_argument("--tf32", action=argparse.BooleanOptionalAction, default=None,
+                        help="on a CUDA GPU, float32 matrix products run on TF32 tensor cores: several times faster "
+                             "(Ampere and later), with float32 sums of products rounded to 10-bit mantissas; "
+                             "--no-tf32 for full float32 (default: on; no effect on a CPU or with --dtype bfloat16)")
     parser.add_argument("--seed", type=int,
                         help=f"seed of the drafter's initial weights, the held-out split, the data order and the "
                              f"anchors (default {DEFAULTS.seed})")

@@ -56,6 +56,7 @@ class TrainConfig:
     warmup_ratio: float = 0.04
     grad_clip: float = 1.0  # max gradient norm; 0: no clipping
     dtype: str = "float32"  # float32 or bfloat16 (autocast; master weights stay fp32)
+    tf32: bool = True  # on a CUDA GPU, float32 matmuls use TF32 tensor cores (float32 sums, 10-bit products)
     seed: int = 0
     # bookkeeping
     eval_fraction: float = 0.02

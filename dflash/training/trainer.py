@@ -190,6 +190,7 @@ class Trainer:
         self.device = self._device()
         if self.device.type == "cuda":  # nccl's collectives, and any CUDA work without a device, use this GPU
             torch.cuda.set_device(self.device)
+            use_tf32(self.config.tf32)
         if int(os.environ.get("WORLD_SIZE", "1")) > 1 and not dist.is_initialized():
             dist.init_process_group("nccl" if self.device.type == "cuda" else "gloo")
         if dist.is_initialized():
@@ -1092,6 +1093,15 @@ RESUMABLE_CHANGES = ("lr", "weight_decay", "warmup_ratio", "grad_clip", "anchors
 SCHEDULE_END = ("max_steps", "epochs")
 EVAL_CHANGES = ("eval_decoding_examples",)  # changes what the held-out figures measure, not the training
 EXPORTED_FILES = ("config.json", "model.safetensors", "training_config.yaml")  # what `export` writes
+
+
+def use_tf32(on: bool) -> None:
+    """Whether CUDA float32 matmuls may run on TF32 tensor cores (the whole process's setting)."""
+    matmul = torch.backends.cuda.matmul
+    if hasattr(matmul, "fp32_precision"):  # torch 2.9 and later; mixing it with allow_tf32 is refused
+        matmul.fp32_precision = "tf32" if on else "ieee"
+    else:
+        matmul.allow_tf32 = on
 
 
 def _model_files_in(directory: Path) -> list[Path]:

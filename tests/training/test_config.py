@@ -159,9 +159,9 @@ def test_no_resume_and_no_dflash2_flags_reach_the_config():
 
     parser = argparse.ArgumentParser()
     add_arguments(parser)
-    args = parser.parse_args(["--no-resume", "--no-dflash2"])
-    assert args.resume is False and args.dflash2 is False
-    assert parser.parse_args([]).resume is None  # not given: the file's value stands
+    args = parser.parse_args(["--no-resume", "--no-dflash2", "--no-tf32"])
+    assert args.resume is False and args.dflash2 is False and args.tf32 is False
+    assert parser.parse_args([]).resume is None and parser.parse_args([]).tf32 is None  # the file's value stands
 
 
 def test_trust_remote_code_is_a_flag_never_read_from_a_file(tmp_path):

@@ -1684,3 +1684,17 @@ def test_a_resume_without_the_drafter_it_started_from_says_to_give_it_again(tiny
     with pytest.raises(UserError, match=rf"another shape .*; resume with the options it was trained with \(it started "
                                         rf"from --init-from {re.escape(str(tiny_pair[1]))}: give that again\)"):
         Trainer(config(tiny_pair, train_data, out, max_steps=2, resume=True)).setup()
+
+
+def test_tf32_turns_cuda_float32_matmuls_to_tensor_cores_and_back():
+    from dflash.training.trainer import use_tf32
+
+    matmul = torch.backends.cuda.matmul
+    before = matmul.fp32_precision
+    try:
+        use_tf32(True)
+        assert matmul.fp32_precision == "tf32"
+        use_tf32(False)
+        assert matmul.fp32_precision == "ieee"
+    finally:
+        matmul.fp32_precision = before
