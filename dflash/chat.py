@@ -27,6 +27,7 @@ def render_chat(tokenizer, messages: list[dict], /, **options) -> Any:
     """The tokenizer's chat template applied to `messages` (token ids); a `TemplateRefusal` quoting the template
     when it raises on them. The tokenizer does not warn of a prompt longer than its model's context: the caller
     measures that against the target's own and says what to do."""
+    messages = template_roles(messages, getattr(tokenizer, "chat_template", None))
     try:
         return tokenizer.apply_chat_template(messages, tokenize=True, tokenizer_kwargs={"verbose": False}, **options)
     except TemplateSyntaxError as err:  # the template itself is broken, whatever the messages
@@ -41,6 +42,15 @@ def render_chat(tokenizer, messages: list[dict], /, **options) -> Any:
         raise TemplateRefusal(_cannot_render(err)) from None
     except (TypeError, KeyError, AttributeError, IndexError) as err:  # e.g. `arguments | tojson` of a tool call
         raise TemplateRefusal(_cannot_render(err)) from None
+
+
+def template_roles(messages: list[dict], template: str | dict | None) -> list[dict]:
+    """OpenAI's `developer` messages as `system` ones, unless the template itself knows a `developer` role (as
+    gpt-oss's does): most templates render only system, user, assistant and tool turns, and drop the others
+    without a word. Every path renders through here, so datagen, training and serving see the same prompt."""
+    if "developer" in str(template or "") or not any(m.get("role") == "developer" for m in messages):
+        return messages
+    return [{**m, "role": "system"} if m.get("role") == "developer" else m for m in messages]
 
 
 def _cannot_render(err: Exception) -> str:

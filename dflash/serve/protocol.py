@@ -95,6 +95,8 @@ class ChatMessage(_Strict):
     name: str | None = None
     tool_calls: list[Any] | None = None
     tool_call_id: str | None = None
+    reasoning_content: str | None = None  # an earlier answer's reasoning (vLLM's reasoning parsers return it)
+    reasoning: str | None = None  # the same, as newer vLLM names it
 
     @field_validator("role")
     @classmethod
@@ -110,8 +112,9 @@ class ChatMessage(_Strict):
         return self
 
     def for_template(self) -> dict[str, Any]:
-        message = {"role": self.template_role(), "content": self.text()}
-        extras = {"name": self.name, "tool_calls": self.tool_calls, "tool_call_id": self.tool_call_id}
+        message = {"role": self.role, "content": self.text()}  # a developer role is the template's (chat.py)
+        extras = {"name": self.name, "tool_calls": self.tool_calls, "tool_call_id": self.tool_call_id,
+                  "reasoning_content": self.reasoning_content, "reasoning": self.reasoning}
         return {**message, **{k: v for k, v in extras.items() if v is not None}}
 
     def text(self) -> str:
@@ -121,10 +124,6 @@ class ChatMessage(_Strict):
         if isinstance(self.content, str):
             return self.content
         return "\n".join(part.text or "" for part in self.content)
-
-    def template_role(self) -> str:
-        """OpenAI's `developer` messages are what chat templates know as `system` ones."""
-        return "system" if self.role == "developer" else self.role
 
 
 class ResponseFormat(_Strict):
