@@ -28,9 +28,11 @@ from dflash.chat import (
     as_ids,
     check_template_kwargs,
     check_text,
+    describe_template_kwargs,
     encode_plain,
     plain_conversation,
     render_chat,
+    renders_alike,
     text_messages,
 )
 from dflash.decoding.detokenizer import TextDeltas
@@ -57,6 +59,7 @@ from dflash.model.loading import (
     resolve_device,
     resolve_model_dir,
     trained_for,
+    trained_template_kwargs,
     weight_shapes,
 )
 from dflash.model.target import TargetModel, check_drafter_fits, warn_unapplied_generation_options
@@ -175,6 +178,7 @@ class DFlash:
         elif draft is not None:
             drafter = load_drafter(draft, mask_token_id=mask_token_id, dtype=target_model.dtype, device=torch_device)
             _warn_if_trained_for_another(draft, target)
+            _warn_if_trained_in_another_mode(draft, target_model.tokenizer, chat_template_kwargs)
         return cls(target_model, drafter, block_size, chat_template_kwargs, drafter_precision, branch_length)
 
     # ---- prompts ------------------------------------------------------------------------------------
@@ -393,6 +397,21 @@ def _warn_if_trained_for_another(draft: Path, target: str | os.PathLike) -> None
             f"the drafter in {draft} was trained for the target in {recorded} (its training_config.yaml says so), "
             f"not {target}: the output stays the target's own, but a drafter drafts well only for the target whose "
             "answers trained it"), stacklevel=3)
+
+
+def _warn_if_trained_in_another_mode(draft: Path, tokenizer, chat_template_kwargs: dict | None) -> None:
+    """A drafter trained on prompts rendered in one chat template mode (Qwen3's enable_thinking) drafts worse for
+    prompts rendered in another, losslessly: say so, and how to match it."""
+    trained = trained_template_kwargs(draft)
+    given = {k: v for k, v in (chat_template_kwargs or {}).items() if k in (trained or {})}
+    if trained is None or renders_alike(tokenizer, trained, given):
+        return
+    flag = "--enable-thinking" if trained.get("enable_thinking") else "--no-enable-thinking"
+    warnings.warn(DFlashWarning(
+        f"the drafter in {draft} was trained on prompts rendered with {describe_template_kwargs(trained)} (its "
+        f"training_config.yaml says so), and prompts here render with {describe_template_kwargs(given)}: the output "
+        f"stays the target's own, but fewer draft tokens are accepted; pass {flag} (Python: chat_template_kwargs="
+        f"{trained}) to serve it as it was trained"), stacklevel=3)
 
 
 def load_target(path_or_id: str | os.PathLike, dtype: str | torch.dtype | None = None,

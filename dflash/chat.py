@@ -144,3 +144,29 @@ def check_template_kwargs(kwargs: dict[str, Any] | None) -> dict[str, Any]:
         raise GenerationError(f"chat_template_kwargs may not set {', '.join(reserved)}: dflash sets "
                               f"{'it' if len(reserved) == 1 else 'them'} itself")
     return dict(kwargs)
+
+
+# a conversation a chat template's modes render differently, if anything does: two turns, then the next answer's
+# opening (Qwen3 with enable_thinking false opens it with an empty <think></think>, and strips earlier reasoning)
+_PROBE = [{"role": "user", "content": "What is 2 + 3?"}, {"role": "assistant", "content": "5"},
+          {"role": "user", "content": "And 4 + 4?"}]
+
+
+def renders_alike(tokenizer, a: dict[str, Any] | None, b: dict[str, Any] | None) -> bool:
+    """Whether the chat template renders a conversation the same under template variables `a` and `b` (e.g.
+    {"enable_thinking": False} and the template's defaults, {} or None). True without a chat template, or when the
+    template cannot render the probe conversation (nothing to compare)."""
+    if (a or {}) == (b or {}) or not getattr(tokenizer, "chat_template", None):
+        return True
+    try:
+        return as_ids(render_chat(tokenizer, _PROBE, add_generation_prompt=True, **(a or {}))) == \
+            as_ids(render_chat(tokenizer, _PROBE, add_generation_prompt=True, **(b or {})))
+    except TemplateRefusal:
+        return True
+
+
+def describe_template_kwargs(kwargs: dict[str, Any] | None) -> str:
+    """Template variables as a message names them: "enable_thinking false", or "the template's defaults"."""
+    if not kwargs:
+        return "the chat template's defaults"
+    return ", ".join(f"{k} {str(v).lower() if isinstance(v, bool) else repr(v)}" for k, v in kwargs.items())

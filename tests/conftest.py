@@ -256,6 +256,12 @@ CHAT_TEMPLATE = (
     "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
     "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
 )
+THINKING_TEMPLATE = (  # the tiny tokenizer's ChatML, whose answers open with a mark when thinking is off
+    "{% set off = enable_thinking is defined and not enable_thinking %}"
+    "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{% if off and m['role'] == 'assistant' %}<|mask|>\n"
+    "{% endif %}{{ m['content'] }}<|im_end|>\n{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n{% if off %}<|mask|>\n{% endif %}{% endif %}"
+)
 _CORPUS = (
     "Natalia sold clips to 48 of her friends in April, and then she sold half as many clips in May. "
     "How many clips did Natalia sell altogether in April and May? Weng earns 12 dollars an hour for babysitting. "

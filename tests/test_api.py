@@ -515,6 +515,30 @@ def test_a_drafter_trained_for_another_local_target_is_a_warning(tiny_pair, tmp_
     assert f"dflash generate: warning: the drafter in {recorded} was trained for" in capsys.readouterr().err
 
 
+def test_a_drafter_trained_in_another_thinking_mode_is_a_warning(tiny_pair, tmp_path, capsys):
+    target, recorded = tmp_path / "target", tmp_path / "drafter"
+    shutil.copytree(tiny_pair[0], target)
+    shutil.copytree(tiny_pair[1], recorded)
+    (target / "chat_template.jinja").write_text(THINKING_TEMPLATE)
+    (recorded / "training_config.yaml").write_text("enable_thinking: false\n")
+    with pytest.warns(DFlashWarning, match=f"the drafter in {recorded} was trained on prompts rendered with "
+                                           "enable_thinking false .*, and prompts here render with the chat template's "
+                                           "defaults: .*pass --no-enable-thinking"):
+        DFlash.from_pretrained(target, recorded, device="cpu")
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", DFlashWarning)
+        DFlash.from_pretrained(target, recorded, device="cpu", chat_template_kwargs={"enable_thinking": False})
+        DFlash.from_pretrained(tiny_pair[0], recorded, device="cpu")  # a template without the switch renders alike
+    from dflash.cli.main import main
+
+    assert main(["generate", "--target", str(target), "--draft", str(recorded), "--prompt", "hi",
+                 "--max-new-tokens", "2", "--enable-thinking"]) == 0
+    assert "dflash generate: warning: the drafter in" in capsys.readouterr().err
+    assert main(["generate", "--target", str(target), "--draft", str(recorded), "--prompt", "hi",
+                 "--max-new-tokens", "2", "--no-enable-thinking"]) == 0
+    assert "warning" not in capsys.readouterr().err
+
+
 def test_a_prompt_beyond_the_context_is_said_once_by_dflash_not_by_the_tokenizer(tiny_pair, caplog):
     """transformers' tokenizer warned of "indexing errors" at its own model_max_length before DFlash measured the
     prompt against the target's context and said what to do."""

@@ -24,6 +24,7 @@ import torch.distributed as dist
 import yaml
 from torch import nn
 
+from dflash.chat import describe_template_kwargs, renders_alike
 from dflash.errors import UserError, in_brief, why_not_written
 from dflash.model.config import untappable
 from dflash.model.dflash2 import GroupedDynamicConv
@@ -326,6 +327,9 @@ class Trainer:
         limit = c.max_length or DEFAULT_MAX_LENGTH
         c.max_length = min(limit, self.context) if self.context else limit
         self.text_records = 0  # counted by `_read`
+        files = [("--data", c.data), *(("--extra-train-data", path) for path in c.extra_train_data or [])]
+        flag_given = c.enable_thinking is not None
+        data_mode = self._settle_template_mode(files)  # before any text record renders
         train, self.eval_examples = split_records(self._read("--data", c.data), c.eval_fraction, c.seed)
         if c.eval_fraction > 0 and not self.eval_examples:
             self._warn(f"--eval-fraction {c.eval_fraction} holds nothing out: --data {c.data} holds one conversation "
@@ -334,7 +338,7 @@ class Trainer:
         for path in c.extra_train_data or []:
             self.train_examples += self._without_held_out_prompts(self._read("--extra-train-data", path),
                                                                   "--extra-train-data", path)
-        if c.enable_thinking is not None and not self.text_records:
+        if flag_given and not self.text_records and data_mode is None:  # else `_settle_template_mode` spoke
             flag = "--enable-thinking" if c.enable_thinking else "--no-enable-thinking"
             self._warn(f"{flag} renders text records, and this data holds none: its records hold the token ids "
                        "dflash datagen made, with its own --enable-thinking setting (pass that flag to datagen)")
@@ -350,6 +354,38 @@ class Trainer:
         self.total_steps = c.max_steps or max(1, math.ceil(c.epochs * self.batches_per_epoch))
         pad = self.tokenizer.pad_token_id if self.tokenizer is not None else None
         self.pad_id = pad if pad is not None else 0
+
+    def _settle_template_mode(self, files: list[tuple[str, str]]) -> dict | None:
+        """The chat template variables dflash datagen made the data's answers with (its settings files say), which
+        text records then render with too, unless --enable-thinking says otherwise: one drafter, one way of
+        rendering prompts, recorded in training_config.yaml (decoding warns when it renders them otherwise). Files
+        made in different modes, or a flag that differs from theirs, are named in a warning. Returns the data's
+        variables ({}: the template's defaults; None: no datagen settings, or modes that differ)."""
+        c = self.config
+        made = {f"{flag} {path}": settings.get("chat_template_kwargs") or {} for flag, path in files
+                if (settings := _datagen_settings(path))}
+        modes = list({json.dumps(m, sort_keys=True): m for m in made.values()}.values())
+        alike = len(modes) <= 1 or all(renders_alike(self.tokenizer, modes[0], m) for m in modes[1:])
+        if not alike:
+            named = "; ".join(f"{where}: {describe_template_kwargs(m)}" for where, m in made.items())
+            self._warn(f"dflash datagen made the data's answers with different chat template settings ({named}): the "
+                       "drafter learns prompts rendered both ways and is served with one; make them all with the "
+                       "--enable-thinking setting the target will be served with")
+            return None
+        if not modes:
+            return None
+        mode = modes[0]
+        given = c.chat_template_kwargs()
+        if given is None and set(mode) == {"enable_thinking"}:
+            c.enable_thinking = mode["enable_thinking"]  # text records as the answers were made; exported with them
+            self._note(f"text records render with {describe_template_kwargs(mode)}, as dflash datagen made the "
+                       "data's answers (its settings files say)")
+        elif given is not None and not renders_alike(self.tokenizer, given, mode):
+            flag = "--enable-thinking" if c.enable_thinking else "--no-enable-thinking"
+            self._warn(f"{flag}, but dflash datagen made the data's answers with {describe_template_kwargs(mode)} "
+                       f"({', '.join(made)}): text records render otherwise than those answers' prompts, and the "
+                       f"exported drafter records {flag}; pass the flag datagen was given, or regenerate the answers")
+        return mode
 
     def _read(self, flag: str, path: str) -> list[Example]:
         """The examples of one data file; records that leave nothing to train on are named in a warning, and so is

@@ -20,6 +20,7 @@ import torch
 import yaml
 from safetensors.torch import load_file
 
+from conftest import THINKING_TEMPLATE
 from dflash import DFlash
 from dflash.cli.main import main
 from dflash.errors import UserError
@@ -431,6 +432,75 @@ def test_the_thinking_mode_is_refused_for_a_base_model_and_named_where_no_record
     (base / "chat_template.jinja").unlink()
     with pytest.raises(UserError, match="tokenizer has no chat template \\(a base model\\) to read it"):
         Trainer(config((base, tiny_pair[1]), train_data, tmp_path / "o2", enable_thinking=True)).setup()
+
+
+def thinking_target(tiny_pair, tmp_path) -> Path:
+    target = tmp_path / "thinking_target"
+    shutil.copytree(tiny_pair[0], target)
+    (target / "chat_template.jinja").write_text(THINKING_TEMPLATE)
+    return target
+
+
+def made_with(tmp_path, name, source, settings) -> Path:
+    data = tmp_path / name
+    shutil.copy(source, data)
+    datagen.settings_path(data).write_text(json.dumps(settings))
+    return data
+
+
+def test_text_records_render_in_the_thinking_mode_datagen_made_the_answers_in(tiny_pair, train_data, tmp_path,
+                                                                             monkeypatch, capsys):
+    """One drafter, one way of rendering prompts: datagen's --no-enable-thinking reaches the text records beside its
+    answers and the exported training_config.yaml (which decoding checks), with no flag given to train."""
+    from dflash.training import trainer as trainer_module
+
+    target = thinking_target(tiny_pair, tmp_path)
+    data = made_with(tmp_path, "answers.jsonl", train_data, {"target": str(target.resolve()),
+                                                            "chat_template_kwargs": {"enable_thinking": False}})
+    text = tmp_path / "text.jsonl"
+    text.write_text("".join(json.dumps({"prompt": f"How many clips, {i}?", "response": f"There are {i}."}) + "\n"
+                            for i in range(8)))
+    seen, read = [], trainer_module.read_examples
+    monkeypatch.setattr(trainer_module, "read_examples", lambda *a: seen.append(a[-2]) or read(*a))
+    trainer = Trainer(config((target, tiny_pair[1]), data, tmp_path / "o", extra_train_data=[str(text)],
+                             max_steps=1)).setup()
+    assert seen == [{"enable_thinking": False}] * 2
+    assert {"event": "note", "message": "text records render with enable_thinking false, as dflash datagen made the "
+            "data's answers (its settings files say)"} in trainer.history
+    trainer.train()
+    assert yaml.safe_load((tmp_path / "o" / "training_config.yaml").read_text())["enable_thinking"] is False
+    err = capsys.readouterr().err
+    assert "enable-thinking" not in err and "chat template" not in err, err
+
+
+@pytest.mark.parametrize("flag, other, said", [
+    (None, {"enable_thinking": True}, "dflash datagen made the data's answers with different chat template settings "
+                                      "(--data {data}: enable_thinking false; --extra-train-data {extra}: "
+                                      "enable_thinking true)"),
+    (True, {"enable_thinking": False}, "--enable-thinking, but dflash datagen made the data's answers with "
+                                       "enable_thinking false (--data {data}, --extra-train-data {extra}): text "
+                                       "records render otherwise"),
+])
+def test_answers_made_in_other_thinking_modes_are_named_in_a_warning(tiny_pair, train_data, tmp_path, capsys, flag,
+                                                                       other, said):
+    target = thinking_target(tiny_pair, tmp_path)
+    data = made_with(tmp_path, "a.jsonl", train_data, {"target": str(target.resolve()),
+                                                      "chat_template_kwargs": {"enable_thinking": False}})
+    extra = made_with(tmp_path, "b.jsonl", train_data, {"target": str(target.resolve()), "chat_template_kwargs": other})
+    Trainer(config((target, tiny_pair[1]), data, tmp_path / "o", extra_train_data=[str(extra)],
+                   enable_thinking=flag)).setup()
+    assert said.format(data=data, extra=extra) in capsys.readouterr().err.replace("\n", " ")
+
+
+def test_a_thinking_mode_the_template_ignores_is_no_mismatch(tiny_pair, train_data, tmp_path, capsys):
+    """The tiny target's own template reads no enable_thinking: datagen's False and the template's defaults render
+    alike, so nothing is said."""
+    data = made_with(tmp_path, "a.jsonl", train_data, {"target": str(tiny_pair[0].resolve())})
+    extra = made_with(tmp_path, "b.jsonl", train_data, {"target": str(tiny_pair[0].resolve()),
+                                                       "chat_template_kwargs": {"enable_thinking": False}})
+    Trainer(config(tiny_pair, data, tmp_path / "o", extra_train_data=[str(extra)], enable_thinking=True,
+                   eval_fraction=0)).setup()
+    assert "warning" not in capsys.readouterr().err
 
 
 def test_another_targets_answers_are_named_in_a_warning(tiny_pair, train_data, tmp_path, capsys):
