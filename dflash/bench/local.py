@@ -28,6 +28,7 @@ from dflash.bench.metrics import (
     mean_ms,
     ratio,
 )
+from dflash.decoding.detokenizer import decode
 from dflash.decoding.engine import AUTO, GenerationConfig, GenerationOutput, SpeculativeEngine
 from dflash.errors import UserError
 from dflash.model.target import TargetModel
@@ -157,7 +158,7 @@ class LocalBackend:
     def answer_text(self, output: GenerationOutput) -> str:
         if output.text is not None:
             return output.text
-        return self.pipe.tokenizer.decode(output.output_ids, skip_special_tokens=True)
+        return decode(self.pipe.tokenizer, output.output_ids)
 
     @staticmethod
     def generation_config(config: LocalConfig, max_new_tokens: int, baseline: bool,

@@ -13,6 +13,8 @@ to be taken back.
 
 from __future__ import annotations
 
+import re
+import weakref
 from typing import Sequence
 
 from dflash.errors import GenerationError
@@ -24,19 +26,77 @@ TAIL_MARGIN_CHARS = 16
 OVERLAP_TOKENS = 8  # tokens decoded again before a stream's new ones, to find where the new text starts
 
 
+def decode(tokenizer, ids: Sequence[int]) -> str:
+    """The text of `ids` as this package shows it, streamed or whole: special tokens skipped, and spaces as the
+    tokens hold them. transformers' clean_up_tokenization_spaces (on for some tokenizers) rewrites " ," as "," and
+    " 'm" as "'m" once the next token has come, so text already streamed, or checked for a stop string, would change
+    after the fact, and a stop string would be found at one step size and not another (vLLM leaves it off too)."""
+    return tokenizer.decode(list(ids), skip_special_tokens=True, clean_up_tokenization_spaces=False)
+
+
+_BYTE_TOKEN = re.compile(r"<0x[0-9A-Fa-f]{2}>")
+_byte_tokens: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
+def byte_token_ids(tokenizer) -> frozenset[int]:
+    """The ids of a byte-fallback tokenizer's byte tokens (`<0xE4>`: Llama 2, Mistral, Gemma), which its decoder
+    turns into text a whole run at a time: a run that is not UTF-8 as a whole becomes one U+FFFD per byte, so a
+    window that starts inside a run decodes it otherwise than the whole text does. Empty for other tokenizers."""
+    try:
+        return _byte_tokens[tokenizer]
+    except (KeyError, TypeError):
+        pass
+    vocab = tokenizer.get_vocab() if hasattr(tokenizer, "get_vocab") else {}
+    found = frozenset(i for token, i in vocab.items() if isinstance(token, str) and _BYTE_TOKEN.fullmatch(token))
+    try:
+        _byte_tokens[tokenizer] = found
+    except TypeError:  # a tokenizer that cannot be weakly referenced: looked up again next time
+        pass
+    return found
+
+
+def run_start(ids: Sequence[int], start: int, byte_ids: frozenset[int]) -> int:
+    """`start`, or the start of the run of byte tokens it falls inside."""
+    while 0 < start < len(ids) and ids[start] in byte_ids and ids[start - 1] in byte_ids:
+        start -= 1
+    return start
+
+
+def whole_text(tokenizer, ids: Sequence[int]) -> str:
+    """The text of a finished output: `decode`, except where it ends inside a character in a byte-fallback
+    tokenizer's byte tokens (max_new_tokens cut it there). Such a decoder writes the whole last run of byte tokens
+    as U+FFFD then, characters a stream has already sent included; here the run's whole characters stay, and the
+    cut one is a single U+FFFD, so the streamed text and this one agree."""
+    text = decode(tokenizer, ids)
+    byte_ids = byte_token_ids(tokenizer)
+    if not (text.endswith(REPLACEMENT) and ids and ids[-1] in byte_ids):
+        return text
+    start = run_start(ids, len(ids) - 1, byte_ids)
+    run = bytes(int(token[3:5], 16) for token in tokenizer.convert_ids_to_tokens(list(ids[start:])))
+    for cut in range(1, min(3, len(run) - 1) + 1):  # a UTF-8 character has at most 4 bytes: 1-3 of them cut off
+        try:
+            run[:-cut].decode("utf-8")
+        except UnicodeDecodeError:
+            continue
+        return decode(tokenizer, ids[:-cut]) + REPLACEMENT
+    return text  # not UTF-8 before its end either: as the decoder writes it
+
+
 def tail_text(tokenizer, ids: Sequence[int], end: int, min_chars: int, since: int | None = None) -> tuple[str, bool]:
     """The decoded text of the last tokens of ids[:end], and whether it is all of them. It holds the text of
     tokens ids[since:end] (default: none) and at least min_chars + TAIL_MARGIN_CHARS characters before it, unless
-    it is all of them; all but its first TAIL_MARGIN_CHARS characters are those of the whole text."""
+    it is all of them; all but its first TAIL_MARGIN_CHARS characters are those of the whole text. The window never
+    starts inside a run of byte tokens (`byte_token_ids`)."""
     since = end if since is None else since
     want = min_chars + TAIL_MARGIN_CHARS
     count = want // 4 + 8  # tokens before `since`; most hold several characters
+    byte_ids = byte_token_ids(tokenizer)
     while True:
-        start = max(0, since - count)
+        start = run_start(ids, max(0, since - count), byte_ids)
         if start == 0:
-            return tokenizer.decode(list(ids[:end]), skip_special_tokens=True), True
-        if len(tokenizer.decode(list(ids[start:since]), skip_special_tokens=True)) >= want:
-            return tokenizer.decode(list(ids[start:end]), skip_special_tokens=True), False
+            return decode(tokenizer, ids[:end]), True
+        if len(decode(tokenizer, ids[start:since])) >= want:
+            return decode(tokenizer, ids[start:end]), False
         count *= 2
 
 
@@ -75,16 +135,15 @@ class TextDeltas:
         tokens add after the last few old ones. Half a character at the end of the text so far (replacement
         characters) is decoded again with the bytes that complete it. The whole output is decoded again only at
         the start, or when the overlap holds no whole character."""
-        start = old_end - OVERLAP_TOKENS
+        start = run_start(self._ids, old_end - OVERLAP_TOKENS, byte_token_ids(self._tokenizer))
         if start > 0:
-            decode = self._tokenizer.decode
-            before = decode(self._ids[start:old_end], skip_special_tokens=True).rstrip(REPLACEMENT)
-            after = decode(self._ids[start:], skip_special_tokens=True)
+            before = decode(self._tokenizer, self._ids[start:old_end]).rstrip(REPLACEMENT)
+            after = decode(self._tokenizer, self._ids[start:])
             settled = before.lstrip(REPLACEMENT)  # the window may start in half a character too
             text = self._text.rstrip(REPLACEMENT)
             if settled and after.startswith(before) and text.endswith(settled):
                 return text + after[len(before):]
-        return self._tokenizer.decode(self._ids, skip_special_tokens=True)
+        return decode(self._tokenizer, self._ids)
 
     def _safe_length(self, text: str) -> int:
         hits = [i for i in (text.find(s) for s in self._stops) if i >= 0]

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from dflash.decoding.detokenizer import REPLACEMENT, tail_text
+from dflash.decoding.detokenizer import REPLACEMENT, byte_token_ids, decode, tail_text, whole_text
 from dflash.errors import GenerationError
 
 
@@ -55,6 +55,8 @@ class StopChecker:
         if self._token_by_token:
             return True
         text, _ = tail_text(self.tokenizer, ids, len(ids), self._longest_stop, since=since)
+        if REPLACEMENT in text and byte_token_ids(self.tokenizer):  # a step that ends inside a character makes a
+            return True  # byte-fallback decoder write its whole run of byte tokens as U+FFFD: the text says nothing
         return any(s in text for s in self.stop_strings)
 
     def _completes_stop_string(self, ids: list[int], end: int) -> bool:
@@ -70,7 +72,7 @@ class StopChecker:
 
     def find_stop(self, output_ids: list[int]) -> int | None:
         """Character index where the first stop string starts in the decoded output, if any."""
-        first = self.first_stop(self.tokenizer.decode(output_ids, skip_special_tokens=True))
+        first = self.first_stop(decode(self.tokenizer, output_ids))
         return None if first is None else first[0]
 
     def first_stop(self, text: str) -> tuple[int, str] | None:
@@ -84,6 +86,6 @@ class StopChecker:
         where include_stop_str_in_output is off by default)."""
         if output_ids and output_ids[-1] in self.stop_token_ids:
             output_ids = output_ids[:-1]
-        text = self.tokenizer.decode(output_ids, skip_special_tokens=True)
+        text = whole_text(self.tokenizer, output_ids)
         first = self.first_stop(text) if self.stop_strings else None
         return (text, None) if first is None else (text[:first[0]], first[1])

@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 
 from conftest import make_tokenizer
-from dflash.decoding.detokenizer import TextDeltas, tail_text
+from dflash.decoding.detokenizer import TextDeltas, decode, tail_text
 from dflash.decoding.stopping import StopChecker
 
 ASSETS = Path(__file__).resolve().parents[2] / "dflash" / "assets" / "target"
@@ -55,7 +55,7 @@ def output_ids(tokenizer, repeats: int = 3) -> list[int]:
 
 
 def whole(tokenizer, ids) -> str:
-    return tokenizer.decode(ids, skip_special_tokens=True)
+    return decode(tokenizer, ids)
 
 
 def test_the_tail_ends_as_the_whole_text_does(tokenizer):
@@ -120,9 +120,9 @@ class CountingTokenizer:
         self.tokenizer = tokenizer
         self.decoded = 0
 
-    def decode(self, ids, skip_special_tokens=True):
+    def decode(self, ids, skip_special_tokens=True, **options):
         self.decoded += len(ids)
-        return self.tokenizer.decode(ids, skip_special_tokens=skip_special_tokens)
+        return self.tokenizer.decode(ids, skip_special_tokens=skip_special_tokens, **options)
 
 
 def test_a_long_output_is_not_decoded_again_for_every_token():
@@ -153,3 +153,67 @@ def test_long_stop_strings_hold_back_only_what_could_begin_one():
     held = TextDeltas(tokenizer, ["May. Weng", "ab"])
     sent = held.add(tokenizer("in May. We", add_special_tokens=False)["input_ids"])
     assert sent == "in " and held.add(tokenizer("ng", add_special_tokens=False)["input_ids"]) == ""
+
+
+def stop_at_steps_of(tokenizer, ids, stops, step_size: int) -> tuple[int, str | None]:
+    checker, kept = StopChecker([], stops, 10_000, tokenizer), []
+    for start in range(0, len(ids), step_size):
+        decision = checker.check(kept, ids[start:start + step_size])
+        kept += ids[start:start + step_size][:decision.keep]
+        if decision.reason:
+            return len(kept), decision.reason
+    return len(kept), None
+
+
+@pytest.mark.parametrize("text, stop", [
+    ("ok " + "中文字" * 20 + "東京日本語 end", "京日"),
+    ("ok! " + "中文字" * 20 + "東京日本語 end", "京日"),
+    ("ok " + "中文字" * 20 + "東京日本語 end", "京日本語"),  # a window of another length: it starts mid-character
+    ("Emoji: " + "😀🙂👍" * 10 + "🎉 end", "🎉"),
+])
+def test_a_stop_string_after_a_long_run_of_byte_tokens_stops_alike_at_every_step_size(text, stop):
+    """A byte-fallback decoder turns a run of byte tokens into text as a whole: a window that started inside the
+    run decoded it as U+FFFD, so plain decoding (steps of 1) never stopped and drafted steps stopped late or never."""
+    tokenizer = byte_fallback_tokenizer()
+    ids = tokenizer(text, add_special_tokens=False)["input_ids"]
+    expected = first_stop(tokenizer, ids, [stop])
+    assert expected is not None and expected < len(ids)
+    for step_size in (1, 4, 8):
+        assert stop_at_steps_of(tokenizer, ids, [stop], step_size) == (expected, "stop"), step_size
+    deltas = TextDeltas(tokenizer, stop_strings=["zzz"])
+    for start in range(0, len(ids), 3):
+        deltas.add(ids[start:start + 3])
+    assert deltas.sent == whole(tokenizer, ids)
+
+
+def test_text_already_streamed_or_checked_for_a_stop_never_changes_with_space_clean_up():
+    """transformers 4's decode cleans up spaces (" !" -> "!") for tokenizers that ask for it (Llama 3's do): a
+    stream was cut short after "Bonjour " and a stop string "va " was found at steps of 1 and not of 8."""
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(ASSETS, clean_up_tokenization_spaces=True,
+                                              clean_up_tokenization_spaces_for_bpe_even_though_it_will_corrupt_output=True)
+    ids = tokenizer("Bonjour ! Ça va ? Oui , merci .", add_special_tokens=False)["input_ids"]
+    assert tokenizer.decode(ids) != decode(tokenizer, ids)  # the tokenizer does clean up, left to itself
+    deltas = TextDeltas(tokenizer, stop_strings=[])
+    for token in ids:
+        deltas.add([token])
+    assert deltas.sent == decode(tokenizer, ids) == "Bonjour ! Ça va ? Oui , merci ."
+    assert stop_at_steps_of(tokenizer, ids, ["va "], 1) == stop_at_steps_of(tokenizer, ids, ["va "], 8)
+    assert stop_at_steps_of(tokenizer, ids, ["va "], 1)[1] == "stop"
+
+
+@pytest.mark.parametrize("step_size", [1, 4])
+def test_an_output_cut_inside_a_character_keeps_the_characters_a_stream_sent(step_size):
+    """max_new_tokens cut 文 after two of its three byte tokens: the byte-fallback decoder wrote the whole run, 中
+    included, as U+FFFD, so the final text ('ok �����') no longer began with the streamed 'ok 中', and the stream
+    stopped there."""
+    tokenizer = byte_fallback_tokenizer()
+    ids = tokenizer("ok 中文 done", add_special_tokens=False)["input_ids"][:9]
+    assert decode(tokenizer, ids) == "ok " + "\ufffd" * 5
+    final, _ = StopChecker([], [], 100, tokenizer).ending(ids)
+    assert final == "ok 中\ufffd"
+    deltas = TextDeltas(tokenizer, stop_strings=[])
+    for start in range(0, len(ids), step_size):
+        deltas.add(ids[start:start + step_size])
+    assert deltas.sent + deltas.finish(final) == final

@@ -10,7 +10,7 @@ from dflash.decoding.stopping import StopChecker
 class CharTokenizer:
     """Token id i decodes to the i-th letter: ids are easy to turn into text."""
 
-    def decode(self, ids, skip_special_tokens=True):
+    def decode(self, ids, skip_special_tokens=True, **options):
         return "".join(chr(ord("a") + i) for i in ids)
 
 
