@@ -170,3 +170,15 @@ def describe_template_kwargs(kwargs: dict[str, Any] | None) -> str:
     if not kwargs:
         return "the chat template's defaults"
     return ", ".join(f"{k} {str(v).lower() if isinstance(v, bool) else repr(v)}" for k, v in kwargs.items())
+
+
+# said where enable_thinking is given for a template that does not read it (a misremembered flag changes nothing)
+THINKING_IGNORED = ("this target's chat template renders a conversation the same with enable_thinking true or false "
+                    "(it does not read that variable), so --enable-thinking / --no-enable-thinking "
+                    "(chat_template_kwargs enable_thinking) changes nothing here: leave it out")
+
+
+def ignores_thinking(tokenizer) -> bool:
+    """Whether the tokenizer has a chat template that renders the same with enable_thinking true and false."""
+    return bool(getattr(tokenizer, "chat_template", None)) and \
+        renders_alike(tokenizer, {"enable_thinking": True}, {"enable_thinking": False})

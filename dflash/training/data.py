@@ -273,7 +273,12 @@ def _templated(messages: list[dict], tokenizer, variables: dict) -> tuple[list[i
     prompt = _ids(_apply_template(tokenizer, messages[:-1], add_generation_prompt=True, **variables))
     full = _ids(_apply_template(tokenizer, messages, **variables))
     if full[: len(prompt)] != prompt:
-        raise UserError("the chat template renders the prompt differently inside the full conversation; "
+        thinking = variables.get("enable_thinking")
+        mode = "" if thinking is None else (
+            f" (with enable_thinking {str(thinking).lower()}, which opens the answer otherwise than an answer "
+            f"{'without' if thinking else 'with'} reasoning is rendered: train with the mode the answers were written "
+            "in)")
+        raise UserError(f"the chat template renders the prompt differently inside the full conversation{mode}; "
                         "store prompt_ids/response_ids (dflash datagen does) instead")
     return prompt, full[len(prompt):]
 
@@ -364,11 +369,12 @@ def _decodes(record: dict, tokenizer) -> bool | None:
     if not (_has_ids(record) and isinstance(messages, list) and messages and isinstance(messages[-1], dict)
             and messages[-1].get("role") == "assistant" and isinstance(messages[-1].get("content"), str)):
         return None
-    try:
-        text = tokenizer.decode(record["response_ids"], skip_special_tokens=True)
+    try:  # datagen wrote the text with its tokenizer's space clean-up before 2026-12-07, and without it since
+        texts = {tokenizer.decode(record["response_ids"], skip_special_tokens=True,
+                                  clean_up_tokenization_spaces=clean).strip() for clean in (False, True)}
     except Exception:  # noqa: BLE001 - ids this tokenizer cannot decode at all: not its ids
         return False
-    return text.strip() == messages[-1]["content"].strip()
+    return messages[-1]["content"].strip() in texts
 
 
 def fingerprint(examples: list[Example]) -> str:

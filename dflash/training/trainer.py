@@ -24,7 +24,7 @@ import torch.distributed as dist
 import yaml
 from torch import nn
 
-from dflash.chat import describe_template_kwargs, renders_alike
+from dflash.chat import THINKING_IGNORED, describe_template_kwargs, ignores_thinking, renders_alike
 from dflash.errors import UserError, in_brief, why_not_written
 from dflash.model.config import untappable
 from dflash.model.dflash2 import GroupedDynamicConv
@@ -313,6 +313,8 @@ class Trainer:
             from dflash.chat import THINKING_WITHOUT_TEMPLATE
 
             raise UserError(THINKING_WITHOUT_TEMPLATE)
+        if self.config.enable_thinking is not None and ignores_thinking(self.tokenizer):
+            self._warn(THINKING_IGNORED)
         problem = self.target.distillation_problem() if self.config.distill_weight > 0 else None
         if problem:
             raise UserError(f"--distill-weight {self.config.distill_weight}: {problem}, so the soft labels would "

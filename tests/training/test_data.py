@@ -312,3 +312,19 @@ def test_an_earlier_turn_is_written_as_it_is_read_back(tmp_path, tokenizer):
         assert entry["prompt_tail_ids"] == prompt[entry["prompt_prefix_length"]:]
         record = {"prompt_ids": last, "response_ids": [30, 31], "earlier_turns": [entry]}
         assert record_turns(record, tokenizer, 128)[0] == (prompt, [20, 21])
+
+
+def test_a_thinking_mode_that_opens_answers_otherwise_is_named(tmp_path, tokenizer):
+    """A template whose thinking-off prompt opens the answer with a mark that a rendered answer lacks (Qwen3's, for
+    an answer holding its reasoning): the record cannot train, and the error names the mode to train with."""
+    tokenizer = copy.deepcopy(tokenizer)
+    tokenizer.chat_template = (
+        "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
+        "{% if add_generation_prompt %}<|im_start|>assistant\n{% if enable_thinking is defined and not enable_thinking"
+        " %}<|mask|>\n{% endif %}{% endif %}")
+    path = tmp_path / "data.jsonl"
+    path.write_text(json.dumps({"prompt": "How many clips?", "response": "There are 72."}) + "\n")
+    assert read_examples(path, tokenizer, max_length=64).examples  # the template's default mode renders alike
+    with pytest.raises(UserError, match="renders the prompt differently inside the full conversation \\(with "
+                                        "enable_thinking false, .*train with the mode the answers were written in"):
+        read_examples(path, tokenizer, max_length=64, template_kwargs={"enable_thinking": False})

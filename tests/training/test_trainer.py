@@ -22,6 +22,7 @@ from safetensors.torch import load_file
 
 from conftest import THINKING_TEMPLATE
 from dflash import DFlash
+from dflash.chat import THINKING_IGNORED
 from dflash.cli.main import main
 from dflash.errors import UserError
 from dflash.model import load_drafter
@@ -492,15 +493,17 @@ def test_answers_made_in_other_thinking_modes_are_named_in_a_warning(tiny_pair, 
     assert said.format(data=data, extra=extra) in capsys.readouterr().err.replace("\n", " ")
 
 
-def test_a_thinking_mode_the_template_ignores_is_no_mismatch(tiny_pair, train_data, tmp_path, capsys):
+def test_a_thinking_mode_the_template_ignores_is_no_mismatch_and_the_flag_is_said_to_change_nothing(
+        tiny_pair, train_data, tmp_path, capsys):
     """The tiny target's own template reads no enable_thinking: datagen's False and the template's defaults render
-    alike, so nothing is said."""
+    alike, so no mismatch is named; the flag itself changes nothing, and that is said."""
     data = made_with(tmp_path, "a.jsonl", train_data, {"target": str(tiny_pair[0].resolve())})
     extra = made_with(tmp_path, "b.jsonl", train_data, {"target": str(tiny_pair[0].resolve()),
                                                        "chat_template_kwargs": {"enable_thinking": False}})
     Trainer(config(tiny_pair, data, tmp_path / "o", extra_train_data=[str(extra)], enable_thinking=True,
                    eval_fraction=0)).setup()
-    assert "warning" not in capsys.readouterr().err
+    warned = [line for line in capsys.readouterr().err.splitlines() if "warning" in line]
+    assert warned == [f"dflash train: warning: {THINKING_IGNORED}"]
 
 
 def test_another_targets_answers_are_named_in_a_warning(tiny_pair, train_data, tmp_path, capsys):
