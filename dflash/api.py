@@ -113,7 +113,7 @@ class DFlash:
         thinking = self.chat_template_kwargs.get("enable_thinking")
         if thinking and self.tokenizer is not None and not self.has_chat_template:
             raise UserError(THINKING_WITHOUT_TEMPLATE)  # every command that builds a pipeline, and the API
-        if thinking is not None and self.tokenizer is not None and ignores_thinking(self.tokenizer):
+        if thinking and self.tokenizer is not None and ignores_thinking(self.tokenizer):
             warnings.warn(DFlashWarning(THINKING_IGNORED), stacklevel=2)
         if target.device.type == "cpu":
             drafters = [] if drafter is None else [drafter.model if isinstance(drafter, TargetModel) else drafter]

@@ -172,10 +172,10 @@ def describe_template_kwargs(kwargs: dict[str, Any] | None) -> str:
     return ", ".join(f"{k} {str(v).lower() if isinstance(v, bool) else repr(v)}" for k, v in kwargs.items())
 
 
-# said where enable_thinking is given for a template that does not read it (a misremembered flag changes nothing)
+# said where thinking is asked of a template that does not read enable_thinking (off is what such a template does)
 THINKING_IGNORED = ("this target's chat template renders a conversation the same with enable_thinking true or false "
-                    "(it does not read that variable), so --enable-thinking / --no-enable-thinking "
-                    "(chat_template_kwargs enable_thinking) changes nothing here: leave it out")
+                    "(it does not read that variable), so --enable-thinking (chat_template_kwargs enable_thinking "
+                    "true) does not make it think: leave it out")
 
 
 def ignores_thinking(tokenizer) -> bool:

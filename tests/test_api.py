@@ -539,15 +539,19 @@ def test_a_drafter_trained_in_another_thinking_mode_is_a_warning(tiny_pair, tmp_
     assert "warning" not in capsys.readouterr().err
 
 
-def test_a_thinking_mode_the_template_does_not_read_is_said_to_change_nothing(tiny_pair, tmp_path):
+def test_thinking_asked_of_a_template_that_does_not_read_it_is_said_to_change_nothing(tiny_pair, tmp_path):
     with pytest.warns(DFlashWarning, match="renders a conversation the same with enable_thinking true or false"):
-        DFlash.from_pretrained(tiny_pair[0], tiny_pair[1], device="cpu", chat_template_kwargs={"enable_thinking": False})
+        DFlash.from_pretrained(tiny_pair[0], tiny_pair[1], device="cpu", chat_template_kwargs={"enable_thinking": True})
+    with warnings.catch_warnings():  # off is what a template without the switch does: nothing to say
+        warnings.simplefilter("error", DFlashWarning)
+        DFlash.from_pretrained(tiny_pair[0], no_draft=True, device="cpu",
+                               chat_template_kwargs={"enable_thinking": False})
     target = tmp_path / "target"
     shutil.copytree(tiny_pair[0], target)
     (target / "chat_template.jinja").write_text(THINKING_TEMPLATE)
     with warnings.catch_warnings():
         warnings.simplefilter("error", DFlashWarning)
-        DFlash.from_pretrained(target, no_draft=True, device="cpu", chat_template_kwargs={"enable_thinking": False})
+        DFlash.from_pretrained(target, no_draft=True, device="cpu", chat_template_kwargs={"enable_thinking": True})
 
 
 def test_a_prompt_beyond_the_context_is_said_once_by_dflash_not_by_the_tokenizer(tiny_pair, caplog):

@@ -313,7 +313,7 @@ class Trainer:
             from dflash.chat import THINKING_WITHOUT_TEMPLATE
 
             raise UserError(THINKING_WITHOUT_TEMPLATE)
-        if self.config.enable_thinking is not None and ignores_thinking(self.tokenizer):
+        if self.config.enable_thinking and ignores_thinking(self.tokenizer):
             self._warn(THINKING_IGNORED)
         problem = self.target.distillation_problem() if self.config.distill_weight > 0 else None
         if problem:
