@@ -13,6 +13,7 @@ for prompts and options.
 from __future__ import annotations
 
 import difflib
+import json
 import numbers
 import os
 import warnings
@@ -410,12 +411,15 @@ def _warn_if_trained_in_another_mode(draft: Path, tokenizer, chat_template_kwarg
     given = {k: v for k, v in (chat_template_kwargs or {}).items() if k in (trained or {})}
     if trained is None or renders_alike(tokenizer, trained, given):
         return
-    flag = "--enable-thinking" if trained.get("enable_thinking") else "--no-enable-thinking"
+    thinking = trained.get("enable_thinking")
+    others = {k: v for k, v in trained.items() if k != "enable_thinking"}
+    flags = ([] if thinking is None else ["--enable-thinking" if thinking else "--no-enable-thinking"]) + (
+        [f"--chat-template-kwargs '{json.dumps(others)}'"] if others else [])
     warnings.warn(DFlashWarning(
         f"the drafter in {draft} was trained on prompts rendered with {describe_template_kwargs(trained)} (its "
         f"training_config.yaml says so), and prompts here render with {describe_template_kwargs(given)}: the output "
-        f"stays the target's own, but fewer draft tokens are accepted; pass {flag} (Python: chat_template_kwargs="
-        f"{trained}) to serve it as it was trained"), stacklevel=3)
+        f"stays the target's own, but fewer draft tokens are accepted; pass {' '.join(flags)} (Python: "
+        f"chat_template_kwargs={trained}) to serve it as it was trained"), stacklevel=3)
 
 
 def load_target(path_or_id: str | os.PathLike, dtype: str | torch.dtype | None = None,

@@ -182,3 +182,16 @@ def ignores_thinking(tokenizer) -> bool:
     """Whether the tokenizer has a chat template that renders the same with enable_thinking true and false."""
     return bool(getattr(tokenizer, "chat_template", None)) and \
         renders_alike(tokenizer, {"enable_thinking": True}, {"enable_thinking": False})
+
+
+def merged_template_kwargs(variables: dict[str, Any] | None, enable_thinking: bool | None) -> dict[str, Any] | None:
+    """--chat-template-kwargs with --enable-thinking / --no-enable-thinking over it (None: neither given, the
+    template's defaults). Both naming enable_thinking, differently, is refused."""
+    merged = dict(check_template_kwargs(variables))
+    if enable_thinking is not None:
+        if merged.get("enable_thinking", enable_thinking) != enable_thinking:
+            flag = "--enable-thinking" if enable_thinking else "--no-enable-thinking"
+            raise GenerationError(f"{flag} and --chat-template-kwargs enable_thinking {merged['enable_thinking']} "
+                                  "disagree: give it once")
+        merged["enable_thinking"] = enable_thinking
+    return merged or None

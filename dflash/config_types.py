@@ -1,8 +1,8 @@
 """Does a value fit a typed configuration field? One check for every dataclass config a user fills in (a YAML
 file, keyword arguments), so a wrong type is a clear error before it fails deep inside a run.
 
-Annotations understood: int, float, str, bool, list[...] (a list or tuple; a bare string for list[str], one item),
-and unions with None. Integers and numbers include numpy / torch scalars; bool is never a number.
+Annotations understood: int, float, str, bool, dict, list[...] (a list or tuple; a bare string for list[str], one
+item), and unions with None. Integers and numbers include numpy / torch scalars; bool is never a number.
 """
 
 from __future__ import annotations
@@ -13,7 +13,8 @@ import types
 import typing
 from typing import Any
 
-_NAMES = {int: "an integer", float: "a number", str: "a string", bool: "true or false", type(None): "None"}
+_NAMES = {int: "an integer", float: "a number", str: "a string", bool: "true or false", type(None): "None",
+          dict: "a mapping of names to values, like {enable_thinking: false}"}
 
 
 @functools.cache

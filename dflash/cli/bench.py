@@ -169,9 +169,9 @@ def bench_config(args: argparse.Namespace):
     if args.output_dir:
         _check_output_dir(Path(args.output_dir))
     server = None
-    if backend == "server" and args.endpoint == "completions" and args.enable_thinking is not None:
-        raise UserError("--enable-thinking sets a chat template variable, and --endpoint completions sends raw "
-                        "text: drop one of them")
+    if backend == "server" and args.endpoint == "completions" and chat_template_kwargs(args) is not None:
+        raise UserError("--enable-thinking and --chat-template-kwargs set chat template variables, and --endpoint "
+                        "completions sends raw text: drop one of them")
     if backend == "server":
         from dflash.bench.server import ServerConfig
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import json
 
 from dflash.config_types import parse_int_list, split_list
 from dflash.errors import UserError
@@ -124,12 +125,28 @@ def add_thinking_argument(parser) -> None:
     parser.add_argument("--enable-thinking", action=argparse.BooleanOptionalAction, default=None,
                         help="set the chat template's enable_thinking (Qwen3 and others: thinking on or off); "
                              "default: the template's own")
+    parser.add_argument("--chat-template-kwargs", type=json_object, metavar="JSON",
+                        help="other chat template variables, as a JSON object (e.g. '{\"reasoning_effort\": "
+                             "\"low\"}' for gpt-oss); default: the template's own")
+
+
+def json_object(text: str) -> dict:
+    """A flag's JSON object (argparse reports the ValueError's message as the flag's error)."""
+    try:
+        value = json.loads(text)
+    except ValueError:
+        value = None
+    if not isinstance(value, dict):
+        raise argparse.ArgumentTypeError(f"{text!r} is not a JSON object; write it like '{{\"enable_thinking\": "
+                                         "false}' (in single quotes in a shell)")
+    return value
 
 
 def chat_template_kwargs(args: argparse.Namespace) -> dict | None:
     """The chat template variables the flags ask for (None: the template's defaults)."""
-    thinking = getattr(args, "enable_thinking", None)
-    return None if thinking is None else {"enable_thinking": thinking}
+    from dflash.chat import merged_template_kwargs
+
+    return merged_template_kwargs(getattr(args, "chat_template_kwargs", None), getattr(args, "enable_thinking", None))
 
 
 def check_draft_has_target(args: argparse.Namespace) -> None:

@@ -10,7 +10,7 @@ from pathlib import Path
 
 from dflash.api import make_config, refuse_greedy_ignores
 from dflash.chat import check_text
-from dflash.cli.common import add_model_arguments, load_pipeline
+from dflash.cli.common import add_model_arguments, chat_template_kwargs, load_pipeline
 from dflash.decoding.engine import SpeculativeEngine
 from dflash.errors import UserError
 
@@ -142,9 +142,9 @@ def _check_arguments(args: argparse.Namespace, prompt: str) -> dict:
                             "template: drop one of them")
     if args.compare and args.no_draft:
         raise UserError("--compare measures DFlash against plain decoding of the same target; drop --no-draft")
-    if args.raw and args.enable_thinking is not None:
-        raise UserError("--enable-thinking sets a chat template variable, and --raw sends the prompt without the "
-                        "template: drop one of them")
+    if args.raw and chat_template_kwargs(args) is not None:
+        raise UserError("--enable-thinking and --chat-template-kwargs set chat template variables, and --raw sends "
+                        "the prompt without the template: drop one of them")
     options = dict(max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_p=args.top_p,
                    top_k=args.top_k, seed=args.seed, stop_strings=args.stop)
     make_config(**options)

@@ -243,15 +243,18 @@ def trained_for(drafter_dir: Path) -> Path | None:
 
 def trained_template_kwargs(drafter_dir: Path) -> dict | None:
     """The chat template variables `dflash train` recorded for this drafter's prompts (its training_config.yaml's
-    enable_thinking), e.g. {"enable_thinking": False}; None when it recorded none (the template's defaults, or a
-    drafter from elsewhere)."""
+    chat_template_kwargs and enable_thinking), e.g. {"enable_thinking": False}; None when it recorded none (the
+    template's defaults, or a drafter from elsewhere)."""
     import yaml
 
     try:
-        thinking = yaml.safe_load((Path(drafter_dir) / "training_config.yaml").read_text()).get("enable_thinking")
+        recorded = yaml.safe_load((Path(drafter_dir) / "training_config.yaml").read_text())
+        variables, thinking = recorded.get("chat_template_kwargs"), recorded.get("enable_thinking")
     except (OSError, yaml.YAMLError, AttributeError):
         return None
-    return {"enable_thinking": thinking} if isinstance(thinking, bool) else None
+    merged = {**(variables if isinstance(variables, dict) else {}),
+              **({"enable_thinking": thinking} if isinstance(thinking, bool) else {})}
+    return merged or None
 
 
 def read_config(directory: Path, what: str = "a model checkpoint") -> dict:

@@ -72,7 +72,7 @@ class HandoffOptions:
     served_model_name: str | None = None
     max_batch_size: int | None = None
     dtype: str | None = None
-    chat_template_kwargs: dict | None = None  # --enable-thinking: the default for requests that send none
+    chat_template_kwargs: dict | None = None  # --enable-thinking, --chat-template-kwargs: requests' defaults
     log_level: str | None = None  # debug, info, warning or error (vLLM: its HTTP server's, SGLang: its own)
     trust_remote_code: bool = False  # both engines take --trust-remote-code as dflash does
     generation_config: str = "auto"  # --generation-config: auto (both engines' default), vllm / openai, or a directory
@@ -390,9 +390,9 @@ def _described(attention: LayerAttention) -> str:
 def sglang_command(target: str, draft: str | None, block_size: int, options: HandoffOptions) -> EngineCommand:
     """SGLang takes its API key on the command line only (it reads no environment variable for it)."""
     if options.chat_template_kwargs:
-        raise UserError("--enable-thinking / --no-enable-thinking have no SGLang server flag here: drop it, and "
-                        "send "
-                        "\"chat_template_kwargs\": {\"enable_thinking\": ...} with each chat request instead")
+        raise UserError("--enable-thinking / --no-enable-thinking and --chat-template-kwargs have no SGLang server "
+                        "flag here: drop them, and send \"chat_template_kwargs\": {\"enable_thinking\": ...} with "
+                        "each chat request instead")
     if options.generation_config not in ("auto", *NEUTRAL_CHOICES):
         raise UserError(f"--generation-config {options.generation_config}: SGLang reads sampling defaults from the "
                         "target's own generation_config.json only; copy that file into the target's directory, or "

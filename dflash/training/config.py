@@ -27,6 +27,7 @@ class TrainConfig:
     data: str = ""  # JSONL from `dflash datagen`; the held-out split is drawn from it
     extra_train_data: list[str] | None = None  # more JSONL files, for training only (the split is unchanged)
     enable_thinking: bool | None = None  # text records: the chat template's enable_thinking, as it will be served
+    chat_template_kwargs: dict | None = None  # text records: other chat template variables (default: the data's)
     output: str = ""  # output directory: the public drafter format + checkpoints/
     # drafter shape
     draft_layers: int | None = None  # a new drafter: 1 by default; with init_from: its own (more adds layers)
@@ -72,9 +73,11 @@ class TrainConfig:
     device: str | None = None
     trust_remote_code: bool = False  # run the Python code the target ships (its config.json's auto_map)
 
-    def chat_template_kwargs(self) -> dict | None:
+    def template_kwargs(self) -> dict | None:
         """The chat template's variables for text records (None: the template's defaults)."""
-        return None if self.enable_thinking is None else {"enable_thinking": self.enable_thinking}
+        from dflash.chat import merged_template_kwargs
+
+        return merged_template_kwargs(self.chat_template_kwargs, self.enable_thinking)
 
     def validate(self) -> None:
         if not self.target:  # like every command that takes a model: the embedded target
@@ -84,6 +87,7 @@ class TrainConfig:
         for name in ("data", "output"):
             if not getattr(self, name):
                 raise UserError(f"--{name} is required (or set `{name}:` in the YAML config)")
+        self.template_kwargs()  # checked: names a template may take, and one enable_thinking
         if isinstance(self.extra_train_data, str):
             self.extra_train_data = [self.extra_train_data]
         self._refuse_data_twice()

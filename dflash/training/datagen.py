@@ -70,6 +70,7 @@ class DatagenConfig:
     prompt_field: str | None = None  # for hub datasets: the column with the prompt (default: guess)
     prompt_suffix: str = ""  # appended to every user turn (e.g. the benchmark's answer-format sentence)
     enable_thinking: bool | None = None  # the chat template's enable_thinking, as it will be served; None: its own
+    chat_template_kwargs: dict | None = None  # other chat template variables (enable_thinking goes over them)
     dtype: str | None = None
     device: str | None = None
     trust_remote_code: bool = False  # run the Python code the target ships (its config.json's auto_map)
@@ -86,6 +87,7 @@ class DatagenConfig:
             raise UserError("--output is empty; give the path of the .jsonl file to write the answers to")
         if self.prompt_suffix:  # as dflash generate checks --prompt: before the model loads, not blamed on a record
             check_text(self.prompt_suffix, "--prompt-suffix")
+        self.template_kwargs()  # checked: names a template may take, and one enable_thinking
         self._check_dataset_flags()
         if self.batch_size < 1:
             raise UserError(f"--batch-size is the number of prompts decoded together, >= 1; got {self.batch_size}")
@@ -133,14 +135,16 @@ class DatagenConfig:
         """What decides the answers: a rerun that resumes an output must repeat these."""
         return {"target": target_name(self.target), "max_new_tokens": self.max_new_tokens,
                 "temperature": self.temperature, "top_p": self.top_p, "seed": self.seed,
-                "prompt_suffix": self.prompt_suffix, "chat_template_kwargs": self.chat_template_kwargs(),
+                "prompt_suffix": self.prompt_suffix, "chat_template_kwargs": self.template_kwargs(),
                 # None: the checkpoint's own ("auto", the flag's default), and what a settings file from before reads
                 "dtype": None if self.dtype in (None, "auto") else self.dtype}
 
-    def chat_template_kwargs(self) -> dict | None:
+    def template_kwargs(self) -> dict | None:
         """The chat template variables set; None (the template's defaults) reads the same as a settings file from
         before the flag, which lacks the entry."""
-        return None if self.enable_thinking is None else {"enable_thinking": self.enable_thinking}
+        from dflash.chat import merged_template_kwargs
+
+        return merged_template_kwargs(self.chat_template_kwargs, self.enable_thinking)
 
 
 def target_name(target: str | None) -> str:
@@ -726,7 +730,7 @@ def _answer(config: DatagenConfig, todo: list[Prompt], f, result: DatagenResult,
     from dflash.api import DFlash
 
     pipe = DFlash.from_pretrained(config.target, no_draft=True, dtype=config.dtype, device=config.device,
-                                  chat_template_kwargs=config.chat_template_kwargs(),
+                                  chat_template_kwargs=config.template_kwargs(),
                                   trust_remote_code=config.trust_remote_code)
     generator = _Generator(pipe, config)
     first_ids = generator.first_turns(todo, result)

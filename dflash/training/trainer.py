@@ -330,7 +330,7 @@ class Trainer:
         c.max_length = min(limit, self.context) if self.context else limit
         self.text_records = 0  # counted by `_read`
         files = [("--data", c.data), *(("--extra-train-data", path) for path in c.extra_train_data or [])]
-        flag_given = c.enable_thinking is not None
+        flag_given = c.template_kwargs() is not None
         data_mode = self._settle_template_mode(files)  # before any text record renders
         train, self.eval_examples = split_records(self._read("--data", c.data), c.eval_fraction, c.seed)
         if c.eval_fraction > 0 and not self.eval_examples:
@@ -341,7 +341,8 @@ class Trainer:
             self.train_examples += self._without_held_out_prompts(self._read("--extra-train-data", path),
                                                                   "--extra-train-data", path)
         if flag_given and not self.text_records and data_mode is None:  # else `_settle_template_mode` spoke
-            flag = "--enable-thinking" if c.enable_thinking else "--no-enable-thinking"
+            flag = ("--chat-template-kwargs" if c.enable_thinking is None else
+                    "--enable-thinking" if c.enable_thinking else "--no-enable-thinking")
             self._warn(f"{flag} renders text records, and this data holds none: its records hold the token ids "
                        "dflash datagen made, with its own --enable-thinking setting (pass that flag to datagen)")
         self.data_fingerprint = {"train": fingerprint(self.train_examples), "eval": fingerprint(self.eval_examples)}
@@ -377,16 +378,17 @@ class Trainer:
         if not modes:
             return None
         mode = modes[0]
-        given = c.chat_template_kwargs()
-        if given is None and set(mode) == {"enable_thinking"}:
-            c.enable_thinking = mode["enable_thinking"]  # text records as the answers were made; exported with them
+        given = c.template_kwargs()
+        if given is None and mode:  # text records as the answers were made; exported with them
+            c.enable_thinking = mode.get("enable_thinking")
+            c.chat_template_kwargs = {k: v for k, v in mode.items() if k != "enable_thinking"} or None
             self._note(f"text records render with {describe_template_kwargs(mode)}, as dflash datagen made the "
                        "data's answers (its settings files say)")
         elif given is not None and not renders_alike(self.tokenizer, given, mode):
-            flag = "--enable-thinking" if c.enable_thinking else "--no-enable-thinking"
-            self._warn(f"{flag}, but dflash datagen made the data's answers with {describe_template_kwargs(mode)} "
-                       f"({', '.join(made)}): text records render otherwise than those answers' prompts, and the "
-                       f"exported drafter records {flag}; pass the flag datagen was given, or regenerate the answers")
+            self._warn(f"{describe_template_kwargs(given)} (--enable-thinking, --chat-template-kwargs), but dflash "
+                       f"datagen made the data's answers with {describe_template_kwargs(mode)} ({', '.join(made)}): "
+                       "text records render otherwise than those answers' prompts, and the exported drafter records "
+                       "the flags' settings; give the flags datagen was given, or regenerate the answers")
         return mode
 
     def _read(self, flag: str, path: str) -> list[Example]:
@@ -408,7 +410,7 @@ class Trainer:
                        "--resume of this run is refused once the file has grown (its examples differ)")
         suffix = settings.get("prompt_suffix")
         loaded = read_examples(path, self.tokenizer, self.config.max_length, self.target.vocab_size, flag,
-                               self.config.chat_template_kwargs(), suffix if isinstance(suffix, str) else "")
+                               self.config.template_kwargs(), suffix if isinstance(suffix, str) else "")
         self._check_data_target(flag, path, settings)
         if loaded.decode_checked >= 3 and loaded.decode_differs * 2 > loaded.decode_checked:
             self._warn(f"{flag} {path}: the answer token ids of {loaded.decode_differs} of the {loaded.decode_checked} "

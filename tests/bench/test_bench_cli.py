@@ -353,10 +353,10 @@ def test_a_sampled_request_says_its_top_p_so_the_servers_default_does_not_apply_
     assert body["temperature"] == 0 and "top_p" not in body  # greedy: top_p changes nothing
 
 
-def test_thinking_with_raw_completions_is_refused(capsys):
-    assert main(["bench", "--base-url", "http://127.0.0.1:9/v1", "--endpoint", "completions",
-                 "--no-enable-thinking"]) == 2
-    assert "--enable-thinking sets a chat template variable" in capsys.readouterr().err
+@pytest.mark.parametrize("flags", [["--no-enable-thinking"], ["--chat-template-kwargs", '{"reasoning_effort": "low"}']])
+def test_template_variables_with_raw_completions_are_refused(capsys, flags):
+    assert main(["bench", "--base-url", "http://127.0.0.1:9/v1", "--endpoint", "completions", *flags]) == 2
+    assert "set chat template variables, and --endpoint completions sends raw text" in capsys.readouterr().err
 
 
 def test_python_m_dflash_benchmark_runs(tiny_pair, data_dir, tmp_path, capsys):

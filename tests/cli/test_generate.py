@@ -85,6 +85,8 @@ def test_enable_thinking_flag(command):
     assert chat_template_kwargs(parse([command, *extra])) is None  # the template's own default
     assert chat_template_kwargs(parse([command, *extra, "--no-enable-thinking"])) == {"enable_thinking": False}
     assert chat_template_kwargs(parse([command, *extra, "--enable-thinking"])) == {"enable_thinking": True}
+    both = parse([command, *extra, "--chat-template-kwargs", '{"reasoning_effort": "low"}', "--enable-thinking"])
+    assert chat_template_kwargs(both) == {"reasoning_effort": "low", "enable_thinking": True}
 
 
 def _args(tiny_pair, *extra) -> list[str]:
@@ -124,6 +126,10 @@ def test_stop_strings_read_escapes_as_the_readme_writes_them(capsys):
                                           "(--no-draft)"),  # it was taken and did nothing
     (["--stop", "caf\udce9"], "--stop is not valid text"),  # it could never be met
     (["--raw", "--enable-thinking"], "drop one of them"),
+    (["--raw", "--chat-template-kwargs", '{"x": 1}'], "drop one of them"),
+    (["--chat-template-kwargs", '{"enable_thinking": true}', "--no-enable-thinking"],
+     "--no-enable-thinking and --chat-template-kwargs enable_thinking True disagree: give it once"),
+    (["--chat-template-kwargs", '{"tokenize": true}'], "chat_template_kwargs may not set tokenize"),
     (["--max-new-tokens", "0"], "--max-new-tokens must be >= 1"),
     (["--device", "bogus"], "unknown device 'bogus'"),
     (["--system", ""], "--system is empty; give the system message, or leave the flag out"),  # "the text to decode"
@@ -363,3 +369,11 @@ def test_standard_output_closed_is_one_line_not_a_traceback(tiny_pair):
                           stderr=subprocess.PIPE, text=True, preexec_fn=lambda: os.close(1))
     assert proc.returncode == 2 and "Traceback" not in proc.stderr
     assert "standard output is closed, so there is nowhere to write the results" in proc.stderr
+
+
+def test_chat_template_kwargs_that_are_not_a_json_object_say_how_to_write_them(capsys):
+    with pytest.raises(SystemExit) as exit:
+        main(["generate", "--prompt", "x", "--chat-template-kwargs", "[1]"])
+    assert exit.value.code == 2
+    assert ("argument --chat-template-kwargs: '[1]' is not a JSON object; write it like '{\"enable_thinking\": "
+            "false}'") in capsys.readouterr().err

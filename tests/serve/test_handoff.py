@@ -516,6 +516,10 @@ def test_thinking_carries_over_to_vllm_and_is_refused_for_sglang(tiny_pair, caps
     assert json.loads(argv[argv.index("--default-chat-template-kwargs") + 1]) == {"enable_thinking": False}
     assert "--default-chat-template-kwargs" not in dry_run(capsys, "--target", target, "--draft", draft,
                                                            "--engine", "vllm")
+    argv = dry_run(capsys, "--target", target, "--draft", draft, "--engine", "vllm", "--no-enable-thinking",
+                   "--chat-template-kwargs", '{"reasoning_effort": "low"}')
+    assert json.loads(argv[argv.index("--default-chat-template-kwargs") + 1]) == {"reasoning_effort": "low",
+                                                                                "enable_thinking": False}
     assert main(["serve", "--target", target, "--draft", draft, "--engine", "sglang", "--enable-thinking",
                  "--dry-run"]) == 2
     assert "chat_template_kwargs" in capsys.readouterr().err

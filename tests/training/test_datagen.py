@@ -617,12 +617,15 @@ def test_thinking_off_reaches_the_chat_template(tiny_pair, tmp_path):
     tokenizer.save_pretrained(target)
     prompts = write_jsonl(tmp_path / "prompts.jsonl", [{"prompt": "How many clips?"}])
     lengths = {}
-    for thinking in (None, False):
-        out = tmp_path / f"data_{thinking}.jsonl"
+    for name, options in (("default", {}), ("off", {"enable_thinking": False}),
+                          ("kwargs", {"chat_template_kwargs": {"enable_thinking": False}})):
+        out = tmp_path / f"data_{name}.jsonl"
         run_datagen(DatagenConfig(target=target, prompts=str(prompts), output=str(out), max_new_tokens=2,
-                                  device="cpu", enable_thinking=thinking))
-        lengths[thinking] = len(read(out)[0]["prompt_ids"])
-    assert lengths[False] > lengths[None]
+                                  device="cpu", **options))
+        lengths[name] = len(read(out)[0]["prompt_ids"])
+        recorded = json.loads(datagen.settings_path(out).read_text())["chat_template_kwargs"]
+        assert recorded == (None if name == "default" else {"enable_thinking": False})
+    assert lengths["off"] == lengths["kwargs"] > lengths["default"]
 
 
 @pytest.mark.parametrize("output, message", [

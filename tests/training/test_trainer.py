@@ -24,7 +24,7 @@ from conftest import THINKING_TEMPLATE
 from dflash import DFlash
 from dflash.chat import THINKING_IGNORED
 from dflash.cli.main import main
-from dflash.errors import UserError
+from dflash.errors import DFlashWarning, UserError
 from dflash.model import load_drafter
 from dflash.training import Trainer, datagen, load_config
 from dflash.training.data import read_examples
@@ -456,8 +456,9 @@ def test_text_records_render_in_the_thinking_mode_datagen_made_the_answers_in(ti
     from dflash.training import trainer as trainer_module
 
     target = thinking_target(tiny_pair, tmp_path)
+    made = {"enable_thinking": False, "reasoning_effort": "low"}  # the latter, as --chat-template-kwargs gives it
     data = made_with(tmp_path, "answers.jsonl", train_data, {"target": str(target.resolve()),
-                                                            "chat_template_kwargs": {"enable_thinking": False}})
+                                                            "chat_template_kwargs": made})
     text = tmp_path / "text.jsonl"
     text.write_text("".join(json.dumps({"prompt": f"How many clips, {i}?", "response": f"There are {i}."}) + "\n"
                             for i in range(8)))
@@ -465,11 +466,16 @@ def test_text_records_render_in_the_thinking_mode_datagen_made_the_answers_in(ti
     monkeypatch.setattr(trainer_module, "read_examples", lambda *a: seen.append(a[-2]) or read(*a))
     trainer = Trainer(config((target, tiny_pair[1]), data, tmp_path / "o", extra_train_data=[str(text)],
                              max_steps=1)).setup()
-    assert seen == [{"enable_thinking": False}] * 2
-    assert {"event": "note", "message": "text records render with enable_thinking false, as dflash datagen made the "
-            "data's answers (its settings files say)"} in trainer.history
+    assert seen == [made] * 2
+    assert {"event": "note", "message": "text records render with enable_thinking false, reasoning_effort 'low', as "
+            "dflash datagen made the data's answers (its settings files say)"} in trainer.history
     trainer.train()
-    assert yaml.safe_load((tmp_path / "o" / "training_config.yaml").read_text())["enable_thinking"] is False
+    exported = yaml.safe_load((tmp_path / "o" / "training_config.yaml").read_text())
+    assert (exported["enable_thinking"], exported["chat_template_kwargs"]) == (False, {"reasoning_effort": "low"})
+    with pytest.warns(DFlashWarning, match="trained on prompts rendered with reasoning_effort 'low', enable_thinking "
+                                           "false .*pass --no-enable-thinking --chat-template-kwargs "
+                                           "'{\"reasoning_effort\": \"low\"}'"):
+        DFlash.from_pretrained(target, tmp_path / "o", device="cpu")
     err = capsys.readouterr().err
     assert "enable-thinking" not in err and "chat template" not in err, err
 
@@ -478,9 +484,9 @@ def test_text_records_render_in_the_thinking_mode_datagen_made_the_answers_in(ti
     (None, {"enable_thinking": True}, "dflash datagen made the data's answers with different chat template settings "
                                       "(--data {data}: enable_thinking false; --extra-train-data {extra}: "
                                       "enable_thinking true)"),
-    (True, {"enable_thinking": False}, "--enable-thinking, but dflash datagen made the data's answers with "
-                                       "enable_thinking false (--data {data}, --extra-train-data {extra}): text "
-                                       "records render otherwise"),
+    (True, {"enable_thinking": False}, "enable_thinking true (--enable-thinking, --chat-template-kwargs), but dflash "
+                                       "datagen made the data's answers with enable_thinking false (--data {data}, "
+                                       "--extra-train-data {extra}): text records render otherwise"),
 ])
 def test_answers_made_in_other_thinking_modes_are_named_in_a_warning(tiny_pair, train_data, tmp_path, capsys, flag,
                                                                        other, said):
