@@ -83,6 +83,8 @@ def test_stream_equals_non_stream(client):
     cut = chat(client, max_tokens=30, stop=[stop]).choices[0].message.content
     streamed_cut, finish_cut, _ = stream_text(chat(client, max_tokens=30, stop=[stop], stream=True))
     assert cut == plain[: plain.find(stop)] and streamed_cut == cut and finish_cut == "stop"
+    bare = chat(client, max_tokens=30, stop=stop).model_dump()["choices"][0]  # OpenAI takes one string as it is
+    assert (bare["message"]["content"], bare["stop_reason"]) == (cut, stop)
 
 
 def test_stop_reason_names_what_ended_the_answer_as_vllm_does(server, client):

@@ -164,6 +164,28 @@ def test_a_conversation_the_chat_template_refuses_is_400(server, monkeypatch):
     assert "chat template refused these messages: No user query found" in error["message"]
 
 
+def test_a_user_error_from_deep_in_the_engine_is_400_and_the_server_goes_on(server, client, monkeypatch):
+    """The engine refuses some requests only as it sets them up (a GenerationError, a UserError): the handler for
+    every UserError answers 400 with its message, not 500."""
+    from dflash.errors import GenerationError
+
+    def refuse(*args, **kwargs):
+        raise GenerationError("this request asks for something the engine refuses")
+
+    with monkeypatch.context() as patch:
+        patch.setattr(server.pipe.engine, "new_sequence", refuse)
+        error = assert_error(post(server, "chat/completions", json={"messages": [{"role": "user", "content": "hi"}]}),
+                             400)
+    assert error["message"] == "this request asks for something the engine refuses"
+    assert error["type"] == "invalid_request_error"
+    assert chat_answers(client)
+
+
+def chat_answers(client) -> str:
+    return client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "hi"}],
+                                          max_tokens=3).choices[0].message.content
+
+
 TOOL_TEMPLATE = (  # how Qwen's templates write an assistant's tool calls
     "{% for m in messages %}{{ m['role'] }}: {{ m['content'] or '' }}{% if m.tool_calls %}{% for call in "
     "m.tool_calls %}{% if call.function is defined %}{% set call = call.function %}{% endif %}<tool_call>"

@@ -9,7 +9,7 @@ import re
 import pytest
 
 from dflash.errors import UserError
-from dflash.training.data import fingerprint, read_examples, split_examples, split_records
+from dflash.training.data import epoch_batches, fingerprint, read_examples, split_examples, split_records
 
 
 @pytest.fixture(scope="module")
@@ -328,3 +328,11 @@ def test_a_thinking_mode_that_opens_answers_otherwise_is_named(tmp_path, tokeniz
     with pytest.raises(UserError, match="renders the prompt differently inside the full conversation \\(with "
                                         "enable_thinking false, .*train with the mode the answers were written in"):
         read_examples(path, tokenizer, max_length=64, template_kwargs={"enable_thinking": False})
+
+
+def test_each_epoch_and_seed_draws_its_own_order_of_the_examples():
+    epochs = [epoch_batches(64, 8, epoch, seed=0) for epoch in range(3)]
+    assert epochs[0] != epochs[1] != epochs[2] != epochs[0]
+    assert epoch_batches(64, 8, 0, seed=1) != epochs[0]
+    assert epoch_batches(64, 8, 1, seed=0) == epochs[1]  # and the same again: a resume continues it
+    assert all(sorted(sum(batches, [])) == list(range(64)) for batches in epochs)

@@ -874,3 +874,36 @@ def test_datagen_cli_refuses_bad_flags_before_the_model_loads(prompts, tmp_path,
     assert message in err and "Traceback" not in err
     assert not (tmp_path / "o.jsonl").exists() and not (tmp_path / "o.jsonl.datagen.json").exists()
     assert not list(tmp_path.glob("fifo.*"))
+
+
+def test_a_prompt_that_leaves_room_for_one_token_gets_a_one_token_answer(tiny_pair, tmp_path):
+    from transformers import AutoTokenizer
+
+    from dflash.chat import as_ids
+
+    tokenizer = AutoTokenizer.from_pretrained(tiny_pair[0])
+    question = [{"role": "user", "content": "How many clips?"}]
+    length = len(as_ids(tokenizer.apply_chat_template(question, add_generation_prompt=True)))
+    target = variant(tiny_pair, tmp_path, context=length + 1)
+    prompts = write_jsonl(tmp_path / "prompts.jsonl", [{"prompt": "How many clips?"}])
+    out = tmp_path / "data.jsonl"
+    result = run_datagen(DatagenConfig(target=target, prompts=str(prompts), output=str(out), max_new_tokens=8,
+                                       device="cpu"))
+    assert result.written == 1 and not result.skipped
+    [record] = read(out)
+    assert len(record["prompt_ids"]) == length and len(record["response_ids"]) == 1
+
+
+def test_sampling_options_reach_every_answer(prompts, tiny_pair, tmp_path, monkeypatch):
+    from dflash.decoding.engine import SpeculativeEngine
+
+    seen, original = [], SpeculativeEngine.generate
+
+    def generate(self, prompt_ids, configs=None):  # a config per prompt (each its own seed)
+        seen.extend((c.temperature, c.top_p) for c in configs)
+        return original(self, prompt_ids, configs)
+
+    monkeypatch.setattr(SpeculativeEngine, "generate", generate)
+    run_datagen(DatagenConfig(target=str(tiny_pair[0]), prompts=str(prompts), output=str(tmp_path / "o.jsonl"),
+                              max_new_tokens=4, temperature=0.8, top_p=0.5, seed=3, device="cpu"))
+    assert seen and set(seen) == {(0.8, 0.5)}

@@ -4,6 +4,7 @@ anchors inside the response."""
 from __future__ import annotations
 
 import math
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -71,6 +72,19 @@ def test_labels_are_same_position_and_weights_decay():
     assert loss_gamma(16) == 7 and loss_gamma(10) == 5 and loss_gamma(8) == 4
     weights16 = position_weights(16, 7.0)
     assert weights16[1] == 1.0 and math.isclose(float(weights16[8]), math.exp(-1), rel_tol=1e-6)
+
+
+def test_a_sequence_with_no_labelled_block_does_not_dilute_the_batch_loss():
+    """Each sequence's loss is averaged over the sequences that have labels: a row whose anchors were all invalid
+    (an answer too short to anchor) leaves the loss as the other row's alone."""
+    ids, real, loss_mask = toy_batch()
+    anchors = torch.tensor([[8, 12], [10, 15]])
+    valid = torch.tensor([[True, True], [False, False]])
+    blocks = build_blocks(ids, loss_mask, real, anchors, valid, B, MASK_TOKEN_ID, gamma=7.0)
+    logits = torch.randn(2, 2 * B, 100, generator=torch.Generator().manual_seed(3))
+    alone = build_blocks(ids[:1], loss_mask[:1], real[:1], anchors[:1], valid[:1], B, MASK_TOKEN_ID, gamma=7.0)
+    assert float(blocks.weights[1].sum()) == 0
+    assert torch.allclose(block_loss(logits, blocks, B).loss, block_loss(logits[:1], alone, B).loss)
 
 
 def test_distillation_mixes_cross_entropy_and_kl_from_the_target_distribution():
@@ -286,6 +300,7 @@ def test_a_training_block_gives_the_logits_decoding_gives_at_that_anchor(family)
     at the anchor's positions. A shift, a leak or another mask on either side breaks this."""
     from conftest import tiny_target_model
     from dflash.decoding.proposer import DFlashProposer, PendingContext
+    from dflash.decoding.sampling import SamplingParams
     from dflash.model.target import TargetModel
 
     target = TargetModel(tiny_target_model(family))
@@ -310,3 +325,9 @@ def test_a_training_block_gives_the_logits_decoding_gives_at_that_anchor(family)
                              context=drafter.project_context(out.features.float()), context_positions=seen,
                              cache=state.cache)
             assert torch.allclose(target.lm_head(hidden)[0], trained[0, j], atol=1e-4)
+            # and through the proposer, as the engine drafts: its distribution of each draft token (a sampled row)
+            state = proposer.new_state()
+            proposer.observe(state, PendingContext(out.features, seen, torch.ones(1, anchor, dtype=torch.bool)))
+            row = SimpleNamespace(params=SamplingParams(temperature=1.0), noise=None, generator=torch.Generator())
+            draft = proposer.propose(state, ids[:, anchor], torch.tensor([anchor]), [row])
+            assert torch.allclose(draft.probs[0], trained[0, j, 1:].softmax(-1), atol=1e-5)

@@ -1777,3 +1777,12 @@ def test_tf32_turns_cuda_float32_matmuls_to_tensor_cores_and_back():
         assert matmul.fp32_precision == "ieee"
     finally:
         matmul.fp32_precision = before
+
+
+def test_the_learning_rate_warms_up_from_above_zero_then_decays_to_zero(tiny_pair, train_data, tmp_path):
+    trainer = Trainer(config(tiny_pair, train_data, tmp_path / "o", max_steps=20, warmup_ratio=0.2)).setup()
+    rule = trainer.scheduler.lr_lambdas[0]  # 4 warm-up steps: the first step trains at a quarter, not at 0
+    assert [rule(s) for s in range(5)] == pytest.approx([0.25, 0.5, 0.75, 1.0, 1.0])
+    assert rule(12) == pytest.approx(0.5) and rule(19) < 0.01 and rule(20) == pytest.approx(0.0, abs=1e-12)
+    assert all(rule(s) >= rule(s + 1) for s in range(4, 20))
+    assert trainer.optimizer.param_groups[0]["lr"] == pytest.approx(0.25 * trainer.config.lr)
