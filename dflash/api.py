@@ -407,19 +407,19 @@ def _warn_if_trained_for_another(draft: Path, target: str | os.PathLike) -> None
 def _warn_if_trained_in_another_mode(draft: Path, tokenizer, chat_template_kwargs: dict | None) -> None:
     """A drafter trained on prompts rendered in one chat template mode (Qwen3's enable_thinking) drafts worse for
     prompts rendered in another, losslessly: say so, and how to match it."""
-    trained = trained_template_kwargs(draft)
-    given = {k: v for k, v in (chat_template_kwargs or {}).items() if k in (trained or {})}
+    trained, given = trained_template_kwargs(draft), chat_template_kwargs or {}
     if trained is None or renders_alike(tokenizer, trained, given):
         return
     thinking = trained.get("enable_thinking")
     others = {k: v for k, v in trained.items() if k != "enable_thinking"}
     flags = ([] if thinking is None else ["--enable-thinking" if thinking else "--no-enable-thinking"]) + (
         [f"--chat-template-kwargs '{json.dumps(others)}'"] if others else [])
+    fix = f"pass {' '.join(flags)}" if flags else "leave --enable-thinking and --chat-template-kwargs out"
     warnings.warn(DFlashWarning(
         f"the drafter in {draft} was trained on prompts rendered with {describe_template_kwargs(trained)} (its "
         f"training_config.yaml says so), and prompts here render with {describe_template_kwargs(given)}: the output "
-        f"stays the target's own, but fewer draft tokens are accepted; pass {' '.join(flags)} (Python: "
-        f"chat_template_kwargs={trained}) to serve it as it was trained"), stacklevel=3)
+        f"stays the target's own, but fewer draft tokens are accepted; {fix} (Python: chat_template_kwargs="
+        f"{trained or None}) to serve it as it was trained"), stacklevel=3)
 
 
 def load_target(path_or_id: str | os.PathLike, dtype: str | torch.dtype | None = None,

@@ -191,7 +191,7 @@ def merged_template_kwargs(variables: dict[str, Any] | None, enable_thinking: bo
     if enable_thinking is not None:
         if merged.get("enable_thinking", enable_thinking) != enable_thinking:
             flag = "--enable-thinking" if enable_thinking else "--no-enable-thinking"
-            raise GenerationError(f"{flag} and --chat-template-kwargs enable_thinking {merged['enable_thinking']} "
-                                  "disagree: give it once")
+            raise GenerationError(f"{flag} and --chat-template-kwargs enable_thinking "
+                                  f"{str(merged['enable_thinking']).lower()} disagree: give it once")
         merged["enable_thinking"] = enable_thinking
     return merged or None

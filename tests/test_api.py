@@ -537,6 +537,16 @@ def test_a_drafter_trained_in_another_thinking_mode_is_a_warning(tiny_pair, tmp_
     assert main(["generate", "--target", str(target), "--draft", str(recorded), "--prompt", "hi",
                  "--max-new-tokens", "2", "--no-enable-thinking"]) == 0
     assert "warning" not in capsys.readouterr().err
+    # trained with the template's defaults (an export since 2026-12-07 says so with its chat_template_kwargs key)
+    (recorded / "training_config.yaml").write_text("enable_thinking: null\nchat_template_kwargs: null\n")
+    with pytest.warns(DFlashWarning, match="rendered with the chat template's defaults .*, and prompts here render "
+                                           "with enable_thinking false: .*leave --enable-thinking and "
+                                           "--chat-template-kwargs out"):
+        DFlash.from_pretrained(target, recorded, device="cpu", chat_template_kwargs={"enable_thinking": False})
+    (recorded / "training_config.yaml").write_text("enable_thinking: null\n")  # an older export: nothing known
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", DFlashWarning)
+        DFlash.from_pretrained(target, recorded, device="cpu", chat_template_kwargs={"enable_thinking": False})
 
 
 def test_thinking_asked_of_a_template_that_does_not_read_it_is_said_to_change_nothing(tiny_pair, tmp_path):

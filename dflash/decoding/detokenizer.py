@@ -34,20 +34,25 @@ def decode(tokenizer, ids: Sequence[int]) -> str:
     return tokenizer.decode(list(ids), skip_special_tokens=True, clean_up_tokenization_spaces=False)
 
 
-_BYTE_TOKEN = re.compile(r"<0x[0-9A-Fa-f]{2}>")
+_BYTE_TOKEN = re.compile(r"<0x([0-9A-Fa-f]{2})>")
 _byte_tokens: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 
-def byte_token_ids(tokenizer) -> frozenset[int]:
-    """The ids of a byte-fallback tokenizer's byte tokens (`<0xE4>`: Llama 2, Mistral, Gemma), which its decoder
+def byte_tokens(tokenizer) -> dict[int, int]:
+    """{id: byte} of a byte-fallback tokenizer's byte tokens (`<0xE4>`: Llama 2, Mistral, Gemma), which its decoder
     turns into text a whole run at a time: a run that is not UTF-8 as a whole becomes one U+FFFD per byte, so a
-    window that starts inside a run decodes it otherwise than the whole text does. Empty for other tokenizers."""
+    window that starts inside a character decodes it otherwise than the whole text does. Empty for other
+    tokenizers (and for one whose vocabulary cannot be listed)."""
     try:
         return _byte_tokens[tokenizer]
     except (KeyError, TypeError):
         pass
-    vocab = tokenizer.get_vocab() if hasattr(tokenizer, "get_vocab") else {}
-    found = frozenset(i for token, i in vocab.items() if isinstance(token, str) and _BYTE_TOKEN.fullmatch(token))
+    try:
+        vocab = tokenizer.get_vocab()
+    except Exception:  # noqa: BLE001 - transformers' base class raises NotImplementedError; a duck type may lack it
+        vocab = {}
+    found = {i: int(match[1], 16) for token, i in vocab.items()
+             if isinstance(token, str) and (match := _BYTE_TOKEN.fullmatch(token))}
     try:
         _byte_tokens[tokenizer] = found
     except TypeError:  # a tokenizer that cannot be weakly referenced: looked up again next time
@@ -55,9 +60,31 @@ def byte_token_ids(tokenizer) -> frozenset[int]:
     return found
 
 
-def run_start(ids: Sequence[int], start: int, byte_ids: frozenset[int]) -> int:
+def character_start(ids: Sequence[int], start: int, bytes_of: dict[int, int]) -> int:
+    """`start`, or the token that begins the character it falls inside: at most 3 byte tokens back over UTF-8
+    continuation bytes (0x80-0xBF). A window from there decodes its characters as the whole text does."""
+    for _ in range(3):
+        if not 0 < start < len(ids) or not 0x80 <= bytes_of.get(ids[start], 0) <= 0xBF:
+            break
+        start -= 1
+    return start
+
+
+def whole_characters_end(ids: Sequence[int], bytes_of: dict[int, int]) -> int:
+    """How many of `ids` end in a whole character: all of them, or, for a byte-fallback tokenizer, those before a
+    last character whose byte tokens have not all come (its decoder writes the whole run of byte tokens as U+FFFD,
+    the characters before it included, until they have)."""
+    if not ids or ids[-1] not in bytes_of:
+        return len(ids)
+    lead = character_start(ids, len(ids) - 1, bytes_of)
+    first = bytes_of.get(ids[lead], 0)
+    size = 2 if 0xC0 <= first < 0xE0 else 3 if 0xE0 <= first < 0xF0 else 4 if 0xF0 <= first < 0xF8 else 1
+    return lead if len(ids) - lead < size else len(ids)
+
+
+def run_start(ids: Sequence[int], start: int, bytes_of: dict[int, int]) -> int:
     """`start`, or the start of the run of byte tokens it falls inside."""
-    while 0 < start < len(ids) and ids[start] in byte_ids and ids[start - 1] in byte_ids:
+    while 0 < start < len(ids) and ids[start] in bytes_of and ids[start - 1] in bytes_of:
         start -= 1
     return start
 
@@ -68,12 +95,12 @@ def whole_text(tokenizer, ids: Sequence[int]) -> str:
     as U+FFFD then, characters a stream has already sent included; here the run's whole characters stay, and the
     cut one is a single U+FFFD, so the streamed text and this one agree."""
     text = decode(tokenizer, ids)
-    byte_ids = byte_token_ids(tokenizer)
-    if not (text.endswith(REPLACEMENT) and ids and ids[-1] in byte_ids):
+    bytes_of = byte_tokens(tokenizer)
+    if not (text.endswith(REPLACEMENT) and ids and ids[-1] in bytes_of):
         return text
-    start = run_start(ids, len(ids) - 1, byte_ids)
-    run = bytes(int(token[3:5], 16) for token in tokenizer.convert_ids_to_tokens(list(ids[start:])))
-    for cut in range(1, min(3, len(run) - 1) + 1):  # a UTF-8 character has at most 4 bytes: 1-3 of them cut off
+    start = run_start(ids, len(ids) - 1, bytes_of)
+    run = bytes(bytes_of[i] for i in ids[start:])
+    for cut in range(1, min(3, len(run)) + 1):  # a UTF-8 character has at most 4 bytes: 1-3 of them cut off
         try:
             run[:-cut].decode("utf-8")
         except UnicodeDecodeError:
@@ -86,13 +113,13 @@ def tail_text(tokenizer, ids: Sequence[int], end: int, min_chars: int, since: in
     """The decoded text of the last tokens of ids[:end], and whether it is all of them. It holds the text of
     tokens ids[since:end] (default: none) and at least min_chars + TAIL_MARGIN_CHARS characters before it, unless
     it is all of them; all but its first TAIL_MARGIN_CHARS characters are those of the whole text. The window never
-    starts inside a run of byte tokens (`byte_token_ids`)."""
+    starts inside a character's byte tokens (`character_start`)."""
     since = end if since is None else since
     want = min_chars + TAIL_MARGIN_CHARS
     count = want // 4 + 8  # tokens before `since`; most hold several characters
-    byte_ids = byte_token_ids(tokenizer)
+    bytes_of = byte_tokens(tokenizer)
     while True:
-        start = run_start(ids, max(0, since - count), byte_ids)
+        start = character_start(ids, max(0, since - count), bytes_of)
         if start == 0:
             return decode(tokenizer, ids[:end]), True
         if len(decode(tokenizer, ids[start:since])) >= want:
@@ -109,14 +136,16 @@ class TextDeltas:
         # so a text's tail is compared only with the prefixes it could be
         self._prefix_ends = [_prefix_lengths_by_last_char(stop) for stop in self._stops]
         self._ids: list[int] = []
-        self._text = ""  # the decoded text of self._ids
+        self._text, self._end = "", 0  # the decoded text of self._ids[:self._end]
         self.sent = ""
 
     def add(self, tokens: list[int]) -> str:
         """The new text that is safe to send after these tokens ('' when nothing is)."""
-        old_end = len(self._ids)
         self._ids.extend(t for t in tokens if t not in self._stop_ids)
-        self._text = text = self._extended_text(old_end)
+        end = whole_characters_end(self._ids, byte_tokens(self._tokenizer))
+        if end > self._end:
+            self._text, self._end = self._extended_text(self._end, end), end
+        text = self._text
         safe = self._safe_length(text)
         if safe <= len(self.sent) or not text.startswith(self.sent):
             return ""
@@ -130,20 +159,20 @@ class TextDeltas:
         self.sent += piece
         return piece
 
-    def _extended_text(self, old_end: int) -> str:
-        """The text of the output now that tokens were added after `old_end`: the text so far plus what the new
-        tokens add after the last few old ones. Half a character at the end of the text so far (replacement
-        characters) is decoded again with the bytes that complete it. The whole output is decoded again only at
-        the start, or when the overlap holds no whole character."""
-        start = run_start(self._ids, old_end - OVERLAP_TOKENS, byte_token_ids(self._tokenizer))
+    def _extended_text(self, old_end: int, end: int) -> str:
+        """The text of ids[:end], given that of ids[:old_end] (self._text): the text so far plus what the new tokens
+        add after the last few old ones. Half a character at the end of the text so far (replacement characters)
+        is decoded again with the bytes that complete it. The whole output is decoded again only at the start, or
+        when the overlap holds no whole character."""
+        start = character_start(self._ids, old_end - OVERLAP_TOKENS, byte_tokens(self._tokenizer))
         if start > 0:
             before = decode(self._tokenizer, self._ids[start:old_end]).rstrip(REPLACEMENT)
-            after = decode(self._tokenizer, self._ids[start:])
+            after = decode(self._tokenizer, self._ids[start:end])
             settled = before.lstrip(REPLACEMENT)  # the window may start in half a character too
             text = self._text.rstrip(REPLACEMENT)
             if settled and after.startswith(before) and text.endswith(settled):
                 return text + after[len(before):]
-        return decode(self._tokenizer, self._ids)
+        return decode(self._tokenizer, self._ids[:end])
 
     def _safe_length(self, text: str) -> int:
         hits = [i for i in (text.find(s) for s in self._stops) if i >= 0]

@@ -368,7 +368,7 @@ class SpeculativeEngine:
         policy = self._block_policy
         if policy is None or max(policy.costs.rows) < rows:
             self._block_policy = policy = BlockSizePolicy.calibrate(self, rows)
-            self.profile = StepProfile()  # the timing steps are not decoding
+            self.profile = StepProfile(synchronize=self.profile.synchronize)  # the timing steps are not decoding
         return policy
 
     def adaptive_step(self, batch: Batch, policy) -> list[list[int]]:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from dflash.decoding.detokenizer import REPLACEMENT, byte_token_ids, decode, tail_text, whole_text
+from dflash.decoding.detokenizer import REPLACEMENT, byte_tokens, decode, tail_text, whole_characters_end, whole_text
 from dflash.errors import GenerationError
 
 
@@ -54,9 +54,11 @@ class StopChecker:
             return False
         if self._token_by_token:
             return True
-        text, _ = tail_text(self.tokenizer, ids, len(ids), self._longest_stop, since=since)
-        if REPLACEMENT in text and byte_token_ids(self.tokenizer):  # a step that ends inside a character makes a
-            return True  # byte-fallback decoder write its whole run of byte tokens as U+FFFD: the text says nothing
+        bytes_of = byte_tokens(self.tokenizer)
+        end = whole_characters_end(ids, bytes_of)  # a stop string is completed at a character's end
+        text, _ = tail_text(self.tokenizer, ids, end, self._longest_stop, since=min(since, end))
+        if REPLACEMENT in text and bytes_of:  # bytes that are no UTF-8 make a byte-fallback decoder write its whole
+            return True  # run of byte tokens as U+FFFD: the text says nothing, the tokens one by one do
         return any(s in text for s in self.stop_strings)
 
     def _completes_stop_string(self, ids: list[int], end: int) -> bool:

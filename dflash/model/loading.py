@@ -243,8 +243,8 @@ def trained_for(drafter_dir: Path) -> Path | None:
 
 def trained_template_kwargs(drafter_dir: Path) -> dict | None:
     """The chat template variables `dflash train` recorded for this drafter's prompts (its training_config.yaml's
-    chat_template_kwargs and enable_thinking), e.g. {"enable_thinking": False}; None when it recorded none (the
-    template's defaults, or a drafter from elsewhere)."""
+    chat_template_kwargs and enable_thinking), e.g. {"enable_thinking": False}, or {} for the template's defaults;
+    None when it recorded nothing to go by (an export from before 2026-12-07, or a drafter from elsewhere)."""
     import yaml
 
     try:
@@ -254,7 +254,8 @@ def trained_template_kwargs(drafter_dir: Path) -> dict | None:
         return None
     merged = {**(variables if isinstance(variables, dict) else {}),
               **({"enable_thinking": thinking} if isinstance(thinking, bool) else {})}
-    return merged or None
+    # exports since 2026-12-07 hold chat_template_kwargs, null included: their null means the template's defaults
+    return merged if merged or "chat_template_kwargs" in recorded else None
 
 
 def read_config(directory: Path, what: str = "a model checkpoint") -> dict:

@@ -120,9 +120,12 @@ def check_resumable(state: dict, checkpoint: Path, *, drafter_config: DrafterCon
         order.append(f"seed {old.get('seed')}, now {config.seed}")
     if "data" in state and state["data"] != data_fingerprint:
         order.append("the training or held-out examples differ (--data, --extra-train-data, --max-length, "
-                     "--eval-fraction, --enable-thinking, or the files themselves; or the version that wrote the "
-                     "checkpoint read them otherwise: since 2026-12-06 every answer of a multi-turn record "
-                     "trains, and the turns of a conversation that continue one another train as one sequence)")
+                     "--eval-fraction, --enable-thinking, --chat-template-kwargs, or the files themselves; or the "
+                     "version that wrote the checkpoint read them otherwise: since 2026-12-06 every answer of a "
+                     "multi-turn record trains, and the turns of a conversation that continue one another train as "
+                     "one sequence; since 2026-12-07 text records render with the chat template settings datagen's "
+                     "settings files name, where --chat-template-kwargs '{}' renders them with the template's "
+                     "defaults as before)")
     if "data" not in state:  # a checkpoint of an older version: compare the options
         then = {**old, "max_length": min(old.get("max_length", 0), context or math.inf)}  # it was not capped
         order += [f"{k} {then.get(k)!r}, now {getattr(config, k)!r}"

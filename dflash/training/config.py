@@ -237,13 +237,22 @@ def load_config(yaml_path: str | None = None, overrides: dict[str, Any] | None =
 
 def _flags_win_over_the_file(values: dict[str, Any], given: dict[str, Any]) -> None:
     """Options that exclude one another: the one a flag gives overrides the file's other one. --epochs on the command
-    line is not undone by the file's max_steps (which would win over it), nor --overwrite by the file's resume."""
+    line is not undone by the file's max_steps (which would win over it), nor --overwrite by the file's resume, nor
+    --enable-thinking by the file's chat_template_kwargs (or the other way round)."""
     if "epochs" in given and "max_steps" not in given:
         values.pop("max_steps", None)
     if given.get("overwrite") and "resume" not in given:
         values["resume"] = False
     if given.get("resume") and "overwrite" not in given:
         values["overwrite"] = False
+    # enable_thinking, spelled as its own flag or inside --chat-template-kwargs: the flags' spelling wins
+    flag_kwargs = given.get("chat_template_kwargs")
+    if "enable_thinking" in given or (isinstance(flag_kwargs, dict) and "enable_thinking" in flag_kwargs):
+        if "enable_thinking" not in given:
+            values.pop("enable_thinking", None)
+        file_kwargs = values.get("chat_template_kwargs")
+        if "chat_template_kwargs" not in given and isinstance(file_kwargs, dict):
+            values["chat_template_kwargs"] = {k: v for k, v in file_kwargs.items() if k != "enable_thinking"} or None
 
 
 # Other trainers' names for ours.

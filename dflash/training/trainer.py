@@ -340,6 +340,7 @@ class Trainer:
         for path in c.extra_train_data or []:
             self.train_examples += self._without_held_out_prompts(self._read("--extra-train-data", path),
                                                                   "--extra-train-data", path)
+        self._say_mode_from_data()
         if flag_given and not self.text_records and data_mode is None:  # else `_settle_template_mode` spoke
             flag = ("--chat-template-kwargs" if c.enable_thinking is None else
                     "--enable-thinking" if c.enable_thinking else "--no-enable-thinking")
@@ -365,6 +366,7 @@ class Trainer:
         made in different modes, or a flag that differs from theirs, are named in a warning. Returns the data's
         variables ({}: the template's defaults; None: no datagen settings, or modes that differ)."""
         c = self.config
+        self._mode_from_data = None  # the variables taken from the data: said once the text records are counted
         made = {f"{flag} {path}": settings.get("chat_template_kwargs") or {} for flag, path in files
                 if (settings := _datagen_settings(path))}
         modes = list({json.dumps(m, sort_keys=True): m for m in made.values()}.values())
@@ -379,17 +381,31 @@ class Trainer:
             return None
         mode = modes[0]
         given = c.template_kwargs()
+        if given is None and c.chat_template_kwargs == {}:  # --chat-template-kwargs '{}': the template's defaults
+            given = {}
         if given is None and mode:  # text records as the answers were made; exported with them
             c.enable_thinking = mode.get("enable_thinking")
             c.chat_template_kwargs = {k: v for k, v in mode.items() if k != "enable_thinking"} or None
-            self._note(f"text records render with {describe_template_kwargs(mode)}, as dflash datagen made the "
-                       "data's answers (its settings files say)")
+            self._mode_from_data = mode
         elif given is not None and not renders_alike(self.tokenizer, given, mode):
-            self._warn(f"{describe_template_kwargs(given)} (--enable-thinking, --chat-template-kwargs), but dflash "
+            self._warn(f"{describe_template_kwargs(given)} (given to dflash train by flag or --config), but dflash "
                        f"datagen made the data's answers with {describe_template_kwargs(mode)} ({', '.join(made)}): "
                        "text records render otherwise than those answers' prompts, and the exported drafter records "
-                       "the flags' settings; give the flags datagen was given, or regenerate the answers")
+                       "what train was given; give what datagen was given, or regenerate the answers")
         return mode
+
+    def _say_mode_from_data(self) -> None:
+        """Where the data's settings chose how text records render: a warning when there are text records (they
+        render otherwise than the template's defaults, which this package used before 2026-12-07), else a note."""
+        mode = self._mode_from_data
+        if mode is None:
+            return
+        said = (f"text records render with {describe_template_kwargs(mode)}, as dflash datagen made the data's "
+                "answers (its settings files say)")
+        if self.text_records:
+            self._warn(f"{self.text_records} {said}; pass --chat-template-kwargs '{{}}' for the template's defaults")
+        else:
+            self._note(said)
 
     def _read(self, flag: str, path: str) -> list[Example]:
         """The examples of one data file; records that leave nothing to train on are named in a warning, and so is

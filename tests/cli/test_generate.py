@@ -128,7 +128,7 @@ def test_stop_strings_read_escapes_as_the_readme_writes_them(capsys):
     (["--raw", "--enable-thinking"], "drop one of them"),
     (["--raw", "--chat-template-kwargs", '{"x": 1}'], "drop one of them"),
     (["--chat-template-kwargs", '{"enable_thinking": true}', "--no-enable-thinking"],
-     "--no-enable-thinking and --chat-template-kwargs enable_thinking True disagree: give it once"),
+     "--no-enable-thinking and --chat-template-kwargs enable_thinking true disagree: give it once"),
     (["--chat-template-kwargs", '{"tokenize": true}'], "chat_template_kwargs may not set tokenize"),
     (["--max-new-tokens", "0"], "--max-new-tokens must be >= 1"),
     (["--device", "bogus"], "unknown device 'bogus'"),

@@ -124,6 +124,9 @@ class CountingTokenizer:
         self.decoded += len(ids)
         return self.tokenizer.decode(ids, skip_special_tokens=skip_special_tokens, **options)
 
+    def get_vocab(self):
+        return self.tokenizer.get_vocab()
+
 
 def test_a_long_output_is_not_decoded_again_for_every_token():
     """Checking 1,500 tokens one at a time used to decode ~1.1M token ids (the whole output each time)."""
@@ -217,3 +220,41 @@ def test_an_output_cut_inside_a_character_keeps_the_characters_a_stream_sent(ste
     for start in range(0, len(ids), step_size):
         deltas.add(ids[start:start + step_size])
     assert deltas.sent + deltas.finish(final) == final
+
+
+def test_a_long_run_of_byte_tokens_is_not_decoded_again_for_every_token():
+    """A window reaches back to the start of the character it falls in, not of the whole run of byte tokens, and a
+    stream decodes up to its last whole character: 4,000 tokens of emoji (one run) took 9 s to check for a stop
+    string one token at a time, decoding the run each time. The work grows with the output's length, not its
+    square."""
+    def decoded(n: int) -> tuple[int, int]:
+        counting = CountingTokenizer(byte_fallback_tokenizer())
+        ids = counting.tokenizer("😀🙂👍" * 400, add_special_tokens=False)["input_ids"][:n]
+        checker = StopChecker([], ["zzz"], max_new_tokens=10_000, tokenizer=counting)
+        for end in range(len(ids)):
+            assert checker.check(ids[:end], [ids[end]]).reason is None
+        checked, counting.decoded = counting.decoded, 0
+        deltas = TextDeltas(counting, stop_strings=["zzz"])
+        for end in range(len(ids)):
+            deltas.add([ids[end]])
+        assert deltas.sent == whole(counting.tokenizer, ids)  # each emoji sent once its last byte came
+        return checked, counting.decoded
+
+    short, long = decoded(801), decoded(1601)  # a space, then 200 and 400 emoji of 4 byte tokens
+    assert long[0] < 2.5 * short[0] and long[1] < 2.5 * short[1], (short, long)
+
+
+def test_a_tokenizer_that_cannot_list_its_vocabulary_still_decodes():
+    class Unlisted(CountingTokenizer):
+        def get_vocab(self):
+            raise NotImplementedError
+
+    tokenizer = Unlisted(make_tokenizer())
+    ids = tokenizer.tokenizer("Natalia sold clips", add_special_tokens=False)["input_ids"]
+    assert StopChecker([], ["clips"], 100, tokenizer).check(ids[:1], ids[1:]).reason == "stop"
+
+
+def test_an_answer_cut_inside_its_only_character_ends_in_one_replacement_character():
+    tokenizer = byte_fallback_tokenizer()
+    ids = tokenizer("ok 文", add_special_tokens=False)["input_ids"][:-1]
+    assert StopChecker([], [], 100, tokenizer).ending(ids)[0] == "ok \ufffd"

@@ -202,3 +202,18 @@ def test_the_thinking_mode_for_text_records_comes_from_the_flag_or_the_file(tmp_
     path.write_text("enable_thinking: true\n")
     assert load_config(str(path), REQUIRED).enable_thinking is True
     assert load_config(None, REQUIRED).enable_thinking is None  # the template's own default
+
+
+@pytest.mark.parametrize("file, flags, expected", [
+    ("enable_thinking: false\n", {"chat_template_kwargs": {"enable_thinking": True}}, {"enable_thinking": True}),
+    ("chat_template_kwargs: {enable_thinking: false, reasoning_effort: low}\n", {"enable_thinking": True},
+     {"reasoning_effort": "low", "enable_thinking": True}),
+    ("enable_thinking: false\nchat_template_kwargs: {reasoning_effort: low}\n", {},
+     {"reasoning_effort": "low", "enable_thinking": False}),
+])
+def test_the_flags_spelling_of_enable_thinking_wins_over_the_files(tmp_path, file, flags, expected):
+    """An exported training_config.yaml keeps the thinking mode in either spelling; a flag in the other one is
+    what the user asks for now, not a disagreement."""
+    path = tmp_path / "train.yaml"
+    path.write_text(file)
+    assert load_config(str(path), {**REQUIRED, **flags}).template_kwargs() == expected

@@ -467,8 +467,11 @@ def test_text_records_render_in_the_thinking_mode_datagen_made_the_answers_in(ti
     trainer = Trainer(config((target, tiny_pair[1]), data, tmp_path / "o", extra_train_data=[str(text)],
                              max_steps=1)).setup()
     assert seen == [made] * 2
-    assert {"event": "note", "message": "text records render with enable_thinking false, reasoning_effort 'low', as "
-            "dflash datagen made the data's answers (its settings files say)"} in trainer.history
+    err = capsys.readouterr().err
+    assert ("dflash train: warning: 8 text records render with enable_thinking false, reasoning_effort 'low', as "
+            "dflash datagen made the data's answers (its settings files say); pass --chat-template-kwargs '{}' for "
+            "the template's defaults") in err
+    assert "differ" not in err and "but dflash datagen made" not in err, err
     trainer.train()
     exported = yaml.safe_load((tmp_path / "o" / "training_config.yaml").read_text())
     assert (exported["enable_thinking"], exported["chat_template_kwargs"]) == (False, {"reasoning_effort": "low"})
@@ -476,15 +479,17 @@ def test_text_records_render_in_the_thinking_mode_datagen_made_the_answers_in(ti
                                            "false .*pass --no-enable-thinking --chat-template-kwargs "
                                            "'{\"reasoning_effort\": \"low\"}'"):
         DFlash.from_pretrained(target, tmp_path / "o", device="cpu")
-    err = capsys.readouterr().err
-    assert "enable-thinking" not in err and "chat template" not in err, err
+    seen.clear()  # and '{}' asks for the template's defaults, whatever the data say
+    Trainer(config((target, tiny_pair[1]), data, tmp_path / "d", extra_train_data=[str(text)], max_steps=1,
+                   chat_template_kwargs={})).setup()
+    assert seen == [None] * 2
 
 
 @pytest.mark.parametrize("flag, other, said", [
     (None, {"enable_thinking": True}, "dflash datagen made the data's answers with different chat template settings "
                                       "(--data {data}: enable_thinking false; --extra-train-data {extra}: "
                                       "enable_thinking true)"),
-    (True, {"enable_thinking": False}, "enable_thinking true (--enable-thinking, --chat-template-kwargs), but dflash "
+    (True, {"enable_thinking": False}, "enable_thinking true (given to dflash train by flag or --config), but dflash "
                                        "datagen made the data's answers with enable_thinking false (--data {data}, "
                                        "--extra-train-data {extra}): text records render otherwise"),
 ])
@@ -1765,18 +1770,19 @@ def test_a_resume_without_the_drafter_it_started_from_says_to_give_it_again(tiny
         Trainer(config(tiny_pair, train_data, out, max_steps=2, resume=True)).setup()
 
 
-def test_tf32_turns_cuda_float32_matmuls_to_tensor_cores_and_back():
+@pytest.mark.parametrize("api", ["fp32_precision", "allow_tf32"])  # torch 2.9 and later; before
+def test_tf32_turns_cuda_float32_matmuls_to_tensor_cores_and_back(monkeypatch, api):
+    from types import SimpleNamespace
+
     from dflash.training.trainer import use_tf32
 
-    matmul = torch.backends.cuda.matmul
-    before = matmul.fp32_precision
-    try:
-        use_tf32(True)
-        assert matmul.fp32_precision == "tf32"
-        use_tf32(False)
-        assert matmul.fp32_precision == "ieee"
-    finally:
-        matmul.fp32_precision = before
+    matmul = SimpleNamespace(**({"fp32_precision": "ieee"} if api == "fp32_precision" else {"allow_tf32": False}))
+    monkeypatch.setattr(torch.backends.cuda, "matmul", matmul)
+    use_tf32(True)
+    assert getattr(matmul, api) == ("tf32" if api == "fp32_precision" else True)
+    use_tf32(False)
+    assert getattr(matmul, api) == ("ieee" if api == "fp32_precision" else False)
+    assert set(vars(matmul)) == {api}  # the other API is left alone: torch refuses the two mixed
 
 
 def test_the_learning_rate_warms_up_from_above_zero_then_decays_to_zero(tiny_pair, train_data, tmp_path):
