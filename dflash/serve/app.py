@@ -144,10 +144,14 @@ class Server:
             raise APIError(400, str(err), param="messages") from None
 
     async def encode_text(self, prompt: str | list[int]) -> list[int]:
-        try:
+        """Tokenise text, or check token ids, on a worker thread (a long prompt's ids are many to check)."""
+        def encode() -> list[int]:
             if isinstance(prompt, list):
                 check_token_ids(prompt, self.pipe.target.vocab_size)
-            return await run_in_threadpool(self.pipe.encode, prompt, True)
+            return self.pipe.encode(prompt, True)
+
+        try:
+            return await run_in_threadpool(encode)
         except UserError as err:  # token ids outside the vocabulary, text the tokenizer cannot take
             raise APIError(400, str(err), param="prompt") from None
 

@@ -106,6 +106,24 @@ def test_a_request_body_is_parsed_off_the_event_loop(server, monkeypatch):
     assert len(threads) == 1 and threads[0] is not server._thread  # the thread uvicorn runs the event loop on
 
 
+def test_a_prompt_of_token_ids_is_checked_off_the_event_loop(server, monkeypatch):
+    import threading
+
+    import dflash.serve.app as app
+
+    threads = []
+    check = app.check_token_ids
+
+    def spy(ids, vocab_size, what="prompt token ids"):
+        if what == "prompt token ids":
+            threads.append(threading.current_thread())
+        return check(ids, vocab_size, what)
+
+    monkeypatch.setattr(app, "check_token_ids", spy)
+    assert post(server, "completions", json={"prompt": [5, 6, 7], "max_tokens": 1}).status_code == 200
+    assert len(threads) == 1 and threads[0] is not server._thread
+
+
 @pytest.mark.parametrize("path", ["/health", "/v1/models", f"/v1/models/{MODEL}", "/metrics"])
 def test_every_get_route_answers_head_requests_too(server, path):
     response = httpx.head(f"{server.url}{path}")
