@@ -24,9 +24,15 @@ class DFlashWarning(UserWarning):
 
 
 def in_brief(err: BaseException, limit: int = 160) -> str:
-    """An exception in a few words, for a message that quotes it: its type and the first line of its text."""
+    """An exception in a few words, for a message that quotes it: its type and the first line of its text, a long
+    one cut at a word and marked as cut (not ended in mid-word or mid-parenthesis, as if that were all it said)."""
     lines = str(err).strip().splitlines()
-    return f"{type(err).__name__}: {lines[0][:limit]}" if lines else type(err).__name__
+    if not lines:
+        return type(err).__name__
+    first = lines[0]
+    if len(first) > limit:
+        first = first[:limit].rsplit(" ", 1)[0].rstrip(" ,;:(") + " ..."
+    return f"{type(err).__name__}: {first}"
 
 
 def why_not_written(err: BaseException) -> str:
