@@ -747,7 +747,7 @@ def test_a_full_server_is_waited_out_for_its_retry_after_and_the_waits_noted(scr
     result = ServerBackend(config(server, stream=stream, warmup_tokens=0)).run_level("gsm8k", SAMPLES[:1], 1)
     assert len(turned) == 2 and result.errors == 0 and result.dflash_answers == 1
     assert result.dflash_latency_ms["p50"] >= 400  # the two waits are the request's latency
-    [note] = [n for n in result.notes if "429" in n]
+    [note] = [n for n in result.notes if "HTTP 429" in n]  # not "429": another note names the server's port
     assert "--base-url: 1 request(s) were turned away with HTTP 429 (2 time(s) in all)" in note
     assert "--max-queue" in note
 
