@@ -109,15 +109,16 @@ def whole_text(tokenizer, ids: Sequence[int]) -> str:
     return text  # not UTF-8 before its end either: as the decoder writes it
 
 
-def tail_text(tokenizer, ids: Sequence[int], end: int, min_chars: int, since: int | None = None) -> tuple[str, bool]:
+def tail_text(tokenizer, ids: Sequence[int], end: int, min_chars: int, since: int | None = None,
+              bytes_of: dict[int, int] | None = None) -> tuple[str, bool]:
     """The decoded text of the last tokens of ids[:end], and whether it is all of them. It holds the text of
     tokens ids[since:end] (default: none) and at least min_chars + TAIL_MARGIN_CHARS characters before it, unless
     it is all of them; all but its first TAIL_MARGIN_CHARS characters are those of the whole text. The window never
-    starts inside a character's byte tokens (`character_start`)."""
+    starts inside a character's byte tokens (`character_start`; `bytes_of`: the tokenizer's `byte_tokens`)."""
     since = end if since is None else since
     want = min_chars + TAIL_MARGIN_CHARS
     count = want // 4 + 8  # tokens before `since`; most hold several characters
-    bytes_of = byte_tokens(tokenizer)
+    bytes_of = byte_tokens(tokenizer) if bytes_of is None else bytes_of
     while True:
         start = character_start(ids, max(0, since - count), bytes_of)
         if start == 0:
@@ -135,6 +136,7 @@ class TextDeltas:
         # per stop string: its last character -> the lengths n (longest first) of its prefixes stop[:n] ending so,
         # so a text's tail is compared only with the prefixes it could be
         self._prefix_ends = [_prefix_lengths_by_last_char(stop) for stop in self._stops]
+        self._bytes_of = byte_tokens(tokenizer)
         self._ids: list[int] = []
         self._text, self._end = "", 0  # the decoded text of self._ids[:self._end]
         self.sent = ""
@@ -142,7 +144,7 @@ class TextDeltas:
     def add(self, tokens: list[int]) -> str:
         """The new text that is safe to send after these tokens ('' when nothing is)."""
         self._ids.extend(t for t in tokens if t not in self._stop_ids)
-        end = whole_characters_end(self._ids, byte_tokens(self._tokenizer))
+        end = whole_characters_end(self._ids, self._bytes_of)
         if end > self._end:
             self._text, self._end = self._extended_text(self._end, end), end
         text = self._text
@@ -164,7 +166,7 @@ class TextDeltas:
         add after the last few old ones. Half a character at the end of the text so far (replacement characters)
         is decoded again with the bytes that complete it. The whole output is decoded again only at the start, or
         when the overlap holds no whole character."""
-        start = character_start(self._ids, old_end - OVERLAP_TOKENS, byte_tokens(self._tokenizer))
+        start = character_start(self._ids, old_end - OVERLAP_TOKENS, self._bytes_of)
         if start > 0:
             before = decode(self._tokenizer, self._ids[start:old_end]).rstrip(REPLACEMENT)
             after = decode(self._tokenizer, self._ids[start:end])

@@ -30,6 +30,7 @@ class StopChecker:
         self._token_by_token = any(REPLACEMENT in s for s in self.stop_strings)
         self.max_new_tokens = max_new_tokens
         self.tokenizer = tokenizer
+        self._bytes_of = byte_tokens(tokenizer) if self.stop_strings else {}  # read once, not at every token
 
     def check(self, output_ids: list[int], new_tokens: list[int]) -> StopDecision:
         """output_ids: tokens kept so far (before new_tokens). The new tokens are checked one at a time, in order,
@@ -54,11 +55,11 @@ class StopChecker:
             return False
         if self._token_by_token:
             return True
-        bytes_of = byte_tokens(self.tokenizer)
-        end = whole_characters_end(ids, bytes_of)  # a stop string is completed at a character's end
-        text, _ = tail_text(self.tokenizer, ids, end, self._longest_stop, since=min(since, end))
-        if REPLACEMENT in text and bytes_of:  # bytes that are no UTF-8 make a byte-fallback decoder write its whole
-            return True  # run of byte tokens as U+FFFD: the text says nothing, the tokens one by one do
+        end = whole_characters_end(ids, self._bytes_of)  # a stop string is completed at a character's end
+        text, _ = tail_text(self.tokenizer, ids, end, self._longest_stop, since=min(since, end),
+                            bytes_of=self._bytes_of)
+        if REPLACEMENT in text and self._bytes_of:  # bytes that are no UTF-8 make a byte-fallback decoder write
+            return True  # its whole run of byte tokens as U+FFFD: the text says nothing, the tokens one by one do
         return any(s in text for s in self.stop_strings)
 
     def _completes_stop_string(self, ids: list[int], end: int) -> bool:
@@ -67,7 +68,7 @@ class StopChecker:
         (`tail_text`), and the whole output only to confirm a hit."""
         if not self.stop_strings:
             return False
-        tail, whole = tail_text(self.tokenizer, ids, end, self._longest_stop)
+        tail, whole = tail_text(self.tokenizer, ids, end, self._longest_stop, bytes_of=self._bytes_of)
         if not any(s in tail for s in self.stop_strings):
             return False
         return whole or self.find_stop(ids[:end]) is not None

@@ -227,15 +227,21 @@ def _unexported_run_error(directory: Path) -> CheckpointError:
         f"training command again with --resume --max-steps {last}, or let the run finish")
 
 
-def trained_for(drafter_dir: Path) -> Path | None:
-    """The local target directory `dflash train` recorded for this drafter (its training_config.yaml), when the
-    record is an absolute path to a directory here; None otherwise (no record, a hub id, another machine's path)."""
+def _training_record(drafter_dir: Path) -> dict:
+    """The settings `dflash train` exported beside a drafter (training_config.yaml); {} when there are none."""
     import yaml
 
     try:
-        recorded = yaml.safe_load((Path(drafter_dir) / "training_config.yaml").read_text()).get("target")
-    except (OSError, yaml.YAMLError, AttributeError):
-        return None
+        recorded = yaml.safe_load((Path(drafter_dir) / "training_config.yaml").read_text())
+    except (OSError, yaml.YAMLError):
+        return {}
+    return recorded if isinstance(recorded, dict) else {}
+
+
+def trained_for(drafter_dir: Path) -> Path | None:
+    """The local target directory `dflash train` recorded for this drafter (its training_config.yaml), when the
+    record is an absolute path to a directory here; None otherwise (no record, a hub id, another machine's path)."""
+    recorded = _training_record(drafter_dir).get("target")
     if not isinstance(recorded, str) or not Path(recorded).is_absolute() or not Path(recorded).is_dir():
         return None
     return Path(recorded)
@@ -245,17 +251,17 @@ def trained_template_kwargs(drafter_dir: Path) -> dict | None:
     """The chat template variables `dflash train` recorded for this drafter's prompts (its training_config.yaml's
     chat_template_kwargs and enable_thinking), e.g. {"enable_thinking": False}, or {} for the template's defaults;
     None when it recorded nothing to go by (an export from before 2026-12-07, or a drafter from elsewhere)."""
-    import yaml
+    from dflash.chat import merged_template_kwargs
 
+    recorded = _training_record(drafter_dir)
+    variables, thinking = recorded.get("chat_template_kwargs"), recorded.get("enable_thinking")
     try:
-        recorded = yaml.safe_load((Path(drafter_dir) / "training_config.yaml").read_text())
-        variables, thinking = recorded.get("chat_template_kwargs"), recorded.get("enable_thinking")
-    except (OSError, yaml.YAMLError, AttributeError):
+        merged = merged_template_kwargs(variables if isinstance(variables, dict) else None,
+                                        thinking if isinstance(thinking, bool) else None)
+    except UserError:  # a record edited by hand into two answers: nothing to go by
         return None
-    merged = {**(variables if isinstance(variables, dict) else {}),
-              **({"enable_thinking": thinking} if isinstance(thinking, bool) else {})}
     # exports since 2026-12-07 hold chat_template_kwargs, null included: their null means the template's defaults
-    return merged if merged or "chat_template_kwargs" in recorded else None
+    return merged if merged or "chat_template_kwargs" not in recorded else {}
 
 
 def read_config(directory: Path, what: str = "a model checkpoint") -> dict:

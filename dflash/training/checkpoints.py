@@ -42,9 +42,9 @@ class CheckpointDir:
         found = self.path.glob("step-*") if self.path.is_dir() else []
         return sorted(p for p in found if CHECKPOINT_NAME.fullmatch(p.name) and p.is_dir())
 
-    def write(self, step: int, state: dict, keep: int, kept_advice: str) -> None:
+    def write(self, step: int, state: dict, keep: int) -> None:
         """Save `state` as step-N (temporary directory, then rename: a stopped write leaves no step-N), then keep the
-        newest `keep`. A write the OS refuses is a UserError that ends with `kept_advice` (what the run keeps)."""
+        newest `keep`. A write the OS refuses is a UserError that says what the run keeps (`kept`)."""
         final, tmp = self.step_path(step), self.path / f".tmp-step-{step:08d}"
         shutil.rmtree(tmp, ignore_errors=True)
         try:
@@ -53,11 +53,17 @@ class CheckpointDir:
         except (OSError, RuntimeError) as err:  # a full disk fails inside torch's writer as a RuntimeError
             shutil.rmtree(tmp, ignore_errors=True)
             raise UserError(f"could not write checkpoint step {step} into {self.path} ({in_brief(err)}; "
-                            f"{why_not_written(err)}); {kept_advice}") from None
+                            f"{why_not_written(err)}); {self.kept()}") from None
         shutil.rmtree(final, ignore_errors=True)
         os.replace(tmp, final)
         for old in self.all()[:-keep]:
             shutil.rmtree(old, ignore_errors=True)
+
+    def kept(self) -> str:
+        """What a run stopped by a failed write keeps, and how to go on from it."""
+        kept = self.all()
+        return (f"the newest checkpoint, {kept[-1]}, is kept: fix that and rerun with --resume to continue from it"
+                if kept else "no earlier checkpoint was written: fix that and rerun")
 
     def read(self, checkpoint: Path, device: torch.device) -> dict:
         """The training state of checkpoints/step-N; one that cannot be read (a truncated copy, a damaged disk, a

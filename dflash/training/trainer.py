@@ -331,7 +331,7 @@ class Trainer:
         self.text_records = 0  # counted by `_read`
         files = [("--data", c.data), *(("--extra-train-data", path) for path in c.extra_train_data or [])]
         flag_given = c.template_kwargs() is not None
-        data_mode = self._settle_template_mode(files)  # before any text record renders
+        data_mode, taken = self._settle_template_mode(files)  # before any text record renders
         train, self.eval_examples = split_records(self._read("--data", c.data), c.eval_fraction, c.seed)
         if c.eval_fraction > 0 and not self.eval_examples:
             self._warn(f"--eval-fraction {c.eval_fraction} holds nothing out: --data {c.data} holds one conversation "
@@ -340,7 +340,8 @@ class Trainer:
         for path in c.extra_train_data or []:
             self.train_examples += self._without_held_out_prompts(self._read("--extra-train-data", path),
                                                                   "--extra-train-data", path)
-        self._say_mode_from_data()
+        if taken:
+            self._say_mode_from_data(data_mode)
         if flag_given and not self.text_records and data_mode is None:  # else `_settle_template_mode` spoke
             flag = ("--chat-template-kwargs" if c.enable_thinking is None else
                     "--enable-thinking" if c.enable_thinking else "--no-enable-thinking")
@@ -359,14 +360,14 @@ class Trainer:
         pad = self.tokenizer.pad_token_id if self.tokenizer is not None else None
         self.pad_id = pad if pad is not None else 0
 
-    def _settle_template_mode(self, files: list[tuple[str, str]]) -> dict | None:
+    def _settle_template_mode(self, files: list[tuple[str, str]]) -> tuple[dict | None, bool]:
         """The chat template variables dflash datagen made the data's answers with (its settings files say), which
         text records then render with too, unless --enable-thinking says otherwise: one drafter, one way of
         rendering prompts, recorded in training_config.yaml (decoding warns when it renders them otherwise). Files
         made in different modes, or a flag that differs from theirs, are named in a warning. Returns the data's
-        variables ({}: the template's defaults; None: no datagen settings, or modes that differ)."""
+        variables ({}: the template's defaults; None: no datagen settings, or modes that differ), and whether text
+        records take them (said once they are counted, `_say_mode_from_data`)."""
         c = self.config
-        self._mode_from_data = None  # the variables taken from the data: said once the text records are counted
         made = {f"{flag} {path}": settings.get("chat_template_kwargs") or {} for flag, path in files
                 if (settings := _datagen_settings(path))}
         modes = list({json.dumps(m, sort_keys=True): m for m in made.values()}.values())
@@ -376,9 +377,9 @@ class Trainer:
             self._warn(f"dflash datagen made the data's answers with different chat template settings ({named}): the "
                        "drafter learns prompts rendered both ways and is served with one; make them all with the "
                        "--enable-thinking setting the target will be served with")
-            return None
+            return None, False
         if not modes:
-            return None
+            return None, False
         mode = modes[0]
         given = c.template_kwargs()
         if given is None and c.chat_template_kwargs == {}:  # --chat-template-kwargs '{}': the template's defaults
@@ -386,20 +387,17 @@ class Trainer:
         if given is None and mode:  # text records as the answers were made; exported with them
             c.enable_thinking = mode.get("enable_thinking")
             c.chat_template_kwargs = {k: v for k, v in mode.items() if k != "enable_thinking"} or None
-            self._mode_from_data = mode
-        elif given is not None and not renders_alike(self.tokenizer, given, mode):
+            return mode, True
+        if given is not None and not renders_alike(self.tokenizer, given, mode):
             self._warn(f"{describe_template_kwargs(given)} (given to dflash train by flag or --config), but dflash "
                        f"datagen made the data's answers with {describe_template_kwargs(mode)} ({', '.join(made)}): "
                        "text records render otherwise than those answers' prompts, and the exported drafter records "
                        "what train was given; give what datagen was given, or regenerate the answers")
-        return mode
+        return mode, False
 
-    def _say_mode_from_data(self) -> None:
+    def _say_mode_from_data(self, mode: dict) -> None:
         """Where the data's settings chose how text records render: a warning when there are text records (they
         render otherwise than the template's defaults, which this package used before 2026-12-07), else a note."""
-        mode = self._mode_from_data
-        if mode is None:
-            return
         said = (f"text records render with {describe_template_kwargs(mode)}, as dflash datagen made the data's "
                 "answers (its settings files say)")
         if self.text_records:
@@ -959,7 +957,7 @@ class Trainer:
             "world_size": self.world,
             "train_time_s": self.train_time_s(),  # a resumed run's done record counts it in
         }
-        self.checkpoints.write(self.step, state, self.config.keep_checkpoints, self._resume_from_newest())
+        self.checkpoints.write(self.step, state, self.config.keep_checkpoints)
 
     def _load_latest_checkpoint(self) -> None:
         checkpoints = self.checkpoints.all()
@@ -1111,12 +1109,6 @@ class Trainer:
         # the drafter's whole config goes to the file only (the run's config.json holds it too)
         print(json.dumps({k: v for k, v in record.items() if k != "drafter"}), flush=True)
 
-    def _resume_from_newest(self) -> str:
-        """What a run stopped by a failed write keeps, and how to go on from it."""
-        kept = self.checkpoints.all()
-        return (f"the newest checkpoint, {kept[-1]}, is kept: fix that and rerun with --resume to continue from it"
-                if kept else "no earlier checkpoint was written: fix that and rerun")
-
     def _write_log(self, record: dict) -> None:
         def append(path: Path) -> None:
             with open(path, "a") as f:
@@ -1131,7 +1123,7 @@ class Trainer:
             write(path)
         except OSError as err:
             raise UserError(f"could not write the training log {path} ({in_brief(err)}; {why_not_written(err)}); "
-                            f"{self._resume_from_newest()}") from None
+                            f"{self.checkpoints.kept()}") from None
 
     def _note(self, message: str) -> None:
         self._log({"event": "note", "message": message})

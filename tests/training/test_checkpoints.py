@@ -16,7 +16,7 @@ def test_write_keeps_the_newest_and_lists_them_oldest_first(tmp_path):
     checkpoints = CheckpointDir(tmp_path / "checkpoints")
     assert checkpoints.all() == []
     for step in (3, 12, 6, 9):
-        checkpoints.write(step, state(step), keep=2, kept_advice="")
+        checkpoints.write(step, state(step), keep=2)
     (checkpoints.path / "step-7").mkdir()  # not a name the trainer writes
     (checkpoints.path / "step-00000010").write_text("a file")
     assert [step_of(p) for p in checkpoints.all()] == [9, 12]
@@ -25,15 +25,16 @@ def test_write_keeps_the_newest_and_lists_them_oldest_first(tmp_path):
 
 def test_a_failed_write_leaves_no_step_and_says_what_is_kept(tmp_path, monkeypatch):
     checkpoints = CheckpointDir(tmp_path / "checkpoints")
-    checkpoints.write(1, state(1), keep=3, kept_advice="")
+    checkpoints.write(1, state(1), keep=3)
 
     def full_disk(obj, path):
         open(path, "wb").write(b"half")
         raise RuntimeError("PytorchStreamWriter failed writing file data/0: file write failed")
 
     monkeypatch.setattr(torch, "save", full_disk)
-    with pytest.raises(UserError, match="could not write checkpoint step 2 .*; step 1 is kept"):
-        checkpoints.write(2, state(2), keep=3, kept_advice="step 1 is kept")
+    with pytest.raises(UserError, match="could not write checkpoint step 2 .*; the newest checkpoint, .*step-00000001, "
+                                        "is kept: fix that and rerun with --resume"):
+        checkpoints.write(2, state(2), keep=3)
     assert sorted(p.name for p in checkpoints.path.iterdir()) == ["step-00000001"]
 
 
@@ -56,6 +57,6 @@ def test_a_damaged_checkpoint_says_how_to_go_on(tmp_path, content, problem):
 
 def test_clear_deletes_every_checkpoint_and_keeps_the_directory(tmp_path):
     checkpoints = CheckpointDir(tmp_path / "checkpoints")
-    checkpoints.write(5, state(5), keep=3, kept_advice="")
+    checkpoints.write(5, state(5), keep=3)
     checkpoints.clear()
     assert checkpoints.path.is_dir() and checkpoints.all() == []
