@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import re
 import weakref
+from itertools import groupby
 from typing import Sequence
 
 from dflash.errors import GenerationError
@@ -26,12 +27,16 @@ TAIL_MARGIN_CHARS = 16
 OVERLAP_TOKENS = 8  # tokens decoded again before a stream's new ones, to find where the new text starts
 
 
-def decode(tokenizer, ids: Sequence[int]) -> str:
+def decode(tokenizer, ids: Sequence[int], bytes_of: dict[int, int] | None = None) -> str:
     """The text of `ids` as this package shows it, streamed or whole: special tokens skipped, and spaces as the
     tokens hold them. transformers' clean_up_tokenization_spaces (on for some tokenizers) rewrites " ," as "," and
     " 'm" as "'m" once the next token has come, so text already streamed, or checked for a stop string, would change
-    after the fact, and a stop string would be found at one step size and not another (vLLM leaves it off too)."""
-    return tokenizer.decode(list(ids), skip_special_tokens=True, clean_up_tokenization_spaces=False)
+    after the fact, and a stop string would be found at one step size and not another (vLLM leaves it off too).
+    Bytes that are not UTF-8 become U+FFFD one bad part at a time, whatever the tokenizer (`utf8_runs`);
+    `bytes_of`: the tokenizer's `byte_tokens`, looked up when not given."""
+    bytes_of = byte_tokens(tokenizer) if bytes_of is None else bytes_of
+    return tokenizer.decode(utf8_runs(list(ids), bytes_of), skip_special_tokens=True,
+                            clean_up_tokenization_spaces=False)
 
 
 _BYTE_TOKEN = re.compile(r"<0x([0-9A-Fa-f]{2})>")
@@ -60,6 +65,36 @@ def byte_tokens(tokenizer) -> dict[int, int]:
     return found
 
 
+def utf8_runs(ids: list[int], bytes_of: dict[int, int]) -> list[int]:
+    """`ids`, with each run of byte tokens that is not UTF-8 as a whole written again as the UTF-8 of its text with
+    one U+FFFD per bad part (Python's errors="replace", and byte-level BPE decoders', e.g. GPT-2's or Qwen's).
+    A byte-fallback decoder writes such a run as U+FFFD throughout, the characters already streamed or checked for
+    a stop string included, so one bad byte in a model's output used to change the text before it and end its
+    stream there; a run cut inside its last character (a window's end) decodes to its whole characters and one
+    U+FFFD. Tokenizers without byte tokens, and runs that are UTF-8, are left as they are."""
+    if not bytes_of:
+        return ids
+    out: list[int] = []
+    for is_byte, group in groupby(ids, key=bytes_of.__contains__):
+        run = list(group)
+        out += _utf8_run(run, bytes_of) if is_byte else run
+    return out
+
+
+def _utf8_run(run: list[int], bytes_of: dict[int, int]) -> list[int]:
+    raw = bytes(bytes_of[i] for i in run)
+    try:
+        raw.decode("utf-8")
+        return run
+    except UnicodeDecodeError:
+        pass
+    id_of = {byte: i for i, byte in bytes_of.items()}
+    fixed = raw.decode("utf-8", errors="replace").encode("utf-8")
+    if not all(byte in id_of for byte in fixed):  # a vocabulary without the bytes of U+FFFD: as its decoder writes it
+        return run
+    return [id_of[byte] for byte in fixed]
+
+
 def character_start(ids: Sequence[int], start: int, bytes_of: dict[int, int]) -> int:
     """`start`, or the token that begins the character it falls inside: at most 3 byte tokens back over UTF-8
     continuation bytes (0x80-0xBF). A window from there decodes its characters as the whole text does."""
@@ -72,41 +107,13 @@ def character_start(ids: Sequence[int], start: int, bytes_of: dict[int, int]) ->
 
 def whole_characters_end(ids: Sequence[int], bytes_of: dict[int, int]) -> int:
     """How many of `ids` end in a whole character: all of them, or, for a byte-fallback tokenizer, those before a
-    last character whose byte tokens have not all come (its decoder writes the whole run of byte tokens as U+FFFD,
-    the characters before it included, until they have)."""
+    last character whose byte tokens have not all come (it decodes to U+FFFD until they have)."""
     if not ids or ids[-1] not in bytes_of:
         return len(ids)
     lead = character_start(ids, len(ids) - 1, bytes_of)
     first = bytes_of.get(ids[lead], 0)
     size = 2 if 0xC0 <= first < 0xE0 else 3 if 0xE0 <= first < 0xF0 else 4 if 0xF0 <= first < 0xF8 else 1
     return lead if len(ids) - lead < size else len(ids)
-
-
-def run_start(ids: Sequence[int], start: int, bytes_of: dict[int, int]) -> int:
-    """`start`, or the start of the run of byte tokens it falls inside."""
-    while 0 < start < len(ids) and ids[start] in bytes_of and ids[start - 1] in bytes_of:
-        start -= 1
-    return start
-
-
-def whole_text(tokenizer, ids: Sequence[int]) -> str:
-    """The text of a finished output: `decode`, except where it ends inside a character in a byte-fallback
-    tokenizer's byte tokens (max_new_tokens cut it there). Such a decoder writes the whole last run of byte tokens
-    as U+FFFD then, characters a stream has already sent included; here the run's whole characters stay, and the
-    cut one is a single U+FFFD, so the streamed text and this one agree."""
-    text = decode(tokenizer, ids)
-    bytes_of = byte_tokens(tokenizer)
-    if not (text.endswith(REPLACEMENT) and ids and ids[-1] in bytes_of):
-        return text
-    start = run_start(ids, len(ids) - 1, bytes_of)
-    run = bytes(bytes_of[i] for i in ids[start:])
-    for cut in range(1, min(3, len(run)) + 1):  # a UTF-8 character has at most 4 bytes: 1-3 of them cut off
-        try:
-            run[:-cut].decode("utf-8")
-        except UnicodeDecodeError:
-            continue
-        return decode(tokenizer, ids[:-cut]) + REPLACEMENT
-    return text  # not UTF-8 before its end either: as the decoder writes it
 
 
 def tail_text(tokenizer, ids: Sequence[int], end: int, min_chars: int, since: int | None = None,
@@ -122,9 +129,9 @@ def tail_text(tokenizer, ids: Sequence[int], end: int, min_chars: int, since: in
     while True:
         start = character_start(ids, max(0, since - count), bytes_of)
         if start == 0:
-            return decode(tokenizer, ids[:end]), True
-        if len(decode(tokenizer, ids[start:since])) >= want:
-            return decode(tokenizer, ids[start:end]), False
+            return decode(tokenizer, ids[:end], bytes_of), True
+        if len(decode(tokenizer, ids[start:since], bytes_of)) >= want:
+            return decode(tokenizer, ids[start:end], bytes_of), False
         count *= 2
 
 
@@ -168,13 +175,13 @@ class TextDeltas:
         when the overlap holds no whole character."""
         start = character_start(self._ids, old_end - OVERLAP_TOKENS, self._bytes_of)
         if start > 0:
-            before = decode(self._tokenizer, self._ids[start:old_end]).rstrip(REPLACEMENT)
-            after = decode(self._tokenizer, self._ids[start:end])
+            before = decode(self._tokenizer, self._ids[start:old_end], self._bytes_of).rstrip(REPLACEMENT)
+            after = decode(self._tokenizer, self._ids[start:end], self._bytes_of)
             settled = before.lstrip(REPLACEMENT)  # the window may start in half a character too
             text = self._text.rstrip(REPLACEMENT)
             if settled and after.startswith(before) and text.endswith(settled):
                 return text + after[len(before):]
-        return decode(self._tokenizer, self._ids[:end])
+        return decode(self._tokenizer, self._ids[:end], self._bytes_of)
 
     def _safe_length(self, text: str) -> int:
         hits = [i for i in (text.find(s) for s in self._stops) if i >= 0]

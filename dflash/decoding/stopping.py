@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from dflash.decoding.detokenizer import REPLACEMENT, byte_tokens, decode, tail_text, whole_characters_end, whole_text
+from dflash.decoding.detokenizer import REPLACEMENT, byte_tokens, decode, tail_text, whole_characters_end
 from dflash.errors import GenerationError
 
 
@@ -58,8 +58,6 @@ class StopChecker:
         end = whole_characters_end(ids, self._bytes_of)  # a stop string is completed at a character's end
         text, _ = tail_text(self.tokenizer, ids, end, self._longest_stop, since=min(since, end),
                             bytes_of=self._bytes_of)
-        if REPLACEMENT in text and self._bytes_of:  # bytes that are no UTF-8 make a byte-fallback decoder write
-            return True  # its whole run of byte tokens as U+FFFD: the text says nothing, the tokens one by one do
         return any(s in text for s in self.stop_strings)
 
     def _completes_stop_string(self, ids: list[int], end: int) -> bool:
@@ -75,7 +73,7 @@ class StopChecker:
 
     def find_stop(self, output_ids: list[int]) -> int | None:
         """Character index where the first stop string starts in the decoded output, if any."""
-        first = self.first_stop(decode(self.tokenizer, output_ids))
+        first = self.first_stop(decode(self.tokenizer, output_ids, self._bytes_of))
         return None if first is None else first[0]
 
     def first_stop(self, text: str) -> tuple[int, str] | None:
@@ -89,6 +87,6 @@ class StopChecker:
         where include_stop_str_in_output is off by default)."""
         if output_ids and output_ids[-1] in self.stop_token_ids:
             output_ids = output_ids[:-1]
-        text = whole_text(self.tokenizer, output_ids)
+        text = decode(self.tokenizer, output_ids)
         first = self.first_stop(text) if self.stop_strings else None
         return (text, None) if first is None else (text[:first[0]], first[1])

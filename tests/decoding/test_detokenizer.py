@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 
 from conftest import make_tokenizer
-from dflash.decoding.detokenizer import TextDeltas, decode, tail_text
+from dflash.decoding.detokenizer import TextDeltas, byte_tokens, decode, tail_text
 from dflash.decoding.stopping import StopChecker
 
 ASSETS = Path(__file__).resolve().parents[2] / "dflash" / "assets" / "target"
@@ -213,7 +213,7 @@ def test_an_output_cut_inside_a_character_keeps_the_characters_a_stream_sent(ste
     stopped there."""
     tokenizer = byte_fallback_tokenizer()
     ids = tokenizer("ok 中文 done", add_special_tokens=False)["input_ids"][:9]
-    assert decode(tokenizer, ids) == "ok " + "\ufffd" * 5
+    assert tokenizer.decode(ids) == "ok " + "\ufffd" * 5  # the decoder, left to itself
     final, _ = StopChecker([], [], 100, tokenizer).ending(ids)
     assert final == "ok 中\ufffd"
     deltas = TextDeltas(tokenizer, stop_strings=[])
@@ -258,3 +258,54 @@ def test_an_answer_cut_inside_its_only_character_ends_in_one_replacement_charact
     tokenizer = byte_fallback_tokenizer()
     ids = tokenizer("ok 文", add_special_tokens=False)["input_ids"][:-1]
     assert StopChecker([], [], 100, tokenizer).ending(ids)[0] == "ok \ufffd"
+
+
+def byte_ids(tokenizer, data: bytes) -> list[int]:
+    return [tokenizer.convert_tokens_to_ids(f"<0x{b:02X}>") for b in data]
+
+
+@pytest.mark.parametrize("step_size", [1, 3, 8])
+def test_a_bad_byte_mid_output_leaves_the_text_before_it_and_the_stream_whole(step_size):
+    """A model can sample bytes that are no UTF-8: a lead byte with no continuation, between two emoji of one run
+    of byte tokens. The byte-fallback decoder wrote that whole run as U+FFFD, the emoji already streamed included,
+    so the final text no longer began with the stream and the stream sent nothing more; and a stop string after it
+    was found at one step size and not another. Now the bad byte alone is U+FFFD, as a byte-level tokenizer has it."""
+    tokenizer = byte_fallback_tokenizer()
+    ids = (tokenizer("ok", add_special_tokens=False)["input_ids"] + byte_ids(tokenizer, "😀".encode())
+           + byte_ids(tokenizer, b"\xe4") + byte_ids(tokenizer, "🙂 end".encode()))
+    assert tokenizer.decode(ids) == "ok" + "\ufffd" * 13  # the decoder, left to itself
+    final, _ = StopChecker([], [], 100, tokenizer).ending(ids)
+    assert final == "ok😀\ufffd🙂 end"
+    deltas = TextDeltas(tokenizer, stop_strings=["zzz"])
+    for start in range(0, len(ids), step_size):
+        deltas.add(ids[start:start + step_size])
+    assert deltas.sent == final
+    assert stop_at_steps_of(tokenizer, ids, ["🙂"], step_size) == (len(ids) - 4, "stop")
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_random_bytes_stream_and_stop_alike_at_every_step_size(tokenizer, seed):
+    """Any bytes a model may sample: stretches of text and runs of random byte tokens (any byte, so mostly no
+    UTF-8). The stream never takes text back and adds up to the final text, and a stop string is found at the same
+    token at every step size, as in decoding token by token."""
+    rng = random.Random(seed)
+    byte_vocab = sorted(byte_tokens(tokenizer))
+    if not byte_vocab:  # a byte-level tokenizer: its tokens are byte strings, any sequence of them can come
+        byte_vocab = rng.sample(range(len(tokenizer)), min(400, len(tokenizer)))
+    ids: list[int] = []
+    for _ in range(12):
+        ids += tokenizer(rng.choice(TEXT.split(". ")) + " ", add_special_tokens=False)["input_ids"]
+        ids += [rng.choice(byte_vocab) for _ in range(rng.randint(1, 9))]
+    ids += tokenizer(" the end", add_special_tokens=False)["input_ids"]
+    final = StopChecker([], [], 10_000, tokenizer).ending(ids)[0]
+    for step_size in (1, 4, 9):
+        deltas = TextDeltas(tokenizer, stop_strings=["zzz"])
+        for start in range(0, len(ids), step_size):
+            deltas.add(ids[start:start + step_size])
+            assert final.startswith(deltas.sent), (step_size, deltas.sent, final)
+        assert deltas.sent + deltas.finish(final) == final
+        assert final.endswith("the end") and deltas.sent.endswith("the end")
+    expected = first_stop(tokenizer, ids, ["he en"])
+    assert expected is not None
+    for step_size in (1, 4, 9):
+        assert stop_at_steps_of(tokenizer, ids, ["he en"], step_size) == (expected, "stop"), step_size
