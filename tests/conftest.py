@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import http.server
+import json
 import random
 import socket
 import threading
@@ -403,30 +404,66 @@ def silent_hub(monkeypatch, tmp_path):
     server.close()
 
 
-class _NoSuchRepo(http.server.BaseHTTPRequestHandler):
-    """The hub's answer for a repository it does not have."""
+class _RefusingHub(http.server.BaseHTTPRequestHandler):
+    """The hub's answer to every request: `status` with the error code it gives (the class attributes)."""
+
+    status, error_code, message = 404, "RepoNotFound", "Repository not found"
 
     def do_GET(self):
-        self.send_response(404)
-        self.send_header("X-Error-Code", "RepoNotFound")
+        self.send_response(self.status)
+        if self.error_code:
+            self.send_header("X-Error-Code", self.error_code)
         self.send_header("Content-Type", "application/json")
         self.end_headers()
-        self.wfile.write(b'{"error": "Repository not found"}')
+        self.wfile.write(json.dumps({"error": self.message}).encode())
 
     def log_message(self, *args):
         pass
 
 
-@pytest.fixture
-def empty_hub(monkeypatch, tmp_path):
-    """A hub endpoint that answers, and has no repository at all."""
+def _refusing_hub(monkeypatch, handler: type) -> http.server.ThreadingHTTPServer:
     from huggingface_hub import constants
 
-    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), _NoSuchRepo)
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), handler)
     threading.Thread(target=server.serve_forever, daemon=True).start()
     monkeypatch.setattr(constants, "ENDPOINT", f"http://127.0.0.1:{server.server_address[1]}")
     monkeypatch.setattr(constants, "HF_HUB_OFFLINE", False)
     monkeypatch.setattr(constants, "HF_HUB_DISABLE_TELEMETRY", True)
     monkeypatch.setattr(hub, "_unreachable", None)
+    return server
+
+
+@pytest.fixture
+def empty_hub(monkeypatch, tmp_path):
+    """A hub endpoint that answers, and has no repository at all."""
+    server = _refusing_hub(monkeypatch, _RefusingHub)
     yield
     server.shutdown()
+
+
+@pytest.fixture
+def refusing_hub(monkeypatch, tmp_path):
+    """refusing_hub(status, error_code, message): a hub endpoint that answers every request so (a gated repository,
+    a token it does not take, ...), and an empty cache in tmp_path / "hub-cache"."""
+    from huggingface_hub import constants
+
+    servers = []
+
+    def start(status: int, error_code: str | None, message: str) -> None:
+        handler = type("Refusing", (_RefusingHub,), dict(status=status, error_code=error_code, message=message))
+        servers.append(_refusing_hub(monkeypatch, handler))
+
+    monkeypatch.setattr(constants, "HF_HUB_CACHE", str(tmp_path / "hub-cache"))
+    yield start
+    for server in servers:
+        server.shutdown()
+
+
+def blocks_wanted(acceptance_lengths: list[int], block_size: int, max_new: int) -> list[int]:
+    """The block each drafted step of one row verifies: the block size, or what the row still wants when that is
+    less (at least the anchor and a draft token). acceptance_lengths[0] is the prefill's token."""
+    blocks, done = [], acceptance_lengths[0]
+    for kept in acceptance_lengths[1:]:
+        blocks.append(min(block_size, max(max_new - done, 2)))
+        done += kept
+    return blocks

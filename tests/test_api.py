@@ -109,7 +109,7 @@ def test_a_pipeline_branch_length_reaches_every_generation_and_a_call_may_overri
     assert a.output_ids == plain.generate("How many clips did Natalia sell?", max_new_tokens=20).output_ids
     assert max(a.stats.block_sizes) > 4  # the block and a branch
     b = branched.generate("How many clips did Natalia sell?", max_new_tokens=20, branch_length=0)
-    assert set(b.stats.block_sizes) == {4}
+    assert max(b.stats.block_sizes) == 4  # no branch (a last block may be cut)
     with pytest.raises(UserError, match="branch_length"):
         DFlash.from_pretrained(*tiny_pair, device="cpu", branch_length=-1)
 
@@ -620,7 +620,7 @@ def test_a_loaded_model_a_non_float_dtype_and_stop_strings_without_a_tokenizer_a
 def test_a_block_size_of_none_in_a_call_is_the_pipelines_own(tiny_pair):
     """None in a call meant the pipeline's fixed block size, but turned a pipeline's "auto" off."""
     fixed = DFlash.from_pretrained(*tiny_pair, device="cpu", block_size=4)
-    assert set(fixed.generate("How many clips?", max_new_tokens=12, block_size=None).stats.block_sizes) == {4}
+    assert max(fixed.generate("How many clips?", max_new_tokens=12, block_size=None).stats.block_sizes) == 4
     auto = DFlash.from_pretrained(*tiny_pair, device="cpu", block_size="auto")
     assert auto._config({"block_size": None}).block_size == auto._config({}).block_size == "auto"
     assert auto._config({"block_size": 3}).block_size == 3

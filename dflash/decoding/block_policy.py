@@ -480,5 +480,6 @@ class BlockSizePolicy:
         """One drafted step: accepted draft tokens per row, `drafted` = block size - 1."""
         self.acceptance.observe(accepted, drafted)
         if self._judged_confidence is not None:  # the step chose its block size after drafting
-            self.by_confidence.observe(self._judged_confidence, accepted)
+            # the engine may have verified fewer than chosen (the context's end, or what the rows still want)
+            self.by_confidence.observe([row[:drafted] for row in self._judged_confidence], accepted)
             self._judged_confidence = None

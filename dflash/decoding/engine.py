@@ -276,6 +276,8 @@ class Batch:
     accepted: list[int] = field(default_factory=list)  # the last step's accepted draft tokens of the block, per row
     branched: bool = False  # the last step also verified a branch
     verified: int = 0  # the tokens per row the last forward checked: the block and a branch
+    produced: list[int] = field(default_factory=list)  # the last step's accepted + 1 per row, before a stop cut them
+    cut_short: bool = False  # the last step's block was cut to the context's end or to what its rows still want
 
     def __len__(self) -> int:
         return len(self.sequences)
@@ -443,7 +445,8 @@ class SpeculativeEngine:
         t0 = self.profile.mark(self.target.device)
         if self._rope_switch is not None:
             self._read_again_past_rope_switch(batch)
-        draft, branch = self._draft(batch, choose)
+        room = self._block_room(batch.sequences)
+        draft, branch = self._draft(batch, choose, room)
         t1 = self.profile.mark(self.target.device)
         block = torch.cat([batch.anchors[:, None], draft.tokens], dim=1)  # (b, block_size): anchor + draft tokens
         tokens, positions, out = self._verify_forward(batch, block, branch)  # tokens, positions (b, q)
@@ -453,16 +456,17 @@ class SpeculativeEngine:
                      drafter_forwards=draft.forwards if draft.tokens.shape[1] > 0 else 0, kept_slots=kept_slots)
         kept = self._record(batch.sequences, new_tokens, failed, verified=tokens.shape[1])
         batch.block_size, batch.branched, batch.verified = block.shape[1], branch is not None, tokens.shape[1]
+        batch.cut_short = room < batch.proposer.block_size
         self._profile_step(t0, t1, t2)
         if failed:
             raise RowsFailed(NAN_LOGITS, kept)
         return kept
 
-    def _draft(self, batch: Batch, choose: Callable[[Draft], int] | None) -> tuple[Draft, Branch | None]:
-        """The draft tokens this step verifies (b, k): what fits before the context's end, cut to the block size
-        `choose` picks; and the branch verified with them (None: none)."""
+    def _draft(self, batch: Batch, choose: Callable[[Draft], int] | None,
+               fit: int) -> tuple[Draft, Branch | None]:
+        """The draft tokens this step verifies (b, k): what fits in `fit` positions from the anchor on
+        (`_block_room`), cut to the block size `choose` picks; and the branch verified with them (None: none)."""
         rows = batch.sequences
-        fit = self._positions_left(rows)
         proposer = batch.proposer if fit >= batch.proposer.block_size else batch.proposer.with_block_size(max(fit, 2))
         draft = proposer.propose(batch.draft_state, batch.anchors, batch.anchor_positions, rows)
         if choose is not None:
@@ -503,6 +507,7 @@ class SpeculativeEngine:
             num_accepted = matching_prefix(draft.tokens, target_tokens[:, :block_size])
             new_tokens, kept_slots = accept_branch(num_accepted, target_tokens, branch, block_size)
             batch.accepted = num_accepted.tolist()
+        batch.produced = [len(t) for t in new_tokens]
         failed = {r for r, t in enumerate(new_tokens) if NO_TOKEN in t}
         # a failed row leaves the batch: a placeholder token keeps the commit's shapes for the step of the others
         return [[0] if r in failed else t for r, t in enumerate(new_tokens)], kept_slots, failed
@@ -521,6 +526,13 @@ class SpeculativeEngine:
         self.profile.draft_s += drafted - started
         self.profile.target_s += verified - drafted
         self.profile.total_s += self.profile.mark(self.target.device) - started
+
+    def _block_room(self, rows: list[Sequence]) -> int:
+        """How many tokens this step's block may hold, the anchor included: what fits before the context's end
+        (`_positions_left`), and no more than any row still wants (a block of k gives at most k new tokens), but
+        a draft token at least: the drafter reads the step's new context either way."""
+        wanted = max(seq.stop.max_new_tokens - len(seq.output_ids) for seq in rows)
+        return min(self._positions_left(rows), max(wanted, 2))
 
     def _positions_left(self, rows: list[Sequence]) -> int:
         """How many positions this step may write into the target's cache, from the anchor on, so that no row

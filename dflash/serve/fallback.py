@@ -62,6 +62,7 @@ class _Workload:
     plain_requests: int = 0  # since drafting was switched off
     probing: bool = False  # off, but one request at a time drafts until a fresh window gives a verdict
     probe_in_flight: bool = False
+    probes: int = 0  # probe requests sent so far: the one in flight is number `probes`
 
     def rolling(self) -> float | None:
         return sum(self.lengths) / len(self.lengths) if self.lengths else None
@@ -100,20 +101,32 @@ class AdaptiveFallback:
         if state.probing:  # one probe request drafts at a time; the others stay plain until the verdict
             if state.probe_in_flight:
                 return False
-            state.probe_in_flight = True
+            state.probe_in_flight, state.probes = True, state.probes + 1
             return True
         state.plain_requests += 1
         if state.plain_requests <= self.config.probe_after:
             return False
         state.probing, state.probe_in_flight, state.plain_requests = True, True, 0
+        state.probes += 1
         state.lengths.clear()
         log.info("fallback: probing drafting again for workload %r with one request", workload)
         return True
 
-    def finished(self, workload: str) -> None:
-        """A request of this workload that drafted has finished: a probe that has no verdict yet sends another."""
-        if self.config.enabled:
-            self._get(workload).probe_in_flight = False
+    def probe(self, workload: str) -> int:
+        """The number of the probe request `should_draft` has just let draft (0: the workload drafts anyway). A
+        request keeps it: only the probe in flight drafts while the workload does not."""
+        if not self.config.enabled:
+            return 0
+        state = self._get(workload)
+        return state.probes if state.probing and not state.drafting else 0
+
+    def finished(self, workload: str, probe: int) -> None:
+        """Probe request number `probe` of this workload stopped drafting (it finished, or its probe's verdict
+        moved it to plain decoding): a probe that has no verdict yet sends another. An older probe's request
+        changes nothing."""
+        state = self._get(workload)
+        if self.config.enabled and probe and probe == state.probes:
+            state.probe_in_flight = False
 
     def observe(self, workload: str, acceptance_lengths: list[int]) -> None:
         """Acceptance lengths (tokens per verify forward) of one drafted step's rows of this workload."""
@@ -141,10 +154,11 @@ class AdaptiveFallback:
     def drafting(self, workload: str) -> bool:
         return self._get(workload).drafting if self.config.enabled else True
 
-    def wants_draft(self, workload: str, probe: bool) -> bool:
+    def wants_draft(self, workload: str, probe: int) -> bool:
         """Whether a request of this workload that is decoding should draft now: every one while the workload
-        drafts; only the probe request (`probe`: it drafted while the workload did not) while a probe runs."""
+        drafts; only the probe in flight (`probe`: the request's number from `probe`) while a probe runs, not a
+        request of an earlier probe that is still decoding."""
         if not self.config.enabled:
             return True
         state = self._get(workload)
-        return state.drafting or (probe and state.probing)
+        return state.drafting or (state.probing and probe == state.probes != 0)

@@ -96,8 +96,9 @@ class ServerMetrics:
         self._accepted = 0
 
     def record_drafts(self, accepted: list[int], draft_tokens: int) -> None:
-        """One drafted step: `accepted[i]` draft tokens accepted in row i, each row proposing `draft_tokens`."""
-        if not accepted:
+        """One drafted step: `accepted[i]` draft tokens accepted in row i, each row proposing `draft_tokens`. A step
+        cut to no draft token (one token left to the context's end or to max_tokens) is no draft."""
+        if not accepted or draft_tokens < 1:
             return
         self.num_drafts.inc(len(accepted))
         self.num_draft_tokens.inc(len(accepted) * draft_tokens)

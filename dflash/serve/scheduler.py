@@ -92,7 +92,7 @@ class Request:
         self.cancelled = False
         self.finished = False
         self.decoder: str | None = None  # set at prefill; changes when the fallback moves the row
-        self.probe = False  # drafting as the fallback's probe: its workload does not draft otherwise
+        self.probe = 0  # drafting as the fallback's probe number `probe` (`AdaptiveFallback.probe`); 0: not a probe
         self._loop = loop
         self._scheduler = scheduler
 
@@ -310,7 +310,7 @@ class Scheduler:
         for request in requests:
             decoder = DRAFT if self.has_drafter and self.fallback.should_draft(request.workload) else PLAIN
             request.decoder = decoder
-            request.probe = decoder == DRAFT and not self.fallback.drafting(request.workload)
+            request.probe = self.fallback.probe(request.workload) if decoder == DRAFT else 0
             seq = request.seq
             try:
                 batch = self.engine.prefill(seq, self._proposers[decoder])
@@ -368,7 +368,8 @@ class Scheduler:
                                                              f"{type(err).__name__}"))
                 continue
             if request.decoder == DRAFT:
-                self.fallback.finished(request.workload)
+                self.fallback.finished(request.workload, request.probe)
+                request.probe = 0
             request.decoder = decoder
             joined.setdefault(decoder, []).append(batch)
             self.metrics.decoder_moves.labels(to=decoder).inc()
@@ -400,7 +401,7 @@ class Scheduler:
         block_size = batch.block_size if decoder == DRAFT else 1
         if decoder == DRAFT:
             self.metrics.block_size.set(block_size)
-            self._record_drafts(batch, kept)
+            self._record_drafts(batch)
         for seq, tokens in zip(batch.sequences, kept):
             if tokens:
                 self._send(self._requests[id(seq)], tokens)
@@ -414,15 +415,15 @@ class Scheduler:
         self.block_policy.observe_step(rows, block_size, time.perf_counter() - started, after_drafting=after_drafting)
         self.metrics.step_overhead.labels(decoder=decoder).set(self.block_policy.overhead.extra_s[decoder == DRAFT])
 
-    def _record_drafts(self, batch: Batch, kept: list[list[int]]) -> None:
-        # Tokens kept = accepted draft tokens (a branch's included) + 1 (the recovered or bonus token), of the
-        # tokens the forward checked; a row's last step may be cut short by a stop, which can only undercount.
-        # A row that failed (`RowsFailed`) drafted nothing the target judged: it counts nowhere
+    def _record_drafts(self, batch: Batch) -> None:
+        # What the target accepted of each row's draft (a branch's tokens included) + 1, before a stop or
+        # max_tokens cut the row's tokens (as vLLM counts): a last step that keeps 1 of 15 accepted tokens still
+        # judged the drafter's 15. A row that failed (`RowsFailed`) drafted nothing the target judged: it counts
+        # nowhere
         rows = [r for r, seq in enumerate(batch.sequences) if seq.error is None]
         if not rows:
             return
-        accepted = [max(len(kept[r]) - 1, 0) for r in rows]
-        self.metrics.record_drafts(accepted, batch.verified - 1)
+        self.metrics.record_drafts([batch.produced[r] - 1 for r in rows], batch.verified - 1)
         if self.block_policy is not None:  # the block's own acceptance: a branch's tokens are not its positions'
             self.block_policy.observe([batch.accepted[r] for r in rows], batch.block_size - 1)
             if self.fallback.config.auto:
@@ -430,9 +431,11 @@ class Scheduler:
                 # one row while the rest decode plainly, and one row breaks even far sooner than eight.
                 self.fallback.set_threshold(self.block_policy.break_even(self._running_rows()))
                 self.metrics.fallback_threshold.set(self.fallback.threshold)
+        if batch.cut_short:  # a block cut to what its rows still want (or to the context's end) says little
+            return  # of how much drafting this workload is worth
         by_workload: dict[str, list[int]] = {}
         for r in rows:
-            by_workload.setdefault(self._requests[id(batch.sequences[r])].workload, []).append(len(kept[r]))
+            by_workload.setdefault(self._requests[id(batch.sequences[r])].workload, []).append(batch.produced[r])
         for workload, lengths in by_workload.items():
             self.fallback.observe(workload, lengths)
 
@@ -470,7 +473,7 @@ class Scheduler:
         with self._cond:
             self._admitted -= 1
         if request.decoder == DRAFT:  # set only by the decode thread's prefill, which is where this runs then
-            self.fallback.finished(request.workload)
+            self.fallback.finished(request.workload, request.probe)
         self.metrics.finished.labels(finished_reason=reason).inc()
         if reason in ("stop", "length"):
             self.metrics.e2e.observe(time.perf_counter() - request.arrival)

@@ -42,7 +42,7 @@ def test_honest_run_has_no_mismatches_and_consistent_acceptance(pipe):
     assert result.num_prompts == 2 and result.num_requests == 2
     block = pipe.engine.proposer.block_size
     assert result.block_size == block and len(result.acceptance_histogram) == block + 1
-    assert result.mean_block_size == block
+    assert 2 <= result.mean_block_size <= block  # a last block is cut to what its answer still wants
     assert len(result.acceptance_rate_per_position) == block - 1
     steps = sum(result.acceptance_histogram)
     assert steps > 0 and result.acceptance_histogram[0] == 0

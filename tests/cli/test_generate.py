@@ -60,7 +60,7 @@ def test_block_size_is_auto_by_default_and_named_sizes_work(tiny_pair, capsys):
         assert len(report["block_sizes"]) == len(report["acceptance_lengths"]) - 1
         assert all(n <= b for n, b in zip(report["acceptance_lengths"][1:], report["block_sizes"]))
         if extra[-1:] == ["4"]:
-            assert max(report["acceptance_lengths"]) <= 4 and set(report["block_sizes"]) == {4}
+            assert max(report["acceptance_lengths"]) <= 4 and max(report["block_sizes"]) == 4
     with pytest.raises(SystemExit) as exit_info:  # argparse: usage and the reason, status 2
         main(["generate", "--target", str(target), "--draft", str(draft), "--prompt", "x", "--block-size", "big"])
     assert exit_info.value.code == 2

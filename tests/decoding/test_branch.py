@@ -150,7 +150,7 @@ def test_rows_sampling_without_a_seed_decode_without_branches():
     engine = SpeculativeEngine(target, DFlashProposer(tiny_drafter(target), target))
     out = engine.generate(random_prompts(1, seed=34), GenerationConfig(max_new_tokens=12, branch_length=3,
                                                                        block_size=4, temperature=0.8))[0]
-    assert set(out.stats.block_sizes) == {4}
+    assert max(out.stats.block_sizes) <= 4  # no branch verified beside the block (the last one may be cut)
 
 
 @pytest.mark.parametrize("drafting", ["dflash2 drafter", "branch oracle"])
@@ -178,7 +178,7 @@ def test_a_target_with_sliding_windows_decodes_without_branches():
     outs = engine.generate(prompts, GenerationConfig(max_new_tokens=MAX_NEW, branch_length=3, block_size=8,
                                                      ignore_eos=True))
     assert [o.output_ids for o in outs] == [hf_greedy(target, p, MAX_NEW) for p in prompts]
-    assert {k for o in outs for k in o.stats.block_sizes} == {8}
+    assert max(k for o in outs for k in o.stats.block_sizes) == 8  # no branch beside a block (the last ones cut)
 
 
 @pytest.mark.parametrize("attention", ["eager", "sdpa"])

@@ -191,8 +191,10 @@ def test_metrics_move(server, client):
     assert grew("dflash:e2e_request_latency_seconds_count") == 1
     drafts = grew("dflash:spec_decode_num_drafts_total")
     assert drafts >= 1  # 9 tokens after the prefill's first; each drafted step keeps >= 1
-    assert grew("dflash:spec_decode_num_draft_tokens_total") == drafts * 7  # block size 8
+    draft_tokens = grew("dflash:spec_decode_num_draft_tokens_total")
+    assert drafts <= draft_tokens <= drafts * 7  # block size 8, or what the request still wants
     accepted = grew("dflash:spec_decode_num_accepted_tokens_total")
+    assert accepted <= draft_tokens
     per_pos = sum(v - before.get(k, 0.0) for k, v in after.items()
                   if k.startswith("dflash:spec_decode_num_accepted_tokens_per_pos_total"))
     assert per_pos == accepted

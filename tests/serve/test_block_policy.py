@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections import deque
 from concurrent.futures import ThreadPoolExecutor
 from types import SimpleNamespace
 
@@ -18,6 +19,7 @@ class FakeBatch:
         self.proposer = FakeProposer(block_size)
         self.block_size = block_size  # what its last step verified
         self.verified, self.branched, self.accepted = block_size, False, []
+        self.produced, self.cut_short = [], False
 
     def __len__(self):
         return len(self.sequences)
@@ -38,8 +40,8 @@ def test_a_probe_is_judged_at_the_batch_drafting_would_get_back():
     for seq in probe.sequences + others.sequences:
         scheduler._requests[id(seq)] = SimpleNamespace(workload="w")
     scheduler._running = {DRAFT: probe, PLAIN: others}
-    probe.accepted = [1]
-    scheduler._record_drafts(probe, kept=[[5, 6]])
+    probe.accepted, probe.produced = [1], [2]
+    scheduler._record_drafts(probe)
     assert scheduler.fallback.threshold == pytest.approx(policy.break_even(8))
     assert policy.break_even(8) != pytest.approx(policy.break_even(1, 16))
 
@@ -72,13 +74,44 @@ def test_a_step_with_a_branch_counts_its_proposals_and_teaches_the_policy_the_bl
     scheduler = Scheduler(SimpleNamespace(proposer=FakeProposer(4)), fallback=FallbackConfig(0.0),
                           block_policy=policy)
     batch = FakeBatch(1, 4)
-    batch.verified, batch.branched, batch.accepted = 6, True, [1]
+    batch.verified, batch.branched, batch.accepted, batch.produced = 6, True, [1], [4]
     scheduler._requests[id(batch.sequences[0])] = SimpleNamespace(workload="w")
     scheduler._running = {DRAFT: batch}
     before = (policy.acceptance.tried[:], policy.acceptance.accepted[:])
-    scheduler._record_drafts(batch, kept=[[11, 22, 23, 24]])
+    scheduler._record_drafts(batch)
     metrics = scheduler.metrics
     assert metrics.num_draft_tokens._value.get() == 5 and metrics.num_accepted_tokens._value.get() == 3
     tried = [a - b for a, b in zip(policy.acceptance.tried, before[0])]
     accepted = [a - b for a, b in zip(policy.acceptance.accepted, before[1])]
     assert tried[:3] == pytest.approx([1, 1, 0]) and accepted[:2] == pytest.approx([1, 0])
+
+
+def test_acceptance_is_counted_before_a_stop_or_max_tokens_cuts_the_row():
+    """A row that wanted one more token accepted all 7 draft tokens of its block: the metrics and the fallback
+    count 7 accepted (as vLLM does), not the 0 the row kept; they counted 0, and a workload of short answers fell
+    back from a drafter that was right every time. A block cut to what its rows still want counts in the metrics
+    but not in the fallback's verdict, nor does a step left with no draft token at all."""
+    from types import SimpleNamespace
+
+    from dflash.serve.fallback import FallbackConfig
+    from dflash.serve.scheduler import Scheduler
+
+    scheduler = Scheduler(SimpleNamespace(proposer=FakeProposer(8)),
+                          fallback=FallbackConfig(min_acceptance_length=3.0, window=2))
+    batch = FakeBatch(2, 8)
+    for seq in batch.sequences:
+        scheduler._requests[id(seq)] = SimpleNamespace(workload="w")
+    batch.accepted, batch.produced = [7, 7], [8, 8]  # the rows kept 1 and 3 of those 8 (a stop, max_tokens)
+    scheduler._record_drafts(batch)
+    metrics = scheduler.metrics
+    assert metrics.num_drafts._value.get() == 2 and metrics.num_accepted_tokens._value.get() == 14
+    assert scheduler.fallback._get("w").lengths == deque([8, 8]) and scheduler.fallback.drafting("w")
+    batch.block_size = batch.verified = 2
+    batch.accepted, batch.produced, batch.cut_short = [1, 1], [2, 2], True  # each row wanted 2 more tokens
+    scheduler._record_drafts(batch)
+    assert metrics.num_drafts._value.get() == 4 and metrics.num_accepted_tokens._value.get() == 16
+    assert scheduler.fallback._get("w").lengths == deque([8, 8]) and scheduler.fallback.drafting("w")
+    batch.block_size = batch.verified = 1
+    batch.accepted, batch.produced = [0, 0], [1, 1]  # one token wanted: verified without a draft token
+    scheduler._record_drafts(batch)
+    assert metrics.num_drafts._value.get() == 4 and metrics.num_draft_tokens._value.get() == 7 * 2 + 1 * 2

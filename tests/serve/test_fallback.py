@@ -26,10 +26,11 @@ def test_fallback_policy():
     fb.observe("w", [1])  # 1.0 < 2.0: off
     assert not fb.drafting("w")
     assert [fb.should_draft("w") for _ in range(3)] == [False, False, True]  # two plain requests, then a probe
+    probe = fb.probe("w")
     assert not fb.should_draft("w")  # one probe request at a time
     fb.observe("w", [1, 1, 1])  # the probe's window is not full yet: no verdict
     assert not fb.should_draft("w") and not fb.drafting("w")
-    fb.finished("w")  # the probe request ended before its window filled: the next request probes on
+    fb.finished("w", probe)  # the probe request ended before its window filled: the next request probes on
     assert fb.should_draft("w") and not fb.should_draft("w")
     fb.observe("w", [3, 3, 3])  # window full: (1 + 3 + 3 + 3) / 4 = 2.5 >= 2.0, drafting is back for everyone
     assert fb.drafting("w") and fb.should_draft("w") and fb.should_draft("w")
@@ -42,6 +43,27 @@ def test_fallback_policy():
     disabled = AdaptiveFallback(FallbackConfig(0.0))
     disabled.observe("w", [1] * 100)
     assert disabled.should_draft("w")
+
+
+def test_only_the_probe_in_flight_drafts_and_frees_its_slot():
+    """A probe's request that outlives its verdict is no probe at the next one: it stayed marked, drafted again
+    beside the new probe (its lengths judged with the probe's), and freed the new probe's slot when it ended."""
+    fb = AdaptiveFallback(FallbackConfig(min_acceptance_length=2.0, window=4, probe_after=1, probe_window=2))
+    fb.observe("w", [1] * 4)
+    assert [fb.should_draft("w") for _ in range(2)] == [False, True]
+    first = fb.probe("w")
+    assert first and fb.wants_draft("w", first) and not fb.wants_draft("w", 0)
+    fb.observe("w", [1, 1])  # its verdict: still off; the first probe's request decodes on, plainly
+    assert not fb.wants_draft("w", first)
+    assert [fb.should_draft("w") for _ in range(2)] == [False, True]
+    second = fb.probe("w")
+    assert second != first and fb.wants_draft("w", second) and not fb.wants_draft("w", first)
+    fb.finished("w", first)  # the old probe's request ends: the new probe is still in flight
+    assert not fb.should_draft("w")
+    fb.finished("w", second)
+    assert fb.should_draft("w") and fb.probe("w") not in (0, first, second)
+    fb.observe("w", [3, 3])
+    assert fb.drafting("w") and fb.probe("w") == 0 and fb.wants_draft("w", 0)
 
 
 def test_a_probe_decides_after_its_own_shorter_window():

@@ -304,8 +304,9 @@ def test_a_failed_rows_step_counts_as_no_draft(fresh_pipe):
         scheduler._requests[id(seq)] = types.SimpleNamespace(workload="chat/greedy")
     observed = []
     scheduler.fallback.observe = lambda workload, lengths: observed.append((workload, lengths))
-    batch = types.SimpleNamespace(sequences=rows, verified=4, accepted=[2, 0], block_size=4)
-    scheduler._record_drafts(batch, [[11, 12, 13], []])
+    batch = types.SimpleNamespace(sequences=rows, verified=4, accepted=[2, 0], produced=[3, 1], block_size=4,
+                                  cut_short=False)
+    scheduler._record_drafts(batch)
     metrics = scheduler.metrics
     assert metrics.num_drafts._value.get() == 1 and metrics.num_accepted_tokens._value.get() == 2
     assert observed == [("chat/greedy", [3])]
