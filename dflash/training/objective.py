@@ -232,9 +232,10 @@ def selector_loss(scores: torch.Tensor, candidates: torch.Tensor, blocks: Blocks
     found = target.any(-1)  # (b, n*B)
     ce = position_cross_entropy(scores, target.float().argmax(-1))  # (b, n*B)
     weights = blocks.weights * found
-    weight_sum = weights.sum(1)
-    has_labels = weight_sum > 0
-    per_sequence = (ce * weights).sum(1) / weight_sum.clamp_min(1e-9)
+    per_sequence = (ce * weights).sum(1) / weights.sum(1).clamp_min(1e-9)  # (b,) 0 where no label was found
+    # averaged over the sequences the block loss averages over (those with labels), so a sequence none of whose
+    # labels is a candidate counts as 0 whether the batch is split (--grad-accum, processes) or not
+    has_labels = blocks.weights.sum(1) > 0
     loss = (per_sequence * has_labels).sum() / max(int(has_labels.sum()), 1)
     return SelectorLoss(loss, found.sum().detach(), (blocks.labels >= 0).sum())
 

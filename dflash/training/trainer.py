@@ -100,15 +100,19 @@ def parameter_groups(drafter: DFlashDraftModel, lr: float) -> list[dict]:
 class StopRequest:
     """Ctrl-C (SIGINT) or SIGTERM while training asks the loop to stop after the current step, so it can save a
     checkpoint of a consistent state; once the steps are done (`finishing`), the run goes on to its evaluation and
-    export. A second signal acts at once. Only the main thread can take signals."""
+    export. A second signal acts at once, unless it comes within REPEAT_WINDOW_S of the first: that is the same
+    stop delivered twice (a job scheduler signals every process of a job, and torchrun forwards its own copy to
+    its workers milliseconds later). Only the main thread can take signals."""
 
     SIGNALS = (signal.SIGINT, signal.SIGTERM)
+    REPEAT_WINDOW_S = 1.0
 
     def __init__(self, announce: bool):
         self.requested = False
         self.finishing = False  # every step has trained: what is left is the last checkpoint, evaluation, export
         self._announce = announce
         self._previous: dict[int, object] = {}
+        self._first_at: float | None = None
 
     def __enter__(self) -> "StopRequest":
         if threading.current_thread() is threading.main_thread():
@@ -120,15 +124,37 @@ class StopRequest:
             signal.signal(sig, handler)
 
     def _handle(self, signum, frame) -> None:
-        self.requested = True
-        signal.signal(signum, self._previous[signum])  # the next one acts at once
+        now = time.monotonic()
+        if self._first_at is not None:
+            if now - self._first_at < self.REPEAT_WINDOW_S:
+                return  # the same stop, delivered again
+            self._act_at_once(signum, frame)
+            return
+        self.requested, self._first_at = True, now
         if self._announce and self.finishing:
             print("dflash train: the last step has trained; finishing the run (its checkpoint, the final evaluation "
                   "and the export; again to stop at once, and --resume exports the last step saved)", file=sys.stderr,
                   flush=True)
         elif self._announce:
             print("dflash train: stopping after this step to save a checkpoint (again to stop at once, losing the "
-                  "steps since the last checkpoint)", file=sys.stderr, flush=True)
+                  f"steps since the last checkpoint){_TORCHRUN_KILLS if os.environ.get('TORCHELASTIC_RUN_ID') else ''}",
+                  file=sys.stderr, flush=True)
+
+    def _act_at_once(self, signum, frame) -> None:
+        """What the signal did before training took it: Python's KeyboardInterrupt for Ctrl-C, the end of the
+        process for SIGTERM."""
+        previous = self._previous[signum]
+        previous = signal.SIG_DFL if previous is None else previous  # None: a handler not set from Python
+        signal.signal(signum, previous)
+        if callable(previous):
+            previous(signum, frame)
+        elif previous == signal.SIG_DFL:
+            signal.raise_signal(signum)
+
+
+# torchrun forwards a stop to its workers and kills them 30 s later (its default --shutdown-timeout)
+_TORCHRUN_KILLS = ("; torchrun kills its workers 30 s after a stop, so a longer checkpoint needs its "
+                   "--shutdown-timeout SECONDS (recent torch versions)")
 
 
 _EVAL_EPOCH = 999_999  # anchors for evaluation are drawn once, the same at every evaluation

@@ -41,6 +41,26 @@ def test_the_selector_loss_is_a_weighted_cross_entropy_over_candidates_holding_t
     assert (int(out.recall), int(out.labelled)) == (1, 2)
 
 
+def test_the_selector_loss_of_a_batch_is_the_mean_of_its_halves():
+    """A sequence none of whose labels is among its candidates counts as 0, in a whole batch as in a batch split in
+    two (--grad-accum 2, or two processes): it used to drop out of the whole batch's mean only, so one process
+    and two trained differently."""
+    tokens, labels, weights = [[7, 99, 99]] * 4, [[-100, 11, 12]] * 4, [[0.0, 1.0, 0.5]] * 4
+    blocks = Blocks(torch.tensor(tokens), torch.tensor(tokens), torch.tensor(labels), torch.tensor(weights),
+                    torch.ones(4, 1, 1, dtype=torch.bool))
+    candidates = torch.tensor([[[1, 2, 3], [30, 11, 31], [12, 41, 42]]]).repeat(4, 1, 1)
+    candidates[2, 1, 1] = candidates[2, 2, 0] = 5  # the third sequence's labels are not candidates
+    scores = torch.randn(4, 3, 3)
+
+    def half(rows):
+        part = Blocks(*(t[rows] for t in (blocks.tokens, blocks.positions, blocks.labels, blocks.weights,
+                                          blocks.attn_mask)))
+        return selector_loss(scores[rows], candidates[rows], part).loss
+
+    whole = selector_loss(scores, candidates, blocks).loss
+    assert whole.item() == pytest.approx(((half(slice(0, 2)) + half(slice(2, 4))) / 2).item(), abs=1e-6)
+
+
 def test_a_dflash2_drafter_trains_exports_and_decodes_losslessly(tiny_pair, train_data, tmp_path):  # noqa: F811
     trainer = Trainer(config(tiny_pair, train_data, tmp_path / "d2", dflash2=True, selector_rank=8,
                              selector_top_k=4, draft_layers=2)).setup()

@@ -27,8 +27,10 @@ from dflash.cli.main import main
 from dflash.errors import DFlashWarning, UserError
 from dflash.model import load_drafter
 from dflash.training import Trainer, datagen, load_config
+from dflash.training.checkpoints import CheckpointDir
 from dflash.training.data import read_examples
 from dflash.training.objective import build_blocks
+from dflash.training.trainer import StopRequest
 
 
 @pytest.fixture(scope="module")
@@ -1584,7 +1586,8 @@ def test_ctrl_c_after_the_last_step_finishes_the_run_and_says_so(tiny_pair, trai
         "to start afresh"),
 ])
 def test_a_second_ctrl_c_stops_at_once_and_names_the_checkpoint_to_resume_from(tiny_pair, train_data, tmp_path,
-                                                                                 capsys, at_step, said):
+                                                                                 capsys, at_step, said, monkeypatch):
+    monkeypatch.setattr(StopRequest, "REPEAT_WINDOW_S", 0.0)  # a second later, as a person presses it again
     out = tmp_path / "out"
     trainer = Trainer(config(tiny_pair, train_data, out)).setup()  # checkpoints at step 3; 6 steps
     original = trainer._train_step
@@ -1604,8 +1607,33 @@ def test_a_second_ctrl_c_stops_at_once_and_names_the_checkpoint_to_resume_from(t
         assert Trainer(config(tiny_pair, train_data, out, max_steps=1)).setup().train()["step"] == 1
 
 
+@pytest.mark.parametrize("signum", [signal.SIGINT, signal.SIGTERM])
+def test_a_stop_delivered_twice_at_once_still_saves_a_checkpoint_after_the_step(tiny_pair, train_data, tmp_path,
+                                                                              capsys, signum):
+    """A job scheduler signals every process of a job, and torchrun forwards its own copy to its workers a few
+    milliseconds later: each worker took the copy for a second Ctrl-C and stopped at once, losing the steps since
+    its last checkpoint."""
+    out = tmp_path / "out"
+    trainer = Trainer(config(tiny_pair, train_data, out, checkpoint_every=0)).setup()
+    original = trainer._train_step
+
+    def step_then_the_same_stop_twice(indices, epoch):
+        stats = original(indices, epoch)
+        if trainer.step == 2:
+            signal.raise_signal(signum)
+            signal.raise_signal(signum)
+        return stats
+
+    trainer._train_step = step_then_the_same_stop_twice
+    with pytest.raises(KeyboardInterrupt):
+        trainer.train()
+    assert [path.name for path in CheckpointDir(out / "checkpoints").all()] == ["step-00000002"]
+    assert "stopped at once" not in capsys.readouterr().err
+
+
 def test_a_second_ctrl_c_in_the_final_evaluation_says_resume_exports_the_last_step(tiny_pair, train_data, tmp_path,
                                                                                     capsys, monkeypatch):
+    monkeypatch.setattr(StopRequest, "REPEAT_WINDOW_S", 0.0)
     out = tmp_path / "out"
     trainer = Trainer(config(tiny_pair, train_data, out, max_steps=2)).setup()
 
