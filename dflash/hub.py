@@ -61,6 +61,10 @@ def unreachable(repo_id: str, revision: str | None = None, repo_type: str = "mod
     except RevisionNotFoundError:
         raise RepoError(f"{repo_id} has no revision {revision!r} on the Hugging Face hub") from None
     except HfHubHTTPError as err:  # the hub answered with an error of its own (e.g. 5xx): the cache may serve
+        if getattr(err.response, "status_code", None) == 401:
+            raise RepoError(f"the Hugging Face hub refused the token sent for {repo_id} (HF_TOKEN, or the one `hf "
+                            "auth login` saved): log in again, or unset HF_TOKEN for a public repository; or "
+                            f"{instead}") from None
         return in_brief(err)
     except Exception as err:  # no network, DNS, refused, timed out (the HTTP client's own error types)
         timed_out = "Timeout" in type(err).__name__

@@ -17,6 +17,7 @@ _OWNED = {
     "mask_token_id", "target_layer_ids", "architectures", "model_type", "tie_word_embeddings",
     "torch_dtype", "dtype", "hidden_act", "attention_bias",
 }
+_SILU = ("silu", "swish")  # the MLP's activation in DFlash drafters (and transformers' other name for it)
 
 
 class DrafterConfigError(UserError):
@@ -274,6 +275,8 @@ class DrafterConfig:
             return "drafts from the target's last hidden state alone (use_aux_hidden_state false), without fc"
         if self.dflash_extra.get("attention_sink_bias", self.extra.get("add_swa_attention_sink_bias")):
             return "adds a learned attention sink to each head (attention_sink_bias)"
+        if "hidden_act" in self.extra:
+            return f"uses {self.extra['hidden_act']!r} in its MLP (hidden_act), not silu"
         return None
 
     def _window(self) -> Any:
@@ -366,7 +369,8 @@ class DrafterConfig:
             rope=rope or {"rope_theta": DEFAULT_ROPE_THETA},
             dtype=raw.get("dtype") or raw.get("torch_dtype"),
             dflash2=DFlash2Options.from_dflash_config(dflash) if is_dflash2(architectures) else None,
-            extra={k: v for k, v in raw.items() if k not in _OWNED},
+            # another activation is kept, so that not_run_here names it (dflash's drafter runs silu alone)
+            extra={k: v for k, v in raw.items() if k not in _OWNED or (k == "hidden_act" and v not in _SILU)},
             dflash_extra={k: v for k, v in dflash.items() if k not in _DFLASH_OWNED},
         )
         config.check_rotary()

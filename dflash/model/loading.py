@@ -21,11 +21,15 @@ from dflash.model.drafter import DFlashDraftModel
 _DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16, "float64": torch.float64,
            "fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
 
-# What a hub download fetches: configs, weights, tokenizer files and chat templates, and the Python code a
-# checkpoint ships (run only with --trust-remote-code).
-_HUB_PATTERNS = ["*.json", "*.safetensors", "*.txt", "*.model", "*.jinja", "*.tiktoken", "*.py"]
-# ... and, for a repository without safetensors (older ones, e.g. facebook/opt-350m), its PyTorch weights
-_PICKLED_WEIGHTS = ["pytorch_model*.bin"]
+# What a hub download fetches first: configs (a sharded checkpoint's index among them), tokenizer files and chat
+# templates, and the Python code a checkpoint ships (run only with --trust-remote-code) ...
+_HUB_PATTERNS = ["*.json", "*.txt", "*.model", "*.jinja", "*.tiktoken", "*.py"]
+# ... then the weights the model loads: the shards its index names, else the safetensors at the top of the
+# repository (a pattern's * also matches "/": "*.safetensors" fetched gpt-oss's original/ copy, a second 13 GB,
+# and Mistral's consolidated.safetensors beside its shards); for a repository without safetensors (older ones,
+# e.g. facebook/opt-350m), its PyTorch weights
+_SAFETENSORS, _PICKLED_WEIGHTS, _TOP_LEVEL_ONLY = ["*.safetensors"], ["pytorch_model*.bin"], ["*/*"]
+_SAFETENSORS_INDEX = "model.safetensors.index.json"
 
 # Any of these makes a directory hold a tokenizer that AutoTokenizer can load.
 _TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json", "vocab.txt",
@@ -149,13 +153,27 @@ def _from_hub(repo_id: str, revision: str | None) -> Path:
     from huggingface_hub import snapshot_download
 
     def download(local_only: bool) -> Path:
-        snapshot = Path(snapshot_download(repo_id, revision=revision, allow_patterns=_HUB_PATTERNS,
+        def fetch(allow: list[str], ignore: list[str] | None = None) -> Path:
+            return Path(snapshot_download(repo_id, revision=revision, allow_patterns=allow, ignore_patterns=ignore,
                                           local_files_only=local_only))
+
+        snapshot = fetch(_HUB_PATTERNS)
+        shards = _indexed_shards(snapshot / _SAFETENSORS_INDEX)
+        snapshot = fetch(shards) if shards else fetch(_SAFETENSORS, _TOP_LEVEL_ONLY)
         if not local_only and not any(snapshot.glob("*.safetensors")):  # an older repository: pickled weights alone
-            snapshot = Path(snapshot_download(repo_id, revision=revision, allow_patterns=_PICKLED_WEIGHTS))
+            snapshot = fetch(_PICKLED_WEIGHTS, _TOP_LEVEL_ONLY)
         return snapshot
 
     return _fetch(repo_id, revision, download)
+
+
+def _indexed_shards(index: Path) -> list[str]:
+    """The weight files a sharded safetensors checkpoint's index names ([] without a readable index)."""
+    try:
+        weight_map = json.loads(index.read_text(encoding="utf-8"))["weight_map"]
+        return sorted({name for name in weight_map.values() if isinstance(name, str)})
+    except (OSError, ValueError, KeyError, TypeError, AttributeError):
+        return []
 
 
 def hub_file(repo_id: str, filename: str, revision: str | None = None) -> Path:
@@ -180,7 +198,7 @@ def _fetch(repo_id: str, revision: str | None, download):
     try:
         unreachable = None if offline else hub.unreachable(repo_id, revision)
     except hub.RepoError as err:  # a CheckpointError, as every failure to get a checkpoint is
-        raise CheckpointError(str(err)) from None
+        return _cached_instead(repo_id, err, download)
     try:
         found = download(offline or unreachable is not None)
     except LocalEntryNotFoundError as err:
@@ -199,6 +217,22 @@ def _fetch(repo_id: str, revision: str | None, download):
         _stale_warned.add(repo_id)
         warnings.warn(DFlashWarning(f"the Hugging Face hub is not reachable ({unreachable}): {repo_id} is the local "
                                     "cache's copy, which may be older than the hub's"), stacklevel=2)
+    return found
+
+
+def _cached_instead(repo_id: str, refused: hub.RepoError, download) -> Path:
+    """The local cache's copy of a repository the hub refused (gated or private, and no token sent; a token it did
+    not take; a repository it no longer has), with a warning that says why; else that refusal, as a
+    CheckpointError. transformers and huggingface_hub load such a copy too: a job that runs without the token its
+    downloads had would otherwise stop."""
+    try:
+        found = download(True)
+    except Exception:  # noqa: BLE001 - no copy (LocalEntryNotFoundError) or an unreadable one: the hub's refusal
+        raise CheckpointError(str(refused)) from None
+    if repo_id not in _stale_warned:
+        _stale_warned.add(repo_id)
+        warnings.warn(DFlashWarning(f"{refused}. Using the local cache's copy of {repo_id}, as downloaded before "
+                                    "(HF_HUB_OFFLINE=1 skips asking the hub)"), stacklevel=3)
     return found
 
 
@@ -440,9 +474,16 @@ def _read_state_dict(directory: Path) -> dict[str, torch.Tensor]:
     state: dict[str, torch.Tensor] = {}
     for f in files:
         try:
-            state.update(load_file(f))
+            part = load_file(f)
         except (SafetensorError, OSError) as err:
             raise load_failure("the drafter's weights", directory, err) from None
+        twice = sorted(state.keys() & part.keys())
+        if twice:  # a stray copy beside the weights: which one wins would be the order of their names
+            raise CheckpointError(f"{directory}: {f.name} holds weights that another *.safetensors file there holds "
+                                  f"too ({', '.join(twice[:3])}{', ...' if len(twice) > 3 else ''}); keep one copy "
+                                  "of the drafter's weights in the directory, or name its shards in "
+                                  "model.safetensors.index.json")
+        state.update(part)
     return state
 
 

@@ -95,6 +95,57 @@ def test_a_shard_missing_from_a_sharded_drafter_is_named(tmp_path):
         load_drafter(tmp_path / "d")
 
 
+def test_a_stray_copy_of_weights_beside_a_drafters_is_refused_not_mixed_in(tmp_path):
+    """Without an index every *.safetensors file is read: one holding a name another holds replaced it, by the
+    order of the file names."""
+    write_checkpoint(tmp_path / "d", public_config(), public_state_dict(2, 2 * H))
+    save_file({"norm.weight": torch.full((H,), 7.0)}, tmp_path / "d" / "zz-extra.safetensors")
+    with pytest.raises(CheckpointError, match=r"zz-extra.safetensors holds weights that another \*.safetensors "
+                                              r"file there holds too \(norm.weight\); keep one copy"):
+        load_drafter(tmp_path / "d")
+    assert public_config().get("hidden_act", "silu") == "silu"
+    write_checkpoint(tmp_path / "s", public_config(hidden_act="swish"), public_state_dict(2, 2 * H))
+    assert load_drafter(tmp_path / "s").config.to_dict()["hidden_act"] == "silu"  # transformers' other name
+
+
+def test_a_hub_download_fetches_the_weights_the_model_loads_and_no_other_copy(tmp_path, monkeypatch):
+    """A pattern's * matches "/" too: "*.safetensors" fetched gpt-oss's original/ copy of its weights (13 GB
+    more) and Mistral's consolidated.safetensors beside the shards its index names."""
+    import huggingface_hub
+    from huggingface_hub.utils import filter_repo_objects
+
+    def hub(files: list[str], index: dict | None = None):
+        repo = tmp_path / "repo"
+        shutil.rmtree(repo, ignore_errors=True)
+        for name in files:
+            (repo / name).parent.mkdir(parents=True, exist_ok=True)
+            (repo / name).write_text("{}")
+        if index is not None:
+            (repo / "model.safetensors.index.json").write_text(json.dumps(index))
+        snapshot = tmp_path / "snapshot"
+        shutil.rmtree(snapshot, ignore_errors=True)
+
+        def snapshot_download(repo_id, revision=None, allow_patterns=None, ignore_patterns=None,
+                              local_files_only=False, **kwargs):
+            names = [str(f.relative_to(repo)) for f in repo.rglob("*") if f.is_file()]
+            for name in filter_repo_objects(names, allow_patterns=allow_patterns, ignore_patterns=ignore_patterns):
+                (snapshot / name).parent.mkdir(parents=True, exist_ok=True)
+                shutil.copy(repo / name, snapshot / name)
+            return str(snapshot)
+
+        monkeypatch.setattr(huggingface_hub, "snapshot_download", snapshot_download)
+        monkeypatch.setattr("dflash.hub.unreachable", lambda *args, **kwargs: None)  # the hub answers
+        got = loading.resolve_model_dir("someone/model")
+        return sorted(str(f.relative_to(got)) for f in got.rglob("*.safetensors")) + sorted(
+            str(f.relative_to(got)) for f in got.rglob("*.bin"))
+
+    shards = ["model-00001-of-00002.safetensors", "model-00002-of-00002.safetensors"]
+    index = {"weight_map": {"a": shards[0], "b": shards[1]}}
+    assert hub(["config.json", *shards, "original/model.safetensors", "consolidated.safetensors"], index) == shards
+    assert hub(["config.json", "model.safetensors", "original/model.safetensors"]) == ["model.safetensors"]
+    assert hub(["config.json", "pytorch_model.bin", "original/pytorch_model.bin"]) == ["pytorch_model.bin"]
+
+
 def test_legacy_checkpoint_without_dflash_config(tmp_path):
     config = public_config(num_target_layers=36)
     del config["dflash_config"]
@@ -147,6 +198,7 @@ DFLASH_CONFIG = {"mask_token_id": 127, "target_layer_ids": [1, 2]}
     ({"dflash_config": {**DFLASH_CONFIG, "use_aux_hidden_state": False}}, "use_aux_hidden_state false"),
     ({"dflash_config": {**DFLASH_CONFIG, "attention_sink_bias": True}}, "attention_sink_bias"),
     ({"add_swa_attention_sink_bias": True}, "attention_sink_bias"),
+    ({"hidden_act": "gelu_pytorch_tanh"}, "'gelu_pytorch_tanh' in its MLP"),  # drafted with silu, re-exported so
 ])
 def test_a_drafter_vllm_reads_otherwise_is_refused_here_and_handed_over(tmp_path, fields, named):
     """vLLM's DFlash loader honours these fields; dflash's drafter would draft as if they were absent."""
@@ -566,6 +618,28 @@ def test_a_cached_copy_served_while_the_hub_is_unreachable_is_said_to_be_one(sil
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         resolve_model_dir("someone/drafter")  # said once
+
+
+@pytest.mark.parametrize("status, code, said", [
+    (401, None, r"the Hugging Face hub refused the token sent for someone/drafter \(HF_TOKEN, or the one `hf auth "
+                r"login` saved\): log in again, or unset HF_TOKEN"),
+    (403, "GatedRepo", r"someone/drafter is a gated repository on the Hugging Face hub"),
+    (404, "RepoNotFound", r"someone/drafter is neither a local path nor a repository on the Hugging Face hub"),
+])
+def test_a_repository_the_hub_refuses_is_loaded_from_the_cache_when_it_holds_a_copy(refusing_hub, tiny_pair,
+                                                                                      monkeypatch, status, code, said):
+    """A job run without the token its download had (a private or gated repository), or with an expired one: the
+    hub refuses, and a copy in the cache was refused with it (a token the hub did not take was called "the hub is
+    not reachable", with advice to download elsewhere). transformers loads the copy; so does dflash, and says so."""
+    from huggingface_hub import constants
+
+    monkeypatch.setattr(loading, "_stale_warned", set())
+    refusing_hub(status, code, "Invalid credentials in Authorization header" if status == 401 else "refused")
+    with pytest.raises(CheckpointError, match=f"^{said}"):
+        resolve_model_dir("someone/drafter")
+    snapshot = cached_copy(Path(constants.HF_HUB_CACHE), "someone/drafter", tiny_pair[1])
+    with pytest.warns(DFlashWarning, match=f"^{said}.*Using the local cache's copy of someone/drafter"):
+        assert resolve_model_dir("someone/drafter") == snapshot
 
 
 def test_an_incomplete_copy_in_the_hub_cache_says_to_download_it_again(tiny_pair, tmp_path, monkeypatch):
