@@ -69,11 +69,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     fb.add_argument("--fallback-min-acceptance", type=_threshold, default="auto", metavar="TAU|auto",
                     help="mean acceptance length below which a workload stops drafting; 0 = never; auto = where "
                     "drafting stops paying, from the step costs measured at start-up (default: auto)")
-    fb.add_argument("--fallback-window", type=int, default=64, help="drafted steps in the rolling mean (default: 64)")
+    fb.add_argument("--fallback-window", type=int, default=64,
+                    help="drafts (one per row per drafted step) in the rolling mean (default: 64)")
     fb.add_argument("--fallback-probe-after", type=int, default=32,
                     help="requests decoded plainly before drafting is tried again (default: 32)")
     fb.add_argument("--fallback-probe-window", type=int, default=16,
-                    help="drafted steps of a probe request before drafting comes back or stays off (default: 16)")
+                    help="drafts of the probe request before drafting comes back or stays off (default: 16)")
     fb.add_argument("--fallback-hysteresis", type=float, default=0.1, metavar="FRACTION",
                     help="drafting stops below threshold x (1 - FRACTION) and comes back above threshold x "
                     "(1 + FRACTION), so noise near break-even does not move rows back and forth (default: 0.1)")

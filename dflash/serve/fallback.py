@@ -2,11 +2,12 @@
 
 Speculation pays only when enough draft tokens are accepted: every drafted step costs a drafter forward and
 a verify forward over the whole block. For each workload (a request kind, e.g. "chat/greedy") the server
-keeps the acceptance lengths of its last `window` drafted decode steps. When their mean falls below
+keeps the acceptance lengths of its last `window` drafts (one per row of a drafted step, so 8 rows fill a
+window of 64 in 8 steps). When their mean falls below
 `min_acceptance_length` (or, in auto mode, the break-even acceptance length the server measures: a drafted
 step's cost over a plain step's), new requests of that workload decode without the drafter. After
 `probe_after` such requests it probes: one request at a time drafts (the others stay plain) until
-`probe_window` drafted steps decide whether drafting comes back (fewer than a full window: while a probe
+`probe_window` drafts decide whether drafting comes back (fewer than a full window: while a probe
 runs, its one drafted row and the plain rows step apart, which costs a whole target forward more per round;
 once drafting is back the full window judges it again). When a verdict changes, the scheduler moves the workload's rows
 that are decoding to the other decoder (`AdaptiveFallback.wants_draft`), so drafted and plain steps do not
@@ -36,9 +37,9 @@ AUTO_NEEDS_STEP_COSTS = ("the automatic fallback threshold needs the step costs 
 @dataclass
 class FallbackConfig:
     min_acceptance_length: float = 0.0  # tokens per verify forward; 0 disables the fallback
-    window: int = 64  # drafted decode steps in the rolling mean
+    window: int = 64  # drafts (a row's drafted step each) in the rolling mean
     probe_after: int = 32  # requests decoded without the drafter before drafting is tried again
-    probe_window: int = 16  # drafted steps of a probe before its verdict (at most `window`)
+    probe_window: int = 16  # drafts of the probe before its verdict (at most `window`)
     auto: bool = False  # the threshold is the break-even acceptance length measured by the server (set_threshold)
     hysteresis: float = 0.0  # verdicts change only this fraction below (stop) or above (resume) the threshold
 
@@ -129,7 +130,8 @@ class AdaptiveFallback:
             state.probe_in_flight = False
 
     def observe(self, workload: str, acceptance_lengths: list[int]) -> None:
-        """Acceptance lengths (tokens per verify forward) of one drafted step's rows of this workload."""
+        """Acceptance lengths (tokens per verify forward) of one drafted step's rows of this workload: a draft
+        each."""
         if not self.config.enabled or not acceptance_lengths:
             return
         state = self._get(workload)
@@ -146,7 +148,7 @@ class AdaptiveFallback:
         elif state.drafting and len(state.lengths) >= self.config.window and rolling < stop_below:
             state.drafting, state.plain_requests = False, 0
             log.warning("fallback: workload %r has mean acceptance length %.3f < %.3f%s over its last %d "
-                        "drafted steps; new requests decode without the drafter", workload, rolling,
+                        "drafts; new requests decode without the drafter", workload, rolling,
                         stop_below, " (break-even with plain decoding, less the hysteresis)" if self.config.auto
                         else "", len(state.lengths))
         self._listener(workload, state.drafting, rolling)
