@@ -55,6 +55,7 @@ from dflash.model.cpu_precision import PRECISIONS, use_bfloat16_matmuls
 from dflash.model.drafter import DFlashDraftModel
 from dflash.model.loading import (
     CheckpointError,
+    is_hub_id,
     load_drafter,
     load_failure,
     parse_dtype,
@@ -142,6 +143,8 @@ class DFlash:
         branch_length: int = 0,
         trust_remote_code: bool = False,
         warn_unapplied: bool = True,
+        revision: str | None = None,
+        draft_revision: str | None = None,
     ) -> "DFlash":
         """Load a target and its drafter from local directories or Hugging Face hub ids.
 
@@ -153,13 +156,16 @@ class DFlash:
         `DFlash`.
         `trust_remote_code`: run the Python code a target (or draft model) ships for an architecture transformers lacks;
         only for checkpoints whose source you trust. `warn_unapplied`: log the target's generation_config.json options
-        DFlash does not apply (False: the caller says it, as `dflash serve` does).
+        DFlash does not apply (False: the caller says it, as `dflash serve` does). `revision`, `draft_revision`: the
+        branch, tag or commit of a hub id to load (default: main), as `hf download --revision` takes them.
         """
         target, draft = _pair_paths(target, draft, no_draft)
+        _check_revisions(target, draft, revision, draft_revision)
         if no_draft:
             _refuse_drafting_options({"block_size": isinstance(block_size, int), "mask_token_id": mask_token_id
                                       is not None, "branch_length": bool(branch_length),
-                                      "drafter_precision": drafter_precision not in (None, "auto")},
+                                      "drafter_precision": drafter_precision not in (None, "auto"),
+                                      "draft_revision": draft_revision is not None},
                                      "no_draft (--no-draft) decodes with the target alone: drop one or the other",
                                      with_flags=True)
         # the cheap checks first: a typo should not wait for a model to load
@@ -168,9 +174,9 @@ class DFlash:
         make_config(block_size=block_size, branch_length=branch_length)
         check_template_kwargs(chat_template_kwargs)
         check_drafter_precision(drafter_precision)
-        target_dir = resolve_model_dir(target)  # both found (a hub id looked up once) before a model loads
+        target_dir = resolve_model_dir(target, revision)  # both found (a hub id looked up once) before a model loads
         if draft is not None:
-            draft = resolve_model_dir(draft)
+            draft = resolve_model_dir(draft, draft_revision)
         target_model = load_target(target_dir, dtype, torch_device, trust_remote_code=trust_remote_code)
         if warn_unapplied:
             warn_unapplied_generation_options(target_model)
@@ -490,6 +496,19 @@ def _proposer(target: TargetModel, drafter: DFlashDraftModel | TargetModel | Non
     if isinstance(drafter, TargetModel):
         return DraftModelProposer(drafter, target, block_size)
     return DFlashProposer(drafter, target, block_size)
+
+
+def _check_revisions(target, draft, revision: str | None, draft_revision: str | None) -> None:
+    """A revision names a version of a hub id: refused for a local directory (or the embedded pair), which has one."""
+    for name, path, rev, flag in (("revision", target, revision, "--revision"),
+                                  ("draft_revision", draft, draft_revision, "--draft-revision")):
+        if rev is None or path is None:  # no drafter: no_draft refuses draft_revision as a drafting option
+            continue
+        if not isinstance(rev, str) or not rev.strip():
+            raise UserError(f"{name} ({flag}) is a branch, tag or commit of a hub repository, got {rev!r}")
+        if Path(path).expanduser().exists() or not is_hub_id(str(path)):
+            raise UserError(f"{name} ({flag}) picks a version of a Hugging Face hub id, and {path} is a local "
+                            "directory: leave it out")
 
 
 def _pair_paths(target, draft, no_draft: bool) -> tuple[str | os.PathLike, str | os.PathLike | None]:

@@ -39,7 +39,8 @@ SERVER_FLAGS = {"base_url": "--base-url", "api_key": "--api-key", "model": "--mo
 LOCAL_FLAGS = {"target": "--target", "draft": "--draft", "no_draft": "--no-draft", "mask_token_id": "--mask-token-id",
                "block_size": "--block-size", "device": "--device", "branch_length": "--branch-length",
                "dtype": "--dtype", "drafter_precision": "--drafter-precision",
-               "trust_remote_code": "--trust-remote-code"}
+               "trust_remote_code": "--trust-remote-code", "revision": "--revision",
+               "draft_revision": "--draft-revision"}
 LOCAL_INSTEAD = {"--model": "--target names the model", "--num-prompts": "--max-samples sets how many samples"}
 
 

@@ -82,6 +82,8 @@ def add_model_arguments(parser: argparse.ArgumentParser, block_size_sweep: bool 
                                        "target's tokenizer, for classic speculative decoding to compare with (a draft "
                                        "model's block size defaults to 5)")
     draft.add_argument("--no-draft", action="store_true", help="plain autoregressive decoding (the baseline)")
+    group.add_argument("--revision", help="branch, tag or commit of a hub id given as --target (default: main)")
+    group.add_argument("--draft-revision", help="branch, tag or commit of a hub id given as --draft (default: main)")
     group.add_argument("--mask-token-id", type=int, help="mask token id for legacy drafters whose config lacks it")
     if block_size_sweep:
         group.add_argument("--block-size", type=block_size_list, action=SweepOnce,
@@ -150,20 +152,23 @@ def chat_template_kwargs(args: argparse.Namespace) -> dict | None:
 
 
 def check_draft_has_target(args: argparse.Namespace) -> None:
-    if args.draft and not args.target:
+    if args.draft is not None and args.target is None:
         raise UserError("--draft needs --target (the drafter must be paired with the target it was trained for)")
+    if getattr(args, "draft_revision", None) is not None and args.draft is None:
+        raise UserError("--draft-revision picks a version of the hub id given as --draft: give --draft too")
 
 
 def load_pipeline(args: argparse.Namespace, warn_unapplied: bool = True):
     from dflash.api import DFlash
 
     check_draft_has_target(args)
-    if args.target and not args.draft and not args.no_draft:
+    if args.target is not None and args.draft is None and not args.no_draft:
         raise UserError("--target needs --draft, the DFlash drafter trained for it (or --no-draft to decode with "
                         "the target alone)")
     return DFlash.from_pretrained(
         args.target, args.draft, no_draft=args.no_draft, dtype=args.dtype, device=args.device,
         block_size=args.block_size, mask_token_id=args.mask_token_id, chat_template_kwargs=chat_template_kwargs(args),
         drafter_precision=args.drafter_precision, branch_length=args.branch_length,
-        trust_remote_code=args.trust_remote_code, warn_unapplied=warn_unapplied,
+        trust_remote_code=args.trust_remote_code, warn_unapplied=warn_unapplied, revision=args.revision,
+        draft_revision=args.draft_revision,
     )

@@ -223,6 +223,9 @@ def _hand_off(args: argparse.Namespace) -> int:
     if args.mask_token_id is not None:
         raise UserError("--mask-token-id does not carry over: vLLM and SGLang read the mask token id from the "
                         "drafter's config.json (dflash_config.mask_token_id); put it there")
+    if args.revision is not None or args.draft_revision is not None:
+        raise UserError("--revision and --draft-revision do not carry over to the engine: download that version first "
+                        "(`hf download ID --revision REV --local-dir DIR`) and give its directory")
     _refuse_native_only_flags(args)
     options = handoff.HandoffOptions(
         host=args.host, port=args.port, api_key=args.api_key, max_model_len=args.max_model_len,

@@ -592,12 +592,12 @@ def test_a_dflash2_drafter_whose_config_lost_its_architecture_is_told_what_to_ad
         load_drafter(drafter)
 
 
-def cached_copy(cache: Path, repo_id: str, source: Path, files: list[str] | None = None) -> Path:
-    """`source`'s files (or `files` of them) as the Hugging Face cache's snapshot of `repo_id`."""
+def cached_copy(cache: Path, repo_id: str, source: Path, files: list[str] | None = None, ref: str = "main") -> Path:
+    """`source`'s files (or `files` of them) as the Hugging Face cache's snapshot of `repo_id` at `ref`."""
     revision = "0123456789abcdef0123456789abcdef01234567"
     repo = cache / f"models--{repo_id.replace('/', '--')}"
     (repo / "refs").mkdir(parents=True)
-    (repo / "refs" / "main").write_text(revision)
+    (repo / "refs" / ref).write_text(revision)
     snapshot = repo / "snapshots" / revision
     snapshot.mkdir(parents=True)
     for file in files or [f.name for f in source.iterdir()]:
@@ -640,6 +640,36 @@ def test_a_repository_the_hub_refuses_is_loaded_from_the_cache_when_it_holds_a_c
     snapshot = cached_copy(Path(constants.HF_HUB_CACHE), "someone/drafter", tiny_pair[1])
     with pytest.warns(DFlashWarning, match=f"^{said}.*Using the local cache's copy of someone/drafter"):
         assert resolve_model_dir("someone/drafter") == snapshot
+
+
+def test_a_revision_of_a_hub_id_is_loaded_as_asked(tiny_pair, tmp_path, monkeypatch, capsys):
+    """What `hf download ID --revision v1.0` leaves in the cache: no main, a v1.0. Neither the API nor the CLI
+    could ask for it (the cache was said to have no copy)."""
+    from huggingface_hub import constants
+
+    from dflash import DFlash
+    from dflash.cli.main import main
+
+    cached_copy(tmp_path / "hub", "someone/target", tiny_pair[0], ref="v1.0")
+    cached_copy(tmp_path / "hub", "someone/drafter", tiny_pair[1], ref="v2")
+    monkeypatch.setattr(constants, "HF_HUB_CACHE", str(tmp_path / "hub"))
+    monkeypatch.setattr(constants, "HF_HUB_OFFLINE", True)
+    with pytest.raises(CheckpointError, match="has no copy of it"):
+        DFlash.from_pretrained("someone/target", "someone/drafter", device="cpu")
+    pipe = DFlash.from_pretrained("someone/target", "someone/drafter", revision="v1.0", draft_revision="v2",
+                                  device="cpu")
+    local = DFlash.from_pretrained(*tiny_pair, device="cpu")
+    ids = [5, 6, 7]
+    assert pipe.generate(ids, max_new_tokens=6).output_ids == local.generate(ids, max_new_tokens=6).output_ids
+    assert main(["generate", "--target", "someone/target", "--revision", "v1.0", "--draft", "someone/drafter",
+                 "--draft-revision", "v2", "--prompt", "Hi", "--max-new-tokens", "3", "--device", "cpu"]) == 0
+    with pytest.raises(UserError, match=r"revision \(--revision\) picks a version of a Hugging Face hub id, and .* "
+                                        r"is a local directory: leave it out"):
+        DFlash.from_pretrained(*tiny_pair, revision="v1.0")
+    assert main(["generate", "--target", str(tiny_pair[0]), "--no-draft", "--draft-revision", "v2", "--prompt",
+                 "Hi"]) == 2
+    said = capsys.readouterr().err
+    assert "--draft-revision picks a version of the hub id given as --draft: give --draft too" in said
 
 
 def test_an_incomplete_copy_in_the_hub_cache_says_to_download_it_again(tiny_pair, tmp_path, monkeypatch):
