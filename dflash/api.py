@@ -183,7 +183,8 @@ class DFlash:
         drafter = None
         if draft is not None and is_draft_model(draft):
             if mask_token_id is not None:
-                raise UserError(f"{draft} is a causal LM, which drafts without a mask token: leave mask_token_id out")
+                raise UserError(f"{draft} is a causal LM, which drafts without a mask token: leave mask_token_id "
+                                "(--mask-token-id) out")
             drafter = load_target(draft, dtype=target_model.dtype, device=torch_device, what="the draft model",
                                   trust_remote_code=trust_remote_code)
         elif draft is not None:

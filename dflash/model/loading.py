@@ -114,6 +114,10 @@ def resolve_model_dir(path_or_id: str | os.PathLike, revision: str | None = None
         raise CheckpointError(f"{path_or_id} is a file; give the checkpoint directory that holds its config.json "
                               "and weights")
     if not is_hub_id(str(path_or_id)):
+        bare = str(path_or_id).rstrip("/")
+        if bare != str(path_or_id) and is_hub_id(bare):
+            raise CheckpointError(f"{path_or_id} is no local directory; for the hub id, leave the trailing slash out: "
+                                  f"{bare}")
         raise CheckpointError(f"{path_or_id} does not exist; give a checkpoint directory or a hub id like org/name")
     try:
         return _from_hub(str(path_or_id), revision)

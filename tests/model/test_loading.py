@@ -481,6 +481,13 @@ def test_a_mistyped_path_inside_a_local_folder_names_the_folder_first(silent_hub
         resolve_model_dir("Qwen/Qwen3-8B")
 
 
+def test_a_hub_id_with_a_trailing_slash_is_told_to_leave_it_out(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(CheckpointError, match="^org/name/ is no local directory; for the hub id, leave the trailing "
+                                              "slash out: org/name$"):
+        resolve_model_dir("org/name/")
+
+
 def test_a_model_the_hub_does_not_have_is_a_checkpoint_error(empty_hub):
     with pytest.raises(CheckpointError, match="^org/no-such-model is neither a local path nor a repository on the "
                                               "Hugging Face hub .*, or pass a local directory$"):
