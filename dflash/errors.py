@@ -36,6 +36,12 @@ def in_brief(err: BaseException, limit: int = 160) -> str:
 
 
 def why_not_written(err: BaseException) -> str:
-    """What to check when a write failed: the permissions where they refused it, else the disk's room."""
-    denied = isinstance(err, PermissionError) or "Permission denied" in str(err)
-    return "can this user write there?" if denied else "is the disk full?"
+    """What to check when a write failed: the permissions where they refused it, a folder where the file should be,
+    else the disk's room."""
+    if isinstance(err, PermissionError) or "Permission denied" in str(err):
+        return "can this user write there?"
+    if isinstance(err, IsADirectoryError) or "Is a directory" in str(err):
+        return "a folder stands where the file goes: move it away"
+    if isinstance(err, NotADirectoryError) or "Not a directory" in str(err):
+        return "a file stands where a folder of the path goes: move it away"
+    return "is the disk full?"

@@ -109,9 +109,11 @@ def with_fields_it_dropped(saved: dict, current: DrafterConfig) -> dict:
 
 
 def check_resumable(state: dict, checkpoint: Path, *, drafter_config: DrafterConfig, config: TrainConfig,
-                    data_fingerprint: dict, global_batch: int, world: int, context: int | None) -> None:
+                    data_fingerprint: dict, global_batch: int, world: int, context: int | None,
+                    trains_on: bool = True) -> None:
     """Refuse a resume that would not continue the same training: another drafter shape, other examples or another
-    order of them (data, split, seed, global batch)."""
+    order of them (data, split, seed, global batch; the batch only where steps are left to train, `trains_on`:
+    exporting a run stopped after its last step may take other processes)."""
     saved = DrafterConfig.from_dict(with_fields_it_dropped(state["drafter_config"], drafter_config)).to_dict()
     shape = [f"{k} {saved.get(k)!r}, now {v!r}" for k, v in drafter_config.to_dict().items() if saved.get(k) != v]
     old = state["config"]
@@ -138,7 +140,7 @@ def check_resumable(state: dict, checkpoint: Path, *, drafter_config: DrafterCon
                   for k in ("data", "extra_train_data", "eval_fraction", "max_length")
                   if then.get(k) != getattr(config, k)]
     old_global = old.get("batch_size", 0) * old.get("grad_accum", 1) * state.get("world_size", world)
-    if old_global != global_batch:
+    if trains_on and old_global != global_batch:
         order.append(f"global batch {old_global}, now {global_batch} (--batch-size x --grad-accum x processes)")
     if order:
         raise UserError(f"{checkpoint} cannot be resumed with this data order: {'; '.join(order)}. Resume with "

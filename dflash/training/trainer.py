@@ -157,6 +157,14 @@ _TORCHRUN_KILLS = ("; torchrun kills its workers 30 s after a stop, so a longer 
                    "--shutdown-timeout SECONDS (recent torch versions)")
 
 
+def _lost_a_process(err: RuntimeError) -> bool:
+    """Whether a collective failed because another process of the job went away (gloo: "Connection closed by
+    peer", "Connection reset by peer"; NCCL: a DistBackendError)."""
+    backend_error = getattr(dist, "DistBackendError", ())
+    return isinstance(err, backend_error) or any(
+        words in str(err) for words in ("closed by peer", "reset by peer", "Broken pipe", "Connection refused"))
+
+
 _EVAL_EPOCH = 999_999  # anchors for evaluation are drawn once, the same at every evaluation
 
 
@@ -796,6 +804,11 @@ class Trainer:
             if stop.requested and not self._stopped:  # a second signal, at once: say what is kept
                 self._stopped_at_once()
             raise
+        except RuntimeError as err:
+            if self.world > 1 and _lost_a_process(err):  # its own error is above: one line here, not gloo's traceback
+                raise UserError(f"another process of this torchrun job stopped (its error is above; here: "
+                                f"{in_brief(err)}); {self.checkpoints.kept()}") from None
+            raise
         finally:
             self._unlock_output()
         self._log({"event": "done", **final})
@@ -1017,7 +1030,7 @@ class Trainer:
         try:
             check_resumable(state, checkpoint, drafter_config=self.drafter_config, config=self.config,
                             data_fingerprint=self.data_fingerprint, global_batch=self.global_batch, world=self.world,
-                            context=self.context)
+                            context=self.context, trains_on=state.get("step", 0) < self.total_steps)
             self.drafter.load_state_dict(state["drafter"])
             self.optimizer.load_state_dict(state["optimizer"])
             self.scheduler.load_state_dict(state["scheduler"])

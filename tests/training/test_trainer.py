@@ -944,7 +944,10 @@ def test_resume_refuses_another_data_order_and_names_changed_settings(tiny_pair,
     out = tmp_path / "out"
     Trainer(config(tiny_pair, train_data, out)).setup().train()
     with pytest.raises(UserError, match="cannot be resumed with this data order: global batch 4, now 2"):
-        Trainer(config(tiny_pair, train_data, out, resume=True, batch_size=2)).setup()
+        Trainer(config(tiny_pair, train_data, out, resume=True, batch_size=2, max_steps=9)).setup()
+    # no step left to train: the order does not matter, and a run stopped after its last step exports with other
+    # processes (the advice for one stopped before its export)
+    assert Trainer(config(tiny_pair, train_data, out, resume=True, batch_size=2)).setup().train()["step"] == 6
     shuffled = tmp_path / "shuffled.jsonl"
     shuffled.write_text("".join(train_data.read_text().splitlines(True)[::-1]))
     with pytest.raises(UserError, match="the training or held-out examples differ"):
@@ -1521,6 +1524,25 @@ def test_max_length_is_capped_at_the_context_decoding_reaches(tiny_pair, train_d
 
 
 # ---- a refusal on every process, --overwrite's old export, a stop at once, a failed setup --------------------
+def test_a_process_that_loses_another_mid_run_says_so_in_a_line(tiny_pair, train_data, tmp_path):
+    """Another rank died (its own error above): this one's collective failed with gloo's 50-line traceback."""
+    trainer = Trainer(config(tiny_pair, train_data, tmp_path / "out")).setup()
+    trainer.world = 2  # as under torchrun; the step below is where the collective fails
+
+    def lost_peer(indices, epoch):
+        raise RuntimeError("[../third_party/gloo/gloo/transport/tcp/pair.cc:534] Connection closed by peer "
+                           "[127.0.0.1]:29500")
+
+    trainer._train_step = lost_peer
+    with pytest.raises(UserError, match=r"^another process of this torchrun job stopped \(its error is above; here: "
+                                        r".*Connection closed by peer.*\); no earlier checkpoint was written"):
+        trainer.train()
+    trainer.world = 1
+    trainer._train_step = lambda indices, epoch: (_ for _ in ()).throw(RuntimeError("Connection closed by peer"))
+    with pytest.raises(RuntimeError, match="^Connection closed by peer$"):  # one process: no peer to blame
+        trainer.train()
+
+
 def test_a_refusal_on_rank_0_reaches_every_process(tiny_pair, train_data, tmp_path):
     """The output lock is rank 0's: its refusal is every process's, each with the message (rank 1 waited at a
     barrier for a process that had stopped, and died with a traceback that buried it)."""
