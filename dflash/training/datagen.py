@@ -687,17 +687,22 @@ def _append_parts(f: IO[str], output: Path, parts: list[Path], done: set[int]) -
     """Append the parts' records that the output (open as `f`, holding the ids `done`, which grows) lacks, then
     delete the parts and their settings; how many records the output holds. The parts are checked datagen output
     (a stopped run's by `_join_leftover_parts`), and a run stopped in between appends nothing twice when it is run
-    again."""
+    again. They go in in prompt order (the processes took every N-th prompt), as one process writes them: the
+    held-out split and the training order follow the file's order, so they do not depend on how many processes
+    answered."""
     try:
+        new: dict[int, str] = {}
         for part in parts:
             if not part.exists():
                 continue
             with part.open("rb") as lines:
                 for line in lines:
                     record = _output_record(_json(line))
-                    if record is not None and record["id"] not in done:
-                        f.write(line.decode("utf-8"))
-                        done.add(record["id"])
+                    if record is not None and record["id"] not in done and record["id"] not in new:
+                        new[record["id"]] = line.decode("utf-8")
+        for record_id in sorted(new):
+            f.write(new[record_id])
+        done.update(new)
         f.flush()
         os.fsync(f.fileno())
         for part in parts:
