@@ -110,13 +110,16 @@ def _read_stdin() -> str:
 
 
 def _read_file(path: Path) -> str:
-    if not path.is_file():
+    """The prompt in a text file, or in a pipe (`<(...)`, /dev/stdin)."""
+    if path.is_dir() or not path.exists():
         raise UserError(f"--prompt-file {path} {'is a directory' if path.is_dir() else 'does not exist'}; give the "
                         "path of a text file holding the prompt")
     try:
         return path.read_text(encoding="utf-8-sig")  # without the byte order mark some editors write
     except UnicodeDecodeError as err:
         raise UserError(f"--prompt-file {path} is not UTF-8 text (byte {err.start}); save it as UTF-8") from None
+    except OSError as err:
+        raise UserError(f"cannot read --prompt-file {path}: {err.strerror or err}") from None
 
 
 def _conversation(prompt: str, system: str | None) -> str | list[dict]:
@@ -149,6 +152,10 @@ def _check_arguments(args: argparse.Namespace, prompt: str) -> dict:
                    top_k=args.top_k, seed=args.seed, stop_strings=args.stop)
     make_config(**options)
     refuse_greedy_ignores(options)
+    if args.branch_length and args.temperature > 0 and args.seed is None:
+        raise UserError("--branch-length verifies a branch in greedy or seeded decoding, and sampling without a "
+                        "--seed decodes without one (its exactness needs the block alone): give --seed, or drop "
+                        "--branch-length")
     return options
 
 

@@ -90,6 +90,10 @@ class TrainConfig:
         self.template_kwargs()  # checked: names a template may take, and one enable_thinking
         if isinstance(self.extra_train_data, str):
             self.extra_train_data = [self.extra_train_data]
+        for flag, path in [("--data", self.data), *(("--extra-train-data", p) for p in self.extra_train_data or [])]:
+            if Path(path).expanduser().is_dir():  # before anything reads its name or the files beside it
+                raise UserError(f"{flag} {path} is a directory; give a JSONL file of `dflash datagen` (one JSON "
+                                "object per line)")
         self._refuse_data_twice()
         problems = self._problems()
         if problems:
@@ -214,7 +218,9 @@ def load_config(yaml_path: str | None = None, overrides: dict[str, Any] | None =
         _read_numbers(values)
         _read_id_lists(values)
         _check_types(values, path)
+        _refuse_empty(values, f"in {path}: {{name}} is empty; give a value or leave the option out")
     given = {k: v for k, v in (overrides or {}).items() if v is not None}
+    _refuse_empty(given, "--{flag} is empty; give a value or leave the flag out")
     if values.get("overwrite") and not given.get("overwrite"):  # a file exported before 2026-12-05 holds it
         raise UserError(f"{yaml_path} sets overwrite: true, which deletes an earlier run's checkpoints; it is taken "
                         "only as the --overwrite flag: drop it from the file (and pass --overwrite if you mean it)")
@@ -233,6 +239,15 @@ def load_config(yaml_path: str | None = None, overrides: dict[str, Any] | None =
     config = TrainConfig(**values)
     config.validate()
     return config
+
+
+def _refuse_empty(values: dict[str, Any], message: str) -> None:
+    """An option given as '' (or spaces; also inside a list of paths) is refused: taken as not given, --target ''
+    (an unset shell variable) trained a drafter for the embedded target, and --init-from '' one from scratch."""
+    for name, value in values.items():
+        items = value if isinstance(value, list) else [value]
+        if any(isinstance(item, str) and not item.strip() for item in items):
+            raise UserError(message.format(name=name, flag=name.replace("_", "-")))
 
 
 def _flags_win_over_the_file(values: dict[str, Any], given: dict[str, Any]) -> None:

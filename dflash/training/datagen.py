@@ -85,6 +85,10 @@ class DatagenConfig:
                             "like openai/gsm8k")
         if not self.output:
             raise UserError("--output is empty; give the path of the .jsonl file to write the answers to")
+        for name in ("target", "split", "subset", "prompt_field", "dtype", "device"):  # '' is not "not given"
+            value = getattr(self, name)
+            if isinstance(value, str) and not value.strip():
+                raise UserError(f"--{name.replace('_', '-')} is empty; give a value or leave the flag out")
         if self.prompt_suffix:  # as dflash generate checks --prompt: before the model loads, not blamed on a record
             check_text(self.prompt_suffix, "--prompt-suffix")
         self.template_kwargs()  # checked: names a template may take, and one enable_thinking
@@ -116,8 +120,13 @@ class DatagenConfig:
         if blocking is not None:
             raise UserError(f"--output {self.output} cannot be written: {blocking} is a file, not a directory; give "
                             "the path of a .jsonl file in a directory (missing directories are created)")
-        if output.exists() and output.resolve() == Path(self.prompts).expanduser().resolve():
+        prompts = Path(self.prompts).expanduser()
+        if output.exists() and output.resolve() == prompts.resolve():
             raise UserError(f"--output {self.output} is the --prompts file; give another path to write the answers to")
+        if prompts.is_dir() and prompts.resolve() in output.resolve().parents:  # read back as the dataset's files
+            raise UserError(f"--output {self.output} lies inside the --prompts directory {self.prompts}, which is read "
+                            "as a dataset (the answers and their settings file would become part of it): write it "
+                            "elsewhere")
         saved_settings(output)  # a file of that name that is not datagen's is refused before anything is written
 
     def _check_dataset_flags(self) -> None:

@@ -254,11 +254,20 @@ class Trainer:
         error about where its results go. --output is never the target's or --init-from's directory, whose model the
         export would overwrite. Returns the directories it created, parents first."""
         c = self.config
+        output = Path(c.output).expanduser().resolve()
+        cache = None if c.feature_cache in (None, "memory") else Path(c.feature_cache).expanduser().resolve()
         for flag, source in (("--target", c.target), ("--init-from", c.init_from)):
-            given = Path(source).expanduser() if source else None
-            if given is not None and given.is_dir() and given.resolve() == Path(c.output).expanduser().resolve():
+            given = Path(source).expanduser().resolve() if source else None
+            if given is not None and given == output:  # also when neither exists yet (--init-from names a typo)
                 raise UserError(f"--output {c.output} is the {flag} directory: the trained drafter would be written "
                                 "over that model; pass another --output")
+            inside = given is not None and cache is not None and (cache == given or given in cache.parents)
+            if inside and given.is_dir():
+                raise UserError(f"--feature-cache {c.feature_cache} is inside the {flag} directory: its files would "
+                                "be written into that model's checkpoint; give a directory of its own")
+        if cache is not None and cache == output:
+            raise UserError(f"--feature-cache {c.feature_cache} is the --output directory, where the drafter is "
+                            "exported; give a directory of its own (e.g. a features/ folder beside it)")
         wanted = [("--output", Path(c.output), "give a directory (it is created if missing)"),
                   ("--output", self.checkpoint_dir,
                    "give a directory you can write (checkpoints go in its checkpoints/)")]
@@ -326,14 +335,20 @@ class Trainer:
         self._on_rank_0(delete)  # a failure there stops every process (and ends as the barrier did)
 
     def _refuse_a_model_output(self, resumable: bool) -> None:
-        """The export writes config.json and model.safetensors into --output: over another model only when
-        --overwrite says so, or when a run resumes its own checkpoints there."""
+        """The export writes config.json, model.safetensors and training_config.yaml into --output: over another
+        model (or a config file kept there) only when --overwrite says so, or when a run resumes its own checkpoints
+        there."""
         c, output = self.config, Path(self.config.output).resolve()
+        if c.overwrite or resumable:
+            return
         models = sorted(p.name for p in _model_files_in(output))
-        if models and not c.overwrite and not resumable:
+        if models:
             raise UserError(f"--output {c.output} already holds a model ({', '.join(models)}) and no checkpoints of a "
                             "run to resume: training would write the drafter over it; pass another --output, or "
                             "--overwrite to replace it")
+        if (output / "training_config.yaml").is_file():
+            raise UserError(f"--output {c.output} holds a training_config.yaml, which the export writes: keep your "
+                            "own elsewhere (or pass --overwrite to replace it), or pass another --output")
 
     def _setup_target(self) -> None:
         from dflash.api import load_target

@@ -1,6 +1,8 @@
 import io
 import json
+import os
 import re
+import threading
 
 import pytest
 import torch
@@ -288,6 +290,20 @@ def test_the_prompt_can_come_from_standard_input_or_a_file(tiny_pair, capsys, mo
     (tmp_path / "bom.txt").write_bytes(b"\xef\xbb\xbf" + text.encode())  # the byte order mark Notepad writes
     assert main(_args(tiny_pair, "--prompt-file", str(tmp_path / "bom.txt"), "--max-new-tokens", "6", "--json")) == 0
     assert _json_text(capsys) == expected
+    pipe = tmp_path / "pipe"  # a shell's <(echo ...), or /dev/stdin: "does not exist", it said
+    os.mkfifo(pipe)
+    writer = threading.Thread(target=lambda: pipe.write_text(text + "\n"))
+    writer.start()
+    assert main(_args(tiny_pair, "--prompt-file", str(pipe), "--max-new-tokens", "6", "--json")) == 0
+    writer.join()
+    assert _json_text(capsys) == expected
+
+
+def test_a_branch_for_sampling_without_a_seed_is_refused_not_ignored(tiny_pair, capsys):
+    assert main(_args(tiny_pair, "--prompt", "Hi", "--branch-length", "2", "--temperature", "0.7")) == 2
+    assert "--branch-length verifies a branch in greedy or seeded decoding" in capsys.readouterr().err
+    assert main(_args(tiny_pair, "--prompt", "Hi", "--branch-length", "2", "--temperature", "0.7", "--seed", "1",
+                      "--max-new-tokens", "4")) == 0
 
 
 def test_prompt_files_that_cannot_be_read_are_named(tiny_pair, capsys, monkeypatch, tmp_path):

@@ -217,3 +217,28 @@ def test_the_flags_spelling_of_enable_thinking_wins_over_the_files(tmp_path, fil
     path = tmp_path / "train.yaml"
     path.write_text(file)
     assert load_config(str(path), {**REQUIRED, **flags}).template_kwargs() == expected
+
+
+@pytest.mark.parametrize("flag", ["target", "init_from", "device", "feature_cache", "data"])
+def test_an_option_given_empty_is_refused_not_taken_as_not_given(tmp_path, flag):
+    """--target "$TARGET" with the variable unset trained a drafter for the embedded target, and --init-from ''
+    one from scratch, without a word."""
+    options = {"data": "d.jsonl", "output": "o", flag: ""}
+    with pytest.raises(UserError, match=f"^--{flag.replace('_', '-')} is empty; give a value or leave the flag out$"):
+        load_config(None, options)
+    with pytest.raises(UserError, match="^--extra-train-data is empty"):
+        load_config(None, {"data": "d.jsonl", "output": "o", "extra_train_data": ["e.jsonl", " "]})
+    file = tmp_path / "train.yaml"
+    lines = {"data": "d.jsonl", "output": "o", flag: '""'}
+    file.write_text("".join(f"{key}: {value}\n" for key, value in lines.items()))
+    with pytest.raises(UserError, match=f"in {re.escape(str(file))}: {flag} is empty; give a value or leave the option "
+                                        "out"):
+        load_config(str(file))
+
+
+@pytest.mark.parametrize("option", ["data", "extra_train_data"])
+def test_a_data_path_that_is_a_directory_is_refused_before_it_is_read(tmp_path, option):
+    """`--data .` ended in a ValueError traceback (a path without a name) before the files were checked."""
+    values = {"data": str(tmp_path / "d.jsonl"), "output": str(tmp_path / "o"), option: "."}
+    with pytest.raises(UserError, match=f"^--{option.replace('_', '-')} \\. is a directory; give a JSONL file"):
+        load_config(None, values)

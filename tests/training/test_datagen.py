@@ -907,3 +907,20 @@ def test_sampling_options_reach_every_answer(prompts, tiny_pair, tmp_path, monke
     run_datagen(DatagenConfig(target=str(tiny_pair[0]), prompts=str(prompts), output=str(tmp_path / "o.jsonl"),
                               max_new_tokens=4, temperature=0.8, top_p=0.5, seed=3, device="cpu"))
     assert seen and set(seen) == {(0.8, 0.5)}
+
+
+def test_empty_flags_and_an_output_inside_the_prompts_directory_are_refused(tmp_path):
+    """--target '' loaded '.', named as a path the user never gave; an output inside a dataset directory was read
+    back as part of the dataset, and the rerun failed with a datasets error that said nothing of it."""
+    from dflash.training.datagen import DatagenConfig
+
+    prompts = tmp_path / "ds"
+    prompts.mkdir()
+    (prompts / "train.jsonl").write_text('{"prompt": "hi"}\n')
+    output = str(tmp_path / "out.jsonl")
+    for flag in ("target", "prompt_field", "device", "split"):
+        with pytest.raises(UserError, match=f"^--{flag.replace('_', '-')} is empty; give a value or leave the flag"):
+            DatagenConfig(**{"target": None, "prompts": str(prompts), "output": output, flag: ""}).validate()
+    with pytest.raises(UserError, match="lies inside the --prompts directory .*, which is read as a dataset"):
+        DatagenConfig(target=None, prompts=str(prompts), output=str(prompts / "out.jsonl")).validate()
+    assert not (prompts / "out.jsonl").exists()

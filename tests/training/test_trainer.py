@@ -908,6 +908,28 @@ def test_the_output_is_never_the_model_trained_from(tiny_pair, train_data, tmp_p
     assert sorted(p.name for p in models[flag].iterdir()) == before  # not even a checkpoints/ made there
 
 
+def test_the_output_and_the_feature_cache_stay_out_of_the_models_and_of_a_config_kept_there(tiny_pair, train_data,
+                                                                                             tmp_path):
+    """--init-from naming a new --output was blamed on a run that never happened; a feature cache in the target's
+    directory wrote its files into that checkpoint; a training_config.yaml of one's own was replaced by the export."""
+    with pytest.raises(UserError, match="is the --init-from directory: the trained drafter would be written over"):
+        Trainer(config(tiny_pair, train_data, tmp_path / "new", init_from=str(tmp_path / "new"))).setup()
+    assert not (tmp_path / "new").exists()
+    for cache, said in ((tiny_pair[0], "is inside the --target directory"),
+                        (tiny_pair[0] / "features", "is inside the --target directory"),
+                        (tmp_path / "out", "is the --output directory, where the drafter is exported")):
+        with pytest.raises(UserError, match=f"--feature-cache .*{said}"):
+            Trainer(config(tiny_pair, train_data, tmp_path / "out", feature_cache=str(cache))).setup()
+    assert not (tiny_pair[0] / "features").exists() and not (tiny_pair[0] / "manifest.json").exists()
+    kept = tmp_path / "kept"
+    kept.mkdir()
+    (kept / "training_config.yaml").write_text("# my settings\nlr: 0.001\n")
+    with pytest.raises(UserError, match="holds a training_config.yaml, which the export writes: keep your own "
+                                        "elsewhere"):
+        Trainer(config(tiny_pair, train_data, kept)).setup()
+    assert (kept / "training_config.yaml").read_text() == "# my settings\nlr: 0.001\n"
+
+
 def test_a_stray_step_directory_is_not_taken_for_a_checkpoint(tiny_pair, train_data, tmp_path, capsys):
     stray = tmp_path / "out" / "checkpoints" / "step-notes"
     stray.mkdir(parents=True)
