@@ -131,6 +131,9 @@ def resolve_names(names: Iterable[str]) -> list[str]:
     """Dataset names from flags (`all`, aliases, comma lists), validated, in the order given."""
     out: list[str] = []
     for raw in names:
+        parts = [part.strip() for part in raw.split(",")]
+        if any(parts) and not all(parts):  # as the number lists: a likely typo
+            raise UserError(f"--dataset {raw!r} holds an empty name between commas; write the names as gsm8k,mbpp")
         for name in (n.strip().lower() for n in raw.split(",") if n.strip()):
             if name == "all":
                 out.extend(DATASETS)

@@ -160,7 +160,8 @@ def _check_args(args: argparse.Namespace) -> None:
         raise UserError("--attention-backend picks vLLM's or SGLang's attention kernels; use it with --engine vllm "
                         "or --engine sglang")
     refuse_empty_flags(args, {"--attention-backend": "flash_attn, or auto",
-                              "--generation-config": "auto, vllm or a directory"})
+                              "--generation-config": "auto, vllm or a directory", "--host": "127.0.0.1",
+                              "--target": None, "--draft": None})
     _check_generation_config(args.generation_config, args.target)
     if args.api_key is not None and not args.api_key:
         raise UserError("--api-key is empty; give a key or leave the flag out")

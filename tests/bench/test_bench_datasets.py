@@ -125,6 +125,8 @@ def test_names_aliases_and_errors():
         resolve_names(["gsmk"])
     with pytest.raises(UserError, match=r"unknown dataset './p40.jsonl'.*\(a file of prompts goes to --data-file\)"):
         resolve_names(["./p40.jsonl"])
+    with pytest.raises(UserError, match="--dataset 'gsm8k,,mbpp' holds an empty name between commas"):
+        resolve_names(["gsm8k,,mbpp"])  # measured two datasets where three were likely meant
 
 
 def test_bad_files_are_user_errors(tmp_path):

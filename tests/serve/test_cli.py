@@ -173,6 +173,8 @@ def test_a_taken_port_or_a_foreign_host_is_named_before_the_models_load(tiny_pai
      "--block-size auto chooses each step's block size, and --no-adaptive-block-size verifies the full block"),
     (["--engine", "vllm", "--dry-run", "--attention-backend", " "], "--attention-backend is empty; give a value"),
     (["--generation-config", ""], "--generation-config is empty; give a value (auto, vllm or a directory)"),
+    (["--host", ""], "--host is empty; give a value (127.0.0.1) or leave the flag out"),  # "--host  is not an address"
+    (["--engine", "vllm", "--dry-run", "--draft", " "], "--draft is empty"),  # the hand-off took the embedded drafter
 ])
 def test_drafting_flags_that_cannot_apply_are_refused_before_the_models_load(tiny_pair, capsys, monkeypatch, args,
                                                                               message):
