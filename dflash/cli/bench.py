@@ -156,7 +156,8 @@ def bench_config(args: argparse.Namespace):
     from dflash.extras import require
 
     refuse_empty_flags(args, dict.fromkeys(("--output-dir", "--base-url", "--baseline-url", "--metrics-url",
-                                            "--data-file", "--data-dir")))
+                                            "--data-file", "--data-dir", "--target", "--draft", "--revision",
+                                            "--draft-revision")))
     backend = args.backend or ("server" if args.base_url else "local")
     if backend == "server" and not args.base_url:
         raise UserError("the server backend needs --base-url, e.g. http://127.0.0.1:8000/v1")

@@ -265,6 +265,8 @@ SERVER = ["--base-url", "http://127.0.0.1:9/v1"]  # nothing listens there: every
     (["--top-p", "0.5"], "--top-p shapes sampling, and --temperature 0 (the default) decodes greedily"),  # as generate
     (["--output-dir", ""], "--output-dir is empty; give a value or leave the flag out"),  # was [Errno 2]
     (["--base-url", " "], "--base-url is empty"),  # was "--base-url only applies to a server benchmark"
+    (["--target", ""], "--target is empty"),  # measured the embedded pair, an unset shell variable's value
+    (SERVER + ["--revision", "v1"], "--revision only applies to the local backend"),
     (["--warmup-tokens", "-3"], "--warmup-tokens must be >= 0"),
     (SERVER + ["--duration", "0"], "--duration must be a finite number of seconds > 0"),
     (SERVER + ["--duration", "inf"], "--duration must be a finite number of seconds > 0"),
