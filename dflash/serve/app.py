@@ -323,7 +323,7 @@ def create_app(pipe, config: ServeConfig | None = None) -> FastAPI:
     app.add_middleware(_AnswersUnexpectedErrors)
     app.add_middleware(_WithoutTrailingSlash)
     if server.config.allowed_origins:  # outermost: a browser's preflight is answered before authorization
-        app.add_middleware(CORSMiddleware, allow_origins=list(server.config.allowed_origins), allow_methods=["*"],
+        app.add_middleware(_CORS, allow_origins=list(server.config.allowed_origins), allow_methods=["*"],
                            allow_headers=["*"])
     app.state.server = server
     _add_error_handlers(app)
@@ -431,6 +431,21 @@ class _AnswersUnexpectedErrors:
             answer = _error_response(APIError(500, f"internal server error ({type(err).__name__})",
                                               type="server_error"))
             await answer(scope, receive, send)
+
+
+class _CORS(CORSMiddleware):
+    """Starlette's CORS, answering a refused preflight with an OpenAI error object (it sends plain text), as every
+    other error of this server."""
+
+    def preflight_response(self, request_headers):
+        answer = super().preflight_response(request_headers)
+        if answer.status_code != 400:
+            return answer
+        refused = answer.body.decode("utf-8", "replace")  # e.g. "Disallowed CORS origin"
+        err = APIError(400, f"{refused}: this server answers browsers from the origins --allowed-origins names",
+                       code="cors_refused")
+        headers = {k: v for k, v in answer.headers.items() if k.lower() not in ("content-length", "content-type")}
+        return _error_response(err, headers)
 
 
 def _error_response(err: APIError, headers: Mapping[str, str] | None = None) -> JSONResponse:

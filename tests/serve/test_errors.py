@@ -568,6 +568,8 @@ def test_cors_headers_only_for_the_allowed_origins(start_server, server):
     assert answer.status_code == 200 and answer.headers["access-control-allow-origin"] == "http://localhost:3000"
     other = httpx.options(f"{open_to_one.url}/v1/chat/completions", headers={**preflight, "Origin": "http://evil"})
     assert "access-control-allow-origin" not in other.headers
+    assert other.status_code == 400 and other.json()["error"]["code"] == "cors_refused"  # was plain text
+    assert other.json()["error"]["message"].startswith("Disallowed CORS origin: this server answers browsers")
     response = httpx.post(f"{open_to_one.url}/v1/chat/completions", headers={"Origin": "http://localhost:3000",
                           "Authorization": "Bearer k"}, json={"messages": MESSAGES, "max_tokens": 2}, timeout=30)
     assert response.status_code == 200 and response.headers["access-control-allow-origin"] == "http://localhost:3000"
