@@ -87,8 +87,8 @@ class DFlash2Options:
             raise DrafterConfigError(f"dflash_config.conv_group_size {self.conv_group_size} must divide hidden_size "
                                      f"{hidden_size}")
         if self.selector_top_k > vocab_size:
-            raise DrafterConfigError(f"dflash_config.selector_top_k {self.selector_top_k} exceeds the vocabulary "
-                                     f"({vocab_size} tokens)")
+            raise DrafterConfigError(f"dflash_config.selector_top_k (dflash train's --selector-top-k) "
+                                     f"{self.selector_top_k} exceeds the vocabulary ({vocab_size} tokens)")
 
     @classmethod
     def from_dflash_config(cls, dflash: dict[str, Any]) -> "DFlash2Options":
