@@ -63,8 +63,8 @@ def unreachable(repo_id: str, revision: str | None = None, repo_type: str = "mod
     except HfHubHTTPError as err:  # the hub answered with an error of its own (e.g. 5xx): the cache may serve
         if getattr(err.response, "status_code", None) == 401:
             raise RepoError(f"the Hugging Face hub refused the token sent for {repo_id} (HF_TOKEN, or the one `hf "
-                            "auth login` saved): log in again, or unset HF_TOKEN for a public repository; or "
-                            f"{instead}") from None
+                            "auth login` saved): log in again, or for a public repository unset HF_TOKEN (`hf auth "
+                            f"logout` for a saved one); or {instead}") from None
         return in_brief(err)
     except Exception as err:  # no network, DNS, refused, timed out (the HTTP client's own error types)
         timed_out = "Timeout" in type(err).__name__

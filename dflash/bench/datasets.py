@@ -257,15 +257,22 @@ def load_from_hub(spec: DatasetSpec) -> list[dict]:
     (`hub.unreachable`, asked once with a bounded wait)."""
     require(["datasets"], f"{_missing_message(spec)}; reading it from the hub")
     import datasets
+    refused = None
     try:
-        unreachable = None if hub.offline() else hub.unreachable(spec.hub.path, repo_type="dataset")
-    except hub.RepoError as err:  # the hub answered that it has no such dataset (or hides it)
-        raise UserError(f"{_missing_message(spec)} ({err})") from None
+        unreachable = None if hub.offline() else hub.unreachable(spec.hub.path, repo_type="dataset",
+                                                                 instead="give the data with --data-file or --data-dir")
+    except hub.RepoError as err:  # no such dataset, gated, a token it does not take: the local cache may serve
+        refused, unreachable = err, str(err)
     try:
         with hub.datasets_offline(unreachable is not None):
             data = datasets.load_dataset(spec.hub.path, spec.hub.config, split=spec.hub.split)
+        if refused is not None:
+            warnings.warn(DFlashWarning(f"{refused}. Using the local datasets cache's copy of {spec.hub.path}"),
+                          stacklevel=2)
         return [dict(r) for r in data]
     except Exception as err:  # offline, gated repo, a cache without it: all mean "give the data another way"
+        if refused is not None:
+            raise UserError(f"{_missing_message(spec)} ({refused})") from None
         cause = ("HF_HUB_OFFLINE (or TRANSFORMERS_OFFLINE) is set" if unreachable is None and hub.offline()
                  else f"the hub is not reachable ({unreachable})" if unreachable is not None else None)
         why = (f"{cause}, and the local datasets cache has no copy of {spec.hub.path} ({in_brief(err)})" if cause

@@ -26,13 +26,14 @@ import json
 import os
 import re
 import sys
+import warnings
 from dataclasses import dataclass, field, replace
 from datetime import timedelta
 from pathlib import Path
 from typing import IO, Iterator
 
 from dflash import hub
-from dflash.errors import UserError, in_brief
+from dflash.errors import DFlashWarning, UserError, in_brief
 from dflash.extras import require
 from dflash.records import (
     PROMPT_FIELDS,
@@ -304,15 +305,22 @@ def _load_dataset(config: DatagenConfig, source: str, local: bool = False) -> li
     import datasets
     if local and any((Path(source) / name).exists() for name in ("state.json", "dataset_dict.json")):
         return _saved_dataset(source, config)
+    refused = None
     try:
         unreachable = None if local or hub.offline() else hub.unreachable(source, repo_type="dataset",
                                                                           instead="pass a local JSONL file")
-    except hub.RepoError as err:
-        raise UserError(f"--prompts {err}") from None
+    except hub.RepoError as err:  # no such dataset, gated, a token it does not take: the local cache may serve
+        refused, unreachable = err, str(err)
     try:
         with hub.datasets_offline(unreachable is not None):
-            return list(datasets.load_dataset(source, config.subset, split=config.dataset_split()))
+            rows = list(datasets.load_dataset(source, config.subset, split=config.dataset_split()))
+        if refused is not None:
+            warnings.warn(DFlashWarning(f"{refused}. Using the local datasets cache's copy of {source}"),
+                          stacklevel=2)
+        return rows
     except Exception as err:
+        if refused is not None:
+            raise UserError(f"--prompts {refused}") from None
         hint = (" (does it need --subset, e.g. --subset main for openai/gsm8k?)"
                 if "config" in str(err).lower() and config.subset is None else
                 " (pick one of its splits with --split)" if "unknown split" in str(err).lower() else "")

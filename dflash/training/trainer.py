@@ -1010,8 +1010,20 @@ class Trainer:
             "data": self.data_fingerprint,  # a resume must see the same examples in the same order
             "world_size": self.world,
             "train_time_s": self.train_time_s(),  # a resumed run's done record counts it in
+            "total_steps": self.total_steps,  # its run's last step: reached, the data order no longer matters
         }
         self.checkpoints.write(self.step, state, self.config.keep_checkpoints)
+
+    def _trains_on(self, state: dict) -> bool:
+        """Whether resuming this checkpoint trains more steps in its data order. Not when it stands at or past the
+        last step, and that step is its own run's (it finished) or the one --max-steps names now: an --epochs
+        count gives fewer steps at a larger global batch, and a run that stopped half-way would pass for
+        finished."""
+        step = state.get("step", 0)
+        if step < self.total_steps:
+            return True
+        finished = state.get("total_steps") is not None and step >= state["total_steps"]
+        return not (finished or self.config.max_steps is not None)
 
     def _load_latest_checkpoint(self) -> None:
         checkpoints = self.checkpoints.all()
@@ -1045,7 +1057,7 @@ class Trainer:
         try:
             check_resumable(state, checkpoint, drafter_config=self.drafter_config, config=self.config,
                             data_fingerprint=self.data_fingerprint, global_batch=self.global_batch, world=self.world,
-                            context=self.context, trains_on=state.get("step", 0) < self.total_steps)
+                            context=self.context, trains_on=self._trains_on(state))
             self.drafter.load_state_dict(state["drafter"])
             self.optimizer.load_state_dict(state["optimizer"])
             self.scheduler.load_state_dict(state["scheduler"])

@@ -252,3 +252,24 @@ def test_repeated_ids_get_suffixes_in_order_and_a_genuine_suffix_is_kept_apart()
     assert [s.id for s in _distinct_ids(samples)] == ["a", "a (2)", "b", "a (3)", "a (2) (2)", "a (4)"]
     many = _distinct_ids([Sample("same", ("q",))] * 20_000)  # each next suffix from the last (was: counted from 2)
     assert len({s.id for s in many}) == 20_000 and many[-1].id == "same (20000)"
+
+
+def test_a_hub_that_refuses_the_token_is_said_to_and_the_cache_asked(refusing_hub, monkeypatch):
+    """A 401 read as "not reachable" sent a user to download elsewhere; now it names the token, offers bench's own
+    ways to give the data, and the local datasets cache still serves (asked offline)."""
+    hf_datasets = pytest.importorskip("datasets")
+    spec = datasets.DATASETS["gsm8k"]
+    monkeypatch.setitem(datasets.DATASETS, "gsm8k", dataclasses.replace(
+        spec, hub=dataclasses.replace(spec.hub, path="dflash-tests/private-set")))
+    refusing_hub(401, None, "Invalid credentials in Authorization header")
+    asked_offline = []
+
+    def load_dataset(*args, **kwargs):
+        asked_offline.append(hf_datasets.config.HF_HUB_OFFLINE)
+        raise FileNotFoundError("not in the cache")
+
+    monkeypatch.setattr(hf_datasets, "load_dataset", load_dataset)
+    with pytest.raises(UserError, match=r"the Hugging Face hub refused the token sent for dflash-tests/private-set .*"
+                                        r"or give the data with --data-file or --data-dir"):
+        load_samples("gsm8k", DataOptions(extra_dirs=[]))
+    assert asked_offline == [True]

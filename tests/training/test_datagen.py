@@ -8,7 +8,7 @@ import pytest
 from dflash import hub
 from dflash.api import DFlash
 from dflash.cli.main import main
-from dflash.errors import UserError
+from dflash.errors import DFlashWarning, UserError
 from dflash.training import datagen
 from dflash.training.datagen import (
     DatagenConfig,
@@ -598,12 +598,26 @@ def test_a_hub_dataset_when_the_hub_does_not_answer_is_a_clear_error_in_seconds(
     assert datasets.config.HF_HUB_OFFLINE == offline_before
 
 
-def test_a_dataset_the_hub_does_not_have_is_named_before_datasets_is_asked(empty_hub, monkeypatch):
+def test_a_dataset_the_hub_refuses_is_named_or_read_from_the_local_cache(empty_hub, monkeypatch):
+    """The hub's refusal is the error, and `datasets` is asked for its local cache alone (no retries of the hub):
+    a copy there serves, with a warning (a token the hub no longer takes, a dataset it no longer has)."""
     datasets = pytest.importorskip("datasets")
-    monkeypatch.setattr(datasets, "load_dataset", lambda *a, **k: pytest.fail("asked datasets"))
+    cached: list[dict] = []
+
+    def load_dataset(*args, **kwargs):
+        assert datasets.config.HF_HUB_OFFLINE, "asked the hub again"
+        if not cached:
+            raise FileNotFoundError("not in the cache")
+        return cached
+
+    monkeypatch.setattr(datasets, "load_dataset", load_dataset)
     with pytest.raises(UserError, match="^--prompts dflash-tests/no-such-set is neither a local path nor a dataset on "
                                         "the Hugging Face hub .*, or pass a local JSONL file$"):
         read_prompts(config_for("dflash-tests/no-such-set"))
+    cached.append({"question": "How many clips?"})
+    with pytest.warns(DFlashWarning, match="Using the local datasets cache's copy of dflash-tests/no-such-set"):
+        prompts = read_prompts(config_for("dflash-tests/no-such-set"))
+    assert "How many clips?" in repr(prompts[0]) and len(prompts) == 1
 
 
 def test_thinking_off_reaches_the_chat_template(tiny_pair, tmp_path):

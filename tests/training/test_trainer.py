@@ -970,6 +970,24 @@ def test_resume_refuses_another_data_order_and_names_changed_settings(tiny_pair,
     # no step left to train: the order does not matter, and a run stopped after its last step exports with other
     # processes (the advice for one stopped before its export)
     assert Trainer(config(tiny_pair, train_data, out, resume=True, batch_size=2)).setup().train()["step"] == 6
+    # ... but an --epochs run stopped half-way is not finished because a larger batch makes fewer steps of them
+    halfway = tmp_path / "halfway"
+    stopped = Trainer(config(tiny_pair, train_data, halfway, max_steps=None, epochs=2, batch_size=2,
+                             checkpoint_every=1)).setup()
+    assert stopped.total_steps > 4
+    original = stopped._train_step
+
+    def step_then_ctrl_c(indices, epoch):
+        stats = original(indices, epoch)
+        if stopped.step == stopped.total_steps // 2:
+            signal.raise_signal(signal.SIGINT)
+        return stats
+
+    stopped._train_step = step_then_ctrl_c
+    with pytest.raises(KeyboardInterrupt):
+        stopped.train()
+    with pytest.raises(UserError, match="cannot be resumed with this data order: global batch 2, now 4"):
+        Trainer(config(tiny_pair, train_data, halfway, max_steps=None, epochs=2, batch_size=4, resume=True)).setup()
     shuffled = tmp_path / "shuffled.jsonl"
     shuffled.write_text("".join(train_data.read_text().splitlines(True)[::-1]))
     with pytest.raises(UserError, match="the training or held-out examples differ"):
