@@ -55,7 +55,6 @@ from dflash.model.cpu_precision import PRECISIONS, use_bfloat16_matmuls
 from dflash.model.drafter import DFlashDraftModel
 from dflash.model.loading import (
     CheckpointError,
-    is_hub_id,
     load_drafter,
     load_failure,
     parse_dtype,
@@ -507,7 +506,7 @@ def _check_revisions(target, draft, revision: str | None, draft_revision: str | 
             continue
         if not isinstance(rev, str) or not rev.strip():
             raise UserError(f"{name} ({flag}) is a branch, tag or commit of a hub repository, got {rev!r}")
-        if Path(path).expanduser().exists() or not is_hub_id(str(path)):
+        if Path(path).expanduser().exists():  # a path that is neither is told so when it is looked up
             raise UserError(f"{name} ({flag}) picks a version of a Hugging Face hub id, and {path} is a local "
                             "directory: leave it out")
 

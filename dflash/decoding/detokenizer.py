@@ -35,8 +35,11 @@ def decode(tokenizer, ids: Sequence[int], bytes_of: dict[int, int] | None = None
     Bytes that are not UTF-8 become U+FFFD one bad part at a time, whatever the tokenizer (`utf8_runs`);
     `bytes_of`: the tokenizer's `byte_tokens`, looked up when not given."""
     bytes_of = byte_tokens(tokenizer) if bytes_of is None else bytes_of
-    return tokenizer.decode(utf8_runs(list(ids), bytes_of), skip_special_tokens=True,
-                            clean_up_tokenization_spaces=False)
+    ids = list(ids)
+    if bytes_of:  # skipped before the byte runs are read, as the decoder skips them before it joins bytes
+        specials = _special_ids(tokenizer)
+        ids = [i for i in ids if i not in specials]
+    return tokenizer.decode(utf8_runs(ids, bytes_of), skip_special_tokens=True, clean_up_tokenization_spaces=False)
 
 
 _BYTE_TOKEN = re.compile(r"<0x([0-9A-Fa-f]{2})>")
@@ -61,6 +64,23 @@ def byte_tokens(tokenizer) -> dict[int, int]:
     try:
         _byte_tokens[tokenizer] = found
     except TypeError:  # a tokenizer that cannot be weakly referenced: looked up again next time
+        pass
+    return found
+
+
+_specials: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
+def _special_ids(tokenizer) -> frozenset[int]:
+    """The ids decode() skips (a tokenizer's special tokens), read once per tokenizer."""
+    try:
+        return _specials[tokenizer]
+    except (KeyError, TypeError):
+        pass
+    found = frozenset(getattr(tokenizer, "all_special_ids", None) or ())
+    try:
+        _specials[tokenizer] = found
+    except TypeError:  # a tokenizer that cannot be weakly referenced: read again next time
         pass
     return found
 

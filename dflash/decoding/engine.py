@@ -383,7 +383,8 @@ class SpeculativeEngine:
         batch.proposer, choose = policy.plan(batch.sequences)
         started = time.perf_counter()
         kept = self.step(batch, choose)
-        if not batch.branched:  # a branch's tokens would count as the block's: its step teaches no step costs
+        if not (batch.branched or batch.cut_short):  # a branch's tokens would count as the block's, and a block
+            # cut to what the rows want drafts fewer outputs than the timed sizes: neither teaches step costs
             policy.observe_step(len(batch), batch.block_size, time.perf_counter() - started,
                                 after_drafting=choose is not None)
         policy.observe(batch.accepted, batch.block_size - 1)

@@ -3,7 +3,9 @@ on disk or on the Hugging Face hub, and the device to load them on."""
 
 from __future__ import annotations
 
+import contextlib
 import json
+import logging
 import os
 import warnings
 from pathlib import Path
@@ -163,12 +165,26 @@ def _from_hub(repo_id: str, revision: str | None) -> Path:
 
         snapshot = fetch(_HUB_PATTERNS)
         shards = _indexed_shards(snapshot / _SAFETENSORS_INDEX)
-        snapshot = fetch(shards) if shards else fetch(_SAFETENSORS, _TOP_LEVEL_ONLY)
+        with _quiet_when_nothing_matches():  # a repository of pickled weights alone has no safetensors to match
+            snapshot = fetch(shards) if shards else fetch(_SAFETENSORS, _TOP_LEVEL_ONLY)
         if not local_only and not any(snapshot.glob("*.safetensors")):  # an older repository: pickled weights alone
             snapshot = fetch(_PICKLED_WEIGHTS, _TOP_LEVEL_ONLY)
         return snapshot
 
     return _fetch(repo_id, revision, download)
+
+
+@contextlib.contextmanager
+def _quiet_when_nothing_matches():
+    """huggingface_hub logs a warning when no file matches a download's patterns: not news while weights are looked
+    for in two forms."""
+    logger = logging.getLogger("huggingface_hub._snapshot_download")
+    level = logger.level
+    logger.setLevel(logging.ERROR)
+    try:
+        yield
+    finally:
+        logger.setLevel(level)
 
 
 def _indexed_shards(index: Path) -> list[str]:

@@ -406,7 +406,8 @@ class Scheduler:
             if tokens:
                 self._send(self._requests[id(seq)], tokens)
         self._drop_finished(decoder)
-        if not (decoder == DRAFT and batch.branched):  # a branch's tokens would be billed to the block
+        if not (decoder == DRAFT and (batch.branched or batch.cut_short)):  # a branch's tokens would be billed to
+            # the block; a block cut to what its rows want drafts fewer outputs than the block sizes are timed with
             self._time_step(decoder, rows, block_size, started, after_drafting=choose is not None)
 
     def _time_step(self, decoder: str, rows: int, block_size: int, started: float, after_drafting: bool) -> None:
@@ -431,10 +432,12 @@ class Scheduler:
                 # one row while the rest decode plainly, and one row breaks even far sooner than eight.
                 self.fallback.set_threshold(self.block_policy.break_even(self._running_rows()))
                 self.metrics.fallback_threshold.set(self.fallback.threshold)
-        if batch.cut_short:  # a block cut to what its rows still want (or to the context's end) says little
-            return  # of how much drafting this workload is worth
         by_workload: dict[str, list[int]] = {}
         for r in rows:
+            if batch.cut_short and batch.produced[r] >= batch.block_size:
+                # a block cut to what the rows still want (or to the context's end), taken whole: a full one
+                # would have given more, by how much is unknown. One the target cut short would have ended there too
+                continue
             by_workload.setdefault(self._requests[id(batch.sequences[r])].workload, []).append(batch.produced[r])
         for workload, lengths in by_workload.items():
             self.fallback.observe(workload, lengths)

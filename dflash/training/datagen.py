@@ -708,18 +708,24 @@ def _append_parts(f: IO[str], output: Path, parts: list[Path], done: set[int]) -
     held-out split and the training order follow the file's order, so they do not depend on how many processes
     answered."""
     try:
-        new: dict[int, str] = {}
+        where: dict[int, tuple[Path, int, int]] = {}  # id -> (part, offset, length): the lines stay on disk
         for part in parts:
             if not part.exists():
                 continue
             with part.open("rb") as lines:
+                offset = 0
                 for line in lines:
                     record = _output_record(_json(line))
-                    if record is not None and record["id"] not in done and record["id"] not in new:
-                        new[record["id"]] = line.decode("utf-8")
-        for record_id in sorted(new):
-            f.write(new[record_id])
-        done.update(new)
+                    if record is not None and record["id"] not in done and record["id"] not in where:
+                        where[record["id"]] = (part, offset, len(line))
+                    offset += len(line)
+        with contextlib.ExitStack() as opened:
+            files = {part: opened.enter_context(part.open("rb")) for part in {w[0] for w in where.values()}}
+            for record_id in sorted(where):
+                part, offset, length = where[record_id]
+                files[part].seek(offset)
+                f.write(files[part].read(length).decode("utf-8"))
+        done.update(where)
         f.flush()
         os.fsync(f.fileno())
         for part in parts:

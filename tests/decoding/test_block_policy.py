@@ -291,6 +291,30 @@ def test_local_decoding_teaches_the_policy_what_its_steps_take(target, monkeypat
     assert policy.overhead.extra_s[True] > 0.018
 
 
+
+def test_a_block_cut_to_what_the_row_wants_teaches_no_step_cost(target, monkeypatch):
+    """The last steps of an answer verify only what it still wants (and draft fewer outputs): timed as if they were
+    the block sizes start-up timed, they made short blocks look cheaper than they are."""
+    prompts = random_prompts(1, seed=2)
+    refs = {tuple(p): hf_greedy(target, p, 12) for p in prompts}
+    engine = SpeculativeEngine(target, OracleProposer(tiny_drafter(target, block_size=8), target, refs))
+    policy = BlockSizePolicy(engine.proposer, costs(per_token_s=0.002))
+    engine._block_policy = policy
+    timed, cut = [], []
+    monkeypatch.setattr(policy, "observe_step", lambda rows, k, seconds, **kw: timed.append(k))
+    real_step = engine.step
+
+    def step(batch, choose=None):
+        kept = real_step(batch, choose)
+        cut.append(batch.cut_short)
+        return kept
+
+    monkeypatch.setattr(engine, "step", step)
+    out = engine.generate(prompts, GenerationConfig(max_new_tokens=12, block_size="auto", ignore_eos=True))[0]
+    assert out.output_ids == refs[tuple(prompts[0])]
+    assert any(cut) and len(timed) == cut.count(False)
+
+
 def test_calibration_times_every_shape_on_a_real_pair(target):
     engine = SpeculativeEngine(target, DFlashProposer(tiny_drafter(target), target, block_size=8))
     policy = BlockSizePolicy.calibrate(engine, max_batch_size=3)

@@ -283,6 +283,14 @@ def test_a_bad_byte_mid_output_leaves_the_text_before_it_and_the_stream_whole(st
     assert stop_at_steps_of(tokenizer, ids, ["🙂"], step_size) == (len(ids) - 4, "stop")
 
 
+def test_a_special_token_inside_a_character_is_skipped_before_its_bytes_are_read():
+    """The decoder skips special tokens, then joins the bytes around them: 中 split by </s> is still 中."""
+    tokenizer = byte_fallback_tokenizer()
+    ids = (tokenizer("ok", add_special_tokens=False)["input_ids"] + byte_ids(tokenizer, b"\xe4")
+           + [tokenizer.eos_token_id] + byte_ids(tokenizer, b"\xb8\xad"))
+    assert tokenizer.decode(ids, skip_special_tokens=True) == decode(tokenizer, ids) == "ok中"
+
+
 @pytest.mark.parametrize("seed", range(6))
 def test_random_bytes_stream_and_stop_alike_at_every_step_size(tokenizer, seed):
     """Any bytes a model may sample: stretches of text and runs of random byte tokens (any byte, so mostly no

@@ -729,3 +729,15 @@ def test_config_values_of_the_wrong_kind_say_what_they_should_be(tmp_path):
     with pytest.raises(UserError, match=r"layer_types holds \['weird'\]; a draft layer is full_attention or "
                                         "sliding_attention"):
         load_drafter(tmp_path / "l")
+
+
+def test_looking_for_safetensors_in_a_repository_of_pickled_weights_says_nothing(caplog):
+    """huggingface_hub warns "No files matched ..." when the safetensors pattern finds none (facebook/opt-350m)."""
+    import logging
+
+    snapshot_logger = logging.getLogger("huggingface_hub._snapshot_download")
+    with caplog.at_level(logging.WARNING, logger="huggingface_hub._snapshot_download"):
+        with loading._quiet_when_nothing_matches():
+            snapshot_logger.warning("No files matched allow_patterns=['*.safetensors'].")
+        snapshot_logger.warning("after it")
+    assert [r.getMessage() for r in caplog.records] == ["after it"]
