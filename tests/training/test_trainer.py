@@ -56,6 +56,21 @@ def config(tiny_pair, train_data, output, **overrides):
     return load_config(None, values)
 
 
+def signal_after_step(trainer: Trainer, at_step: int | None = None, signum: int = signal.SIGINT, times: int = 1):
+    """Send the process `signum` (`times` in a row) once the trainer has trained step `at_step` (None: every
+    step). raise_signal runs the handler at once, in this thread: two kill()s could reach Python as one."""
+    original = trainer._train_step
+
+    def step_then_signal(indices, epoch):
+        stats = original(indices, epoch)
+        if at_step is None or trainer.step == at_step:
+            for _ in range(times):
+                signal.raise_signal(signum)
+        return stats
+
+    trainer._train_step = step_then_signal
+
+
 def weights(directory) -> dict[str, torch.Tensor]:
     return load_file(os.path.join(directory, "model.safetensors"))
 
@@ -975,15 +990,7 @@ def test_resume_refuses_another_data_order_and_names_changed_settings(tiny_pair,
     stopped = Trainer(config(tiny_pair, train_data, halfway, max_steps=None, epochs=2, batch_size=2,
                              checkpoint_every=1)).setup()
     assert stopped.total_steps > 4
-    original = stopped._train_step
-
-    def step_then_ctrl_c(indices, epoch):
-        stats = original(indices, epoch)
-        if stopped.step == stopped.total_steps // 2:
-            signal.raise_signal(signal.SIGINT)
-        return stats
-
-    stopped._train_step = step_then_ctrl_c
+    signal_after_step(stopped, stopped.total_steps // 2)
     with pytest.raises(KeyboardInterrupt):
         stopped.train()
     with pytest.raises(UserError, match="cannot be resumed with this data order: global batch 2, now 4"):
@@ -1610,14 +1617,7 @@ def test_overwrite_removes_the_earlier_export_so_a_stopped_run_cannot_load_it(ti
     Trainer(config(tiny_pair, train_data, out, max_steps=1)).setup().train()
     stopped = Trainer(config(tiny_pair, train_data, out, overwrite=True, seed=1, checkpoint_every=0)).setup()
     assert not any((out / name).exists() for name in ("config.json", "model.safetensors", "training_config.yaml"))
-    original = stopped._train_step
-
-    def step_then_ctrl_c(indices, epoch):
-        stats = original(indices, epoch)
-        signal.raise_signal(signal.SIGINT)
-        return stats
-
-    stopped._train_step = step_then_ctrl_c
+    signal_after_step(stopped)
     with pytest.raises(KeyboardInterrupt):
         stopped.train()
     with pytest.raises(UserError, match="stopped before its export was complete .*--resume --max-steps 1"):
@@ -1652,16 +1652,7 @@ def test_a_second_ctrl_c_stops_at_once_and_names_the_checkpoint_to_resume_from(t
     monkeypatch.setattr(StopRequest, "REPEAT_WINDOW_S", 0.0)  # a second later, as a person presses it again
     out = tmp_path / "out"
     trainer = Trainer(config(tiny_pair, train_data, out)).setup()  # checkpoints at step 3; 6 steps
-    original = trainer._train_step
-
-    def step_then_two_ctrl_cs(indices, epoch):
-        stats = original(indices, epoch)
-        if trainer.step == at_step:
-            signal.raise_signal(signal.SIGINT)
-            signal.raise_signal(signal.SIGINT)  # the second acts at once
-        return stats
-
-    trainer._train_step = step_then_two_ctrl_cs
+    signal_after_step(trainer, at_step, times=2)  # the second acts at once
     with pytest.raises(KeyboardInterrupt):
         trainer.train()
     assert said.format(out=out) in capsys.readouterr().err
@@ -1677,16 +1668,7 @@ def test_a_stop_delivered_twice_at_once_still_saves_a_checkpoint_after_the_step(
     its last checkpoint."""
     out = tmp_path / "out"
     trainer = Trainer(config(tiny_pair, train_data, out, checkpoint_every=0)).setup()
-    original = trainer._train_step
-
-    def step_then_the_same_stop_twice(indices, epoch):
-        stats = original(indices, epoch)
-        if trainer.step == 2:
-            signal.raise_signal(signum)
-            signal.raise_signal(signum)
-        return stats
-
-    trainer._train_step = step_then_the_same_stop_twice
+    signal_after_step(trainer, 2, signum, times=2)
     with pytest.raises(KeyboardInterrupt):
         trainer.train()
     assert [path.name for path in CheckpointDir(out / "checkpoints").all()] == ["step-00000002"]
