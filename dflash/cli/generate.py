@@ -152,7 +152,7 @@ def _check_arguments(args: argparse.Namespace, prompt: str) -> dict:
                    top_k=args.top_k, seed=args.seed, stop_strings=args.stop)
     make_config(**options)
     refuse_greedy_ignores(options)
-    if args.branch_length and args.temperature > 0 and args.seed is None:
+    if args.branch_length > 0 and args.temperature > 0 and args.seed is None:
         raise UserError("--branch-length verifies a branch in greedy or seeded decoding, and sampling without a "
                         "--seed decodes without one (its exactness needs the block alone): give --seed, or drop "
                         "--branch-length")

@@ -629,7 +629,7 @@ def test_a_cached_copy_served_while_the_hub_is_unreachable_is_said_to_be_one(sil
 
 @pytest.mark.parametrize("status, code, said", [
     (401, None, r"the Hugging Face hub refused the token sent for someone/drafter \(HF_TOKEN, or the one `hf auth "
-                r"login` saved\): log in again, or unset HF_TOKEN"),
+                r"login` saved\): log in again, or for a public repository unset HF_TOKEN \(`hf auth logout`"),
     (403, "GatedRepo", r"someone/drafter is a gated repository on the Hugging Face hub"),
     (404, "RepoNotFound", r"someone/drafter is neither a local path nor a repository on the Hugging Face hub"),
 ])
