@@ -442,8 +442,9 @@ class _CORS(CORSMiddleware):
         if answer.status_code != 400:
             return answer
         refused = answer.body.decode("utf-8", "replace")  # e.g. "Disallowed CORS origin"
-        err = APIError(400, f"{refused}: this server answers browsers from the origins --allowed-origins names",
-                       code="cors_refused")
+        why = ("this server answers browsers from the origins --allowed-origins names" if "origin" in refused
+               else "the browser asked for what this server's CORS settings do not allow")
+        err = APIError(400, f"{refused}: {why}", code="cors_refused")
         headers = {k: v for k, v in answer.headers.items() if k.lower() not in ("content-length", "content-type")}
         return _error_response(err, headers)
 
