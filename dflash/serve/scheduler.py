@@ -432,16 +432,31 @@ class Scheduler:
                 # one row while the rest decode plainly, and one row breaks even far sooner than eight.
                 self.fallback.set_threshold(self.block_policy.break_even(self._running_rows()))
                 self.metrics.fallback_threshold.set(self.fallback.threshold)
-        if batch.cut_short:
-            # a block cut to what its rows still want (or to the context's end) does not judge the fallback: a row
-            # that took it whole would have taken more of a full one, by how much is unknown, and judging by the
-            # rows that missed alone put a drafter right 9 times in 10 below any threshold (short requests)
+        weight = self._fallback_weight(batch)
+        if weight is None:
             return
-        by_workload: dict[str, list[int]] = {}
+        by_workload: dict[str, list[float]] = {}
         for r in rows:
-            by_workload.setdefault(self._requests[id(batch.sequences[r])].workload, []).append(batch.produced[r])
+            by_workload.setdefault(self._requests[id(batch.sequences[r])].workload, []).append(
+                batch.produced[r] * weight)
         for workload, lengths in by_workload.items():
             self.fallback.observe(workload, lengths)
+
+    def _fallback_weight(self, batch: Batch) -> float | None:
+        """What a drafted step's acceptance lengths are multiplied by before the fallback judges them: 1, or for a
+        step whose block was cut to what its rows still want (or to the context's end), the break-even of the
+        block the policy would choose now (what the automatic threshold is) over that of the block it ran. A cut
+        block of k yields at most k tokens and costs what a step of k costs: weighed so, a step that paid as well
+        as plain decoding counts as the break-even. Taken as they came, a drafter right every time fell back on
+        requests of 2 tokens; judged by the rows that missed alone, one right 9 times in 10 did. None: no verdict
+        (no step costs to weigh by, or no draft token)."""
+        if not batch.cut_short:
+            return 1.0
+        policy = self.block_policy
+        if policy is None or policy.plain_costs is None or batch.block_size < 2:
+            return None
+        rows = len(batch.sequences)
+        return policy.break_even(rows) / policy.break_even(rows, batch.block_size)
 
     def _drop_finished(self, decoder: str) -> bool:
         """Finish and remove done rows; False when the decoder's batch is empty (and removed)."""

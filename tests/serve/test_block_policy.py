@@ -117,3 +117,30 @@ def test_acceptance_is_counted_before_a_stop_or_max_tokens_cuts_the_row():
     batch.accepted, batch.produced = [0, 0], [1, 1]  # one token wanted: verified without a draft token
     scheduler._record_drafts(batch)
     assert metrics.num_drafts._value.get() == 4 and metrics.num_draft_tokens._value.get() == 7 * 2 + 1 * 2
+
+
+@pytest.mark.parametrize("produced, keeps_drafting", [(2, True), (1, False)])
+def test_a_cut_step_judges_the_fallback_weighed_by_what_its_block_costs(produced, keeps_drafting):
+    """Requests of 2 tokens: every step verifies a block of 2, which yields at most 2 tokens and costs what a step
+    of 2 costs. Weighed by the break-even of the planned block over its own, a drafter right every time keeps
+    drafting (2 tokens where 1.2 pay) and one never right falls back."""
+    from types import SimpleNamespace
+
+    from dflash.serve.fallback import FallbackConfig
+    from dflash.serve.scheduler import Scheduler
+
+    policy = BlockSizePolicy(FakeProposer(16), costs(per_token_s=0.001), StepCosts({(1, 1): 0.010}))
+    scheduler = Scheduler(SimpleNamespace(proposer=FakeProposer(16)), fallback=FallbackConfig(auto=True, window=4),
+                          block_policy=policy)
+    batch = FakeBatch(1, 16)  # planned 16, ran 2
+    scheduler._requests[id(batch.sequences[0])] = SimpleNamespace(workload="w")
+    scheduler._running = {"draft": batch}
+    batch.block_size = batch.verified = 2
+    batch.accepted, batch.produced, batch.cut_short = [produced - 1], [produced], True
+    for _ in range(4):
+        scheduler._record_drafts(batch)
+    assert policy.break_even(1, 2) == pytest.approx(1.2)
+    judged = scheduler.fallback._get("w").lengths  # as long as the blocks the policy would choose now pay for
+    assert judged[-1] == pytest.approx(produced * policy.break_even(1) / 1.2)
+    assert scheduler.fallback.drafting("w") == keeps_drafting
+    assert (sum(judged) / len(judged) >= scheduler.fallback.threshold) == keeps_drafting
