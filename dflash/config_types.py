@@ -60,6 +60,16 @@ def _describe(kind: Any) -> str:
     return _NAMES.get(kind, getattr(kind, "__name__", str(kind)))
 
 
+def blank_option(values: dict[str, Any]) -> str | None:
+    """The first of `values` (option -> value) given as '' or spaces, also inside a list of them; None when none is.
+    Such an option is refused, not taken as not given: --target "$T" with T unset would silently mean the default
+    model (and --init-from '' a drafter from scratch)."""
+    for name, value in values.items():
+        if any(isinstance(item, str) and not item.strip() for item in (value if isinstance(value, list) else [value])):
+            return name
+    return None
+
+
 def split_list(text: str) -> list[str]:
     """'4, 8,16' -> ['4', '8', '16'], as flags and config files write lists: a trailing comma is allowed, no value at
     all is [] (for the caller to name), and an empty item between two (a typo) is a ValueError."""

@@ -10,9 +10,10 @@ from __future__ import annotations
 
 import contextlib
 import time
+import warnings
 from collections.abc import Iterator
 
-from dflash.errors import UserError, in_brief
+from dflash.errors import DFlashWarning, UserError, in_brief
 
 # Why the hub could not be reached, once it could not.
 _unreachable: str | None = None
@@ -72,6 +73,26 @@ def unreachable(repo_id: str, revision: str | None = None, repo_type: str = "mod
         _unreachable = (f"no answer in {waited:.1f} s, {timeout_s:g} s a try; HF_HUB_ETAG_TIMEOUT sets the wait"
                         if timed_out else in_brief(err))
         return _unreachable
+
+
+def look_up(repo_id: str, revision: str | None = None, repo_type: str = "model",
+            instead: str = "pass a local directory") -> tuple[str | None, RepoError | None]:
+    """(why only the local cache can serve `repo_id` now, or None; the hub's refusal, or None). HF_HUB_OFFLINE, a
+    hub that cannot be reached, and a refusal (no such repository, gated, a token it does not take) all send the
+    caller to the local cache: a job run without the token its downloads had still finds what they fetched. When
+    the cache has no copy either, the refusal is the error to give."""
+    if offline():
+        return "HF_HUB_OFFLINE (or TRANSFORMERS_OFFLINE) is set", None
+    try:
+        return unreachable(repo_id, revision, repo_type, instead), None
+    except RepoError as err:
+        return str(err), err
+
+
+def warn_cached_copy(refused: RepoError, what: str) -> None:
+    """Say that the local cache's copy of `what` serves in place of what the hub refused."""
+    warnings.warn(DFlashWarning(f"{refused}. Using the local cache's copy of {what}, as downloaded before "
+                                "(HF_HUB_OFFLINE=1 skips asking the hub)"), stacklevel=3)
 
 
 @contextlib.contextmanager

@@ -20,6 +20,7 @@ from pathlib import Path
 from typing import Callable, Iterable
 
 from dflash import hub
+from dflash.config_types import split_list
 from dflash.errors import DFlashWarning, UserError, in_brief
 from dflash.extras import require
 from dflash.records import RecordError, chat_messages, has_chat, read_jsonl, text_field, texts_field
@@ -131,10 +132,12 @@ def resolve_names(names: Iterable[str]) -> list[str]:
     """Dataset names from flags (`all`, aliases, comma lists), validated, in the order given."""
     out: list[str] = []
     for raw in names:
-        parts = [part.strip() for part in raw.split(",")]
-        if any(parts) and not all(parts):  # as the number lists: a likely typo
-            raise UserError(f"--dataset {raw!r} holds an empty name between commas; write the names as gsm8k,mbpp")
-        for name in (n.strip().lower() for n in raw.split(",") if n.strip()):
+        try:
+            parts = split_list(raw)  # as the number lists read theirs
+        except ValueError:
+            raise UserError(f"--dataset {raw!r} holds an empty name between commas; write the names as gsm8k,mbpp") \
+                from None
+        for name in (n.lower() for n in parts):
             if name == "all":
                 out.extend(DATASETS)
                 continue
@@ -257,27 +260,22 @@ def load_from_hub(spec: DatasetSpec) -> list[dict]:
     (`hub.unreachable`, asked once with a bounded wait)."""
     require(["datasets"], f"{_missing_message(spec)}; reading it from the hub")
     import datasets
-    refused = None
+    cache_only, refused = hub.look_up(spec.hub.path, repo_type="dataset",
+                                      instead="give the data with --data-file or --data-dir")
     try:
-        unreachable = None if hub.offline() else hub.unreachable(spec.hub.path, repo_type="dataset",
-                                                                 instead="give the data with --data-file or --data-dir")
-    except hub.RepoError as err:  # no such dataset, gated, a token it does not take: the local cache may serve
-        refused, unreachable = err, str(err)
-    try:
-        with hub.datasets_offline(unreachable is not None):
+        with hub.datasets_offline(cache_only is not None):
             data = datasets.load_dataset(spec.hub.path, spec.hub.config, split=spec.hub.split)
-        if refused is not None:
-            warnings.warn(DFlashWarning(f"{refused}. Using the local datasets cache's copy of {spec.hub.path}"),
-                          stacklevel=2)
-        return [dict(r) for r in data]
     except Exception as err:  # offline, gated repo, a cache without it: all mean "give the data another way"
         if refused is not None:
             raise UserError(f"{_missing_message(spec)} ({refused})") from None
-        cause = ("HF_HUB_OFFLINE (or TRANSFORMERS_OFFLINE) is set" if unreachable is None and hub.offline()
-                 else f"the hub is not reachable ({unreachable})" if unreachable is not None else None)
+        cause = (None if cache_only is None else cache_only if hub.offline()
+                 else f"the hub is not reachable ({cache_only})")
         why = (f"{cause}, and the local datasets cache has no copy of {spec.hub.path} ({in_brief(err)})" if cause
                else f"Hugging Face `datasets` could not load {spec.hub.path}: {in_brief(err)}")
         raise UserError(f"{_missing_message(spec)} ({why})") from None
+    if refused is not None:
+        hub.warn_cached_copy(refused, spec.hub.path)
+    return [dict(r) for r in data]
 
 
 def _missing_message(spec: DatasetSpec) -> str:

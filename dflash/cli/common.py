@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 import json
 
-from dflash.config_types import parse_int_list, split_list
+from dflash.config_types import blank_option, parse_int_list, split_list
 from dflash.errors import UserError
 
 
@@ -50,11 +50,10 @@ def block_size_list(text: str) -> list[int | str]:
 def refuse_empty_flags(args: argparse.Namespace, examples: dict[str, str | None]) -> None:
     """A flag given as '' (or spaces) is refused rather than read as no flag at all, or as the path '.'.
     `examples`: each flag, with a value to show (None: none)."""
-    for flag, example in examples.items():
-        value = getattr(args, flag[2:].replace("-", "_"), None)
-        if value is not None and not value.strip():
-            shown = f" ({example})" if example else ""
-            raise UserError(f"{flag} is empty; give a value{shown} or leave the flag out")
+    flag = blank_option({flag: getattr(args, flag[2:].replace("-", "_"), None) for flag in examples})
+    if flag is not None:
+        shown = f" ({examples[flag]})" if examples[flag] else ""
+        raise UserError(f"{flag} is empty; give a value{shown} or leave the flag out")
 
 
 SWEEP_EXAMPLES = {"dataset": "gsm8k,mbpp", "block_size": "auto,8,16", "concurrency": "1,4,8"}  # in SweepOnce's error

@@ -51,36 +51,36 @@ def byte_tokens(tokenizer) -> dict[int, int]:
     turns into text a whole run at a time: a run that is not UTF-8 as a whole becomes one U+FFFD per byte, so a
     window that starts inside a character decodes it otherwise than the whole text does. Empty for other
     tokenizers (and for one whose vocabulary cannot be listed)."""
-    try:
-        return _byte_tokens[tokenizer]
-    except (KeyError, TypeError):
-        pass
-    try:
-        vocab = tokenizer.get_vocab()
-    except Exception:  # noqa: BLE001 - transformers' base class raises NotImplementedError; a duck type may lack it
-        vocab = {}
-    found = {i: int(match[1], 16) for token, i in vocab.items()
-             if isinstance(token, str) and (match := _BYTE_TOKEN.fullmatch(token))}
-    try:
-        _byte_tokens[tokenizer] = found
-    except TypeError:  # a tokenizer that cannot be weakly referenced: looked up again next time
-        pass
-    return found
+    def read() -> dict[int, int]:
+        try:
+            vocab = tokenizer.get_vocab()
+        except Exception:  # noqa: BLE001 - transformers' base class raises NotImplementedError; a duck type may lack it
+            vocab = {}
+        return {i: int(match[1], 16) for token, i in vocab.items()
+                if isinstance(token, str) and (match := _BYTE_TOKEN.fullmatch(token))}
+
+    return _once_per_tokenizer(_byte_tokens, tokenizer, read)
 
 
 _specials: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 
 def _special_ids(tokenizer) -> frozenset[int]:
-    """The ids decode() skips (a tokenizer's special tokens), read once per tokenizer."""
+    """The ids decode() skips (a tokenizer's special tokens)."""
+    return _once_per_tokenizer(_specials, tokenizer,
+                               lambda: frozenset(getattr(tokenizer, "all_special_ids", None) or ()))
+
+
+def _once_per_tokenizer(cache: weakref.WeakKeyDictionary, tokenizer, read):
+    """read() once per tokenizer; again at every call for one that cannot be weakly referenced."""
     try:
-        return _specials[tokenizer]
+        return cache[tokenizer]
     except (KeyError, TypeError):
         pass
-    found = frozenset(getattr(tokenizer, "all_special_ids", None) or ())
+    found = read()
     try:
-        _specials[tokenizer] = found
-    except TypeError:  # a tokenizer that cannot be weakly referenced: read again next time
+        cache[tokenizer] = found
+    except TypeError:
         pass
     return found
 

@@ -282,6 +282,12 @@ class Batch:
     def __len__(self) -> int:
         return len(self.sequences)
 
+    @property
+    def timed_like_its_block(self) -> bool:
+        """Whether the last step's time is a step of its block size, as start-up timed them: not with a branch (its
+        tokens would count as the block's), nor a block cut to what its rows want (fewer outputs drafted)."""
+        return not (self.branched or self.cut_short)
+
 
 class SpeculativeEngine:
     """Lossless speculative decoding of token ids: a target (`TargetModel`) verifies what a `Proposer` drafts
@@ -383,8 +389,7 @@ class SpeculativeEngine:
         batch.proposer, choose = policy.plan(batch.sequences)
         started = time.perf_counter()
         kept = self.step(batch, choose)
-        if not (batch.branched or batch.cut_short):  # a branch's tokens would count as the block's, and a block
-            # cut to what the rows want drafts fewer outputs than the timed sizes: neither teaches step costs
+        if batch.timed_like_its_block:
             policy.observe_step(len(batch), batch.block_size, time.perf_counter() - started,
                                 after_drafting=choose is not None)
         policy.observe(batch.accepted, batch.block_size - 1)

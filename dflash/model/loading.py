@@ -215,44 +215,31 @@ def _fetch(repo_id: str, revision: str | None, download):
     from huggingface_hub.utils import LocalEntryNotFoundError
 
     offline = hub.offline()
+    cache_only, refused = hub.look_up(repo_id, revision)
     try:
-        unreachable = None if offline else hub.unreachable(repo_id, revision)
-    except hub.RepoError as err:  # a CheckpointError, as every failure to get a checkpoint is
-        return _cached_instead(repo_id, err, download)
-    try:
-        found = download(offline or unreachable is not None)
+        found = download(cache_only is not None)
     except LocalEntryNotFoundError as err:
-        if not offline and unreachable is None:
+        if refused is not None:  # and no copy in the cache: the hub's refusal says what to do
+            raise CheckpointError(str(refused)) from None
+        if cache_only is None:
             raise _download_failure(repo_id, err) from None
-        why = ("HF_HUB_OFFLINE (or TRANSFORMERS_OFFLINE) is set" if offline
-               else f"the Hugging Face hub is not reachable ({unreachable})")
+        why = cache_only if offline else f"the Hugging Face hub is not reachable ({cache_only})"
         raise CheckpointError(
             f"{repo_id} is not a local directory, and it cannot be downloaded: {why}, and the local cache "
             f"({constants.HF_HUB_CACHE}) has no copy of it. Pass a local checkpoint directory instead, or download "
             f"it first where the hub is reachable (`hf download {repo_id}`; then HF_HUB_OFFLINE=1 skips the hub)"
         ) from None
     except Exception as err:  # a download that broke off, a full disk, a denied file: all mean "could not get it"
+        if refused is not None:
+            raise CheckpointError(str(refused)) from None
         raise _download_failure(repo_id, err) from None
-    if unreachable is not None and repo_id not in _stale_warned:  # outside the try: -W error makes it an exception
-        _stale_warned.add(repo_id)
-        warnings.warn(DFlashWarning(f"the Hugging Face hub is not reachable ({unreachable}): {repo_id} is the local "
-                                    "cache's copy, which may be older than the hub's"), stacklevel=2)
-    return found
-
-
-def _cached_instead(repo_id: str, refused: hub.RepoError, download) -> Path:
-    """The local cache's copy of a repository the hub refused (gated or private, and no token sent; a token it did
-    not take; a repository it no longer has), with a warning that says why; else that refusal, as a
-    CheckpointError. transformers and huggingface_hub load such a copy too: a job that runs without the token its
-    downloads had would otherwise stop."""
-    try:
-        found = download(True)
-    except Exception:  # noqa: BLE001 - no copy (LocalEntryNotFoundError) or an unreadable one: the hub's refusal
-        raise CheckpointError(str(refused)) from None
-    if repo_id not in _stale_warned:
-        _stale_warned.add(repo_id)
-        warnings.warn(DFlashWarning(f"{refused}. Using the local cache's copy of {repo_id}, as downloaded before "
-                                    "(HF_HUB_OFFLINE=1 skips asking the hub)"), stacklevel=3)
+    if cache_only is not None and not offline and repo_id not in _stale_warned:  # outside the try: -W error makes
+        _stale_warned.add(repo_id)  # the warning an exception
+        if refused is not None:
+            hub.warn_cached_copy(refused, repo_id)
+        else:
+            warnings.warn(DFlashWarning(f"the Hugging Face hub is not reachable ({cache_only}): {repo_id} is the "
+                                        "local cache's copy, which may be older than the hub's"), stacklevel=2)
     return found
 
 

@@ -406,8 +406,7 @@ class Scheduler:
             if tokens:
                 self._send(self._requests[id(seq)], tokens)
         self._drop_finished(decoder)
-        if not (decoder == DRAFT and (batch.branched or batch.cut_short)):  # a branch's tokens would be billed to
-            # the block; a block cut to what its rows want drafts fewer outputs than the block sizes are timed with
+        if decoder != DRAFT or batch.timed_like_its_block:
             self._time_step(decoder, rows, block_size, started, after_drafting=choose is not None)
 
     def _time_step(self, decoder: str, rows: int, block_size: int, started: float, after_drafting: bool) -> None:

@@ -11,7 +11,7 @@ from typing import Any
 
 import yaml
 
-from dflash.config_types import parse_int_list, type_mismatch
+from dflash.config_types import blank_option, parse_int_list, type_mismatch
 from dflash.errors import UserError
 from dflash.model.config import untappable
 
@@ -242,12 +242,10 @@ def load_config(yaml_path: str | None = None, overrides: dict[str, Any] | None =
 
 
 def _refuse_empty(values: dict[str, Any], message: str) -> None:
-    """An option given as '' (or spaces; also inside a list of paths) is refused: taken as not given, --target ''
-    (an unset shell variable) trained a drafter for the embedded target, and --init-from '' one from scratch."""
-    for name, value in values.items():
-        items = value if isinstance(value, list) else [value]
-        if any(isinstance(item, str) and not item.strip() for item in items):
-            raise UserError(message.format(name=name, flag=name.replace("_", "-")))
+    """An option given as '' (or spaces) is refused (`blank_option`); `message` names it as {name} or {flag}."""
+    name = blank_option(values)
+    if name is not None:
+        raise UserError(message.format(name=name, flag=name.replace("_", "-")))
 
 
 def _flags_win_over_the_file(values: dict[str, Any], given: dict[str, Any]) -> None:

@@ -26,14 +26,14 @@ import json
 import os
 import re
 import sys
-import warnings
 from dataclasses import dataclass, field, replace
 from datetime import timedelta
 from pathlib import Path
 from typing import IO, Iterator
 
 from dflash import hub
-from dflash.errors import DFlashWarning, UserError, in_brief
+from dflash.config_types import blank_option
+from dflash.errors import UserError, in_brief
 from dflash.extras import require
 from dflash.records import (
     PROMPT_FIELDS,
@@ -86,10 +86,10 @@ class DatagenConfig:
                             "like openai/gsm8k")
         if not self.output:
             raise UserError("--output is empty; give the path of the .jsonl file to write the answers to")
-        for name in ("target", "split", "subset", "prompt_field", "dtype", "device"):  # '' is not "not given"
-            value = getattr(self, name)
-            if isinstance(value, str) and not value.strip():
-                raise UserError(f"--{name.replace('_', '-')} is empty; give a value or leave the flag out")
+        blank = blank_option({name: getattr(self, name)
+                              for name in ("target", "split", "subset", "prompt_field", "dtype", "device")})
+        if blank is not None:
+            raise UserError(f"--{blank.replace('_', '-')} is empty; give a value or leave the flag out")
         if self.prompt_suffix:  # as dflash generate checks --prompt: before the model loads, not blamed on a record
             check_text(self.prompt_suffix, "--prompt-suffix")
         self.template_kwargs()  # checked: names a template may take, and one enable_thinking
@@ -305,19 +305,12 @@ def _load_dataset(config: DatagenConfig, source: str, local: bool = False) -> li
     import datasets
     if local and any((Path(source) / name).exists() for name in ("state.json", "dataset_dict.json")):
         return _saved_dataset(source, config)
-    refused = None
+    cache_only, refused = (None, None) if local else hub.look_up(source, repo_type="dataset",
+                                                                 instead="pass a local JSONL file")
+    unreachable = None if refused is not None or hub.offline() else cache_only  # the hub's own failure, if any
     try:
-        unreachable = None if local or hub.offline() else hub.unreachable(source, repo_type="dataset",
-                                                                          instead="pass a local JSONL file")
-    except hub.RepoError as err:  # no such dataset, gated, a token it does not take: the local cache may serve
-        refused, unreachable = err, str(err)
-    try:
-        with hub.datasets_offline(unreachable is not None):
+        with hub.datasets_offline(cache_only is not None):
             rows = list(datasets.load_dataset(source, config.subset, split=config.dataset_split()))
-        if refused is not None:
-            warnings.warn(DFlashWarning(f"{refused}. Using the local datasets cache's copy of {source}"),
-                          stacklevel=2)
-        return rows
     except Exception as err:
         if refused is not None:
             raise UserError(f"--prompts {refused}") from None
@@ -331,6 +324,9 @@ def _load_dataset(config: DatagenConfig, source: str, local: bool = False) -> li
                    "directory")
         raise UserError(f"could not load dataset {source!r}, split {config.dataset_split()!r}: {reason}{hint}"
                         f"{offline}") from None
+    if refused is not None:
+        hub.warn_cached_copy(refused, source)
+    return rows
 
 
 # data files `datasets` reads (its builder for each) that are not JSONL

@@ -615,7 +615,7 @@ def test_a_dataset_the_hub_refuses_is_named_or_read_from_the_local_cache(empty_h
                                         "the Hugging Face hub .*, or pass a local JSONL file$"):
         read_prompts(config_for("dflash-tests/no-such-set"))
     cached.append({"question": "How many clips?"})
-    with pytest.warns(DFlashWarning, match="Using the local datasets cache's copy of dflash-tests/no-such-set"):
+    with pytest.warns(DFlashWarning, match="Using the local cache's copy of dflash-tests/no-such-set"):
         prompts = read_prompts(config_for("dflash-tests/no-such-set"))
     assert "How many clips?" in repr(prompts[0]) and len(prompts) == 1
 
