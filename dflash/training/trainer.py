@@ -737,8 +737,9 @@ class Trainer:
     def _draft(self, batch: Batch, features: torch.Tensor, blocks: Blocks) -> DraftOutput:
         """The drafter's outputs for the blocks ((b, n*B, vocab) logits, ...), in the configured precision."""
         previous = true_predecessors(blocks, self.config.block_size) if self.drafter.selector is not None else None
+        model = self.model if torch.is_grad_enabled() else self.head  # no-grad forwards: no DDP collectives
         with self._autocast():
-            return self.model(features, blocks.tokens, blocks.positions, batch.attention_mask.to(self.device),
+            return model(features, blocks.tokens, blocks.positions, batch.attention_mask.to(self.device),
                               blocks.attn_mask, previous)
 
     def _batch(self, split: str, indices: list[int]) -> Batch:
@@ -942,49 +943,69 @@ class Trainer:
     @torch.no_grad()
     def evaluate(self) -> dict:
         """Held-out loss, per-position accuracy, and two acceptance lengths: over random anchors (fixed
-        across evaluations), and as greedy decoding would measure it (`eval_tau_decoding`)."""
+        across evaluations), and as greedy decoding would measure it (`eval_tau_decoding`). Under torchrun each
+        process evaluates its share of the held-out batches and responses, and the sums are added up: every
+        process gets the figures of the whole split."""
         self.drafter.eval()
-        totals = {"loss": 0.0, "n": 0, "accepted": 0.0, "blocks": 0.0}
-        recalls: list[float] = []  # DFlash2: how often the label is among a position's candidates
-        correct = counted = None
-        bs = self.config.batch_size
-        for start in range(0, len(self.eval_examples), bs):
-            indices = list(range(start, min(start + bs, len(self.eval_examples))))
+        B = self.config.block_size
+        sums = {"loss": 0.0, "n": 0.0, "accepted": 0.0, "blocks": 0.0, "recall": 0.0, "recalled_batches": 0.0}
+        correct, counted = torch.zeros(B, dtype=torch.float64), torch.zeros(B, dtype=torch.float64)  # (B,)
+        for indices in self._eval_batches()[self.rank::self.world]:
             out, _ = self._loss(self._batch("eval", indices), epoch=_EVAL_EPOCH)  # uniform anchors, comparable
-            totals["loss"] += float(out.loss) * len(indices)
-            totals["n"] += len(indices)
-            totals["accepted"] += float(out.accepted)
-            totals["blocks"] += float(out.blocks)
-            if out.selector_recall is not None:
-                recalls.append(out.selector_recall)
-            correct = out.correct if correct is None else correct + out.correct
-            counted = out.counted if counted is None else counted + out.counted
-        out = {"eval_loss": round(totals["loss"] / totals["n"], 4),
-               "eval_tau_estimate": round(estimated_acceptance_length(totals["accepted"], totals["blocks"]), 3)}
-        if recalls:
-            out["eval_candidate_recall"] = round(sum(recalls) / len(recalls), 4)
+            sums["loss"] += float(out.loss) * len(indices)
+            sums["n"] += len(indices)
+            sums["accepted"] += float(out.accepted)
+            sums["blocks"] += float(out.blocks)
+            if out.selector_recall is not None:  # DFlash2: how often the label is among a position's candidates
+                sums["recall"] += out.selector_recall
+                sums["recalled_batches"] += 1
+            correct += out.correct.cpu()
+            counted += out.counted.cpu()
+        tokens, steps = self._decoding_walk(self.config.eval_decoding_examples)
+        summed = self._sum_over_processes([*sums.values(), *correct.tolist(), *counted.tolist(), tokens, steps])
+        sums = dict(zip(sums, summed))
+        correct, counted = torch.tensor(summed[len(sums):len(sums) + B]), torch.tensor(summed[len(sums) + B:-2])
+        tokens, steps = summed[-2:]
+        out = {"eval_loss": round(sums["loss"] / sums["n"], 4),
+               "eval_tau_estimate": round(estimated_acceptance_length(sums["accepted"], sums["blocks"]), 3)}
+        if sums["recalled_batches"]:
+            out["eval_candidate_recall"] = round(sums["recall"] / sums["recalled_batches"], 4)
         if self.config.eval_decoding_examples:
-            out["eval_tau_decoding"] = round(self._decoding_acceptance_length(self.config.eval_decoding_examples), 3)
+            out["eval_tau_decoding"] = round(tokens / steps if steps else math.nan, 3)
         self.drafter.train()
-        accuracy = (correct[1:].float() / counted[1:].clamp_min(1)).tolist()
+        accuracy = (correct[1:] / counted[1:].clamp_min(1)).tolist()
         return {**out, "eval_accuracy_per_position": [round(a, 3) for a in accuracy]}
 
-    def _decoding_acceptance_length(self, num_responses: int) -> float:
-        """tau of greedy decoding on the first `num_responses` held-out responses, walked one sequence at a time
-        (`_walk`); a sequence's responses past that number are left out of its loss mask."""
+    def _eval_batches(self) -> list[list[int]]:
+        """The held-out split in batches of --batch-size, in order."""
+        n, bs = len(self.eval_examples), self.config.batch_size
+        return [list(range(start, min(start + bs, n))) for start in range(0, n, bs)]
+
+    def _decoding_walk(self, num_responses: int) -> tuple[int, int]:
+        """Tokens and steps of greedy decoding replayed on this process's share of the first `num_responses`
+        held-out responses, one sequence at a time (`_walk`); tau = tokens / steps over every process."""
         tokens = steps = 0
-        for i, example in enumerate(self.eval_examples):
-            if num_responses <= 0:
-                break
+        for i, cut in self._decoding_examples(num_responses)[self.rank::self.world]:
             batch = self._batch("eval", [i])
-            if len(example.responses) > num_responses:
-                batch.loss_mask[0, example.responses[num_responses][0]:] = False
-            num_responses -= len(example.responses)
+            if cut is not None:
+                batch.loss_mask[0, cut:] = False
             features, _ = self._features(batch)  # (1, T, F)
             walked, walk_tokens = self._walk(*(t.to(self.device) for t in (batch.input_ids, batch.attention_mask,
                                                                           batch.loss_mask)), features)
             tokens, steps = tokens + int(walk_tokens.sum()), steps + int(walked.sum())
-        return tokens / steps if steps else math.nan
+        return tokens, steps
+
+    def _decoding_examples(self, num_responses: int) -> list[tuple[int, int | None]]:
+        """The held-out sequences that hold the first `num_responses` responses, each with the position its loss
+        mask is cut at (a sequence's responses past that number are left out; None: none are)."""
+        chosen = []
+        for i, example in enumerate(self.eval_examples):
+            if num_responses <= 0:
+                break
+            cut = example.responses[num_responses][0] if len(example.responses) > num_responses else None
+            chosen.append((i, cut))
+            num_responses -= len(example.responses)
+        return chosen
 
     # ---- checkpoints -----------------------------------------------------------------------------------
     @property

@@ -208,6 +208,11 @@ def test_two_process_ddp_matches_one_process_with_the_doubled_batch(tiny_pair, t
     assert last_one["step"] == last_two["step"] == 4
     assert last_two["loss"] == pytest.approx(last_one["loss"], abs=2e-4)
     assert last_two["tau_estimate"] == pytest.approx(last_one["tau_estimate"], abs=1e-3)
+    # each process evaluates half the held-out split; the figures are the whole split's
+    eval_one, eval_two = [[r for r in log if "eval_loss" in r][-1] for log in (one_log, log)]
+    assert eval_one.keys() == eval_two.keys() and "eval_tau_decoding" in eval_one
+    for key in ("eval_loss", "eval_tau_estimate", "eval_tau_decoding", "eval_accuracy_per_position"):
+        assert eval_two[key] == pytest.approx(eval_one[key], abs=2e-3), key
 
 
 @pytest.mark.parametrize("anchor_policy", ["uniform", "decoding"])
@@ -389,11 +394,47 @@ def test_eval_decoding_examples_counts_held_out_answers_not_sequences(tiny_pair,
 
     def answers_replayed(n: int) -> int:
         walked_masks.clear()
-        trainer._decoding_acceptance_length(n)
+        trainer._decoding_walk(n)
         starts = [m[0, 1:] & ~m[0, :-1] for m in walked_masks]  # each answer's first token (none at 0 here)
         return sum(int(s.sum()) for s in starts)
 
     assert [answers_replayed(n) for n in (1, 2, 3, 64)] == [1, 2, 3, 4]
+
+
+@pytest.mark.parametrize("dflash2", [False, True])
+def test_each_process_evaluates_its_share_and_reports_the_whole_splits_figures(tiny_pair, train_data, tmp_path,
+                                                                              monkeypatch, dflash2):
+    """Under torchrun every process evaluated the whole held-out split; now each takes every world-th batch and
+    response, and the added sums give each the figures one process gets alone."""
+    trainer = Trainer(config(tiny_pair, train_data, tmp_path / "o", eval_fraction=0.375, batch_size=2,
+                             dflash2=dflash2)).setup()
+    alone = trainer.evaluate()
+    assert len(trainer.eval_examples) == 6 and "eval_tau_decoding" in alone
+    evaluated, walked, sums = {0: [], 1: []}, {0: 0, 1: 0}, {}
+    loss, walk = trainer._loss, trainer._walk
+
+    def counting_loss(batch, epoch, **kw):
+        evaluated[trainer.rank] += batch.indices
+        return loss(batch, epoch, **kw)
+
+    def counting_walk(*args):
+        walked[trainer.rank] += 1
+        return walk(*args)
+
+    monkeypatch.setattr(trainer, "_loss", counting_loss)
+    monkeypatch.setattr(trainer, "_walk", counting_walk)
+    monkeypatch.setattr(trainer, "_sum_over_processes", lambda values: sums.setdefault(trainer.rank, values))
+    trainer.world = 2
+    for rank in (0, 1):
+        trainer.rank = rank
+        trainer.evaluate()
+    assert evaluated == {0: [0, 1, 4, 5], 1: [2, 3]} and walked == {0: 3, 1: 3}
+    added = [a + b for a, b in zip(sums[0], sums[1])]
+    monkeypatch.setattr(trainer, "_sum_over_processes", lambda values: added)
+    together = trainer.evaluate()
+    assert together.keys() == alone.keys()
+    for key, value in alone.items():
+        assert together[key] == pytest.approx(value, abs=1e-4), key
 
 
 def test_a_held_out_split_of_nothing_is_warned_of(tiny_pair, tmp_path, capsys):
