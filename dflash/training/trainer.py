@@ -540,6 +540,7 @@ class Trainer:
 
     def _setup_drafter(self) -> None:
         c = self.config
+        self._refuse_a_drafter_deeper_than_the_target()
         torch.manual_seed(torch_seed(c.seed))
         if c.init_from:
             self.drafter = self._pretrained_drafter(c.init_from)
@@ -560,6 +561,15 @@ class Trainer:
             ids = [self.device.index] if self.device.type == "cuda" else None
             self.model = nn.parallel.DistributedDataParallel(self.head, device_ids=ids)
         self.gamma = c.loss_gamma or loss_gamma(c.block_size)
+
+    def _refuse_a_drafter_deeper_than_the_target(self) -> None:
+        """A drafter deeper than its target drafts slower than the target decodes; a typo (--draft-layers 100)
+        would also fill the memory before the first step."""
+        layers, target_layers = self.config.draft_layers, self.target.num_layers
+        if layers is not None and layers > target_layers:
+            raise UserError(f"--draft-layers {layers}: the target has {target_layers} layers, and a drafter deeper "
+                            "than its target drafts slower than the target decodes; DFlash drafters have a few "
+                            f"layers (1 by default): give at most {target_layers}")
 
     def _warn_untapped_layer(self) -> None:
         """A drafter whose target layers vLLM and SGLang cannot feed it (`untappable`: e.g. the target's last layer,

@@ -787,6 +787,20 @@ def test_fine_tuning_can_add_drafter_layers_without_changing_the_drafter(tiny_pa
                        draft_layers=2)).setup()
 
 
+@pytest.mark.parametrize("init_from", [False, True])
+def test_a_drafter_deeper_than_its_target_is_refused_before_it_is_built(tiny_pair, train_data, tmp_path, init_from):
+    if init_from:
+        Trainer(config(tiny_pair, train_data, tmp_path / "first", max_steps=1)).setup().train()
+    options = {"init_from": str(tmp_path / "first")} if init_from else {}
+    layers = Trainer(config(tiny_pair, train_data, tmp_path / "o", **options)).setup().target.num_layers
+    assert Trainer(config(tiny_pair, train_data, tmp_path / "deep", draft_layers=layers,
+                          **options)).setup().drafter_config.num_hidden_layers == layers
+    with pytest.raises(UserError, match=rf"^--draft-layers {layers + 1}: the target has {layers} layers, .* give at "
+                                        rf"most {layers}$"):
+        Trainer(config(tiny_pair, train_data, tmp_path / "deeper", draft_layers=layers + 1, **options)).setup()
+    assert not (tmp_path / "deeper").exists()  # set-up leaves the output as it found it
+
+
 def test_extra_train_data_trains_without_changing_the_held_out_split(tiny_pair, train_data, tmp_path):
     extra = tmp_path / "extra.jsonl"
     extra.write_text("".join(train_data.read_text().splitlines(True)[:5]))  # any records: training only
