@@ -18,9 +18,24 @@ class TemplateRefusal(GenerationError):
 
 
 def encode_plain(tokenizer, text: str) -> list[int]:
-    """Token ids of text sent as it is (no chat template): with the tokenizer's special tokens (e.g. BOS). The
-    tokenizer does not warn of a text longer than its model's context (see `render_chat`)."""
-    return tokenizer(text, add_special_tokens=True, verbose=False)["input_ids"]
+    """Token ids of text sent as it is (no chat template): with the tokenizer's special tokens (e.g. BOS), except
+    a BOS the text already starts with (a prompt a chat template rendered, as Llama 3's writes its
+    `<|begin_of_text|>`): the model never saw two. The tokenizer does not warn of a text longer than its model's
+    context (see `render_chat`)."""
+    ids = tokenizer(text, add_special_tokens=True, verbose=False)["input_ids"]
+    bos, bos_text = tokenizer.bos_token_id, tokenizer.bos_token
+    if bos is None or not bos_text or not text.startswith(bos_text):
+        return ids
+    in_text = (len(text) - len(_after_leading(text, bos_text))) // len(bos_text)  # BOS tokens the text starts with
+    leading = next((i for i, t in enumerate(ids) if t != bos), len(ids))  # BOS ids the encoding starts with
+    return ids[1:] if leading == in_text + 1 else ids  # the tokenizer added one before the text's own
+
+
+def _after_leading(text: str, prefix: str) -> str:
+    """`text` without the copies of `prefix` it starts with."""
+    while text.startswith(prefix):
+        text = text[len(prefix):]
+    return text
 
 
 def render_chat(tokenizer, messages: list[dict], /, **options) -> Any:

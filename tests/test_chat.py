@@ -3,7 +3,7 @@
 import pytest
 
 from conftest import make_tokenizer
-from dflash.chat import as_ids, render_chat, template_roles
+from dflash.chat import as_ids, encode_plain, render_chat, template_roles
 from dflash.serve.protocol import ChatMessage
 
 DEVELOPER = [{"role": "developer", "content": "Answer tersely."}, {"role": "user", "content": "How many clips?"}]
@@ -33,3 +33,29 @@ def test_the_server_passes_an_earlier_answers_reasoning_to_the_template(field):
                                "<|im_end|>{% endif %}{{ m.content }}{% endfor %}")
     text = tokenizer.decode(as_ids(render_chat(tokenizer, [message.for_template()])))
     assert text.replace(" ", "") == "<|im_start|>48and24<|im_end|>72"
+
+
+def bos_adding_tokenizer(adds_bos: bool = True):
+    """A Llama-style tokenizer whose encoding starts with its BOS `<s>` (when `adds_bos`)."""
+    from tokenizers import Tokenizer, models, pre_tokenizers, processors
+    from transformers import PreTrainedTokenizerFast
+
+    pieces = ["<unk>", "<s>", "</s>"] + [chr(c) for c in range(ord("a"), ord("z") + 1)]
+    tok = Tokenizer(models.WordLevel(vocab={p: i for i, p in enumerate(pieces)}, unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.Split("", "isolated")
+    if adds_bos:
+        tok.post_processor = processors.TemplateProcessing(single="<s> $A", special_tokens=[("<s>", 1)])
+    return PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="<unk>", bos_token="<s>", eos_token="</s>")
+
+
+@pytest.mark.parametrize("adds_bos", [True, False])
+def test_a_text_that_starts_with_bos_gets_no_second_one(adds_bos):
+    """A completion prompt rendered by a chat template starts with the BOS token; the tokenizer added another."""
+    tokenizer = bos_adding_tokenizer(adds_bos)
+    added = [1] if adds_bos else []
+    assert encode_plain(tokenizer, "ab") == added + [3, 4]
+    assert encode_plain(tokenizer, "<s>ab") == [1, 3, 4]
+    assert encode_plain(tokenizer, "<s><s>ab") == [1, 1, 3, 4]  # the text's own BOS tokens are kept, each
+    assert encode_plain(tokenizer, "a<s>b") == added + [3, 1, 4]
+    assert encode_plain(tokenizer, "") == added
+    assert encode_plain(tokenizer, "<s>") == [1]
