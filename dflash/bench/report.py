@@ -227,6 +227,8 @@ def markdown(results: list[BenchResult], setup: dict) -> str:
     lines = ["# dflash bench", ""]
     lines += [f"- {k}: {v}" for k, v in setup.items() if v not in (None, "", [], {}) and k != "sample_ids"]
     lines += [f"- sample ids, {name} ({len(ids)}): {_ids(ids)}" for name, ids in setup.get("sample_ids", {}).items()]
+    if not results:  # a run stopped (or still running) before its first result
+        return "\n".join(lines + ["", "No run has finished yet: this file is rewritten as each one finishes.", ""])
     lines += ["", "| " + " | ".join(c.header for c in columns) + " |",
               "|" + "|".join("---" for _ in columns) + "|"]
     lines += ["| " + " | ".join(cell(c.get(r), c.fmt) for c in columns) + " |" for r in results]

@@ -156,3 +156,10 @@ def test_the_legend_explains_the_speedup_range_only_where_rounds_give_one():
     rounds.speedup_per_round = [1.9, 2.1, 2.0]
     assert ("(with rounds, the median of the rounds' speedups; speedup range: their min-max; prompts: a round's "
             "conversations, errors: those of every round)") in markdown([rounds], {})
+
+
+def test_results_md_of_a_run_before_its_first_result_says_so_instead_of_an_empty_table():
+    text = markdown([], {"datasets": "gsm8k", "runs_finished": "0 of 2"})
+    assert "- runs_finished: 0 of 2" in text and "No run has finished yet" in text
+    assert "| dataset |" not in text and "tok/s: output tokens" not in text
+    assert "No run has finished yet" not in markdown([local("gsm8k")], {})
