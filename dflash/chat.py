@@ -23,7 +23,7 @@ def encode_plain(tokenizer, text: str) -> list[int]:
     `<|begin_of_text|>`): the model never saw two. The tokenizer does not warn of a text longer than its model's
     context (see `render_chat`)."""
     ids = tokenizer(text, add_special_tokens=True, verbose=False)["input_ids"]
-    bos, bos_text = tokenizer.bos_token_id, tokenizer.bos_token
+    bos, bos_text = getattr(tokenizer, "bos_token_id", None), getattr(tokenizer, "bos_token", None)
     if bos is None or not bos_text or not text.startswith(bos_text):
         return ids
     in_text = (len(text) - len(_after_leading(text, bos_text))) // len(bos_text)  # BOS tokens the text starts with
