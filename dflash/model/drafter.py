@@ -264,6 +264,18 @@ class DFlashDraftModel(nn.Module):
         if config.dflash2 is not None:
             self.candidate_selector = CandidateSelector(config.hidden_size, config.vocab_size, config.dflash2)
 
+    def _apply(self, fn, recurse: bool = True):
+        """Casts (`.to(bfloat16)`, `.half()`) leave the rotary frequencies in float32, as transformers keeps a
+        target's: rounded to bfloat16 they turn a query and a key a few thousand positions apart by radians, so the
+        drafter would rotate otherwise than it was trained (in float32) and than vLLM or SGLang rotate it."""
+        frequencies = {name: b for name, b in self.rotary_emb.named_buffers(recurse=False) if b.is_floating_point()}
+        super()._apply(fn, recurse)
+        for name, kept in frequencies.items():  # the float32 values, moved to wherever `fn` moved the rounded ones
+            moved = getattr(self.rotary_emb, name)
+            if moved.dtype != kept.dtype:
+                setattr(self.rotary_emb, name, kept.to(moved.device))
+        return self
+
     @property
     def dtype(self) -> torch.dtype:
         """The dtype of the drafter's activations (its norms'), which its matrix products may not share."""

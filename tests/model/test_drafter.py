@@ -117,3 +117,23 @@ def test_asking_only_for_some_positions_gives_their_values_of_the_full_forward(t
     changed[:, -1] += 1.0  # a position left out of the output still feeds the ones asked for
     assert not torch.allclose(drafter(changed, positions, context, ctx_positions, outputs=slice(1, 4)),
                               full[:, 1:4], atol=1e-5)
+
+
+def test_casting_the_drafter_keeps_its_rotary_frequencies_in_float32(target, tmp_path):
+    """`.to(bfloat16)` (how a drafter loads in a bfloat16 target's dtype) rounded the rotary frequencies, which
+    turned positions thousands of tokens apart by radians; they stay float32, as transformers keeps a target's."""
+    from dflash.model.loading import load_drafter
+
+    drafter = tiny_drafter(target)
+    exact = {name: b.clone() for name, b in drafter.rotary_emb.named_buffers()}
+    assert "inv_freq" in exact and all(b.dtype == torch.float32 for b in exact.values())
+    drafter.save_pretrained(str(tmp_path / "d"))
+    for cast in (load_drafter(tmp_path / "d", dtype=torch.bfloat16), drafter.half(), drafter.to(torch.bfloat16)):
+        assert cast.norm.weight.dtype in (torch.bfloat16, torch.float16)  # the weights were cast
+        for name, b in cast.rotary_emb.named_buffers():
+            assert b.dtype == torch.float32 and torch.equal(b, exact[name]), name
+        positions = torch.tensor([[4000]])
+        x = torch.zeros(1, 1, 16, dtype=cast.norm.weight.dtype)
+        cos, _ = cast.rotary_emb(x, positions)
+        angles = positions[0, 0].double() * exact["inv_freq"].double()
+        assert torch.allclose(cos[0, 0, :8].double(), angles.cos(), atol=1e-2)  # (rounded to bfloat16 at the end)
