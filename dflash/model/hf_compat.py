@@ -609,6 +609,33 @@ def rope_fields(config: Any) -> dict[str, Any]:
     if not _factors_fit(out, head_dim(config)):
         out = {"rope_theta": out.get("rope_theta", DEFAULT_ROPE_THETA)}
     out.setdefault("rope_theta", DEFAULT_ROPE_THETA)
+    return complete_longrope(out, getattr(config, "max_position_embeddings", None),
+                             getattr(config, "original_max_position_embeddings", None))
+
+
+ROPE_KEYS = ("rope_theta", "rope_scaling", "rope_parameters", "original_max_position_embeddings")
+
+
+def complete_longrope(rope: dict[str, Any], max_positions: int | None, original: int | None) -> dict[str, Any]:
+    """Longrope fields every transformers version reads alike. Phi-3's config keeps the length it switches from
+    short to long factors at (`original_max_position_embeddings`) at its top level, and neither it nor transformers
+    5 writes a `factor`; transformers 4 cannot build a longrope rotary without one of them on a Qwen3Config (a
+    drafter's), and without the top-level field it switches at the wrong length. So the length goes both inside the
+    rope dicts and beside them, and `factor` is its ratio to `max_positions`."""
+    out = dict(rope)
+    for key in ("rope_scaling", "rope_parameters"):
+        params = out.get(key)
+        if not isinstance(params, dict) or (params.get("rope_type") or params.get("type")) != "longrope":
+            continue
+        length = params.get("original_max_position_embeddings") or original or out.get(
+            "original_max_position_embeddings")
+        if not length:
+            continue
+        params = {**params, "original_max_position_embeddings": length}
+        if params.get("factor") is None and max_positions:
+            params["factor"] = max_positions / length
+        out[key] = params
+        out["original_max_position_embeddings"] = length
     return out
 
 

@@ -198,6 +198,45 @@ def test_a_drafter_for_a_partly_rotated_longrope_target_rotates_its_whole_head_w
     assert torch.equal(loaded.rotary_emb.inv_freq, drafter.rotary_emb.inv_freq)
 
 
+def test_a_drafter_for_a_longrope_target_rotates_as_the_target_on_both_sides_of_the_switch():
+    """Phi-3.5's config keeps the switch length at its top level (transformers 4) or in rope_parameters (5), with
+    no `factor`: transformers 4 could not build the drafter's rotary from the fields copied, and an export written
+    under 5 did not load under 4. The drafter now rotates as its target, and its export loads as it trained."""
+    from transformers import AutoModelForCausalLM
+
+    from dflash.model.drafter import DFlashDraftModel
+    from dflash.training.config import TrainConfig
+    from dflash.training.drafter_setup import drafter_config_for
+
+    config = tiny_target_config("phi3")
+    config.sliding_window = None
+    factors = dict(short_factor=[1.0] * 8, long_factor=[1.0 + i for i in range(8)])  # head_dim 16: whole head
+    config.original_max_position_embeddings = 64
+    if isinstance(getattr(config, "rope_parameters", None), dict):  # transformers 5
+        config.rope_parameters = dict(rope_type="longrope", rope_theta=10000.0, original_max_position_embeddings=64,
+                                      **factors)
+    else:
+        config.rope_scaling = dict(type="longrope", **factors)
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(config).eval()
+    drafter_config = drafter_config_for(TargetModel(model),
+                                        TrainConfig(target="t", data="d.jsonl", output="o", block_size=4), 0)
+    saved = drafter_config.to_dict()
+    assert saved["original_max_position_embeddings"] == 64  # where engines on transformers 4 read it
+    rope = saved.get("rope_parameters") or saved["rope_scaling"]
+    assert rope["factor"] == 1024 / 64 and rope["original_max_position_embeddings"] == 64
+    older = {k: v for k, v in saved.items() if k != "original_max_position_embeddings"}  # an export of 5, before
+    older = {**older, **{key: {k: v for k, v in older[key].items() if k != "factor"}
+                         for key in ("rope_scaling", "rope_parameters") if isinstance(older.get(key), dict)}}
+    x = torch.zeros(1, 1, 16)
+    for drafter in (DFlashDraftModel(drafter_config), DFlashDraftModel(DrafterConfig.from_dict(saved)),
+                    DFlashDraftModel(DrafterConfig.from_dict(older))):
+        for position in (10, 63, 64, 200, 1000):  # short factors, then long ones, and their attention scaling
+            ours = drafter.rotary_emb(x, torch.tensor([[position]]))
+            theirs = model.model.rotary_emb(x, torch.tensor([[position]]))
+            assert all(torch.allclose(a, b, atol=1e-6) for a, b in zip(ours, theirs)), position
+
+
 def test_rope_switch_length_is_where_a_longrope_rotary_changes_its_factors_inside_the_context():
     from types import SimpleNamespace
 
