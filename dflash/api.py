@@ -485,9 +485,19 @@ def _set_drafter_precision(drafter: DFlashDraftModel, target: TargetModel, preci
         if plain_head and target.device.type == "cpu":
             use_bfloat16_matmuls(drafter, head.weight)
     elif not (plain_head and use_bfloat16_matmuls(drafter, head.weight, force=True)):
-        raise UserError("this drafter cannot draft with bfloat16 products (its target's LM head is not a plain "
-                        "linear layer, or the models are on different devices): use drafter precision auto or "
-                        "float32, or load the pair with dtype bfloat16")
+        raise UserError(f"this drafter cannot draft with bfloat16 products ({_why_no_bfloat16(head, drafter)}): use "
+                        "drafter precision auto or float32, or load the pair with dtype bfloat16")
+
+
+def _why_no_bfloat16(head: torch.nn.Module, drafter: DFlashDraftModel) -> str:
+    """Why a float32 drafter's products cannot be moved to bfloat16 beside this LM head of its target."""
+    if not (isinstance(head, torch.nn.Linear) and head.bias is None):
+        return f"its target's LM head is a {type(head).__name__}, not a linear layer without a bias"
+    if head.weight.dtype != torch.float32:
+        return (f"its target is in {str(head.weight.dtype).removeprefix('torch.')} and the drafter in float32; "
+                "load the drafter in the target's dtype")
+    return (f"the target's LM head is on {head.weight.device} and the drafter on "
+            f"{next(drafter.parameters()).device}")
 
 
 def _proposer(target: TargetModel, drafter: DFlashDraftModel | TargetModel | None, block_size: int | None):

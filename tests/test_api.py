@@ -416,6 +416,19 @@ def test_a_drafter_of_another_width_is_refused_naming_the_mismatch_at_every_prec
         DFlash.from_pretrained(tiny_pair[0], dflash.api.DEFAULT_DRAFT, drafter_precision=precision)
 
 
+def test_bfloat16_products_beside_a_bfloat16_target_are_refused_naming_its_dtype(tiny_pair):
+    """The refusal named an LM head that was not a plain linear layer, or other devices: neither was the case."""
+    from dflash.model.loading import load_drafter
+    from dflash.model.target import TargetModel
+
+    target = TargetModel.from_pretrained(tiny_pair[0], dtype="bfloat16")
+    drafter = load_drafter(tiny_pair[1], dtype="float32")
+    with pytest.raises(UserError, match=r"cannot draft with bfloat16 products \(its target is in bfloat16 and the "
+                                        r"drafter in float32; load the drafter in the target's dtype\)"):
+        DFlash(target, drafter, drafter_precision="bfloat16")
+    assert DFlash(target, load_drafter(tiny_pair[1], dtype="bfloat16"), drafter_precision="bfloat16").drafter
+
+
 def test_pipelines_decode_on_several_threads_at_once(pipe):
     """Each forward captures the target's features for its own thread: concurrent calls give what each gives alone."""
     import threading
