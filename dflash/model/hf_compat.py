@@ -92,8 +92,11 @@ class GrowingLayer(DynamicLayer):
             self._values.keep_rows(rows)
 
     def crop(self, length_or_removed: int) -> None:
-        """transformers 5.x passes minus the number of slots to drop, 4.x the number of slots to keep."""
-        keep = self._keys.length + length_or_removed if length_or_removed <= 0 else length_or_removed
+        """Minus the number of slots to drop (both versions; `crop_cache` passes that), or the number of slots to
+        keep (transformers 4.x alone; 0 keeps none there, and drops none in 5.x)."""
+        if length_or_removed == 0 and TRANSFORMERS_MAJOR >= 5:
+            return
+        keep = self._keys.length + length_or_removed if length_or_removed < 0 else length_or_removed
         self._keys.truncate(keep)
         self._values.truncate(keep)
 
@@ -443,12 +446,8 @@ def cache_length(cache: DynamicCache) -> int:
 def crop_cache(cache: DynamicCache, new_length: int) -> None:
     """Keep the first `new_length` slots of every layer."""
     remove = cache_length(cache) - new_length
-    if remove <= 0:
-        return
-    if TRANSFORMERS_MAJOR >= 5:
-        cache.crop(-remove)
-    else:
-        cache.crop(new_length)
+    if remove > 0:
+        cache.crop(-remove)  # a negative count removes slots in transformers 4.57+ and 5.x alike
 
 
 def cache_tensors(cache: DynamicCache) -> list[tuple[torch.Tensor, torch.Tensor]]:

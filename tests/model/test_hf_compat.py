@@ -61,6 +61,24 @@ def test_growing_cache_layers_follow_appends_crops_and_row_selection():
     assert torch.allclose(nxt[0, -1], ref.logits[0, -1], atol=1e-4)
 
 
+def test_a_crop_to_no_slots_empties_the_cache_and_a_crop_of_zero_follows_each_versions_meaning():
+    """transformers 4 reads crop(0) as "keep none", 5 as "drop none"; `crop_cache` passes a count to drop."""
+    model = tiny_target_model("qwen3")
+    target, cache = TargetModel(model), hf_compat.new_dynamic_cache(model.config)
+    ids = torch.randint(0, 100, (1, 6))
+    target.forward(ids, torch.arange(6)[None], cache)
+    hf_compat.crop_cache(cache, 0)
+    assert hf_compat.cache_length(cache) == 0
+    out = target.forward(ids[:, :3], torch.arange(3)[None], cache)  # decodes anew from an empty cache
+    assert torch.allclose(out.logits, target.forward(ids[:, :3], torch.arange(3)[None], target.new_cache()).logits,
+                          atol=1e-5)
+    layer = cache.layers[0]
+    layer.crop(-1)
+    assert layer.keys.shape[-2] == 2
+    layer.crop(0)
+    assert layer.keys.shape[-2] == (2 if hf_compat.TRANSFORMERS_MAJOR >= 5 else 0)
+
+
 @pytest.mark.parametrize("family", FAMILIES + MORE_FAMILIES + REFUSED_FAMILIES)
 def test_rollback_problem_names_the_layers_that_cannot_be_rolled_back(family):
     problem = hf_compat.rollback_problem(tiny_target_config(family, layers=2))
