@@ -35,13 +35,15 @@ whatever k is), which weighs more on short blocks and on cheap plain steps. So e
 and what it took beyond its start-up time, a moving average per decoder, is added to T.
 
 The same costs give the fallback its break-even acceptance length: a drafted step's time over a plain
-step's.
+step's at the same rows, each as served lately at that many rows (`ServedRatios`).
 """
 
 from __future__ import annotations
 
 import logging
+import statistics
 import time
+from collections import deque
 from dataclasses import dataclass, field
 from functools import partial
 from typing import Callable
@@ -357,6 +359,30 @@ class StepOverhead:
         return self.extra_s[drafted] if self.fresh(drafted, now) else 0.0
 
 
+@dataclass
+class ServedRatios:
+    """How many times its start-up time a served step took, per decoder (drafted or plain) and row count: the
+    median of the last `keep` steps of that shape within `fresh_for_s`. The fallback's break-even compares the two
+    decoders at one row count by these. One extra time per decoder, added at every shape, did not: the extra grows
+    with the rows and the block (measured on 2 cores: 0.3-1.2 ms a step at one row, 4 ms at 8 x 8, 10-20 ms at
+    8 x 16; a plain step at 8 rows 2 ms), so one at 8 rows judged a step of one row, and a drafted one's stood in
+    for the plain one's, which pulled the break-even towards 1 (1.9 where sampled drafting at 8 rows broke even
+    at 3.9, and kept drafting 9% slower than plain decoding)."""
+
+    keep: int = 16
+    fresh_for_s: float = 120.0
+    seen: dict[tuple[bool, int], deque] = field(default_factory=dict)  # (drafted, rows) -> (time, ratio)
+
+    def observe(self, drafted: bool, rows: int, measured_s: float, calibrated_s: float, now: float) -> None:
+        if calibrated_s > 0:
+            self.seen.setdefault((drafted, rows), deque(maxlen=self.keep)).append((now, measured_s / calibrated_s))
+
+    def of(self, drafted: bool, rows: int, now: float) -> float | None:
+        """The decoder's recent ratio at this many rows; None when it has not run at it lately."""
+        recent = [ratio for at, ratio in self.seen.get((drafted, rows), ()) if now - at <= self.fresh_for_s]
+        return statistics.median(recent) if recent else None
+
+
 class BlockSizePolicy:
     """Picks each drafted step's block size from the batch's rows; used from the decode thread only."""
 
@@ -375,6 +401,7 @@ class BlockSizePolicy:
         self._proposers = {k: proposer.with_block_size(k) for k in costs.block_sizes}
         self._judged_confidence: list[list[float]] | None = None  # of the tokens the last step verified
         self.overhead = StepOverhead()
+        self.served = ServedRatios()
 
     @classmethod
     def calibrate(cls, engine: SpeculativeEngine, max_batch_size: int) -> "BlockSizePolicy":
@@ -414,25 +441,18 @@ class BlockSizePolicy:
 
     def break_even(self, rows: int, block_size: int | None = None, now: float | None = None) -> float:
         """The acceptance length at which a drafted step of this shape yields as many tokens/s as plain steps;
-        without a block size, at the one this policy would choose for that many rows. From served times:
-        start-up time + the recent extra time per step of each decoder. A decoder not served lately (the
-        other one carries the whole load) is taken to have the same extra time as the one served: the extra
-        comes per forward whatever the decoder (the server's bookkeeping, its clients, other processes).
-        Measured at 8 rows on this CPU (while KV caches still grew by a copy every forward): plain steps ~6 ms
-        over start-up, drafted ones ~7 ms; the start-up ratio alone put break-even at ~3.0 where drafting
-        already paid at an acceptance of 2.6."""
+        without a block size, at the one this policy would choose for that many rows. From served times: each
+        decoder's start-up time at this many rows times how much longer its served steps at that many rows took
+        lately (`ServedRatios`). A decoder that has not run at it lately (the other carries the load) is taken to
+        run as far over start-up as the other one does: the start-up ratio, not one decoder's time against the
+        other's guess."""
         now = time.monotonic() if now is None else now
         k = block_size if block_size is not None else self.choose(rows, now)
-        served = {d: self.overhead.of(d, now) for d in (True, False) if self.overhead.fresh(d, now)}
-        extra_drafted = served.get(True, served.get(False, 0.0))
-        extra_plain = served.get(False, served.get(True, 0.0))
-        drafted, plain = self.costs(rows, k), self.plain_costs(rows, 1)
-        # Served steps may run faster than start-up timed them (a start-up slowed by other work), but a step
-        # never costs nothing: a plain step taken at under half its start-up time would make the ratio run away
-        # (a break-even of 23 was seen at block 16 on a shared machine). Nor can any acceptance length
-        # exceed the block size, so a break-even above it means the same as the block size: never pays.
-        ratio = max(drafted + extra_drafted, 0.5 * drafted) / max(plain + extra_plain, 0.5 * plain)
-        return min(ratio, float(k))
+        drafted_ratio, plain_ratio = self.served.of(True, rows, now), self.served.of(False, rows, now)
+        drafted_ratio = drafted_ratio or plain_ratio or 1.0
+        plain_ratio = plain_ratio or drafted_ratio
+        ratio = self.costs(rows, k) * drafted_ratio / (self.plain_costs(rows, 1) * plain_ratio)
+        return min(ratio, float(k))  # no acceptance length exceeds the block: a break-even above it never pays
 
     def observe_step(self, rows: int, block_size: int, seconds: float, now: float | None = None,
                      after_drafting: bool = False) -> None:
@@ -442,7 +462,9 @@ class BlockSizePolicy:
             self.after_drafting_line.observe(block_size, seconds)
         costs = self.after_drafting_costs if after_drafting else self.costs
         calibrated = costs(rows, block_size) if drafted else self.plain_costs(rows, 1)
-        self.overhead.observe(drafted, seconds, calibrated, time.monotonic() if now is None else now)
+        now = time.monotonic() if now is None else now
+        self.overhead.observe(drafted, seconds, calibrated, now)
+        self.served.observe(drafted, rows, seconds, calibrated, now)
 
     def choose(self, rows: int, now: float | None = None) -> int:
         now = time.monotonic() if now is None else now

@@ -442,19 +442,21 @@ class Scheduler:
             self.fallback.observe(workload, lengths)
 
     def _fallback_weight(self, batch: Batch) -> float | None:
-        """What a drafted step's acceptance lengths are multiplied by before the fallback judges them: 1, or for a
-        step whose block was cut to what its rows still want (or to the context's end), the break-even of the
-        block the policy would choose now (what the automatic threshold is) over that of the block it ran. A cut
-        block of k yields at most k tokens and costs what a step of k costs: weighed so, a step that paid as well
-        as plain decoding counts as the break-even. Taken as they came, a drafter right every time fell back on
-        requests of 2 tokens; judged by the rows that missed alone, one right 9 times in 10 did. None: no verdict
-        (no step costs to weigh by, or no draft token)."""
-        if not batch.cut_short:
-            return 1.0
+        """What a drafted step's acceptance lengths are multiplied by before the fallback judges them: the
+        break-even of the block the policy would choose for every running row (the batch drafting gets if it
+        comes back; in auto mode the threshold) over the break-even of this step's own block at that many rows.
+        A block of k yields at most k tokens and costs what a step of k costs: weighed so, a step that paid as well
+        as plain decoding counts as the break-even, and a step at the chosen block counts as it came. Three kinds
+        of step ran another block than that: one cut to what its rows still want (taken as they came, a drafter
+        right every time fell back on requests of 2 tokens), a probe's one row (a block of 16, where 8 rows
+        would draft 8: its longer lengths passed a threshold set for 8) and one row choosing after drafting. None:
+        no verdict (no step costs to weigh a cut step by, or no draft token)."""
         policy = self.block_policy
-        if policy is None or policy.plain_costs is None or batch.block_size < 2:
+        if policy is None or policy.plain_costs is None:
+            return None if batch.cut_short else 1.0
+        if batch.block_size < 2:
             return None
-        rows = len(batch.sequences)
+        rows = self._running_rows()
         return policy.break_even(rows) / policy.break_even(rows, batch.block_size)
 
     def _drop_finished(self, decoder: str) -> bool:

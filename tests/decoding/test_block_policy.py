@@ -205,38 +205,51 @@ def test_break_even_is_the_cost_ratio_to_a_plain_step():
     assert policy.break_even(8) == policy.break_even(8, policy.choose(8))  # at the block it would choose
 
 
-def test_break_even_follows_the_time_served_steps_took_beyond_their_start_up_time():
-    policy = BlockSizePolicy(FakeProposer(16), costs(per_token_s=0.001), StepCosts({(1, 1): 0.010, (8, 1): 0.020}))
+def served_policy() -> BlockSizePolicy:
+    return BlockSizePolicy(FakeProposer(16), costs(per_token_s=0.001), StepCosts({(1, 1): 0.010, (8, 1): 0.020}))
+
+
+def test_break_even_compares_each_decoders_served_steps_at_the_row_count_judged():
+    """Served steps at 8 rows took longer than start-up timed them, each decoder by its own factor; those at one
+    row did not, and judge one row."""
+    policy = served_policy()
     calibrated = policy.break_even(8, 16, now=0.0)
     assert calibrated == pytest.approx(0.138 / 0.020)
-    for t in range(20):  # under load every step takes 40 ms longer than at start-up
-        policy.observe_step(8, 1, 0.020 + 0.040, now=float(t))
-        policy.observe_step(8, 16, 0.138 + 0.040, now=float(t))
-    assert policy.break_even(8, 16, now=20.0) == pytest.approx(0.178 / 0.060)
-    policy.observe_step(8, 16, 0.138, now=21.0)  # one step with no extra time moves the average a tenth of the way
-    assert policy.break_even(8, 16, now=21.0) == pytest.approx((0.138 + 0.036) / 0.060)
-    # plain steps not timed for a while: their old extra time has no say; they are taken to pay what
-    # drafted steps pay now (the extra comes per forward, whatever the decoder)
-    policy.observe_step(8, 16, 0.138 + 0.010, now=100.0)
-    assert policy.break_even(8, 16, now=100.0) == pytest.approx((0.138 + 0.010) / (0.020 + 0.010))
-    policy.observe_step(8, 1, 0.020 + 0.030, now=200.0)  # and the other way round
-    assert policy.break_even(8, 16, now=200.0) == pytest.approx((0.138 + 0.030) / (0.020 + 0.030))
-    assert policy.break_even(8, 16, now=300.0) == pytest.approx(calibrated)  # neither served lately
+    for t in range(20):
+        policy.observe_step(8, 1, 0.020 * 1.2, now=float(t))
+        policy.observe_step(8, 16, 0.138 * 1.5, now=float(t))
+        policy.observe_step(1, 16, 0.026, now=float(t))  # one row: as at start-up
+    assert policy.break_even(8, 16, now=20.0) == pytest.approx(0.138 * 1.5 / (0.020 * 1.2))
+    assert policy.break_even(1, 16, now=20.0) == pytest.approx(0.026 / 0.010)  # not 8 rows' extra time
+    policy.observe_step(8, 16, 0.138 * 9, now=21.0)  # one stalled step among 21: the median does not move
+    assert policy.break_even(8, 16, now=21.0) == pytest.approx(0.138 * 1.5 / (0.020 * 1.2))
+    assert policy.break_even(8, 16, now=200.0) == pytest.approx(calibrated)  # neither served lately
+
+
+def test_a_decoder_not_served_lately_is_taken_to_run_as_far_over_start_up_as_the_other():
+    """Sampled drafted steps at 8 rows took 1.7x their (greedy) start-up time while no plain step ran: the plain
+    steps' time was taken to grow by the drafted steps' extra, which put the break-even at 1.6 where it was 3.9.
+    Now the start-up ratio stands until a plain step is timed at that many rows."""
+    policy = served_policy()
+    for t in range(10):
+        policy.observe_step(8, 16, 0.138 * 1.7, now=float(t))
+    assert policy.break_even(8, 16, now=10.0) == pytest.approx(0.138 / 0.020)
+    policy.observe_step(8, 1, 0.020 * 1.3, now=11.0)
+    assert policy.break_even(8, 16, now=11.0) == pytest.approx(0.138 * 1.7 / (0.020 * 1.3))
+    policy.observe_step(1, 1, 0.010 * 2.0, now=12.0)  # and the other way round, at one row
+    assert policy.break_even(1, 16, now=12.0) == pytest.approx(0.026 / 0.010)
 
 
 def test_break_even_stays_within_the_block_when_served_steps_beat_start_up():
     """A start-up slowed by other work times plain steps too dear; served ones then come in far under it. The
-    break-even must stay reachable (at most the block size) and finite, not run away with a tiny denominator."""
-    policy = BlockSizePolicy(FakeProposer(16), costs(per_token_s=0.001), StepCosts({(1, 1): 0.010, (8, 1): 0.020}))
+    break-even stays at most the block size (no acceptance length is longer), and finite."""
+    policy = served_policy()
     for t in range(30):
         policy.observe_step(8, 1, 0.001, now=float(t))  # served plain steps at a twentieth of start-up's time
-    # both decoders are taken 19 ms under start-up; the plain step's time is floored at half of its 20 ms
-    assert policy.break_even(8, 4, now=30.0) == pytest.approx((0.042 - 0.019) / 0.010)
-    assert policy.break_even(8, 16, now=30.0) == pytest.approx((0.138 - 0.019) / 0.010)  # not 0.119 / 0.001
-    for t in range(31, 61):  # drafted steps a second slower than at start-up, plain ones as timed
-        policy.observe_step(8, 16, 0.138 + 1.0, now=float(t))
-        policy.observe_step(8, 1, 0.020, now=float(t))
-    assert policy.break_even(8, 16, now=61.0) == 16.0  # 57x a plain step: never pays, and no more than that
+    assert policy.break_even(8, 4, now=30.0) == pytest.approx(0.042 / 0.020)  # no drafted step: start-up ratio
+    for t in range(31, 61):
+        policy.observe_step(8, 16, 0.138, now=float(t))
+    assert policy.break_even(8, 16, now=61.0) == 16.0  # 138x a plain step: never pays, and no more than that
 
 
 def test_time_served_steps_take_beyond_start_up_favours_longer_blocks():

@@ -44,6 +44,11 @@ def test_a_probe_is_judged_at_the_batch_drafting_would_get_back():
     scheduler._record_drafts(probe)
     assert scheduler.fallback.threshold == pytest.approx(policy.break_even(8))
     assert policy.break_even(8) != pytest.approx(policy.break_even(1, 16))
+    # and its length as a block of 16 at 8 rows would pay: eight rows would draft a shorter block, which yields
+    # less and costs less, so a length the probe's block of 16 reached passed a threshold set for that block
+    assert policy.choose(8) < 16
+    [judged] = scheduler.fallback._get("w").lengths
+    assert judged == pytest.approx(2 * policy.break_even(8) / policy.break_even(8, 16)) and judged < 2
 
 
 def test_adaptive_server_answers_exactly_like_the_fixed_one(start_server, server):
