@@ -72,7 +72,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     fb.add_argument("--fallback-window", type=int, default=64,
                     help="drafts (one per row per drafted step) in the rolling mean (default: 64)")
     fb.add_argument("--fallback-probe-after", type=int, default=32,
-                    help="requests decoded plainly before drafting is tried again (default: 32)")
+                    help="requests decoded plainly before drafting is tried again (default: 32; doubled by "
+                         "each failed try, up to 8x, until drafting holds)")
     fb.add_argument("--fallback-probe-window", type=int, default=16,
                     help="drafts of the probe request before drafting comes back or stays off (default: 16)")
     fb.add_argument("--fallback-hysteresis", type=float, default=0.1, metavar="FRACTION",

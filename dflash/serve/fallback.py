@@ -9,7 +9,12 @@ step's cost over a plain step's), new requests of that workload decode without t
 `probe_after` such requests it probes: one request at a time drafts (the others stay plain) until
 `probe_window` drafts decide whether drafting comes back (fewer than a full window: while a probe
 runs, its one drafted row and the plain rows step apart, which costs a whole target forward more per round;
-once drafting is back the full window judges it again). When a verdict changes, the scheduler moves the workload's rows
+once drafting is back the full window judges it again). A probe that fails, or a comeback the full window turns
+down, doubles the wait before the next probe, up to `MAX_PROBE_BACKOFF` times `probe_after`, until a full window
+keeps drafting: a probe judges the first drafts of one answer, which a drafter often gets right where it misses
+the rest, and each probe and each short comeback costs target forwards (measured: sampled requests at 8 rows,
+where a probe passed about one time in four and the full window turned it down within a second, decoded at 0.90x
+plain speed). When a verdict changes, the scheduler moves the workload's rows
 that are decoding to the other decoder (`AdaptiveFallback.wants_draft`), so drafted and plain steps do not
 alternate for long: each costs a whole target forward, and together they are slower than either alone.
 
@@ -28,6 +33,8 @@ from typing import Callable
 
 log = logging.getLogger("dflash.serve")
 
+
+MAX_PROBE_BACKOFF = 8  # failed probes double the wait before the next one, up to this many times probe_after
 
 AUTO_NEEDS_STEP_COSTS = ("the automatic fallback threshold needs the step costs the adaptive block size measures: "
                          "drop --no-adaptive-block-size, or give --fallback-min-acceptance a number (0 never falls "
@@ -64,6 +71,12 @@ class _Workload:
     probing: bool = False  # off, but one request at a time drafts until a fresh window gives a verdict
     probe_in_flight: bool = False
     probes: int = 0  # probe requests sent so far: the one in flight is number `probes`
+    failed_probes: int = 0  # probes (or comebacks) turned down since a full window last kept drafting
+    confirmed: bool = True  # drafting was kept by a full window since it last came back from a probe
+
+    def probe_wait(self, probe_after: int) -> int:
+        """Plain requests before the next probe: `probe_after`, doubled by each failed probe (at most 8x)."""
+        return probe_after * min(2 ** self.failed_probes, MAX_PROBE_BACKOFF)
 
     def rolling(self) -> float | None:
         return sum(self.lengths) / len(self.lengths) if self.lengths else None
@@ -105,7 +118,7 @@ class AdaptiveFallback:
             state.probe_in_flight, state.probes = True, state.probes + 1
             return True
         state.plain_requests += 1
-        if state.plain_requests <= self.config.probe_after:
+        if state.plain_requests <= state.probe_wait(self.config.probe_after):
             return False
         state.probing, state.probe_in_flight, state.plain_requests = True, True, 0
         state.probes += 1
@@ -142,15 +155,25 @@ class AdaptiveFallback:
         if state.probing and len(state.lengths) >= min(self.config.probe_window, self.config.window):
             state.probing, state.plain_requests = False, 0
             state.drafting = rolling >= resume_at
+            if state.drafting:
+                state.confirmed = False  # until a full window keeps it
+            else:
+                state.failed_probes += 1
             log.info("fallback: the probe of workload %r measured mean acceptance length %.3f against %.3f; %s",
-                     workload, rolling, resume_at,
-                     "drafting again" if state.drafting else "staying without the drafter")
-        elif state.drafting and len(state.lengths) >= self.config.window and rolling < stop_below:
-            state.drafting, state.plain_requests = False, 0
-            log.warning("fallback: workload %r has mean acceptance length %.3f < %.3f%s over its last %d "
-                        "drafts; new requests decode without the drafter", workload, rolling,
-                        stop_below, " (break-even with plain decoding, less the hysteresis)" if self.config.auto
-                        else "", len(state.lengths))
+                     workload, rolling, resume_at, "drafting again" if state.drafting else
+                     f"staying without the drafter (next probe after "
+                     f"{state.probe_wait(self.config.probe_after)} requests)")
+        elif state.drafting and len(state.lengths) >= self.config.window:
+            if rolling >= stop_below:
+                state.confirmed, state.failed_probes = True, 0
+            else:
+                state.drafting, state.plain_requests = False, 0
+                state.failed_probes = 0 if state.confirmed else state.failed_probes + 1  # a comeback turned down
+                log.warning("fallback: workload %r has mean acceptance length %.3f < %.3f%s over its last %d "
+                            "drafts; new requests decode without the drafter (probe after %d)", workload, rolling,
+                            stop_below, " (break-even with plain decoding, less the hysteresis)"
+                            if self.config.auto else "", len(state.lengths),
+                            state.probe_wait(self.config.probe_after))
         self._listener(workload, state.drafting, rolling)
 
     def drafting(self, workload: str) -> bool:

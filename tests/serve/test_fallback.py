@@ -36,8 +36,8 @@ def test_fallback_policy():
     assert fb.drafting("w") and fb.should_draft("w") and fb.should_draft("w")
     assert fb.should_draft("other")  # workloads are independent
     assert changes[-1] == ("w", True, 2.5)
-    fb.observe("w", [1, 1, 1, 1])  # and off again; a failed probe keeps it off
-    assert [fb.should_draft("w") for _ in range(3)] == [False, False, True]
+    fb.observe("w", [1, 1, 1, 1])  # and off again: a comeback the full window turned down waits twice as long
+    assert [fb.should_draft("w") for _ in range(5)] == [False, False, False, False, True]
     fb.observe("w", [1, 1, 1, 1])
     assert not fb.drafting("w") and [fb.should_draft("w") for _ in range(2)] == [False, False]
     disabled = AdaptiveFallback(FallbackConfig(0.0))
@@ -55,7 +55,7 @@ def test_only_the_probe_in_flight_drafts_and_frees_its_slot():
     assert first and fb.wants_draft("w", first) and not fb.wants_draft("w", 0)
     fb.observe("w", [1, 1])  # its verdict: still off; the first probe's request decodes on, plainly
     assert not fb.wants_draft("w", first)
-    assert [fb.should_draft("w") for _ in range(2)] == [False, True]
+    assert [fb.should_draft("w") for _ in range(3)] == [False, False, True]  # (a failed probe doubles the wait)
     second = fb.probe("w")
     assert second != first and fb.wants_draft("w", second) and not fb.wants_draft("w", first)
     fb.finished("w", first)  # the old probe's request ends: the new probe is still in flight
@@ -64,6 +64,35 @@ def test_only_the_probe_in_flight_drafts_and_frees_its_slot():
     assert fb.should_draft("w") and fb.probe("w") not in (0, first, second)
     fb.observe("w", [3, 3])
     assert fb.drafting("w") and fb.probe("w") == 0 and fb.wants_draft("w", 0)
+
+
+def test_failed_probes_double_the_wait_until_a_full_window_keeps_drafting():
+    """A probe judges the first drafts of one answer, which a drafter often gets right where it misses the rest:
+    sampled requests at 8 rows passed one probe in four, and the full window turned drafting down within a
+    second, each time at the cost of moving every row twice."""
+    fb = AdaptiveFallback(FallbackConfig(min_acceptance_length=2.0, window=4, probe_after=1, probe_window=2))
+
+    def plain_requests_before_a_probe() -> int:
+        waited = 0
+        while not fb.should_draft("w"):
+            waited += 1
+        return waited
+
+    fb.observe("w", [1] * 4)  # off after a drafting start that no full window kept: the first wait is probe_after
+    waits = []
+    for _ in range(5):
+        waits.append(plain_requests_before_a_probe())
+        fb.observe("w", [1, 1])  # the probe fails
+    assert waits == [1, 2, 4, 8, 8]  # doubled each time, at most MAX_PROBE_BACKOFF times
+    assert plain_requests_before_a_probe() == 8
+    fb.observe("w", [3, 3])  # this probe passes: drafting comes back...
+    fb.observe("w", [1, 1])  # ...and the full window (3, 3, 1, 1) = 2.0 keeps it: the wait starts over
+    assert fb.drafting("w")
+    fb.observe("w", [1, 1])
+    assert not fb.drafting("w") and plain_requests_before_a_probe() == 1
+    fb.observe("w", [3, 3])  # a comeback the full window turns down counts as a failed probe
+    fb.observe("w", [1, 1, 1])
+    assert not fb.drafting("w") and plain_requests_before_a_probe() == 2
 
 
 def test_a_probe_decides_after_its_own_shorter_window():
@@ -174,7 +203,7 @@ def test_verdicts_change_only_past_the_hysteresis_band():
     assert [fb.should_draft("w") for _ in range(2)] == [False, True]  # the probe
     fb.observe("w", [2.1, 2.1])  # above 2.0, not above 2.2: stays off
     assert not fb.drafting("w")
-    assert [fb.should_draft("w") for _ in range(2)] == [False, True]
+    assert [fb.should_draft("w") for _ in range(3)] == [False, False, True]
     fb.observe("w", [2.3, 2.3])  # 2.3 >= 2.2: back
     assert fb.drafting("w")
     with pytest.raises(ValueError, match="hysteresis"):
