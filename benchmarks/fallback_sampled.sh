@@ -21,6 +21,6 @@ dflash bench --base-url http://127.0.0.1:8110/v1 --baseline-url http://127.0.0.1
 curl -sf http://127.0.0.1:8110/metrics | grep -E '^dflash:(decoder_moves_total|fallback_)' > "$out/fallback_metrics.txt"
 {
     echo "verdicts: $(grep -c 'new requests decode without the drafter' "$out/serve_default.log") times off," \
-         "$(grep -c 'drafting again' "$out/serve_default.log") times back on"
+         "$(grep -c '; drafting again' "$out/serve_default.log") times back on"
     cat "$out/fallback_metrics.txt"
 } | tee "$out/fallback_summary.txt"
