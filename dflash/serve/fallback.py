@@ -73,6 +73,7 @@ class _Workload:
     probes: int = 0  # probe requests sent so far: the one in flight is number `probes`
     failed_probes: int = 0  # probes (or comebacks) turned down since a full window last kept drafting
     confirmed: bool = True  # drafting was kept by a full window since it last came back from a probe
+    drafts_since_comeback: int = 0  # a comeback is confirmed by a window of drafts after the probe's own
 
     def probe_wait(self, probe_after: int) -> int:
         """Plain requests before the next probe: `probe_after`, doubled by each failed probe (at most 8x)."""
@@ -156,25 +157,33 @@ class AdaptiveFallback:
             state.probing, state.plain_requests = False, 0
             state.drafting = rolling >= resume_at
             if state.drafting:
-                state.confirmed = False  # until a full window keeps it
+                state.confirmed, state.drafts_since_comeback = False, 0  # until a window of its own keeps it
             else:
                 state.failed_probes += 1
             log.info("fallback: the probe of workload %r measured mean acceptance length %.3f against %.3f; %s",
                      workload, rolling, resume_at, "drafting again" if state.drafting else
                      f"staying without the drafter (next probe after "
                      f"{state.probe_wait(self.config.probe_after)} requests)")
-        elif state.drafting and len(state.lengths) >= self.config.window:
-            if rolling >= stop_below:
-                state.confirmed, state.failed_probes = True, 0
-            else:
-                state.drafting, state.plain_requests = False, 0
-                state.failed_probes = 0 if state.confirmed else state.failed_probes + 1  # a comeback turned down
-                log.warning("fallback: workload %r has mean acceptance length %.3f < %.3f%s over its last %d "
-                            "drafts; new requests decode without the drafter (probe after %d)", workload, rolling,
-                            stop_below, " (break-even with plain decoding, less the hysteresis)"
-                            if self.config.auto else "", len(state.lengths),
-                            state.probe_wait(self.config.probe_after))
+        elif state.drafting:
+            state.drafts_since_comeback += len(acceptance_lengths)
+            if len(state.lengths) >= self.config.window:
+                self._judge_window(workload, state, rolling, stop_below)
         self._listener(workload, state.drafting, rolling)
+
+    def _judge_window(self, workload: str, state: _Workload, rolling: float, stop_below: float) -> None:
+        """A drafting workload's full window: keep drafting, or stop. A comeback from a probe is kept (and the
+        wait before probes starts over) only by a window of its own drafts, not the probe's first ones, which a
+        drafter gets right more often than the rest of an answer."""
+        if rolling >= stop_below:
+            if state.drafts_since_comeback >= self.config.window:
+                state.confirmed, state.failed_probes = True, 0
+            return
+        state.drafting, state.plain_requests = False, 0
+        state.failed_probes = 0 if state.confirmed else state.failed_probes + 1  # a comeback turned down
+        log.warning("fallback: workload %r has mean acceptance length %.3f < %.3f%s over its last %d drafts; new "
+                    "requests decode without the drafter (probe after %d)", workload, rolling, stop_below,
+                    " (break-even with plain decoding, less the hysteresis)" if self.config.auto else "",
+                    len(state.lengths), state.probe_wait(self.config.probe_after))
 
     def drafting(self, workload: str) -> bool:
         return self._get(workload).drafting if self.config.enabled else True

@@ -86,13 +86,17 @@ def test_failed_probes_double_the_wait_until_a_full_window_keeps_drafting():
     assert waits == [1, 2, 4, 8, 8]  # doubled each time, at most MAX_PROBE_BACKOFF times
     assert plain_requests_before_a_probe() == 8
     fb.observe("w", [3, 3])  # this probe passes: drafting comes back...
-    fb.observe("w", [1, 1])  # ...and the full window (3, 3, 1, 1) = 2.0 keeps it: the wait starts over
+    fb.observe("w", [2, 2, 2, 2])  # ...and a full window of its own drafts keeps it: the wait starts over
     assert fb.drafting("w")
     fb.observe("w", [1, 1])
     assert not fb.drafting("w") and plain_requests_before_a_probe() == 1
     fb.observe("w", [3, 3])  # a comeback the full window turns down counts as a failed probe
     fb.observe("w", [1, 1, 1])
     assert not fb.drafting("w") and plain_requests_before_a_probe() == 2
+    fb.observe("w", [3, 3])  # and so does one turned down after the windows that still held the probe's drafts
+    fb.observe("w", [1, 1])  # (3, 3, 1, 1) = 2.0 keeps drafting: half of it is the probe's
+    fb.observe("w", [1])
+    assert not fb.drafting("w") and plain_requests_before_a_probe() == 4
 
 
 def test_a_probe_decides_after_its_own_shorter_window():
