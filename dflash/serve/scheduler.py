@@ -442,22 +442,35 @@ class Scheduler:
             self.fallback.observe(workload, lengths)
 
     def _fallback_weight(self, batch: Batch) -> float | None:
-        """What a drafted step's acceptance lengths are multiplied by before the fallback judges them: the
-        break-even of the block the policy would choose for every running row (the batch drafting gets if it
-        comes back; in auto mode the threshold) over the break-even of this step's own block at that many rows.
-        A block of k yields at most k tokens and costs what a step of k costs: weighed so, a step that paid as well
-        as plain decoding counts as the break-even, and a step at the chosen block counts as it came. Three kinds
-        of step ran another block than that: one cut to what its rows still want (taken as they came, a drafter
-        right every time fell back on requests of 2 tokens), a probe's one row (a block of 16, where 8 rows
-        would draft 8: its longer lengths passed a threshold set for 8) and one row choosing after drafting. None:
-        no verdict (no step costs to weigh a cut step by, or no draft token)."""
+        """What a drafted step's acceptance lengths are multiplied by before the fallback judges them, so that
+        judging them against the threshold judges whether the step paid at its own block and at the rows its
+        workloads would draft with (`_drafting_rows`). A block of k yields at most k tokens and costs what a step
+        of k costs: a step that paid as well as plain decoding counts as the threshold. In auto mode the threshold
+        is the break-even of every running row at the block the policy would choose, so the weight is that over
+        the break-even of the step's own block and rows; with a fixed threshold, the break-even of the block the
+        policy would choose for the step's rows over that of its own (1 for a step at the chosen block). Steps
+        that ran another block than the threshold's: one cut to what its rows still want (taken as they came, a
+        drafter right every time fell back on requests of 2 tokens), a probe's one row (a block of 16, where 8 rows
+        would draft 8: its longer lengths passed a threshold set for 8), one row choosing after drafting, and a
+        workload drafting beside one that decodes plainly (fewer rows than the threshold's, each step cheaper).
+        None: no verdict (no step costs to weigh a cut step by, or no draft token)."""
         policy = self.block_policy
         if policy is None or policy.plain_costs is None:
             return None if batch.cut_short else 1.0
         if batch.block_size < 2:
             return None
-        rows = self._running_rows()
-        return policy.break_even(rows) / policy.break_even(rows, batch.block_size)
+        rows = self._drafting_rows(batch)
+        reference = policy.break_even(self._running_rows() if self.fallback.config.auto else rows)
+        return reference / policy.break_even(rows, batch.block_size)
+
+    def _drafting_rows(self, batch: Batch) -> int:
+        """The rows that would draft together if the workloads of this drafted batch drafted: its own, and a
+        probing workload's rows that decode plainly (another workload's plain rows stay plain)."""
+        plain = self._running.get(PLAIN)
+        if plain is None:
+            return len(batch)
+        workloads = {self._requests[id(seq)].workload for seq in batch.sequences}
+        return len(batch) + sum(self._requests[id(seq)].workload in workloads for seq in plain.sequences)
 
     def _drop_finished(self, decoder: str) -> bool:
         """Finish and remove done rows; False when the decoder's batch is empty (and removed)."""

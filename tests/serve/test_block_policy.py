@@ -149,3 +149,27 @@ def test_a_cut_step_judges_the_fallback_weighed_by_what_its_block_costs(produced
     assert judged[-1] == pytest.approx(produced * policy.break_even(1) / 1.2)
     assert scheduler.fallback.drafting("w") == keeps_drafting
     assert (sum(judged) / len(judged) >= scheduler.fallback.threshold) == keeps_drafting
+
+
+@pytest.mark.parametrize("auto", [True, False])
+def test_a_workload_drafting_beside_a_plain_one_is_judged_at_its_own_rows(auto):
+    """Four rows of one workload draft while four of another decode plainly: their step is judged by whether
+    it paid at four rows, not by the break-even of eight (in auto mode the threshold is eight rows')."""
+    from dflash.serve.fallback import FallbackConfig
+    from dflash.serve.scheduler import DRAFT, PLAIN, Scheduler
+
+    policy = BlockSizePolicy(FakeProposer(16), costs(per_token_s=0.001),
+                             StepCosts({(1, 1): 0.010, (4, 1): 0.015, (8, 1): 0.020}))
+    fallback = FallbackConfig(auto=True) if auto else FallbackConfig(min_acceptance_length=2.0)
+    scheduler = Scheduler(SimpleNamespace(proposer=FakeProposer(16)), fallback=fallback, block_policy=policy)
+    drafting, plain = FakeBatch(4, 8), FakeBatch(4, 1)
+    for batch, workload in ((drafting, "a"), (plain, "b")):
+        for seq in batch.sequences:
+            scheduler._requests[id(seq)] = SimpleNamespace(workload=workload)
+    scheduler._running = {DRAFT: drafting, PLAIN: plain}
+    drafting.accepted, drafting.produced = [3] * 4, [4] * 4
+    scheduler._record_drafts(drafting)
+    reference = policy.break_even(8) if auto else policy.break_even(4)
+    [judged, *_] = scheduler.fallback._get("a").lengths
+    assert judged == pytest.approx(4 * reference / policy.break_even(4, 8))
+    assert (judged >= reference) == (4 >= policy.break_even(4, 8))  # paid at its own rows and block, or not
