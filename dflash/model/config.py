@@ -13,8 +13,7 @@ from dflash.errors import UserError
 _OWNED = {
     "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads",
     "head_dim", "vocab_size", "rms_norm_eps", "max_position_embeddings", "layer_types", "sliding_window",
-    "rope_theta", "rope_scaling", "rope_parameters", "original_max_position_embeddings", "block_size",
-    "num_target_layers", "dflash_config",
+    "rope_theta", "rope_scaling", "rope_parameters", "block_size", "num_target_layers", "dflash_config",
     "mask_token_id", "target_layer_ids", "architectures", "model_type", "tie_word_embeddings",
     "torch_dtype", "dtype", "hidden_act", "attention_bias",
 }
@@ -352,8 +351,11 @@ class DrafterConfig:
         heads = raw["num_attention_heads"]
         from dflash.model import hf_compat
 
-        rope = {k: raw[k] for k in hf_compat.ROPE_KEYS if raw.get(k) is not None}
-        rope = hf_compat.complete_longrope(rope, raw.get("max_position_embeddings", 32768), None)
+        rope = {k: raw[k] for k in ("rope_theta", "rope_scaling", "rope_parameters") if raw.get(k) is not None}
+        # a top-level original_max_position_embeddings joins them for a longrope rotary alone (transformers 5 would
+        # read it into a yarn one too, and 4 would not); otherwise it stays among the fields written back as read
+        rope = hf_compat.complete_longrope(rope, raw.get("max_position_embeddings", 32768),
+                                           raw.get("original_max_position_embeddings"))
         config = cls(
             hidden_size=raw["hidden_size"],
             intermediate_size=raw.get("intermediate_size", 4 * raw["hidden_size"]),

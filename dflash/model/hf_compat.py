@@ -612,9 +612,6 @@ def rope_fields(config: Any) -> dict[str, Any]:
                              getattr(config, "original_max_position_embeddings", None))
 
 
-ROPE_KEYS = ("rope_theta", "rope_scaling", "rope_parameters", "original_max_position_embeddings")
-
-
 def complete_longrope(rope: dict[str, Any], max_positions: int | None, original: int | None) -> dict[str, Any]:
     """Longrope fields every transformers version reads alike. Phi-3's config keeps the length it switches from
     short to long factors at (`original_max_position_embeddings`) at its top level, and neither it nor transformers

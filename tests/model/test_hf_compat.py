@@ -255,6 +255,32 @@ def test_a_drafter_for_a_longrope_target_rotates_as_the_target_on_both_sides_of_
             assert all(torch.allclose(a, b, atol=1e-6) for a, b in zip(ours, theirs)), position
 
 
+@pytest.mark.parametrize("key", ["rope_scaling", "rope_parameters"])
+def test_a_top_level_original_length_reaches_a_longrope_rotary_alone(key):
+    """A drafter config.json with a yarn rotary and a top-level original_max_position_embeddings (a hand-edited or
+    third-party one): transformers 5 read the field into the yarn rotary when it was passed on, and 4 did not, so
+    the drafter rotated otherwise under each. It is passed on for a longrope rotary alone, and written back."""
+    from dflash.model.drafter import DFlashDraftModel
+
+    base = DrafterConfig.from_dict(tiny_drafter_config_dict({key: {"rope_type": "yarn", "factor": 4.0,
+                                                                   "rope_theta": 10000.0}}))
+    raw = tiny_drafter_config_dict({key: {"rope_type": "yarn", "factor": 4.0, "rope_theta": 10000.0},
+                                    "original_max_position_embeddings": 256})
+    config = DrafterConfig.from_dict(raw)
+    assert "original_max_position_embeddings" not in config.rope
+    assert config.to_dict()["original_max_position_embeddings"] == 256  # kept, as read
+    x, far = torch.zeros(1, 1, 16), torch.tensor([[100000]])
+    ours, plain = DFlashDraftModel(config).rotary_emb(x, far), DFlashDraftModel(base).rotary_emb(x, far)
+    assert all(torch.equal(a, b) for a, b in zip(ours, plain))
+
+
+def tiny_drafter_config_dict(fields: dict) -> dict:
+    return {"architectures": ["DFlashDraftModel"], "hidden_size": 64, "intermediate_size": 128,
+            "num_hidden_layers": 1, "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 16,
+            "vocab_size": 128, "max_position_embeddings": 1024,
+            "dflash_config": {"mask_token_id": 127, "target_layer_ids": [1], "block_size": 4}, **fields}
+
+
 def test_rope_switch_length_is_where_a_longrope_rotary_changes_its_factors_inside_the_context():
     from types import SimpleNamespace
 
