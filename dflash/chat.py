@@ -23,19 +23,11 @@ def encode_plain(tokenizer, text: str) -> list[int]:
     `<|begin_of_text|>`): the model never saw two. The tokenizer does not warn of a text longer than its model's
     context (see `render_chat`)."""
     ids = tokenizer(text, add_special_tokens=True, verbose=False)["input_ids"]
-    bos, bos_text = getattr(tokenizer, "bos_token_id", None), getattr(tokenizer, "bos_token", None)
-    if bos is None or not bos_text or not text.startswith(bos_text):
+    bos = getattr(tokenizer, "bos_token_id", None)
+    if bos is None or ids[:2] != [bos, bos]:
         return ids
-    in_text = (len(text) - len(_after_leading(text, bos_text))) // len(bos_text)  # BOS tokens the text starts with
-    leading = next((i for i, t in enumerate(ids) if t != bos), len(ids))  # BOS ids the encoding starts with
-    return ids[1:] if leading == in_text + 1 else ids  # the tokenizer added one before the text's own
-
-
-def _after_leading(text: str, prefix: str) -> str:
-    """`text` without the copies of `prefix` it starts with."""
-    while text.startswith(prefix):
-        text = text[len(prefix):]
-    return text
+    own = tokenizer(text, add_special_tokens=False, verbose=False)["input_ids"]
+    return own if ids == [bos] + own and own[:1] == [bos] else ids  # the tokenizer added one before the text's own
 
 
 def render_chat(tokenizer, messages: list[dict], /, **options) -> Any:

@@ -35,17 +35,19 @@ def test_the_server_passes_an_earlier_answers_reasoning_to_the_template(field):
     assert text.replace(" ", "") == "<|im_start|>48and24<|im_end|>72"
 
 
-def bos_adding_tokenizer(adds_bos: bool = True):
-    """A Llama-style tokenizer whose encoding starts with its BOS `<s>` (when `adds_bos`)."""
-    from tokenizers import Tokenizer, models, pre_tokenizers, processors
+def bos_adding_tokenizer(adds_bos: bool = True, bos_strips_left: bool = False):
+    """A Llama-style tokenizer whose encoding starts with its BOS `<s>` (when `adds_bos`); with `bos_strips_left`
+    the BOS token swallows the whitespace before it."""
+    from tokenizers import AddedToken, Tokenizer, models, pre_tokenizers, processors
     from transformers import PreTrainedTokenizerFast
 
-    pieces = ["<unk>", "<s>", "</s>"] + [chr(c) for c in range(ord("a"), ord("z") + 1)]
+    pieces = ["<unk>", "<s>", "</s>"] + [chr(c) for c in range(ord("a"), ord("z") + 1)] + [" "]
     tok = Tokenizer(models.WordLevel(vocab={p: i for i, p in enumerate(pieces)}, unk_token="<unk>"))
     tok.pre_tokenizer = pre_tokenizers.Split("", "isolated")
     if adds_bos:
         tok.post_processor = processors.TemplateProcessing(single="<s> $A", special_tokens=[("<s>", 1)])
-    return PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="<unk>", bos_token="<s>", eos_token="</s>")
+    bos = AddedToken("<s>", lstrip=bos_strips_left, special=True)
+    return PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="<unk>", bos_token=bos, eos_token="</s>")
 
 
 @pytest.mark.parametrize("adds_bos", [True, False])
@@ -59,3 +61,9 @@ def test_a_text_that_starts_with_bos_gets_no_second_one(adds_bos):
     assert encode_plain(tokenizer, "a<s>b") == added + [3, 1, 4]
     assert encode_plain(tokenizer, "") == added
     assert encode_plain(tokenizer, "<s>") == [1]
+
+
+def test_a_bos_that_swallows_the_whitespace_before_it_gets_no_second_one_either():
+    tokenizer = bos_adding_tokenizer(bos_strips_left=True)
+    assert encode_plain(tokenizer, " <s>ab") == [1, 3, 4]
+    assert encode_plain(tokenizer, " ab") == [1, 29, 3, 4]  # a space that is no BOS's is kept
