@@ -477,6 +477,11 @@ def check_drafter_precision(precision: Any) -> str:
 def _set_drafter_precision(drafter: DFlashDraftModel, target: TargetModel, precision: str) -> None:
     """The drafter's matrix products in bfloat16 as `precision` asks: "auto" where this CPU does them faster
     (`cpu_precision`), "bfloat16" always; a drafter loaded in a half dtype has them so already."""
+    if drafter.draft_head is not None:  # an earlier pipeline (auto, or bfloat16) moved its products already
+        if precision == "float32":
+            raise UserError("this drafter already multiplies in bfloat16 (an earlier DFlash with drafter precision "
+                            "auto or bfloat16 moved its products there): load it again for float32 products")
+        return
     if precision == "float32" or drafter.dtype != torch.float32:
         return
     head = target.model.get_output_embeddings()

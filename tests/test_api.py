@@ -429,6 +429,22 @@ def test_bfloat16_products_beside_a_bfloat16_target_are_refused_naming_its_dtype
     assert DFlash(target, load_drafter(tiny_pair[1], dtype="bfloat16"), drafter_precision="bfloat16").drafter
 
 
+def test_a_drafter_reused_after_its_products_moved_to_bfloat16(tiny_pair):
+    """A second pipeline on the same drafter object was refused, naming two identical devices."""
+    from dflash.model.loading import load_drafter
+    from dflash.model.target import TargetModel
+
+    target, drafter = TargetModel.from_pretrained(tiny_pair[0]), load_drafter(tiny_pair[1])
+    first = DFlash(target, drafter, drafter_precision="bfloat16")
+    assert drafter.draft_head is not None and drafter.draft_head.dtype == torch.bfloat16
+    again = DFlash(target, drafter, drafter_precision="bfloat16")  # already so: nothing to do
+    assert again.generate("How many clips?", max_new_tokens=8).output_ids == \
+        first.generate("How many clips?", max_new_tokens=8).output_ids
+    with pytest.raises(UserError, match=r"^this drafter already multiplies in bfloat16 .* load it again for "
+                                        r"float32 products$"):
+        DFlash(target, drafter, drafter_precision="float32")
+
+
 def test_pipelines_decode_on_several_threads_at_once(pipe):
     """Each forward captures the target's features for its own thread: concurrent calls give what each gives alone."""
     import threading
