@@ -14,7 +14,7 @@ down, doubles the wait before the next probe, up to `MAX_PROBE_BACKOFF` times `p
 keeps drafting: a probe judges the first drafts of one answer, which a drafter often gets right where it misses
 the rest, and each probe and each short comeback costs target forwards (measured: sampled requests at 8 rows,
 where a probe passed about one time in four and the full window turned it down within a second, decoded at 0.90x
-plain speed). When a verdict changes, the scheduler moves the workload's rows
+plain speed without the back-off, 0.99x with it). When a verdict changes, the scheduler moves the workload's rows
 that are decoding to the other decoder (`AdaptiveFallback.wants_draft`), so drafted and plain steps do not
 alternate for long: each costs a whole target forward, and together they are slower than either alone.
 
