@@ -426,11 +426,8 @@ class Scheduler:
         self.metrics.record_drafts([batch.produced[r] - 1 for r in rows], batch.verified - 1)
         if self.block_policy is not None:  # the block's own acceptance: a branch's tokens are not its positions'
             self.block_policy.observe([batch.accepted[r] for r in rows], batch.block_size - 1)
-            if self.fallback.config.auto:
-                # judged at the batch drafting would get if it came back: every running row. A probe drafts
-                # one row while the rest decode plainly, and one row breaks even far sooner than eight.
-                self.fallback.set_threshold(self.block_policy.break_even(self._running_rows()))
-                self.metrics.fallback_threshold.set(self.fallback.threshold)
+        if not self.fallback.config.enabled:
+            return
         weight = self._fallback_weight(batch)
         if weight is None:
             return
@@ -460,7 +457,14 @@ class Scheduler:
         if batch.block_size < 2:
             return None
         rows = self._drafting_rows(batch)
-        reference = policy.break_even(self._running_rows() if self.fallback.config.auto else rows)
+        if self.fallback.config.auto:
+            # the threshold: the break-even of the batch drafting would get if it came back, every running row
+            # (a probe drafts one row while the rest decode plainly, and one row breaks even far sooner than eight)
+            self.fallback.set_threshold(policy.break_even(self._running_rows()))
+            self.metrics.fallback_threshold.set(self.fallback.threshold)
+            reference = self.fallback.threshold
+        else:
+            reference = policy.break_even(rows)
         return reference / policy.break_even(rows, batch.block_size)
 
     def _drafting_rows(self, batch: Batch) -> int:

@@ -146,7 +146,7 @@ def test_a_cut_step_judges_the_fallback_weighed_by_what_its_block_costs(produced
         scheduler._record_drafts(batch)
     assert policy.break_even(1, 2) == pytest.approx(1.2)
     judged = scheduler.fallback._get("w").lengths  # as long as the blocks the policy would choose now pay for
-    assert judged[-1] == pytest.approx(produced * policy.break_even(1) / 1.2)
+    assert judged[-1] == pytest.approx(produced * scheduler.fallback.threshold / 1.2)  # the threshold in use
     assert scheduler.fallback.drafting("w") == keeps_drafting
     assert (sum(judged) / len(judged) >= scheduler.fallback.threshold) == keeps_drafting
 
@@ -173,3 +173,23 @@ def test_a_workload_drafting_beside_a_plain_one_is_judged_at_its_own_rows(auto):
     [judged, *_] = scheduler.fallback._get("a").lengths
     assert judged == pytest.approx(4 * reference / policy.break_even(4, 8))
     assert (judged >= reference) == (4 >= policy.break_even(4, 8))  # paid at its own rows and block, or not
+
+
+def test_a_server_without_the_fallback_weighs_no_drafts(monkeypatch):
+    """--fallback-min-acceptance 0: the decode step computes no break-even for a verdict nobody asks for."""
+    from dflash.serve.fallback import FallbackConfig
+    from dflash.serve.scheduler import DRAFT, Scheduler
+
+    policy = BlockSizePolicy(FakeProposer(16), costs(per_token_s=0.001), StepCosts({(1, 1): 0.010}))
+    scheduler = Scheduler(SimpleNamespace(proposer=FakeProposer(16)), fallback=FallbackConfig(), block_policy=policy)
+    batch = FakeBatch(1, 16)
+    scheduler._requests[id(batch.sequences[0])] = SimpleNamespace(workload="w")
+    scheduler._running = {DRAFT: batch}
+    batch.accepted, batch.produced = [3], [4]
+    asked = []
+    monkeypatch.setattr(policy, "break_even", lambda *a, **k: asked.append(a) or 2.0)
+    scheduler._record_drafts(batch)
+    assert asked == [] and scheduler.metrics.num_drafts._value.get() == 1
+    scheduler.fallback.config.auto = True  # and in auto mode, one break-even for the threshold, one for the step
+    scheduler._record_drafts(batch)
+    assert asked == [(1,), (1, 16)]
