@@ -80,7 +80,8 @@ class ServerMetrics:
                                      "1 while new requests of this workload decode without the drafter.",
                                      ["workload"], registry=r)
         self.fallback_rolling = Gauge("dflash:fallback_rolling_acceptance_length",
-                                      "Mean acceptance length over the workload's recent drafts.",
+                                      "Mean acceptance length over the workload's recent drafts, as the fallback "
+                                      "judges them (each step's weighed by what its block cost).",
                                       ["workload"], registry=r)
         self.decoder_moves = Counter("dflash:decoder_moves", "Decoding rows moved to the other decoder when the "
                                      "fallback's verdict changed.", ["to"], registry=r)
