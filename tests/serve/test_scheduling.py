@@ -14,6 +14,7 @@ import openai
 import pytest
 
 from dflash.decoding.engine import GenerationConfig
+from dflash.serve.fallback import FallbackConfig
 from dflash.serve.scheduler import Scheduler, SchedulerConfig
 
 MODEL = "tiny"  # the served model name the fixtures use
@@ -297,7 +298,7 @@ def test_a_failed_rows_step_counts_as_no_draft(fresh_pipe):
     import types
 
     engine = fresh_pipe.engine
-    scheduler = Scheduler(engine, SchedulerConfig(max_batch_size=2))
+    scheduler = Scheduler(engine, SchedulerConfig(max_batch_size=2), fallback=FallbackConfig(min_acceptance_length=1))
     rows = [engine.new_sequence([5, 6, 7], GenerationConfig(max_new_tokens=8)) for _ in range(2)]
     rows[1].fail("the model's logits are NaN")
     for seq in rows:
