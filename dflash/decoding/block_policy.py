@@ -364,8 +364,8 @@ class ServedRatios:
     """How many times its start-up time a served step took, per decoder (drafted or plain) and row count: the
     median of the last `keep` steps of that shape within `fresh_for_s`. The fallback's break-even compares the two
     decoders at one row count by these. One extra time per decoder, added at every shape, did not: the extra grows
-    with the rows and the block (medians on 2 cores: 0.3-1.2 ms a step at one row, 4.0 ms at 8 x 8, 10-16 ms at
-    8 x 16; a sampled plain step at 8 rows 2.5 ms), so one at 8 rows judged a step of one row, and a drafted one's
+    with the rows and the block (medians on 2 cores: 0.3-2.5 ms a step at one row, 4.0-4.7 ms at 8 x 8, 10-16 ms
+    at 8 x 16; a sampled plain step at 8 rows 2.5 ms), so one at 8 rows judged a step of one row, and a drafted one's
     stood in for the plain one's, which pulled the break-even towards 1 (1.75 on average where sampled drafting at
     8 rows broke even at 3.9; the server drafted at 0.86x plain speed)."""
 
