@@ -18,12 +18,18 @@ from dflash.training.config import DEFAULT_SELECTOR_RANK, DEFAULT_SELECTOR_TOP_K
 from dflash.training.data import Example
 
 
-def choose_mask_token_id(config: TrainConfig, tokenizer, vocab_size: int) -> int:
-    """An id that is no real token: the tokenizer's `<|MASK|>`, its mask token, `<|mask|>`, or the first unused
-    embedding row. `<|MASK|>` first: SGLang refuses a drafter whose mask_token_id is not that token's id when the
-    tokenizer has it."""
+def choose_mask_token_id(config: TrainConfig, tokenizer, vocab_size: int) -> int | None:
+    """--mask-token-id, else `free_mask_token_id`."""
     if config.mask_token_id is not None:
         return config.mask_token_id
+    return free_mask_token_id(tokenizer, vocab_size)
+
+
+def free_mask_token_id(tokenizer, vocab_size: int) -> int | None:
+    """An id that is no real token: the tokenizer's `<|MASK|>`, its mask token, `<|mask|>`, or the first unused
+    embedding row; None when there is none (GPT-2's layout: one special token, EOS, and every row a token).
+    `<|MASK|>` first: SGLang refuses a drafter whose mask_token_id is not that token's id when the tokenizer has
+    it."""
     if tokenizer is not None:
         vocab = tokenizer.get_vocab()
         if "<|MASK|>" in vocab:
@@ -34,8 +40,7 @@ def choose_mask_token_id(config: TrainConfig, tokenizer, vocab_size: int) -> int
             return vocab["<|mask|>"]
         if len(tokenizer) < vocab_size:
             return len(tokenizer)
-    raise UserError("cannot pick a mask token: the tokenizer has none and the embedding has no unused row; "
-                    "pass --mask-token-id with an id that never occurs in text (not pad or eos)")
+    return None
 
 
 def mask_token_problem(mask_id: int, target: TargetModel) -> str | None:
@@ -45,13 +50,30 @@ def mask_token_problem(mask_id: int, target: TargetModel) -> str | None:
         return f"it is outside the target's vocabulary (0..{target.vocab_size - 1})"
     if mask_id in target.eos_token_ids():
         return "it is an end-of-sequence token"
+    if target.tokenizer is not None and mask_id == target.tokenizer.pad_token_id:
+        return "it is the padding token"
+    return text_token_problem(mask_id, target.tokenizer)
+
+
+def text_token_problem(mask_id: int, tokenizer) -> str | None:
+    """That `mask_id` is a token of ordinary text (not a special token, not an unused row), or None."""
+    if tokenizer is None:
+        return None
+    added = getattr(tokenizer, "added_tokens_decoder", {})
+    if mask_id < len(tokenizer) and not (mask_id in added and added[mask_id].special):
+        return f"it is {tokenizer.convert_ids_to_tokens(mask_id)!r}, a token of ordinary text"
+    return None
+
+
+def unused_text_token(target: TargetModel, examples: list[Example]) -> int | None:
+    """For a tokenizer with no free id (`choose_mask_token_id` None): the last token of text none of the examples
+    holds (a late BPE merge, the rarest kind), not eos or pad; None when the examples hold every one."""
     tokenizer = target.tokenizer
-    if tokenizer is not None:
-        if mask_id == tokenizer.pad_token_id:
-            return "it is the padding token"
-        added = getattr(tokenizer, "added_tokens_decoder", {})
-        if mask_id < len(tokenizer) and not (mask_id in added and added[mask_id].special):
-            return f"it is {tokenizer.convert_ids_to_tokens(mask_id)!r}, a token of ordinary text"
+    held = {t for e in examples for t in e.input_ids}
+    reserved = set(target.eos_token_ids()) | {tokenizer.pad_token_id}
+    for mask_id in range(min(len(tokenizer), target.vocab_size) - 1, -1, -1):
+        if mask_id not in held and mask_id not in reserved and text_token_problem(mask_id, tokenizer):
+            return mask_id
     return None
 
 

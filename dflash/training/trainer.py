@@ -58,10 +58,13 @@ from dflash.training.drafter_setup import (
     deepen,
     dflash2_options,
     drafter_config_for,
+    free_mask_token_id,
     mask_token_advice,
     mask_token_problem,
     mask_token_uses,
+    text_token_problem,
     to_dflash2,
+    unused_text_token,
     widen_features,
     widen_mlp,
 )
@@ -549,6 +552,8 @@ class Trainer:
             c.dflash2 = bool(c.dflash2)  # not said: a DFlash drafter
             c.block_size = c.block_size or DEFAULT_BLOCK_SIZE
             mask_id = choose_mask_token_id(c, self.tokenizer, self.target.vocab_size)
+            if mask_id is None:
+                raise UserError(f"cannot pick a mask token: {self._mask_token_advice()}")
             self._check_mask_token(mask_id)
             self.drafter_config = drafter_config_for(self.target, c, mask_id)
             self.drafter = DFlashDraftModel(self.drafter_config)
@@ -581,13 +586,40 @@ class Trainer:
                        "(--target-layer-ids picks others)")
 
     def _check_mask_token(self, mask_id: int) -> None:
-        """Refuse a mask token that aliases pad, eos or text; warn when the responses hold it."""
+        """Refuse a mask token that aliases pad, eos or text; warn when the responses hold it. A token of text passes,
+        with a warning, where the tokenizer leaves nothing else (`free_mask_token_id` None: GPT-2's layout) and no
+        training sequence holds it."""
         problem = mask_token_problem(mask_id, self.target)
+        examples = self.train_examples + self.eval_examples
+        if problem and self._no_free_mask_id() and text_token_problem(mask_id, self.tokenizer):
+            holding = sum(mask_id in e.input_ids for e in examples)
+            if not holding:
+                self._warn(f"--mask-token-id {mask_id}: {problem}, which none of the {len(examples)} training "
+                           "sequences holds, so the drafter learns it as its mask (this tokenizer has no special "
+                           "token to spare and every embedding row is a token). Where the target writes it, the "
+                           "block after it drafts poorly; the output stays the target's")
+                return
+            problem += f", held by {holding} of the {len(examples)} training sequences"
         if problem:
             chosen = "--mask-token-id" if self.config.mask_token_id is not None else "the tokenizer's mask token"
-            raise UserError(f"{chosen} ({mask_id}) cannot be the mask token: {problem}; "
-                            f"{mask_token_advice(self.tokenizer, self.target.vocab_size)}")
+            raise UserError(f"{chosen} ({mask_id}) cannot be the mask token: {problem}; {self._mask_token_advice()}")
         self._warn_mask_token_uses(mask_id)
+
+    def _no_free_mask_id(self) -> bool:
+        return free_mask_token_id(self.tokenizer, self.target.vocab_size) is None
+
+    def _mask_token_advice(self) -> str:
+        """`mask_token_advice`, and where the tokenizer has no id to spare, a token of text the data never holds."""
+        advice = mask_token_advice(self.tokenizer, self.target.vocab_size)
+        if self.tokenizer is None or not self._no_free_mask_id():
+            return advice
+        spare = unused_text_token(self.target, self.train_examples + self.eval_examples)
+        if spare is None:
+            return (f"{advice}; this tokenizer has no special token to spare, every embedding row is a token, and "
+                    "the data holds every one: add a special token to the target's tokenizer and embedding")
+        return (f"{advice}; this tokenizer has no special token to spare and every embedding row is a token, so "
+                f"pass a token of text the data never holds, such as --mask-token-id {spare} "
+                f"({self.tokenizer.convert_ids_to_tokens(spare)!r})")
 
     def _warn_mask_token_uses(self, mask_id: int) -> None:
         uses = mask_token_uses(mask_id, self.train_examples + self.eval_examples)

@@ -20,7 +20,7 @@ import torch
 import yaml
 from safetensors.torch import load_file
 
-from conftest import THINKING_TEMPLATE
+from conftest import THINKING_TEMPLATE, VOCAB, tiny_target_model
 from dflash import DFlash
 from dflash.chat import THINKING_IGNORED
 from dflash.cli.main import main
@@ -1919,3 +1919,50 @@ def test_the_learning_rate_warms_up_from_above_zero_then_decays_to_zero(tiny_pai
     assert rule(12) == pytest.approx(0.5) and rule(19) < 0.01 and rule(20) == pytest.approx(0.0, abs=1e-12)
     assert all(rule(s) >= rule(s + 1) for s in range(4, 20))
     assert trainer.optimizer.param_groups[0]["lr"] == pytest.approx(0.25 * trainer.config.lr)
+
+
+@pytest.fixture(scope="module")
+def gpt2_layout(tmp_path_factory):
+    """A target with GPT-2's layout: one special token, EOS, no pad, and an embedding row for every token and no
+    more, so no id is free for the mask; and datagen-style records that never hold the last token, 'zz'."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    root = tmp_path_factory.mktemp("gpt2_layout")
+    words = ["<|endoftext|>"] + [f"w{i}" for i in range(VOCAB - 2)] + ["zz"]  # VOCAB ids, the last 'zz'
+    tok = Tokenizer(models.WordLevel({w: i for i, w in enumerate(words)}, unk_token="w0"))
+    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    tokenizer = PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<|endoftext|>")
+    model = tiny_target_model()
+    model.config.eos_token_id = model.generation_config.eos_token_id = 0
+    model.save_pretrained(root / "target")
+    tokenizer.save_pretrained(root / "target")
+    rng = random.Random(1)
+    with (root / "data.jsonl").open("w") as f:
+        for i in range(16):
+            prompt = [rng.randrange(1, VOCAB - 2) for _ in range(6)]
+            response = [rng.randrange(1, VOCAB - 2) for _ in range(20)]
+            f.write(json.dumps({"id": i, "messages": [], "prompt_ids": prompt, "response_ids": response}) + "\n")
+    assert len(tokenizer) == VOCAB
+    return root / "target", root / "data.jsonl"
+
+
+def test_a_tokenizer_with_no_id_to_spare_is_told_which_token_of_text_to_mask_with(gpt2_layout, tmp_path):
+    """GPT-2's layout left no way through: no mask token could be chosen, and every id given was refused."""
+    target, data = gpt2_layout
+    with pytest.raises(UserError, match=re.escape("cannot pick a mask token") + ".*no special token to spare.*"
+                       + re.escape(f"such as --mask-token-id {VOCAB - 1} ('zz')")):
+        Trainer(config((target, None), data, tmp_path / "o")).setup()
+
+
+def test_there_a_token_of_text_the_data_never_holds_masks_with_a_warning(gpt2_layout, tmp_path, capsys):
+    target, data = gpt2_layout
+    trainer = Trainer(config((target, None), data, tmp_path / "o", mask_token_id=VOCAB - 1)).setup()
+    assert trainer.drafter_config.mask_token_id == VOCAB - 1
+    assert f"--mask-token-id {VOCAB - 1}: it is 'zz', a token of ordinary text, which none of the 16 training" \
+        in capsys.readouterr().err.replace("\n", " ")
+    with pytest.raises(UserError, match=r"\(5\) cannot be the mask token: it is 'w4', a token of ordinary text, held "
+                                        r"by \d+ of the 16 training sequences.*such as --mask-token-id 127"):
+        Trainer(config((target, None), data, tmp_path / "p", mask_token_id=5)).setup()
+    with pytest.raises(UserError, match="it is an end-of-sequence token"):
+        Trainer(config((target, None), data, tmp_path / "q", mask_token_id=0)).setup()
