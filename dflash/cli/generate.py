@@ -37,11 +37,13 @@ def stop_string(text: str) -> str:
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     add_model_arguments(parser, auto_block_size=True)
     group = parser.add_argument_group("prompt and decoding")
-    given = group.add_mutually_exclusive_group(required=True)
+    given = group.add_mutually_exclusive_group()  # or the PROMPT argument (`read_prompt` wants exactly one)
     given.add_argument("--prompt", action=_GivenOnce,
                        help="the prompt text ('-': read it from standard input); the chat template is applied unless "
                             "--raw")
     given.add_argument("--prompt-file", metavar="PATH", help="read the prompt text from this UTF-8 file")
+    # outside the group: an unknown flag's value lands here, and the unknown flag's hint must come first
+    group.add_argument("prompt_text", nargs="?", metavar="PROMPT", help="the prompt text, as --prompt takes it")
     group.add_argument("--system", metavar="TEXT", help="a system message before the prompt (chat template only)")
     group.add_argument("--raw", action="store_true", help="send the prompt as is, without the chat template")
     group.add_argument("--max-new-tokens", type=int, default=256,
@@ -87,10 +89,19 @@ def run(args: argparse.Namespace) -> int:
 
 
 def read_prompt(args: argparse.Namespace) -> str:
-    """The prompt text: --prompt's, standard input's for `--prompt -`, or --prompt-file's. A file's or the input's
+    """The prompt text: --prompt's (or the one positional argument's), standard input's for `--prompt -`, or
+    --prompt-file's. A file's or the input's
     one final line break is dropped: `echo` and editors end the text with one (a shell's `$(cat FILE)` drops it too)."""
+    given = [flag for flag, value in [("--prompt", args.prompt), ("--prompt-file", args.prompt_file),
+                                      ("PROMPT", getattr(args, "prompt_text", None))] if value is not None]
+    if len(given) != 1:
+        ways = "as PROMPT (`dflash generate \"What is 7 * 8?\"`), --prompt TEXT or --prompt-file PATH"
+        raise UserError(f"the prompt was given as {' and '.join(given)}; give it once, {ways}" if given else
+                        f"no prompt: give it {ways}")
     if args.prompt_file is not None:
         return _without_final_newline(_read_file(Path(args.prompt_file).expanduser()))
+    if args.prompt is None:  # `dflash generate "What is 7 * 8?"`
+        args.prompt = args.prompt_text
     if args.prompt == "-":
         return _without_final_newline(_read_stdin())
     return args.prompt

@@ -91,11 +91,14 @@ def unknown_flag_hint(unknown: list[str], parser: argparse.ArgumentParser) -> st
 
 
 def list_hint(command: str, unknown: list[str]) -> str:
-    """bench's sweeps take their values joined by commas: "--concurrency 1 4" leaves "4" over."""
+    """bench's sweeps take their values joined by commas: "--concurrency 1 4" leaves "4" over; generate's prompt
+    is one argument: `dflash generate What is 7 * 8?` leaves "is 7 * 8?" over."""
     import re
 
     if command == "bench" and re.fullmatch(r"[0-9.,]+|auto", unknown[0]):
         return " (a sweep's values go joined by commas: --concurrency 1,4, --block-size 8,16)"
+    if command == "generate" and not unknown[0].startswith("-"):
+        return " (a prompt of several words goes in quotes: dflash generate \"What is 7 * 8?\")"
     return ""
 
 

@@ -393,3 +393,21 @@ def test_chat_template_kwargs_that_are_not_a_json_object_say_how_to_write_them(c
     assert exit.value.code == 2
     assert ("argument --chat-template-kwargs: '[1]' is not a JSON object; write it like '{\"enable_thinking\": "
             "false}'") in capsys.readouterr().err
+
+
+def test_the_prompt_may_be_the_one_positional_argument(tiny_pair, capsys):
+    """`dflash generate "What is 7 * 8?"` was refused as a stray argument, with a message that did not say so."""
+    flags = ["--max-new-tokens", "8", "--json"]
+    assert main(_args(tiny_pair, "--prompt", "How many clips?", *flags)) == 0
+    flagged = json.loads(capsys.readouterr().out)["output_ids"]
+    assert main(_args(tiny_pair, "How many clips?", *flags)) == 0
+    assert json.loads(capsys.readouterr().out)["output_ids"] == flagged
+    with pytest.raises(SystemExit):
+        main(_args(tiny_pair, "How", "many", "clips?"))
+    assert ('unrecognized arguments: many clips? (a prompt of several words goes in quotes: dflash generate "What is '
+            '7 * 8?")') in capsys.readouterr().err
+    for extra, message in [(["--prompt", "x", "4"], "the prompt was given as --prompt and PROMPT; give it once"),
+                           (["--prompt-file", "f", "x"], "the prompt was given as --prompt-file and PROMPT"),
+                           ([], "no prompt: give it as PROMPT")]:
+        assert main(_args(tiny_pair, *extra)) == 2
+        assert message in capsys.readouterr().err
