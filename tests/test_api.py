@@ -685,3 +685,53 @@ def test_bfloat16_drafter_precision_is_refused_for_a_draft_model_it_would_not_ch
     with pytest.raises(UserError, match="this drafter is a draft model .* load it in bfloat16 \\(dtype\\) instead"):
         DFlash.from_pretrained(*draft_model_pair, drafter_precision="bfloat16")
     assert DFlash.from_pretrained(*draft_model_pair, drafter_precision="float32").drafter is not None
+
+
+def test_unseeded_sampling_with_the_trained_pair_follows_the_target_where_drafts_are_accepted():
+    """Rejection sampling end to end with DFlash2's sampled path and a drafter the target agrees with often (the
+    engine tests' random drafters are turned down at nearly every step): after a cut of the target's greedy answer
+    before two unsure positions, the first three tokens of many unseeded generations (the prefill's, then one step's
+    accepted draft tokens and its recovered or bonus token) are counted against the target's own probabilities."""
+    from scipy.stats import chisquare
+
+    from dflash.decoding import GenerationConfig
+    from dflash.decoding.sampling import SamplingParams, to_probs
+
+    pipe = DFlash.from_pretrained()
+    engine, model = pipe.engine, pipe.engine.target.model
+    prompt = pipe.encode("Weng earns $12 an hour for babysitting. Yesterday, she just did 50 minutes of babysitting. "
+                         "How much did she earn?\nPlease reason step by step, and put your final answer within "
+                         "\\boxed{}.")
+    answer = engine.generate([prompt], GenerationConfig(max_new_tokens=60))[0].output_ids
+    with torch.no_grad():  # the target's surest probability at each answer position
+        sure = model(torch.tensor([prompt + answer])).logits[0, len(prompt) - 1:-1].softmax(-1).max(-1).values
+    # a sure first token (the prefill's), then two unsure ones (the step's): its draft tokens are judged there
+    cut = min(range(len(answer) - 3), key=lambda i: float(sure[i + 1] + sure[i + 2] - sure[i]))
+    prompt = prompt + answer[:cut]
+    params = SamplingParams(temperature=1.0, top_k=3)
+    config = GenerationConfig(max_new_tokens=3, temperature=1.0, top_k=3, ignore_eos=True, block_size=16)
+    draws, counts, accepted = 1000, {}, 0
+    for _ in range(draws // 500):
+        for out in engine.generate([prompt] * 500, config):
+            counts[tuple(out.output_ids)] = counts.get(tuple(out.output_ids), 0) + 1
+            accepted += out.stats.acceptance_lengths[1] > 1
+    assert accepted > draws / 5  # the drafter's tokens were accepted, not only recovered
+
+    @torch.no_grad()
+    def next_probs(ids: list[int]) -> torch.Tensor:  # (vocab,)
+        return to_probs(model(torch.tensor([ids])).logits[0, -1], params)
+
+    exact: dict[tuple, float] = {}
+    first = next_probs(prompt)
+    for a in first.nonzero()[:, 0].tolist():
+        second = next_probs(prompt + [a])
+        for b in second.nonzero()[:, 0].tolist():
+            third = next_probs(prompt + [a, b])
+            for c in third.nonzero()[:, 0].tolist():
+                exact[a, b, c] = float(first[a] * second[b] * third[c])
+    assert set(counts) <= set(exact), "a triple the target cannot sample was drawn"
+    big = [t for t in exact if exact[t] * draws >= 5]  # the rest pooled into one cell
+    observed = [counts.get(t, 0) for t in big] + [draws - sum(counts.get(t, 0) for t in big)]
+    expected = [exact[t] * draws for t in big] + [draws - sum(exact[t] * draws for t in big)]
+    assert len(big) >= 4
+    assert chisquare(observed, expected).pvalue > 1e-3, sorted(zip(big, observed, expected))
