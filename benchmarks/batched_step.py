@@ -6,6 +6,7 @@ size 1 is a plain step (no drafter). With `--profile ROWSxBLOCK` it also prints 
 most time in that shape (torch.profiler), which is how the KV-cache copies were found.
 
     python benchmarks/batched_step.py --rows 1,4,8 --context 400 [--threads 2] [--profile 8x2] [--keep-layout]
+        [--temperature 1.0 [--top-p 0.95] [--seed 0]]
 
 `--keep-layout` keeps every weight row-major (what `nn.Linear` makes) instead of the layout `dflash` measures
 faster on this CPU (`dflash/model/cpu_layout.py`), to see what that choice is worth. To compare with an older
@@ -25,11 +26,13 @@ from dflash.api import ASSETS, DFlash
 from dflash.decoding.engine import GenerationConfig
 from dflash.decoding.proposer import NoDraftProposer
 
+SAMPLING: dict = {}  # --temperature, --top-p, --seed: how every row decodes (greedy by default)
+
 
 def batch_at_context(engine, proposer, rows: int, context: int, max_new_tokens: int):
     vocab = engine.target.vocab_size
     prompt = [(7 * i + 11) % vocab for i in range(context)]  # any valid ids: only the time counts
-    config = GenerationConfig(max_new_tokens=max_new_tokens, ignore_eos=True)
+    config = GenerationConfig(max_new_tokens=max_new_tokens, ignore_eos=True, **SAMPLING)
     return engine.merge([engine.prefill(engine.new_sequence(prompt, config), proposer) for _ in range(rows)])
 
 
@@ -71,8 +74,13 @@ def main() -> None:
     parser.add_argument("--profile", help="ROWSxBLOCK, e.g. 8x2 (block 1 = plain)")
     parser.add_argument("--keep-layout", action="store_true", help="keep row-major weights (no layout choice)")
     parser.add_argument("--dtype", default="float32", help="float32 or bfloat16 (both models)")
+    parser.add_argument("--temperature", type=float, default=0.0, help="> 0: every row samples (default greedy)")
+    parser.add_argument("--top-p", type=float, default=1.0)
+    parser.add_argument("--seed", type=int, help="sampling rows seeded (each row's noise its own positions'); "
+                                                 "default: unseeded rejection sampling")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
+    SAMPLING.update(temperature=args.temperature, top_p=args.top_p, seed=args.seed)
     if args.keep_layout:
         import dflash.api
 
@@ -94,7 +102,7 @@ def main() -> None:
         for block in blocks:
             ms = step_time_ms(engine, proposer_for(block), rows, args.context, args.repeats)
             print(json.dumps({"rows": rows, "block_size": block, "context": args.context, "step_ms": round(ms, 2),
-                              "threads": args.threads, "dtype": args.dtype}), flush=True)
+                              "threads": args.threads, "dtype": args.dtype, **SAMPLING}), flush=True)
 
 
 if __name__ == "__main__":
