@@ -163,21 +163,27 @@ def branch_along_lattice(lattice: Lattice, chosen: torch.Tensor, start: torch.Te
 
 
 def _sample_path(lattice: Lattice, r: int, row, vocab_size: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Row r's path, one position at a time: tokens (k,) and each position's proposal distribution (k, vocab)."""
-    k = lattice.candidates.shape[1]
-    tokens = lattice.candidates.new_zeros(k)
-    probs = lattice.scores.new_zeros(k, vocab_size)
+    """Row r's path, one position at a time: tokens (k,) and each position's proposal distribution (k, vocab). Each
+    position draws among its K candidates (every other token's score is -inf), so the work is on K numbers, not the
+    vocabulary's."""
+    candidates = lattice.candidates[r]  # (k, K)
+    k = candidates.shape[0]
+    chosen = []  # each position's candidate index
+    probs = []  # each position's distribution over its candidates, (K,)
     previous = 0  # any predecessor row at t = 0 holds the anchor's scores
     for t in range(k):
-        candidates, scores = lattice.candidates[r, t], lattice.scores[r, t, previous]  # (K,), (K,)
-        logits = scores.new_full((vocab_size,), float("-inf")).scatter(0, candidates, scores)
-        probs[t] = to_probs(logits, row.params, proposal=True)
-        if row.noise is not None:
-            tokens[t] = row.noise.choose(probs[t][None], row.next_position + t)[0]
+        q = to_probs(lattice.scores[r, t, previous], row.params, proposal=True)  # (K,)
+        if row.noise is not None:  # the exponential race on the candidates' own noise (`PositionNoise.choose`)
+            noise = row.noise.exponentials(row.next_position + t, vocab_size)[candidates[t]]  # (K,)
+            previous = int((q / noise).argmax())
         else:
-            tokens[t] = sample(probs[t][None], row.generator)[0]
-        previous = int((candidates == tokens[t]).nonzero()[0, 0])
-    return tokens, probs
+            previous = int(sample(q[None], row.generator)[0])
+        chosen.append(previous)
+        probs.append(q)
+    index = torch.tensor(chosen, device=candidates.device)  # (k,)
+    tokens = candidates.gather(1, index[:, None])[:, 0]  # (k,)
+    full = lattice.scores.new_zeros(k, vocab_size).scatter_(1, candidates, torch.stack(probs))  # (k, vocab)
+    return tokens, full
 
 
 class NoDraftProposer:

@@ -11,7 +11,7 @@ from scipy.stats import chisquare
 
 from conftest import dflash2_drafter, hf_greedy, random_prompts, tiny_target_model
 from dflash.decoding import DFlashProposer, GenerationConfig, SpeculativeEngine
-from dflash.decoding.proposer import draft_along_path
+from dflash.decoding.proposer import _sample_path, draft_along_path
 from dflash.decoding.sampling import SamplingParams, to_probs
 from dflash.model.dflash2 import walk
 from dflash.model.target import TargetModel
@@ -74,6 +74,28 @@ def test_a_sampled_path_reports_the_distribution_each_token_was_drawn_from(qwen3
     assert sum(observed) > 0.97 * DRAWS  # the pairs never drawn are rare
     scale = sum(observed) / sum(expected)
     assert chisquare(observed, [e * scale for e in expected]).pvalue > 1e-3
+
+
+@torch.no_grad()
+def test_a_seeded_path_is_the_noise_race_over_the_whole_vocabulary(qwen3):
+    """A sampled path draws among each position's candidates alone; for a seeded row that must be the token the
+    position's noise picks from the vocabulary-wide distribution it reports (zero outside the candidates)."""
+    from dflash.decoding.sampling import PositionNoise
+
+    target = qwen3
+    lattice = dflash2_drafter(target).candidate_selector.lattice(
+        torch.randn(1, 6, target.vocab_size) * 2, torch.randn(1, 6, target.hidden_size), torch.tensor([5]))
+
+    class Row:  # what draft_along_path reads of a Sequence
+        def __init__(self, seed):
+            self.params, self.generator = SamplingParams(temperature=0.8, top_p=0.9), None
+            self.noise, self.next_position = PositionNoise(seed), 30
+
+    for seed in range(20):
+        row = Row(seed)
+        tokens, probs = _sample_path(lattice, 0, row, target.vocab_size)
+        assert torch.allclose(probs.sum(-1), torch.ones(6))
+        assert torch.equal(tokens, PositionNoise(seed).choose(probs, 30))
 
 
 @torch.no_grad()

@@ -140,3 +140,20 @@ def test_top_k_minus_one_is_no_top_k_as_in_vllm():
     assert GenerationConfig(temperature=1.0, top_k=-1).sampling.top_k == 0
     with pytest.raises(ValueError, match=r"top_k must be a number of tokens >= 1, or 0 or -1 \(off\), got -2"):
         SamplingParams(1.0, top_k=-2)
+
+
+def test_unseeded_draws_follow_the_distribution_and_never_take_a_token_of_probability_zero(monkeypatch):
+    """`sample` draws through the cumulative distribution (torch.multinomial drew an exponential for every token of
+    the vocabulary): the draws follow p, and the uniforms at both ends of [0, 1) still land on tokens p allows."""
+    from dflash.decoding import sampling
+
+    p = torch.tensor([[0.0, 0.5, 0.0, 0.2, 0.3, 0.0]])  # zeros first, between and last
+    generator = torch.Generator().manual_seed(0)
+    draws = sampling.sample(p.expand(6000, -1), generator)
+    counts = torch.bincount(draws, minlength=6).float()
+    assert counts[p[0] == 0].sum() == 0
+    assert chisquare(counts[p[0] > 0].numpy(), (p[0][p[0] > 0] * 6000).numpy()).pvalue > 1e-3
+    for u in (0.0, 1 - 2.0 ** -24):  # torch.rand's smallest and largest float32
+        monkeypatch.setattr(torch, "rand", lambda *shape, u=u, **kw: torch.full(shape, u))
+        assert int(sampling.sample(p, None)[0]) in (1, 3, 4)
+    assert int(sampling.sample(torch.tensor([[0.0, 0.0, 1.0]]), None)[0]) == 2
