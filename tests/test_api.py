@@ -687,7 +687,19 @@ def test_bfloat16_drafter_precision_is_refused_for_a_draft_model_it_would_not_ch
     assert DFlash.from_pretrained(*draft_model_pair, drafter_precision="float32").drafter is not None
 
 
-def test_unseeded_sampling_with_the_trained_pair_follows_the_target_where_drafts_are_accepted():
+class _CountedSeeds(torch.Generator):
+    """A generator whose `seed()` (an unseeded row's fresh seed) takes the next of 0, 1, 2, ...: a test that counts
+    unseeded draws then draws the same ones every run."""
+
+    drawn = 0
+
+    def seed(self) -> int:
+        _CountedSeeds.drawn += 1
+        self.manual_seed(_CountedSeeds.drawn)
+        return _CountedSeeds.drawn
+
+
+def test_unseeded_sampling_with_the_trained_pair_follows_the_target_where_drafts_are_accepted(monkeypatch):
     """Rejection sampling end to end with DFlash2's sampled path and a drafter the target agrees with often (the
     engine tests' random drafters are turned down at nearly every step): after a cut of the target's greedy answer
     before two unsure positions, the first three tokens of many unseeded generations (the prefill's, then one step's
@@ -697,6 +709,8 @@ def test_unseeded_sampling_with_the_trained_pair_follows_the_target_where_drafts
     from dflash.decoding import GenerationConfig
     from dflash.decoding.sampling import SamplingParams, to_probs
 
+    monkeypatch.setattr(torch, "Generator", _CountedSeeds)
+    monkeypatch.setattr(_CountedSeeds, "drawn", 0)
     pipe = DFlash.from_pretrained()
     engine, model = pipe.engine, pipe.engine.target.model
     prompt = pipe.encode("Weng earns $12 an hour for babysitting. Yesterday, she just did 50 minutes of babysitting. "
@@ -716,6 +730,7 @@ def test_unseeded_sampling_with_the_trained_pair_follows_the_target_where_drafts
             counts[tuple(out.output_ids)] = counts.get(tuple(out.output_ids), 0) + 1
             accepted += out.stats.acceptance_lengths[1] > 1
     assert accepted > draws / 5  # the drafter's tokens were accepted, not only recovered
+    assert _CountedSeeds.drawn >= draws  # every row drew from a counted seed: the same draws every run
 
     @torch.no_grad()
     def next_probs(ids: list[int]) -> torch.Tensor:  # (vocab,)

@@ -142,7 +142,8 @@ def _conversation(prompt: str, system: str | None) -> str | list[dict]:
 
 def _check_arguments(args: argparse.Namespace, prompt: str) -> dict:
     """The generation options, checked before any model loads: a typo should not wait for a model."""
-    source = "--prompt-file" if args.prompt_file is not None else "--prompt"
+    source = ("--prompt-file" if args.prompt_file is not None else
+              "PROMPT" if getattr(args, "prompt_text", None) is not None else "--prompt")
     if not prompt.strip():
         raise UserError(f"{source} {'(standard input) ' if args.prompt == '-' else ''}is empty; give the text to "
                         "decode, e.g. --prompt \"What is 7 * 8?\"")

@@ -82,6 +82,8 @@ def unknown_flag_hint(unknown: list[str], parser: argparse.ArgumentParser) -> st
         flag = given.split("=", 1)[0]
         if not flag.startswith("--"):
             continue
+        if flag in ours:  # a known flag is unknown only after "--", which ends the flags
+            return f" ({flag} comes after --, which makes it text: give the flags before --)"
         alias = FLAG_ALIASES.get(flag)
         close = [alias] if alias in ours else difflib.get_close_matches(flag, ours, n=1, cutoff=0.75)
         if close:
@@ -99,6 +101,8 @@ def list_hint(command: str, unknown: list[str]) -> str:
         return " (a sweep's values go joined by commas: --concurrency 1,4, --block-size 8,16)"
     if command == "generate" and not unknown[0].startswith("-"):
         return " (a prompt of several words goes in quotes: dflash generate \"What is 7 * 8?\")"
+    if command == "generate" and not unknown[0].startswith("--"):
+        return f" (a prompt that starts with '-' goes after --: dflash generate -- \"{unknown[0]} ...\")"
     return ""
 
 

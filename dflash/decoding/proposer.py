@@ -168,11 +168,13 @@ def _sample_path(lattice: Lattice, r: int, row, vocab_size: int) -> tuple[torch.
     vocabulary's."""
     candidates = lattice.candidates[r]  # (k, K)
     k = candidates.shape[0]
+    by_id = candidates.argsort(-1)  # (k, K): `to_probs` breaks top-p ties by token id, so it reads them in id order
     chosen = []  # each position's candidate index
     probs = []  # each position's distribution over its candidates, (K,)
     previous = 0  # any predecessor row at t = 0 holds the anchor's scores
     for t in range(k):
-        q = to_probs(lattice.scores[r, t, previous], row.params, proposal=True)  # (K,)
+        in_id_order = to_probs(lattice.scores[r, t, previous, by_id[t]], row.params, proposal=True)
+        q = torch.empty_like(in_id_order).scatter_(0, by_id[t], in_id_order)  # (K,), in candidate order
         if row.noise is not None:  # the exponential race on the candidates' own noise (`PositionNoise.choose`)
             noise = row.noise.exponentials(row.next_position + t, vocab_size)[candidates[t]]  # (K,)
             previous = int((q / noise).argmax())

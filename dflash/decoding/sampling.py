@@ -92,12 +92,16 @@ def _without_nan(logits: torch.Tensor) -> torch.Tensor:
 
 
 def sample(probs: torch.Tensor, generator: torch.Generator | None) -> torch.Tensor:
-    """probs (n, vocab) -> token ids (n,): one uniform a row, through the cumulative distribution. (torch.multinomial
-    draws an exponential for every token of the vocabulary: 80 us a row at 4,096 tokens on a CPU, ten of the 19 ms a
-    sampled 8-row step at block 16 cost over a greedy one.)"""
-    cdf = probs.float().cumsum(-1)  # (n, vocab)
+    """probs (n, vocab), each row with some probability (as `to_probs` leaves it) -> token ids (n,): one uniform a
+    row, through the cumulative distribution. (torch.multinomial draws an exponential for every token of the
+    vocabulary: 80 us a row at 4,096 tokens on a CPU, ten of the 20 ms a sampled 8-row step at block 16 cost over a
+    greedy one.)"""
+    probs = probs.float()
+    # a GPU sums in a tree, so its running total can step down by a rounding at a token of probability 0: such a
+    # token holds its predecessor's total here, and the totals never decrease (on a CPU, the plain cumulative sum)
+    cdf = torch.where(probs > 0, probs.cumsum(-1), 0.0).cummax(-1).values  # (n, vocab)
     u = torch.rand(probs.shape[0], 1, generator=generator, device=probs.device)  # (n, 1) in [0, 1)
-    # in (0, total]: the first token whose cdf reaches it has a probability above 0
+    # in (0, total]: the first token whose total reaches it has a probability above 0
     reach = (1 - u) * cdf[:, -1:]
     return torch.searchsorted(cdf, reach).squeeze(-1).clamp_(max=probs.shape[-1] - 1)
 

@@ -590,16 +590,15 @@ class Trainer:
         with a warning, where the tokenizer leaves nothing else (`free_mask_token_id` None: GPT-2's layout) and no
         training sequence holds it."""
         problem = mask_token_problem(mask_id, self.target)
-        examples = self.train_examples + self.eval_examples
-        if problem and self._no_free_mask_id() and text_token_problem(mask_id, self.tokenizer):
-            holding = sum(mask_id in e.input_ids for e in examples)
+        if problem and self._text_mask_allowed(mask_id, problem):
+            holding, examples = self._sequences_holding(mask_id), len(self.train_examples + self.eval_examples)
             if not holding:
-                self._warn(f"--mask-token-id {mask_id}: {problem}, which none of the {len(examples)} training "
+                self._warn(f"--mask-token-id {mask_id}: {problem}, which none of the {examples} training "
                            "sequences holds, so the drafter learns it as its mask (this tokenizer has no special "
                            "token to spare and every embedding row is a token). Where the target writes it, the "
                            "block after it drafts poorly; the output stays the target's")
                 return
-            problem += f", held by {holding} of the {len(examples)} training sequences"
+            problem += f", held by {holding} of the {examples} training sequences"
         if problem:
             chosen = "--mask-token-id" if self.config.mask_token_id is not None else "the tokenizer's mask token"
             raise UserError(f"{chosen} ({mask_id}) cannot be the mask token: {problem}; {self._mask_token_advice()}")
@@ -607,6 +606,13 @@ class Trainer:
 
     def _no_free_mask_id(self) -> bool:
         return free_mask_token_id(self.tokenizer, self.target.vocab_size) is None
+
+    def _text_mask_allowed(self, mask_id: int, problem: str) -> bool:
+        """Whether `problem` is only that `mask_id` is a token of text, where the tokenizer leaves nothing else."""
+        return self._no_free_mask_id() and problem == text_token_problem(mask_id, self.tokenizer)
+
+    def _sequences_holding(self, mask_id: int) -> int:
+        return sum(mask_id in e.input_ids for e in self.train_examples + self.eval_examples)
 
     def _mask_token_advice(self) -> str:
         """`mask_token_advice`, and where the tokenizer has no id to spare, a token of text the data never holds."""
@@ -652,11 +658,15 @@ class Trainer:
         if self.config.dflash2 and drafter.config.dflash2 is None:
             to_dflash2(drafter, dflash2_options(self.config))
         self.config.dflash2 = drafter.config.dflash2 is not None  # training_config.yaml says what was trained
-        problem = mask_token_problem(drafter.config.mask_token_id, self.target)
+        mask_id = drafter.config.mask_token_id
+        problem = mask_token_problem(mask_id, self.target)
+        if problem and self._text_mask_allowed(mask_id, problem):  # the token of text a GPT-2-like tokenizer leaves
+            problem = (f"{problem}, held by {self._sequences_holding(mask_id)} of the training sequences"
+                       if self._sequences_holding(mask_id) else None)
         if problem:  # the drafter learnt with this mask token: a warning, it cannot change now
-            self._warn(f"the drafter's mask token ({drafter.config.mask_token_id}) aliases a real token: {problem}; "
-                       "its blocks cannot tell a mask from that token, which lowers acceptance")
-        self._warn_mask_token_uses(drafter.config.mask_token_id)
+            self._warn(f"the drafter's mask token ({mask_id}) aliases a real token: {problem}; its blocks cannot "
+                       "tell a mask from that token, which lowers acceptance")
+        self._warn_mask_token_uses(mask_id)
         return drafter
 
     def _setup_optimizer(self) -> None:

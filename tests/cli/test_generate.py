@@ -408,6 +408,6 @@ def test_the_prompt_may_be_the_one_positional_argument(tiny_pair, capsys):
             '7 * 8?")') in capsys.readouterr().err
     for extra, message in [(["--prompt", "x", "4"], "the prompt was given as --prompt and PROMPT; give it once"),
                            (["--prompt-file", "f", "x"], "the prompt was given as --prompt-file and PROMPT"),
-                           ([], "no prompt: give it as PROMPT")]:
+                           ([], "no prompt: give it as PROMPT"), ([""], "PROMPT is empty")]:
         assert main(_args(tiny_pair, *extra)) == 2
         assert message in capsys.readouterr().err

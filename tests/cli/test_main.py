@@ -55,6 +55,9 @@ def test_under_torchrun_each_process_names_its_rank(monkeypatch, capsys):
     (["train", "--frobnicate"], "unrecognized arguments: --frobnicate\n"),
     (["generate", "--prompt", "x", "--stop-strings", "y"], "(did you mean --stop for --stop-strings?)"),
     (["bench", "--concurrency", "1", "4"], "arguments: 4 (a sweep's values go joined by commas: --concurrency 1,4"),
+    (["generate", "--", "-x", "--max-new-tokens", "8"], "(--max-new-tokens comes after --, which makes it text: give "
+                                                         "the flags before --)"),
+    (["generate", "-x"], "(a prompt that starts with '-' goes after --: dflash generate -- \"-x ...\")"),
     (["generate", "--prompt", "x", "--num-speculative-tokens", "15"],
      "(did you mean --block-size for --num-speculative-tokens, N + 1 for N speculative tokens: the block holds the "
      "anchor too?)"),

@@ -79,7 +79,8 @@ def test_a_sampled_path_reports_the_distribution_each_token_was_drawn_from(qwen3
 @torch.no_grad()
 def test_a_seeded_path_is_the_noise_race_over_the_whole_vocabulary(qwen3):
     """A sampled path draws among each position's candidates alone; for a seeded row that must be the token the
-    position's noise picks from the vocabulary-wide distribution it reports (zero outside the candidates)."""
+    position's noise picks from the distribution it reports, and that the vocabulary-wide one `to_probs` gives the
+    candidates' scores (top-p breaking ties by token id)."""
     from dflash.decoding.sampling import PositionNoise
 
     target = qwen3
@@ -88,14 +89,20 @@ def test_a_seeded_path_is_the_noise_race_over_the_whole_vocabulary(qwen3):
 
     class Row:  # what draft_along_path reads of a Sequence
         def __init__(self, seed):
-            self.params, self.generator = SamplingParams(temperature=0.8, top_p=0.9), None
+            self.params, self.generator = SamplingParams(temperature=0.8, top_p=0.6), None
             self.noise, self.next_position = PositionNoise(seed), 30
 
+    lattice.scores = lattice.scores.clone()
+    lattice.scores[:, 1:4:2] = 0  # positions 1 and 3: every candidate tied, and top-p keeps the highest ids
     for seed in range(20):
         row = Row(seed)
         tokens, probs = _sample_path(lattice, 0, row, target.vocab_size)
-        assert torch.allclose(probs.sum(-1), torch.ones(6))
         assert torch.equal(tokens, PositionNoise(seed).choose(probs, 30))
+        chosen = (lattice.candidates[0] == tokens[:, None]).int().argmax(-1)  # (6,) each token's candidate index
+        for t in range(6):  # the distribution `to_probs` gives the vocabulary-wide logits after the path's token
+            logits = torch.full((target.vocab_size,), float("-inf")).scatter(
+                0, lattice.candidates[0, t], lattice.scores[0, t, chosen[t - 1] if t else 0])
+            assert torch.allclose(probs[t], to_probs(logits, row.params, proposal=True))
 
 
 @torch.no_grad()

@@ -157,3 +157,15 @@ def test_unseeded_draws_follow_the_distribution_and_never_take_a_token_of_probab
         monkeypatch.setattr(torch, "rand", lambda *shape, u=u, **kw: torch.full(shape, u))
         assert int(sampling.sample(p, None)[0]) in (1, 3, 4)
     assert int(sampling.sample(torch.tensor([[0.0, 0.0, 1.0]]), None)[0]) == 2
+
+
+def test_a_running_total_that_rises_at_a_token_of_probability_zero_still_never_draws_it(monkeypatch):
+    """A GPU sums the probabilities in a tree, so its running total can rise (or fall) by a rounding at a token of
+    probability 0, and a search for the first total to reach the draw stopped there; emulated on the CPU."""
+    from dflash.decoding import sampling
+
+    p = torch.tensor([[0.5, 0.0, 0.5]])
+    true_cumsum = torch.Tensor.cumsum
+    monkeypatch.setattr(torch.Tensor, "cumsum", lambda self, dim: true_cumsum(self, dim) + (self == 0) * 1e-3)
+    monkeypatch.setattr(torch, "rand", lambda *shape, **kw: torch.full(shape, 0.499))  # reach 0.501 * 1.0
+    assert int(sampling.sample(p, None)[0]) == 2  # the running total at token 1 read 0.501

@@ -1957,10 +1957,18 @@ def test_a_tokenizer_with_no_id_to_spare_is_told_which_token_of_text_to_mask_wit
 
 def test_there_a_token_of_text_the_data_never_holds_masks_with_a_warning(gpt2_layout, tmp_path, capsys):
     target, data = gpt2_layout
-    trainer = Trainer(config((target, None), data, tmp_path / "o", mask_token_id=VOCAB - 1)).setup()
-    assert trainer.drafter_config.mask_token_id == VOCAB - 1
+    Trainer(config((target, None), data, tmp_path / "o", mask_token_id=VOCAB - 1, max_steps=2)).setup().train()
+    assert load_drafter(tmp_path / "o").config.mask_token_id == VOCAB - 1
     assert f"--mask-token-id {VOCAB - 1}: it is 'zz', a token of ordinary text, which none of the 16 training" \
         in capsys.readouterr().err.replace("\n", " ")
+    Trainer(config((target, None), data, tmp_path / "tuned", init_from=str(tmp_path / "o"))).setup()
+    assert "aliases a real token" not in capsys.readouterr().err  # a fine-tune keeps it without a second word
+    eos_too = tmp_path / "eos_too"  # a token of text that is also an end-of-sequence id is refused as such
+    shutil.copytree(target, eos_too)
+    generation = json.loads((eos_too / "generation_config.json").read_text())
+    (eos_too / "generation_config.json").write_text(json.dumps({**generation, "eos_token_id": [0, VOCAB - 1]}))
+    with pytest.raises(UserError, match="it is an end-of-sequence token"):
+        Trainer(config((eos_too, None), data, tmp_path / "e", mask_token_id=VOCAB - 1)).setup()
     with pytest.raises(UserError, match=r"\(5\) cannot be the mask token: it is 'w4', a token of ordinary text, held "
                                         r"by \d+ of the 16 training sequences.*such as --mask-token-id 127"):
         Trainer(config((target, None), data, tmp_path / "p", mask_token_id=5)).setup()
