@@ -165,16 +165,18 @@ def branch_along_lattice(lattice: Lattice, chosen: torch.Tensor, start: torch.Te
 def _sample_path(lattice: Lattice, r: int, row, vocab_size: int) -> tuple[torch.Tensor, torch.Tensor]:
     """Row r's path, one position at a time: tokens (k,) and each position's proposal distribution (k, vocab). Each
     position draws among its K candidates (every other token's score is -inf), so the work is on K numbers, not the
-    vocabulary's."""
-    candidates = lattice.candidates[r]  # (k, K)
-    k = candidates.shape[0]
-    by_id = candidates.argsort(-1)  # (k, K): `to_probs` breaks top-p ties by token id, so it reads them in id order
-    chosen = []  # each position's candidate index
+    vocabulary's. The candidates are read in token-id order, as the vocabulary holds them: `to_probs` breaks top-p
+    ties by token id, and the noise race takes the lowest id of tied ones."""
+    candidates, order = lattice.candidates[r].sort(-1)  # (k, K) in token-id order, and each one's place before
+    top = candidates.shape[1]
+    predecessors = torch.cat([order[:1], order[:-1]])  # position t's predecessors are position t-1's candidates
+    scores = (lattice.scores[r].gather(1, predecessors[:, :, None].expand(-1, -1, top))
+              .gather(2, order[:, None, :].expand(-1, top, -1)))  # (k, K, K), both candidate axes in id order
+    chosen = []  # each position's candidate (its index in id order)
     probs = []  # each position's distribution over its candidates, (K,)
     previous = 0  # any predecessor row at t = 0 holds the anchor's scores
-    for t in range(k):
-        in_id_order = to_probs(lattice.scores[r, t, previous, by_id[t]], row.params, proposal=True)
-        q = torch.empty_like(in_id_order).scatter_(0, by_id[t], in_id_order)  # (K,), in candidate order
+    for t in range(candidates.shape[0]):
+        q = to_probs(scores[t, previous], row.params, proposal=True)  # (K,)
         if row.noise is not None:  # the exponential race on the candidates' own noise (`PositionNoise.choose`)
             noise = row.noise.exponentials(row.next_position + t, vocab_size)[candidates[t]]  # (K,)
             previous = int((q / noise).argmax())
@@ -184,8 +186,8 @@ def _sample_path(lattice: Lattice, r: int, row, vocab_size: int) -> tuple[torch.
         probs.append(q)
     index = torch.tensor(chosen, device=candidates.device)  # (k,)
     tokens = candidates.gather(1, index[:, None])[:, 0]  # (k,)
-    full = lattice.scores.new_zeros(k, vocab_size).scatter_(1, candidates, torch.stack(probs))  # (k, vocab)
-    return tokens, full
+    full = lattice.scores.new_zeros(candidates.shape[0], vocab_size).scatter_(1, candidates, torch.stack(probs))
+    return tokens, full  # (k,), (k, vocab)
 
 
 class NoDraftProposer:
