@@ -189,6 +189,36 @@ def partial_oracle(target, references: dict[tuple, list[int]], block_size: int) 
                           correct=lambda rng: rng.randint(0, block_size - 1), seed=block_size)
 
 
+def check_triples_follow_the_target(model, params, prompt: list[int], counts: dict[tuple, int],
+                                    min_cells: int = 1) -> None:
+    """`counts` of the first three output tokens of many unseeded generations after `prompt` follow the target's
+    own probabilities of each triple (`model` through transformers, after `params`): none the target cannot
+    sample, and a chi-square over the triples expected 5+ times (the rest pooled into one cell)."""
+    from scipy.stats import chisquare
+
+    from dflash.decoding.sampling import to_probs
+
+    @torch.no_grad()
+    def next_probs(ids: list[int]) -> torch.Tensor:  # (vocab,)
+        return to_probs(model(torch.tensor([ids])).logits[0, -1], params)
+
+    exact: dict[tuple, float] = {}
+    first = next_probs(prompt)
+    for a in first.nonzero()[:, 0].tolist():
+        second = next_probs(prompt + [a])
+        for b in second.nonzero()[:, 0].tolist():
+            third = next_probs(prompt + [a, b])
+            for c in third.nonzero()[:, 0].tolist():
+                exact[a, b, c] = float(first[a] * second[b] * third[c])
+    assert set(counts) <= set(exact), "a triple the target cannot sample was drawn"
+    draws = sum(counts.values())
+    big = [t for t in exact if exact[t] * draws >= 5]
+    observed = [counts.get(t, 0) for t in big] + [draws - sum(counts.get(t, 0) for t in big)]
+    expected = [exact[t] * draws for t in big] + [draws - sum(exact[t] * draws for t in big)]
+    assert len(big) >= min_cells
+    assert chisquare(observed, expected).pvalue > 1e-3, sorted(zip(big, observed, expected))
+
+
 def check_ragged_greedy(target, prompts: list[list[int]], max_new: int) -> None:
     """Greedy at block sizes 2, 8 and 16 in a ragged batch, with a drafter right for a random number of tokens per
     block, gives transformers' own greedy output; draft tokens are accepted, and rows accept different numbers."""

@@ -704,10 +704,9 @@ def test_unseeded_sampling_with_the_trained_pair_follows_the_target_where_drafts
     engine tests' random drafters are turned down at nearly every step): after a cut of the target's greedy answer
     before two unsure positions, the first three tokens of many unseeded generations (the prefill's, then one step's
     accepted draft tokens and its recovered or bonus token) are counted against the target's own probabilities."""
-    from scipy.stats import chisquare
-
+    from conftest import check_triples_follow_the_target
     from dflash.decoding import GenerationConfig
-    from dflash.decoding.sampling import SamplingParams, to_probs
+    from dflash.decoding.sampling import SamplingParams
 
     monkeypatch.setattr(torch, "Generator", _CountedSeeds)
     monkeypatch.setattr(_CountedSeeds, "drawn", 0)
@@ -731,22 +730,4 @@ def test_unseeded_sampling_with_the_trained_pair_follows_the_target_where_drafts
             accepted += out.stats.acceptance_lengths[1] > 1
     assert accepted > draws / 5  # the drafter's tokens were accepted, not only recovered
     assert _CountedSeeds.drawn >= draws  # every row drew from a counted seed: the same draws every run
-
-    @torch.no_grad()
-    def next_probs(ids: list[int]) -> torch.Tensor:  # (vocab,)
-        return to_probs(model(torch.tensor([ids])).logits[0, -1], params)
-
-    exact: dict[tuple, float] = {}
-    first = next_probs(prompt)
-    for a in first.nonzero()[:, 0].tolist():
-        second = next_probs(prompt + [a])
-        for b in second.nonzero()[:, 0].tolist():
-            third = next_probs(prompt + [a, b])
-            for c in third.nonzero()[:, 0].tolist():
-                exact[a, b, c] = float(first[a] * second[b] * third[c])
-    assert set(counts) <= set(exact), "a triple the target cannot sample was drawn"
-    big = [t for t in exact if exact[t] * draws >= 5]  # the rest pooled into one cell
-    observed = [counts.get(t, 0) for t in big] + [draws - sum(counts.get(t, 0) for t in big)]
-    expected = [exact[t] * draws for t in big] + [draws - sum(exact[t] * draws for t in big)]
-    assert len(big) >= 4
-    assert chisquare(observed, expected).pvalue > 1e-3, sorted(zip(big, observed, expected))
+    check_triples_follow_the_target(model, params, prompt, counts, min_cells=4)

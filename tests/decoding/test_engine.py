@@ -228,11 +228,9 @@ def test_unseeded_speculative_sampling_follows_the_targets_distribution(drafting
     recovered and bonus tokens): the first three tokens of many unseeded generations are counted against the
     target's own probabilities of each triple. A random DFlash drafter is rejected at nearly every step (recovered
     tokens); a perturbed copy of the target as draft model is accepted often (accepted and bonus tokens)."""
-    from scipy.stats import chisquare
-
-    from conftest import perturbed_copy, tiny_target_model
+    from conftest import check_triples_follow_the_target, perturbed_copy, tiny_target_model
     from dflash.decoding.draft_model import DraftModelProposer
-    from dflash.decoding.sampling import SamplingParams, to_probs
+    from dflash.decoding.sampling import SamplingParams
     from dflash.model import TargetModel
 
     target = TargetModel(tiny_target_model())
@@ -247,24 +245,7 @@ def test_unseeded_speculative_sampling_follows_the_targets_distribution(drafting
     for _ in range(draws // 500):
         for out in engine.generate([prompt] * 500, config):
             counts[tuple(out.output_ids)] = counts.get(tuple(out.output_ids), 0) + 1
-
-    @torch.no_grad()
-    def next_probs(ids: list[int]) -> torch.Tensor:  # the target alone, through transformers: (vocab,)
-        return to_probs(target.model(torch.tensor([ids])).logits[0, -1], params)
-
-    exact: dict[tuple, float] = {}
-    first = next_probs(prompt)
-    for a in first.nonzero()[:, 0].tolist():
-        second = next_probs(prompt + [a])
-        for b in second.nonzero()[:, 0].tolist():
-            third = next_probs(prompt + [a, b])
-            for c in third.nonzero()[:, 0].tolist():
-                exact[a, b, c] = float(first[a] * second[b] * third[c])
-    assert set(counts) <= set(exact), "a triple the target cannot sample was drawn"
-    big = [t for t in exact if exact[t] * draws >= 5]  # the rest pooled into one cell
-    observed = [counts.get(t, 0) for t in big] + [draws - sum(counts.get(t, 0) for t in big)]
-    expected = [exact[t] * draws for t in big] + [draws - sum(exact[t] * draws for t in big)]
-    assert chisquare(observed, expected).pvalue > 1e-3, sorted(zip(big, observed, expected))
+    check_triples_follow_the_target(target.model, params, prompt, counts)
 
 
 def test_stop_tokens_strings_and_limits(target):
