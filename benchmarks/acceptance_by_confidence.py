@@ -34,8 +34,9 @@ import random
 from dataclasses import dataclass
 
 import torch
+from pair_options import add_pair_options, load_pair
 
-from dflash.api import ASSETS, DFlash
+from dflash.api import DFlash
 from dflash.bench.datasets import DataOptions, load_samples
 from dflash.decoding.engine import GenerationConfig, GenerationOutput
 
@@ -162,24 +163,16 @@ def by_anchor_confidence(judged: list[Judged]) -> list[dict]:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--target", help="default: the embedded target (with or without --draft)")
-    parser.add_argument("--draft")
-    parser.add_argument("--dataset", default="gsm8k")
-    parser.add_argument("--max-samples", type=int, default=40)
+    add_pair_options(parser, max_samples=40)
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--block-size", type=int, default=16)
-    parser.add_argument("--max-new-tokens", type=int, default=256)
-    parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--random-anchors", type=int, default=0, help="also judge K blocks per answer started at "
                         "random tokens (0 = off)")
     parser.add_argument("--replay-decoding-anchors", type=int, default=0,
                         help="also redraft K of each answer's decoding blocks from a fresh prefill at the same anchor "
                              "(no drafter cache): the same acceptance says the cache gives the drafter what a "
                              "fresh start would")
-    parser.add_argument("--json", help="also write the table and totals here")
     args = parser.parse_args()
-    torch.set_num_threads(args.threads)
-    pipe = DFlash.from_pretrained(args.target or (ASSETS / "target" if args.draft else None), args.draft)
+    pipe = load_pair(args)
     samples = load_samples(args.dataset, DataOptions(max_samples=args.max_samples, seed=args.seed))
     config = GenerationConfig(max_new_tokens=args.max_new_tokens, block_size=args.block_size)
     rng = random.Random(args.seed)  # random anchors

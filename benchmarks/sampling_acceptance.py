@@ -16,9 +16,8 @@ import argparse
 import json
 from pathlib import Path
 
-import torch
+from pair_options import add_pair_options, load_pair
 
-from dflash.api import ASSETS, DFlash
 from dflash.bench.datasets import DataOptions, load_samples
 
 
@@ -28,19 +27,11 @@ def tau(steps: list[int]) -> float | None:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--target", help="default: the embedded target (with or without --draft)")
-    parser.add_argument("--draft")
-    parser.add_argument("--dataset", default="gsm8k")
-    parser.add_argument("--max-samples", type=int, default=20)
+    add_pair_options(parser, max_samples=20)
     parser.add_argument("--rounds", type=int, default=3, help="answers per question and setting")
     parser.add_argument("--temperatures", default="0.7,1.0")
-    parser.add_argument("--block-size", type=int, default=16)
-    parser.add_argument("--max-new-tokens", type=int, default=256)
-    parser.add_argument("--threads", type=int, default=2)
-    parser.add_argument("--json", help="also write the result here")
     args = parser.parse_args()
-    torch.set_num_threads(args.threads)
-    pipe = DFlash.from_pretrained(args.target or (ASSETS / "target" if args.draft else None), args.draft)
+    pipe = load_pair(args)
     samples = load_samples(args.dataset, DataOptions(max_samples=args.max_samples))
     runs = []
     for temperature in (float(t) for t in args.temperatures.split(",")):

@@ -15,12 +15,11 @@ import json
 import sys
 from pathlib import Path
 
-import torch
+from pair_options import add_pair_options, load_pair
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "scripts" / "embedded"))
 from loops import is_loop  # noqa: E402
 
-from dflash.api import ASSETS, DFlash  # noqa: E402
 from dflash.bench.datasets import DataOptions, load_samples  # noqa: E402
 
 
@@ -30,17 +29,9 @@ def part(answers: int, steps: list[int]) -> dict:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--target", help="default: the embedded target (with or without --draft)")
-    parser.add_argument("--draft")
-    parser.add_argument("--dataset", default="gsm8k")
-    parser.add_argument("--max-samples", type=int, default=200)
-    parser.add_argument("--block-size", type=int, default=16)
-    parser.add_argument("--max-new-tokens", type=int, default=256)
-    parser.add_argument("--threads", type=int, default=2)
-    parser.add_argument("--json", help="also write the result here")
+    add_pair_options(parser, max_samples=200)
     args = parser.parse_args()
-    torch.set_num_threads(args.threads)
-    pipe = DFlash.from_pretrained(args.target or (ASSETS / "target" if args.draft else None), args.draft)
+    pipe = load_pair(args)
     eos = pipe.tokenizer.eos_token_id
     steps: dict[bool, list[int]] = {True: [], False: []}
     answers = {True: 0, False: 0}

@@ -89,22 +89,26 @@ def run(args: argparse.Namespace) -> int:
 
 
 def read_prompt(args: argparse.Namespace) -> str:
-    """The prompt text: --prompt's (or the one positional argument's), standard input's for `--prompt -`, or
-    --prompt-file's. A file's or the input's
-    one final line break is dropped: `echo` and editors end the text with one (a shell's `$(cat FILE)` drops it too)."""
-    given = [flag for flag, value in [("--prompt", args.prompt), ("--prompt-file", args.prompt_file),
-                                      ("PROMPT", getattr(args, "prompt_text", None))] if value is not None]
+    """The prompt text: --prompt's or the PROMPT argument's (standard input's for '-'), or --prompt-file's. A file's
+    or the input's one final line break is dropped: `echo` and editors end the text with one (a shell's
+    `$(cat FILE)` drops it too)."""
+    source, value = _prompt_source(args)
+    if source == "--prompt-file":
+        return _without_final_newline(_read_file(Path(value).expanduser()))
+    if value == "-":
+        return _without_final_newline(_read_stdin())
+    return value
+
+
+def _prompt_source(args: argparse.Namespace) -> tuple[str, str]:
+    """How the prompt was given (--prompt, --prompt-file or PROMPT) and the value; exactly one way is."""
+    given = [(flag, value) for flag, value in [("--prompt", args.prompt), ("--prompt-file", args.prompt_file),
+                                               ("PROMPT", getattr(args, "prompt_text", None))] if value is not None]
     if len(given) != 1:
         ways = "as PROMPT (`dflash generate \"What is 7 * 8?\"`), --prompt TEXT or --prompt-file PATH"
-        raise UserError(f"the prompt was given as {' and '.join(given)}; give it once, {ways}" if given else
-                        f"no prompt: give it {ways}")
-    if args.prompt_file is not None:
-        return _without_final_newline(_read_file(Path(args.prompt_file).expanduser()))
-    if args.prompt is None:  # `dflash generate "What is 7 * 8?"`
-        args.prompt = args.prompt_text
-    if args.prompt == "-":
-        return _without_final_newline(_read_stdin())
-    return args.prompt
+        raise UserError(f"the prompt was given as {' and '.join(flag for flag, _ in given)}; give it once, {ways}"
+                        if given else f"no prompt: give it {ways}")
+    return given[0]
 
 
 def _without_final_newline(text: str) -> str:
@@ -142,11 +146,11 @@ def _conversation(prompt: str, system: str | None) -> str | list[dict]:
 
 def _check_arguments(args: argparse.Namespace, prompt: str) -> dict:
     """The generation options, checked before any model loads: a typo should not wait for a model."""
-    source = ("--prompt-file" if args.prompt_file is not None else
-              "PROMPT" if getattr(args, "prompt_text", None) is not None else "--prompt")
+    source, value = _prompt_source(args)
     if not prompt.strip():
-        raise UserError(f"{source} {'(standard input) ' if args.prompt == '-' else ''}is empty; give the text to "
-                        "decode, e.g. --prompt \"What is 7 * 8?\"")
+        stdin = source != "--prompt-file" and value == "-"
+        raise UserError(f"{source} {'(standard input) ' if stdin else ''}is empty; give the text to decode, e.g. "
+                        "--prompt \"What is 7 * 8?\"")
     check_text(prompt, source)
     for stop in args.stop or []:  # a stop string that is not text could never be met
         check_text(stop, "--stop", "give the text that ends the answer, or leave the flag out")

@@ -97,13 +97,19 @@ def sample(probs: torch.Tensor, generator: torch.Generator | None) -> torch.Tens
     vocabulary: 80 us a row at 4,096 tokens on a CPU, ten of the 20 ms a sampled 8-row step at block 16 cost over a
     greedy one.)"""
     probs = probs.float()
-    # a GPU sums in a tree, so its running total can step down by a rounding at a token of probability 0: such a
-    # token holds its predecessor's total here, and the totals never decrease (on a CPU, the plain cumulative sum)
-    cdf = torch.where(probs > 0, probs.cumsum(-1), 0.0).cummax(-1).values  # (n, vocab)
+    cdf = probs.cumsum(-1)  # (n, vocab); a CPU adds in order, so a token of probability 0 keeps the total
+    if probs.device.type != "cpu":
+        cdf = never_stepping(cdf, probs)
     u = torch.rand(probs.shape[0], 1, generator=generator, device=probs.device)  # (n, 1) in [0, 1)
     # in (0, total]: the first token whose total reaches it has a probability above 0
     reach = (1 - u) * cdf[:, -1:]
     return torch.searchsorted(cdf, reach).squeeze(-1).clamp_(max=probs.shape[-1] - 1)
+
+
+def never_stepping(totals: torch.Tensor, probs: torch.Tensor) -> torch.Tensor:
+    """Running totals (n, vocab) of `probs` that do not move at a token of probability 0 and never decrease. A GPU
+    sums in a tree, so its totals can step by a rounding there, and `sample`'s search could stop on such a token."""
+    return torch.where(probs > 0, totals, 0.0).cummax(-1).values
 
 
 _MASK64 = (1 << 64) - 1

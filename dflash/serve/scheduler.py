@@ -457,15 +457,16 @@ class Scheduler:
         if batch.block_size < 2:
             return None
         rows = self._drafting_rows(batch)
-        if self.fallback.config.auto:
-            # the threshold: the break-even of the batch drafting would get if it came back, every running row
-            # (a probe drafts one row while the rest decode plainly, and one row breaks even far sooner than eight)
-            self.fallback.set_threshold(policy.break_even(self._running_rows()))
-            self.metrics.fallback_threshold.set(self.fallback.threshold)
-            reference = self.fallback.threshold
-        else:
-            reference = policy.break_even(rows)
+        reference = self._update_auto_threshold(policy) if self.fallback.config.auto else policy.break_even(rows)
         return reference / policy.break_even(rows, batch.block_size)
+
+    def _update_auto_threshold(self, policy) -> float:
+        """Move the auto threshold towards the break-even of the batch drafting would get if it came back, every
+        running row (a probe drafts one row while the rest decode plainly, and one row breaks even far sooner than
+        eight); publish it, and return it. Once per drafted step, from `_fallback_weight`, whose reference it is."""
+        self.fallback.set_threshold(policy.break_even(self._running_rows()))
+        self.metrics.fallback_threshold.set(self.fallback.threshold)
+        return self.fallback.threshold
 
     def _drafting_rows(self, batch: Batch) -> int:
         """The rows that would draft together if the workloads of this drafted batch drafted: its own, and a

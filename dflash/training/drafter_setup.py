@@ -66,7 +66,7 @@ def text_token_problem(mask_id: int, tokenizer) -> str | None:
 
 
 def unused_text_token(target: TargetModel, examples: list[Example]) -> int | None:
-    """For a tokenizer with no free id (`choose_mask_token_id` None): the last token of text none of the examples
+    """For a tokenizer with no free id (`free_mask_token_id` None): the last token of text none of the examples
     holds (a late BPE merge, the rarest kind), not eos or pad; None when the examples hold every one."""
     tokenizer = target.tokenizer
     held = {t for e in examples for t in e.input_ids}

@@ -586,38 +586,39 @@ class Trainer:
                        "(--target-layer-ids picks others)")
 
     def _check_mask_token(self, mask_id: int) -> None:
-        """Refuse a mask token that aliases pad, eos or text; warn when the responses hold it. A token of text passes,
-        with a warning, where the tokenizer leaves nothing else (`free_mask_token_id` None: GPT-2's layout) and no
-        training sequence holds it."""
-        problem = mask_token_problem(mask_id, self.target)
-        if problem and self._text_mask_allowed(mask_id, problem):
-            holding, examples = self._sequences_holding(mask_id), len(self.train_examples + self.eval_examples)
-            if not holding:
-                self._warn(f"--mask-token-id {mask_id}: {problem}, which none of the {examples} training "
-                           "sequences holds, so the drafter learns it as its mask (this tokenizer has no special "
-                           "token to spare and every embedding row is a token). Where the target writes it, the "
-                           "block after it drafts poorly; the output stays the target's")
-                return
-            problem += f", held by {holding} of the {examples} training sequences"
+        """Refuse a mask token that aliases pad, eos or text (`_mask_token_problem`); warn when the responses hold
+        it, or when it is the token of text a tokenizer without a free id leaves."""
+        problem = self._mask_token_problem(mask_id)
         if problem:
             chosen = "--mask-token-id" if self.config.mask_token_id is not None else "the tokenizer's mask token"
             raise UserError(f"{chosen} ({mask_id}) cannot be the mask token: {problem}; {self._mask_token_advice()}")
+        text = text_token_problem(mask_id, self.tokenizer)
+        if text:  # allowed: no free id, and no training sequence holds it
+            self._warn(f"--mask-token-id {mask_id}: {text}, which none of the {self._num_examples()} training "
+                       "sequences holds, so the drafter learns it as its mask (this tokenizer has no special token "
+                       "to spare and every embedding row is a token). Where the target writes it, the block after "
+                       "it drafts poorly; the output stays the target's")
         self._warn_mask_token_uses(mask_id)
 
-    def _no_free_mask_id(self) -> bool:
-        return free_mask_token_id(self.tokenizer, self.target.vocab_size) is None
+    def _mask_token_problem(self, mask_id: int) -> str | None:
+        """`mask_token_problem`, except for a token of text where the tokenizer has no free id (GPT-2's layout):
+        that one is a problem only where training sequences hold it."""
+        problem = mask_token_problem(mask_id, self.target)
+        if not problem or self._has_free_mask_id() or problem != text_token_problem(mask_id, self.tokenizer):
+            return problem
+        holding = sum(mask_id in e.input_ids for e in self.train_examples + self.eval_examples)
+        return f"{problem}, held by {holding} of the {self._num_examples()} training sequences" if holding else None
 
-    def _text_mask_allowed(self, mask_id: int, problem: str) -> bool:
-        """Whether `problem` is only that `mask_id` is a token of text, where the tokenizer leaves nothing else."""
-        return self._no_free_mask_id() and problem == text_token_problem(mask_id, self.tokenizer)
+    def _has_free_mask_id(self) -> bool:
+        return free_mask_token_id(self.tokenizer, self.target.vocab_size) is not None
 
-    def _sequences_holding(self, mask_id: int) -> int:
-        return sum(mask_id in e.input_ids for e in self.train_examples + self.eval_examples)
+    def _num_examples(self) -> int:
+        return len(self.train_examples) + len(self.eval_examples)
 
     def _mask_token_advice(self) -> str:
         """`mask_token_advice`, and where the tokenizer has no id to spare, a token of text the data never holds."""
         advice = mask_token_advice(self.tokenizer, self.target.vocab_size)
-        if self.tokenizer is None or not self._no_free_mask_id():
+        if self.tokenizer is None or self._has_free_mask_id():
             return advice
         spare = unused_text_token(self.target, self.train_examples + self.eval_examples)
         if spare is None:
@@ -659,10 +660,7 @@ class Trainer:
             to_dflash2(drafter, dflash2_options(self.config))
         self.config.dflash2 = drafter.config.dflash2 is not None  # training_config.yaml says what was trained
         mask_id = drafter.config.mask_token_id
-        problem = mask_token_problem(mask_id, self.target)
-        if problem and self._text_mask_allowed(mask_id, problem):  # the token of text a GPT-2-like tokenizer leaves
-            problem = (f"{problem}, held by {self._sequences_holding(mask_id)} of the training sequences"
-                       if self._sequences_holding(mask_id) else None)
+        problem = self._mask_token_problem(mask_id)
         if problem:  # the drafter learnt with this mask token: a warning, it cannot change now
             self._warn(f"the drafter's mask token ({mask_id}) aliases a real token: {problem}; its blocks cannot "
                        "tell a mask from that token, which lowers acceptance")

@@ -159,13 +159,15 @@ def test_unseeded_draws_follow_the_distribution_and_never_take_a_token_of_probab
     assert int(sampling.sample(torch.tensor([[0.0, 0.0, 1.0]]), None)[0]) == 2
 
 
-def test_a_running_total_that_rises_at_a_token_of_probability_zero_still_never_draws_it(monkeypatch):
+def test_a_running_total_that_steps_at_a_token_of_probability_zero_still_never_draws_it():
     """A GPU sums the probabilities in a tree, so its running total can rise (or fall) by a rounding at a token of
-    probability 0, and a search for the first total to reach the draw stopped there; emulated on the CPU."""
-    from dflash.decoding import sampling
+    probability 0, and a search for the first total to reach the draw stopped there; such totals, as a GPU's are
+    mended before the search (a CPU adds in order and needs no mending)."""
+    from dflash.decoding.sampling import never_stepping
 
-    p = torch.tensor([[0.5, 0.0, 0.5]])
-    true_cumsum = torch.Tensor.cumsum
-    monkeypatch.setattr(torch.Tensor, "cumsum", lambda self, dim: true_cumsum(self, dim) + (self == 0) * 1e-3)
-    monkeypatch.setattr(torch, "rand", lambda *shape, **kw: torch.full(shape, 0.499))  # reach 0.501 * 1.0
-    assert int(sampling.sample(p, None)[0]) == 2  # the running total at token 1 read 0.501
+    p = torch.tensor([[0.5, 0.0, 0.5, 0.0, 0.0]])
+    stepped = torch.tensor([[0.5, 0.501, 1.0, 0.999, 1.0]])  # a rise at token 1, a fall at token 3
+    assert torch.searchsorted(stepped, torch.tensor([[0.5005]])).item() == 1  # the token of probability 0
+    mended = never_stepping(stepped, p)
+    assert mended.tolist() == [[0.5, 0.5, 1.0, 1.0, 1.0]]
+    assert torch.searchsorted(mended, torch.tensor([[0.5005]])).item() == 2
