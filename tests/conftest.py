@@ -7,6 +7,7 @@ import json
 import random
 import socket
 import threading
+from pathlib import Path
 
 import pytest
 import torch
@@ -315,6 +316,32 @@ def make_tokenizer():
                                    pad_token="<unk>", additional_special_tokens=["<|im_start|>", "<|mask|>"])
     fast.chat_template = CHAT_TEMPLATE
     return fast
+
+
+def byte_fallback_tokenizer():
+    """A Llama-style tokenizer: ASCII letters as tokens, every other character as its UTF-8 bytes (so a character
+    can take several tokens), a leading space dropped when decoding."""
+    from tokenizers import Tokenizer, decoders, models, normalizers
+    from transformers import PreTrainedTokenizerFast
+
+    pieces = ["<unk>", "<s>", "</s>"] + [f"<0x{b:02X}>" for b in range(256)]
+    pieces += [chr(c) for c in range(ord("a"), ord("z") + 1)] + ["\u2581"]
+    tok = Tokenizer(models.BPE(vocab={p: i for i, p in enumerate(pieces)}, merges=[], byte_fallback=True))
+    tok.normalizer = normalizers.Sequence([normalizers.Prepend("\u2581"), normalizers.Replace(" ", "\u2581")])
+    tok.decoder = decoders.Sequence([decoders.Replace("\u2581", " "), decoders.ByteFallback(), decoders.Fuse(),
+                                     decoders.Strip(" ", 1, 0)])
+    return PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="<unk>", bos_token="<s>", eos_token="</s>")
+
+
+def embedded_tokenizer():
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(Path(__file__).resolve().parents[1] / "dflash" / "assets" / "target")
+
+
+# the three ways tokenizers write text that is not ASCII
+TOKENIZERS = {"byte-level (embedded)": embedded_tokenizer, "metaspace": make_tokenizer,
+              "byte fallback": byte_fallback_tokenizer}
 
 
 def save_tiny_pair(root, family: str = "qwen3", block_size: int = 8, drafter_layers: int = 1):

@@ -24,6 +24,7 @@ import torch
 from dflash.config_types import type_mismatch
 from dflash.decoding.branch import Branch, accept_branch, block_visibility, most_likely_first_miss
 from dflash.decoding.detokenizer import check_utf8
+from dflash.decoding.logprobs import TokenLogprob, check_top, token_logprobs
 from dflash.decoding.proposer import Draft, NoDraftProposer, PendingContext, Proposer, check_proposer
 from dflash.decoding.sampling import NAN_LOGITS, PositionNoise, SamplingParams, to_probs
 from dflash.decoding.slots import (
@@ -84,6 +85,7 @@ class GenerationConfig:
     stop_strings: list[str] = field(default_factory=list)
     block_size: int | str | None = None  # None: the drafter's own block size; "auto": chosen every step
     branch_length: int = 0  # > 0: each step also verifies a branch of this many tokens (`branch`); greedy, seeded
+    logprobs: int | None = None  # each output token's log-probability and this many alternatives (`logprobs`)
 
     def __post_init__(self) -> None:
         if isinstance(self.stop_strings, str):  # one stop string, not its characters
@@ -108,6 +110,8 @@ class GenerationConfig:
         if self.seed is not None and not SEED_RANGE[0] <= self.seed < SEED_RANGE[1]:
             raise GenerationError(f"seed must be in [-2**63, 2**64), the range torch's generators take, got "
                                   f"{self.seed}")
+        if self.logprobs is not None and check_top(self.logprobs):
+            raise GenerationError(check_top(self.logprobs))
         _ = self.sampling  # validates temperature / top_p / top_k
 
     def _check_types(self) -> None:
@@ -170,6 +174,7 @@ class GenerationOutput:
     text: str | None = None
     stop_string: str | None = None  # the stop string the text was cut at (finish_reason "stop"), else None
     error: str | None = None  # why the generation failed (finish_reason "error"), else None
+    logprobs: list[TokenLogprob] | None = None  # one per output id, where the config asked (`logprobs`)
 
     def raise_for_error(self) -> "GenerationOutput":
         """This output, unless its generation failed: then the NoTokenError that says why (for a caller that
@@ -219,6 +224,7 @@ class Sequence:
             self.generator = torch.Generator(device=device)  # on the device that samples
             self.generator.seed()  # a fresh non-deterministic seed, leaving torch's global RNG alone
         self.output_ids: list[int] = []
+        self.logprobs: list[TokenLogprob] | None = [] if config.logprobs is not None else None  # one per output id
         self.finish_reason: str | None = None
         self.error: str | None = None  # why it finished with finish_reason 'error' (`fail`)
         self.long_rotated = False  # a longrope target's cache of this row holds its long factors' rotation
@@ -234,12 +240,15 @@ class Sequence:
         """The sequence position of the next token to draw: the one after the anchor (its last token)."""
         return len(self.prompt_ids) + len(self.output_ids)
 
-    def record(self, new_tokens: list[int], block_size: int | None = None) -> list[int]:
+    def record(self, new_tokens: list[int], block_size: int | None = None,
+               logprobs: list[TokenLogprob] | None = None) -> list[int]:
         """Append a forward's new tokens, cut at a stop; returns the tokens kept. `block_size`: the tokens a
-        verify forward checked (None for the prefill)."""
+        verify forward checked (None for the prefill); `logprobs`: the new tokens', where the config asks."""
         decision = self.stop.check(self.output_ids, new_tokens)
         kept = new_tokens[: decision.keep]
         self.output_ids.extend(kept)
+        if self.logprobs is not None and logprobs is not None:
+            self.logprobs.extend(logprobs[: len(kept)])
         self.stats.acceptance_lengths.append(len(kept))
         if block_size is not None:
             self.stats.block_sizes.append(block_size)
@@ -257,7 +266,7 @@ class Sequence:
     def result(self) -> GenerationOutput:
         text, stop_string = self.stop.ending(self.output_ids) if self.stop.tokenizer is not None else (None, None)
         return GenerationOutput(list(self.output_ids), self.finish_reason or "length", self.stats, text, stop_string,
-                                self.error)
+                                self.error, None if self.logprobs is None else list(self.logprobs))
 
 
 @dataclass
@@ -404,7 +413,7 @@ class SpeculativeEngine:
             first = int(seq.noise.choose(to_probs(logits[None], seq.params), seq.next_position)[0])
         else:
             first = sample_target_only(logits, seq.params, seq.generator)
-        seq.record([first])
+        seq.record([first], logprobs=self._logprobs_of(seq, logits[None], [first]))
         batch.anchors = torch.tensor([first], device=batch.anchors.device)
         return batch
 
@@ -458,9 +467,10 @@ class SpeculativeEngine:
         tokens, positions, out = self._verify_forward(batch, block, branch)  # tokens, positions (b, q)
         t2 = self.profile.mark(self.target.device)
         new_tokens, kept_slots, failed = self._accept(batch, draft, branch, block.shape[1], out.logits)
+        logprobs = self._step_logprobs(batch.sequences, new_tokens, out.logits, kept_slots, failed)
         self._commit(batch, new_tokens, out.features, positions,
                      drafter_forwards=draft.forwards if draft.tokens.shape[1] > 0 else 0, kept_slots=kept_slots)
-        kept = self._record(batch.sequences, new_tokens, failed, verified=tokens.shape[1])
+        kept = self._record(batch.sequences, new_tokens, failed, verified=tokens.shape[1], logprobs=logprobs)
         batch.block_size, batch.branched, batch.verified = block.shape[1], branch is not None, tokens.shape[1]
         batch.cut_short = room < batch.proposer.block_size
         self._profile_step(t0, t1, t2)
@@ -519,10 +529,32 @@ class SpeculativeEngine:
         return [[0] if r in failed else t for r, t in enumerate(new_tokens)], kept_slots, failed
 
     @staticmethod
-    def _record(rows: list[Sequence], new_tokens: list[list[int]], failed: set[int], verified: int) -> list[list[int]]:
+    def _logprobs_of(seq: Sequence, logits: torch.Tensor, tokens: list[int]) -> list[TokenLogprob] | None:
+        """The log-probabilities of a row's new tokens, token i chosen at logits[i] (n, vocab); None unless its
+        config asks for them."""
+        return None if seq.logprobs is None else token_logprobs(logits, tokens, seq.config.logprobs)
+
+    def _step_logprobs(self, rows: list[Sequence], new_tokens: list[list[int]], logits: torch.Tensor,
+                       kept_slots: torch.Tensor | None, failed: set[int]) -> list[list[TokenLogprob] | None]:
+        """Each row's new tokens' log-probabilities (None for a row that does not ask, or failed). A row's new token
+        j was chosen at the j-th forward slot it keeps (`_accept`): the anchor's, then its accepted tokens'.
+        logits (b, q, vocab); kept_slots (b, q) or None: each row's first slots."""
+        result = []
+        for r, (seq, tokens) in enumerate(zip(rows, new_tokens)):
+            if seq.logprobs is None or r in failed:
+                result.append(None)
+                continue
+            slots = slice(0, len(tokens)) if kept_slots is None else kept_slots[r].nonzero()[: len(tokens), 0]
+            result.append(self._logprobs_of(seq, logits[r, slots], tokens))
+        return result
+
+    @staticmethod
+    def _record(rows: list[Sequence], new_tokens: list[list[int]], failed: set[int], verified: int,
+                logprobs: list[list[TokenLogprob] | None]) -> list[list[int]]:
         """Each row's new tokens added to its output, cut at a stop (a failed row finishes with NAN_LOGITS instead):
         the tokens each row kept. `verified`: the tokens per row the forward checked."""
-        kept = [[] if r in failed else seq.record(new, verified) for r, (seq, new) in enumerate(zip(rows, new_tokens))]
+        kept = [[] if r in failed else seq.record(new, verified, logprobs[r])
+                for r, (seq, new) in enumerate(zip(rows, new_tokens))]
         for r in failed:
             rows[r].fail(NAN_LOGITS)
         return kept

@@ -36,6 +36,7 @@ from dflash.decoding.proposer import NoDraftProposer
 from dflash.errors import UserError
 from dflash.serve.fallback import AUTO_NEEDS_STEP_COSTS, FallbackConfig
 from dflash.serve.limits import DEFAULT_MAX_REQUEST_BYTES, check_max_model_len
+from dflash.serve.logprobs import LogprobFormat, StreamedLogprobs
 from dflash.serve.metrics import ServerMetrics
 from dflash.serve.protocol import (
     APIError,
@@ -88,6 +89,7 @@ class Server:
         self.sampling = sampling_defaults(config.generation_config,
                                           getattr(self.engine.target.model, "generation_config", None))
         self.metrics = ServerMetrics.for_proposer(self.engine.proposer)
+        self.logprob_format = LogprobFormat(pipe.tokenizer)
         drafting = not isinstance(self.engine.proposer, NoDraftProposer)
         if drafting and config.fallback.auto and not config.adaptive_block_size:
             raise UserError(AUTO_NEEDS_STEP_COSTS)
@@ -190,6 +192,7 @@ class Server:
             top_p=_given(req.top_p, defaults.top_p), top_k=_given(req.top_k, defaults.top_k),
             seed=req.seed, stop_token_ids=self.stop_token_ids(req), ignore_eos=req.ignore_eos,
             stop_strings=req.stop_strings, branch_length=getattr(self.pipe, "branch_length", 0),
+            logprobs=req.top_logprobs_asked,
         )
 
     def stop_token_ids(self, req: SamplingRequest) -> list[int] | None:
@@ -238,32 +241,35 @@ class Server:
             decoding.cancel()
         seq = decoding.seq
         result = seq.result()
+        logprobs = None if result.logprobs is None else self.logprob_format.body(shape.kind, result.logprobs)[0]
         return JSONResponse(shape.full(result.text or "", result.finish_reason, len(seq.prompt_ids),
-                                       len(seq.output_ids), self.stop_reason(result, req)))
+                                       len(seq.output_ids), self.stop_reason(result, req), logprobs))
 
     async def _stream(self, decoding: Decoding, shape: ResponseShape, req: SamplingRequest):
         """Server-sent events; leaving early (a disconnect cancels this generator) frees the row."""
         seq = decoding.seq
         deltas = TextDeltas(self.pipe.tokenizer, req.stop_strings, seq.stop.stop_token_ids)
+        logprobs = StreamedLogprobs(self.logprob_format, shape.kind)
         try:
             if shape.kind == "chat":
                 yield sse(shape.chunk(None, first=True))
             async for event in _events(decoding):
                 piece = deltas.add(event.tokens) if event.tokens else ""
+                logprobs.add(event.logprobs)
                 if event.done:
                     if event.error:
                         yield sse(_decode_error(event).body())
                         break
                     result = seq.result()
                     piece += deltas.finish(result.text or "")
-                    if piece:
-                        yield sse(shape.chunk(piece))
+                    if piece or logprobs.pending:
+                        yield sse(shape.chunk(piece, logprobs=logprobs.take()))
                     yield sse(shape.chunk(None, finish_reason=result.finish_reason,
                                           stop_reason=self.stop_reason(result, req)))
                     if req.include_usage:
                         yield sse(shape.usage_chunk(len(seq.prompt_ids), len(seq.output_ids)))
                 elif piece:
-                    yield sse(shape.chunk(piece))
+                    yield sse(shape.chunk(piece, logprobs=logprobs.take()))
             yield sse("[DONE]")
         finally:
             decoding.cancel()

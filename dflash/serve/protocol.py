@@ -3,7 +3,7 @@ and OpenAI-style error objects `{"error": {"message", "type", "param", "code"}}`
 
 Requests are validated strictly (a string where a number belongs is a 400, never coerced); null means the
 default, as in OpenAI's API. Unknown fields are ignored, as OpenAI clients send fields this server has no use
-for; known options it cannot honour (penalties, logit bias, tools, JSON output, n > 1, ..., and vLLM's own
+for; known options it cannot honour (penalties, logit bias, tools, JSON output, n > 1, echo, ..., and vLLM's own
 sampling and guided-decoding extensions) are refused with a 400 naming the field unless left at their defaults.
 """
 
@@ -19,6 +19,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 
 from dflash.decoding.detokenizer import check_utf8
 from dflash.decoding.engine import SEED_RANGE
+from dflash.decoding.logprobs import MAX_TOP_LOGPROBS
 from dflash.errors import UserError
 from dflash.records import shown
 
@@ -190,8 +191,6 @@ class SamplingRequest(_Strict):
         "response_format": (lambda v: v is None or v.type == "text",
                             "this server does not constrain output to JSON; leave response_format out or send "
                             "{\"type\": \"text\"}"),
-        # completions' logprobs=0 still asks for the chosen tokens' log probabilities; only null and false do not
-        "logprobs": (lambda v: v is None or v is False, "this server returns no log probabilities; leave logprobs out"),
         "echo": (_unset, "this server does not echo the prompt; leave echo out"),
         "presence_penalty": (_unset, "this server applies no penalties; leave presence_penalty out or send 0"),
         "frequency_penalty": (_unset, "this server applies no penalties; leave frequency_penalty out or send 0"),
@@ -206,8 +205,8 @@ class SamplingRequest(_Strict):
         "logits_processors": (_unset, "this server runs no logits processors; leave logits_processors out"),
         "use_beam_search": (_unset, "this server does not search beams; leave use_beam_search out"),
         "length_penalty": (lambda v: v in (None, 1), "this server does not search beams; leave length_penalty out"),
-        "prompt_logprobs": (lambda v: v is None, "this server returns no log probabilities; leave prompt_logprobs "
-                            "out"),
+        "prompt_logprobs": (lambda v: v is None, "this server returns the log-probabilities of output tokens, not "
+                            "of the prompt; leave prompt_logprobs out"),
         "truncate_prompt_tokens": (lambda v: v is None, "this server does not cut prompts; shorten the prompt "
                                    "yourself and leave truncate_prompt_tokens out"),
         "include_stop_str_in_output": (_unset, "this server cuts the answer before the stop string; leave "
@@ -222,7 +221,7 @@ class SamplingRequest(_Strict):
 
     def check_supported(self) -> None:
         """Refuse options this server would otherwise silently ignore, then a limit of no new tokens (a client
-        that scores prompts sends max_tokens=0 with echo or logprobs, which the refusals name first)."""
+        that scores prompts sends max_tokens=0 with echo, which the refusals name first)."""
         if self.stream_options is not None and not self.stream:
             raise APIError(400, "stream_options is only allowed with stream=true (as in OpenAI's API and vLLM); leave "
                                 "it out or send stream=true", param="stream_options")
@@ -230,6 +229,7 @@ class SamplingRequest(_Strict):
             value = getattr(self, name)
             if not at_default(value):
                 raise APIError(400, f"{name}={_show(value)} is not supported: {advice}", param=name)
+        self.check_logprobs()
         if self.token_limit == 0:
             raise APIError(400, f"{self.token_limit_field}: must be at least 1 (the number of new tokens to "
                                 "generate)", param=self.token_limit_field)
@@ -280,6 +280,14 @@ class SamplingRequest(_Strict):
         """The request field that sets how many tokens to generate, for error messages."""
         return "max_tokens"
 
+    def check_logprobs(self) -> None:
+        """Refuse a logprobs request this endpoint reads otherwise (`top_logprobs_asked`)."""
+
+    @property
+    def top_logprobs_asked(self) -> int | None:
+        """How many alternatives to list beside each output token's log-probability; None: no log-probabilities."""
+        return None
+
 
 def _show(value: Any) -> str:
     return shown(value.model_dump() if isinstance(value, BaseModel) else value)
@@ -292,7 +300,7 @@ def _no_tool_choice(choice: Any) -> bool:
 class ChatCompletionRequest(SamplingRequest):
     messages: list[ChatMessage] = Field(min_length=1)
     max_completion_tokens: int | None = None  # the newer name for max_tokens (checked with it, `_tokens_not_negative`)
-    top_logprobs: int | None = Field(default=None, ge=0)
+    top_logprobs: int | None = Field(default=None, ge=0, le=MAX_TOP_LOGPROBS)
     tools: list[Any] | None = None
     tool_choice: str | dict[str, Any] | None = None
     functions: list[Any] | None = None  # the deprecated form of tools
@@ -306,9 +314,6 @@ class ChatCompletionRequest(SamplingRequest):
 
     _UNSUPPORTED: ClassVar[Refusals] = {
         **SamplingRequest._UNSUPPORTED,
-        # chat's logprobs is a boolean, and 0 reads as false (as vLLM's request model coerces it)
-        "logprobs": (lambda v: v is None or v == 0, "this server returns no log probabilities; leave logprobs out"),
-        "top_logprobs": (_unset, "this server returns no log probabilities; leave top_logprobs out"),
         "tools": (_unset, "this server does not call tools; leave tools out"),
         "tool_choice": (_no_tool_choice, "this server does not call tools; leave tool_choice out"),
         "functions": (_unset, "this server does not call functions; leave functions out"),
@@ -328,6 +333,21 @@ class ChatCompletionRequest(SamplingRequest):
         if self.continue_final_message and self.messages[-1].role != "assistant":
             raise APIError(400, "continue_final_message=true continues the last message, which must then be the "
                                 f"assistant's (it is the {self.messages[-1].role}'s)", param="continue_final_message")
+
+    def check_logprobs(self) -> None:
+        """Chat's logprobs is a boolean (0 and 1 read as false and true, as vLLM's request model coerces them), and
+        top_logprobs says how many alternatives."""
+        if self.logprobs not in (None, False, True, 0, 1):
+            raise APIError(400, f"logprobs={_show(self.logprobs)}: chat's logprobs is true or false; send "
+                                f"logprobs=true and top_logprobs (0 to {MAX_TOP_LOGPROBS}) for the most likely tokens "
+                                "beside each output token", param="logprobs")
+        if self.top_logprobs and not self.logprobs:
+            raise APIError(400, f"top_logprobs={self.top_logprobs} needs logprobs=true (as in OpenAI's API)",
+                           param="top_logprobs")
+
+    @property
+    def top_logprobs_asked(self) -> int | None:
+        return (self.top_logprobs or 0) if self.logprobs else None
 
     def chat(self) -> list[dict[str, Any]]:
         return [m.for_template() for m in self.messages]
@@ -351,6 +371,17 @@ class CompletionRequest(SamplingRequest):
         "best_of": (lambda v: v in (None, 1), "this server returns its one sample; send best_of=1 or leave it out"),
         "suffix": (_unset, "this server does not insert text before a suffix; leave suffix out"),
     }
+
+    def check_logprobs(self) -> None:
+        """Completions' logprobs is a number of alternatives per token (0: the chosen token's alone)."""
+        if self.logprobs is True or (isinstance(self.logprobs, int) and not 0 <= self.logprobs <= MAX_TOP_LOGPROBS):
+            raise APIError(400, f"logprobs={_show(self.logprobs)}: completions' logprobs is the number of most likely "
+                                f"tokens to list beside each output token, 0 to {MAX_TOP_LOGPROBS} (0: the chosen "
+                                "token's log-probability alone)", param="logprobs")
+
+    @property
+    def top_logprobs_asked(self) -> int | None:
+        return None if self.logprobs is None or self.logprobs is False else self.logprobs
 
     @field_validator("prompt")
     @classmethod
@@ -517,8 +548,8 @@ class ResponseShape:
         return body
 
     def full(self, text: str, finish_reason: str, prompt_tokens: int, completion_tokens: int,
-             stop_reason: str | int | None = None) -> dict:
-        ending = {"finish_reason": finish_reason, "stop_reason": stop_reason, "logprobs": None}
+             stop_reason: str | int | None = None, logprobs: dict | None = None) -> dict:
+        ending = {"finish_reason": finish_reason, "stop_reason": stop_reason, "logprobs": logprobs}
         if self.kind == "chat":
             choice = {"index": 0, "message": {"role": "assistant", "content": text}, **ending}
             name = "chat.completion"
@@ -528,8 +559,8 @@ class ResponseShape:
         return self._envelope(name, choice, {"usage": usage(prompt_tokens, completion_tokens)})
 
     def chunk(self, text: str | None, finish_reason: str | None = None, first: bool = False,
-              stop_reason: str | int | None = None) -> dict:
-        ending = {"finish_reason": finish_reason, "stop_reason": stop_reason, "logprobs": None}
+              stop_reason: str | int | None = None, logprobs: dict | None = None) -> dict:
+        ending = {"finish_reason": finish_reason, "stop_reason": stop_reason, "logprobs": logprobs}
         extra = {"usage": None} if self.include_usage else None
         if self.kind == "chat":
             delta: dict[str, Any] = {"role": "assistant", "content": ""} if first else {}

@@ -25,6 +25,7 @@ from typing import Callable
 
 from dflash.decoding.block_policy import BlockSizePolicy
 from dflash.decoding.engine import Batch, Sequence, SpeculativeEngine
+from dflash.decoding.logprobs import TokenLogprob
 from dflash.decoding.proposer import NoDraftProposer
 from dflash.decoding.verify import RowsFailed
 from dflash.errors import UserError
@@ -69,6 +70,7 @@ class Event:
     """What the decode thread tells a request: tokens kept this step, then once `done`."""
 
     tokens: list[int] = field(default_factory=list)
+    logprobs: list[TokenLogprob] | None = None  # the tokens', where the request asked for them
     done: bool = False
     finish_reason: str | None = None  # stop, length, abort, error
     error: str | None = None
@@ -504,7 +506,8 @@ class Scheduler:
     def _send(self, request: Request, tokens: list[int]) -> None:
         self.metrics.generation_tokens.inc(len(tokens))
         if request.stream:
-            request.emit(Event(tokens=tokens))
+            logprobs = request.seq.logprobs
+            request.emit(Event(tokens=tokens, logprobs=logprobs[len(logprobs) - len(tokens):] if logprobs else None))
 
     def _finish(self, request: Request, reason: str, error: str | None = None, unavailable: bool = False) -> None:
         request.finished = True

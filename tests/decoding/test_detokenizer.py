@@ -7,38 +7,14 @@ from pathlib import Path
 
 import pytest
 
-from conftest import make_tokenizer
+from conftest import TOKENIZERS, byte_fallback_tokenizer, embedded_tokenizer, make_tokenizer
 from dflash.decoding.detokenizer import TextDeltas, byte_tokens, decode, tail_text
 from dflash.decoding.stopping import StopChecker
 
 ASSETS = Path(__file__).resolve().parents[2] / "dflash" / "assets" / "target"
+
 TEXT = ("Natalia sold 48 clips in April, héllo wörld, 中文字 🙂 and then half as many in May. "
         "Weng earns $12 an hour; ça fait 0.2 × 50 = 10. ")
-
-
-def byte_fallback_tokenizer():
-    """A Llama-style tokenizer: ASCII letters as tokens, every other character as its UTF-8 bytes (so a character
-    can take several tokens), a leading space dropped when decoding."""
-    from tokenizers import Tokenizer, decoders, models, normalizers
-    from transformers import PreTrainedTokenizerFast
-
-    pieces = ["<unk>", "<s>", "</s>"] + [f"<0x{b:02X}>" for b in range(256)]
-    pieces += [chr(c) for c in range(ord("a"), ord("z") + 1)] + ["\u2581"]
-    tok = Tokenizer(models.BPE(vocab={p: i for i, p in enumerate(pieces)}, merges=[], byte_fallback=True))
-    tok.normalizer = normalizers.Sequence([normalizers.Prepend("\u2581"), normalizers.Replace(" ", "\u2581")])
-    tok.decoder = decoders.Sequence([decoders.Replace("\u2581", " "), decoders.ByteFallback(), decoders.Fuse(),
-                                     decoders.Strip(" ", 1, 0)])
-    return PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="<unk>", bos_token="<s>", eos_token="</s>")
-
-
-def embedded_tokenizer():
-    from transformers import AutoTokenizer
-
-    return AutoTokenizer.from_pretrained(ASSETS)
-
-
-TOKENIZERS = {"byte-level (embedded)": embedded_tokenizer, "metaspace": make_tokenizer,
-              "byte fallback": byte_fallback_tokenizer}
 
 
 @pytest.fixture(params=list(TOKENIZERS), scope="module")

@@ -1,0 +1,128 @@
+"""OpenAI's `logprobs` objects, from the engine's log-probabilities of output tokens (`TokenLogprob`).
+
+Chat: {"content": [{"token", "logprob", "bytes", "top_logprobs": [{"token", "logprob", "bytes"}, ...]}, ...]}.
+Completions: {"tokens", "token_logprobs", "top_logprobs": [{token: logprob}, ...], "text_offset"}, where each
+position's dictionary holds its `logprobs` most likely tokens and the chosen one (OpenAI's "up to logprobs + 1").
+
+A token's text is what it adds to the text before it, special tokens included (an answer's EOS shows as itself):
+decoded after a plain token, so that a SentencePiece token keeps the space a decoder drops at the start of a
+text. Its bytes are the token's own where a byte-level or byte-fallback tokenizer splits a character across tokens
+(the text is then U+FFFD). Log-probabilities are floored at -9999.0, as vLLM's are, since JSON has no -Infinity.
+"""
+
+from __future__ import annotations
+
+from functools import lru_cache
+
+from dflash.decoding.detokenizer import REPLACEMENT, byte_tokens
+from dflash.decoding.logprobs import TokenLogprob
+
+FLOOR = -9999.0
+
+
+@lru_cache(maxsize=1)
+def _byte_level_alphabet() -> dict[str, int]:
+    """Byte-level BPE's characters (GPT-2, Qwen, Llama 3): each byte is written as one printable character, the
+    printable Latin-1 bytes as themselves and the others as code points from 256 on, in byte order."""
+    printable = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)]
+    chars, extra = {}, 0
+    for byte in range(256):
+        if byte in printable:
+            chars[chr(byte)] = byte
+        else:
+            chars[chr(256 + extra)] = byte
+            extra += 1
+    return chars
+
+
+class LogprobFormat:
+    """Formats one tokenizer's tokens; each token's text and bytes are worked out once."""
+
+    def __init__(self, tokenizer):
+        self._tokenizer = tokenizer
+        self._bytes_of = byte_tokens(tokenizer)
+        self._special = frozenset(getattr(tokenizer, "all_special_ids", None) or ())
+        self._cache: dict[int, tuple[str, list[int]]] = {}
+        self._before = tokenizer.encode("a", add_special_tokens=False)[-1:]  # a plain token to decode after
+
+    def token(self, token_id: int) -> tuple[str, list[int]]:
+        """A token's text and its bytes."""
+        if token_id not in self._cache:
+            text = self._text(token_id)
+            self._cache[token_id] = (text, self._raw_bytes(token_id, text))
+        return self._cache[token_id]
+
+    def _text(self, token_id: int) -> str:
+        def decode(ids: list[int]) -> str:
+            return self._tokenizer.decode(ids, skip_special_tokens=False, clean_up_tokenization_spaces=False)
+
+        before = decode(self._before)
+        after = decode(self._before + [token_id])
+        return after[len(before):] if self._before and after.startswith(before) else decode([token_id])
+
+    def _raw_bytes(self, token_id: int, text: str) -> list[int]:
+        if REPLACEMENT not in text:
+            return list(text.encode("utf-8"))
+        if token_id in self._bytes_of:
+            return [self._bytes_of[token_id]]
+        piece = self._tokenizer.convert_ids_to_tokens(token_id)
+        alphabet = _byte_level_alphabet()
+        if isinstance(piece, str) and piece and all(c in alphabet for c in piece):
+            return [alphabet[c] for c in piece]
+        return list(text.encode("utf-8"))
+
+    def chat(self, entries: list[TokenLogprob]) -> dict:
+        return {"content": [{**self._chat_token(e.token_id, e.logprob),
+                             "top_logprobs": [self._chat_token(i, p) for i, p in e.top]} for e in entries]}
+
+    def _chat_token(self, token_id: int, logprob: float) -> dict:
+        text, raw = self.token(token_id)
+        return {"token": text, "logprob": max(logprob, FLOOR), "bytes": raw}
+
+    def completion(self, entries: list[TokenLogprob], offset: int = 0) -> tuple[dict, int]:
+        """The object for these tokens, whose text starts at character `offset` of the answer; and the offset after
+        them (a stream's next chunk starts there)."""
+        tokens, offsets = [], []
+        for e in entries:
+            offsets.append(offset)
+            text = self.token(e.token_id)[0]
+            tokens.append(text)
+            offset += 0 if e.token_id in self._special else len(text)  # the answer's text leaves special tokens out
+        body = {"tokens": tokens, "token_logprobs": [max(e.logprob, FLOOR) for e in entries],
+                "top_logprobs": [self._top_dict(e) for e in entries], "text_offset": offsets}
+        return body, offset
+
+    def _top_dict(self, entry: TokenLogprob) -> dict[str, float]:
+        top = {self.token(i)[0]: max(p, FLOOR) for i, p in entry.top}
+        top.setdefault(self.token(entry.token_id)[0], max(entry.logprob, FLOOR))
+        return top
+
+    def body(self, kind: str, entries: list[TokenLogprob], offset: int = 0) -> tuple[dict, int]:
+        """The `logprobs` object of a chat or completion choice, and the completion text's offset after these
+        tokens."""
+        return (self.chat(entries), offset) if kind == "chat" else self.completion(entries, offset)
+
+
+class StreamedLogprobs:
+    """A stream's log-probabilities: each chunk carries those of the tokens decoded since the chunk before it
+    (text that may begin a stop string is held back, so a chunk's tokens and its text can differ by a few)."""
+
+    def __init__(self, fmt: LogprobFormat, kind: str):
+        self._fmt, self._kind = fmt, kind
+        self._pending: list[TokenLogprob] = []
+        self._offset = 0
+
+    def add(self, entries: list[TokenLogprob] | None) -> None:
+        self._pending += entries or []
+
+    @property
+    def pending(self) -> bool:
+        return bool(self._pending)
+
+    def take(self) -> dict | None:
+        """The object for the tokens not sent yet (None: none)."""
+        if not self._pending:
+            return None
+        body, self._offset = self._fmt.body(self._kind, self._pending, self._offset)
+        self._pending = []
+        return body

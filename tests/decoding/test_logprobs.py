@@ -1,0 +1,101 @@
+"""Log-probabilities of output tokens: the target's own, whatever drafted them (block size, branch, batch, a stop
+that cuts a step's tokens), and their alternatives."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from conftest import hf_greedy, partial_oracle, random_prompts, tiny_drafter
+from dflash.decoding import DFlashProposer, GenerationConfig, SpeculativeEngine
+from dflash.decoding.logprobs import MAX_TOP_LOGPROBS, token_logprobs
+from dflash.errors import GenerationError
+
+from .test_branch import BranchOracle
+
+MAX_NEW = 24
+
+
+def target_logprobs(target, prompt: list[int], output: list[int]) -> torch.Tensor:
+    """The target's log-probabilities over the vocabulary at each output position, from one transformers forward
+    over the prompt and the output (an independent reference): (len(output), vocab)."""
+    ids = torch.tensor([prompt + output], device=target.device)
+    with torch.no_grad():
+        logits = target.model(ids).logits[0].float()  # (n, vocab)
+    return logits.log_softmax(-1)[len(prompt) - 1 : len(prompt) - 1 + len(output)]
+
+
+def check_logprobs(target, prompt: list[int], out, top: int) -> None:
+    reference = target_logprobs(target, prompt, out.output_ids)  # (n, vocab)
+    assert [lp.token_id for lp in out.logprobs] == out.output_ids
+    got = torch.tensor([lp.logprob for lp in out.logprobs])
+    want = reference.gather(1, torch.tensor(out.output_ids)[:, None])[:, 0]
+    torch.testing.assert_close(got, want, atol=1e-4, rtol=0)
+    for lp, row in zip(out.logprobs, reference):
+        assert len(lp.top) == top
+        values, ids = row.topk(top)
+        torch.testing.assert_close(torch.tensor([v for _, v in lp.top]), values, atol=1e-4, rtol=0)
+        assert [i for i, _ in lp.top] == ids.tolist()
+
+
+@pytest.mark.parametrize("block_size", [2, 8, 16])
+def test_logprobs_are_the_targets_own_whatever_the_block(target, block_size):
+    prompts = random_prompts(3, seed=41)
+    refs = {tuple(p): hf_greedy(target, p, MAX_NEW) for p in prompts}
+    engine = SpeculativeEngine(target, partial_oracle(target, refs, block_size))
+    config = GenerationConfig(max_new_tokens=MAX_NEW, block_size=block_size, ignore_eos=True, logprobs=3)
+    outs = engine.generate(prompts, config)
+    for prompt, out in zip(prompts, outs):
+        assert out.output_ids == refs[tuple(prompt)]
+        check_logprobs(target, prompt, out, top=3)
+        assert all(lp.top[0][0] == lp.token_id for lp in out.logprobs)  # greedy: the most likely token
+    assert any(a > 1 for o in outs for a in o.stats.acceptance_lengths[1:])  # drafts were accepted
+
+
+def test_logprobs_through_a_branch(target):
+    """A row that takes the branch keeps slots past the block's rejected ones; each token is read at its own."""
+    prompts = random_prompts(2, seed=42)
+    refs = {tuple(p): hf_greedy(target, p, MAX_NEW) for p in prompts}
+    engine = SpeculativeEngine(target, BranchOracle(tiny_drafter(target), target, refs, correct=1, branch_right=2))
+    config = GenerationConfig(max_new_tokens=MAX_NEW, block_size=8, branch_length=3, ignore_eos=True, logprobs=2)
+    for prompt, out in zip(prompts, engine.generate(prompts, config)):
+        assert set(out.stats.acceptance_lengths[1:-1]) == {4}  # every step took the branch
+        check_logprobs(target, prompt, out, top=2)
+
+
+def test_sampled_tokens_get_the_targets_raw_logprobs_and_a_stop_cuts_them_with_the_tokens(target):
+    """Before temperature and top-k (vLLM's default); a stop inside a step's tokens keeps one per output token."""
+    prompt = random_prompts(1, seed=43)[0]
+    engine = SpeculativeEngine(target, DFlashProposer(tiny_drafter(target), target))
+    config = GenerationConfig(max_new_tokens=13, temperature=0.8, top_k=5, seed=7, ignore_eos=True, logprobs=0)
+    out = engine.generate([prompt], config)[0]
+    assert len(out.output_ids) == 13
+    check_logprobs(target, prompt, out, top=0)
+    stop_at = out.output_ids[6]
+    cut = engine.generate([prompt], GenerationConfig(**{**config.__dict__, "stop_token_ids": [stop_at]}))[0]
+    assert cut.output_ids == out.output_ids[: out.output_ids.index(stop_at) + 1]
+    assert cut.logprobs == out.logprobs[: len(cut.output_ids)]
+
+
+def test_only_the_rows_that_ask_get_logprobs(target):
+    prompts = random_prompts(2, seed=44)
+    engine = SpeculativeEngine(target, DFlashProposer(tiny_drafter(target), target))
+    configs = [GenerationConfig(max_new_tokens=8, ignore_eos=True, logprobs=1),
+               GenerationConfig(max_new_tokens=8, ignore_eos=True)]
+    asked, not_asked = engine.generate(prompts, configs)
+    check_logprobs(target, prompts[0], asked, top=1)
+    assert not_asked.logprobs is None
+
+
+@pytest.mark.parametrize("bad", [-1, MAX_TOP_LOGPROBS + 1, True, 1.0, "2"])
+def test_a_bad_number_of_alternatives_is_refused(bad):
+    with pytest.raises(GenerationError, match="logprobs"):
+        GenerationConfig(logprobs=bad)
+
+
+def test_token_logprobs_reads_token_i_at_row_i():
+    logits = torch.tensor([[0.0, 1.0, 2.0], [3.0, 0.0, 0.0]])
+    got = token_logprobs(logits, [0, 0], top=2)
+    want = logits.log_softmax(-1)
+    assert [g.logprob for g in got] == pytest.approx([want[0, 0].item(), want[1, 0].item()])
+    assert [i for i, _ in got[0].top] == [2, 1] and [i for i, _ in got[1].top] == [0, 1]

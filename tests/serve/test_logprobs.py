@@ -1,0 +1,102 @@
+"""Log-probabilities through the official openai client: chat's and completions' objects, streamed and whole, are
+the library's (the target's own), and bad requests for them are refused clearly."""
+
+from __future__ import annotations
+
+import httpx
+import pytest
+
+from conftest import TOKENIZERS
+from dflash.serve.logprobs import LogprobFormat
+
+from .test_api import MODEL, PROMPTS, QUESTION, chat
+
+MAX = 20
+
+
+def library(server, prompt, top: int, raw: bool = False):
+    """The library's answer with log-probabilities, as the server decodes it (greedy, EOS ignored)."""
+    prompt = server.pipe.encode(prompt, raw=True) if raw else prompt
+    return server.pipe.generate(prompt, max_new_tokens=MAX, ignore_eos=True, logprobs=top)
+
+
+def test_chat_logprobs_are_the_librarys_streamed_or_not(server, client):
+    expected = library(server, QUESTION, top=3)
+    fmt = LogprobFormat(server.pipe.tokenizer)
+    out = chat(client, max_tokens=MAX, logprobs=True, top_logprobs=3, extra_body={"ignore_eos": True})
+    content = out.choices[0].logprobs.content
+    assert len(content) == out.usage.completion_tokens == len(expected.logprobs)
+    for got, want in zip(content, expected.logprobs):
+        assert got.token == fmt.token(want.token_id)[0] and got.bytes == fmt.token(want.token_id)[1]
+        assert got.logprob == pytest.approx(want.logprob, abs=1e-5)
+        assert [t.token for t in got.top_logprobs] == [fmt.token(i)[0] for i, _ in want.top]
+        assert [t.logprob for t in got.top_logprobs] == pytest.approx([p for _, p in want.top], abs=1e-5)
+    assert bytes(b for t in content for b in t.bytes).decode() == out.choices[0].message.content
+    streamed = [c.choices[0].logprobs for c in chat(client, max_tokens=MAX, logprobs=True, top_logprobs=3,
+                                                    stream=True, extra_body={"ignore_eos": True}) if c.choices]
+    streamed_content = [t for lp in streamed if lp is not None for t in lp.content]
+    assert [(t.token, [a.token for a in t.top_logprobs]) for t in streamed_content] == \
+        [(t.token, [a.token for a in t.top_logprobs]) for t in content]
+    assert [t.logprob for t in streamed_content] == pytest.approx([t.logprob for t in content], abs=1e-5)
+    assert sum(lp is not None for lp in streamed) > 1  # spread over the stream's chunks, not all at the end
+    without = chat(client, max_tokens=4)
+    assert without.choices[0].logprobs is None
+
+
+def test_completions_logprobs_are_the_librarys_streamed_or_not(server, client):
+    expected = library(server, PROMPTS[0], top=2, raw=True)
+    out = client.completions.create(model=MODEL, prompt=PROMPTS[0], max_tokens=MAX, temperature=0, logprobs=2,
+                                    extra_body={"ignore_eos": True})
+    lp = out.choices[0].logprobs
+    assert "".join(lp.tokens) == out.choices[0].text == expected.text
+    assert lp.token_logprobs == pytest.approx([e.logprob for e in expected.logprobs], abs=1e-5)
+    assert lp.text_offset == [sum(map(len, lp.tokens[:i])) for i in range(len(lp.tokens))]
+    for top, token, chosen in zip(lp.top_logprobs, lp.tokens, lp.token_logprobs):
+        assert 2 <= len(top) <= 3 and top[token] == pytest.approx(chosen)  # the 2 likeliest and the chosen one
+    streamed = [c.choices[0].logprobs for c in client.completions.create(
+        model=MODEL, prompt=PROMPTS[0], max_tokens=MAX, temperature=0, logprobs=2, stream=True,
+        extra_body={"ignore_eos": True}) if c.choices and c.choices[0].logprobs is not None]
+    assert [t for s in streamed for t in s.tokens] == lp.tokens
+    assert [o for s in streamed for o in s.text_offset] == lp.text_offset  # offsets run on across chunks
+    only_chosen = client.completions.create(model=MODEL, prompt=PROMPTS[0], max_tokens=4, temperature=0, logprobs=0)
+    assert all(len(top) == 1 for top in only_chosen.choices[0].logprobs.top_logprobs)
+
+
+@pytest.mark.parametrize("endpoint,fields,param", [
+    ("chat/completions", {"logprobs": True, "top_logprobs": 21}, "top_logprobs"),
+    ("chat/completions", {"top_logprobs": 2}, "top_logprobs"),  # without logprobs=true
+    ("chat/completions", {"logprobs": 2}, "logprobs"),  # chat's logprobs is a boolean
+    ("completions", {"logprobs": True}, "logprobs"),  # completions' is a number
+    ("completions", {"logprobs": 21}, "logprobs"),
+    ("completions", {"logprobs": -1}, "logprobs"),
+])
+def test_bad_logprobs_requests_are_refused(server, endpoint, fields, param):
+    body = {"model": MODEL, "max_tokens": 4, **fields}
+    body.update({"messages": QUESTION} if endpoint.startswith("chat") else {"prompt": PROMPTS[0]})
+    response = httpx.post(f"{server.url}/v1/{endpoint}", json=body)
+    assert response.status_code == 400, response.text
+    error = response.json()["error"]
+    assert error["param"] == param and "logprobs" in error["message"]
+
+
+@pytest.mark.parametrize("kind", list(TOKENIZERS))
+def test_each_tokens_text_and_bytes_make_the_answer(kind):
+    """A token's text keeps the space SentencePiece drops at a text's start; a token holding part of a character
+    (byte-level BPE, byte fallback) decodes to U+FFFD, and its bytes are its own: together they make the text."""
+    tokenizer = TOKENIZERS[kind]()
+    fmt = LogprobFormat(tokenizer)
+    text = "Natalia sold 48 clips, and then"
+    if kind != "metaspace":  # its tiny vocabulary has ASCII only
+        text += " h\u00e9llo \u2192 \u6570\u5b66"
+    ids = tokenizer.encode(text, add_special_tokens=False)
+    assert bytes(b for i in ids for b in fmt.token(i)[1]).decode().strip() == text
+    assert any(fmt.token(i)[0] == "\ufffd" for i in ids) == (kind != "metaspace")
+    assert fmt.token(tokenizer.eos_token_id)[0] == tokenizer.eos_token  # a special token shows as itself
+
+
+def test_the_byte_level_alphabet_is_gpt2s():
+    from transformers.convert_slow_tokenizer import bytes_to_unicode
+
+    from dflash.serve.logprobs import _byte_level_alphabet
+
+    assert _byte_level_alphabet() == {c: b for b, c in bytes_to_unicode().items()}
