@@ -86,6 +86,7 @@ class GenerationConfig:
     block_size: int | str | None = None  # None: the drafter's own block size; "auto": chosen every step
     branch_length: int = 0  # > 0: each step also verifies a branch of this many tokens (`branch`); greedy, seeded
     logprobs: int | None = None  # each output token's log-probability and this many alternatives (`logprobs`)
+    prompt_logprobs: int | None = None  # the same for each prompt token after the first (max_new_tokens may be 0)
 
     def __post_init__(self) -> None:
         if isinstance(self.stop_strings, str):  # one stop string, not its characters
@@ -99,8 +100,9 @@ class GenerationConfig:
             raise GenerationError("a stop string is empty (every text would stop before its first token); drop it")
         for text in self.stop_strings:
             check_utf8(text, f"the stop string {text!r}")
-        if self.max_new_tokens < 1:
-            raise GenerationError(f"max_new_tokens must be >= 1, got {self.max_new_tokens}")
+        if self.max_new_tokens < (0 if self.prompt_logprobs is not None else 1):
+            raise GenerationError(f"max_new_tokens must be >= 1 (0 only with prompt_logprobs, to score a prompt), got "
+                                  f"{self.max_new_tokens}")
         if self.branch_length < 0:
             raise GenerationError(f"branch_length is a number of tokens >= 0 (0: no branch), got {self.branch_length}")
         if isinstance(self.block_size, str) and self.block_size != AUTO:
@@ -110,8 +112,9 @@ class GenerationConfig:
         if self.seed is not None and not SEED_RANGE[0] <= self.seed < SEED_RANGE[1]:
             raise GenerationError(f"seed must be in [-2**63, 2**64), the range torch's generators take, got "
                                   f"{self.seed}")
-        if self.logprobs is not None and check_top(self.logprobs):
-            raise GenerationError(check_top(self.logprobs))
+        for top in (self.logprobs, self.prompt_logprobs):
+            if top is not None and check_top(top):
+                raise GenerationError(check_top(top))
         _ = self.sampling  # validates temperature / top_p / top_k
 
     def _check_types(self) -> None:
@@ -175,6 +178,7 @@ class GenerationOutput:
     stop_string: str | None = None  # the stop string the text was cut at (finish_reason "stop"), else None
     error: str | None = None  # why the generation failed (finish_reason "error"), else None
     logprobs: list[TokenLogprob] | None = None  # one per output id, where the config asked (`logprobs`)
+    prompt_logprobs: list[TokenLogprob] | None = None  # one per prompt id after the first (`prompt_logprobs`)
 
     def raise_for_error(self) -> "GenerationOutput":
         """This output, unless its generation failed: then the NoTokenError that says why (for a caller that
@@ -225,6 +229,7 @@ class Sequence:
             self.generator.seed()  # a fresh non-deterministic seed, leaving torch's global RNG alone
         self.output_ids: list[int] = []
         self.logprobs: list[TokenLogprob] | None = [] if config.logprobs is not None else None  # one per output id
+        self.prompt_logprobs: list[TokenLogprob] | None = None  # the prefill's, where the config asks
         self.finish_reason: str | None = None
         self.error: str | None = None  # why it finished with finish_reason 'error' (`fail`)
         self.long_rotated = False  # a longrope target's cache of this row holds its long factors' rotation
@@ -266,7 +271,8 @@ class Sequence:
     def result(self) -> GenerationOutput:
         text, stop_string = self.stop.ending(self.output_ids) if self.stop.tokenizer is not None else (None, None)
         return GenerationOutput(list(self.output_ids), self.finish_reason or "length", self.stats, text, stop_string,
-                                self.error, None if self.logprobs is None else list(self.logprobs))
+                                self.error, None if self.logprobs is None else list(self.logprobs),
+                                self.prompt_logprobs)
 
 
 @dataclass
@@ -407,8 +413,16 @@ class SpeculativeEngine:
     # ---- the algorithm ------------------------------------------------------------------------------------
     @torch.inference_mode()
     def prefill(self, seq: Sequence, proposer: Proposer | None = None) -> Batch:
-        """Run the prompt through the target alone; its first token becomes the first anchor."""
-        batch, logits = self._read(seq, seq.prompt_ids, proposer or self.proposer)  # logits (vocab,)
+        """Run the prompt through the target alone; its first token becomes the first anchor (with max_new_tokens
+        0, which only scores the prompt, it finishes there)."""
+        scored = seq.config.prompt_logprobs
+        batch, logits = self._read(seq, seq.prompt_ids, proposer or self.proposer, keep=0 if scored is not None else 1)
+        if scored is not None:  # logits (prompt length, vocab): token i + 1 was read at position i
+            seq.prompt_logprobs = token_logprobs(logits[:-1], seq.prompt_ids[1:], scored)
+        logits = logits[-1]  # (vocab,)
+        if seq.config.max_new_tokens == 0:
+            seq.finish_reason = "length"
+            return batch
         if seq.noise is not None:
             first = int(seq.noise.choose(to_probs(logits[None], seq.params), seq.next_position)[0])
         else:
@@ -424,19 +438,21 @@ class SpeculativeEngine:
         Merge it into a batch of that proposer; the output goes on exactly as it would have."""
         if not seq.output_ids:
             raise ValueError("rejoin needs a sequence that was prefilled")
-        batch, _ = self._read(seq, seq.prompt_ids + seq.output_ids[:-1], proposer)
+        batch, _ = self._read(seq, seq.prompt_ids + seq.output_ids[:-1], proposer)  # logits (1, vocab)
         batch.anchors = torch.tensor([seq.output_ids[-1]], device=batch.anchors.device)
         return batch
 
-    def _read(self, seq: Sequence, tokens: list[int], proposer: Proposer) -> tuple[Batch, torch.Tensor]:
+    def _read(self, seq: Sequence, tokens: list[int], proposer: Proposer,
+              keep: int = 1) -> tuple[Batch, torch.Tensor]:
         """The target reads `tokens` into a new cache (the proposer observes their features); a one-row batch
-        anchored right after them (its anchor token is the caller's), and the target's last logits."""
+        anchored right after them (its anchor token is the caller's), and the target's logits at the last `keep`
+        positions (0: every one) (keep, vocab)."""
         device = self.target.device
         ids = torch.tensor([tokens], device=device)  # (1, n)
         positions = torch.arange(ids.shape[1], device=device)[None]
         cache = self.target.new_cache()
         seq.long_rotated = self._past_rope_switch(seq)
-        out = self.target.forward(ids, positions, cache, logits_to_keep=1,
+        out = self.target.forward(ids, positions, cache, logits_to_keep=keep,
                                   feature_layer_ids=proposer.feature_layer_ids, long_rope_rows=self._rope_rows([seq]))
         seq.stats.target_forwards += 1
         state = proposer.new_state()
@@ -449,7 +465,7 @@ class SpeculativeEngine:
             anchors=torch.zeros(1, dtype=torch.long, device=device),
             anchor_positions=torch.tensor([ids.shape[1]], device=device),
         )
-        return batch, out.logits[0, -1]
+        return batch, out.logits[0]
 
     @torch.inference_mode()
     def step(self, batch: Batch, choose: Callable[[Draft], int] | None = None) -> list[list[int]]:

@@ -1,10 +1,12 @@
-"""Log-probabilities of the output tokens, for callers that ask for them (`GenerationConfig.logprobs`).
+"""Log-probabilities of the output tokens (`GenerationConfig.logprobs`) and of the prompt's (`prompt_logprobs`),
+for callers that ask for them.
 
 Each output token's log-probability is read from the target's logits at the position that chose it: the verify
-forward's for accepted draft tokens and the recovered or bonus token, the prefill's for the first token. They are
-the target's own distribution, before temperature, top-k and top-p (vLLM's default, its "raw" log-probabilities),
-so a greedy and a sampled answer of the same text get the same figures. Drafting changes none of them beyond float
-rounding: a token's logits come from the same target forward with more or fewer tokens beside it.
+forward's for accepted draft tokens and the recovered or bonus token, the prefill's for the first token; a prompt
+token's from the prefill's logits at the position before it. They are the target's own distribution, before
+temperature, top-k and top-p (vLLM's default, its "raw" log-probabilities), so a greedy and a sampled answer of the
+same text get the same figures. Drafting changes none of them beyond float rounding: a token's logits come from the
+same target forward with more or fewer tokens beside it.
 """
 
 from __future__ import annotations
@@ -25,17 +27,23 @@ class TokenLogprob:
     top: tuple[tuple[int, float], ...] = ()  # (token id, log-probability), most likely first
 
 
-def token_logprobs(logits: torch.Tensor, tokens: list[int], top: int) -> list[TokenLogprob]:
+def token_logprobs(logits: torch.Tensor, tokens: list[int], top: int, rows: int = 512) -> list[TokenLogprob]:
     """The log-probabilities of `tokens`, token i read from logits[i] (n, vocab), and each position's `top` most
-    likely tokens."""
-    logprobs = torch.log_softmax(logits[: len(tokens)].float(), dim=-1)  # (n, vocab)
-    chosen = logprobs.gather(1, torch.tensor(tokens, device=logits.device)[:, None])[:, 0].tolist()  # (n,)
-    if top > 0:
-        values, ids = logprobs.topk(min(top, logprobs.shape[-1]), dim=-1)  # (n, top)
-        alternatives = [tuple(zip(i, v)) for i, v in zip(ids.tolist(), values.tolist())]
-    else:
-        alternatives = [()] * len(tokens)
-    return [TokenLogprob(t, p, a) for t, p, a in zip(tokens, chosen, alternatives)]
+    likely tokens; `rows` positions at a time, so that a long prompt's scores take little more memory than its
+    logits."""
+    result = []
+    for start in range(0, len(tokens), rows):
+        chunk = tokens[start : start + rows]
+        logprobs = torch.log_softmax(logits[start : start + len(chunk)].float(), dim=-1)  # (rows, vocab)
+        ids = torch.tensor(chunk, dtype=torch.long, device=logits.device)[:, None]
+        chosen = logprobs.gather(1, ids)[:, 0].tolist()  # (rows,)
+        if top > 0:
+            values, best = logprobs.topk(min(top, logprobs.shape[-1]), dim=-1)  # (rows, top)
+            alternatives = [tuple(zip(i, v)) for i, v in zip(best.tolist(), values.tolist())]
+        else:
+            alternatives = [()] * len(chunk)
+        result += [TokenLogprob(t, p, a) for t, p, a in zip(chunk, chosen, alternatives)]
+    return result
 
 
 def check_top(top: object) -> str | None:

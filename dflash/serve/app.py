@@ -30,7 +30,7 @@ from starlette.requests import ClientDisconnect
 
 from dflash.chat import check_template_kwargs
 from dflash.decoding.block_policy import BlockSizePolicy
-from dflash.decoding.detokenizer import TextDeltas
+from dflash.decoding.detokenizer import TextDeltas, decode
 from dflash.decoding.engine import GenerationConfig, GenerationOutput, check_token_ids
 from dflash.decoding.proposer import NoDraftProposer
 from dflash.errors import UserError
@@ -192,7 +192,7 @@ class Server:
             top_p=_given(req.top_p, defaults.top_p), top_k=_given(req.top_k, defaults.top_k),
             seed=req.seed, stop_token_ids=self.stop_token_ids(req), ignore_eos=req.ignore_eos,
             stop_strings=req.stop_strings, branch_length=getattr(self.pipe, "branch_length", 0),
-            logprobs=req.top_logprobs_asked,
+            logprobs=req.top_logprobs_asked, prompt_logprobs=_prompt_scores(req),
         )
 
     def stop_token_ids(self, req: SamplingRequest) -> list[int] | None:
@@ -241,19 +241,36 @@ class Server:
             decoding.cancel()
         seq = decoding.seq
         result = seq.result()
-        logprobs = None if result.logprobs is None else self.logprob_format.body(shape.kind, result.logprobs)[0]
-        return JSONResponse(shape.full(result.text or "", result.finish_reason, len(seq.prompt_ids),
-                                       len(seq.output_ids), self.stop_reason(result, req), logprobs))
+        text, entries, unscored = result.text or "", result.logprobs, ()
+        if req.echoes:  # the prompt's text and scores first
+            text = self.echoed_prompt(req, seq) + text
+            entries, unscored = (seq.prompt_logprobs or []) + (entries or []), tuple(seq.prompt_ids[:1])
+        logprobs = None
+        if req.top_logprobs_asked is not None:
+            logprobs = self.logprob_format.body(shape.kind, entries or [], unscored=unscored)[0]
+        return JSONResponse(shape.full(text, result.finish_reason, len(seq.prompt_ids), len(seq.output_ids),
+                                       self.stop_reason(result, req), logprobs))
+
+    def echoed_prompt(self, req: SamplingRequest, seq) -> str:
+        """The prompt as an echo shows it: the text the client sent, or its token ids' text."""
+        prompt = getattr(req, "prompt", None)
+        return prompt if isinstance(prompt, str) else decode(self.pipe.tokenizer, seq.prompt_ids)
 
     async def _stream(self, decoding: Decoding, shape: ResponseShape, req: SamplingRequest):
         """Server-sent events; leaving early (a disconnect cancels this generator) frees the row."""
         seq = decoding.seq
         deltas = TextDeltas(self.pipe.tokenizer, req.stop_strings, seq.stop.stop_token_ids)
         logprobs = StreamedLogprobs(self.logprob_format, shape.kind)
+        echo = req.echoes
         try:
             if shape.kind == "chat":
                 yield sse(shape.chunk(None, first=True))
             async for event in _events(decoding):
+                if echo and not event.error:  # the prompt first, once the prefill has scored it
+                    echo = False
+                    if req.top_logprobs_asked is not None:
+                        logprobs.add(seq.prompt_logprobs, unscored=tuple(seq.prompt_ids[:1]))
+                    yield sse(shape.chunk(self.echoed_prompt(req, seq), logprobs=logprobs.take()))
                 piece = deltas.add(event.tokens) if event.tokens else ""
                 logprobs.add(event.logprobs)
                 if event.done:
@@ -273,6 +290,15 @@ class Server:
             yield sse("[DONE]")
         finally:
             decoding.cancel()
+
+
+def _prompt_scores(req: SamplingRequest) -> int | None:
+    """The alternatives per prompt token the engine lists (`GenerationConfig.prompt_logprobs`): an echo's, with
+    logprobs; 0 for a request of the prompt alone without them, which the engine scores all the same."""
+    if not req.echoes:
+        return None
+    asked = req.top_logprobs_asked
+    return 0 if asked is None and req.scores_prompt else asked
 
 
 def _given(value, default):

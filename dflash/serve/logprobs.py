@@ -79,17 +79,19 @@ class LogprobFormat:
         text, raw = self.token(token_id)
         return {"token": text, "logprob": max(logprob, FLOOR), "bytes": raw}
 
-    def completion(self, entries: list[TokenLogprob], offset: int = 0) -> tuple[dict, int]:
-        """The object for these tokens, whose text starts at character `offset` of the answer; and the offset after
-        them (a stream's next chunk starts there)."""
-        tokens, offsets = [], []
-        for e in entries:
-            offsets.append(offset)
-            text = self.token(e.token_id)[0]
-            tokens.append(text)
-            offset += 0 if e.token_id in self._special else len(text)  # the answer's text leaves special tokens out
-        body = {"tokens": tokens, "token_logprobs": [max(e.logprob, FLOOR) for e in entries],
-                "top_logprobs": [self._top_dict(e) for e in entries], "text_offset": offsets}
+    def completion(self, entries: list[TokenLogprob], offset: int = 0,
+                   unscored: tuple[int, ...] = ()) -> tuple[dict, int]:
+        """The object for these tokens, whose text starts at character `offset` of the answer, after the tokens
+        `unscored` (a prompt's first, which nothing before it scores: null, as in OpenAI's echo); and the offset
+        after them (a stream's next chunk starts there)."""
+        body: dict[str, list] = {"tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": []}
+        for token_id, entry in [(t, None) for t in unscored] + [(e.token_id, e) for e in entries]:
+            text = self.token(token_id)[0]
+            body["tokens"].append(text)
+            body["token_logprobs"].append(None if entry is None else max(entry.logprob, FLOOR))
+            body["top_logprobs"].append(None if entry is None else self._top_dict(entry))
+            body["text_offset"].append(offset)
+            offset += 0 if token_id in self._special else len(text)  # the answer's text leaves special tokens out
         return body, offset
 
     def _top_dict(self, entry: TokenLogprob) -> dict[str, float]:
@@ -97,10 +99,11 @@ class LogprobFormat:
         top.setdefault(self.token(entry.token_id)[0], max(entry.logprob, FLOOR))
         return top
 
-    def body(self, kind: str, entries: list[TokenLogprob], offset: int = 0) -> tuple[dict, int]:
+    def body(self, kind: str, entries: list[TokenLogprob], offset: int = 0,
+             unscored: tuple[int, ...] = ()) -> tuple[dict, int]:
         """The `logprobs` object of a chat or completion choice, and the completion text's offset after these
         tokens."""
-        return (self.chat(entries), offset) if kind == "chat" else self.completion(entries, offset)
+        return (self.chat(entries), offset) if kind == "chat" else self.completion(entries, offset, unscored)
 
 
 class StreamedLogprobs:
@@ -110,19 +113,22 @@ class StreamedLogprobs:
     def __init__(self, fmt: LogprobFormat, kind: str):
         self._fmt, self._kind = fmt, kind
         self._pending: list[TokenLogprob] = []
+        self._unscored: tuple[int, ...] = ()
         self._offset = 0
 
-    def add(self, entries: list[TokenLogprob] | None) -> None:
+    def add(self, entries: list[TokenLogprob] | None, unscored: tuple[int, ...] = ()) -> None:
+        """Tokens decoded since the last chunk; `unscored`: an echoed prompt's first token, sent before them."""
+        self._unscored += unscored
         self._pending += entries or []
 
     @property
     def pending(self) -> bool:
-        return bool(self._pending)
+        return bool(self._pending or self._unscored)
 
     def take(self) -> dict | None:
         """The object for the tokens not sent yet (None: none)."""
-        if not self._pending:
+        if not self.pending:
             return None
-        body, self._offset = self._fmt.body(self._kind, self._pending, self._offset)
-        self._pending = []
+        body, self._offset = self._fmt.body(self._kind, self._pending, self._offset, self._unscored)
+        self._pending, self._unscored = [], ()
         return body

@@ -3,7 +3,7 @@ and OpenAI-style error objects `{"error": {"message", "type", "param", "code"}}`
 
 Requests are validated strictly (a string where a number belongs is a 400, never coerced); null means the
 default, as in OpenAI's API. Unknown fields are ignored, as OpenAI clients send fields this server has no use
-for; known options it cannot honour (penalties, logit bias, tools, JSON output, n > 1, echo, ..., and vLLM's own
+for; known options it cannot honour (penalties, logit bias, tools, JSON output, n > 1, ..., and vLLM's own
 sampling and guided-decoding extensions) are refused with a 400 naming the field unless left at their defaults.
 """
 
@@ -191,7 +191,6 @@ class SamplingRequest(_Strict):
         "response_format": (lambda v: v is None or v.type == "text",
                             "this server does not constrain output to JSON; leave response_format out or send "
                             "{\"type\": \"text\"}"),
-        "echo": (_unset, "this server does not echo the prompt; leave echo out"),
         "presence_penalty": (_unset, "this server applies no penalties; leave presence_penalty out or send 0"),
         "frequency_penalty": (_unset, "this server applies no penalties; leave frequency_penalty out or send 0"),
         "logit_bias": (_unset, "this server applies no logit bias; leave logit_bias out"),
@@ -220,8 +219,8 @@ class SamplingRequest(_Strict):
     }
 
     def check_supported(self) -> None:
-        """Refuse options this server would otherwise silently ignore, then a limit of no new tokens (a client
-        that scores prompts sends max_tokens=0 with echo, which the refusals name first)."""
+        """Refuse options this server would otherwise silently ignore, then a limit of no new tokens where the
+        endpoint has no use for one (`scores_prompt`)."""
         if self.stream_options is not None and not self.stream:
             raise APIError(400, "stream_options is only allowed with stream=true (as in OpenAI's API and vLLM); leave "
                                 "it out or send stream=true", param="stream_options")
@@ -230,9 +229,9 @@ class SamplingRequest(_Strict):
             if not at_default(value):
                 raise APIError(400, f"{name}={_show(value)} is not supported: {advice}", param=name)
         self.check_logprobs()
-        if self.token_limit == 0:
+        if self.token_limit == 0 and not self.scores_prompt:
             raise APIError(400, f"{self.token_limit_field}: must be at least 1 (the number of new tokens to "
-                                "generate)", param=self.token_limit_field)
+                                f"generate){self.no_tokens_hint}", param=self.token_limit_field)
 
     @field_validator("max_tokens", "max_completion_tokens", check_fields=False)  # the latter: chat requests only
     @classmethod
@@ -288,6 +287,20 @@ class SamplingRequest(_Strict):
         """How many alternatives to list beside each output token's log-probability; None: no log-probabilities."""
         return None
 
+    @property
+    def echoes(self) -> bool:
+        """Whether the answer's text (and log-probabilities) start with the prompt's."""
+        return False
+
+    @property
+    def scores_prompt(self) -> bool:
+        """A request for the prompt alone (echo with max_tokens=0: lm-eval's log-likelihood requests)."""
+        return self.echoes and self.token_limit == 0
+
+    @property
+    def no_tokens_hint(self) -> str:
+        return ""
+
 
 def _show(value: Any) -> str:
     return shown(value.model_dump() if isinstance(value, BaseModel) else value)
@@ -322,6 +335,7 @@ class ChatCompletionRequest(SamplingRequest):
                           "chat_template out, or start the server with a model whose template you want"),
         "documents": (_unset, "this server's chat template gets no documents; leave documents out and put "
                       "them in a message"),
+        "echo": (_unset, "this server does not echo chat messages; leave echo out (/v1/completions echoes a prompt)"),
     }
 
     def check_supported(self) -> None:
@@ -382,6 +396,14 @@ class CompletionRequest(SamplingRequest):
     @property
     def top_logprobs_asked(self) -> int | None:
         return None if self.logprobs is None or self.logprobs is False else self.logprobs
+
+    @property
+    def echoes(self) -> bool:
+        return self.echo
+
+    @property
+    def no_tokens_hint(self) -> str:
+        return "; with echo=true, max_tokens=0 returns the prompt alone (with logprobs, its log-probabilities)"
 
     @field_validator("prompt")
     @classmethod

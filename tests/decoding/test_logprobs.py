@@ -99,3 +99,33 @@ def test_token_logprobs_reads_token_i_at_row_i():
     want = logits.log_softmax(-1)
     assert [g.logprob for g in got] == pytest.approx([want[0, 0].item(), want[1, 0].item()])
     assert [i for i, _ in got[0].top] == [2, 1] and [i for i, _ in got[1].top] == [0, 1]
+
+
+def test_prompt_logprobs_score_the_prompt_with_or_without_an_answer(target):
+    """Each prompt token after the first, read at the position before it; max_new_tokens 0 scores the prompt alone
+    (lm-eval's log-likelihood requests)."""
+    prompt = random_prompts(1, seed=45, low=12)[0]
+    engine = SpeculativeEngine(target, DFlashProposer(tiny_drafter(target), target))
+    scored = engine.generate([prompt], GenerationConfig(max_new_tokens=0, prompt_logprobs=2))[0]
+    assert scored.output_ids == [] and scored.finish_reason == "length" and scored.logprobs is None
+    reference = target_logprobs(target, prompt[:1], prompt[1:])  # (len(prompt) - 1, vocab)
+    got = torch.tensor([lp.logprob for lp in scored.prompt_logprobs])
+    torch.testing.assert_close(got, reference.gather(1, torch.tensor(prompt[1:])[:, None])[:, 0], atol=1e-4, rtol=0)
+    assert [lp.token_id for lp in scored.prompt_logprobs] == prompt[1:]
+    assert [[i for i, _ in lp.top] for lp in scored.prompt_logprobs] == reference.topk(2).indices.tolist()
+    both = engine.generate([prompt], GenerationConfig(max_new_tokens=6, ignore_eos=True, prompt_logprobs=0,
+                                                      logprobs=0))[0]
+    assert both.output_ids == hf_greedy(target, prompt, 6)
+    whole = [lp.logprob for lp in both.prompt_logprobs + both.logprobs]
+    reference = target_logprobs(target, prompt[:1], prompt[1:] + both.output_ids)
+    torch.testing.assert_close(torch.tensor(whole), reference.gather(1, torch.tensor(prompt[1:] + both.output_ids)
+                                                                     [:, None])[:, 0], atol=1e-4, rtol=0)
+    one = engine.generate([prompt[:1]], GenerationConfig(max_new_tokens=0, prompt_logprobs=0))[0]
+    assert one.prompt_logprobs == []  # nothing before its one token to read it at
+
+
+def test_only_scoring_may_generate_no_tokens():
+    with pytest.raises(GenerationError, match="0 only with prompt_logprobs"):
+        GenerationConfig(max_new_tokens=0)
+    with pytest.raises(GenerationError, match="logprobs"):
+        GenerationConfig(max_new_tokens=0, prompt_logprobs=MAX_TOP_LOGPROBS + 1)

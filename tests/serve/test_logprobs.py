@@ -7,6 +7,7 @@ import httpx
 import pytest
 
 from conftest import TOKENIZERS
+from dflash.decoding.detokenizer import decode
 from dflash.serve.logprobs import LogprobFormat
 
 from .test_api import MODEL, PROMPTS, QUESTION, chat
@@ -100,3 +101,44 @@ def test_the_byte_level_alphabet_is_gpt2s():
     from dflash.serve.logprobs import _byte_level_alphabet
 
     assert _byte_level_alphabet() == {c: b for b, c in bytes_to_unicode().items()}
+
+
+def test_echo_scores_the_prompt_as_lm_eval_reads_it(server, client):
+    """lm-eval's log-likelihood request: token ids, echo, logprobs=1, max_tokens 0 or 1; it sums token_logprobs
+    after the context and checks each against its position's most likely token."""
+    ids = server.pipe.encode(PROMPTS[1], raw=True)
+    expected = server.pipe.generate(ids, raw=True, max_new_tokens=1, prompt_logprobs=1, logprobs=1, ignore_eos=True)
+    prompt_only = client.completions.create(model=MODEL, prompt=[ids], max_tokens=0, echo=True, logprobs=1,
+                                            temperature=0)
+    choice = prompt_only.choices[0]
+    assert choice.text == decode(server.pipe.tokenizer, ids) and choice.finish_reason == "length"
+    assert prompt_only.usage.completion_tokens == 0 and prompt_only.usage.prompt_tokens == len(ids)
+    lp = choice.logprobs
+    assert lp.token_logprobs[0] is None and lp.top_logprobs[0] is None  # nothing before the first token scores it
+    assert lp.token_logprobs[1:] == pytest.approx([e.logprob for e in expected.prompt_logprobs], abs=1e-5)
+    assert [max(top, key=top.get) for top in lp.top_logprobs[1:]] == \
+        [LogprobFormat(server.pipe.tokenizer).token(e.top[0][0])[0] for e in expected.prompt_logprobs]
+    with_answer = client.completions.create(model=MODEL, prompt=[ids], max_tokens=1, echo=True, logprobs=1,
+                                            temperature=0, extra_body={"ignore_eos": True})
+    both = with_answer.choices[0]
+    assert both.text == choice.text + expected.text and len(both.logprobs.tokens) == len(ids) + 1
+    assert both.logprobs.token_logprobs[:-1] == lp.token_logprobs  # lm-eval's [ctxlen:-1] leaves the answer out
+    assert both.logprobs.token_logprobs[-1] == pytest.approx(expected.logprobs[0].logprob, abs=1e-5)
+    streamed = list(client.completions.create(model=MODEL, prompt=PROMPTS[1], max_tokens=0, echo=True, logprobs=1,
+                                              stream=True))
+    assert "".join(c.choices[0].text for c in streamed if c.choices) == PROMPTS[1]  # the text as sent
+    tokens = [t for c in streamed if c.choices and c.choices[0].logprobs for t in c.choices[0].logprobs.tokens]
+    assert tokens == lp.tokens
+    plain_echo = client.completions.create(model=MODEL, prompt=PROMPTS[1], max_tokens=3, echo=True, temperature=0)
+    assert plain_echo.choices[0].text.startswith(PROMPTS[1]) and plain_echo.choices[0].logprobs is None
+
+
+def test_no_tokens_without_echo_and_echo_on_chat_are_refused(server):
+    for endpoint, body, param in [("completions", {"prompt": "hi", "max_tokens": 0}, "max_tokens"),
+                                  ("chat/completions", {"messages": QUESTION, "echo": True}, "echo")]:
+        response = httpx.post(f"{server.url}/v1/{endpoint}", json={"model": MODEL, **body})
+        assert response.status_code == 400 and response.json()["error"]["param"] == param, response.text
+    said = httpx.post(f"{server.url}/v1/completions", json={"prompt": "hi", "max_tokens": 0}).json()["error"]
+    assert "echo=true" in said["message"]
+    chat = httpx.post(f"{server.url}/v1/chat/completions", json={"messages": QUESTION, "max_completion_tokens": 0})
+    assert chat.status_code == 400 and chat.json()["error"]["param"] == "max_completion_tokens"
