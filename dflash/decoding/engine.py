@@ -86,7 +86,7 @@ class GenerationConfig:
     block_size: int | str | None = None  # None: the drafter's own block size; "auto": chosen every step
     branch_length: int = 0  # > 0: each step also verifies a branch of this many tokens (`branch`); greedy, seeded
     logprobs: int | None = None  # each output token's log-probability and this many alternatives (`logprobs`)
-    prompt_logprobs: int | None = None  # the same for each prompt token after the first (max_new_tokens may be 0)
+    prompt_logprobs: int | None = None  # the same for each prompt token after the first
 
     def __post_init__(self) -> None:
         if isinstance(self.stop_strings, str):  # one stop string, not its characters
@@ -100,9 +100,9 @@ class GenerationConfig:
             raise GenerationError("a stop string is empty (every text would stop before its first token); drop it")
         for text in self.stop_strings:
             check_utf8(text, f"the stop string {text!r}")
-        if self.max_new_tokens < (0 if self.prompt_logprobs is not None else 1):
-            raise GenerationError(f"max_new_tokens must be >= 1 (0 only with prompt_logprobs, to score a prompt), got "
-                                  f"{self.max_new_tokens}")
+        if self.max_new_tokens < 0:
+            raise GenerationError(f"max_new_tokens must be >= 0 (0: the prompt is read, and scored with "
+                                  f"prompt_logprobs, and nothing is generated), got {self.max_new_tokens}")
         if self.branch_length < 0:
             raise GenerationError(f"branch_length is a number of tokens >= 0 (0: no branch), got {self.branch_length}")
         if isinstance(self.block_size, str) and self.block_size != AUTO:
@@ -112,9 +112,10 @@ class GenerationConfig:
         if self.seed is not None and not SEED_RANGE[0] <= self.seed < SEED_RANGE[1]:
             raise GenerationError(f"seed must be in [-2**63, 2**64), the range torch's generators take, got "
                                   f"{self.seed}")
-        for top in (self.logprobs, self.prompt_logprobs):
-            if top is not None and check_top(top):
-                raise GenerationError(check_top(top))
+        for name in ("logprobs", "prompt_logprobs"):
+            top = getattr(self, name)
+            if top is not None and (problem := check_top(top)):
+                raise GenerationError(f"{name}: {problem}")
         _ = self.sampling  # validates temperature / top_p / top_k
 
     def _check_types(self) -> None:
@@ -414,10 +415,12 @@ class SpeculativeEngine:
     @torch.inference_mode()
     def prefill(self, seq: Sequence, proposer: Proposer | None = None) -> Batch:
         """Run the prompt through the target alone; its first token becomes the first anchor (with max_new_tokens
-        0, which only scores the prompt, it finishes there)."""
+        0 it finishes there, the prompt read and, with prompt_logprobs, scored)."""
         scored = seq.config.prompt_logprobs
         batch, logits = self._read(seq, seq.prompt_ids, proposer or self.proposer, keep=0 if scored is not None else 1)
         if scored is not None:  # logits (prompt length, vocab): token i + 1 was read at position i
+            if torch.isnan(logits[:-1]).any():
+                raise NoTokenError(NAN_LOGITS)
             seq.prompt_logprobs = token_logprobs(logits[:-1], seq.prompt_ids[1:], scored)
         logits = logits[-1]  # (vocab,)
         if seq.config.max_new_tokens == 0:

@@ -49,6 +49,6 @@ def token_logprobs(logits: torch.Tensor, tokens: list[int], top: int, rows: int 
 def check_top(top: object) -> str | None:
     """What is wrong with a number of alternatives per token (None: nothing)."""
     if isinstance(top, bool) or not isinstance(top, int) or not 0 <= top <= MAX_TOP_LOGPROBS:
-        return (f"logprobs is the number of most likely tokens to list beside each output token, 0 to "
-                f"{MAX_TOP_LOGPROBS} (None: no log-probabilities), got {top!r}")
+        return (f"the number of most likely tokens to list beside each token, 0 to {MAX_TOP_LOGPROBS} (None: no "
+                f"log-probabilities), got {top!r}")
     return None

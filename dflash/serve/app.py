@@ -166,7 +166,7 @@ class Server:
     def token_budget(self, req: SamplingRequest, prompt_len: int, kind: str, default_max: int | None) -> int:
         """max_tokens for this request: the one asked for, or the default, within the context."""
         room = self.max_model_len - prompt_len
-        if room < 1:
+        if room < (0 if req.scores_prompt else 1):  # a prompt alone may fill the context
             raise APIError(400, f"the prompt ({prompt_len} tokens) leaves no room for new tokens in the context of "
                                 f"{self.max_model_len} tokens; shorten it",
                            param="messages" if kind == "chat" else "prompt", code="context_length_exceeded")
@@ -294,11 +294,8 @@ class Server:
 
 def _prompt_scores(req: SamplingRequest) -> int | None:
     """The alternatives per prompt token the engine lists (`GenerationConfig.prompt_logprobs`): an echo's, with
-    logprobs; 0 for a request of the prompt alone without them, which the engine scores all the same."""
-    if not req.echoes:
-        return None
-    asked = req.top_logprobs_asked
-    return 0 if asked is None and req.scores_prompt else asked
+    logprobs (None: the prompt is not scored)."""
+    return req.top_logprobs_asked if req.echoes else None
 
 
 def _given(value, default):

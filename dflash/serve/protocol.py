@@ -204,8 +204,8 @@ class SamplingRequest(_Strict):
         "logits_processors": (_unset, "this server runs no logits processors; leave logits_processors out"),
         "use_beam_search": (_unset, "this server does not search beams; leave use_beam_search out"),
         "length_penalty": (lambda v: v in (None, 1), "this server does not search beams; leave length_penalty out"),
-        "prompt_logprobs": (lambda v: v is None, "this server returns the log-probabilities of output tokens, not "
-                            "of the prompt; leave prompt_logprobs out"),
+        "prompt_logprobs": (lambda v: v is None, "this server scores a prompt on /v1/completions with echo=true and "
+                            "logprobs (max_tokens=0: the prompt alone); leave prompt_logprobs out"),
         "truncate_prompt_tokens": (lambda v: v is None, "this server does not cut prompts; shorten the prompt "
                                    "yourself and leave truncate_prompt_tokens out"),
         "include_stop_str_in_output": (_unset, "this server cuts the answer before the stop string; leave "

@@ -508,7 +508,7 @@ def test_a_block_size_the_drafter_cannot_verify_is_refused_in_any_rows_config(ta
 
 
 @pytest.mark.parametrize("field,value", [
-    ("max_new_tokens", 0), ("temperature", -1), ("top_p", 0), ("top_k", -2),
+    ("max_new_tokens", -1), ("temperature", -1), ("top_p", 0), ("top_k", -2),
     ("max_new_tokens", "10"), ("max_new_tokens", 2.5), ("temperature", "0.5"), ("top_k", 1.5), ("seed", "1"),
     ("stop_token_ids", [1, "2"]), ("stop_strings", [1]), ("block_size", 8.0), ("block_size", "big"),
 ])

@@ -3,6 +3,8 @@ that cuts a step's tokens), and their alternatives."""
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 
@@ -63,18 +65,34 @@ def test_logprobs_through_a_branch(target):
         check_logprobs(target, prompt, out, top=2)
 
 
-def test_sampled_tokens_get_the_targets_raw_logprobs_and_a_stop_cuts_them_with_the_tokens(target):
-    """Before temperature and top-k (vLLM's default); a stop inside a step's tokens keeps one per output token."""
+def test_sampled_tokens_get_the_targets_raw_logprobs(target):
+    """Before temperature and top-k (vLLM's default)."""
     prompt = random_prompts(1, seed=43)[0]
     engine = SpeculativeEngine(target, DFlashProposer(tiny_drafter(target), target))
     config = GenerationConfig(max_new_tokens=13, temperature=0.8, top_k=5, seed=7, ignore_eos=True, logprobs=0)
     out = engine.generate([prompt], config)[0]
     assert len(out.output_ids) == 13
     check_logprobs(target, prompt, out, top=0)
-    stop_at = out.output_ids[6]
-    cut = engine.generate([prompt], GenerationConfig(**{**config.__dict__, "stop_token_ids": [stop_at]}))[0]
-    assert cut.output_ids == out.output_ids[: out.output_ids.index(stop_at) + 1]
-    assert cut.logprobs == out.logprobs[: len(cut.output_ids)]
+
+
+def test_a_stop_inside_a_steps_tokens_cuts_their_logprobs_with_them(target):
+    prompt = random_prompts(1, seed=48)[0]
+    refs = {tuple(prompt): hf_greedy(target, prompt, MAX_NEW)}
+    def engine():  # a fresh drafter each time: its drafts are right for the same random numbers of tokens
+        return SpeculativeEngine(target, partial_oracle(target, refs, 8))
+
+    config = GenerationConfig(max_new_tokens=MAX_NEW, block_size=8, ignore_eos=True, logprobs=1)
+    out = engine().generate([prompt], config)[0]
+    ends = [sum(out.stats.acceptance_lengths[: i + 1]) for i in range(len(out.stats.acceptance_lengths))]
+    inside = [i for i, t in enumerate(out.output_ids)  # a token first seen before its step's last token
+              if out.output_ids.index(t) == i and i + 1 not in ends]
+    assert inside, out.stats.acceptance_lengths
+    stop_at = out.output_ids[inside[0]]
+    cut = engine().generate([prompt], dataclasses.replace(config, stop_token_ids=[stop_at]))[0]
+    assert cut.output_ids == out.output_ids[: inside[0] + 1]
+    assert cut.stats.acceptance_lengths[-1] < out.stats.acceptance_lengths[len(cut.stats.acceptance_lengths) - 1]
+    assert [lp.token_id for lp in cut.logprobs] == cut.output_ids
+    check_logprobs(target, prompt, cut, top=1)
 
 
 def test_only_the_rows_that_ask_get_logprobs(target):
@@ -124,8 +142,26 @@ def test_prompt_logprobs_score_the_prompt_with_or_without_an_answer(target):
     assert one.prompt_logprobs == []  # nothing before its one token to read it at
 
 
-def test_only_scoring_may_generate_no_tokens():
-    with pytest.raises(GenerationError, match="0 only with prompt_logprobs"):
-        GenerationConfig(max_new_tokens=0)
-    with pytest.raises(GenerationError, match="logprobs"):
+def test_no_new_tokens_reads_the_prompt_alone(target):
+    prompt = random_prompts(1, seed=46)[0]
+    engine = SpeculativeEngine(target, DFlashProposer(tiny_drafter(target), target))
+    out = engine.generate([prompt], GenerationConfig(max_new_tokens=0))[0]
+    assert out.output_ids == [] and out.prompt_logprobs is None and out.finish_reason == "length"
+    with pytest.raises(GenerationError, match="prompt_logprobs: the number of most likely"):
         GenerationConfig(max_new_tokens=0, prompt_logprobs=MAX_TOP_LOGPROBS + 1)
+
+
+def test_nan_in_the_prompts_scores_fails_the_row_not_the_json(target, monkeypatch):
+    """A float16 overflow in a prompt's logits would give NaN scores, which JSON cannot carry."""
+    prompt = random_prompts(1, seed=47, low=8)[0]
+    engine = SpeculativeEngine(target, DFlashProposer(tiny_drafter(target), target))
+    forward = target.forward
+
+    def nan_at_position_1(*args, **kwargs):
+        out = forward(*args, **kwargs)
+        out.logits[:, 1] = float("nan")
+        return out
+
+    monkeypatch.setattr(target, "forward", nan_at_position_1)
+    out = engine.generate([prompt], GenerationConfig(max_new_tokens=0, prompt_logprobs=0))[0]
+    assert out.finish_reason == "error" and "NaN" in out.error
