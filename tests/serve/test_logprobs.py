@@ -142,3 +142,14 @@ def test_no_tokens_without_echo_and_echo_on_chat_are_refused(server):
     assert "echo=true" in said["message"]
     chat = httpx.post(f"{server.url}/v1/chat/completions", json={"messages": QUESTION, "max_completion_tokens": 0})
     assert chat.status_code == 400 and chat.json()["error"]["param"] == "max_completion_tokens"
+
+
+def test_a_prompt_alone_may_fill_the_context(server):
+    """lm-eval cuts a context to the model's length: scored alone, it fits; asking a token more does not."""
+    ids = [5 + i % 50 for i in range(server.server_state.max_model_len)]
+    body = {"model": MODEL, "prompt": ids, "echo": True, "logprobs": 0, "max_tokens": 0}
+    scored = httpx.post(f"{server.url}/v1/completions", json=body)
+    assert scored.status_code == 200, scored.text
+    assert len(scored.json()["choices"][0]["logprobs"]["token_logprobs"]) == len(ids)
+    one_more = httpx.post(f"{server.url}/v1/completions", json={**body, "max_tokens": 1})
+    assert one_more.status_code == 400 and one_more.json()["error"]["code"] == "context_length_exceeded"
