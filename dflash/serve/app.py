@@ -36,7 +36,7 @@ from dflash.decoding.proposer import NoDraftProposer
 from dflash.errors import UserError
 from dflash.serve.fallback import AUTO_NEEDS_STEP_COSTS, FallbackConfig
 from dflash.serve.limits import DEFAULT_MAX_REQUEST_BYTES, check_max_model_len
-from dflash.serve.logprobs import LogprobFormat, StreamedLogprobs
+from dflash.serve.logprobs import LogprobFormat, StreamedLogprobs, TextOffsets, joined
 from dflash.serve.metrics import ServerMetrics
 from dflash.serve.protocol import (
     APIError,
@@ -241,20 +241,25 @@ class Server:
             decoding.cancel()
         seq = decoding.seq
         result = seq.result()
-        text, entries, unscored = result.text or "", result.logprobs, ()
-        if req.echoes:  # the prompt's text and scores first
-            text = self.echoed_prompt(req, seq) + text
-            entries, unscored = (seq.prompt_logprobs or []) + (entries or []), tuple(seq.prompt_ids[:1])
+        text = self.echoed_prompt(req, seq) + (result.text or "") if req.echoes else result.text or ""
         logprobs = None
         if req.top_logprobs_asked is not None:
-            logprobs = self.logprob_format.body(shape.kind, entries or [], unscored=unscored)[0]
+            logprobs = self.answer_logprobs(req, seq, shape.kind, result.logprobs or [])
         return JSONResponse(shape.full(text, result.finish_reason, len(seq.prompt_ids), len(seq.output_ids),
                                        self.stop_reason(result, req), logprobs))
 
+    def answer_logprobs(self, req: SamplingRequest, seq, kind: str, entries: list) -> dict:
+        """A whole answer's `logprobs` object; an echo's starts with the prompt's tokens."""
+        fmt, offsets = self.logprob_format, TextOffsets()
+        if not req.echoes:
+            return fmt.body(kind, entries, offsets)
+        prompt = fmt.body(kind, seq.prompt_logprobs or [], offsets, unscored=tuple(seq.prompt_ids[:1]),
+                          shows_special=_sent_as_text(req))
+        return joined(prompt, fmt.body(kind, entries, offsets))
+
     def echoed_prompt(self, req: SamplingRequest, seq) -> str:
         """The prompt as an echo shows it: the text the client sent, or its token ids' text."""
-        prompt = getattr(req, "prompt", None)
-        return prompt if isinstance(prompt, str) else decode(self.pipe.tokenizer, seq.prompt_ids)
+        return req.prompt if _sent_as_text(req) else decode(self.pipe.tokenizer, seq.prompt_ids)
 
     async def _stream(self, decoding: Decoding, shape: ResponseShape, req: SamplingRequest):
         """Server-sent events; leaving early (a disconnect cancels this generator) frees the row."""
@@ -270,7 +275,8 @@ class Server:
                     echo = False
                     if req.top_logprobs_asked is not None:
                         logprobs.add(seq.prompt_logprobs, unscored=tuple(seq.prompt_ids[:1]))
-                    yield sse(shape.chunk(self.echoed_prompt(req, seq), logprobs=logprobs.take()))
+                    yield sse(shape.chunk(self.echoed_prompt(req, seq),
+                                          logprobs=logprobs.take(shows_special=_sent_as_text(req))))
                 piece = deltas.add(event.tokens) if event.tokens else ""
                 logprobs.add(event.logprobs)
                 if event.done:
@@ -290,6 +296,11 @@ class Server:
             yield sse("[DONE]")
         finally:
             decoding.cancel()
+
+
+def _sent_as_text(req: SamplingRequest) -> bool:
+    """Whether a completions prompt came as text (an echo shows it as sent, special tokens and all)."""
+    return isinstance(getattr(req, "prompt", None), str)
 
 
 def _prompt_scores(req: SamplingRequest) -> int | None:

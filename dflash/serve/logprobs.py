@@ -12,6 +12,7 @@ text. Its bytes are the token's own where a byte-level or byte-fallback tokenize
 
 from __future__ import annotations
 
+import codecs
 from functools import lru_cache
 
 from dflash.decoding.detokenizer import REPLACEMENT, byte_tokens
@@ -79,31 +80,55 @@ class LogprobFormat:
         text, raw = self.token(token_id)
         return {"token": text, "logprob": max(logprob, FLOOR), "bytes": raw}
 
-    def completion(self, entries: list[TokenLogprob], offset: int = 0,
-                   unscored: tuple[int, ...] = ()) -> tuple[dict, int]:
-        """The object for these tokens, whose text starts at character `offset` of the answer, after the tokens
-        `unscored` (a prompt's first, which nothing before it scores: null, as in OpenAI's echo); and the offset
-        after them (a stream's next chunk starts there)."""
+    def completion(self, entries: list[TokenLogprob], offsets: TextOffsets, unscored: tuple[int, ...] = (),
+                   shows_special: bool = False) -> dict:
+        """The object for these tokens, after the tokens `unscored` (a prompt's first, which nothing before it
+        scores: null, as in OpenAI's echo); `offsets` goes on through them. `shows_special`: the text they stand
+        for holds their special tokens (a prompt echoed as the client sent it)."""
         body: dict[str, list] = {"tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": []}
         for token_id, entry in [(t, None) for t in unscored] + [(e.token_id, e) for e in entries]:
-            text = self.token(token_id)[0]
+            text, raw = self.token(token_id)
             body["tokens"].append(text)
             body["token_logprobs"].append(None if entry is None else max(entry.logprob, FLOOR))
             body["top_logprobs"].append(None if entry is None else self._top_dict(entry))
-            body["text_offset"].append(offset)
-            offset += 0 if token_id in self._special else len(text)  # the answer's text leaves special tokens out
-        return body, offset
+            shown = shows_special or token_id not in self._special  # decoded text leaves special tokens out
+            body["text_offset"].append(offsets.add(raw) if shown else offsets.chars)
+        return body
 
     def _top_dict(self, entry: TokenLogprob) -> dict[str, float]:
-        top = {self.token(i)[0]: max(p, FLOOR) for i, p in entry.top}
-        top.setdefault(self.token(entry.token_id)[0], max(entry.logprob, FLOOR))
+        """{text: log-probability} of the most likely tokens and the chosen one; of tokens with the same text
+        (several partial characters are U+FFFD) the likeliest's."""
+        top: dict[str, float] = {}
+        for token_id, logprob in (*entry.top, (entry.token_id, entry.logprob)):
+            top.setdefault(self.token(token_id)[0], max(logprob, FLOOR))
         return top
 
-    def body(self, kind: str, entries: list[TokenLogprob], offset: int = 0,
-             unscored: tuple[int, ...] = ()) -> tuple[dict, int]:
-        """The `logprobs` object of a chat or completion choice, and the completion text's offset after these
-        tokens."""
-        return (self.chat(entries), offset) if kind == "chat" else self.completion(entries, offset, unscored)
+    def body(self, kind: str, entries: list[TokenLogprob], offsets: TextOffsets | None = None,
+             unscored: tuple[int, ...] = (), shows_special: bool = False) -> dict:
+        """The `logprobs` object of a chat or a completion choice (see `completion`)."""
+        if kind == "chat":
+            return self.chat(entries)
+        return self.completion(entries, offsets or TextOffsets(), unscored, shows_special)
+
+
+def joined(*bodies: dict) -> dict:
+    """Completions' objects of consecutive tokens (an echoed prompt's, then the answer's) as one."""
+    return {key: [item for body in bodies for item in body[key]] for key in bodies[0]}
+
+
+class TextOffsets:
+    """Where each token's text starts in a completion's text, in characters: the tokens' bytes added up, so a
+    character split across tokens counts once, at the token that completes it."""
+
+    def __init__(self):
+        self.chars = 0
+        self._utf8 = codecs.getincrementaldecoder("utf-8")("replace")  # holds half a character until it completes
+
+    def add(self, raw: list[int]) -> int:
+        """A token's bytes: the offset where its text starts."""
+        start = self.chars
+        self.chars += len(self._utf8.decode(bytes(raw)))
+        return start
 
 
 class StreamedLogprobs:
@@ -114,7 +139,7 @@ class StreamedLogprobs:
         self._fmt, self._kind = fmt, kind
         self._pending: list[TokenLogprob] = []
         self._unscored: tuple[int, ...] = ()
-        self._offset = 0
+        self._offsets = TextOffsets()
 
     def add(self, entries: list[TokenLogprob] | None, unscored: tuple[int, ...] = ()) -> None:
         """Tokens decoded since the last chunk; `unscored`: an echoed prompt's first token, sent before them."""
@@ -125,10 +150,10 @@ class StreamedLogprobs:
     def pending(self) -> bool:
         return bool(self._pending or self._unscored)
 
-    def take(self) -> dict | None:
-        """The object for the tokens not sent yet (None: none)."""
+    def take(self, shows_special: bool = False) -> dict | None:
+        """The object for the tokens not sent yet (None: none); `shows_special` as in `LogprobFormat.completion`."""
         if not self.pending:
             return None
-        body, self._offset = self._fmt.body(self._kind, self._pending, self._offset, self._unscored)
+        body = self._fmt.body(self._kind, self._pending, self._offsets, self._unscored, shows_special)
         self._pending, self._unscored = [], ()
         return body

@@ -8,7 +8,8 @@ import pytest
 
 from conftest import TOKENIZERS
 from dflash.decoding.detokenizer import decode
-from dflash.serve.logprobs import LogprobFormat
+from dflash.decoding.logprobs import TokenLogprob
+from dflash.serve.logprobs import LogprobFormat, TextOffsets
 
 from .test_api import MODEL, PROMPTS, QUESTION, chat
 
@@ -153,3 +154,28 @@ def test_a_prompt_alone_may_fill_the_context(server):
     assert len(scored.json()["choices"][0]["logprobs"]["token_logprobs"]) == len(ids)
     one_more = httpx.post(f"{server.url}/v1/completions", json={**body, "max_tokens": 1})
     assert one_more.status_code == 400 and one_more.json()["error"]["code"] == "context_length_exceeded"
+
+
+def test_text_offsets_point_at_each_tokens_text():
+    """Special tokens count where the text shows them (a prompt echoed as sent) and not where decoding leaves them
+    out; a character split across tokens counts once."""
+    tokenizer = TOKENIZERS["byte-level (embedded)"]()
+    fmt = LogprobFormat(tokenizer)
+    sent = "<|im_start|>user\nJanet\u2019s ducks \U0001f986 lay 16 eggs<|im_end|>"
+    ids = tokenizer.encode(sent, add_special_tokens=False)
+    entries = [TokenLogprob(t, -1.0) for t in ids[1:]]
+    for text, shows_special in ((sent, True), (decode(tokenizer, ids), False)):
+        body = fmt.completion(entries, TextOffsets(), unscored=tuple(ids[:1]), shows_special=shows_special)
+        placed = [(tok, at) for tok, at, i in zip(body["tokens"], body["text_offset"], ids)
+                  if "\ufffd" not in tok and (shows_special or i not in tokenizer.all_special_ids)]
+        assert all(text[at : at + len(tok)] == tok for tok, at in placed), placed
+        assert body["text_offset"][-2] == text.index(" eggs")  # after the emoji's three tokens
+
+
+def test_top_logprobs_of_tokens_with_the_same_text_keep_the_likeliest():
+    tokenizer = TOKENIZERS["byte-level (embedded)"]()
+    fmt = LogprobFormat(tokenizer)
+    first, second = tokenizer.encode("\u00e9", add_special_tokens=False)  # two halves, both U+FFFD alone
+    chosen = tokenizer.encode("a", add_special_tokens=False)[0]
+    body = fmt.completion([TokenLogprob(chosen, -3.0, ((first, -1.0), (second, -2.0)))], TextOffsets())
+    assert body["top_logprobs"][0] == {"\ufffd": -1.0, "a": -3.0}
