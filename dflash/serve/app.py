@@ -13,6 +13,7 @@ reach the decode thread.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 import secrets
 import time
@@ -204,20 +205,28 @@ class Server:
             raise APIError(400, str(err), param="stop_token_ids") from None
         return req.stop_token_ids
 
-    def submit(self, req: SamplingRequest, prompt_ids: list[int], kind: str, default_max: int | None) -> Decoding:
+    def submit(self, req: SamplingRequest, prompt_ids: list[int], kind: str,
+               default_max: int | None) -> list[Decoding]:
+        """The request's n choices, queued together; with a seed, choice i samples with seed + i (as vLLM)."""
+        if req.n > self.scheduler.capacity:
+            raise APIError(400, f"n={req.n} choices are more than this server decodes and queues at once "
+                                f"({self.scheduler.capacity}: --max-batch-size + --max-queue); send at most that",
+                           param="n")
         config = self.generation_config(req, len(prompt_ids), kind, default_max)
-        seq = self.engine.new_sequence(prompt_ids, config)  # GenerationError (a UserError) -> 400
+        configs = [config if config.seed is None or i == 0 else dataclasses.replace(config, seed=config.seed + i)
+                   for i in range(req.n)]  # GenerationError (a UserError) -> 400
+        seqs = [self.engine.new_sequence(prompt_ids, c) for c in configs]
         workload = f"{kind}/{'greedy' if config.temperature == 0 else 'sampled'}"
-        return self.scheduler.submit(seq, workload, stream=req.stream)
+        return self.scheduler.submit_all(seqs, workload, stream=req.stream)
 
     # ---- answers ----------------------------------------------------------------------------------------------
     async def answer(self, http: Request, req: SamplingRequest, prompt_ids: list[int], kind: str,
                      default_max: int | None) -> Response:
-        decoding = self.submit(req, prompt_ids, kind, default_max)
+        decodings = self.submit(req, prompt_ids, kind, default_max)
         shape = ResponseShape(kind, self.config.served_model_name, include_usage=req.stream and req.include_usage)
         if req.stream:
-            return StreamingResponse(self._stream(decoding, shape, req), media_type="text/event-stream")
-        return await self._complete(http, decoding, shape, req)
+            return StreamingResponse(self._stream(decodings, shape, req), media_type="text/event-stream")
+        return await self._complete(http, decodings, shape, req)
 
     def stop_reason(self, result: GenerationOutput, req: SamplingRequest) -> str | int | None:
         """vLLM's stop_reason: the stop string that ended the answer (the earliest in its text), or the request's
@@ -229,24 +238,29 @@ class Server:
             return last  # as vLLM: an EOS id that the request names stops as its own id once EOS is ignored
         return result.stop_string
 
-    async def _complete(self, http: Request, decoding: Decoding, shape: ResponseShape,
+    async def _complete(self, http: Request, decodings: list[Decoding], shape: ResponseShape,
                         req: SamplingRequest) -> Response:
-        watcher = asyncio.create_task(_cancel_on_disconnect(http, decoding))
+        watcher = asyncio.create_task(_cancel_on_disconnect(http, decodings))
         try:
-            async for event in _events(decoding):
-                if event.done and event.error:
-                    raise _decode_error(event)
+            for decoding in decodings:  # they decode together; each finishes in its own time
+                async for event in _events(decoding):
+                    if event.done and event.error:
+                        raise _decode_error(event)
         finally:
             watcher.cancel()
-            decoding.cancel()
-        seq = decoding.seq
+            for decoding in decodings:
+                decoding.cancel()
+        choices = [self._choice(i, d.seq, shape, req) for i, d in enumerate(decodings)]
+        seqs = [d.seq for d in decodings]
+        return JSONResponse(shape.full(choices, len(seqs[0].prompt_ids), sum(len(s.output_ids) for s in seqs)))
+
+    def _choice(self, index: int, seq, shape: ResponseShape, req: SamplingRequest) -> dict:
         result = seq.result()
         text = self.echoed_prompt(req, seq) + (result.text or "") if req.echoes else result.text or ""
         logprobs = None
         if req.top_logprobs_asked is not None:
             logprobs = self.answer_logprobs(req, seq, shape.kind, result.logprobs or [])
-        return JSONResponse(shape.full(text, result.finish_reason, len(seq.prompt_ids), len(seq.output_ids),
-                                       self.stop_reason(result, req), logprobs))
+        return shape.choice(index, text, result.finish_reason, self.stop_reason(result, req), logprobs)
 
     def answer_logprobs(self, req: SamplingRequest, seq, kind: str, entries: list) -> dict:
         """A whole answer's `logprobs` object; an echo's starts with the prompt's tokens."""
@@ -261,41 +275,62 @@ class Server:
         """The prompt as an echo shows it: the text the client sent, or its token ids' text."""
         return req.prompt if _sent_as_text(req) else decode(self.pipe.tokenizer, seq.prompt_ids)
 
-    async def _stream(self, decoding: Decoding, shape: ResponseShape, req: SamplingRequest):
-        """Server-sent events; leaving early (a disconnect cancels this generator) frees the row."""
-        seq = decoding.seq
-        deltas = TextDeltas(self.pipe.tokenizer, req.stop_strings, seq.stop.stop_token_ids)
-        logprobs = StreamedLogprobs(self.logprob_format, shape.kind)
-        echo = req.echoes
+    async def _stream(self, decodings: list[Decoding], shape: ResponseShape, req: SamplingRequest):
+        """Server-sent events, each choice's chunks as its tokens come (`index` tells them apart); leaving early
+        (a disconnect cancels this generator) frees the rows."""
+        choices = [_StreamedChoice(self, i, d.seq, shape, req) for i, d in enumerate(decodings)]
         try:
             if shape.kind == "chat":
-                yield sse(shape.chunk(None, first=True))
-            async for event in _events(decoding):
-                if echo and not event.error:  # the prompt first, once the prefill has scored it
-                    echo = False
-                    if req.top_logprobs_asked is not None:
-                        logprobs.add(seq.prompt_logprobs, unscored=tuple(seq.prompt_ids[:1]))
-                    yield sse(shape.chunk(self.echoed_prompt(req, seq),
-                                          logprobs=logprobs.take(shows_special=_sent_as_text(req))))
-                piece = deltas.add(event.tokens) if event.tokens else ""
-                logprobs.add(event.logprobs)
-                if event.done:
-                    if event.error:
-                        yield sse(_decode_error(event).body())
-                        break
-                    result = seq.result()
-                    piece += deltas.finish(result.text or "")
-                    if piece or logprobs.pending:
-                        yield sse(shape.chunk(piece, logprobs=logprobs.take()))
-                    yield sse(shape.chunk(None, finish_reason=result.finish_reason,
-                                          stop_reason=self.stop_reason(result, req)))
-                    if req.include_usage:
-                        yield sse(shape.usage_chunk(len(seq.prompt_ids), len(seq.output_ids)))
-                elif piece:
-                    yield sse(shape.chunk(piece, logprobs=logprobs.take()))
+                for choice in choices:
+                    yield sse(shape.chunk(None, first=True, index=choice.index))
+            async for index, event in _merged_events(decodings):
+                if event.done and event.error:
+                    yield sse(_decode_error(event).body())
+                    break
+                for chunk in choices[index].chunks(event):
+                    yield sse(chunk)
+            else:
+                if req.include_usage:
+                    seqs = [d.seq for d in decodings]
+                    yield sse(shape.usage_chunk(len(seqs[0].prompt_ids), sum(len(s.output_ids) for s in seqs)))
             yield sse("[DONE]")
         finally:
-            decoding.cancel()
+            for decoding in decodings:
+                decoding.cancel()
+
+
+class _StreamedChoice:
+    """One choice of a streamed answer: its text deltas (held back where a stop string may begin), its
+    log-probabilities, and an echo of the prompt before its first tokens."""
+
+    def __init__(self, server: Server, index: int, seq, shape: ResponseShape, req: SamplingRequest):
+        self.server, self.index, self.seq, self.shape, self.req = server, index, seq, shape, req
+        self.deltas = TextDeltas(server.pipe.tokenizer, req.stop_strings, seq.stop.stop_token_ids)
+        self.logprobs = StreamedLogprobs(server.logprob_format, shape.kind)
+        self.echo = req.echoes
+
+    def chunks(self, event: Event) -> list[dict]:
+        """The chunks an event (not a failure) sends: text as it is safe, then the choice's ending."""
+        out = []
+        if self.echo:  # the prompt first, once the prefill has scored it
+            self.echo = False
+            if self.req.top_logprobs_asked is not None:
+                self.logprobs.add(self.seq.prompt_logprobs, unscored=tuple(self.seq.prompt_ids[:1]))
+            out.append(self._chunk(self.server.echoed_prompt(self.req, self.seq),
+                                   logprobs=self.logprobs.take(shows_special=_sent_as_text(self.req))))
+        piece = self.deltas.add(event.tokens) if event.tokens else ""
+        self.logprobs.add(event.logprobs)
+        if not event.done:
+            return out + ([self._chunk(piece, logprobs=self.logprobs.take())] if piece else [])
+        result = self.seq.result()
+        piece += self.deltas.finish(result.text or "")
+        if piece or self.logprobs.pending:
+            out.append(self._chunk(piece, logprobs=self.logprobs.take()))
+        return out + [self._chunk(None, finish_reason=result.finish_reason,
+                                  stop_reason=self.server.stop_reason(result, self.req))]
+
+    def _chunk(self, text: str | None, **fields) -> dict:
+        return self.shape.chunk(text, index=self.index, **fields)
 
 
 def _sent_as_text(req: SamplingRequest) -> bool:
@@ -335,12 +370,37 @@ async def _events(decoding: Decoding):
             return
 
 
-async def _cancel_on_disconnect(http: Request, decoding: Decoding) -> None:
+async def _merged_events(decodings: list[Decoding]):
+    """(choice index, event) of several decodings as they come, until each has finished."""
+    if len(decodings) == 1:
+        async for event in _events(decodings[0]):
+            yield 0, event
+        return
+    merged: asyncio.Queue = asyncio.Queue()
+
+    async def forward(index: int, decoding: Decoding) -> None:
+        async for event in _events(decoding):
+            merged.put_nowait((index, event))
+
+    tasks = [asyncio.create_task(forward(i, d)) for i, d in enumerate(decodings)]
+    try:
+        running = len(decodings)
+        while running:
+            index, event = await merged.get()
+            running -= event.done
+            yield index, event
+    finally:
+        for task in tasks:
+            task.cancel()
+
+
+async def _cancel_on_disconnect(http: Request, decodings: list[Decoding]) -> None:
     """For non-streamed answers: the body is read, so the next ASGI message can only be a disconnect."""
     while True:
         message = await http.receive()
         if message["type"] == "http.disconnect":
-            decoding.cancel()
+            for decoding in decodings:
+                decoding.cancel()
             return
 
 

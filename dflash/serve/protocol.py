@@ -157,10 +157,10 @@ class SamplingRequest(_Strict):
     ignore_eos: bool = False
     stop_token_ids: list[int] | None = None  # as in vLLM: stop at these ids too (besides EOS unless ignore_eos)
     user: str | None = None
-    # accepted at their defaults only (see `check_supported`)
-    n: int = Field(default=1, ge=1)
+    n: int = Field(default=1, ge=1)  # choices, decoded together (a seed gives choice i seed + i, as vLLM does)
     logprobs: bool | int | None = None
     echo: bool = False
+    # accepted at their defaults only (see `check_supported`)
     presence_penalty: float | None = Field(default=None, allow_inf_nan=False)
     frequency_penalty: float | None = Field(default=None, allow_inf_nan=False)
     logit_bias: dict[str, float] | None = None
@@ -187,7 +187,6 @@ class SamplingRequest(_Strict):
     response_format: ResponseFormat | None = None
 
     _UNSUPPORTED: ClassVar[Refusals] = {
-        "n": (lambda v: v == 1, "this server returns one choice per request; send n=1 or leave it out"),
         "response_format": (lambda v: v is None or v.type == "text",
                             "this server does not constrain output to JSON; leave response_format out or send "
                             "{\"type\": \"text\"}"),
@@ -382,7 +381,8 @@ class CompletionRequest(SamplingRequest):
 
     _UNSUPPORTED: ClassVar[Refusals] = {
         **SamplingRequest._UNSUPPORTED,
-        "best_of": (lambda v: v in (None, 1), "this server returns its one sample; send best_of=1 or leave it out"),
+        "best_of": (lambda v: v in (None, 1), "this server returns the n samples it draws, not the best of more; "
+                    "send n for several samples and leave best_of out"),
         "suffix": (_unset, "this server does not insert text before a suffix; leave suffix out"),
     }
 
@@ -563,33 +563,34 @@ class ResponseShape:
         self.id = new_id("chatcmpl" if kind == "chat" else "cmpl")
         self.created = int(time.time())
 
-    def _envelope(self, object_name: str, choice: dict, extra: dict | None = None) -> dict:
+    def _envelope(self, object_name: str, choices: list[dict], extra: dict | None = None) -> dict:
         body = {"id": self.id, "object": object_name, "created": self.created, "model": self.model,
-                "choices": [choice]}
+                "choices": choices}
         body.update(extra or {})
         return body
 
-    def full(self, text: str, finish_reason: str, prompt_tokens: int, completion_tokens: int,
-             stop_reason: str | int | None = None, logprobs: dict | None = None) -> dict:
+    def choice(self, index: int, text: str, finish_reason: str, stop_reason: str | int | None = None,
+               logprobs: dict | None = None) -> dict:
+        """One whole choice of an answer (`full`)."""
         ending = {"finish_reason": finish_reason, "stop_reason": stop_reason, "logprobs": logprobs}
         if self.kind == "chat":
-            choice = {"index": 0, "message": {"role": "assistant", "content": text}, **ending}
-            name = "chat.completion"
-        else:
-            choice = {"index": 0, "text": text, **ending}
-            name = "text_completion"
-        return self._envelope(name, choice, {"usage": usage(prompt_tokens, completion_tokens)})
+            return {"index": index, "message": {"role": "assistant", "content": text}, **ending}
+        return {"index": index, "text": text, **ending}
+
+    def full(self, choices: list[dict], prompt_tokens: int, completion_tokens: int) -> dict:
+        name = "chat.completion" if self.kind == "chat" else "text_completion"
+        return self._envelope(name, choices, {"usage": usage(prompt_tokens, completion_tokens)})
 
     def chunk(self, text: str | None, finish_reason: str | None = None, first: bool = False,
-              stop_reason: str | int | None = None, logprobs: dict | None = None) -> dict:
+              stop_reason: str | int | None = None, logprobs: dict | None = None, index: int = 0) -> dict:
         ending = {"finish_reason": finish_reason, "stop_reason": stop_reason, "logprobs": logprobs}
         extra = {"usage": None} if self.include_usage else None
         if self.kind == "chat":
             delta: dict[str, Any] = {"role": "assistant", "content": ""} if first else {}
             if text:
                 delta["content"] = text
-            return self._envelope("chat.completion.chunk", {"index": 0, "delta": delta, **ending}, extra)
-        return self._envelope("text_completion", {"index": 0, "text": text or "", **ending}, extra)
+            return self._envelope("chat.completion.chunk", [{"index": index, "delta": delta, **ending}], extra)
+        return self._envelope("text_completion", [{"index": index, "text": text or "", **ending}], extra)
 
     def usage_chunk(self, prompt_tokens: int, completion_tokens: int) -> dict:
         name = "chat.completion.chunk" if self.kind == "chat" else "text_completion"

@@ -189,19 +189,28 @@ class Scheduler:
     def submit(self, seq: Sequence, workload: str, stream: bool = True) -> Request:
         """Queue a sequence (from the event loop); raises QueueFull when no slot or queue place is left.
         `stream=False`: no per-step token events, only the final one."""
-        request = Request(seq, workload, asyncio.get_running_loop(), self, stream)
+        return self.submit_all([seq], workload, stream)[0]
+
+    def submit_all(self, seqs: list[Sequence], workload: str, stream: bool = True) -> list[Request]:
+        """Queue the sequences of one request (its n choices) together, or none of them (QueueFull)."""
+        requests = [Request(seq, workload, asyncio.get_running_loop(), self, stream) for seq in seqs]
         with self._cond:
             if not self.alive:
                 raise SchedulerClosed(SHUTTING_DOWN)
-            if self._admitted >= self.config.max_batch_size + self.config.max_queue:
+            if self._admitted + len(requests) > self.capacity:
                 self.metrics.rejected.labels(reason="queue_full").inc()
                 raise QueueFull(f"the server is at capacity ({self.config.max_batch_size} decoding, "
                                 f"{self.config.max_queue} queued); retry later")
-            self._admitted += 1
-            self._waiting.append(request)
+            self._admitted += len(requests)
+            self._waiting.extend(requests)
             self.metrics.waiting.set(len(self._waiting))
             self._cond.notify_all()
-        return request
+        return requests
+
+    @property
+    def capacity(self) -> int:
+        """Sequences decoding and queued at most."""
+        return self.config.max_batch_size + self.config.max_queue
 
     def cancel(self, request: Request) -> None:
         """A queued request leaves the queue now; a decoding one is dropped before the next step."""

@@ -378,3 +378,15 @@ def test_a_burst_of_long_prompts_is_prefilled_between_decode_steps(fresh_pipe):
         else:
             turns[-1].append(call)
     assert [t for t in turns if t] == [[3], [60, 30], [60, 20], [150]]  # in order, 100 a turn or one prompt
+
+
+def test_disconnecting_from_several_choices_frees_them_all(slow):
+    """n=2 on a server of one row and one queue place: one decodes, one waits; leaving frees both."""
+    before = slow.metrics()
+    with httpx.stream("POST", f"{slow.url}/v1/chat/completions", json={**LONG, "stream": True, "n": 2},
+                      timeout=30) as r:
+        lines = first_content(r)
+        assert health(slow) == {"status": "ok", "running": 1, "waiting": 1}
+        assert next(lines) is not None
+    wait_idle(slow)
+    assert grew(before, slow.metrics(), ABORTED) == 2
