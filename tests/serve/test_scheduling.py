@@ -390,3 +390,12 @@ def test_disconnecting_from_several_choices_frees_them_all(slow):
         assert next(lines) is not None
     wait_idle(slow)
     assert grew(before, slow.metrics(), ABORTED) == 2
+
+
+def test_choices_that_do_not_all_fit_now_are_429_and_take_no_place(slow):
+    with httpx.stream("POST", f"{slow.url}/v1/chat/completions", json={**LONG, "stream": True}, timeout=30) as r:
+        first_content(r)
+        refused = httpx.post(f"{slow.url}/v1/chat/completions", json={**LONG, "n": 2}, timeout=30)
+        assert refused.status_code == 429 and refused.json()["error"]["code"] == "queue_full"
+        assert health(slow) == {"status": "ok", "running": 1, "waiting": 0}  # not one of the two was queued
+    wait_idle(slow)
