@@ -394,8 +394,9 @@ def test_disconnecting_from_several_choices_frees_them_all(slow):
 
 def test_choices_that_do_not_all_fit_now_are_429_and_take_no_place(slow):
     with httpx.stream("POST", f"{slow.url}/v1/chat/completions", json={**LONG, "stream": True}, timeout=30) as r:
-        first_content(r)
+        lines = first_content(r)
         refused = httpx.post(f"{slow.url}/v1/chat/completions", json={**LONG, "n": 2}, timeout=30)
         assert refused.status_code == 429 and refused.json()["error"]["code"] == "queue_full"
         assert health(slow) == {"status": "ok", "running": 1, "waiting": 0}  # not one of the two was queued
+        assert next(lines) is not None  # the first request streams on
     wait_idle(slow)
