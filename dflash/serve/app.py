@@ -32,7 +32,8 @@ from starlette.requests import ClientDisconnect
 from dflash.chat import check_template_kwargs
 from dflash.decoding.block_policy import BlockSizePolicy
 from dflash.decoding.detokenizer import TextDeltas, decode
-from dflash.decoding.engine import GenerationConfig, GenerationOutput, check_token_ids
+from dflash.decoding.engine import SEED_RANGE, GenerationConfig, GenerationOutput, Sequence, check_token_ids
+from dflash.decoding.logprobs import TokenLogprob
 from dflash.decoding.proposer import NoDraftProposer
 from dflash.errors import UserError
 from dflash.serve.fallback import AUTO_NEEDS_STEP_COSTS, FallbackConfig
@@ -212,10 +213,13 @@ class Server:
             raise APIError(400, f"n={req.n} choices are more than this server decodes and queues at once "
                                 f"({self.scheduler.capacity}: --max-batch-size + --max-queue); send at most that",
                            param="n")
+        if req.seed is not None and req.seed + req.n > SEED_RANGE[1]:
+            raise APIError(400, f"seed={req.seed} with n={req.n}: choice i samples with seed + i, and seeds stop "
+                                f"below 2**64; send a seed below {SEED_RANGE[1] - req.n + 1}", param="seed")
         config = self.generation_config(req, len(prompt_ids), kind, default_max)
         configs = [config if config.seed is None or i == 0 else dataclasses.replace(config, seed=config.seed + i)
-                   for i in range(req.n)]  # GenerationError (a UserError) -> 400
-        seqs = [self.engine.new_sequence(prompt_ids, c) for c in configs]
+                   for i in range(req.n)]
+        seqs = [self.engine.new_sequence(prompt_ids, c) for c in configs]  # GenerationError (a UserError) -> 400
         workload = f"{kind}/{'greedy' if config.temperature == 0 else 'sampled'}"
         return self.scheduler.submit_all(seqs, workload, stream=req.stream)
 
@@ -242,10 +246,9 @@ class Server:
                         req: SamplingRequest) -> Response:
         watcher = asyncio.create_task(_cancel_on_disconnect(http, decodings))
         try:
-            for decoding in decodings:  # they decode together; each finishes in its own time
-                async for event in _events(decoding):
-                    if event.done and event.error:
-                        raise _decode_error(event)
+            async for _, event in _merged_events(decodings):  # each sends its final event only
+                if event.done and event.error:  # the answer fails now; the other choices stop (finally)
+                    raise _decode_error(event)
         finally:
             watcher.cancel()
             for decoding in decodings:
@@ -254,7 +257,7 @@ class Server:
         seqs = [d.seq for d in decodings]
         return JSONResponse(shape.full(choices, len(seqs[0].prompt_ids), sum(len(s.output_ids) for s in seqs)))
 
-    def _choice(self, index: int, seq, shape: ResponseShape, req: SamplingRequest) -> dict:
+    def _choice(self, index: int, seq: Sequence, shape: ResponseShape, req: SamplingRequest) -> dict:
         result = seq.result()
         text = self.echoed_prompt(req, seq) + (result.text or "") if req.echoes else result.text or ""
         logprobs = None
@@ -262,18 +265,19 @@ class Server:
             logprobs = self.answer_logprobs(req, seq, shape.kind, result.logprobs or [])
         return shape.choice(index, text, result.finish_reason, self.stop_reason(result, req), logprobs)
 
-    def answer_logprobs(self, req: SamplingRequest, seq, kind: str, entries: list) -> dict:
+    def answer_logprobs(self, req: SamplingRequest, seq: Sequence, kind: str, entries: list[TokenLogprob]) -> dict:
         """A whole answer's `logprobs` object; an echo's starts with the prompt's tokens."""
         fmt, offsets = self.logprob_format, TextOffsets()
         if not req.echoes:
             return fmt.body(kind, entries, offsets)
         prompt = fmt.body(kind, seq.prompt_logprobs or [], offsets, unscored=tuple(seq.prompt_ids[:1]),
-                          shows_special=_sent_as_text(req))
+                          sent=_sent_text(req))
         return joined(prompt, fmt.body(kind, entries, offsets))
 
-    def echoed_prompt(self, req: SamplingRequest, seq) -> str:
+    def echoed_prompt(self, req: SamplingRequest, seq: Sequence) -> str:
         """The prompt as an echo shows it: the text the client sent, or its token ids' text."""
-        return req.prompt if _sent_as_text(req) else decode(self.pipe.tokenizer, seq.prompt_ids)
+        sent = _sent_text(req)
+        return sent if sent is not None else decode(self.pipe.tokenizer, seq.prompt_ids)
 
     async def _stream(self, decodings: list[Decoding], shape: ResponseShape, req: SamplingRequest):
         """Server-sent events, each choice's chunks as its tokens come (`index` tells them apart); leaving early
@@ -303,7 +307,7 @@ class _StreamedChoice:
     """One choice of a streamed answer: its text deltas (held back where a stop string may begin), its
     log-probabilities, and an echo of the prompt before its first tokens."""
 
-    def __init__(self, server: Server, index: int, seq, shape: ResponseShape, req: SamplingRequest):
+    def __init__(self, server: Server, index: int, seq: Sequence, shape: ResponseShape, req: SamplingRequest):
         self.server, self.index, self.seq, self.shape, self.req = server, index, seq, shape, req
         self.deltas = TextDeltas(server.pipe.tokenizer, req.stop_strings, seq.stop.stop_token_ids)
         self.logprobs = StreamedLogprobs(server.logprob_format, shape.kind)
@@ -317,7 +321,7 @@ class _StreamedChoice:
             if self.req.top_logprobs_asked is not None:
                 self.logprobs.add(self.seq.prompt_logprobs, unscored=tuple(self.seq.prompt_ids[:1]))
             out.append(self._chunk(self.server.echoed_prompt(self.req, self.seq),
-                                   logprobs=self.logprobs.take(shows_special=_sent_as_text(self.req))))
+                                   logprobs=self.logprobs.take(sent=_sent_text(self.req))))
         piece = self.deltas.add(event.tokens) if event.tokens else ""
         self.logprobs.add(event.logprobs)
         if not event.done:
@@ -333,9 +337,10 @@ class _StreamedChoice:
         return self.shape.chunk(text, index=self.index, **fields)
 
 
-def _sent_as_text(req: SamplingRequest) -> bool:
-    """Whether a completions prompt came as text (an echo shows it as sent, special tokens and all)."""
-    return isinstance(getattr(req, "prompt", None), str)
+def _sent_text(req: SamplingRequest) -> str | None:
+    """A completions prompt the client sent as text (an echo shows it as sent); None: token ids, or chat."""
+    prompt = getattr(req, "prompt", None)
+    return prompt if isinstance(prompt, str) else None
 
 
 def _prompt_scores(req: SamplingRequest) -> int | None:

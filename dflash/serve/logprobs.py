@@ -81,17 +81,18 @@ class LogprobFormat:
         return {"token": text, "logprob": max(logprob, FLOOR), "bytes": raw}
 
     def completion(self, entries: list[TokenLogprob], offsets: TextOffsets, unscored: tuple[int, ...] = (),
-                   shows_special: bool = False) -> dict:
+                   sent: str | None = None) -> dict:
         """The object for these tokens, after the tokens `unscored` (a prompt's first, which nothing before it
-        scores: null, as in OpenAI's echo); `offsets` goes on through them. `shows_special`: the text they stand
-        for holds their special tokens (a prompt echoed as the client sent it)."""
+        scores: null, as in OpenAI's echo); `offsets` goes on through them. `sent`: the text they stand for, where
+        it is the client's own (a prompt echoed as sent), which holds the special tokens the client wrote but not
+        those the tokenizer added (a BOS); decoded text holds none."""
         body: dict[str, list] = {"tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": []}
         for token_id, entry in [(t, None) for t in unscored] + [(e.token_id, e) for e in entries]:
             text, raw = self.token(token_id)
             body["tokens"].append(text)
             body["token_logprobs"].append(None if entry is None else max(entry.logprob, FLOOR))
             body["top_logprobs"].append(None if entry is None else self._top_dict(entry))
-            shown = shows_special or token_id not in self._special  # decoded text leaves special tokens out
+            shown = token_id not in self._special or (sent is not None and sent.startswith(text, offsets.chars))
             body["text_offset"].append(offsets.add(raw) if shown else offsets.chars)
         return body
 
@@ -104,11 +105,11 @@ class LogprobFormat:
         return top
 
     def body(self, kind: str, entries: list[TokenLogprob], offsets: TextOffsets | None = None,
-             unscored: tuple[int, ...] = (), shows_special: bool = False) -> dict:
+             unscored: tuple[int, ...] = (), sent: str | None = None) -> dict:
         """The `logprobs` object of a chat or a completion choice (see `completion`)."""
         if kind == "chat":
             return self.chat(entries)
-        return self.completion(entries, offsets or TextOffsets(), unscored, shows_special)
+        return self.completion(entries, offsets or TextOffsets(), unscored, sent)
 
 
 def joined(*bodies: dict) -> dict:
@@ -150,10 +151,10 @@ class StreamedLogprobs:
     def pending(self) -> bool:
         return bool(self._pending or self._unscored)
 
-    def take(self, shows_special: bool = False) -> dict | None:
-        """The object for the tokens not sent yet (None: none); `shows_special` as in `LogprobFormat.completion`."""
+    def take(self, sent: str | None = None) -> dict | None:
+        """The object for the tokens not sent yet (None: none); `sent` as in `LogprobFormat.completion`."""
         if not self.pending:
             return None
-        body = self._fmt.body(self._kind, self._pending, self._offsets, self._unscored, shows_special)
+        body = self._fmt.body(self._kind, self._pending, self._offsets, self._unscored, sent)
         self._pending, self._unscored = [], ()
         return body

@@ -32,8 +32,10 @@ class ServerMetrics:
         Info("dflash:drafter", "What drafts: DFlash, draft model (classic speculative decoding) or none.",
              registry=r).info({"kind": drafter})
         # requests
-        self.running = Gauge("dflash:num_requests_running", "Requests in the decoding batch.", registry=r)
-        self.waiting = Gauge("dflash:num_requests_waiting", "Requests queued for a batch slot.", registry=r)
+        self.running = Gauge("dflash:num_requests_running", "Requests in the decoding batch (each of a request's n "
+                             "choices is one).", registry=r)
+        self.waiting = Gauge("dflash:num_requests_waiting", "Requests queued for a batch slot (each of a request's n "
+                             "choices is one).", registry=r)
         self.step_rows = Histogram("dflash:step_batch_size", "Rows in each decode step's batch.",
                                    buckets=(1, 2, 4, 8, 16, 32, 64, 128), registry=r)
         self.finished = Counter("dflash:request_success", "Finished requests, by finish reason "

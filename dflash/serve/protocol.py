@@ -382,9 +382,14 @@ class CompletionRequest(SamplingRequest):
     _UNSUPPORTED: ClassVar[Refusals] = {
         **SamplingRequest._UNSUPPORTED,
         "best_of": (lambda v: v in (None, 1), "this server returns the n samples it draws, not the best of more; "
-                    "send n for several samples and leave best_of out"),
+                    "send n for several samples and leave best_of out (or equal to n)"),
         "suffix": (_unset, "this server does not insert text before a suffix; leave suffix out"),
     }
+
+    def check_supported(self) -> None:
+        if self.best_of == self.n:  # the best n of n samples are all of them (OpenAI and vLLM take it)
+            self.best_of = None
+        super().check_supported()
 
     def check_logprobs(self) -> None:
         """Completions' logprobs is a number of alternatives per token (0: the chosen token's alone)."""

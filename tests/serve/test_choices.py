@@ -6,6 +6,8 @@ from __future__ import annotations
 import json
 
 import httpx
+import openai
+import pytest
 
 from .test_api import MODEL, PROMPTS, chat
 
@@ -24,11 +26,23 @@ def test_seeded_choices_are_the_single_answers_of_seed_plus_i(client):
     assert out.usage.completion_tokens == 3 * 12 and out.usage.prompt_tokens == completion(client).usage.prompt_tokens
 
 
-def test_greedy_choices_are_all_the_one_answer_and_carry_their_own_logprobs(client):
-    one = chat(client, max_tokens=10, logprobs=True)
-    many = chat(client, max_tokens=10, logprobs=True, n=2)
-    assert [c.message.content for c in many.choices] == [one.choices[0].message.content] * 2
-    assert all(len(c.logprobs.content) == len(one.choices[0].logprobs.content) for c in many.choices)
+def test_greedy_choices_are_all_the_one_answer(client):
+    one = chat(client, max_tokens=10)
+    assert [c.message.content for c in chat(client, max_tokens=10, n=2).choices] == [one.choices[0].message.content] * 2
+
+
+def test_each_choice_carries_its_own_logprobs(client):
+    many = completion(client, n=2, temperature=0.9, seed=3, logprobs=1)
+    singles = [completion(client, temperature=0.9, seed=3 + i, logprobs=1).choices[0] for i in range(2)]
+    assert [c.logprobs.tokens for c in many.choices] == [s.logprobs.tokens for s in singles]
+    assert many.choices[0].logprobs.tokens != many.choices[1].logprobs.tokens
+
+
+def test_seeds_past_the_range_and_best_of_n(client):
+    with pytest.raises(openai.BadRequestError) as err:
+        completion(client, n=2, temperature=0.9, seed=2**64 - 1)
+    assert err.value.body["param"] == "seed" and "n=2" in err.value.body["message"]
+    assert len(completion(client, n=2, temperature=0.9, seed=1, best_of=2).choices) == 2  # the best 2 of 2
 
 
 def test_streamed_choices_add_up_by_index_to_the_answer(server, client):
@@ -64,4 +78,3 @@ def test_all_choices_are_refused_when_they_do_not_all_fit(start_server):
     too_many = httpx.post(f"{small.url}/v1/completions", json={**body, "n": 4})
     assert too_many.status_code == 400 and too_many.json()["error"]["param"] == "n"
     assert "at most that" in too_many.json()["error"]["message"]
-    assert httpx.get(f"{small.url}/health").json()["running"] == 0

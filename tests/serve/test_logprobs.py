@@ -164,12 +164,26 @@ def test_text_offsets_point_at_each_tokens_text():
     sent = "<|im_start|>user\nJanet\u2019s ducks \U0001f986 lay 16 eggs<|im_end|>"
     ids = tokenizer.encode(sent, add_special_tokens=False)
     entries = [TokenLogprob(t, -1.0) for t in ids[1:]]
-    for text, shows_special in ((sent, True), (decode(tokenizer, ids), False)):
-        body = fmt.completion(entries, TextOffsets(), unscored=tuple(ids[:1]), shows_special=shows_special)
+    for text, as_sent in ((sent, sent), (decode(tokenizer, ids), None)):
+        body = fmt.completion(entries, TextOffsets(), unscored=tuple(ids[:1]), sent=as_sent)
         placed = [(tok, at) for tok, at, i in zip(body["tokens"], body["text_offset"], ids)
-                  if "\ufffd" not in tok and (shows_special or i not in tokenizer.all_special_ids)]
+                  if "\ufffd" not in tok and (as_sent or i not in tokenizer.all_special_ids)]
         assert all(text[at : at + len(tok)] == tok for tok, at in placed), placed
         assert body["text_offset"][-2] == text.index(" eggs")  # after the emoji's three tokens
+
+
+def test_a_bos_the_tokenizer_adds_to_a_prompt_sent_as_text_takes_no_room_in_it():
+    from tokenizers.processors import TemplateProcessing
+
+    tokenizer = TOKENIZERS["byte fallback"]()
+    tokenizer.backend_tokenizer.post_processor = TemplateProcessing(single="<s> $A", special_tokens=[("<s>", 1)])
+    fmt = LogprobFormat(tokenizer)
+    sent = "hello world"
+    ids = tokenizer.encode(sent)
+    assert ids[0] == tokenizer.bos_token_id
+    body = fmt.completion([TokenLogprob(t, -1.0) for t in ids[1:]], TextOffsets(), unscored=(ids[0],), sent=sent)
+    assert body["text_offset"][:2] == [0, 0]  # the BOS, then the text from its start
+    assert body["text_offset"][-1] == 1 + sent.index("d")  # (after the leading space SentencePiece writes)
 
 
 def test_top_logprobs_of_tokens_with_the_same_text_keep_the_likeliest():

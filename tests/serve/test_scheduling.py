@@ -392,6 +392,14 @@ def test_disconnecting_from_several_choices_frees_them_all(slow):
     assert grew(before, slow.metrics(), ABORTED) == 2
 
 
+def test_a_non_streaming_client_of_several_choices_that_gives_up_frees_them_all(slow):
+    before = slow.metrics()
+    with pytest.raises(httpx.ReadTimeout):
+        httpx.post(f"{slow.url}/v1/chat/completions", json={**LONG, "n": 2}, timeout=0.5)
+    wait_idle(slow)
+    assert grew(before, slow.metrics(), ABORTED) == 2
+
+
 def test_choices_that_do_not_all_fit_now_are_429_and_take_no_place(slow):
     with httpx.stream("POST", f"{slow.url}/v1/chat/completions", json={**LONG, "stream": True}, timeout=30) as r:
         lines = first_content(r)
