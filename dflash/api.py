@@ -376,12 +376,12 @@ def _refuse_options_as_template_variables(chat_template_kwargs: Any) -> None:
 
 
 def refuse_greedy_ignores(options: dict[str, Any]) -> None:
-    """Refuse sampling options (top_p, top_k, seed) given away from their neutral values with temperature 0, where
-    decoding is greedy and they would change nothing: on a command line that is a forgotten --temperature (the
+    """Refuse sampling options (top_p, top_k, min_p, seed) given away from their neutral values with temperature 0,
+    where decoding is greedy and they would change nothing: on a command line that is a forgotten --temperature (the
     commands name the options as their flags: cli.main's respelling)."""
     if options.get("temperature") not in (None, 0):
         return
-    neutral = {"top_p": (None, 1.0), "top_k": (None, 0, -1), "seed": (None,)}
+    neutral = {"top_p": (None, 1.0), "top_k": (None, 0, -1), "min_p": (None, 0.0), "seed": (None,)}
     ignored = [name for name, values in neutral.items() if options.get(name) not in values]
     if ignored:
         one = len(ignored) == 1

@@ -54,6 +54,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                        help="sample from the most likely tokens that make up this probability, in (0, 1] "
                             "(default 1: all)")
     group.add_argument("--top-k", type=int, default=0, help="sample from the k most likely tokens (default 0: all)")
+    group.add_argument("--min-p", type=float, default=0.0,
+                       help="sample from the tokens at least this fraction as likely as the likeliest, in [0, 1] "
+                            "(default 0: all)")
     group.add_argument("--seed", type=int,
                        help="when sampling: the same seed gives the same text, at any block size, with or without "
                             "the drafter")
@@ -164,8 +167,10 @@ def _check_arguments(args: argparse.Namespace, prompt: str) -> dict:
     if args.raw and chat_template_kwargs(args) is not None:
         raise UserError("--enable-thinking and --chat-template-kwargs set chat template variables, and --raw sends "
                         "the prompt without the template: drop one of them")
+    if args.max_new_tokens < 1:  # the engine takes 0 (a prompt read alone); here it is a mistake
+        raise UserError(f"--max-new-tokens must be >= 1, got {args.max_new_tokens}")
     options = dict(max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_p=args.top_p,
-                   top_k=args.top_k, seed=args.seed, stop_strings=args.stop)
+                   top_k=args.top_k, min_p=args.min_p, seed=args.seed, stop_strings=args.stop)
     make_config(**options)
     refuse_greedy_ignores(options)
     if args.branch_length > 0 and args.temperature > 0 and args.seed is None:

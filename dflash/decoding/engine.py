@@ -79,6 +79,7 @@ class GenerationConfig:
     temperature: float = 0.0
     top_p: float = 1.0
     top_k: int = 0
+    min_p: float = 0.0  # drop tokens less likely than min_p x the likeliest's probability (0 = off)
     seed: int | None = None
     stop_token_ids: list[int] | None = None  # stop at these too, besides the target's EOS ids (as vLLM's)
     ignore_eos: bool = False  # do not stop at the target's EOS ids (fixed-length outputs, as vLLM's)
@@ -128,7 +129,7 @@ class GenerationConfig:
     @property
     def sampling(self) -> SamplingParams:
         try:
-            return SamplingParams(self.temperature, self.top_p, self.top_k)
+            return SamplingParams(self.temperature, self.top_p, self.top_k, self.min_p)
         except ValueError as err:
             raise GenerationError(str(err)) from None
 

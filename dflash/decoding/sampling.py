@@ -16,11 +16,12 @@ MIN_TEMPERATURE = 1e-5  # a smaller one samples at this (all but greedy), so log
 @dataclass(frozen=True)
 class SamplingParams:
     """temperature 0 means greedy (one in (0, 1e-5) samples at 1e-5, all but greedy); top_k 0 (or -1, as vLLM
-    says it) and top_p 1 mean no truncation."""
+    says it), top_p 1 and min_p 0 mean no truncation."""
 
     temperature: float = 0.0
     top_p: float = 1.0
     top_k: int = 0
+    min_p: float = 0.0  # drop tokens less likely than min_p x the likeliest's probability
 
     def __post_init__(self) -> None:
         if not (math.isfinite(self.temperature) and 0 <= self.temperature <= MAX_TEMPERATURE):
@@ -32,6 +33,8 @@ class SamplingParams:
             object.__setattr__(self, "top_k", 0)
         if self.top_k < 0:
             raise ValueError(f"top_k must be a number of tokens >= 1, or 0 or -1 (off), got {self.top_k}")
+        if not 0 <= self.min_p <= 1:
+            raise ValueError(f"min_p must be in [0, 1] (0 = off), got {self.min_p}")
 
     @property
     def greedy(self) -> bool:
@@ -39,7 +42,7 @@ class SamplingParams:
 
 
 def to_probs(logits: torch.Tensor, params: SamplingParams, proposal: bool = False) -> torch.Tensor:
-    """logits (..., vocab) -> probabilities (..., vocab) after temperature, top-k and top-p.
+    """logits (..., vocab) -> probabilities (..., vocab) after temperature, min-p, top-k and top-p (vLLM's order).
 
     Target and drafter go through this same transform, which is what keeps rejection sampling lossless
     with respect to the transformed target distribution. A +inf logit (a float16 overflow, or a model that
@@ -54,6 +57,9 @@ def to_probs(logits: torch.Tensor, params: SamplingParams, proposal: bool = Fals
             logits = _without_nan(logits)
         logits = _where_infinite(logits)
     logits = logits / max(params.temperature, MIN_TEMPERATURE)
+    if params.min_p > 0:  # below min_p x the likeliest's probability: p / p_max = exp(logit - max logit)
+        floor = logits.amax(-1, keepdim=True) + math.log(params.min_p)
+        logits = logits.masked_fill(logits < floor, float("-inf"))
     if params.top_k and params.top_k < logits.shape[-1]:
         kth = torch.topk(logits, params.top_k, dim=-1).values[..., -1:]
         logits = logits.masked_fill(logits < kth, float("-inf"))

@@ -51,7 +51,7 @@ class TargetOutput:
 _LOGIT_OPTIONS = {"repetition_penalty": 1.0, "no_repeat_ngram_size": 0, "encoder_repetition_penalty": 1.0,
                   "bad_words_ids": None, "suppress_tokens": None, "begin_suppress_tokens": None, "sequence_bias": None,
                   "forced_bos_token_id": None, "forced_eos_token_id": None, "min_new_tokens": None, "min_length": 0,
-                  "num_beams": 1, "typical_p": 1.0, "epsilon_cutoff": 0.0, "eta_cutoff": 0.0, "min_p": None}
+                  "num_beams": 1, "typical_p": 1.0, "epsilon_cutoff": 0.0, "eta_cutoff": 0.0}
 
 
 def _warn_if_unreadable_generation_config(directory: Path) -> None:
@@ -77,7 +77,7 @@ def unapplied_generation_options(generation_config, sampling_defaults: bool = Tr
              if getattr(generation_config, name, neutral) not in (neutral, None, [], {}, 0)]
     if sampling_defaults and getattr(generation_config, "do_sample", False):
         found.append("do_sample=True" + "".join(
-            f", {name}={getattr(generation_config, name)!r}" for name in ("temperature", "top_p", "top_k")
+            f", {name}={getattr(generation_config, name)!r}" for name in ("temperature", "top_p", "top_k", "min_p")
             if getattr(generation_config, name, None) is not None))
     return found
 

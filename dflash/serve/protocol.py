@@ -150,6 +150,7 @@ class SamplingRequest(_Strict):
     temperature: float | None = Field(default=None, ge=0.0, le=2.0, allow_inf_nan=False)
     top_p: float | None = Field(default=None, gt=0.0, le=1.0, allow_inf_nan=False)
     top_k: int | None = Field(default=None, ge=-1)  # 0 or -1: no top-k
+    min_p: float | None = Field(default=None, ge=0.0, le=1.0, allow_inf_nan=False)  # as in vLLM; 0: no min-p
     seed: int | None = Field(default=None, ge=SEED_RANGE[0], lt=SEED_RANGE[1])  # the range torch generators take
     stop: str | list[str] | None = None
     stream: bool = False
@@ -167,7 +168,6 @@ class SamplingRequest(_Strict):
     # vLLM's sampling and output extensions; a client moving from vLLM sends them, and ignoring one would change
     # the answer unseen (any type: the refusal names the field whatever its value)
     repetition_penalty: Any = None
-    min_p: Any = None
     min_tokens: Any = None
     bad_words: Any = None
     allowed_token_ids: Any = None
@@ -195,7 +195,6 @@ class SamplingRequest(_Strict):
         "logit_bias": (_unset, "this server applies no logit bias; leave logit_bias out"),
         "repetition_penalty": (lambda v: v in (None, 1), "this server applies no penalties; leave repetition_penalty "
                                "out or send 1"),
-        "min_p": (_unset, "this server samples with temperature, top_p and top_k only; leave min_p out or send 0"),
         "min_tokens": (_unset, "this server stops at EOS whenever it comes; leave min_tokens out, or send "
                        "ignore_eos=true for a fixed length"),
         "bad_words": (_unset, "this server bans no words; leave bad_words out"),

@@ -6,7 +6,7 @@ from the target's generation_config.json, where a model's authors put the settin
 its hand-off gets the same sampling:
 
 - `auto`: the values the target's generation_config.json sets (those `GenerationConfig.to_diff_dict` keeps, as vLLM
-  reads them) for temperature, top_p and top_k; its max_new_tokens caps every request's max_tokens, as vLLM does
+  reads them) for temperature, top_p, top_k and min_p; its max_new_tokens caps every request's max_tokens, as vLLM does
   (SGLang does not read it);
 - `vllm` (or `openai`): OpenAI's defaults (temperature 1, top_p 1, no top-k, no cap), the values of vLLM's
   `--generation-config vllm` and SGLang's `--sampling-defaults openai`;
@@ -25,7 +25,7 @@ from dflash.errors import UserError
 from dflash.model.target import unapplied_generation_options
 
 NEUTRAL_CHOICES = ("vllm", "openai")  # OpenAI's defaults: vLLM's word for them, and SGLang's
-ENGINE_LOGIT_OPTIONS = ("repetition_penalty", "min_p")  # what vLLM and SGLang read from the file besides sampling
+ENGINE_LOGIT_OPTIONS = ("repetition_penalty",)  # what vLLM and SGLang read from the file besides sampling
 CHOICES_HELP = "auto, vllm (or openai), or a directory holding a generation_config.json"
 
 
@@ -36,6 +36,7 @@ class SamplingDefaults:
     temperature: float = 1.0
     top_p: float = 1.0
     top_k: int = 0  # 0: no top-k
+    min_p: float = 0.0  # 0: no min-p
     max_tokens: int | None = None
     source: str = "OpenAI's defaults"  # where they come from, for the log
     unapplied: tuple[str, ...] = ()  # the file's logit options ('name=value'), which DFlash does not apply
@@ -43,7 +44,7 @@ class SamplingDefaults:
     def changed(self) -> dict[str, float | int]:
         """The values that differ from OpenAI's defaults (the cap aside)."""
         neutral = SamplingDefaults()
-        return {name: getattr(self, name) for name in ("temperature", "top_p", "top_k")
+        return {name: getattr(self, name) for name in ("temperature", "top_p", "top_k", "min_p")
                 if getattr(self, name) != getattr(neutral, name)}
 
     def describe(self) -> str:
@@ -58,7 +59,7 @@ class SamplingDefaults:
             parts.append(f"every request's max_tokens is capped at {self.max_tokens} (max_new_tokens in "
                          f"{self.source}, as vLLM does; SGLang does not cap)")
         if not parts:
-            return f"requests that leave out temperature, top_p or top_k decode with {self.source}"
+            return f"requests that leave out temperature, top_p, top_k or min_p decode with {self.source}"
         return "; ".join(parts) + "; --generation-config vllm gives OpenAI's defaults instead"
 
     def unapplied_warning(self) -> str | None:
@@ -68,7 +69,7 @@ class SamplingDefaults:
         also = (f"; vLLM and SGLang apply {', '.join(engines)} to every request (with --generation-config vllm, "
                 "and SGLang's --sampling-defaults openai, they do not)") if engines else ""
         return (f"{self.source} also sets {', '.join(self.unapplied)}, which this server does not apply (it refuses "
-                f"a request that sends repetition_penalty or min_p){also}")
+                f"a request that sends repetition_penalty){also}")
 
 
 def sampling_defaults(choice: str, target_generation_config=None) -> SamplingDefaults:
@@ -103,7 +104,7 @@ def from_generation_config(config, source: str) -> SamplingDefaults:
     neutral = SamplingDefaults()
     try:
         params = SamplingParams(values.get("temperature", neutral.temperature), values.get("top_p", neutral.top_p),
-                                values.get("top_k", neutral.top_k))
+                                values.get("top_k", neutral.top_k), values.get("min_p", neutral.min_p))
     except (ValueError, TypeError) as err:
         raise UserError(f"{source}: {err}; fix the file, or serve with --generation-config vllm (OpenAI's "
                         "defaults)") from None
@@ -112,5 +113,5 @@ def from_generation_config(config, source: str) -> SamplingDefaults:
         raise UserError(f"{source}: max_new_tokens must be an integer >= 1, got {cap!r}; fix the file, or serve with "
                         "--generation-config vllm (OpenAI's defaults)")
     return SamplingDefaults(temperature=float(params.temperature), top_p=float(params.top_p), top_k=int(params.top_k),
-                            max_tokens=cap, source=source,
+                            min_p=float(params.min_p), max_tokens=cap, source=source,
                             unapplied=tuple(unapplied_generation_options(config, sampling_defaults=False)))

@@ -133,6 +133,8 @@ def test_stop_strings_read_escapes_as_the_readme_writes_them(capsys):
      "--no-enable-thinking and --chat-template-kwargs enable_thinking true disagree: give it once"),
     (["--chat-template-kwargs", '{"tokenize": true}'], "chat_template_kwargs may not set tokenize"),
     (["--max-new-tokens", "0"], "--max-new-tokens must be >= 1"),
+    (["--min-p", "0.1"], "--min-p shapes sampling, and --temperature 0"),  # greedy: it would change nothing
+    (["--min-p", "2", "--temperature", "1"], "--min-p must be in [0, 1] (0 = off), got 2.0"),
     (["--device", "bogus"], "unknown device 'bogus'"),
     (["--system", ""], "--system is empty; give the system message, or leave the flag out"),  # "the text to decode"
 ])

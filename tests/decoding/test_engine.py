@@ -9,7 +9,7 @@ import dataclasses
 import pytest
 import torch
 
-from conftest import VOCAB, OracleProposer, blocks_wanted, hf_greedy, random_prompts, tiny_drafter
+from conftest import VOCAB, OracleProposer, blocks_wanted, hf_greedy, partial_oracle, random_prompts, tiny_drafter
 from dflash.decoding import DFlashProposer, GenerationConfig, NoDraftProposer, SpeculativeEngine
 from dflash.decoding.engine import GenerationError, StepProfile
 
@@ -546,3 +546,28 @@ def test_the_step_profile_splits_a_step_and_waits_for_a_gpu_only_when_asked(targ
     profile = engine.profile
     assert profile.steps >= 3 and profile.draft_s > 0 and profile.target_s > 0
     assert 0 <= profile.overhead_s < profile.total_s
+
+
+def test_min_p_sampling_is_the_target_alones_seeded_and_follows_it_unseeded():
+    """min_p goes through the same transform as top-k and top-p: seeded, every block size gives the target alone's
+    tokens; unseeded, the first three tokens follow the target's min-p distribution (chi-square)."""
+    from conftest import check_triples_follow_the_target, tiny_target_model
+    from dflash.decoding.sampling import SamplingParams
+    from dflash.model import TargetModel
+
+    target = TargetModel(tiny_target_model())
+    prompts = random_prompts(2, seed=22)
+    seeded = dict(max_new_tokens=24, temperature=1.0, min_p=0.2, seed=5, ignore_eos=True)
+    plain = [o.output_ids for o in SpeculativeEngine(target).generate(prompts, GenerationConfig(**seeded))]
+    refs = {tuple(p): out for p, out in zip(prompts, plain)}
+    engine = SpeculativeEngine(target, partial_oracle(target, refs, 8))
+    drafted = engine.generate(prompts, GenerationConfig(**seeded, block_size=8))
+    assert [o.output_ids for o in drafted] == plain and all(o.stats.mean_acceptance_length > 1.3 for o in drafted)
+    params = SamplingParams(temperature=1.0, min_p=0.3)
+    config = GenerationConfig(max_new_tokens=3, temperature=1.0, min_p=0.3, ignore_eos=True, block_size=4)
+    engine = SpeculativeEngine(target, DFlashProposer(tiny_drafter(target), target))
+    counts: dict[tuple, int] = {}
+    for _ in range(3):
+        for out in engine.generate([prompts[0]] * 500, config):
+            counts[tuple(out.output_ids)] = counts.get(tuple(out.output_ids), 0) + 1
+    check_triples_follow_the_target(target.model, params, prompts[0], counts)

@@ -171,3 +171,25 @@ def test_a_running_total_that_steps_at_a_token_of_probability_zero_still_never_d
     mended = never_stepping(stepped, p)
     assert mended.tolist() == [[0.5, 0.5, 1.0, 1.0, 1.0]]
     assert torch.searchsorted(mended, torch.tensor([[0.5005]])).item() == 2
+
+
+@pytest.mark.parametrize("min_p,temperature", [(0.05, 1.0), (0.3, 0.7), (0.9, 2.0), (1.0, 1.0)])
+def test_min_p_keeps_the_tokens_transformers_keeps(min_p, temperature):
+    """After temperature: the tokens at least min_p x as likely as the likeliest (transformers' MinPLogitsWarper as
+    the reference); min_p 1 keeps the likeliest (and its ties)."""
+    from transformers.generation.logits_process import MinPLogitsWarper, TemperatureLogitsWarper
+
+    torch.manual_seed(1)
+    logits = torch.randn(4, 40) * 3
+    logits[0, :3] = 5.0  # a tie at the top
+    ids = torch.zeros(4, 1, dtype=torch.long)
+    want = MinPLogitsWarper(min_p)(ids, TemperatureLogitsWarper(temperature)(ids, logits.clone())).softmax(-1)
+    got = to_probs(logits, SamplingParams(temperature, min_p=min_p))
+    torch.testing.assert_close(got, want)
+    assert ((got > 0).sum(-1) >= 1).all()
+
+
+@pytest.mark.parametrize("min_p", [-0.1, 1.5, float("nan")])
+def test_a_min_p_outside_0_to_1_is_refused(min_p):
+    with pytest.raises(ValueError, match="min_p must be in"):
+        SamplingParams(1.0, min_p=min_p)

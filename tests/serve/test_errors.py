@@ -470,7 +470,7 @@ def test_a_trailing_slash_reaches_the_same_endpoint(server):
 
 # ---- what clients moving from vLLM send ---------------------------------------------------------------------
 VLLM_REFUSED = [
-    ("repetition_penalty", 1.3), ("min_p", 0.1), ("min_tokens", 5), ("bad_words", ["x"]),
+    ("repetition_penalty", 1.3), ("min_tokens", 5), ("bad_words", ["x"]),
     ("allowed_token_ids", [1, 2]), ("use_beam_search", True), ("prompt_logprobs", 1), ("truncate_prompt_tokens", 8),
     ("include_stop_str_in_output", True), ("skip_special_tokens", False), ("spaces_between_special_tokens", False),
     ("guided_json", {"type": "object"}), ("guided_regex", "a+"), ("guided_choice", ["a", "b"]),

@@ -195,3 +195,18 @@ def test_the_targets_own_file_is_checked_before_the_models_load(tiny_pair, tmp_p
     assert "the target's generation_config.json: temperature must be a finite number >= 0" in err
     assert "at most 100, got 150.0" in err and "--generation-config vllm" in err
 
+
+
+def test_min_p_from_the_request_or_the_file_is_the_librarys(start_server, server, tmp_path_factory):
+    """min_p 1 leaves the likeliest token alone: any seed samples the greedy answer. A request's min_p is the
+    library's; the file's is the default of a request that leaves it out, as vLLM takes it."""
+    greedy = _complete(server, temperature=0)["choices"][0]["text"]
+    assert _complete(server, temperature=1.0, min_p=1.0, seed=3)["choices"][0]["text"] == greedy
+    ids = server.pipe.encode(PROMPT, raw=True)
+    library = server.pipe.generate(ids, raw=True, max_new_tokens=12, ignore_eos=True, temperature=1.0, min_p=0.2,
+                                   seed=4).text
+    assert _complete(server, temperature=1.0, min_p=0.2, seed=4)["choices"][0]["text"] == library
+    from_file = _server_with(start_server, tmp_path_factory, min_p=1.0)
+    assert _complete(from_file, temperature=1.0, seed=3)["choices"][0]["text"] == greedy
+    assert _complete(from_file, temperature=1.0, min_p=0.2, seed=4)["choices"][0]["text"] == library
+    assert from_generation_config(GenerationConfig(min_p=0.1), "the file").changed() == {"min_p": 0.1}
