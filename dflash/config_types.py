@@ -1,8 +1,8 @@
 """Does a value fit a typed configuration field? One check for every dataclass config a user fills in (a YAML
 file, keyword arguments), so a wrong type is a clear error before it fails deep inside a run.
 
-Annotations understood: int, float, str, bool, dict, list[...] (a list or tuple; a bare string for list[str], one
-item), and unions with None. Integers and numbers include numpy / torch scalars; bool is never a number.
+Annotations understood: int, float, str, bool, dict, dict[..., ...], list[...] (a list or tuple; a bare string for
+list[str], one item), and unions with None. Integers and numbers include numpy / torch scalars; bool is never a number.
 """
 
 from __future__ import annotations
@@ -43,6 +43,9 @@ def _fits(kind: Any, value: Any) -> bool:
         if item is str and isinstance(value, str):  # one item for a list of strings
             return True
         return isinstance(value, (list, tuple)) and all(_fits(item, v) for v in value)
+    if typing.get_origin(kind) is dict:
+        key, item = typing.get_args(kind)
+        return isinstance(value, dict) and all(_fits(key, k) and _fits(item, v) for k, v in value.items())
     if isinstance(value, bool):
         return kind is bool
     if kind is int:
@@ -57,6 +60,9 @@ def _describe(kind: Any) -> str:
         return " or ".join(_describe(k) for k in typing.get_args(kind))
     if typing.get_origin(kind) is list:
         return f"a list of {_describe(typing.get_args(kind)[0]).split(' ', 1)[-1]}s"
+    if typing.get_origin(kind) is dict:
+        key, item = (_describe(k).split(" ", 1)[-1] for k in typing.get_args(kind))
+        return f"a mapping of {key}s to {item}s"
     return _NAMES.get(kind, getattr(kind, "__name__", str(kind)))
 
 

@@ -86,6 +86,7 @@ class GenerationConfig:
     stop_strings: list[str] = field(default_factory=list)
     block_size: int | str | None = None  # None: the drafter's own block size; "auto": chosen every step
     branch_length: int = 0  # > 0: each step also verifies a branch of this many tokens (`branch`); greedy, seeded
+    logit_bias: dict[int, float] | None = None  # added to the target's logits before choosing (OpenAI's, -100..100)
     logprobs: int | None = None  # each output token's log-probability and this many alternatives (`logprobs`)
     prompt_logprobs: int | None = None  # the same for each prompt token after the first
 
@@ -113,6 +114,10 @@ class GenerationConfig:
         if self.seed is not None and not SEED_RANGE[0] <= self.seed < SEED_RANGE[1]:
             raise GenerationError(f"seed must be in [-2**63, 2**64), the range torch's generators take, got "
                                   f"{self.seed}")
+        for token, bias in (self.logit_bias or {}).items():
+            number = isinstance(bias, (int, float)) and not isinstance(bias, bool)
+            if isinstance(token, bool) or not isinstance(token, int) or not (number and -100 <= bias <= 100):
+                raise GenerationError(f"logit_bias maps token ids to a bias from -100 to 100, got {token!r}: {bias!r}")
         for name in ("logprobs", "prompt_logprobs"):
             top = getattr(self, name)
             if top is not None and (problem := check_top(top)):
@@ -232,6 +237,7 @@ class Sequence:
         self.output_ids: list[int] = []
         self.logprobs: list[TokenLogprob] | None = [] if config.logprobs is not None else None  # one per output id
         self.prompt_logprobs: list[TokenLogprob] | None = None  # the prefill's, where the config asks
+        self.bias: torch.Tensor | None = None  # (vocab,) the config's logit_bias, added before choosing a token
         self.finish_reason: str | None = None
         self.error: str | None = None  # why it finished with finish_reason 'error' (`fail`)
         self.long_rotated = False  # a longrope target's cache of this row holds its long factors' rotation
@@ -355,8 +361,20 @@ class SpeculativeEngine:
             )
         if config.stop_token_ids:  # an id outside the vocabulary is never generated: a stop never met
             check_token_ids(config.stop_token_ids, self.target.vocab_size, "stop_token_ids")
+        if config.logit_bias:
+            check_token_ids(list(config.logit_bias), self.target.vocab_size, "logit_bias token ids")
         stop = StopChecker(self.stop_ids(config), config.stop_strings, config.max_new_tokens, self.tokenizer)
-        return Sequence(prompt_ids, config, stop, self.target.device)
+        seq = Sequence(prompt_ids, config, stop, self.target.device)
+        seq.bias = self._bias_vector(config.logit_bias)
+        return seq
+
+    def _bias_vector(self, logit_bias: dict[int, float] | None) -> torch.Tensor | None:
+        """A logit bias over the target's logits (vocab,), None for none."""
+        if not logit_bias:
+            return None
+        bias = torch.zeros(self.target.vocab_size, device=self.target.device)
+        bias[list(logit_bias)] = torch.tensor(list(logit_bias.values()), device=self.target.device)
+        return bias
 
     def stop_ids(self, config: GenerationConfig) -> list[int]:
         """The ids a sequence stops at: the target's EOS ids unless ignore_eos, and its stop_token_ids."""
@@ -423,15 +441,16 @@ class SpeculativeEngine:
             if torch.isnan(logits[:-1]).any():
                 raise NoTokenError(NAN_LOGITS)
             seq.prompt_logprobs = token_logprobs(logits[:-1], seq.prompt_ids[1:], scored)
-        logits = logits[-1]  # (vocab,)
+        last = logits[-1]  # (vocab,) the target's own; a token is chosen with the logit bias added
         if seq.config.max_new_tokens == 0:
             seq.finish_reason = "length"
             return batch
+        biased = last if seq.bias is None else last + seq.bias
         if seq.noise is not None:
-            first = int(seq.noise.choose(to_probs(logits[None], seq.params), seq.next_position)[0])
+            first = int(seq.noise.choose(to_probs(biased[None], seq.params), seq.next_position)[0])
         else:
-            first = sample_target_only(logits, seq.params, seq.generator)
-        seq.record([first], logprobs=self._logprobs_of(seq, logits[None], [first]))
+            first = sample_target_only(biased, seq.params, seq.generator)
+        seq.record([first], logprobs=self._logprobs_of(seq, last[None], [first]))
         batch.anchors = torch.tensor([first], device=batch.anchors.device)
         return batch
 
@@ -486,7 +505,8 @@ class SpeculativeEngine:
         block = torch.cat([batch.anchors[:, None], draft.tokens], dim=1)  # (b, block_size): anchor + draft tokens
         tokens, positions, out = self._verify_forward(batch, block, branch)  # tokens, positions (b, q)
         t2 = self.profile.mark(self.target.device)
-        new_tokens, kept_slots, failed = self._accept(batch, draft, branch, block.shape[1], out.logits)
+        new_tokens, kept_slots, failed = self._accept(batch, draft, branch, block.shape[1],
+                                                      self._biased(out.logits, batch.sequences))
         logprobs = self._step_logprobs(batch.sequences, new_tokens, out.logits, kept_slots, failed)
         self._commit(batch, new_tokens, out.features, positions,
                      drafter_forwards=draft.forwards if draft.tokens.shape[1] > 0 else 0, kept_slots=kept_slots)
@@ -547,6 +567,16 @@ class SpeculativeEngine:
         failed = {r for r, t in enumerate(new_tokens) if NO_TOKEN in t}
         # a failed row leaves the batch: a placeholder token keeps the commit's shapes for the step of the others
         return [[0] if r in failed else t for r, t in enumerate(new_tokens)], kept_slots, failed
+
+    @staticmethod
+    def _biased(logits: torch.Tensor, rows: list[Sequence]) -> torch.Tensor:
+        """The verify forward's logits (b, q, vocab) with each row's logit_bias added (the same tensor where no row
+        has one): what accepting chooses from, while log-probabilities stay the target's own."""
+        if all(seq.bias is None for seq in rows):
+            return logits
+        bias = torch.stack([torch.zeros_like(logits[0, 0]) if seq.bias is None else seq.bias.to(logits.dtype)
+                            for seq in rows])  # (b, vocab)
+        return logits + bias[:, None, :]
 
     @staticmethod
     def _logprobs_of(seq: Sequence, logits: torch.Tensor, tokens: list[int]) -> list[TokenLogprob] | None:

@@ -195,8 +195,17 @@ class Server:
             min_p=_given(req.min_p, defaults.min_p),
             seed=req.seed, stop_token_ids=self.stop_token_ids(req), ignore_eos=req.ignore_eos,
             stop_strings=req.stop_strings, branch_length=getattr(self.pipe, "branch_length", 0),
-            logprobs=req.top_logprobs_asked, prompt_logprobs=_prompt_scores(req),
+            logprobs=req.top_logprobs_asked, prompt_logprobs=_prompt_scores(req), logit_bias=self.logit_bias(req),
         )
+
+    def logit_bias(self, req: SamplingRequest) -> dict[int, float] | None:
+        """The request's logit_bias by token id, each a token of the vocabulary."""
+        bias = req.token_bias
+        try:
+            check_token_ids(list(bias or ()), self.pipe.target.vocab_size, "logit_bias token ids")
+        except UserError as err:
+            raise APIError(400, str(err), param="logit_bias") from None
+        return bias
 
     def stop_token_ids(self, req: SamplingRequest) -> list[int] | None:
         """The request's stop_token_ids (the engine stops at the target's EOS ids besides, unless ignore_eos), each

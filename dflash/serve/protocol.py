@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import logging
+import math
 import time
 import uuid
 from typing import Any, Callable, ClassVar, Literal
@@ -164,7 +165,7 @@ class SamplingRequest(_Strict):
     # accepted at their defaults only (see `check_supported`)
     presence_penalty: float | None = Field(default=None, allow_inf_nan=False)
     frequency_penalty: float | None = Field(default=None, allow_inf_nan=False)
-    logit_bias: dict[str, float] | None = None
+    logit_bias: dict[str, float] | None = None  # token id (as a string, OpenAI's JSON keys) -> bias in [-100, 100]
     # vLLM's sampling and output extensions; a client moving from vLLM sends them, and ignoring one would change
     # the answer unseen (any type: the refusal names the field whatever its value)
     repetition_penalty: Any = None
@@ -192,7 +193,6 @@ class SamplingRequest(_Strict):
                             "{\"type\": \"text\"}"),
         "presence_penalty": (_unset, "this server applies no penalties; leave presence_penalty out or send 0"),
         "frequency_penalty": (_unset, "this server applies no penalties; leave frequency_penalty out or send 0"),
-        "logit_bias": (_unset, "this server applies no logit bias; leave logit_bias out"),
         "repetition_penalty": (lambda v: v in (None, 1), "this server applies no penalties; leave repetition_penalty "
                                "out or send 1"),
         "min_tokens": (_unset, "this server stops at EOS whenever it comes; leave min_tokens out, or send "
@@ -279,6 +279,20 @@ class SamplingRequest(_Strict):
 
     def check_logprobs(self) -> None:
         """Refuse a logprobs request this endpoint reads otherwise (`top_logprobs_asked`)."""
+
+    @property
+    def token_bias(self) -> dict[int, float] | None:
+        """logit_bias with its keys as token ids; a 400 naming logit_bias for a key that is no id or a bias
+        outside [-100, 100] (OpenAI's range)."""
+        if not self.logit_bias:
+            return None
+        bias = {}
+        for key, value in self.logit_bias.items():
+            if not key.strip().isdigit() or not math.isfinite(value) or not -100 <= value <= 100:
+                raise APIError(400, f"logit_bias maps token ids (as strings, like \"50256\") to a bias from -100 to "
+                                    f"100; got {shown(key)}: {shown(value)}", param="logit_bias")
+            bias[int(key)] = value
+        return bias
 
     @property
     def top_logprobs_asked(self) -> int | None:

@@ -210,3 +210,20 @@ def test_min_p_from_the_request_or_the_file_is_the_librarys(start_server, server
     assert _complete(from_file, temperature=1.0, seed=3)["choices"][0]["text"] == greedy
     assert _complete(from_file, temperature=1.0, min_p=0.2, seed=4)["choices"][0]["text"] == library
     assert from_generation_config(GenerationConfig(min_p=0.1), "the file").changed() == {"min_p": 0.1}
+
+
+def test_logit_bias_is_the_librarys_and_a_bad_one_is_refused_by_name(server):
+    """OpenAI's logit_bias: token ids as strings. -100 bans a token, as the library's bias does."""
+    ids = server.pipe.encode(PROMPT, raw=True)
+    greedy = server.pipe.generate(ids, raw=True, max_new_tokens=12, ignore_eos=True)
+    banned = {str(greedy.output_ids[0]): -100, str(greedy.output_ids[2]): -100.0}
+    library = server.pipe.generate(ids, raw=True, max_new_tokens=12, ignore_eos=True,
+                                   logit_bias={int(k): float(v) for k, v in banned.items()})
+    answer = _complete(server, temperature=0, logit_bias=banned)
+    assert answer["choices"][0]["text"] == library.text != greedy.text
+    for bad, says in [({"x": 1}, "token ids (as strings"), ({"5": 101}, "from -100 to 100"),
+                      ({str(10**6): 1}, "outside the vocabulary")]:
+        body = {"model": "tiny", "prompt": PROMPT, "max_tokens": 2, "logit_bias": bad}
+        refused = httpx.post(f"{server.url}/v1/completions", json=body, timeout=60)
+        assert refused.status_code == 400 and refused.json()["error"]["param"] == "logit_bias", refused.text
+        assert says in refused.json()["error"]["message"]
