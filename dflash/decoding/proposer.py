@@ -97,6 +97,16 @@ def check_proposer(proposer: object) -> None:
                         "or NoDraftProposer and override what differs)")
 
 
+def with_logit_bias(logits: torch.Tensor, rows: list) -> torch.Tensor:
+    """Draft logits (b, k, vocab) with each row's logit bias (`Sequence.bias`) added, as the target's are before it
+    chooses: a draft that ignored a bias would be turned down wherever the bias changes the target's choice."""
+    biases = [getattr(row, "bias", None) for row in rows]
+    if all(bias is None for bias in biases):
+        return logits
+    zeros = logits.new_zeros(logits.shape[-1])
+    return logits + torch.stack([zeros if bias is None else bias.to(logits) for bias in biases])[:, None, :]
+
+
 def draft_per_position(logits: torch.Tensor, rows: list) -> Draft:
     """DFlash: each position's token on its own, from logits (b, k, vocab): the argmax (greedy rows), the row's
     noise on the drafter's distribution (seeded rows), or a draw from it (the rest, whose probs are kept)."""
@@ -303,7 +313,7 @@ class DFlashProposer:
             cache=state.cache,
             outputs=slice(1, self.block_size),  # the draft tokens this block verifies
         )  # (b, k, h)
-        logits = self.draft_logits(hidden)  # (b, k, vocab)
+        logits = with_logit_bias(self.draft_logits(hidden), rows)  # (b, k, vocab)
         if self.drafter.selector is not None:
             return draft_along_path(self.drafter.selector.lattice(logits, hidden, anchors), rows, logits.shape[-1])
         return draft_per_position(logits, rows)

@@ -84,3 +84,22 @@ def test_a_bad_bias_is_refused(bias, says):
 def test_a_biased_token_outside_the_vocabulary_is_refused(target):
     with pytest.raises(GenerationError, match="logit_bias token ids"):
         SpeculativeEngine(target).new_sequence([1, 2], GenerationConfig(logit_bias={10**6: 1.0}))
+
+
+@pytest.mark.parametrize("drafter", ["dflash", "dflash2", "draft model"])
+def test_the_drafter_drafts_with_the_bias_too(target, drafter):
+    """A bias that makes the target write one token over and over: a random drafter drafts it too, so whole blocks
+    are accepted (without the bias in its drafts it would be turned down at nearly every position)."""
+    from conftest import dflash2_drafter, perturbed_copy
+    from dflash.decoding.draft_model import DraftModelProposer
+
+    forced = 11
+    if drafter == "draft model":
+        proposer = DraftModelProposer(perturbed_copy(target, 5.0), target, 8)
+    else:
+        proposer = DFlashProposer(dflash2_drafter(target) if drafter == "dflash2" else tiny_drafter(target), target)
+    engine = SpeculativeEngine(target, proposer)
+    config = GenerationConfig(max_new_tokens=33, block_size=8, ignore_eos=True, logit_bias={forced: 100.0})
+    out = engine.generate(random_prompts(1, seed=53), config)[0]
+    assert out.output_ids == [forced] * 33
+    assert out.stats.acceptance_lengths[1:] == [8, 8, 8, 8]
