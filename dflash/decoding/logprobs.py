@@ -4,9 +4,9 @@ for callers that ask for them.
 Each output token's log-probability is read from the target's logits at the position that chose it: the verify
 forward's for accepted draft tokens and the recovered or bonus token, the prefill's for the first token; a prompt
 token's from the prefill's logits at the position before it. They are the target's own distribution, before
-temperature, top-k and top-p (vLLM's default, its "raw" log-probabilities), so a greedy and a sampled answer of the
-same text get the same figures. Drafting changes none of them beyond float rounding: a token's logits come from the
-same target forward with more or fewer tokens beside it.
+temperature, top-k, top-p, min-p and logit bias (vLLM's default, its "raw" log-probabilities), so a greedy and a
+sampled answer of the same text get the same figures. Drafting changes none of them beyond float rounding: a
+token's logits come from the same target forward with more or fewer tokens beside it.
 """
 
 from __future__ import annotations
