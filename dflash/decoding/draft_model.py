@@ -20,8 +20,8 @@ from dataclasses import dataclass, field
 
 import torch
 
-from dflash.decoding.proposer import Draft, PendingContext, with_logit_bias
-from dflash.decoding.sampling import sample, to_probs
+from dflash.decoding.proposer import Draft, PendingContext
+from dflash.decoding.sampling import add_logit_bias, sample, to_probs
 from dflash.decoding.slots import compact_cache, merge_caches, pad_and_concat, select_cache_rows, worth_compacting
 from dflash.errors import GenerationError
 from dflash.model.target import IncompatibleDrafterError, TargetModel
@@ -166,7 +166,7 @@ class DraftModelProposer:
         """Each row's draft token at its t-th draft position: the argmax (greedy rows), the row's noise on the
         draft distribution (seeded rows: verification compares with the target's own draw), or a draw whose
         distribution is kept."""
-        logits = with_logit_bias(logits[:, None], rows)[:, 0]  # (b, vocab), as the target chooses
+        logits = add_logit_bias(logits[:, None], rows)[:, 0]  # (b, vocab), as the target chooses
         greedy = logits.argmax(-1).tolist() if any(seq.params.greedy for seq in rows) else []  # one host sync
         chosen = []
         for r, seq in enumerate(rows):

@@ -26,7 +26,7 @@ from dflash.decoding.branch import Branch, accept_branch, block_visibility, most
 from dflash.decoding.detokenizer import check_utf8
 from dflash.decoding.logprobs import TokenLogprob, check_top, token_logprobs
 from dflash.decoding.proposer import Draft, NoDraftProposer, PendingContext, Proposer, check_proposer
-from dflash.decoding.sampling import NAN_LOGITS, PositionNoise, SamplingParams, to_probs
+from dflash.decoding.sampling import MAX_LOGIT_BIAS, NAN_LOGITS, PositionNoise, SamplingParams, add_logit_bias, to_probs
 from dflash.decoding.slots import (
     compact_cache,
     has_gaps,
@@ -116,8 +116,9 @@ class GenerationConfig:
                                   f"{self.seed}")
         for token, bias in (self.logit_bias or {}).items():
             number = isinstance(bias, (int, float)) and not isinstance(bias, bool)
-            if isinstance(token, bool) or not isinstance(token, int) or not (number and -100 <= bias <= 100):
-                raise GenerationError(f"logit_bias maps token ids to a bias from -100 to 100, got {token!r}: {bias!r}")
+            if isinstance(token, bool) or not isinstance(token, int) or not (number and abs(bias) <= MAX_LOGIT_BIAS):
+                raise GenerationError(f"logit_bias maps token ids to a bias from -{MAX_LOGIT_BIAS:g} to "
+                                      f"{MAX_LOGIT_BIAS:g}, got {token!r}: {bias!r}")
         for name in ("logprobs", "prompt_logprobs"):
             top = getattr(self, name)
             if top is not None and (problem := check_top(top)):
@@ -222,7 +223,7 @@ class Sequence:
     """One prompt being decoded: its output so far, its sampling state and its stats."""
 
     def __init__(self, prompt_ids: list[int], config: GenerationConfig, stop: StopChecker,
-                 device: torch.device | str = "cpu"):
+                 device: torch.device | str = "cpu", bias: torch.Tensor | None = None):
         self.prompt_ids = list(prompt_ids)
         self.config = config
         self.params = config.sampling
@@ -237,7 +238,7 @@ class Sequence:
         self.output_ids: list[int] = []
         self.logprobs: list[TokenLogprob] | None = [] if config.logprobs is not None else None  # one per output id
         self.prompt_logprobs: list[TokenLogprob] | None = None  # the prefill's, where the config asks
-        self.bias: torch.Tensor | None = None  # (vocab,) the config's logit_bias, added before choosing a token
+        self.bias = bias  # (vocab,) the config's logit_bias over the target's logits, added before a token is chosen
         self.finish_reason: str | None = None
         self.error: str | None = None  # why it finished with finish_reason 'error' (`fail`)
         self.long_rotated = False  # a longrope target's cache of this row holds its long factors' rotation
@@ -364,9 +365,7 @@ class SpeculativeEngine:
         if config.logit_bias:
             check_token_ids(list(config.logit_bias), self.target.vocab_size, "logit_bias token ids")
         stop = StopChecker(self.stop_ids(config), config.stop_strings, config.max_new_tokens, self.tokenizer)
-        seq = Sequence(prompt_ids, config, stop, self.target.device)
-        seq.bias = self._bias_vector(config.logit_bias)
-        return seq
+        return Sequence(prompt_ids, config, stop, self.target.device, self._bias_vector(config.logit_bias))
 
     def _bias_vector(self, logit_bias: dict[int, float] | None) -> torch.Tensor | None:
         """A logit bias over the target's logits (vocab,), None for none."""
@@ -506,7 +505,8 @@ class SpeculativeEngine:
         tokens, positions, out = self._verify_forward(batch, block, branch)  # tokens, positions (b, q)
         t2 = self.profile.mark(self.target.device)
         new_tokens, kept_slots, failed = self._accept(batch, draft, branch, block.shape[1],
-                                                      self._biased(out.logits, batch.sequences))
+                                                      add_logit_bias(out.logits, batch.sequences))
+        # log-probabilities are the target's own, without the bias
         logprobs = self._step_logprobs(batch.sequences, new_tokens, out.logits, kept_slots, failed)
         self._commit(batch, new_tokens, out.features, positions,
                      drafter_forwards=draft.forwards if draft.tokens.shape[1] > 0 else 0, kept_slots=kept_slots)
@@ -567,16 +567,6 @@ class SpeculativeEngine:
         failed = {r for r, t in enumerate(new_tokens) if NO_TOKEN in t}
         # a failed row leaves the batch: a placeholder token keeps the commit's shapes for the step of the others
         return [[0] if r in failed else t for r, t in enumerate(new_tokens)], kept_slots, failed
-
-    @staticmethod
-    def _biased(logits: torch.Tensor, rows: list[Sequence]) -> torch.Tensor:
-        """The verify forward's logits (b, q, vocab) with each row's logit_bias added (the same tensor where no row
-        has one): what accepting chooses from, while log-probabilities stay the target's own."""
-        if all(seq.bias is None for seq in rows):
-            return logits
-        bias = torch.stack([torch.zeros_like(logits[0, 0]) if seq.bias is None else seq.bias.to(logits.dtype)
-                            for seq in rows])  # (b, vocab)
-        return logits + bias[:, None, :]
 
     @staticmethod
     def _logprobs_of(seq: Sequence, logits: torch.Tensor, tokens: list[int]) -> list[TokenLogprob] | None:

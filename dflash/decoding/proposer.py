@@ -13,7 +13,7 @@ from typing import Callable, Protocol
 import torch
 import torch.nn.functional as F
 
-from dflash.decoding.sampling import sample, to_probs
+from dflash.decoding.sampling import add_logit_bias, sample, to_probs
 from dflash.decoding.slots import compaction_index, pad_and_concat, padded_width
 from dflash.errors import GenerationError, UserError
 from dflash.model.dflash2 import Lattice, path_confidence, walk
@@ -95,16 +95,6 @@ def check_proposer(proposer: object) -> None:
         raise UserError(f"{type(proposer).__name__} is not a complete proposer: it lacks {', '.join(missing)}; "
                         "implement every member of dflash.decoding.proposer.Proposer (or subclass DFlashProposer "
                         "or NoDraftProposer and override what differs)")
-
-
-def with_logit_bias(logits: torch.Tensor, rows: list) -> torch.Tensor:
-    """Draft logits (b, k, vocab) with each row's logit bias (`Sequence.bias`) added, as the target's are before it
-    chooses: a draft that ignored a bias would be turned down wherever the bias changes the target's choice."""
-    biases = [getattr(row, "bias", None) for row in rows]
-    if all(bias is None for bias in biases):
-        return logits
-    zeros = logits.new_zeros(logits.shape[-1])
-    return logits + torch.stack([zeros if bias is None else bias.to(logits) for bias in biases])[:, None, :]
 
 
 def draft_per_position(logits: torch.Tensor, rows: list) -> Draft:
@@ -313,7 +303,9 @@ class DFlashProposer:
             cache=state.cache,
             outputs=slice(1, self.block_size),  # the draft tokens this block verifies
         )  # (b, k, h)
-        logits = with_logit_bias(self.draft_logits(hidden), rows)  # (b, k, vocab)
+        # the rows' logit biases, as the target's logits get them: a draft without would be turned down wherever a
+        # bias changes the target's choice
+        logits = add_logit_bias(self.draft_logits(hidden), rows)  # (b, k, vocab)
         if self.drafter.selector is not None:
             return draft_along_path(self.drafter.selector.lattice(logits, hidden, anchors), rows, logits.shape[-1])
         return draft_per_position(logits, rows)

@@ -97,6 +97,19 @@ def _without_nan(logits: torch.Tensor) -> torch.Tensor:
     return torch.where((logits == float("-inf")).all(-1, keepdim=True), 0.0, logits)
 
 
+MAX_LOGIT_BIAS = 100.0  # OpenAI's range for logit_bias: -100 (a ban) to 100
+
+
+def add_logit_bias(logits: torch.Tensor, rows: list) -> torch.Tensor:
+    """logits (b, q, vocab) with each row's logit bias (`Sequence.bias`, (vocab,) or None) added, for the target's
+    choice and the drafters' alike; the same tensor where no row has one."""
+    biases = [getattr(row, "bias", None) for row in rows]
+    if all(bias is None for bias in biases):
+        return logits
+    zeros = logits.new_zeros(logits.shape[-1])
+    return logits + torch.stack([zeros if bias is None else bias.to(logits) for bias in biases])[:, None, :]
+
+
 def sample(probs: torch.Tensor, generator: torch.Generator | None) -> torch.Tensor:
     """probs (n, vocab), each row with some probability (as `to_probs` leaves it) -> token ids (n,): one uniform a
     row, through the cumulative distribution. (torch.multinomial draws an exponential for every token of the

@@ -38,7 +38,7 @@ from dflash.decoding.proposer import NoDraftProposer
 from dflash.errors import UserError
 from dflash.serve.fallback import AUTO_NEEDS_STEP_COSTS, FallbackConfig
 from dflash.serve.limits import DEFAULT_MAX_REQUEST_BYTES, check_max_model_len
-from dflash.serve.logprobs import LogprobFormat, StreamedLogprobs, TextOffsets, joined
+from dflash.serve.logprobs import LogprobFormat, LogprobPieces, joined
 from dflash.serve.metrics import ServerMetrics
 from dflash.serve.protocol import (
     APIError,
@@ -200,7 +200,7 @@ class Server:
 
     def logit_bias(self, req: SamplingRequest) -> dict[int, float] | None:
         """The request's logit_bias by token id, each a token of the vocabulary."""
-        bias = req.token_bias
+        bias = req.bias_by_token()
         try:
             check_token_ids(list(bias or ()), self.pipe.target.vocab_size, "logit_bias token ids")
         except UserError as err:
@@ -277,12 +277,16 @@ class Server:
 
     def answer_logprobs(self, req: SamplingRequest, seq: Sequence, kind: str, entries: list[TokenLogprob]) -> dict:
         """A whole answer's `logprobs` object; an echo's starts with the prompt's tokens."""
-        fmt, offsets = self.logprob_format, TextOffsets()
-        if not req.echoes:
-            return fmt.body(kind, entries, offsets)
-        prompt = fmt.body(kind, seq.prompt_logprobs or [], offsets, unscored=tuple(seq.prompt_ids[:1]),
-                          sent=_sent_text(req))
-        return joined(prompt, fmt.body(kind, entries, offsets))
+        pieces = LogprobPieces(self.logprob_format, kind)
+        prompt = self.prompt_logprobs(pieces, req, seq) if req.echoes else None
+        pieces.add(entries)
+        answer = pieces.take() or self.logprob_format.body(kind, [])
+        return joined(prompt, answer) if prompt else answer
+
+    def prompt_logprobs(self, pieces: LogprobPieces, req: SamplingRequest, seq: Sequence) -> dict:
+        """An echoed prompt's `logprobs` object, its first token unscored; `pieces` goes on after it."""
+        pieces.add(seq.prompt_logprobs, unscored=tuple(seq.prompt_ids[:1]))
+        return pieces.take(sent=_sent_text(req))
 
     def echoed_prompt(self, req: SamplingRequest, seq: Sequence) -> str:
         """The prompt as an echo shows it: the text the client sent, or its token ids' text."""
@@ -320,7 +324,7 @@ class _StreamedChoice:
     def __init__(self, server: Server, index: int, seq: Sequence, shape: ResponseShape, req: SamplingRequest):
         self.server, self.index, self.seq, self.shape, self.req = server, index, seq, shape, req
         self.deltas = TextDeltas(server.pipe.tokenizer, req.stop_strings, seq.stop.stop_token_ids)
-        self.logprobs = StreamedLogprobs(server.logprob_format, shape.kind)
+        self.logprobs = LogprobPieces(server.logprob_format, shape.kind)
         self.echo = req.echoes
 
     def chunks(self, event: Event) -> list[dict]:
@@ -328,10 +332,10 @@ class _StreamedChoice:
         out = []
         if self.echo:  # the prompt first, once the prefill has scored it
             self.echo = False
+            scores = None
             if self.req.top_logprobs_asked is not None:
-                self.logprobs.add(self.seq.prompt_logprobs, unscored=tuple(self.seq.prompt_ids[:1]))
-            out.append(self._chunk(self.server.echoed_prompt(self.req, self.seq),
-                                   logprobs=self.logprobs.take(sent=_sent_text(self.req))))
+                scores = self.server.prompt_logprobs(self.logprobs, self.req, self.seq)
+            out.append(self._chunk(self.server.echoed_prompt(self.req, self.seq), logprobs=scores))
         piece = self.deltas.add(event.tokens) if event.tokens else ""
         self.logprobs.add(event.logprobs)
         if not event.done:

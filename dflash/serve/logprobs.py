@@ -132,9 +132,10 @@ class TextOffsets:
         return start
 
 
-class StreamedLogprobs:
-    """A stream's log-probabilities: each chunk carries those of the tokens decoded since the chunk before it
-    (text that may begin a stop string is held back, so a chunk's tokens and its text can differ by a few)."""
+class LogprobPieces:
+    """Log-probabilities handed out a piece at a time, their text offsets running on: a stream's chunks, each with
+    those of the tokens decoded since the chunk before it (text that may begin a stop string is held back, so a
+    chunk's tokens and its text can differ by a few), or an echoed prompt's and then its answer's."""
 
     def __init__(self, fmt: LogprobFormat, kind: str):
         self._fmt, self._kind = fmt, kind

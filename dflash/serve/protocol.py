@@ -20,7 +20,8 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 
 from dflash.decoding.detokenizer import check_utf8
 from dflash.decoding.engine import SEED_RANGE
-from dflash.decoding.logprobs import MAX_TOP_LOGPROBS
+from dflash.decoding.logprobs import MAX_TOP_LOGPROBS, check_top
+from dflash.decoding.sampling import MAX_LOGIT_BIAS
 from dflash.errors import UserError
 from dflash.records import shown
 
@@ -280,17 +281,17 @@ class SamplingRequest(_Strict):
     def check_logprobs(self) -> None:
         """Refuse a logprobs request this endpoint reads otherwise (`top_logprobs_asked`)."""
 
-    @property
-    def token_bias(self) -> dict[int, float] | None:
+    def bias_by_token(self) -> dict[int, float] | None:
         """logit_bias with its keys as token ids; a 400 naming logit_bias for a key that is no id or a bias
-        outside [-100, 100] (OpenAI's range)."""
+        outside OpenAI's range."""
         if not self.logit_bias:
             return None
         bias = {}
         for key, value in self.logit_bias.items():
-            if not key.strip().isdigit() or not math.isfinite(value) or not -100 <= value <= 100:
-                raise APIError(400, f"logit_bias maps token ids (as strings, like \"50256\") to a bias from -100 to "
-                                    f"100; got {shown(key)}: {shown(value)}", param="logit_bias")
+            if not key.strip().isdigit() or not math.isfinite(value) or abs(value) > MAX_LOGIT_BIAS:
+                raise APIError(400, f"logit_bias maps token ids (as strings, like \"50256\") to a bias from "
+                                    f"-{MAX_LOGIT_BIAS:g} to {MAX_LOGIT_BIAS:g}; got {shown(key)}: {shown(value)}",
+                               param="logit_bias")
             bias[int(key)] = value
         return bias
 
@@ -394,19 +395,19 @@ class CompletionRequest(SamplingRequest):
 
     _UNSUPPORTED: ClassVar[Refusals] = {
         **SamplingRequest._UNSUPPORTED,
-        "best_of": (lambda v: v in (None, 1), "this server returns the n samples it draws, not the best of more; "
-                    "send n for several samples and leave best_of out (or equal to n)"),
         "suffix": (_unset, "this server does not insert text before a suffix; leave suffix out"),
     }
 
     def check_supported(self) -> None:
-        if self.best_of == self.n:  # the best n of n samples are all of them (OpenAI and vLLM take it)
-            self.best_of = None
         super().check_supported()
+        if self.best_of not in (None, 1, self.n):  # the best n of n samples are all of them (OpenAI and vLLM take it)
+            raise APIError(400, f"best_of={self.best_of} is not supported: this server returns the n samples it "
+                                "draws, not the best of more; send n for several samples and leave best_of out (or "
+                                "equal to n)", param="best_of")
 
     def check_logprobs(self) -> None:
         """Completions' logprobs is a number of alternatives per token (0: the chosen token's alone)."""
-        if self.logprobs is True or (isinstance(self.logprobs, int) and not 0 <= self.logprobs <= MAX_TOP_LOGPROBS):
+        if self.logprobs is True or (isinstance(self.logprobs, int) and check_top(self.logprobs)):
             raise APIError(400, f"logprobs={_show(self.logprobs)}: completions' logprobs is the number of most likely "
                                 f"tokens to list beside each output token, 0 to {MAX_TOP_LOGPROBS} (0: the chosen "
                                 "token's log-probability alone)", param="logprobs")
