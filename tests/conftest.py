@@ -191,17 +191,19 @@ def partial_oracle(target, references: dict[tuple, list[int]], block_size: int) 
 
 
 def check_triples_follow_the_target(model, params, prompt: list[int], counts: dict[tuple, int],
-                                    min_cells: int = 1) -> None:
+                                    min_cells: int = 1, adjust=None) -> None:
     """`counts` of the first three output tokens of many unseeded generations after `prompt` follow the target's
-    own probabilities of each triple (`model` through transformers, after `params`): none the target cannot
-    sample, and a chi-square over the triples expected 5+ times (the rest pooled into one cell)."""
+    own probabilities of each triple (`model` through transformers, after `adjust(ids, logits)` where given, then
+    `params`): none the target cannot sample, and a chi-square over the triples expected 5+ times (the rest pooled
+    into one cell)."""
     from scipy.stats import chisquare
 
     from dflash.decoding.sampling import to_probs
 
     @torch.no_grad()
     def next_probs(ids: list[int]) -> torch.Tensor:  # (vocab,)
-        return to_probs(model(torch.tensor([ids])).logits[0, -1], params)
+        logits = model(torch.tensor([ids])).logits[0, -1]
+        return to_probs(logits if adjust is None else adjust(ids, logits.clone()), params)
 
     exact: dict[tuple, float] = {}
     first = next_probs(prompt)

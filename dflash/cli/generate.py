@@ -60,6 +60,15 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--seed", type=int,
                        help="when sampling: the same seed gives the same text, at any block size, with or without "
                             "the drafter")
+    group.add_argument("--presence-penalty", type=float, default=0.0,
+                       help="subtracted once from the logit of each token the answer holds so far, from -2 to 2 "
+                            "(default 0: off; OpenAI's)")
+    group.add_argument("--frequency-penalty", type=float, default=0.0,
+                       help="subtracted from a token's logit once per time the answer holds it so far, from -2 to 2 "
+                            "(default 0: off; OpenAI's)")
+    group.add_argument("--repetition-penalty", type=float, default=1.0,
+                       help="divides the positive logits, and multiplies the others, of tokens the prompt or answer "
+                            "holds, > 0 (default 1: off; above 1 discourages repeating; transformers' and vLLM's)")
     group.add_argument("--stop", action="append", default=[], type=stop_string,
                        help=r"stop before this text (repeatable; \n and \t stand for newline and tab)")
     group.add_argument("--compare", action="store_true",
@@ -170,7 +179,9 @@ def _check_arguments(args: argparse.Namespace, prompt: str) -> dict:
     if args.max_new_tokens < 1:  # the engine takes 0 (a prompt read alone); here it is a mistake
         raise UserError(f"--max-new-tokens must be >= 1, got {args.max_new_tokens}")
     options = dict(max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_p=args.top_p,
-                   top_k=args.top_k, min_p=args.min_p, seed=args.seed, stop_strings=args.stop)
+                   top_k=args.top_k, min_p=args.min_p, seed=args.seed, stop_strings=args.stop,
+                   presence_penalty=args.presence_penalty, frequency_penalty=args.frequency_penalty,
+                   repetition_penalty=args.repetition_penalty)
     make_config(**options)
     refuse_greedy_ignores(options)
     if args.branch_length > 0 and args.temperature > 0 and args.seed is None:

@@ -25,8 +25,9 @@ from dflash.config_types import type_mismatch
 from dflash.decoding.branch import Branch, accept_branch, block_visibility, most_likely_first_miss
 from dflash.decoding.detokenizer import check_utf8
 from dflash.decoding.logprobs import TokenLogprob, check_top, token_logprobs
+from dflash.decoding.penalties import Penalties, TokenCounts, choice_logits
 from dflash.decoding.proposer import Draft, NoDraftProposer, PendingContext, Proposer, check_proposer
-from dflash.decoding.sampling import MAX_LOGIT_BIAS, NAN_LOGITS, PositionNoise, SamplingParams, add_logit_bias, to_probs
+from dflash.decoding.sampling import MAX_LOGIT_BIAS, NAN_LOGITS, PositionNoise, SamplingParams, to_probs
 from dflash.decoding.slots import (
     compact_cache,
     has_gaps,
@@ -87,6 +88,10 @@ class GenerationConfig:
     block_size: int | str | None = None  # None: the drafter's own block size; "auto": chosen every step
     branch_length: int = 0  # > 0: each step also verifies a branch of this many tokens (`branch`); greedy, seeded
     logit_bias: dict[int, float] | None = None  # added to the target's logits before choosing (OpenAI's, -100..100)
+    # penalties on tokens the output (and, for repetition, the prompt) holds, after the bias (`penalties`)
+    presence_penalty: float = 0.0  # OpenAI's: subtracted once from the logit of each token the output holds (-2..2)
+    frequency_penalty: float = 0.0  # OpenAI's: subtracted once for each time the output holds the token (-2..2)
+    repetition_penalty: float = 1.0  # transformers' and vLLM's: > 1 discourages tokens of the prompt and output
     logprobs: int | None = None  # each output token's log-probability and this many alternatives (`logprobs`)
     prompt_logprobs: int | None = None  # the same for each prompt token after the first
 
@@ -123,7 +128,7 @@ class GenerationConfig:
             top = getattr(self, name)
             if top is not None and (problem := check_top(top)):
                 raise GenerationError(f"{name}: {problem}")
-        _ = self.sampling  # validates temperature / top_p / top_k
+        _ = self.sampling, self.penalties  # validates temperature / top_p / top_k / min_p and the penalties
 
     def _check_types(self) -> None:
         for f in fields(self):
@@ -136,6 +141,13 @@ class GenerationConfig:
     def sampling(self) -> SamplingParams:
         try:
             return SamplingParams(self.temperature, self.top_p, self.top_k, self.min_p)
+        except ValueError as err:
+            raise GenerationError(str(err)) from None
+
+    @property
+    def penalties(self) -> Penalties:
+        try:
+            return Penalties(self.presence_penalty, self.frequency_penalty, self.repetition_penalty)
         except ValueError as err:
             raise GenerationError(str(err)) from None
 
@@ -223,7 +235,7 @@ class Sequence:
     """One prompt being decoded: its output so far, its sampling state and its stats."""
 
     def __init__(self, prompt_ids: list[int], config: GenerationConfig, stop: StopChecker,
-                 device: torch.device | str = "cpu", bias: torch.Tensor | None = None):
+                 device: torch.device | str = "cpu", bias: torch.Tensor | None = None, vocab_size: int | None = None):
         self.prompt_ids = list(prompt_ids)
         self.config = config
         self.params = config.sampling
@@ -239,6 +251,9 @@ class Sequence:
         self.logprobs: list[TokenLogprob] | None = [] if config.logprobs is not None else None  # one per output id
         self.prompt_logprobs: list[TokenLogprob] | None = None  # the prefill's, where the config asks
         self.bias = bias  # (vocab,) the config's logit_bias over the target's logits, added before a token is chosen
+        self.penalties = config.penalties if config.penalties.active else None  # applied after the bias
+        # the tokens the penalties count, over the target's vocabulary (`vocab_size`: given where they apply)
+        self.counts = TokenCounts(prompt_ids, vocab_size, device) if self.penalties and vocab_size else None
         self.finish_reason: str | None = None
         self.error: str | None = None  # why it finished with finish_reason 'error' (`fail`)
         self.long_rotated = False  # a longrope target's cache of this row holds its long factors' rotation
@@ -261,6 +276,8 @@ class Sequence:
         decision = self.stop.check(self.output_ids, new_tokens)
         kept = new_tokens[: decision.keep]
         self.output_ids.extend(kept)
+        if self.counts is not None:
+            self.counts.add(kept)
         if self.logprobs is not None and logprobs is not None:
             self.logprobs.extend(logprobs[: len(kept)])
         self.stats.acceptance_lengths.append(len(kept))
@@ -365,7 +382,8 @@ class SpeculativeEngine:
         if config.logit_bias:
             check_token_ids(list(config.logit_bias), self.target.vocab_size, "logit_bias token ids")
         stop = StopChecker(self.stop_ids(config), config.stop_strings, config.max_new_tokens, self.tokenizer)
-        return Sequence(prompt_ids, config, stop, self.target.device, self._bias_vector(config.logit_bias))
+        return Sequence(prompt_ids, config, stop, self.target.device, self._bias_vector(config.logit_bias),
+                        self.target.vocab_size)
 
     def _bias_vector(self, logit_bias: dict[int, float] | None) -> torch.Tensor | None:
         """A logit bias over the target's logits (vocab,), None for none."""
@@ -440,15 +458,15 @@ class SpeculativeEngine:
             if torch.isnan(logits[:-1]).any():
                 raise NoTokenError(NAN_LOGITS)
             seq.prompt_logprobs = token_logprobs(logits[:-1], seq.prompt_ids[1:], scored)
-        last = logits[-1]  # (vocab,) the target's own; a token is chosen with the logit bias added
+        last = logits[-1]  # (vocab,) the target's own; a token is chosen with the logit bias and penalties
         if seq.config.max_new_tokens == 0:
             seq.finish_reason = "length"
             return batch
-        biased = last if seq.bias is None else last + seq.bias
+        chosen_from = choice_logits(last[None, None], [seq])[0, 0]  # (vocab,)
         if seq.noise is not None:
-            first = int(seq.noise.choose(to_probs(biased[None], seq.params), seq.next_position)[0])
+            first = int(seq.noise.choose(to_probs(chosen_from[None], seq.params), seq.next_position)[0])
         else:
-            first = sample_target_only(biased, seq.params, seq.generator)
+            first = sample_target_only(chosen_from, seq.params, seq.generator)
         seq.record([first], logprobs=self._logprobs_of(seq, last[None], [first]))
         batch.anchors = torch.tensor([first], device=batch.anchors.device)
         return batch
@@ -502,11 +520,11 @@ class SpeculativeEngine:
         draft, branch = self._draft(batch, choose, room)
         t1 = self.profile.mark(self.target.device)
         block = torch.cat([batch.anchors[:, None], draft.tokens], dim=1)  # (b, block_size): anchor + draft tokens
-        tokens, positions, out = self._verify_forward(batch, block, branch)  # tokens, positions (b, q)
+        tokens, positions, sees, out = self._verify_forward(batch, block, branch)  # tokens, positions (b, q)
         t2 = self.profile.mark(self.target.device)
         new_tokens, kept_slots, failed = self._accept(batch, draft, branch, block.shape[1],
-                                                      add_logit_bias(out.logits, batch.sequences))
-        # log-probabilities are the target's own, without the bias
+                                                      choice_logits(out.logits, batch.sequences, tokens, sees))
+        # log-probabilities are the target's own, without the bias and penalties
         logprobs = self._step_logprobs(batch.sequences, new_tokens, out.logits, kept_slots, failed)
         self._commit(batch, new_tokens, out.features, positions,
                      drafter_forwards=draft.forwards if draft.tokens.shape[1] > 0 else 0, kept_slots=kept_slots)
@@ -533,8 +551,8 @@ class SpeculativeEngine:
 
     def _verify_forward(self, batch: Batch, block: torch.Tensor, branch: Branch | None):
         """The target's forward over the block (b, block_size) and a branch, whose keys and values it writes into
-        the cache: the tokens it read and their positions (b, q), and its output (logits (b, q, vocab), the
-        features the drafter reads)."""
+        the cache: the tokens it read and their positions (b, q), which of them each sees (b, q, q; None: those up
+        to itself), and its output (logits (b, q, vocab), the features the drafter reads)."""
         offsets = torch.arange(block.shape[1], device=block.device)
         positions = batch.anchor_positions[:, None] + offsets  # (b, block_size)
         tokens, visibility = block, None
@@ -546,7 +564,7 @@ class SpeculativeEngine:
         out = self.target.forward(tokens, positions, batch.target_cache, attention_mask=mask,
                                   feature_layer_ids=batch.proposer.feature_layer_ids, visibility=visibility,
                                   long_rope_rows=self._rope_rows(batch.sequences))
-        return tokens, positions, out
+        return tokens, positions, visibility, out
 
     def _accept(self, batch: Batch, draft: Draft, branch: Branch | None, block_size: int,
                 logits: torch.Tensor) -> tuple[list[list[int]], torch.Tensor | None, set[int]]:

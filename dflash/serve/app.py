@@ -192,7 +192,9 @@ class Server:
         return GenerationConfig(
             max_new_tokens=max_tokens, temperature=_given(req.temperature, defaults.temperature),
             top_p=_given(req.top_p, defaults.top_p), top_k=_given(req.top_k, defaults.top_k),
-            min_p=_given(req.min_p, defaults.min_p),
+            min_p=_given(req.min_p, defaults.min_p), presence_penalty=_given(req.presence_penalty, 0.0),
+            frequency_penalty=_given(req.frequency_penalty, 0.0),
+            repetition_penalty=_given(req.repetition_penalty, defaults.repetition_penalty),
             seed=req.seed, stop_token_ids=self.stop_token_ids(req), ignore_eos=req.ignore_eos,
             stop_strings=req.stop_strings, branch_length=getattr(self.pipe, "branch_length", 0),
             logprobs=req.top_logprobs_asked, prompt_logprobs=_prompt_scores(req), logit_bias=self.logit_bias(req),

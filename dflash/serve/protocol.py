@@ -3,8 +3,8 @@ and OpenAI-style error objects `{"error": {"message", "type", "param", "code"}}`
 
 Requests are validated strictly (a string where a number belongs is a 400, never coerced); null means the
 default, as in OpenAI's API. Unknown fields are ignored, as OpenAI clients send fields this server has no use
-for; known options it cannot honour (penalties, logit bias, tools, JSON output, n > 1, ..., and vLLM's own
-sampling and guided-decoding extensions) are refused with a 400 naming the field unless left at their defaults.
+for; known options it cannot honour (tools, JSON output, ..., and vLLM's own sampling and guided-decoding
+extensions but min_p and repetition_penalty) are refused with a 400 naming the field unless left at their defaults.
 """
 
 from __future__ import annotations
@@ -21,6 +21,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 from dflash.decoding.detokenizer import check_utf8
 from dflash.decoding.engine import SEED_RANGE
 from dflash.decoding.logprobs import MAX_TOP_LOGPROBS, check_top
+from dflash.decoding.penalties import MAX_PENALTY
 from dflash.decoding.sampling import MAX_LOGIT_BIAS
 from dflash.errors import UserError
 from dflash.records import shown
@@ -163,13 +164,14 @@ class SamplingRequest(_Strict):
     n: int = Field(default=1, ge=1)  # choices, decoded together (a seed gives choice i seed + i, as vLLM does)
     logprobs: bool | int | None = None
     echo: bool = False
-    # accepted at their defaults only (see `check_supported`)
-    presence_penalty: float | None = Field(default=None, allow_inf_nan=False)
-    frequency_penalty: float | None = Field(default=None, allow_inf_nan=False)
+    # OpenAI's penalties (`dflash.decoding.penalties`); None: 0
+    presence_penalty: float | None = Field(default=None, ge=-MAX_PENALTY, le=MAX_PENALTY, allow_inf_nan=False)
+    frequency_penalty: float | None = Field(default=None, ge=-MAX_PENALTY, le=MAX_PENALTY, allow_inf_nan=False)
+    # vLLM's (and transformers'); None: the server's default (`sampling_defaults`: the target's generation config's)
+    repetition_penalty: float | None = Field(default=None, gt=0.0, allow_inf_nan=False)
     logit_bias: dict[str, float] | None = None  # token id (as a string, OpenAI's JSON keys) -> bias in [-100, 100]
     # vLLM's sampling and output extensions; a client moving from vLLM sends them, and ignoring one would change
     # the answer unseen (any type: the refusal names the field whatever its value)
-    repetition_penalty: Any = None
     min_tokens: Any = None
     bad_words: Any = None
     allowed_token_ids: Any = None
@@ -192,10 +194,6 @@ class SamplingRequest(_Strict):
         "response_format": (lambda v: v is None or v.type == "text",
                             "this server does not constrain output to JSON; leave response_format out or send "
                             "{\"type\": \"text\"}"),
-        "presence_penalty": (_unset, "this server applies no penalties; leave presence_penalty out or send 0"),
-        "frequency_penalty": (_unset, "this server applies no penalties; leave frequency_penalty out or send 0"),
-        "repetition_penalty": (lambda v: v in (None, 1), "this server applies no penalties; leave repetition_penalty "
-                               "out or send 1"),
         "min_tokens": (_unset, "this server stops at EOS whenever it comes; leave min_tokens out, or send "
                        "ignore_eos=true for a fixed length"),
         "bad_words": (_unset, "this server bans no words; leave bad_words out"),

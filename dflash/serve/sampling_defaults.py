@@ -6,8 +6,8 @@ from the target's generation_config.json, where a model's authors put the settin
 its hand-off gets the same sampling:
 
 - `auto`: the values the target's generation_config.json sets (those `GenerationConfig.to_diff_dict` keeps, as vLLM
-  reads them) for temperature, top_p, top_k and min_p; its max_new_tokens caps every request's max_tokens, as vLLM does
-  (SGLang does not read it);
+  reads them) for temperature, top_p, top_k, min_p and repetition_penalty; its max_new_tokens caps every request's
+  max_tokens, as vLLM does (SGLang does not read it);
 - `vllm` (or `openai`): OpenAI's defaults (temperature 1, top_p 1, no top-k, no cap), the values of vLLM's
   `--generation-config vllm` and SGLang's `--sampling-defaults openai`;
 - a directory: the generation_config.json in it, read like `auto`.
@@ -20,12 +20,12 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path
 
+from dflash.decoding.penalties import Penalties
 from dflash.decoding.sampling import SamplingParams
 from dflash.errors import UserError
 from dflash.model.target import unapplied_generation_options
 
 NEUTRAL_CHOICES = ("vllm", "openai")  # OpenAI's defaults: vLLM's word for them, and SGLang's
-ENGINE_LOGIT_OPTIONS = ("repetition_penalty",)  # what vLLM and SGLang read from the file besides sampling
 CHOICES_HELP = "auto, vllm (or openai), or a directory holding a generation_config.json"
 
 
@@ -37,14 +37,15 @@ class SamplingDefaults:
     top_p: float = 1.0
     top_k: int = 0  # 0: no top-k
     min_p: float = 0.0  # 0: no min-p
+    repetition_penalty: float = 1.0  # 1: none
     max_tokens: int | None = None
     source: str = "OpenAI's defaults"  # where they come from, for the log
-    unapplied: tuple[str, ...] = ()  # the file's logit options ('name=value'), which DFlash does not apply
+    unapplied: tuple[str, ...] = ()  # the file's other logit options ('name=value'), which DFlash does not apply
 
     def changed(self) -> dict[str, float | int]:
         """The values that differ from OpenAI's defaults (the cap aside)."""
         neutral = SamplingDefaults()
-        return {name: getattr(self, name) for name in ("temperature", "top_p", "top_k", "min_p")
+        return {name: getattr(self, name) for name in ("temperature", "top_p", "top_k", "min_p", "repetition_penalty")
                 if getattr(self, name) != getattr(neutral, name)}
 
     def describe(self) -> str:
@@ -59,17 +60,15 @@ class SamplingDefaults:
             parts.append(f"every request's max_tokens is capped at {self.max_tokens} (max_new_tokens in "
                          f"{self.source}, as vLLM does; SGLang does not cap)")
         if not parts:
-            return f"requests that leave out temperature, top_p, top_k or min_p decode with {self.source}"
+            return (f"requests that leave out temperature, top_p, top_k, min_p or repetition_penalty decode with "
+                    f"{self.source}")
         return "; ".join(parts) + "; --generation-config vllm gives OpenAI's defaults instead"
 
     def unapplied_warning(self) -> str | None:
         if not self.unapplied:
             return None
-        engines = [o for o in self.unapplied if o.split("=")[0] in ENGINE_LOGIT_OPTIONS]
-        also = (f"; vLLM and SGLang apply {', '.join(engines)} to every request (with --generation-config vllm, "
-                "and SGLang's --sampling-defaults openai, they do not)") if engines else ""
-        return (f"{self.source} also sets {', '.join(self.unapplied)}, which this server does not apply (it refuses "
-                f"a request that sends repetition_penalty){also}")
+        return (f"{self.source} also sets {', '.join(self.unapplied)}, which this server does not apply (nor do vLLM "
+                "and SGLang)")
 
 
 def sampling_defaults(choice: str, target_generation_config=None) -> SamplingDefaults:
@@ -105,6 +104,7 @@ def from_generation_config(config, source: str) -> SamplingDefaults:
     try:
         params = SamplingParams(values.get("temperature", neutral.temperature), values.get("top_p", neutral.top_p),
                                 values.get("top_k", neutral.top_k), values.get("min_p", neutral.min_p))
+        repetition = Penalties(repetition=values.get("repetition_penalty", neutral.repetition_penalty)).repetition
     except (ValueError, TypeError) as err:
         raise UserError(f"{source}: {err}; fix the file, or serve with --generation-config vllm (OpenAI's "
                         "defaults)") from None
@@ -113,5 +113,6 @@ def from_generation_config(config, source: str) -> SamplingDefaults:
         raise UserError(f"{source}: max_new_tokens must be an integer >= 1, got {cap!r}; fix the file, or serve with "
                         "--generation-config vllm (OpenAI's defaults)")
     return SamplingDefaults(temperature=float(params.temperature), top_p=float(params.top_p), top_k=int(params.top_k),
-                            min_p=float(params.min_p), max_tokens=cap, source=source,
-                            unapplied=tuple(unapplied_generation_options(config, sampling_defaults=False)))
+                            min_p=float(params.min_p), repetition_penalty=float(repetition), max_tokens=cap,
+                            source=source, unapplied=tuple(o for o in unapplied_generation_options(
+                                config, sampling_defaults=False) if not o.startswith("repetition_penalty=")))

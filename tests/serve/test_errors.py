@@ -332,7 +332,6 @@ def test_nan_temperature_is_not_a_range_error(server):
 
 
 UNSUPPORTED_CHAT = [
-    ("presence_penalty", 1.5), ("frequency_penalty", -0.5),
     ("response_format", {"type": "json_object"}),
     ("response_format", {"type": "json_schema", "json_schema": {"name": "x", "schema": {}}}),
     ("tools", [{"type": "function", "function": {"name": "f", "parameters": {}}}]), ("tool_choice", "required"),
@@ -470,7 +469,7 @@ def test_a_trailing_slash_reaches_the_same_endpoint(server):
 
 # ---- what clients moving from vLLM send ---------------------------------------------------------------------
 VLLM_REFUSED = [
-    ("repetition_penalty", 1.3), ("min_tokens", 5), ("bad_words", ["x"]),
+    ("min_tokens", 5), ("bad_words", ["x"]),
     ("allowed_token_ids", [1, 2]), ("use_beam_search", True), ("prompt_logprobs", 1), ("truncate_prompt_tokens", 8),
     ("include_stop_str_in_output", True), ("skip_special_tokens", False), ("spaces_between_special_tokens", False),
     ("guided_json", {"type": "object"}), ("guided_regex", "a+"), ("guided_choice", ["a", "b"]),

@@ -30,13 +30,14 @@ def test_the_values_a_generation_config_sets_are_read_and_the_rest_stay_openais(
                               repetition_penalty=1.05)
     defaults = from_generation_config(config, "the file")
     assert (defaults.temperature, defaults.top_p, defaults.top_k, defaults.max_tokens) == (0.6, 0.95, 20, 64)
-    assert defaults.unapplied == ("repetition_penalty=1.05",)
+    assert defaults.repetition_penalty == 1.05 and defaults.unapplied == ()  # applied, as vLLM and SGLang do
     assert "temperature=0.6, top_p=0.95, top_k=20" in defaults.describe() and "capped at 64" in defaults.describe()
     only_top_p = from_generation_config(GenerationConfig(top_p=0.8), "the file")
     assert (only_top_p.temperature, only_top_p.top_p, only_top_p.top_k, only_top_p.max_tokens) == (1.0, 0.8, 0, None)
     assert sampling_defaults("vllm", config) == SamplingDefaults() == sampling_defaults("openai", config)
     assert sampling_defaults("auto", None) == SamplingDefaults()
-    assert sampling_defaults("auto", config).changed() == {"temperature": 0.6, "top_p": 0.95, "top_k": 20}
+    assert sampling_defaults("auto", config).changed() == {"temperature": 0.6, "top_p": 0.95, "top_k": 20,
+                                                           "repetition_penalty": 1.05}
 
 
 @pytest.mark.parametrize("field, value, expected", [
@@ -45,6 +46,7 @@ def test_the_values_a_generation_config_sets_are_read_and_the_rest_stay_openais(
     ("temperature", 150.0, "at most 100, got 150.0"),  # as a request's is (SamplingParams)
     ("top_k", -2, "top_k must be a number of tokens >= 1, or 0 or -1 (off), got -2"),
     ("max_new_tokens", 0, "max_new_tokens must be an integer >= 1, got 0"),
+    ("repetition_penalty", 0.0, "repetition_penalty must be a finite number > 0"),
 ])
 def test_values_a_request_could_not_send_are_refused_naming_the_file_and_the_way_out(field, value, expected):
     config = GenerationConfig()
@@ -95,14 +97,11 @@ def test_the_server_logs_its_defaults_and_warns_of_what_it_leaves_out(start_serv
         _server_with(start_server, tmp_path_factory, temperature=0.7, repetition_penalty=1.1, max_new_tokens=50)
     said = caplog.text
     assert "temperature=0.7" in said and "capped at 50" in said and "--generation-config vllm" in said
-    assert "repetition_penalty=1.1" in said and "this server does not" in said
-    assert "vLLM and SGLang apply repetition_penalty=1.1" in said
-    # what the engines do not read either is not said to be theirs
+    assert "repetition_penalty=1.1" in said and "does not apply" not in said  # applied, as vLLM and SGLang do
     caplog.clear()
     with caplog.at_level(logging.INFO, logger="dflash.serve"):
         _server_with(start_server, tmp_path_factory, no_repeat_ngram_size=3)
-    assert "no_repeat_ngram_size=3, which this server does not apply" in caplog.text
-    assert "vLLM and SGLang apply" not in caplog.text
+    assert "no_repeat_ngram_size=3, which this server does not apply (nor do vLLM and SGLang)" in caplog.text
 
 
 # ---- the command line and the hand-off -----------------------------------------------------------------------
@@ -227,3 +226,25 @@ def test_logit_bias_is_the_librarys_and_a_bad_one_is_refused_by_name(server):
         refused = httpx.post(f"{server.url}/v1/completions", json=body, timeout=60)
         assert refused.status_code == 400 and refused.json()["error"]["param"] == "logit_bias", refused.text
         assert says in refused.json()["error"]["message"]
+
+
+def test_penalties_are_the_librarys_and_the_files_repetition_penalty_is_the_default(start_server, server,
+                                                                                   tmp_path_factory):
+    """OpenAI's presence and frequency penalties and vLLM's repetition_penalty decode as the library's; the target's
+    generation_config.json repetition_penalty is the default of a request that leaves it out, as vLLM takes it."""
+    ids = server.pipe.encode(PROMPT, raw=True)
+    plain = server.pipe.generate(ids, raw=True, max_new_tokens=12, ignore_eos=True).text
+    penalties = dict(presence_penalty=1.5, frequency_penalty=0.5, repetition_penalty=1.3)
+    library = server.pipe.generate(ids, raw=True, max_new_tokens=12, ignore_eos=True, **penalties).text
+    assert _complete(server, temperature=0, **penalties)["choices"][0]["text"] == library != plain
+    repeated = server.pipe.generate(ids, raw=True, max_new_tokens=12, ignore_eos=True, repetition_penalty=2.0).text
+    from_file = _server_with(start_server, tmp_path_factory, repetition_penalty=2.0)
+    assert _complete(from_file, temperature=0)["choices"][0]["text"] == repeated != plain
+    assert _complete(from_file, temperature=0, repetition_penalty=1.0)["choices"][0]["text"] == plain
+    for field, bad, says in [("presence_penalty", 2.5, "less than or equal to 2"),
+                             ("frequency_penalty", -3, "greater than or equal to -2"),
+                             ("repetition_penalty", 0, "greater than 0"), ("repetition_penalty", "x", "number")]:
+        body = {"model": "tiny", "prompt": PROMPT, "max_tokens": 2, field: bad}
+        refused = httpx.post(f"{server.url}/v1/completions", json=body, timeout=60)
+        assert refused.status_code == 400 and refused.json()["error"]["param"] == field, refused.text
+        assert says in refused.json()["error"]["message"], refused.text

@@ -1,0 +1,128 @@
+"""What presence, frequency and repetition penalties do to DFlash: speed, acceptance and losslessness.
+
+One pipeline, one process, one greedy row at a time. For each penalty setting, these ways decode every question,
+taking turns (the order alternates) so that machine noise hits all alike:
+- plain: the target alone, with the penalties (the reference: DFlash must give its tokens);
+- dflash: the drafter penalizing its draft as the target's logits are (`dflash.decoding.penalties`);
+- unpenalized-drafts: the drafter drafting as without penalties, to measure what penalizing drafts is worth;
+- output-only (with --per-position): each draft position penalized for the output alone, not for the draft
+  tokens before it, to measure what counting them is worth.
+For each: tau (tokens per verify forward), decode tokens/s (the steps' own time, the prefill left out), and how
+many outputs equal plain decoding's (all must). `--per-position` drops a DFlash2 drafter's candidate selector, so
+that each position's draft token is its own top-1, as a DFlash drafter's is.
+
+    python benchmarks/penalties.py [--settings none,p0.5f0.5,r1.1] [--questions 20] [--per-position] [--json FILE]
+
+A setting is `none` or letters and values: p (presence), f (frequency), r (repetition), e.g. p0.5f0.5 or r1.1.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import re
+from unittest import mock
+
+import torch
+
+from dflash.api import DFlash
+from dflash.bench.datasets import DataOptions, load_samples
+from dflash.decoding import proposer as proposers
+from dflash.decoding.engine import GenerationConfig, SpeculativeEngine
+from dflash.decoding.penalties import penalize
+
+NAMES = {"p": "presence_penalty", "f": "frequency_penalty", "r": "repetition_penalty"}
+
+
+def parse_setting(text: str) -> dict[str, float]:
+    if text == "none":
+        return {}
+    pairs = re.findall(r"([pfr])(-?[0-9.]+)", text)
+    if "".join(a + b for a, b in pairs) != text:
+        raise SystemExit(f"a setting is none or letters p/f/r with values, like p0.5f0.5; got {text!r}")
+    return {NAMES[letter]: float(value) for letter, value in pairs}
+
+
+def output_only(logits, rows, anchors):
+    """The drafts of the ablation: every position penalized for the output alone."""
+    return proposers.draft_per_position(penalize(logits, rows), rows)
+
+
+def unpenalized(logits, rows, anchors):
+    return proposers.draft_per_position(logits, rows)
+
+
+def decode(pipe, plain: SpeculativeEngine, way: str, prompt: list[int], config: GenerationConfig):
+    if way == "plain":
+        return plain.generate([prompt], config)[0]
+    with contextlib.ExitStack() as patches:
+        if way == "output-only":
+            patches.enter_context(mock.patch.object(proposers, "draft_in_turn", output_only))
+        if way == "unpenalized-drafts":
+            patches.enter_context(mock.patch.object(proposers, "draft_in_turn", unpenalized))
+            patches.enter_context(mock.patch.object(proposers, "penalize", lambda logits, rows: logits))
+        return pipe.engine.generate([prompt], config)[0]
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--target")
+    parser.add_argument("--draft")
+    parser.add_argument("--settings", default="none,p0.5f0.5,p1.5,r1.1")
+    parser.add_argument("--dataset", default="gsm8k")
+    parser.add_argument("--questions", type=int, default=20)
+    parser.add_argument("--seed", type=int, default=1)
+    parser.add_argument("--block-size", type=int, default=16)
+    parser.add_argument("--max-new-tokens", type=int, default=256)
+    parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--per-position", action="store_true")
+    parser.add_argument("--json")
+    args = parser.parse_args()
+    torch.set_num_threads(args.threads)
+    pipe = DFlash.from_pretrained(args.target, args.draft)
+    ways = ["plain", "dflash", "unpenalized-drafts"]
+    if args.per_position:
+        if hasattr(pipe.engine.proposer.drafter, "candidate_selector"):
+            del pipe.engine.proposer.drafter.candidate_selector
+        ways.append("output-only")
+    plain = SpeculativeEngine(pipe.target)
+    prompts = [pipe.encode(s.turns[0]) for s in load_samples(args.dataset, DataOptions(max_samples=args.questions,
+                                                                                         seed=args.seed))]
+    settings = [s.strip() for s in args.settings.split(",")]
+    report: dict[str, dict] = {}
+    unpenalized: list[list[int]] | None = None
+    for setting in settings:
+        config = GenerationConfig(max_new_tokens=args.max_new_tokens, block_size=args.block_size,
+                                  **parse_setting(setting))
+        for way in ways:  # warm-up
+            decode(pipe, plain, way, prompts[0], GenerationConfig(**{**config.__dict__, "max_new_tokens": 16}))
+        totals = {w: {"tokens": 0, "steps": 0, "seconds": 0.0, "outputs": []} for w in ways}
+        for i, prompt in enumerate(prompts):
+            for way in ways if i % 2 == 0 else ways[::-1]:
+                out = decode(pipe, plain, way, prompt, config)
+                t = totals[way]
+                t["tokens"] += sum(out.stats.acceptance_lengths[1:])  # decoded after the prefill's token
+                t["steps"] += len(out.stats.acceptance_lengths) - 1
+                t["seconds"] += out.stats.decode_time_s
+                t["outputs"].append(out.output_ids)
+        reference = totals["plain"]["outputs"]
+        unpenalized = unpenalized if unpenalized is not None else reference
+        row = {"outputs_changed_by_the_penalties": sum(a != b for a, b in zip(reference, unpenalized)),
+               "mean_output_tokens": round(sum(map(len, reference)) / len(reference), 1)}
+        for way, t in totals.items():
+            row[way] = {"tokens_per_s": round(t["tokens"] / t["seconds"], 1),
+                        "same_as_plain": sum(a == b for a, b in zip(t["outputs"], reference))}
+            if way != "plain":
+                row[way]["tau"] = round(t["tokens"] / t["steps"], 3)
+                row[way]["speedup"] = round(row[way]["tokens_per_s"] / row["plain"]["tokens_per_s"], 2)
+        report[setting] = row
+        print(f"{setting:10s} {json.dumps(row)}", flush=True)
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"questions": len(prompts), "dataset": args.dataset, "block_size": args.block_size,
+                       "per_position": args.per_position, "settings": report}, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
