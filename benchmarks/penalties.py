@@ -3,13 +3,15 @@
 One pipeline, one process, one greedy row at a time. For each penalty setting, these ways decode every question,
 taking turns (the order alternates) so that machine noise hits all alike:
 - plain: the target alone, with the penalties (the reference: DFlash must give its tokens);
-- dflash: the drafter penalizing its draft as the target's logits are (`dflash.decoding.penalties`);
-- unpenalized-drafts: the drafter drafting as without penalties, to measure what penalizing drafts is worth;
-- output-only (with --per-position): each draft position penalized for the output alone, not for the draft
-  tokens before it, to measure what counting them is worth.
+- dflash: as it ships, the drafter drafting as without penalties (`dflash.decoding.penalties`);
+- penalized-drafts: each draft position penalized as the output so far stands, to measure what that is worth.
 For each: tau (tokens per verify forward), decode tokens/s (the steps' own time, the prefill left out), and how
 many outputs equal plain decoding's (all must). `--per-position` drops a DFlash2 drafter's candidate selector, so
 that each position's draft token is its own top-1, as a DFlash drafter's is.
+
+At d28ca30 the drafters penalized their drafts (DFlash and draft models counting their own draft tokens before
+each position too): benchmarks/reports/2026-12-07d/penalties holds what this script measured there, and why they
+no longer do.
 
     python benchmarks/penalties.py [--settings none,p0.5f0.5,r1.1] [--questions 20] [--per-position] [--json FILE]
 
@@ -19,7 +21,6 @@ A setting is `none` or letters and values: p (presence), f (frequency), r (repet
 from __future__ import annotations
 
 import argparse
-import contextlib
 import json
 import re
 from unittest import mock
@@ -30,7 +31,7 @@ from dflash.api import DFlash
 from dflash.bench.datasets import DataOptions, load_samples
 from dflash.decoding import proposer as proposers
 from dflash.decoding.engine import GenerationConfig, SpeculativeEngine
-from dflash.decoding.penalties import penalize
+from dflash.decoding.penalties import choice_logits
 
 NAMES = {"p": "presence_penalty", "f": "frequency_penalty", "r": "repetition_penalty"}
 
@@ -44,25 +45,13 @@ def parse_setting(text: str) -> dict[str, float]:
     return {NAMES[letter]: float(value) for letter, value in pairs}
 
 
-def output_only(logits, rows, anchors):
-    """The drafts of the ablation: every position penalized for the output alone."""
-    return proposers.draft_per_position(penalize(logits, rows), rows)
-
-
-def unpenalized(logits, rows, anchors):
-    return proposers.draft_per_position(logits, rows)
-
-
 def decode(pipe, plain: SpeculativeEngine, way: str, prompt: list[int], config: GenerationConfig):
     if way == "plain":
         return plain.generate([prompt], config)[0]
-    with contextlib.ExitStack() as patches:
-        if way == "output-only":
-            patches.enter_context(mock.patch.object(proposers, "draft_in_turn", output_only))
-        if way == "unpenalized-drafts":
-            patches.enter_context(mock.patch.object(proposers, "draft_in_turn", unpenalized))
-            patches.enter_context(mock.patch.object(proposers, "penalize", lambda logits, rows: logits))
-        return pipe.engine.generate([prompt], config)[0]
+    if way == "penalized-drafts":
+        with mock.patch.object(proposers, "add_logit_bias", choice_logits):
+            return pipe.engine.generate([prompt], config)[0]
+    return pipe.engine.generate([prompt], config)[0]
 
 
 def main() -> None:
@@ -81,11 +70,9 @@ def main() -> None:
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     pipe = DFlash.from_pretrained(args.target, args.draft)
-    ways = ["plain", "dflash", "unpenalized-drafts"]
-    if args.per_position:
-        if hasattr(pipe.engine.proposer.drafter, "candidate_selector"):
-            del pipe.engine.proposer.drafter.candidate_selector
-        ways.append("output-only")
+    ways = ["plain", "dflash", "penalized-drafts"]
+    if args.per_position and hasattr(pipe.engine.proposer.drafter, "candidate_selector"):
+        del pipe.engine.proposer.drafter.candidate_selector
     plain = SpeculativeEngine(pipe.target)
     prompts = [pipe.encode(s.turns[0]) for s in load_samples(args.dataset, DataOptions(max_samples=args.questions,
                                                                                          seed=args.seed))]

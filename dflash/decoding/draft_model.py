@@ -20,9 +20,8 @@ from dataclasses import dataclass, field
 
 import torch
 
-from dflash.decoding.penalties import choice_logits, has_penalties
 from dflash.decoding.proposer import Draft, PendingContext
-from dflash.decoding.sampling import sample, to_probs
+from dflash.decoding.sampling import add_logit_bias, sample, to_probs
 from dflash.decoding.slots import compact_cache, merge_caches, pad_and_concat, select_cache_rows, worth_compacting
 from dflash.errors import GenerationError
 from dflash.model.target import IncompatibleDrafterError, TargetModel
@@ -104,7 +103,7 @@ class DraftModelProposer:
         tokens: list[list[int]] = [[] for _ in rows]
         dists: list[list[torch.Tensor]] = [[] for _ in rows]
         for t in range(k):
-            chosen = self._choose(logits, rows, t, anchors, tokens)
+            chosen = self._choose(logits, rows, t)
             for r, (token, dist) in enumerate(chosen):
                 tokens[r].append(token)
                 if dist is not None:
@@ -163,16 +162,11 @@ class DraftModelProposer:
         state.valid = valid
         return fit_vocabulary(out.logits[:, -1].to(self.target.device), self.vocab_size)
 
-    def _choose(self, logits: torch.Tensor, rows, t: int, anchors: torch.Tensor,
-                drafted: list[list[int]]) -> list[tuple[int, torch.Tensor | None]]:
+    def _choose(self, logits: torch.Tensor, rows, t: int) -> list[tuple[int, torch.Tensor | None]]:
         """Each row's draft token at its t-th draft position: the argmax (greedy rows), the row's noise on the
         draft distribution (seeded rows: verification compares with the target's own draw), or a draw whose
-        distribution is kept. anchors (b,); drafted: each row's t draft tokens before it (the penalties count
-        them, as the target's do where it accepts them)."""
-        seen = None
-        if has_penalties(rows):
-            seen = torch.cat([anchors[:, None].cpu(), torch.tensor(drafted, dtype=torch.long).view(len(rows), t)], 1)
-        logits = choice_logits(logits[:, None], rows, None if seen is None else seen.to(logits.device))[:, 0]
+        distribution is kept."""
+        logits = add_logit_bias(logits[:, None], rows)[:, 0]  # (b, vocab), as the target chooses
         greedy = logits.argmax(-1).tolist() if any(seq.params.greedy for seq in rows) else []  # one host sync
         chosen = []
         for r, seq in enumerate(rows):

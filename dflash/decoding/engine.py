@@ -252,8 +252,11 @@ class Sequence:
         self.prompt_logprobs: list[TokenLogprob] | None = None  # the prefill's, where the config asks
         self.bias = bias  # (vocab,) the config's logit_bias over the target's logits, added before a token is chosen
         self.penalties = config.penalties if config.penalties.active else None  # applied after the bias
-        # the tokens the penalties count, over the target's vocabulary (`vocab_size`: given where they apply)
-        self.counts = TokenCounts(prompt_ids, vocab_size, device) if self.penalties and vocab_size else None
+        if self.penalties is not None and not vocab_size:
+            raise ValueError("a Sequence with penalties counts tokens over the target's vocabulary: give vocab_size "
+                             "(SpeculativeEngine.new_sequence does)")
+        # the tokens the penalties count, over the target's vocabulary
+        self.counts = TokenCounts(prompt_ids, vocab_size, device) if self.penalties is not None else None
         self.finish_reason: str | None = None
         self.error: str | None = None  # why it finished with finish_reason 'error' (`fail`)
         self.long_rotated = False  # a longrope target's cache of this row holds its long factors' rotation

@@ -11,9 +11,12 @@ depend on the tokens before the one being chosen, which in a verify forward diff
 slot choose the token after the tokens that slot sees, so its penalties count the output so far (the anchor
 included) and the draft tokens the slot sees: the block's before it, and for a branch's slot the block's before
 the branch's start and the branch's before it (`branch.block_visibility`). Every token is then chosen from the
-logits the target alone would choose it from after the same tokens, so drafting stays lossless. The drafters
-penalize each draft position as the output so far stands (not counting their own earlier draft tokens), which
-costs acceptance only where the target turns down a token the draft repeats.
+logits the target alone would choose it from after the same tokens, so drafting stays lossless.
+
+The drafters draft as without penalties (the logit bias aside). Penalizing drafts the same way was measured to
+accept fewer of them (`benchmarks/penalties.py`, 2026-12-07d: repetition_penalty 1.1, tau 5.42 penalized against
+5.69 not; 4.73 against 4.86 at presence_penalty 1.5), likely because a drafter is less sure than the target, so a
+penalty flips its choice where it leaves the target's alone.
 """
 
 from __future__ import annotations
@@ -64,20 +67,14 @@ class TokenCounts:
             self.output.index_add_(0, ids, torch.ones_like(ids, dtype=self.output.dtype))
 
 
-def has_penalties(rows: list) -> bool:
-    """Whether any of the rows (`Sequence`s) decodes with penalties."""
-    return any(getattr(row, "penalties", None) is not None for row in rows)
-
-
 def choice_logits(logits: torch.Tensor, rows: list, tokens: torch.Tensor | None = None,
                   sees: torch.Tensor | None = None) -> torch.Tensor:
     """What each row's tokens are chosen from: logits (b, q, vocab) with the row's logit bias and penalties (the
-    same tensor where no row has either), for the target's choice and the drafters' alike.
+    same tensor where no row has either).
 
-    tokens (b, n), n >= q: the tokens after the output so far that the slots may see, the first the row's anchor
-    (already in its output, so not counted again), the last q the slots' own (a verify forward's tokens, n = q;
-    a drafter's anchor and draft tokens so far, q = 1). sees (b, q, n): which of them each slot sees; None: those
-    up to its own. Without `tokens`, every slot is penalized as the output so far stands."""
+    tokens (b, q): a verify forward's tokens, the first each row's anchor (already in its output, so not counted
+    again); sees (b, q, q): which of them each slot sees (None: those up to its own). Without `tokens`, every slot
+    is penalized as the output so far stands (the prefill's)."""
     return penalize(add_logit_bias(logits, rows), rows, tokens, sees)
 
 
@@ -85,7 +82,7 @@ def penalize(logits: torch.Tensor, rows: list, tokens: torch.Tensor | None = Non
              sees: torch.Tensor | None = None) -> torch.Tensor:
     """logits (b, q, vocab) with each row's penalties (`Sequence.penalties`, counting `Sequence.counts`) applied at
     every slot; see `choice_logits`."""
-    if not has_penalties(rows):
+    if all(getattr(row, "penalties", None) is None for row in rows):
         return logits
     counts, in_prompt = _slot_counts(logits, rows, tokens, sees)  # (b, q, vocab) float, (b, 1, vocab) bool
     settings = [getattr(row, "penalties", None) or Penalties() for row in rows]
@@ -108,11 +105,10 @@ def _slot_counts(logits: torch.Tensor, rows: list, tokens: torch.Tensor | None,
     output = torch.stack([zeros if c is None else c.output.to(logits) for c in held])  # (b, vocab)
     in_prompt = torch.stack([no_prompt if c is None else c.in_prompt for c in held])[:, None]  # (b, 1, vocab)
     counts = output[:, None, :].expand(b, q, vocab)
-    if tokens is None or tokens.shape[1] == 1:
+    if tokens is None or q == 1:
         return counts, in_prompt
-    n = tokens.shape[1]
-    if sees is None:  # slot i sees the tokens up to its own, tokens[n - q + i]
-        sees = torch.ones(q, n, dtype=torch.bool, device=logits.device).tril(n - q).expand(b, q, n)
-    after_anchor = tokens[:, None, 1:].expand(b, q, n - 1)  # (b, q, n - 1)
+    if sees is None:  # slot i sees tokens 0..i
+        sees = torch.ones(q, q, dtype=torch.bool, device=logits.device).tril().expand(b, q, q)
+    after_anchor = tokens[:, None, 1:].expand(b, q, q - 1)  # (b, q, q - 1)
     counts = counts.clone().scatter_add_(2, after_anchor, sees[:, :, 1:].to(logits.dtype))
     return counts, in_prompt

@@ -13,7 +13,6 @@ from typing import Callable, Protocol
 import torch
 import torch.nn.functional as F
 
-from dflash.decoding.penalties import has_penalties, penalize
 from dflash.decoding.sampling import add_logit_bias, sample, to_probs
 from dflash.decoding.slots import compaction_index, pad_and_concat, padded_width
 from dflash.errors import GenerationError, UserError
@@ -98,45 +97,22 @@ def check_proposer(proposer: object) -> None:
                         "or NoDraftProposer and override what differs)")
 
 
-def draft_per_position(logits: torch.Tensor, rows: list, first: int = 0) -> Draft:
-    """DFlash: each position's token on its own, from logits (b, k, vocab) of draft positions first.. (0: the one
-    after the anchor): the argmax (greedy rows), the row's noise on the drafter's distribution (seeded rows), or a
-    draw from it (the rest, whose probs are kept)."""
+def draft_per_position(logits: torch.Tensor, rows: list) -> Draft:
+    """DFlash: each position's token on its own, from logits (b, k, vocab): the argmax (greedy rows), the row's
+    noise on the drafter's distribution (seeded rows), or a draw from it (the rest, whose probs are kept)."""
     tokens = logits.max(-1).indices  # argmax's tokens (the first of tied ones); on CPUs 2-6x faster than argmax
     probs: list[torch.Tensor | None] = [None] * len(rows)
     for r, row in enumerate(rows):
         if row.params.greedy:
             continue
         if row.noise is not None:  # the position's own noise on the drafter's distribution (no probs needed)
-            tokens[r] = row.noise.choose(to_probs(logits[r], row.params, proposal=True), row.next_position + first)
+            tokens[r] = row.noise.choose(to_probs(logits[r], row.params, proposal=True), row.next_position)
         else:
             probs[r] = to_probs(logits[r], row.params, proposal=True)
             tokens[r] = sample(probs[r], row.generator)
-    return per_position(logits, tokens, probs)
-
-
-def per_position(logits: torch.Tensor, tokens: torch.Tensor, probs: list[torch.Tensor | None]) -> Draft:
-    """A DFlash draft of tokens (b, k) chosen from logits (b, k, vocab), with its confidence and branches."""
     return Draft(tokens=tokens, probs=probs,
                  confidence_fn=lambda: logits.softmax(-1).gather(-1, tokens[..., None])[..., 0],  # (b, k)
                  branch_fn=partial(branch_per_position, logits, tokens))
-
-
-def draft_in_turn(logits: torch.Tensor, rows: list, anchors: torch.Tensor) -> Draft:
-    """DFlash for a batch with penalties: position by position, each penalized for the draft tokens before it too,
-    as the target's choice there is where it accepts them (a draft that repeats itself where the penalties
-    discourage it would be turned down). logits (b, k, vocab), with the rows' logit biases; anchors (b,)."""
-    seen = anchors[:, None]  # (b, 1 + draft tokens so far)
-    positions, parts = [], []
-    for j in range(logits.shape[1]):
-        position = penalize(logits[:, j : j + 1], rows, seen)  # (b, 1, vocab)
-        part = draft_per_position(position, rows, first=j)
-        positions.append(position)
-        parts.append(part)
-        seen = torch.cat([seen, part.tokens], dim=1)
-    probs = [None if parts[0].probs[r] is None else torch.cat([part.probs[r] for part in parts])
-             for r in range(len(rows))]
-    return per_position(torch.cat(positions, dim=1), seen[:, 1:], probs)
 
 
 def branch_per_position(logits: torch.Tensor, tokens: torch.Tensor, start: torch.Tensor, length: int) -> torch.Tensor:
@@ -327,14 +303,11 @@ class DFlashProposer:
             cache=state.cache,
             outputs=slice(1, self.block_size),  # the draft tokens this block verifies
         )  # (b, k, h)
-        # the rows' logit biases and penalties, as the target's logits get them: a draft without would be turned down
-        # wherever they change the target's choice
+        # the rows' logit biases, as the target's logits get them: a draft without would be turned down wherever a
+        # bias changes the target's choice
         logits = add_logit_bias(self.draft_logits(hidden), rows)  # (b, k, vocab)
-        if self.drafter.selector is not None:  # penalized as the output so far stands
-            lattice = self.drafter.selector.lattice(penalize(logits, rows), hidden, anchors)
-            return draft_along_path(lattice, rows, logits.shape[-1])
-        if has_penalties(rows):
-            return draft_in_turn(logits, rows, anchors)
+        if self.drafter.selector is not None:
+            return draft_along_path(self.drafter.selector.lattice(logits, hidden, anchors), rows, logits.shape[-1])
         return draft_per_position(logits, rows)
 
     def draft_logits(self, hidden: torch.Tensor) -> torch.Tensor:

@@ -154,25 +154,6 @@ def test_unseeded_sampling_with_penalties_follows_the_penalized_target():
     assert repeats < 0.5 * sum(counts.values())  # the penalties are felt: without them most triples repeat a token
 
 
-@pytest.mark.parametrize("drafter", ["dflash", "dflash2", "draft model"])
-def test_the_drafters_penalize_their_own_draft_tokens(target, drafter):
-    """A bias makes the target write 9 tokens in a fixed order, each once, as the repetition penalty pushes the
-    last one written below the next: drafts that count their own draft tokens are accepted in whole blocks (counting
-    the output alone, a draft would repeat the next token and be turned down after its first)."""
-    forced = list(range(20, 29))
-    bias = {token: 100.0 - 5 * i for i, token in enumerate(forced)}  # halved, the first is below the last
-    if drafter == "draft model":
-        proposer = DraftModelProposer(perturbed_copy(target, 0.3), target, 8)
-    else:
-        proposer = DFlashProposer(dflash2_drafter(target) if drafter == "dflash2" else tiny_drafter(target), target)
-    config = GenerationConfig(max_new_tokens=9, block_size=8, ignore_eos=True, logit_bias=bias,
-                              repetition_penalty=2.0)
-    out = SpeculativeEngine(target, proposer).generate([[5, 6, 7]], config)[0]  # no forced token in the prompt
-    assert out.output_ids == forced
-    if drafter != "dflash2":  # DFlash2 walks its candidates as the output stands
-        assert out.stats.acceptance_lengths[1] == 8
-
-
 @pytest.mark.parametrize("field, value, says", [
     ("presence_penalty", 2.5, "presence_penalty must be a number from -2 to 2"),
     ("frequency_penalty", float("nan"), "frequency_penalty must be a number from -2 to 2"),
