@@ -25,13 +25,11 @@ import json
 import re
 from unittest import mock
 
-import torch
+from one_row import pipeline_and_questions, question_arguments
 
-from dflash.api import DFlash
-from dflash.bench.datasets import DataOptions, load_samples
 from dflash.decoding import proposer as proposers
+from dflash.decoding.choice import choice_logits
 from dflash.decoding.engine import GenerationConfig, SpeculativeEngine
-from dflash.decoding.penalties import choice_logits
 
 NAMES = {"p": "presence_penalty", "f": "frequency_penalty", "r": "repetition_penalty"}
 
@@ -56,26 +54,16 @@ def decode(pipe, plain: SpeculativeEngine, way: str, prompt: list[int], config: 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--target")
-    parser.add_argument("--draft")
     parser.add_argument("--settings", default="none,p0.5f0.5,p1.5,r1.1")
-    parser.add_argument("--dataset", default="gsm8k")
-    parser.add_argument("--questions", type=int, default=20)
-    parser.add_argument("--seed", type=int, default=1)
     parser.add_argument("--block-size", type=int, default=16)
-    parser.add_argument("--max-new-tokens", type=int, default=256)
-    parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--per-position", action="store_true")
-    parser.add_argument("--json")
+    question_arguments(parser, questions=20)
     args = parser.parse_args()
-    torch.set_num_threads(args.threads)
-    pipe = DFlash.from_pretrained(args.target, args.draft)
+    pipe, prompts = pipeline_and_questions(args)
+    plain = SpeculativeEngine(pipe.target)
     ways = ["plain", "dflash", "penalized-drafts"]
     if args.per_position and hasattr(pipe.engine.proposer.drafter, "candidate_selector"):
         del pipe.engine.proposer.drafter.candidate_selector
-    plain = SpeculativeEngine(pipe.target)
-    prompts = [pipe.encode(s.turns[0]) for s in load_samples(args.dataset, DataOptions(max_samples=args.questions,
-                                                                                         seed=args.seed))]
     settings = [s.strip() for s in args.settings.split(",")]
     report: dict[str, dict] = {}
     unpenalized: list[list[int]] | None = None
@@ -94,8 +82,10 @@ def main() -> None:
                 t["seconds"] += out.stats.decode_time_s
                 t["outputs"].append(out.output_ids)
         reference = totals["plain"]["outputs"]
-        unpenalized = unpenalized if unpenalized is not None else reference
-        row = {"outputs_changed_by_the_penalties": sum(a != b for a, b in zip(reference, unpenalized)),
+        if setting == "none":
+            unpenalized = reference
+        changed = None if unpenalized is None else sum(a != b for a, b in zip(reference, unpenalized))
+        row = {"outputs_changed_by_the_penalties": changed,  # against setting none's, where it ran before
                "mean_output_tokens": round(sum(map(len, reference)) / len(reference), 1)}
         for way, t in totals.items():
             row[way] = {"tokens_per_s": round(t["tokens"] / t["seconds"], 1),

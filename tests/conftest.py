@@ -81,11 +81,11 @@ def _family_fields(family: str, layers: int) -> dict:
     }[family]
 
 
-def tiny_target_config(family: str = "qwen3", layers: int = LAYERS):
+def tiny_target_config(family: str = "qwen3", layers: int = LAYERS, vocab: int = VOCAB):
     """The config of a tiny random `family` model (transformers' model_type)."""
     from transformers import AutoConfig
 
-    fields = dict(vocab_size=VOCAB, hidden_size=HIDDEN, intermediate_size=128, num_hidden_layers=layers,
+    fields = dict(vocab_size=vocab, hidden_size=HIDDEN, intermediate_size=128, num_hidden_layers=layers,
                   num_attention_heads=4, num_key_value_heads=2, head_dim=16, max_position_embeddings=1024,
                   tie_word_embeddings=False, eos_token_id=None, bos_token_id=None, pad_token_id=None)
     if family in ("falcon", "bloom", "mpt", "deepseek_v3"):  # head_dim is derived
@@ -94,11 +94,11 @@ def tiny_target_config(family: str = "qwen3", layers: int = LAYERS):
     return AutoConfig.for_model(family, **fields)
 
 
-def tiny_target_model(family: str = "qwen3", seed: int = 0, layers: int = LAYERS):
+def tiny_target_model(family: str = "qwen3", seed: int = 0, layers: int = LAYERS, vocab: int = VOCAB):
     """A random causal LM with peaky logits (so float noise never flips an argmax)."""
     from transformers import AutoModelForCausalLM
 
-    config = tiny_target_config(family, layers)
+    config = tiny_target_config(family, layers, vocab)
     torch.manual_seed(seed)
     model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
     with torch.no_grad():
@@ -346,21 +346,23 @@ TOKENIZERS = {"byte-level (embedded)": embedded_tokenizer, "metaspace": make_tok
               "byte fallback": byte_fallback_tokenizer}
 
 
-def save_tiny_pair(root, family: str = "qwen3", block_size: int = 8, drafter_layers: int = 1):
-    """Write a tiny target (with tokenizer) and a random drafter for it; returns (target_dir, draft_dir)."""
+def save_tiny_pair(root, family: str = "qwen3", block_size: int = 8, drafter_layers: int = 1, tokenizer=None):
+    """Write a tiny target (with tokenizer: `make_tokenizer`'s unless given) and a random drafter for it; returns
+    (target_dir, draft_dir)."""
     from pathlib import Path
 
     root = Path(root)
-    tokenizer = make_tokenizer()
-    model = tiny_target_model(family)
-    eos = tokenizer.convert_tokens_to_ids("<|im_end|>")
+    tokenizer = tokenizer or make_tokenizer()
+    model = tiny_target_model(family, vocab=len(tokenizer))
+    eos = tokenizer.eos_token_id
     model.config.eos_token_id = eos
     model.generation_config.eos_token_id = eos
     model.save_pretrained(root / "target")
     tokenizer.save_pretrained(root / "target")
     target = TargetModel(model, tokenizer)
     drafter = tiny_drafter(target, layers=drafter_layers, block_size=block_size)
-    drafter.config.mask_token_id = tokenizer.convert_tokens_to_ids("<|mask|>")
+    if "<|mask|>" in tokenizer.get_vocab():
+        drafter.config.mask_token_id = tokenizer.convert_tokens_to_ids("<|mask|>")
     drafter.save_pretrained(root / "draft")
     return root / "target", root / "draft"
 

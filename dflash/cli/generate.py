@@ -34,6 +34,20 @@ def stop_string(text: str) -> str:
     return re.sub(r"\\[ntr\\]", lambda m: _ESCAPES[m.group()], text)
 
 
+def json_schema(text: str) -> dict:
+    """A --json-schema value: the schema's JSON text, or a file holding it."""
+    path = Path(text).expanduser()
+    source = f"the file {text}" if path.is_file() else "the text"
+    try:
+        schema = json.loads(path.read_text() if path.is_file() else text)
+    except (OSError, ValueError) as err:
+        raise argparse.ArgumentTypeError(f"a JSON schema, as JSON text or a file holding it; {source} is not "
+                                         f"JSON ({err})") from None
+    if not isinstance(schema, dict):
+        raise argparse.ArgumentTypeError('a JSON schema is a JSON object, like {"type": "object"}')
+    return schema
+
+
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     add_model_arguments(parser, auto_block_size=True)
     group = parser.add_argument_group("prompt and decoding")
@@ -69,6 +83,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--repetition-penalty", type=float, default=1.0,
                        help="divides the positive logits, and multiplies the others, of tokens the prompt or answer "
                             "holds, > 0 (default 1: off; above 1 discourages repeating; transformers' and vLLM's)")
+    group.add_argument("--json-schema", type=json_schema, metavar="SCHEMA",
+                       help="the answer is JSON matching this schema (JSON text, or a file holding it; needs "
+                            "pip install 'dflash[structured]')")
+    group.add_argument("--regex", help="the answer matches this regular expression (needs "
+                                       "pip install 'dflash[structured]')")
     group.add_argument("--stop", action="append", default=[], type=stop_string,
                        help=r"stop before this text (repeatable; \n and \t stand for newline and tab)")
     group.add_argument("--compare", action="store_true",
@@ -181,7 +200,7 @@ def _check_arguments(args: argparse.Namespace, prompt: str) -> dict:
     options = dict(max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_p=args.top_p,
                    top_k=args.top_k, min_p=args.min_p, seed=args.seed, stop_strings=args.stop,
                    presence_penalty=args.presence_penalty, frequency_penalty=args.frequency_penalty,
-                   repetition_penalty=args.repetition_penalty)
+                   repetition_penalty=args.repetition_penalty, json_schema=args.json_schema, regex=args.regex)
     make_config(**options)
     refuse_greedy_ignores(options)
     if args.branch_length > 0 and args.temperature > 0 and args.seed is None:

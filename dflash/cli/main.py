@@ -23,7 +23,8 @@ COMMANDS = {
 GENERATION_FLAGS = {"max_new_tokens": "--max-new-tokens", "block_size": "--block-size",
                     "branch_length": "--branch-length", "temperature": "--temperature", "top_p": "--top-p",
                     "top_k": "--top-k", "min_p": "--min-p", "seed": "--seed", "presence_penalty": "--presence-penalty",
-                    "frequency_penalty": "--frequency-penalty", "repetition_penalty": "--repetition-penalty"}
+                    "frequency_penalty": "--frequency-penalty", "repetition_penalty": "--repetition-penalty",
+                    "json_schema": "--json-schema", "regex": "--regex"}
 DECODING_COMMANDS = ("generate", "datagen", "bench", "serve")
 
 # Other tools' names for our flags (the reference benchmark's, vLLM's), for a hint when one is given.

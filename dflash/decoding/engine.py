@@ -23,9 +23,10 @@ import torch
 
 from dflash.config_types import type_mismatch
 from dflash.decoding.branch import Branch, accept_branch, block_visibility, most_likely_first_miss
+from dflash.decoding.choice import choice_logits
 from dflash.decoding.detokenizer import check_utf8
 from dflash.decoding.logprobs import TokenLogprob, check_top, token_logprobs
-from dflash.decoding.penalties import Penalties, TokenCounts, choice_logits
+from dflash.decoding.penalties import Penalties, TokenCounts
 from dflash.decoding.proposer import Draft, NoDraftProposer, PendingContext, Proposer, check_proposer
 from dflash.decoding.sampling import MAX_LOGIT_BIAS, NAN_LOGITS, PositionNoise, SamplingParams, to_probs
 from dflash.decoding.slots import (
@@ -37,6 +38,7 @@ from dflash.decoding.slots import (
     worth_compacting,
 )
 from dflash.decoding.stopping import StopChecker
+from dflash.decoding.structure import Grammar, GrammarCompiler
 from dflash.decoding.verify import (
     NO_TOKEN,
     RowsFailed,
@@ -92,6 +94,9 @@ class GenerationConfig:
     presence_penalty: float = 0.0  # OpenAI's: subtracted once from the logit of each token the output holds (-2..2)
     frequency_penalty: float = 0.0  # OpenAI's: subtracted once for each time the output holds the token (-2..2)
     repetition_penalty: float = 1.0  # transformers' and vLLM's: > 1 discourages tokens of the prompt and output
+    # structured output (`structure`; needs llguidance): the answer matches this JSON schema, or this regex
+    json_schema: dict | None = None  # {"type": "object"}: any JSON object
+    regex: str | None = None
     logprobs: int | None = None  # each output token's log-probability and this many alternatives (`logprobs`)
     prompt_logprobs: int | None = None  # the same for each prompt token after the first
 
@@ -124,6 +129,11 @@ class GenerationConfig:
             if isinstance(token, bool) or not isinstance(token, int) or not (number and abs(bias) <= MAX_LOGIT_BIAS):
                 raise GenerationError(f"logit_bias maps token ids to a bias from -{MAX_LOGIT_BIAS:g} to "
                                       f"{MAX_LOGIT_BIAS:g}, got {token!r}: {bias!r}")
+        if self.json_schema is not None and self.regex is not None:
+            raise GenerationError("json_schema and regex each set the answer's structure: give one of them")
+        if self.structured and self.ignore_eos:
+            raise GenerationError("a structured answer ends where its grammar does, at an EOS token, and ignore_eos "
+                                  "writes on past it: drop ignore_eos (max_new_tokens still caps the answer)")
         for name in ("logprobs", "prompt_logprobs"):
             top = getattr(self, name)
             if top is not None and (problem := check_top(top)):
@@ -143,6 +153,11 @@ class GenerationConfig:
             return SamplingParams(self.temperature, self.top_p, self.top_k, self.min_p)
         except ValueError as err:
             raise GenerationError(str(err)) from None
+
+    @property
+    def structured(self) -> bool:
+        """Whether a grammar (json_schema or regex) holds the answer."""
+        return self.json_schema is not None or self.regex is not None
 
     @property
     def penalties(self) -> Penalties:
@@ -235,7 +250,7 @@ class Sequence:
     """One prompt being decoded: its output so far, its sampling state and its stats."""
 
     def __init__(self, prompt_ids: list[int], config: GenerationConfig, stop: StopChecker,
-                 device: torch.device | str = "cpu", bias: torch.Tensor | None = None, vocab_size: int | None = None):
+                 device: torch.device | str = "cpu", bias: torch.Tensor | None = None, grammar: Grammar | None = None):
         self.prompt_ids = list(prompt_ids)
         self.config = config
         self.params = config.sampling
@@ -252,11 +267,8 @@ class Sequence:
         self.prompt_logprobs: list[TokenLogprob] | None = None  # the prefill's, where the config asks
         self.bias = bias  # (vocab,) the config's logit_bias over the target's logits, added before a token is chosen
         self.penalties = config.penalties if config.penalties.active else None  # applied after the bias
-        if self.penalties is not None and not vocab_size:
-            raise ValueError("a Sequence with penalties counts tokens over the target's vocabulary: give vocab_size "
-                             "(SpeculativeEngine.new_sequence does)")
-        # the tokens the penalties count, over the target's vocabulary
-        self.counts = TokenCounts(prompt_ids, vocab_size, device) if self.penalties is not None else None
+        self.counts = TokenCounts(prompt_ids) if self.penalties is not None else None  # the tokens they count
+        self.grammar = grammar  # the tokens the config's json_schema or regex allows next (`structure`)
         self.finish_reason: str | None = None
         self.error: str | None = None  # why it finished with finish_reason 'error' (`fail`)
         self.long_rotated = False  # a longrope target's cache of this row holds its long factors' rotation
@@ -281,6 +293,8 @@ class Sequence:
         self.output_ids.extend(kept)
         if self.counts is not None:
             self.counts.add(kept)
+        if self.grammar is not None:
+            self.grammar.advance(kept)
         if self.logprobs is not None and logprobs is not None:
             self.logprobs.extend(logprobs[: len(kept)])
         self.stats.acceptance_lengths.append(len(kept))
@@ -350,6 +364,7 @@ class SpeculativeEngine:
         self.tokenizer = tokenizer if tokenizer is not None else target.tokenizer
         self.profile = StepProfile()
         self._block_policy = None  # BlockSizePolicy for block_size "auto", timed on first use
+        self._grammars: GrammarCompiler | None = None  # structured output's, built on first use
 
     # ---- requests ---------------------------------------------------------------------------------------
     @property
@@ -386,7 +401,15 @@ class SpeculativeEngine:
             check_token_ids(list(config.logit_bias), self.target.vocab_size, "logit_bias token ids")
         stop = StopChecker(self.stop_ids(config), config.stop_strings, config.max_new_tokens, self.tokenizer)
         return Sequence(prompt_ids, config, stop, self.target.device, self._bias_vector(config.logit_bias),
-                        self.target.vocab_size)
+                        self._grammar(config))
+
+    def _grammar(self, config: GenerationConfig) -> Grammar | None:
+        """The grammar of a config's json_schema or regex (None without one), over the target's tokenizer."""
+        if not config.structured:
+            return None
+        if self._grammars is None:
+            self._grammars = GrammarCompiler(self.tokenizer, self.target.vocab_size, self.target.eos_token_ids())
+        return self._grammars.grammar(config.json_schema, config.regex)
 
     def _bias_vector(self, logit_bias: dict[int, float] | None) -> torch.Tensor | None:
         """A logit bias over the target's logits (vocab,), None for none."""
@@ -671,15 +694,17 @@ class SpeculativeEngine:
 
     def _branch(self, batch: Batch, draft: Draft, width: int) -> Branch | None:
         """The branch this step verifies with its block, or None: every row asks for one (`branch_length`) and is
-        greedy or seeded (its target tokens do not depend on the drafts offered), the draft can give one, the
-        target takes a tree-shaped mask, and a draft token can be replaced. It leaves the draft where its first
+        greedy or seeded (its target tokens do not depend on the drafts offered) and has no grammar (whose masks
+        follow the block), the draft can give one, the target takes a tree-shaped mask, and a draft token can be
+        replaced. It leaves the draft where its first
         miss is likeliest, and stays within `width` positions from the anchor (the proposer's block, or fewer
         at the end of the context)."""
         rows = batch.sequences
         length = min(seq.config.branch_length for seq in rows)
         drafted = draft.tokens.shape[1]
         if (length < 1 or drafted < 1 or draft.branch_fn is None or not self.target.takes_branches
-                or not all(seq.params.greedy or seq.noise is not None for seq in rows)):
+                or not all(seq.params.greedy or seq.noise is not None for seq in rows)
+                or any(seq.grammar is not None for seq in rows)):
             return None
         confidence = draft.confidence
         start = (most_likely_first_miss(confidence, drafted) if confidence is not None

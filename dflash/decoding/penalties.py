@@ -1,4 +1,4 @@
-"""Penalties on repeated tokens, and the logits a token is chosen from.
+"""Penalties on repeated tokens.
 
     repetition (r > 0, 1 = off):  a token the prompt or the output so far holds has its logit divided by r where
                                   it is positive, multiplied by r where it is not (CTRL's, as transformers and vLLM
@@ -22,11 +22,10 @@ penalty flips its choice where it leaves the target's alone.
 from __future__ import annotations
 
 import math
+from collections import Counter
 from dataclasses import dataclass
 
 import torch
-
-from dflash.decoding.sampling import add_logit_bias
 
 MAX_PENALTY = 2.0  # OpenAI's range for presence_penalty and frequency_penalty: -2 to 2
 
@@ -53,62 +52,62 @@ class Penalties:
 
 
 class TokenCounts:
-    """What a row's penalties read: how often the output so far holds each token, and which tokens its prompt
-    holds (the repetition penalty's)."""
+    """What a row's penalties read: how often the output so far holds each token, and which tokens its prompt holds
+    (the repetition penalty's). Only the tokens a row holds are penalized, so the work is theirs, not the
+    vocabulary's."""
 
-    def __init__(self, prompt_ids: list[int], vocab_size: int, device: torch.device | str = "cpu"):
-        self.output = torch.zeros(vocab_size, device=device)  # (vocab,)
-        self.in_prompt = torch.zeros(vocab_size, dtype=torch.bool, device=device)  # (vocab,)
-        self.in_prompt[torch.tensor(prompt_ids, dtype=torch.long, device=device)] = True
+    def __init__(self, prompt_ids: list[int]):
+        self.output: Counter[int] = Counter()
+        self.in_prompt = frozenset(prompt_ids)
 
     def add(self, tokens: list[int]) -> None:
-        if tokens:
-            ids = torch.tensor(tokens, device=self.output.device)
-            self.output.index_add_(0, ids, torch.ones_like(ids, dtype=self.output.dtype))
-
-
-def choice_logits(logits: torch.Tensor, rows: list, tokens: torch.Tensor | None = None,
-                  sees: torch.Tensor | None = None) -> torch.Tensor:
-    """What each row's tokens are chosen from: logits (b, q, vocab) with the row's logit bias and penalties (the
-    same tensor where no row has either).
-
-    tokens (b, q): a verify forward's tokens, the first each row's anchor (already in its output, so not counted
-    again); sees (b, q, q): which of them each slot sees (None: those up to its own). Without `tokens`, every slot
-    is penalized as the output so far stands (the prefill's)."""
-    return penalize(add_logit_bias(logits, rows), rows, tokens, sees)
+        self.output.update(tokens)
 
 
 def penalize(logits: torch.Tensor, rows: list, tokens: torch.Tensor | None = None,
              sees: torch.Tensor | None = None) -> torch.Tensor:
     """logits (b, q, vocab) with each row's penalties (`Sequence.penalties`, counting `Sequence.counts`) applied at
-    every slot; see `choice_logits`."""
-    if all(getattr(row, "penalties", None) is None for row in rows):
+    every slot (a new tensor; the same one where no row has penalties). tokens (b, q): a verify forward's tokens, the
+    first each row's anchor (already in its output, so not counted again); sees (b, q, q): which of them each slot
+    sees (None: those up to its own). Without `tokens`, every slot is penalized as the output so far stands (the
+    prefill's)."""
+    penalized = [r for r, row in enumerate(rows) if getattr(row, "penalties", None) is not None]
+    if not penalized:
         return logits
-    counts, in_prompt = _slot_counts(logits, rows, tokens, sees)  # (b, q, vocab) float, (b, 1, vocab) bool
-    settings = [getattr(row, "penalties", None) or Penalties() for row in rows]
-    repetition, frequency, presence = (logits.new_tensor([getattr(s, name) for s in settings])[:, None, None]
-                                       for name in ("repetition", "frequency", "presence"))  # (b, 1, 1) each
-    held = counts > 0
-    repeated = held | in_prompt
-    logits = torch.where(repeated, torch.where(logits > 0, logits / repetition, logits * repetition), logits)
-    return logits - frequency * counts - presence * held.to(logits.dtype)
+    logits = logits.clone()
+    q = logits.shape[1]
+    if tokens is not None and sees is None:  # slot i sees tokens 0..i
+        sees = torch.ones(q, q, dtype=torch.bool, device=logits.device).tril().expand(tokens.shape[0], q, q)
+    for r in penalized:
+        drafted = [] if tokens is None else tokens[r, 1:].tolist()
+        _penalize_row(logits[r], rows[r].penalties, rows[r].counts, drafted,
+                      None if tokens is None else sees[r, :, 1:])
+    return logits
 
 
-def _slot_counts(logits: torch.Tensor, rows: list, tokens: torch.Tensor | None,
-                 sees: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
-    """How often each slot's history holds each token (b, q, vocab): the row's output so far and the tokens past
-    the anchor that the slot sees; and which tokens each row's prompt holds (b, 1, vocab)."""
-    b, q, vocab = logits.shape
-    zeros = logits.new_zeros(vocab)
-    no_prompt = torch.zeros(vocab, dtype=torch.bool, device=logits.device)
-    held = [getattr(row, "counts", None) for row in rows]
-    output = torch.stack([zeros if c is None else c.output.to(logits) for c in held])  # (b, vocab)
-    in_prompt = torch.stack([no_prompt if c is None else c.in_prompt for c in held])[:, None]  # (b, 1, vocab)
-    counts = output[:, None, :].expand(b, q, vocab)
-    if tokens is None or q == 1:
-        return counts, in_prompt
-    if sees is None:  # slot i sees tokens 0..i
-        sees = torch.ones(q, q, dtype=torch.bool, device=logits.device).tril().expand(b, q, q)
-    after_anchor = tokens[:, None, 1:].expand(b, q, q - 1)  # (b, q, q - 1)
-    counts = counts.clone().scatter_add_(2, after_anchor, sees[:, :, 1:].to(logits.dtype))
-    return counts, in_prompt
+def _penalize_row(logits: torch.Tensor, penalties: Penalties, counts: TokenCounts, drafted: list[int],
+                  sees: torch.Tensor | None) -> None:
+    """One row's logits (q, vocab), penalized in place over the tokens its slots may hold: the output's, the draft
+    tokens' (drafted, the q - 1 after the anchor; sees (q, q - 1): which each slot sees) and, for the repetition
+    penalty, the prompt's."""
+    held = set(counts.output) | set(drafted)
+    if penalties.repetition != 1:
+        held |= counts.in_prompt
+    ids = sorted(held)
+    if not ids:
+        return
+    column = {token: i for i, token in enumerate(ids)}
+    device = logits.device
+    index = torch.tensor(ids, device=device)  # (n,)
+    times = torch.tensor([float(counts.output[t]) for t in ids], device=device).expand(logits.shape[0], -1)  # (q, n)
+    if drafted:  # slot i adds the draft tokens it sees
+        seen = torch.zeros(len(drafted), len(ids), device=device)  # (q - 1, n)
+        seen[torch.arange(len(drafted)), torch.tensor([column[t] for t in drafted])] = 1.0
+        times = times + sees.to(seen.dtype) @ seen
+    in_prompt = torch.tensor([t in counts.in_prompt for t in ids], device=device)  # (n,)
+    sub = logits[:, index]  # (q, n)
+    repeated = (times > 0) | in_prompt
+    r = penalties.repetition
+    sub = torch.where(repeated, torch.where(sub > 0, sub / r, sub * r), sub)
+    sub = sub - penalties.frequency * times - penalties.presence * (times > 0).to(sub.dtype)
+    logits[:, index] = sub

@@ -87,9 +87,10 @@ def warn_unapplied_generation_options(target: "TargetModel") -> None:
     unapplied = unapplied_generation_options(getattr(target.model, "generation_config", None))
     if unapplied:
         log.warning("%s: its generation_config.json sets %s, which DFlash does not apply (transformers' generate "
-                    "and vLLM would): every command decodes with the options it gives (greedy unless a temperature "
-                    "is given to dflash generate, bench or datagen; dflash serve applies its sampling defaults, see "
-                    "--generation-config)", type(target.model).__name__, ", ".join(unapplied))
+                    "would): every command decodes with the options it gives (greedy unless a temperature is given "
+                    "to dflash generate, bench or datagen, and without a repetition penalty unless dflash generate's "
+                    "--repetition-penalty gives one; dflash serve applies its sampling defaults and "
+                    "repetition_penalty, see --generation-config)", type(target.model).__name__, ", ".join(unapplied))
 
 
 NEEDS_ITS_OWN_CODE = ("{path} needs the Python code it ships (its config.json's auto_map names classes transformers "

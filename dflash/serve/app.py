@@ -35,6 +35,7 @@ from dflash.decoding.detokenizer import TextDeltas, decode
 from dflash.decoding.engine import SEED_RANGE, GenerationConfig, GenerationOutput, Sequence, check_token_ids
 from dflash.decoding.logprobs import TokenLogprob
 from dflash.decoding.proposer import NoDraftProposer
+from dflash.decoding.structure import StructureError
 from dflash.errors import UserError
 from dflash.serve.fallback import AUTO_NEEDS_STEP_COSTS, FallbackConfig
 from dflash.serve.limits import DEFAULT_MAX_REQUEST_BYTES, check_max_model_len
@@ -189,6 +190,7 @@ class Server:
                           default_max: int | None) -> GenerationConfig:
         max_tokens = self.token_budget(req, prompt_len, kind, default_max)
         defaults = self.sampling
+        json_schema, regex, _ = req.structure()
         return GenerationConfig(
             max_new_tokens=max_tokens, temperature=_given(req.temperature, defaults.temperature),
             top_p=_given(req.top_p, defaults.top_p), top_k=_given(req.top_k, defaults.top_k),
@@ -198,6 +200,7 @@ class Server:
             seed=req.seed, stop_token_ids=self.stop_token_ids(req), ignore_eos=req.ignore_eos,
             stop_strings=req.stop_strings, branch_length=getattr(self.pipe, "branch_length", 0),
             logprobs=req.top_logprobs_asked, prompt_logprobs=_prompt_scores(req), logit_bias=self.logit_bias(req),
+            json_schema=json_schema, regex=regex,
         )
 
     def logit_bias(self, req: SamplingRequest) -> dict[int, float] | None:
@@ -231,7 +234,10 @@ class Server:
         config = self.generation_config(req, len(prompt_ids), kind, default_max)
         configs = [config if config.seed is None or i == 0 else dataclasses.replace(config, seed=config.seed + i)
                    for i in range(req.n)]
-        seqs = [self.engine.new_sequence(prompt_ids, c) for c in configs]  # GenerationError (a UserError) -> 400
+        try:
+            seqs = [self.engine.new_sequence(prompt_ids, c) for c in configs]
+        except StructureError as err:  # (other GenerationErrors, UserErrors, are 400s too, naming no field)
+            raise APIError(400, str(err), param=req.structure()[2]) from None
         workload = f"{kind}/{'greedy' if config.temperature == 0 else 'sampled'}"
         return self.scheduler.submit_all(seqs, workload, stream=req.stream)
 

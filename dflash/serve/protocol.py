@@ -3,8 +3,9 @@ and OpenAI-style error objects `{"error": {"message", "type", "param", "code"}}`
 
 Requests are validated strictly (a string where a number belongs is a 400, never coerced); null means the
 default, as in OpenAI's API. Unknown fields are ignored, as OpenAI clients send fields this server has no use
-for; known options it cannot honour (tools, JSON output, ..., and vLLM's own sampling and guided-decoding
-extensions but min_p and repetition_penalty) are refused with a 400 naming the field unless left at their defaults.
+for; known options it cannot honour (tools, ..., and vLLM's own sampling and guided-decoding extensions but min_p,
+repetition_penalty and guided_json / guided_regex / guided_choice) are refused with a 400 naming the field unless
+left at their defaults.
 """
 
 from __future__ import annotations
@@ -130,8 +131,31 @@ class ChatMessage(_Strict):
         return "\n".join(part.text or "" for part in self.content)
 
 
+class JsonSchemaFormat(_Strict):
+    name: str | None = None
+    schema_: dict[str, Any] | None = Field(default=None, alias="schema")  # None: any JSON value
+    strict: bool | None = None  # the schema binds either way
+    description: str | None = None
+
+
 class ResponseFormat(_Strict):
-    type: str
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaFormat | None = None
+
+    @model_validator(mode="after")
+    def _schema_with_its_type(self):
+        if self.type == "json_schema" and self.json_schema is None:
+            raise ValueError('type "json_schema" needs a json_schema: {"name": ..., "schema": {...}}')
+        return self
+
+
+_ANY_OBJECT: dict[str, Any] = {"type": "object"}  # json_object: any JSON object
+_REGEX_SPECIALS = set("\\.^$|?*+()[]{}")
+
+
+def literal_regex(text: str) -> str:
+    """A regular expression matching `text` alone (its specials escaped, as llguidance's regexes read them)."""
+    return "".join("\\" + c if c in _REGEX_SPECIALS else c for c in text)
 
 
 # field -> (is the value the default?, what to send instead): options refused with a 400 rather than ignored
@@ -183,17 +207,14 @@ class SamplingRequest(_Strict):
     include_stop_str_in_output: Any = None
     skip_special_tokens: Any = None
     spaces_between_special_tokens: Any = None
-    guided_json: Any = None
-    guided_regex: Any = None
-    guided_choice: Any = None
+    guided_json: dict[str, Any] | str | None = None  # vLLM's structured output: a JSON schema (or its text),
+    guided_regex: str | None = None  # a regular expression,
+    guided_choice: list[str] | None = Field(default=None, min_length=1)  # or one of these strings
     guided_grammar: Any = None
     structured_outputs: Any = None
     response_format: ResponseFormat | None = None
 
     _UNSUPPORTED: ClassVar[Refusals] = {
-        "response_format": (lambda v: v is None or v.type == "text",
-                            "this server does not constrain output to JSON; leave response_format out or send "
-                            "{\"type\": \"text\"}"),
         "min_tokens": (_unset, "this server stops at EOS whenever it comes; leave min_tokens out, or send "
                        "ignore_eos=true for a fixed length"),
         "bad_words": (_unset, "this server bans no words; leave bad_words out"),
@@ -211,8 +232,12 @@ class SamplingRequest(_Strict):
                                 "skip_special_tokens out"),
         "spaces_between_special_tokens": (lambda v: v in (None, True), "this server's text leaves special tokens "
                                           "out; leave spaces_between_special_tokens out"),
-        **{name: (lambda v: v is None, f"this server does not constrain its output; leave {name} out")
-           for name in ("guided_json", "guided_regex", "guided_choice", "guided_grammar", "structured_outputs")},
+        "guided_grammar": (lambda v: v is None, "this server holds an answer to a JSON schema or a regex, not a "
+                           "grammar; leave guided_grammar out and send response_format, guided_json, guided_regex or "
+                           "guided_choice"),
+        "structured_outputs": (lambda v: v is None, "this server takes structured output as response_format, "
+                               "guided_json, guided_regex or guided_choice; leave structured_outputs out and send "
+                               "one of those"),
     }
 
     def check_supported(self) -> None:
@@ -278,6 +303,44 @@ class SamplingRequest(_Strict):
 
     def check_logprobs(self) -> None:
         """Refuse a logprobs request this endpoint reads otherwise (`top_logprobs_asked`)."""
+
+    def structure(self) -> tuple[dict[str, Any] | None, str | None, str | None]:
+        """(json_schema, regex, the field that set them) for the answer's structure; (None, None, None) without one.
+        Two fields that each set one are a 400 naming them."""
+        given = {name: value for name, value in (("response_format", self._format_schema()),
+                                                 ("guided_json", self._guided_schema()),
+                                                 ("guided_regex", self.guided_regex),
+                                                 ("guided_choice", self.guided_choice)) if value is not None}
+        if len(given) > 1:
+            raise APIError(400, f"{' and '.join(given)} each set the answer's structure; send one of them",
+                           param=list(given)[1])
+        if not given:
+            return None, None, None
+        field, value = next(iter(given.items()))
+        if field == "guided_regex":
+            return None, value, field
+        if field == "guided_choice":
+            return None, "|".join(f"({literal_regex(choice)})" for choice in value), field
+        return value, None, field
+
+    def _format_schema(self) -> dict[str, Any] | None:
+        if self.response_format is None or self.response_format.type == "text":
+            return None
+        if self.response_format.type == "json_object":
+            return _ANY_OBJECT
+        return self.response_format.json_schema.schema_ or {}
+
+    def _guided_schema(self) -> dict[str, Any] | None:
+        if not isinstance(self.guided_json, str):
+            return self.guided_json
+        try:
+            schema = json.loads(self.guided_json)
+        except ValueError as err:
+            raise APIError(400, f"guided_json is a JSON schema, as an object or its JSON text; this text is not "
+                                f"JSON ({err})", param="guided_json") from None
+        if not isinstance(schema, dict):
+            raise APIError(400, "guided_json is a JSON schema: an object", param="guided_json")
+        return schema
 
     def bias_by_token(self) -> dict[int, float] | None:
         """logit_bias with its keys as token ids; a 400 naming logit_bias for a key that is no id or a bias

@@ -413,3 +413,34 @@ def test_the_prompt_may_be_the_one_positional_argument(tiny_pair, capsys):
                            ([], "no prompt: give it as PROMPT"), ([""], "PROMPT is empty")]:
         assert main(_args(tiny_pair, *extra)) == 2
         assert message in capsys.readouterr().err
+
+
+def test_penalties_and_structure_flags(tiny_pair, tmp_path, capsys):
+    """--presence-penalty, --frequency-penalty, --repetition-penalty, --json-schema and --regex reach the decode;
+    a bad value is a one-line error naming the flag."""
+    from conftest import byte_fallback_tokenizer, save_tiny_pair
+
+    target, draft = tiny_pair
+    assert main(["generate", "--target", str(target), "--no-draft", "--prompt", "x", "--presence-penalty", "3"]) == 2
+    assert "--presence-penalty must be a number from -2 to 2" in capsys.readouterr().err
+    with pytest.raises(SystemExit):  # argparse: usage and the reason, status 2
+        main(["generate", "--target", str(target), "--no-draft", "--prompt", "x", "--json-schema", "{bad"])
+    assert "the text is not JSON" in capsys.readouterr().err
+    assert main(["generate", "--target", str(target), "--no-draft", "--prompt", "x", "--regex", "a+"]) == 2
+    assert "llguidance cannot read this tokenizer" in capsys.readouterr().err  # a Metaspace decoder
+    plain = ["generate", "--target", str(target), "--draft", str(draft), "--prompt", "12 apples", "--json",
+             "--max-new-tokens", "12"]
+    assert main(plain) == 0
+    unpenalized = json.loads(capsys.readouterr().out)["output_ids"]
+    assert main(plain + ["--repetition-penalty", "3", "--frequency-penalty", "2", "--compare"]) == 0
+    penalized = json.loads(capsys.readouterr().out)
+    assert penalized["output_ids"] != unpenalized and penalized["matches_baseline"] is True
+    byte_target, byte_draft = save_tiny_pair(tmp_path, tokenizer=byte_fallback_tokenizer())
+    schema = tmp_path / "schema.json"
+    schema.write_text(json.dumps({"enum": ["yes", "no"]}))
+    for flags, answers in ((["--regex", "(April|May) [0-9]"], None),
+                           (["--json-schema", str(schema)], ('"yes"', '"no"'))):
+        assert main(["generate", "--target", str(byte_target), "--draft", str(byte_draft), "--raw", "--prompt",
+                     "12 apples", "--json", "--max-new-tokens", "12", *flags]) == 0
+        text = json.loads(capsys.readouterr().out)["text"]
+        assert text in answers if answers else re.fullmatch("(April|May) [0-9]", text), text

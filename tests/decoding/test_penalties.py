@@ -21,8 +21,9 @@ from conftest import (
     tiny_drafter,
 )
 from dflash.decoding import DFlashProposer, GenerationConfig, SpeculativeEngine
+from dflash.decoding.choice import choice_logits
 from dflash.decoding.draft_model import DraftModelProposer
-from dflash.decoding.penalties import Penalties, TokenCounts, choice_logits
+from dflash.decoding.penalties import Penalties, TokenCounts
 from dflash.decoding.sampling import SamplingParams
 from dflash.errors import GenerationError
 
@@ -170,7 +171,7 @@ def test_a_slot_counts_the_tokens_it_sees_past_the_anchor():
     """Unit: slot i of a forward penalizes the output and tokens 1..i (the anchor is in the output already)."""
     class Row:
         penalties = Penalties(frequency=1.0)
-        counts = TokenCounts([], 6)
+        counts = TokenCounts([])
 
     row = Row()
     row.counts.add([3, 5])  # the output so far; 5 is the anchor

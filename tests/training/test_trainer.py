@@ -56,6 +56,15 @@ def config(tiny_pair, train_data, output, **overrides):
     return load_config(None, values)
 
 
+@pytest.fixture
+def ctrl_c_interrupts():
+    """Python's own Ctrl-C (KeyboardInterrupt), which a stop at once falls back to, for the test: a shell starts a
+    background job with SIGINT ignored, and Python keeps it so (there, a second Ctrl-C has no at-once to act)."""
+    previous = signal.signal(signal.SIGINT, signal.default_int_handler)
+    yield
+    signal.signal(signal.SIGINT, previous)
+
+
 def signal_after_step(trainer: Trainer, at_step: int | None = None, signum: int = signal.SIGINT, times: int = 1):
     """Send the process `signum` (`times` in a row) once the trainer has trained step `at_step` (None: every
     step). raise_signal runs the handler at once, in this thread: two kill()s could reach Python as one."""
@@ -1703,7 +1712,8 @@ def test_ctrl_c_after_the_last_step_finishes_the_run_and_says_so(tiny_pair, trai
         "to start afresh"),
 ])
 def test_a_second_ctrl_c_stops_at_once_and_names_the_checkpoint_to_resume_from(tiny_pair, train_data, tmp_path,
-                                                                                 capsys, at_step, said, monkeypatch):
+                                                                                 capsys, at_step, said, monkeypatch,
+                                                                                 ctrl_c_interrupts):
     monkeypatch.setattr(StopRequest, "REPEAT_WINDOW_S", 0.0)  # a second later, as a person presses it again
     out = tmp_path / "out"
     trainer = Trainer(config(tiny_pair, train_data, out)).setup()  # checkpoints at step 3; 6 steps
@@ -1731,7 +1741,8 @@ def test_a_stop_delivered_twice_at_once_still_saves_a_checkpoint_after_the_step(
 
 
 def test_a_second_ctrl_c_in_the_final_evaluation_says_resume_exports_the_last_step(tiny_pair, train_data, tmp_path,
-                                                                                    capsys, monkeypatch):
+                                                                                    capsys, monkeypatch,
+                                                                                    ctrl_c_interrupts):
     monkeypatch.setattr(StopRequest, "REPEAT_WINDOW_S", 0.0)
     out = tmp_path / "out"
     trainer = Trainer(config(tiny_pair, train_data, out, max_steps=2)).setup()

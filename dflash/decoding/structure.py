@@ -1,0 +1,130 @@
+"""Structured output: an answer held to a JSON schema or a regular expression, by masking the target's logits.
+
+A row's grammar (llguidance's matcher, as vLLM and SGLang use it) says which tokens may come next. In a verify
+forward the logits at slot i choose the token after the anchor and the draft tokens 1..i, so slot i is masked with
+what the grammar allows after those tokens: the matcher reads the draft tokens one by one, giving each slot's mask,
+then rolls back. Past the first draft token the grammar refuses, no slot is masked: the target's choice at the slot
+before it cannot be that token, so nothing after it is accepted. Every token is chosen from what the target alone
+would choose it from, so drafting stays lossless. The drafters draft unconstrained; a draft token the grammar
+refuses is turned down. Rows with a grammar verify no branch.
+
+llguidance is an optional dependency: `pip install 'dflash[structured]'`.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+import torch
+
+from dflash.errors import GenerationError
+
+INSTALL = "pip install 'dflash[structured]'"  # llguidance: structured output's one dependency
+
+
+class StructureError(GenerationError):
+    """A json_schema or regex that cannot hold an answer here (invalid, or llguidance missing)."""
+
+
+def _llguidance():
+    try:
+        import llguidance
+        import llguidance.hf
+    except ImportError:
+        raise StructureError(f"structured output (json_schema, regex) needs llguidance: {INSTALL}") from None
+    return llguidance
+
+
+def grammar_text(json_schema: dict | None, regex: str | None) -> str:
+    """llguidance's grammar for a JSON schema or a regular expression (one of them)."""
+    llg = _llguidance()
+    if json_schema is None:
+        return llg.LLMatcher.grammar_from_regex(regex)
+    try:
+        return llg.LLMatcher.grammar_from_json_schema(json.dumps(json_schema))
+    except (TypeError, ValueError) as err:  # values JSON cannot hold (a set, an object)
+        raise StructureError(f"the json_schema is not JSON ({err}); give a schema of JSON values") from None
+
+
+class GrammarCompiler:
+    """Builds each row's `Grammar` over one tokenizer (the target's; llguidance reads it once)."""
+
+    def __init__(self, tokenizer: Any, vocab_size: int, eos_ids: list[int]):
+        if tokenizer is None:
+            raise StructureError("structured output masks tokens by their text, and this target has no tokenizer: "
+                                 "give it one (TargetModel(model, tokenizer))")
+        llg = _llguidance()
+        try:
+            self.tokenizer = llg.hf.from_tokenizer(tokenizer, n_vocab=vocab_size, eos_token=eos_ids or None)
+        except (ValueError, RuntimeError) as err:  # a slow (Python) tokenizer, or a decoder llguidance lacks
+            raise StructureError(f"llguidance cannot read this tokenizer for structured output ({err}); it reads fast "
+                                 "tokenizers (tokenizer.json) with byte-level (GPT-2, Llama 3, Qwen) or byte-fallback "
+                                 "(Llama 2, Mistral, Gemma) decoders") from None
+        self.vocab_size = vocab_size
+
+    def grammar(self, json_schema: dict | None, regex: str | None) -> "Grammar":
+        llg = _llguidance()
+        text = grammar_text(json_schema, regex)
+        problem = llg.LLMatcher.validate_grammar(text, self.tokenizer)
+        what = "json_schema" if json_schema is not None else "regex"
+        if problem and not problem.startswith("WARNING"):
+            raise StructureError(f"the {what} cannot be used: {problem}; fix it")
+        return Grammar(llg.LLMatcher(self.tokenizer, text, log_level=0), self.vocab_size)
+
+
+class Grammar:
+    """One row's matcher: the tokens allowed next, after the output so far and after draft tokens."""
+
+    def __init__(self, matcher: Any, vocab_size: int):
+        self.matcher = matcher
+        self.vocab_size = vocab_size
+
+    def allowed(self) -> torch.Tensor:
+        """(vocab,) bool: the tokens the grammar allows next."""
+        bias = torch.frombuffer(bytearray(self.matcher.compute_logit_bias()), dtype=torch.uint8)[: self.vocab_size]
+        allowed = torch.zeros(self.vocab_size, dtype=torch.bool)
+        allowed[: bias.shape[0]] = bias > 0
+        return allowed
+
+    def slot_masks(self, tokens: list[int]) -> torch.Tensor:
+        """(q, vocab) bool for a forward's q tokens (the anchor, then draft tokens): slot i's mask after draft tokens
+        1..i; all True past the first draft token the grammar refuses (no slot there is ever used)."""
+        drafts = tokens[1:]
+        valid = self.matcher.validate_tokens(drafts)
+        masks = torch.ones(len(tokens), self.vocab_size, dtype=torch.bool)
+        read = 0
+        for i in range(valid + 1):
+            masks[i] = self.allowed()
+            if i == valid or self.matcher.is_stopped():  # a complete answer allows its EOS alone, and reads no more
+                break
+            self.matcher.consume_token(drafts[i])
+            read += 1
+        self.matcher.rollback(read)
+        return masks
+
+    def advance(self, tokens: list[int]) -> None:
+        """The output's new tokens, each one the grammar allowed (after a complete answer, the EOS that ends it,
+        which the matcher does not read)."""
+        for token in tokens:
+            if self.matcher.is_stopped():
+                return
+            if not self.matcher.consume_token(token):
+                raise GenerationError(f"the grammar refused an output token: {self.matcher.get_error()}")
+
+
+def constrain(logits: torch.Tensor, rows: list, tokens: torch.Tensor | None = None) -> torch.Tensor:
+    """logits (b, q, vocab) with -inf where a row's grammar refuses the token; tokens (b, q): a verify forward's (the
+    anchor first), whose draft tokens the slots after them follow; None: every slot masked as the output stands."""
+    grammars = [getattr(row, "grammar", None) for row in rows]
+    if all(g is None for g in grammars):
+        return logits
+    masks = torch.ones(logits.shape, dtype=torch.bool)  # (b, q, vocab)
+    for r, grammar in enumerate(grammars):
+        if grammar is None:
+            continue
+        if tokens is None:
+            masks[r] = grammar.allowed()
+        else:
+            masks[r] = grammar.slot_masks(tokens[r].tolist())
+    return logits.masked_fill(~masks.to(logits.device), float("-inf"))
