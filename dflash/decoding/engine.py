@@ -293,8 +293,6 @@ class Sequence:
         self.output_ids.extend(kept)
         if self.counts is not None:
             self.counts.add(kept)
-        if self.grammar is not None:
-            self.grammar.advance(kept)
         if self.logprobs is not None and logprobs is not None:
             self.logprobs.extend(logprobs[: len(kept)])
         self.stats.acceptance_lengths.append(len(kept))
@@ -305,6 +303,8 @@ class Sequence:
             self.stats.time_to_first_token_s = now - self.started
         self.stats.decode_time_s = now - self.started - self.stats.time_to_first_token_s
         self.finish_reason = decision.reason
+        if self.grammar is not None and (failed := self.grammar.advance(kept)):
+            self.fail(failed)
         return kept
 
     def fail(self, message: str) -> None:

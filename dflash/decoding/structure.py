@@ -4,9 +4,10 @@ A row's grammar (llguidance's matcher, as vLLM and SGLang use it) says which tok
 forward the logits at slot i choose the token after the anchor and the draft tokens 1..i, so slot i is masked with
 what the grammar allows after those tokens: the matcher reads the draft tokens one by one, giving each slot's mask,
 then rolls back. Past the first draft token the grammar refuses, no slot is masked: the target's choice at the slot
-before it cannot be that token, so nothing after it is accepted. Every token is chosen from what the target alone
+before it cannot be that token, so nothing after it is accepted (but for an EOS after a complete answer, which the
+matcher does not read and the mask allows: it ends the answer). Every token is chosen from what the target alone
 would choose it from, so drafting stays lossless. The drafters draft unconstrained; a draft token the grammar
-refuses is turned down. Rows with a grammar verify no branch.
+refuses is turned down. A batch holding a row with a grammar verifies no branch.
 
 llguidance is an optional dependency: `pip install 'dflash[structured]'`.
 """
@@ -42,9 +43,10 @@ def grammar_text(json_schema: dict | None, regex: str | None) -> str:
     if json_schema is None:
         return llg.LLMatcher.grammar_from_regex(regex)
     try:
-        return llg.LLMatcher.grammar_from_json_schema(json.dumps(json_schema))
+        text = json.dumps(json_schema)
     except (TypeError, ValueError) as err:  # values JSON cannot hold (a set, an object)
         raise StructureError(f"the json_schema is not JSON ({err}); give a schema of JSON values") from None
+    return llg.LLMatcher.grammar_from_json_schema(text)
 
 
 class GrammarCompiler:
@@ -69,7 +71,7 @@ class GrammarCompiler:
         problem = llg.LLMatcher.validate_grammar(text, self.tokenizer)
         what = "json_schema" if json_schema is not None else "regex"
         if problem and not problem.startswith("WARNING"):
-            raise StructureError(f"the {what} cannot be used: {problem}; fix it")
+            raise StructureError(f"the {what} cannot be used: {first_line(problem)}; fix it")
         return Grammar(llg.LLMatcher(self.tokenizer, text, log_level=0), self.vocab_size)
 
 
@@ -81,7 +83,10 @@ class Grammar:
         self.vocab_size = vocab_size
 
     def allowed(self) -> torch.Tensor:
-        """(vocab,) bool: the tokens the grammar allows next."""
+        """(vocab,) bool: the tokens the grammar allows next; all of them once the matcher has failed (its row fails
+        when it records its next tokens: `advance`)."""
+        if self.matcher.is_error():
+            return torch.ones(self.vocab_size, dtype=torch.bool)
         bias = torch.frombuffer(bytearray(self.matcher.compute_logit_bias()), dtype=torch.uint8)[: self.vocab_size]
         allowed = torch.zeros(self.vocab_size, dtype=torch.bool)
         allowed[: bias.shape[0]] = bias > 0
@@ -98,19 +103,30 @@ class Grammar:
             masks[i] = self.allowed()
             if i == valid or self.matcher.is_stopped():  # a complete answer allows its EOS alone, and reads no more
                 break
-            self.matcher.consume_token(drafts[i])
+            if not self.matcher.consume_token(drafts[i]):  # llguidance's own limits: the matcher has failed
+                break
             read += 1
         self.matcher.rollback(read)
         return masks
 
-    def advance(self, tokens: list[int]) -> None:
-        """The output's new tokens, each one the grammar allowed (after a complete answer, the EOS that ends it,
-        which the matcher does not read)."""
+    def advance(self, tokens: list[int]) -> str | None:
+        """Read the output's new tokens, each one the grammar allowed (after a complete answer, the EOS that ends it,
+        which the matcher does not read). Returns why the matcher failed, or None: a grammar within llguidance's
+        checks can still pass its limits on the way ("too many expressions"), and that fails its row alone."""
         for token in tokens:
-            if self.matcher.is_stopped():
-                return
-            if not self.matcher.consume_token(token):
-                raise GenerationError(f"the grammar refused an output token: {self.matcher.get_error()}")
+            if self.matcher.is_stopped():  # a complete answer, or a failed matcher
+                break
+            self.matcher.consume_token(token)
+        if self.matcher.is_error():
+            return (f"the answer's grammar failed in llguidance ({first_line(self.matcher.get_error())}); simplify "
+                    "the json_schema or regex")
+        return None
+
+
+def first_line(text: str, limit: int = 300) -> str:
+    """llguidance's errors hold its state and grammar after their first line: that line alone, for a person."""
+    line = text.strip().splitlines()[0] if text.strip() else "no reason given"
+    return line if len(line) <= limit else line[:limit] + "..."
 
 
 def constrain(logits: torch.Tensor, rows: list, tokens: torch.Tensor | None = None) -> torch.Tensor:

@@ -333,8 +333,8 @@ class Scheduler:
             self.metrics.prompt_tokens.inc(len(seq.prompt_ids))
             self.metrics.ttft.observe(time.perf_counter() - request.arrival)
             self._send(request, list(seq.output_ids))
-            if seq.finished:
-                self._finish(request, seq.finish_reason)
+            if seq.finished:  # by its first token (a stop, max_tokens), or failed on it (its grammar: seq.error)
+                self._finish(request, seq.finish_reason, seq.error)
                 continue
             self._requests[id(seq)] = request
             joined.setdefault(decoder, []).append(batch)

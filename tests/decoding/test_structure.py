@@ -158,3 +158,17 @@ def test_without_llguidance_the_error_says_what_to_install(tokenizer, monkeypatc
     engine = SpeculativeEngine(text_target("qwen3", tokenizer))
     with pytest.raises(GenerationError, match=r"needs llguidance: pip install 'dflash\[structured\]'"):
         engine.new_sequence([5, 6], GenerationConfig(regex="a+"))
+
+
+def test_a_grammar_past_llguidances_limits_fails_its_row_alone(tokenizer):
+    """`(a{1000}){1000}` passes llguidance's checks and fails at its first token ("too many expressions"): that row
+    finishes with finish_reason "error" saying so, and the row beside it decodes as it would alone."""
+    target = text_target("qwen3", tokenizer)
+    engine = SpeculativeEngine(target, DFlashProposer(tiny_drafter(target), target))
+    prompts = random_prompts(2, seed=75)
+    configs = [GenerationConfig(max_new_tokens=MAX_NEW, regex=REGEX),
+               GenerationConfig(max_new_tokens=MAX_NEW, regex="(a{1000}){1000}")]
+    good, bad = engine.generate(prompts, configs)
+    assert good.output_ids == engine.generate(prompts[:1], configs[0])[0].output_ids
+    assert bad.finish_reason == "error" and "the answer's grammar failed in llguidance" in bad.error
+    assert "\n" not in bad.error and "simplify the json_schema or regex" in bad.error

@@ -95,3 +95,11 @@ def test_a_tokenizer_llguidance_cannot_read_is_a_400_that_says_so(server):
     assert response.status_code == 400, response.text
     error = response.json()["error"]
     assert error["param"] == "response_format" and "llguidance cannot read this tokenizer" in error["message"]
+
+
+def test_a_grammar_past_llguidances_limits_fails_that_request_alone_saying_so(json_server):
+    response = complete(json_server, guided_regex="(a{1000}){1000}")
+    error = response.json()["error"]
+    assert response.status_code == 500 and "the answer's grammar failed in llguidance" in error["message"], error
+    assert "\n" not in error["message"] and "<state>" not in error["message"]
+    assert text_of(complete(json_server, max_tokens=2))  # and the server goes on
