@@ -14,8 +14,10 @@ from __future__ import annotations
 import argparse
 import json
 
-from one_row import pipeline_and_questions, question_arguments
+import torch
 
+from dflash.api import DFlash
+from dflash.bench.datasets import DataOptions, load_samples
 from dflash.decoding.engine import GenerationConfig
 
 
@@ -26,10 +28,20 @@ def parse_way(text: str) -> tuple[int | str, int]:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--target")
+    parser.add_argument("--draft")
     parser.add_argument("--ways", default="16:0,16:2,16:4,16:6,auto:0,auto:4")
-    question_arguments(parser, questions=30)
+    parser.add_argument("--dataset", default="gsm8k")
+    parser.add_argument("--questions", type=int, default=30)
+    parser.add_argument("--seed", type=int, default=1)
+    parser.add_argument("--max-new-tokens", type=int, default=256)
+    parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--json")
     args = parser.parse_args()
-    pipe, prompts = pipeline_and_questions(args)
+    torch.set_num_threads(args.threads)
+    pipe = DFlash.from_pretrained(args.target, args.draft)
+    prompts = [pipe.encode(s.turns[0]) for s in load_samples(args.dataset, DataOptions(max_samples=args.questions,
+                                                                                         seed=args.seed))]
     ways = [w.strip() for w in args.ways.split(",")]
     configs = {w: GenerationConfig(max_new_tokens=args.max_new_tokens, block_size=parse_way(w)[0],
                                    branch_length=parse_way(w)[1]) for w in ways}

@@ -13,7 +13,7 @@ At d28ca30 the drafters penalized their drafts (DFlash and draft models counting
 each position too): benchmarks/reports/2026-12-07d/penalties holds what this script measured there, and why they
 no longer do.
 
-    python benchmarks/penalties.py [--settings none,p0.5f0.5,r1.1] [--questions 20] [--per-position] [--json FILE]
+    python benchmarks/penalties.py [--settings none,p0.5f0.5,r1.1] [--max-samples 20] [--per-position] [--json FILE]
 
 A setting is `none` or letters and values: p (presence), f (frequency), r (repetition), e.g. p0.5f0.5 or r1.1.
 """
@@ -25,8 +25,9 @@ import json
 import re
 from unittest import mock
 
-from one_row import pipeline_and_questions, question_arguments
+from pair_options import add_pair_options, load_pair
 
+from dflash.bench.datasets import DataOptions, load_samples
 from dflash.decoding import proposer as proposers
 from dflash.decoding.choice import choice_logits
 from dflash.decoding.engine import GenerationConfig, SpeculativeEngine
@@ -55,11 +56,13 @@ def decode(pipe, plain: SpeculativeEngine, way: str, prompt: list[int], config: 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--settings", default="none,p0.5f0.5,p1.5,r1.1")
-    parser.add_argument("--block-size", type=int, default=16)
     parser.add_argument("--per-position", action="store_true")
-    question_arguments(parser, questions=20)
+    add_pair_options(parser, max_samples=20)
+    parser.add_argument("--seed", type=int, default=1, help="which questions (a deterministic subset)")
     args = parser.parse_args()
-    pipe, prompts = pipeline_and_questions(args)
+    pipe = load_pair(args)
+    samples = load_samples(args.dataset, DataOptions(max_samples=args.max_samples, seed=args.seed))
+    prompts = [pipe.encode(s.turns[0]) for s in samples]
     plain = SpeculativeEngine(pipe.target)
     ways = ["plain", "dflash", "penalized-drafts"]
     if args.per_position and hasattr(pipe.engine.proposer.drafter, "candidate_selector"):

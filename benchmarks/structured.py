@@ -6,7 +6,7 @@ alternates) so that machine noise hits both alike. For each: tau (tokens per ver
 (the steps' own time, the prefill left out), how many outputs equal plain decoding's (all must) and how many
 answers that ended (not cut at max_new_tokens) match the structure.
 
-    python benchmarks/structured.py [--questions 20] [--json FILE]
+    python benchmarks/structured.py [--max-samples 20] [--json FILE]
 """
 
 from __future__ import annotations
@@ -15,8 +15,9 @@ import argparse
 import json
 import re
 
-from one_row import pipeline_and_questions, question_arguments
+from pair_options import add_pair_options, load_pair
 
+from dflash.bench.datasets import DataOptions, load_samples
 from dflash.decoding.engine import GenerationConfig, SpeculativeEngine
 
 # compact JSON (llguidance's option): with any whitespace allowed between items (the default, as vLLM's), the
@@ -41,10 +42,12 @@ def keeps(structure: str, text: str) -> bool:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--block-size", type=int, default=16)
-    question_arguments(parser, questions=20)
+    add_pair_options(parser, max_samples=20)
+    parser.add_argument("--seed", type=int, default=1, help="which questions (a deterministic subset)")
     args = parser.parse_args()
-    pipe, prompts = pipeline_and_questions(args)
+    pipe = load_pair(args)
+    samples = load_samples(args.dataset, DataOptions(max_samples=args.max_samples, seed=args.seed))
+    prompts = [pipe.encode(s.turns[0]) for s in samples]
     engines = {"plain": SpeculativeEngine(pipe.target), "dflash": pipe.engine}
     report = {}
     for structure, options in STRUCTURES.items():

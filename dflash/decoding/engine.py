@@ -266,7 +266,8 @@ class Sequence:
         self.logprobs: list[TokenLogprob] | None = [] if config.logprobs is not None else None  # one per output id
         self.prompt_logprobs: list[TokenLogprob] | None = None  # the prefill's, where the config asks
         self.bias = bias  # (vocab,) the config's logit_bias over the target's logits, added before a token is chosen
-        self.penalties = config.penalties if config.penalties.active else None  # applied after the bias
+        penalties = config.penalties
+        self.penalties = penalties if penalties.active else None  # applied after the bias
         self.counts = TokenCounts(prompt_ids) if self.penalties is not None else None  # the tokens they count
         self.grammar = grammar  # the tokens the config's json_schema or regex allows next (`structure`)
         self.finish_reason: str | None = None

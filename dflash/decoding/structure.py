@@ -67,12 +67,11 @@ class GrammarCompiler:
 
     def grammar(self, json_schema: dict | None, regex: str | None) -> "Grammar":
         llg = _llguidance()
-        text = grammar_text(json_schema, regex)
-        problem = llg.LLMatcher.validate_grammar(text, self.tokenizer)
-        what = "json_schema" if json_schema is not None else "regex"
-        if problem and not problem.startswith("WARNING"):
-            raise StructureError(f"the {what} cannot be used: {first_line(problem)}; fix it")
-        return Grammar(llg.LLMatcher(self.tokenizer, text, log_level=0), self.vocab_size)
+        matcher = llg.LLMatcher(self.tokenizer, grammar_text(json_schema, regex), log_level=0)
+        if matcher.is_error():  # the grammar is compiled once, here: a bad one leaves the matcher in error
+            what = "json_schema" if json_schema is not None else "regex"
+            raise StructureError(f"the {what} cannot be used: {first_line(matcher.get_error())}; fix it")
+        return Grammar(matcher, self.vocab_size)
 
 
 class Grammar:
@@ -130,17 +129,16 @@ def first_line(text: str, limit: int = 300) -> str:
 
 
 def constrain(logits: torch.Tensor, rows: list, tokens: torch.Tensor | None = None) -> torch.Tensor:
-    """logits (b, q, vocab) with -inf where a row's grammar refuses the token; tokens (b, q): a verify forward's (the
-    anchor first), whose draft tokens the slots after them follow; None: every slot masked as the output stands."""
+    """logits (b, q, vocab) with -inf where a row's grammar refuses the token (a new tensor; the same one where no
+    row has a grammar); tokens (b, q): a verify forward's (the anchor first), whose draft tokens the slots after them
+    follow; None: every slot masked as the output stands."""
     grammars = [getattr(row, "grammar", None) for row in rows]
     if all(g is None for g in grammars):
         return logits
-    masks = torch.ones(logits.shape, dtype=torch.bool)  # (b, q, vocab)
+    logits = logits.clone()
     for r, grammar in enumerate(grammars):
         if grammar is None:
             continue
-        if tokens is None:
-            masks[r] = grammar.allowed()
-        else:
-            masks[r] = grammar.slot_masks(tokens[r].tolist())
-    return logits.masked_fill(~masks.to(logits.device), float("-inf"))
+        allowed = grammar.allowed()[None] if tokens is None else grammar.slot_masks(tokens[r].tolist())  # (q, vocab)
+        logits[r] = logits[r].masked_fill(~allowed.to(logits.device), float("-inf"))
+    return logits

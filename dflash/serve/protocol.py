@@ -13,6 +13,7 @@ from __future__ import annotations
 import json
 import logging
 import math
+import re
 import time
 import uuid
 from typing import Any, Callable, ClassVar, Literal
@@ -150,14 +151,6 @@ class ResponseFormat(_Strict):
 
 
 _ANY_OBJECT: dict[str, Any] = {"type": "object"}  # json_object: any JSON object
-_REGEX_SPECIALS = set("\\.^$|?*+()[]{}")
-
-
-def literal_regex(text: str) -> str:
-    """A regular expression matching `text` alone (its specials escaped, as llguidance's regexes read them)."""
-    return "".join("\\" + c if c in _REGEX_SPECIALS else c for c in text)
-
-
 # field -> (is the value the default?, what to send instead): options refused with a 400 rather than ignored
 Refusals = dict[str, tuple[Callable[[Any], bool], str]]
 
@@ -320,7 +313,7 @@ class SamplingRequest(_Strict):
         if field == "guided_regex":
             return None, value, field
         if field == "guided_choice":
-            return None, "|".join(f"({literal_regex(choice)})" for choice in value), field
+            return None, "|".join(f"({re.escape(choice)})" for choice in value), field
         return value, None, field
 
     def _format_schema(self) -> dict[str, Any] | None:
