@@ -283,7 +283,7 @@ class DFlash:
             raise GenerationError("stream() yields text, and this target has no tokenizer to decode it: give it one "
                                   "(TargetModel(model, tokenizer)), or read token ids as they come from "
                                   "pipe.engine.stream(ids, config)")
-        return TextStream(self, self.engine.stream(ids, config), config.stop_strings)
+        return TextStream(self, self.engine.stream(ids, config), config.stop_strings, config.min_new_tokens)
 
     def _config(self, options: dict[str, Any]) -> GenerationConfig:
         """The generation options, with the pipeline's block size and branch length unless they name them. An
@@ -303,9 +303,9 @@ class DFlash:
 class TextStream:
     """Text pieces of a generation; they add up to the final text (never containing a stop string)."""
 
-    def __init__(self, pipe: DFlash, tokens, stop_strings: list[str]):
+    def __init__(self, pipe: DFlash, tokens, stop_strings: list[str], min_new_tokens: int = 0):
         self._tokens = tokens
-        self._deltas = TextDeltas(pipe.tokenizer, stop_strings, tokens.stop_token_ids)
+        self._deltas = TextDeltas(pipe.tokenizer, stop_strings, tokens.stop_token_ids, min_new_tokens)
         self._started = False
         self._result: GenerationOutput | None = None  # set when the iteration ends
         self._pieces: Iterator[str] | None = None  # the iteration `next(stream)` reads
@@ -363,7 +363,8 @@ def make_config(**options: Any) -> GenerationConfig:
 _OPTION_NAMES = frozenset(f.name for f in fields(GenerationConfig))
 _FROM_CONFIG = " (a GenerationConfig's: generate(prompt, **dataclasses.asdict(config)))"
 # Other libraries' names for GenerationConfig's options (vLLM's and OpenAI's; transformers' are its own)
-_OTHER_NAMES = {"max_tokens": "max_new_tokens", "max_completion_tokens": "max_new_tokens", "stop": "stop_strings"}
+_OTHER_NAMES = {"max_tokens": "max_new_tokens", "max_completion_tokens": "max_new_tokens",
+                "min_tokens": "min_new_tokens", "stop": "stop_strings"}
 
 
 def _refuse_options_as_template_variables(chat_template_kwargs: Any) -> None:

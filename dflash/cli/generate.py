@@ -27,6 +27,8 @@ class _GivenOnce(argparse.Action):
         setattr(namespace, self.dest, values)
 
 
+WARM_UP = {"max_new_tokens": 2, "min_new_tokens": 0}  # the options of a warm-up run before the timed ones
+
 def stop_string(text: str) -> str:
     """A --stop value with \\n, \\t, \\r and \\\\ read as the characters they name (as the shell passes them)."""
     if not text:
@@ -63,6 +65,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--max-new-tokens", type=int, default=256,
                        help="the most tokens to generate (default 256); the prompt and these must fit the target's "
                             "context")
+    group.add_argument("--min-new-tokens", type=int, default=0,
+                       help="no stop (EOS, --stop) before this many tokens, up to --max-new-tokens (default 0; "
+                            "vLLM's min_tokens)")
     group.add_argument("--temperature", type=float, default=0.0, help="0 (default) decodes greedily; > 0 samples")
     group.add_argument("--top-p", type=float, default=1.0,
                        help="sample from the most likely tokens that make up this probability, in (0, 1] "
@@ -105,7 +110,7 @@ def run(args: argparse.Namespace) -> int:
                             "the instructions at the start of the prompt instead")
     prompt_ids = pipe.encode(_conversation(prompt, args.system), raw=args.raw)
     _check_room(pipe.engine, len(prompt_ids), args.max_new_tokens)  # before the warm-up asks for fewer tokens
-    pipe.generate(prompt_ids, **{**options, "max_new_tokens": 2})  # warm-up, so timings are steady-state
+    pipe.generate(prompt_ids, **{**options, **WARM_UP})  # so that timings are steady-state
     out = pipe.generate(prompt_ids, **options) if args.json else _stream(pipe, prompt_ids, options)
     report = summary(out)
     try:
@@ -197,8 +202,9 @@ def _check_arguments(args: argparse.Namespace, prompt: str) -> dict:
                         "the prompt without the template: drop one of them")
     if args.max_new_tokens < 1:  # the engine takes 0 (a prompt read alone); here it is a mistake
         raise UserError(f"--max-new-tokens must be >= 1, got {args.max_new_tokens}")
-    options = dict(max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_p=args.top_p,
-                   top_k=args.top_k, min_p=args.min_p, seed=args.seed, stop_strings=args.stop,
+    options = dict(max_new_tokens=args.max_new_tokens, min_new_tokens=args.min_new_tokens,
+                   temperature=args.temperature, top_p=args.top_p, top_k=args.top_k, min_p=args.min_p,
+                   seed=args.seed, stop_strings=args.stop,
                    presence_penalty=args.presence_penalty, frequency_penalty=args.frequency_penalty,
                    repetition_penalty=args.repetition_penalty, json_schema=args.json_schema, regex=args.regex)
     make_config(**options)
@@ -248,7 +254,7 @@ def compare_with_plain(pipe, prompt_ids: list[int], options: dict, out) -> dict:
     ran at a fifteenth of its speed beside a datagen, and read as a 37x speedup)."""
     plain = SpeculativeEngine(pipe.target)  # the same target, no drafter
     config = make_config(**options)
-    plain.generate_one(prompt_ids, make_config(**{**options, "max_new_tokens": 2}))  # warm-up
+    plain.generate_one(prompt_ids, make_config(**{**options, **WARM_UP}))
     baseline = plain.generate_one(prompt_ids, config)
     theirs, ours = [baseline.stats.decode_tokens_per_s], [out.stats.decode_tokens_per_s]
     for _ in range(COMPARE_ROUNDS - 1):

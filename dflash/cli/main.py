@@ -20,16 +20,17 @@ COMMANDS = {
 
 # The generation options as the Python API names them in its errors (GenerationConfig, SamplingParams), and the flags
 # that set them in the commands that decode: their errors there name the flag
-GENERATION_FLAGS = {"max_new_tokens": "--max-new-tokens", "block_size": "--block-size",
-                    "branch_length": "--branch-length", "temperature": "--temperature", "top_p": "--top-p",
-                    "top_k": "--top-k", "min_p": "--min-p", "seed": "--seed", "presence_penalty": "--presence-penalty",
-                    "frequency_penalty": "--frequency-penalty", "repetition_penalty": "--repetition-penalty",
-                    "json_schema": "--json-schema", "regex": "--regex"}
+GENERATION_FLAGS = {"max_new_tokens": "--max-new-tokens", "min_new_tokens": "--min-new-tokens",
+                    "block_size": "--block-size", "branch_length": "--branch-length", "temperature": "--temperature",
+                    "top_p": "--top-p", "top_k": "--top-k", "min_p": "--min-p", "seed": "--seed",
+                    "presence_penalty": "--presence-penalty", "frequency_penalty": "--frequency-penalty",
+                    "repetition_penalty": "--repetition-penalty", "json_schema": "--json-schema", "regex": "--regex"}
 DECODING_COMMANDS = ("generate", "datagen", "bench", "serve")
 
 # Other tools' names for our flags (the reference benchmark's, vLLM's), for a hint when one is given.
 FLAG_ALIASES = {"--draft-model": "--draft", "--model": "--target", "--speculative-model": "--draft",
-                "--max-tokens": "--max-new-tokens", "--num-speculative-tokens": "--block-size",
+                "--max-tokens": "--max-new-tokens", "--min-tokens": "--min-new-tokens",
+                "--num-speculative-tokens": "--block-size",
                 "--stop-strings": "--stop", "--stop-string": "--stop"}  # the API's stop_strings
 # Aliases whose value means another number here: vLLM's speculative tokens are the draft tokens, one fewer than the
 # block (the anchor and its draft tokens)

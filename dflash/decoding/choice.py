@@ -1,4 +1,5 @@
-"""The logits a token is chosen from: the target's, with each row's logit bias, penalties and grammar."""
+"""The logits a token is chosen from: the target's, with each row's logit bias, penalties, held-back stops and
+grammar."""
 
 from __future__ import annotations
 
@@ -6,15 +7,18 @@ import torch
 
 from dflash.decoding.penalties import penalize
 from dflash.decoding.sampling import add_logit_bias
+from dflash.decoding.stopping import hold_stops
 from dflash.decoding.structure import constrain
 
 
 def choice_logits(logits: torch.Tensor, rows: list, tokens: torch.Tensor | None = None,
                   sees: torch.Tensor | None = None) -> torch.Tensor:
     """What each row's tokens are chosen from: logits (b, q, vocab) with the row's logit bias, penalties
-    (`penalties`) and grammar (`structure`); the same tensor where no row has any.
+    (`penalties`), stop ids held back before min_new_tokens (`stopping`) and grammar (`structure`); the same tensor
+    where no row has any.
 
     tokens (b, q): a verify forward's tokens, the first each row's anchor; sees (b, q, q): which of them each slot
     sees (None: those up to its own; a row with a grammar takes no branch). Without `tokens`, every slot is taken
     as the output so far stands (the prefill's)."""
-    return constrain(penalize(add_logit_bias(logits, rows), rows, tokens, sees), rows, tokens)
+    penalized = penalize(add_logit_bias(logits, rows), rows, tokens, sees)
+    return constrain(hold_stops(penalized, rows, tokens, sees), rows, tokens)

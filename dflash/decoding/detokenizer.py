@@ -155,10 +155,20 @@ def tail_text(tokenizer, ids: Sequence[int], end: int, min_chars: int, since: in
         count *= 2
 
 
+def first_stop(text: str, stop_strings: list[str], after: int = 0) -> tuple[int, str] | None:
+    """The first of `stop_strings` in `text` that ends past character `after`, and where it starts: (character
+    index, string), or None."""
+    hits = [(i, s) for s in stop_strings if (i := text.find(s, max(0, after - len(s) + 1))) >= 0]
+    return min(hits) if hits else None
+
+
 class TextDeltas:
-    def __init__(self, tokenizer, stop_strings: list[str], stop_token_ids: Sequence[int] = ()):
+    def __init__(self, tokenizer, stop_strings: list[str], stop_token_ids: Sequence[int] = (),
+                 min_new_tokens: int = 0):
         self._tokenizer = tokenizer
         self._stops = [s for s in stop_strings if s]
+        self._min_new_tokens = min_new_tokens  # a stop string counts past their text only (`stopping`)
+        self._search_start: int | None = None
         self._stop_ids = set(stop_token_ids)  # a stop token ends the output and adds no text (as vLLM leaves it out)
         # per stop string: its last character -> the lengths n (longest first) of its prefixes stop[:n] ending so,
         # so a text's tail is compared only with the prefixes it could be
@@ -204,9 +214,9 @@ class TextDeltas:
         return decode(self._tokenizer, self._ids[:end], self._bytes_of)
 
     def _safe_length(self, text: str) -> int:
-        hits = [i for i in (text.find(s) for s in self._stops) if i >= 0]
-        if hits:
-            return min(hits)
+        first = first_stop(text, self._stops, self._stop_search_start(text))
+        if first is not None:
+            return first[0]
         safe = len(text.rstrip(REPLACEMENT))  # half a character decodes to one replacement character per byte
         for stop, ends in zip(self._stops, self._prefix_ends):  # a tail that could begin a stop string waits
             for n in ends.get(text[safe - 1], ()) if safe else ():
@@ -214,6 +224,18 @@ class TextDeltas:
                     safe -= n
                     break
         return safe
+
+
+    def _stop_search_start(self, text: str) -> int:
+        """The characters a stop string must end past to count: the first min_new_tokens tokens' (`text`, all of
+        it, while there are fewer)."""
+        if not self._min_new_tokens or not self._stops:
+            return 0
+        if len(self._ids) < self._min_new_tokens:
+            return len(text)
+        if self._search_start is None:
+            self._search_start = len(decode(self._tokenizer, self._ids[: self._min_new_tokens], self._bytes_of))
+        return self._search_start
 
 
 def _prefix_lengths_by_last_char(stop: str) -> dict[str, list[int]]:

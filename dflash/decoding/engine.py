@@ -79,6 +79,7 @@ class GenerationConfig:
     is a GenerationError naming the field."""
 
     max_new_tokens: int = 256
+    min_new_tokens: int = 0  # no stop (EOS, stop_token_ids, stop strings) before this many tokens (vLLM's min_tokens)
     temperature: float = 0.0
     top_p: float = 1.0
     top_k: int = 0
@@ -115,6 +116,9 @@ class GenerationConfig:
         if self.max_new_tokens < 0:
             raise GenerationError(f"max_new_tokens must be >= 0 (0: the prompt is read, and scored with "
                                   f"prompt_logprobs, and nothing is generated), got {self.max_new_tokens}")
+        if not 0 <= self.min_new_tokens <= self.max_new_tokens:
+            raise GenerationError(f"min_new_tokens must be from 0 to max_new_tokens ({self.max_new_tokens}): the "
+                                  f"answer may stop only after that many tokens, got {self.min_new_tokens}")
         if self.branch_length < 0:
             raise GenerationError(f"branch_length is a number of tokens >= 0 (0: no branch), got {self.branch_length}")
         if isinstance(self.block_size, str) and self.block_size != AUTO:
@@ -131,6 +135,9 @@ class GenerationConfig:
                                       f"{MAX_LOGIT_BIAS:g}, got {token!r}: {bias!r}")
         if self.json_schema is not None and self.regex is not None:
             raise GenerationError("json_schema and regex each set the answer's structure: give one of them")
+        if self.structured and self.min_new_tokens:
+            raise GenerationError("a structured answer ends where its grammar does, and min_new_tokens would hold "
+                                  "its end back: drop min_new_tokens (or the json_schema / regex)")
         if self.structured and self.ignore_eos:
             raise GenerationError("a structured answer ends where its grammar does, at an EOS token, and ignore_eos "
                                   "writes on past it: drop ignore_eos (max_new_tokens still caps the answer)")
@@ -270,6 +277,9 @@ class Sequence:
         self.penalties = penalties if penalties.active else None  # applied after the bias
         self.counts = TokenCounts(prompt_ids) if self.penalties is not None else None  # the tokens they count
         self.grammar = grammar  # the tokens the config's json_schema or regex allows next (`structure`)
+        # (k,) the stop ids held back from the first min_new_tokens tokens (`stopping.hold_stops`); None: none
+        self.held_stops = (torch.tensor(sorted(stop.stop_token_ids), device=device)
+                           if config.min_new_tokens and stop.stop_token_ids else None)
         self.finish_reason: str | None = None
         self.error: str | None = None  # why it finished with finish_reason 'error' (`fail`)
         self.long_rotated = False  # a longrope target's cache of this row holds its long factors' rotation
@@ -400,7 +410,8 @@ class SpeculativeEngine:
             check_token_ids(config.stop_token_ids, self.target.vocab_size, "stop_token_ids")
         if config.logit_bias:
             check_token_ids(list(config.logit_bias), self.target.vocab_size, "logit_bias token ids")
-        stop = StopChecker(self.stop_ids(config), config.stop_strings, config.max_new_tokens, self.tokenizer)
+        stop = StopChecker(self.stop_ids(config), config.stop_strings, config.max_new_tokens, self.tokenizer,
+                           config.min_new_tokens)
         return Sequence(prompt_ids, config, stop, self.target.device, self._bias_vector(config.logit_bias),
                         self._grammar(config))
 
@@ -417,7 +428,7 @@ class SpeculativeEngine:
         if not logit_bias:
             return None
         bias = torch.zeros(self.target.vocab_size, device=self.target.device)
-        bias[list(logit_bias)] = torch.tensor(list(logit_bias.values()), device=self.target.device)
+        bias[list(logit_bias)] = torch.tensor([float(v) for v in logit_bias.values()], device=self.target.device)
         return bias
 
     def stop_ids(self, config: GenerationConfig) -> list[int]:

@@ -1,10 +1,20 @@
-"""When a sequence stops: stop token ids, stop strings, max_new_tokens."""
+"""When a sequence stops: stop token ids, stop strings, max_new_tokens, and min_new_tokens (none of the others
+before it: vLLM's min_tokens).
+
+min_new_tokens = m holds the stop tokens back from the first m output tokens: the logits each of those tokens is
+chosen from give the stop ids (the target's EOS unless ignore_eos, and stop_token_ids) no chance (`hold_stops`), at
+every slot of a verify forward whose token would be one of the first m, so drafting stays lossless. A stop string
+counts only where the token that completes it comes after the first m: one the first m tokens' text holds (or one
+ending there) is text like any other (`stop_search_start`).
+"""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
-from dflash.decoding.detokenizer import REPLACEMENT, byte_tokens, decode, tail_text, whole_characters_end
+import torch
+
+from dflash.decoding.detokenizer import REPLACEMENT, byte_tokens, decode, first_stop, tail_text, whole_characters_end
 from dflash.errors import GenerationError
 
 
@@ -17,7 +27,8 @@ class StopDecision:
 class StopChecker:
     """Decides, for each batch of new tokens, how many to keep and whether the sequence ends."""
 
-    def __init__(self, stop_token_ids: list[int], stop_strings: list[str], max_new_tokens: int, tokenizer=None):
+    def __init__(self, stop_token_ids: list[int], stop_strings: list[str], max_new_tokens: int, tokenizer=None,
+                 min_new_tokens: int = 0):
         if stop_strings and tokenizer is None:
             raise GenerationError("stop strings are found in the decoded text, and this target has no tokenizer to "
                                   "decode it: give it one (TargetModel(model, tokenizer)), or stop at token ids "
@@ -29,8 +40,10 @@ class StopChecker:
         # whole, where one token at a time has it cut, so only the tokens one by one stop alike
         self._token_by_token = any(REPLACEMENT in s for s in self.stop_strings)
         self.max_new_tokens = max_new_tokens
+        self.min_new_tokens = min_new_tokens
         self.tokenizer = tokenizer
         self._bytes_of = byte_tokens(tokenizer) if self.stop_strings else {}  # read once, not at every token
+        self._search_start: int | None = None  # `stop_search_start`, once the output has min_new_tokens tokens
 
     def check(self, output_ids: list[int], new_tokens: list[int]) -> StopDecision:
         """output_ids: tokens kept so far (before new_tokens). The new tokens are checked one at a time, in order,
@@ -41,7 +54,9 @@ class StopChecker:
         for i, token in enumerate(new_tokens):
             if len(output_ids) + i + 1 > self.max_new_tokens:
                 return StopDecision(i, "length")
-            if token in self.stop_token_ids or (strings and self._completes_stop_string(ids, len(output_ids) + i + 1)):
+            count = len(output_ids) + i + 1
+            if token in self.stop_token_ids or (strings and count > self.min_new_tokens
+                                                and self._completes_stop_string(ids, count)):
                 return StopDecision(i + 1, "stop")
         keep = len(new_tokens)
         if len(output_ids) + keep >= self.max_new_tokens:
@@ -69,17 +84,29 @@ class StopChecker:
         tail, whole = tail_text(self.tokenizer, ids, end, self._longest_stop, bytes_of=self._bytes_of)
         if not any(s in tail for s in self.stop_strings):
             return False
-        return whole or self.find_stop(ids[:end]) is not None
+        return (whole and not self.min_new_tokens) or self.find_stop(ids[:end]) is not None
 
     def find_stop(self, output_ids: list[int]) -> int | None:
-        """Character index where the first stop string starts in the decoded output, if any."""
-        first = self.first_stop(decode(self.tokenizer, output_ids, self._bytes_of))
+        """Character index where the first stop string that counts starts in the decoded output, if any."""
+        text = decode(self.tokenizer, output_ids, self._bytes_of)
+        first = self.first_stop(text, self.stop_search_start(output_ids))
         return None if first is None else first[0]
 
-    def first_stop(self, text: str) -> tuple[int, str] | None:
-        """The first stop string in `text` and where it starts: (character index, string), or None."""
-        hits = [(text.find(s), s) for s in self.stop_strings if s in text]
-        return min(hits) if hits else None
+    def first_stop(self, text: str, after: int = 0) -> tuple[int, str] | None:
+        """The first stop string in `text` that ends past character `after`, and where it starts: (character index,
+        string), or None."""
+        return first_stop(text, self.stop_strings, after)
+
+    def stop_search_start(self, output_ids: list[int]) -> int:
+        """The characters a stop string must end past to count: those of the first min_new_tokens output tokens (all
+        of them while the output is shorter)."""
+        if not self.min_new_tokens:
+            return 0
+        if len(output_ids) < self.min_new_tokens:
+            return len(decode(self.tokenizer, output_ids, self._bytes_of))
+        if self._search_start is None:
+            self._search_start = len(decode(self.tokenizer, output_ids[: self.min_new_tokens], self._bytes_of))
+        return self._search_start
 
     def ending(self, output_ids: list[int]) -> tuple[str, str | None]:
         """(The final text: the decoded output with a stop string and anything after it removed; the stop string it
@@ -88,5 +115,33 @@ class StopChecker:
         if output_ids and output_ids[-1] in self.stop_token_ids:
             output_ids = output_ids[:-1]
         text = decode(self.tokenizer, output_ids)
-        first = self.first_stop(text) if self.stop_strings else None
+        first = self.first_stop(text, self.stop_search_start(output_ids)) if self.stop_strings else None
         return (text, None) if first is None else (text[:first[0]], first[1])
+
+
+def hold_stops(logits: torch.Tensor, rows: list, tokens: torch.Tensor | None = None,
+               sees: torch.Tensor | None = None) -> torch.Tensor:
+    """logits (b, q, vocab) with each row's stop ids (`Sequence.held_stops`, (k,) or None) at -inf in every slot
+    whose token would be one of the row's first min_new_tokens (a new tensor; the same one where no slot is held).
+    tokens (b, q): a verify forward's, the first each row's anchor; slot i's token comes after the output so far and
+    the draft tokens it sees (sees (b, q, q); None: the i before it). Without `tokens`, every slot is taken as the
+    output so far stands (the prefill's)."""
+    q = logits.shape[1]
+    held = []  # (row, its held slots (q,), its stop ids (k,))
+    for r, row in enumerate(rows):
+        ids = getattr(row, "held_stops", None)
+        if ids is None or len(row.output_ids) >= row.config.min_new_tokens:
+            continue
+        if tokens is None:
+            before = torch.zeros(q, dtype=torch.long, device=logits.device)  # (q,) draft tokens each slot sees
+        else:
+            before = torch.arange(q, device=logits.device) if sees is None else sees[r, :, 1:].sum(-1)
+        slots = (len(row.output_ids) + before) < row.config.min_new_tokens  # (q,)
+        if bool(slots.any()):
+            held.append((r, slots, ids))
+    if not held:
+        return logits
+    logits = logits.clone()
+    for r, slots, ids in held:
+        logits[r, slots.nonzero()[:, :1], ids[None, :]] = float("-inf")  # (slots held, k)
+    return logits

@@ -192,7 +192,8 @@ class Server:
         defaults = self.sampling
         json_schema, regex, _ = req.structure()
         return GenerationConfig(
-            max_new_tokens=max_tokens, temperature=_given(req.temperature, defaults.temperature),
+            max_new_tokens=max_tokens, min_new_tokens=self.min_tokens(req, max_tokens),
+            temperature=_given(req.temperature, defaults.temperature),
             top_p=_given(req.top_p, defaults.top_p), top_k=_given(req.top_k, defaults.top_k),
             min_p=_given(req.min_p, defaults.min_p), presence_penalty=_given(req.presence_penalty, 0.0),
             frequency_penalty=_given(req.frequency_penalty, 0.0),
@@ -202,6 +203,19 @@ class Server:
             logprobs=req.top_logprobs_asked, prompt_logprobs=_prompt_scores(req), logit_bias=self.logit_bias(req),
             json_schema=json_schema, regex=regex,
         )
+
+    def min_tokens(self, req: SamplingRequest, max_tokens: int) -> int:
+        """The request's min_tokens (0: none), within the answer's token limit and without a grammar."""
+        if not req.min_tokens:
+            return 0
+        if req.min_tokens > max_tokens:
+            raise APIError(400, f"min_tokens={req.min_tokens} is more than this answer's token limit, {max_tokens} "
+                                f"({req.token_limit_field}, or what the context and the server's cap leave); send "
+                                f"min_tokens up to {max_tokens}", param="min_tokens")
+        if (structured_by := req.structure()[2]) is not None:
+            raise APIError(400, f"min_tokens with {structured_by}: a structured answer ends where its grammar does, "
+                                "and min_tokens would hold its end back; send one of them", param="min_tokens")
+        return req.min_tokens
 
     def logit_bias(self, req: SamplingRequest) -> dict[int, float] | None:
         """The request's logit_bias by token id, each a token of the vocabulary."""
@@ -331,7 +345,8 @@ class _StreamedChoice:
 
     def __init__(self, server: Server, index: int, seq: Sequence, shape: ResponseShape, req: SamplingRequest):
         self.server, self.index, self.seq, self.shape, self.req = server, index, seq, shape, req
-        self.deltas = TextDeltas(server.pipe.tokenizer, req.stop_strings, seq.stop.stop_token_ids)
+        self.deltas = TextDeltas(server.pipe.tokenizer, req.stop_strings, seq.stop.stop_token_ids,
+                                 seq.stop.min_new_tokens)
         self.logprobs = LogprobPieces(server.logprob_format, shape.kind)
         self.echo = req.echoes
 

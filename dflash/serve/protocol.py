@@ -4,8 +4,8 @@ and OpenAI-style error objects `{"error": {"message", "type", "param", "code"}}`
 Requests are validated strictly (a string where a number belongs is a 400, never coerced); null means the
 default, as in OpenAI's API. Unknown fields are ignored, as OpenAI clients send fields this server has no use
 for; known options it cannot honour (tools, ..., and vLLM's own sampling and guided-decoding extensions but min_p,
-repetition_penalty and guided_json / guided_regex / guided_choice) are refused with a 400 naming the field unless
-left at their defaults.
+min_tokens, repetition_penalty and guided_json / guided_regex / guided_choice) are refused with a 400 naming the
+field unless left at their defaults.
 """
 
 from __future__ import annotations
@@ -189,7 +189,7 @@ class SamplingRequest(_Strict):
     logit_bias: dict[str, float] | None = None  # token id (as a string, OpenAI's JSON keys) -> bias in [-100, 100]
     # vLLM's sampling and output extensions; a client moving from vLLM sends them, and ignoring one would change
     # the answer unseen (any type: the refusal names the field whatever its value)
-    min_tokens: Any = None
+    min_tokens: int | None = Field(default=None, ge=0)  # no stop (EOS, stop ids or strings) before this many tokens
     bad_words: Any = None
     allowed_token_ids: Any = None
     logits_processors: Any = None
@@ -208,8 +208,6 @@ class SamplingRequest(_Strict):
     response_format: ResponseFormat | None = None
 
     _UNSUPPORTED: ClassVar[Refusals] = {
-        "min_tokens": (_unset, "this server stops at EOS whenever it comes; leave min_tokens out, or send "
-                       "ignore_eos=true for a fixed length"),
         "bad_words": (_unset, "this server bans no words; leave bad_words out"),
         "allowed_token_ids": (_unset, "this server does not restrict the vocabulary; leave allowed_token_ids out"),
         "logits_processors": (_unset, "this server runs no logits processors; leave logits_processors out"),

@@ -444,3 +444,21 @@ def test_penalties_and_structure_flags(tiny_pair, tmp_path, capsys):
                      "12 apples", "--json", "--max-new-tokens", "12", *flags]) == 0
         text = json.loads(capsys.readouterr().out)["text"]
         assert text in answers if answers else re.fullmatch("(April|May) [0-9]", text), text
+
+
+def test_min_new_tokens_flag(tiny_pair, capsys):
+    """--min-new-tokens holds the stop back (here a stop string the answer's first tokens hold), through the warm-up
+    and --compare's plain decode; past --max-new-tokens it is a one-line error naming both flags."""
+    target, draft = tiny_pair
+    plain = ["generate", "--target", str(target), "--draft", str(draft), "--prompt", "12 apples", "--json", "--raw",
+             "--max-new-tokens", "12"]
+    assert main(plain) == 0
+    text = json.loads(capsys.readouterr().out)["text"]
+    assert len(text) >= 3, text  # the test's premise
+    assert main(plain + ["--stop", text[1:3]]) == 0
+    assert json.loads(capsys.readouterr().out)["text"] == text[:1]
+    assert main(plain + ["--stop", text[1:3], "--min-new-tokens", "12", "--compare"]) == 0
+    held = json.loads(capsys.readouterr().out)
+    assert held["text"].startswith(text[:3]) and held["matches_baseline"] is True
+    assert main(plain + ["--min-new-tokens", "13"]) == 2
+    assert "--min-new-tokens must be from 0 to --max-new-tokens (12)" in capsys.readouterr().err

@@ -79,6 +79,15 @@ def test_a_bad_bias_is_refused(bias, says):
         GenerationConfig(logit_bias=bias)
 
 
+def test_whole_number_biases_are_taken_as_their_floats(target):
+    """{5: 4} as {5: 4.0}: a JSON client's whole numbers (int biases once raised a dtype error out of the engine)."""
+    prompt = random_prompts(1, seed=53)[0]
+    outs = [SpeculativeEngine(target).generate([prompt], GenerationConfig(
+        max_new_tokens=MAX_NEW, ignore_eos=True, logit_bias={5: value, 7: -100}))[0].output_ids
+        for value in (4, 4.0)]
+    assert outs[0] == outs[1] == hf_greedy_with_bias(target, prompt, {5: 4.0, 7: -100.0})
+
+
 def test_a_biased_token_outside_the_vocabulary_is_refused(target):
     with pytest.raises(GenerationError, match="logit_bias token ids"):
         SpeculativeEngine(target).new_sequence([1, 2], GenerationConfig(logit_bias={10**6: 1.0}))
