@@ -155,6 +155,12 @@ def tail_text(tokenizer, ids: Sequence[int], end: int, min_chars: int, since: in
         count *= 2
 
 
+def whole_text_length(tokenizer, ids: Sequence[int], bytes_of: dict[int, int] | None = None) -> int:
+    """How many characters the text of `ids` holds whole: without the replacement characters that a character cut
+    at its end decodes to (its last bytes are in tokens after these)."""
+    return len(decode(tokenizer, ids, bytes_of).rstrip(REPLACEMENT))
+
+
 def first_stop(text: str, stop_strings: list[str], after: int = 0) -> tuple[int, str] | None:
     """The first of `stop_strings` in `text` that ends past character `after`, and where it starts: (character
     index, string), or None."""
@@ -234,7 +240,7 @@ class TextDeltas:
         if len(self._ids) < self._min_new_tokens:
             return len(text)
         if self._search_start is None:
-            self._search_start = len(decode(self._tokenizer, self._ids[: self._min_new_tokens], self._bytes_of))
+            self._search_start = whole_text_length(self._tokenizer, self._ids[: self._min_new_tokens], self._bytes_of)
         return self._search_start
 
 

@@ -14,7 +14,15 @@ from dataclasses import dataclass
 
 import torch
 
-from dflash.decoding.detokenizer import REPLACEMENT, byte_tokens, decode, first_stop, tail_text, whole_characters_end
+from dflash.decoding.detokenizer import (
+    REPLACEMENT,
+    byte_tokens,
+    decode,
+    first_stop,
+    tail_text,
+    whole_characters_end,
+    whole_text_length,
+)
 from dflash.errors import GenerationError
 
 
@@ -104,8 +112,8 @@ class StopChecker:
             return 0
         if len(output_ids) < self.min_new_tokens:
             return len(decode(self.tokenizer, output_ids, self._bytes_of))
-        if self._search_start is None:
-            self._search_start = len(decode(self.tokenizer, output_ids[: self.min_new_tokens], self._bytes_of))
+        if self._search_start is None:  # a character the first tokens cut is completed by a token past them
+            self._search_start = whole_text_length(self.tokenizer, output_ids[: self.min_new_tokens], self._bytes_of)
         return self._search_start
 
     def ending(self, output_ids: list[int]) -> tuple[str, str | None]:
@@ -126,22 +134,19 @@ def hold_stops(logits: torch.Tensor, rows: list, tokens: torch.Tensor | None = N
     tokens (b, q): a verify forward's, the first each row's anchor; slot i's token comes after the output so far and
     the draft tokens it sees (sees (b, q, q); None: the i before it). Without `tokens`, every slot is taken as the
     output so far stands (the prefill's)."""
-    q = logits.shape[1]
-    held = []  # (row, its held slots (q,), its stop ids (k,))
-    for r, row in enumerate(rows):
-        ids = getattr(row, "held_stops", None)
-        if ids is None or len(row.output_ids) >= row.config.min_new_tokens:
-            continue
-        if tokens is None:
-            before = torch.zeros(q, dtype=torch.long, device=logits.device)  # (q,) draft tokens each slot sees
-        else:
-            before = torch.arange(q, device=logits.device) if sees is None else sees[r, :, 1:].sum(-1)
-        slots = (len(row.output_ids) + before) < row.config.min_new_tokens  # (q,)
-        if bool(slots.any()):
-            held.append((r, slots, ids))
+    held = [(r, row) for r, row in enumerate(rows)
+            if getattr(row, "held_stops", None) is not None and len(row.output_ids) < row.config.min_new_tokens]
     if not held:
         return logits
     logits = logits.clone()
-    for r, slots, ids in held:
-        logits[r, slots.nonzero()[:, :1], ids[None, :]] = float("-inf")  # (slots held, k)
+    q = logits.shape[1]
+    for r, row in held:
+        left = row.config.min_new_tokens - len(row.output_ids)  # the output tokens still held
+        if tokens is None:
+            slots = torch.arange(q, device=logits.device)
+        elif sees is None:  # slot i's token is the output's (len + i + 1)-th: no wait on the device
+            slots = torch.arange(min(q, left), device=logits.device)
+        else:  # a branch's slots see fewer tokens than their place in the block
+            slots = (sees[r, :, 1:].sum(-1) < left).nonzero()[:, 0]  # (held slots,)
+        logits[r, slots[:, None], row.held_stops[None, :]] = float("-inf")  # (held slots, k)
     return logits

@@ -9,7 +9,7 @@ import pytest
 import torch
 from transformers import LogitsProcessor, LogitsProcessorList, MinNewTokensLengthLogitsProcessor
 
-from conftest import VOCAB, BranchOracle, partial_oracle, random_prompts, tiny_drafter
+from conftest import VOCAB, BranchOracle, byte_fallback_tokenizer, partial_oracle, random_prompts, tiny_drafter
 from dflash.decoding import DFlashProposer, GenerationConfig, SpeculativeEngine
 from dflash.decoding.detokenizer import TextDeltas
 from dflash.decoding.stopping import StopChecker
@@ -160,3 +160,19 @@ def test_a_stream_with_min_new_tokens_adds_up_to_the_final_text(step, min_new):
     assert final.startswith(sent) and sent + deltas.finish(final) == final
     if min_new and final:
         assert sent.startswith("abc")  # the held-back "bc" went out as text
+
+
+@pytest.mark.parametrize("min_new", [2, 3, 4])
+@pytest.mark.parametrize("step", [1, 6])
+def test_a_stop_character_whose_bytes_straddle_min_new_tokens_stops(min_new, step):
+    """"€" is three byte tokens (3-5 of " a€b"): the 5th completes it, past min_new_tokens 2-4, so it stops there,
+    though the first tokens' text ends in part of it at 3 and 4 (helper-123 found those missed)."""
+    tokenizer = byte_fallback_tokenizer()
+    ids = tokenizer("a€b", add_special_tokens=False)["input_ids"]
+    assert len(ids) == 6  # the space the tokenizer starts with, "a", three bytes, "b"
+    checker = StopChecker([], ["€"], 100, tokenizer, min_new)
+    kept, reason = run(checker, ids, step)
+    assert (len(kept), reason) == (5, "stop") and checker.ending(kept) == ("a", "€")
+    deltas = TextDeltas(tokenizer, ["€"], (), min_new)
+    sent = "".join(deltas.add(ids[i:i + step]) for i in range(0, len(ids), step))
+    assert sent == "a"
