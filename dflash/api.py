@@ -30,6 +30,7 @@ from dflash.chat import (
     as_ids,
     check_template_kwargs,
     check_text,
+    check_tools_shown,
     describe_template_kwargs,
     encode_plain,
     ignores_thinking,
@@ -199,19 +200,24 @@ class DFlash:
         return bool(getattr(self.tokenizer, "chat_template", None))
 
     def encode(self, prompt: Prompt, raw: bool = False, chat_template_kwargs: dict[str, Any] | None = None, *,
-               continue_final_message: bool = False, add_generation_prompt: bool = True) -> list[int]:
+               continue_final_message: bool = False, add_generation_prompt: bool = True,
+               tools: list[dict[str, Any]] | None = None) -> list[int]:
         """Token ids for a prompt: ids as given; chat messages and (unless raw) text via the chat template, with
         the pipeline's template variables updated by `chat_template_kwargs`. A tokenizer without a chat template
         (a base model) gets text as it is, and messages as `plain_conversation`. `continue_final_message`: the
         messages end with the start of the assistant's answer, which generation continues (no new turn is
         opened). `add_generation_prompt=False`: the messages are rendered without the template's opening of the
-        assistant's turn (as vLLM's request field)."""
+        assistant's turn (as vLLM's request field). `tools`: functions the template shows the model (OpenAI's form,
+        `{"type": "function", "function": {"name", "description", "parameters"}}`), with messages only."""
         if isinstance(raw, (dict, GenerationConfig)):
             raise GenerationError(f"generation options are keywords: generate(prompt, max_new_tokens=64, ...), or "
                                   f"generate(prompt, **options) for a dict of them{_FROM_CONFIG}")
         if not isinstance(raw, bool):
             raise GenerationError(f"raw is True or False, got {raw!r}")
         kind = _prompt_kind(prompt)
+        if tools and kind != "messages":
+            raise GenerationError("tools are shown to the model by the chat template, which renders messages: pass the "
+                                  "prompt as messages ([{\"role\": \"user\", \"content\": ...}])")
         if raw and kind == "messages":
             raise GenerationError("raw=True sends text without the chat template, and messages are always rendered "
                                   "with it: pass the text itself, or leave raw out")
@@ -225,6 +231,8 @@ class DFlash:
             raise GenerationError(THINKING_WITHOUT_TEMPLATE)                   # refused when it was built)
         if kind == "messages":
             prompt = text_messages(prompt)
+            check_tools_shown(self.tokenizer if has_template else None, tools)
+            variables = {**variables, **({"tools": tools} if tools else {})}
             if not has_template:  # a base model: the turns as plain text
                 return self.encode(plain_conversation(prompt), raw=True)
             if continue_final_message:

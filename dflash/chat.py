@@ -17,6 +17,19 @@ class TemplateRefusal(GenerationError):
     """The target's chat template raised on a conversation (a role or an order it does not take)."""
 
 
+class ToolsUnshown(GenerationError):
+    """Tools for a chat template that never shows them to the model."""
+
+
+def check_tools_shown(tokenizer, tools: list[dict] | None) -> None:
+    """Refuse tools where the chat template never reads its `tools` variable: the model would never see them (and
+    transformers would drop them without a word)."""
+    if tools and "tools" not in str(getattr(tokenizer, "chat_template", None) or ""):
+        raise ToolsUnshown("this model's chat template never shows the model tools (it does not read a `tools` "
+                           "variable), so it could not call them; leave tools out, or use a model whose template "
+                           "renders them (Qwen's, Llama 3.1's, Mistral's, Hermes' ...)")
+
+
 def encode_plain(tokenizer, text: str) -> list[int]:
     """Token ids of text sent as it is (no chat template): with the tokenizer's special tokens (e.g. BOS), except
     a BOS the text already starts with (a prompt a chat template rendered, as Llama 3's writes its
@@ -97,6 +110,8 @@ def text_messages(messages: list | tuple) -> list[dict]:
     for m in messages:
         if isinstance(m, dict) and isinstance(m.get("content"), list):
             m = {**m, "content": _joined_parts(m["content"])}
+        if isinstance(m, dict) and m.get("content") is None and m.get("tool_calls"):  # an assistant's calls alone
+            m = {**m, "content": ""}
         if not isinstance(m, dict) or not isinstance(m.get("role"), str) or not isinstance(m.get("content"), str):
             raise GenerationError(f"each message needs a string 'role' and a 'content' (a string or a list of text "
                                   f"parts), got {m!r}")

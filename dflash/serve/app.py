@@ -29,7 +29,7 @@ from starlette.concurrency import run_in_threadpool
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.requests import ClientDisconnect
 
-from dflash.chat import check_template_kwargs
+from dflash.chat import ToolsUnshown, check_template_kwargs
 from dflash.decoding.block_policy import BlockSizePolicy
 from dflash.decoding.detokenizer import TextDeltas, decode
 from dflash.decoding.engine import SEED_RANGE, GenerationConfig, GenerationOutput, Sequence, check_token_ids
@@ -56,6 +56,7 @@ from dflash.serve.protocol import (
 from dflash.serve.sampling_defaults import sampling_defaults
 from dflash.serve.scheduler import Event, QueueFull, Scheduler, SchedulerClosed, SchedulerConfig
 from dflash.serve.scheduler import Request as Decoding
+from dflash.serve.tools import HERMES_START, writes_hermes_calls
 
 log = logging.getLogger("dflash.serve")
 
@@ -141,12 +142,27 @@ class Server:
             check_template_kwargs(req.chat_template_kwargs)
         except UserError as err:
             raise APIError(400, str(err), param="chat_template_kwargs") from None
+        self.check_tool_calls_read(req)
         try:
             return await run_in_threadpool(partial(self.pipe.encode, req.chat(), False, req.chat_template_kwargs,
                                                    continue_final_message=req.continue_final_message,
-                                                   add_generation_prompt=req.add_generation_prompt))
+                                                   add_generation_prompt=req.add_generation_prompt,
+                                                   tools=req.tool_dicts()))
+        except ToolsUnshown as err:
+            raise APIError(400, str(err), param="tools") from None
         except UserError as err:  # a conversation the template refuses (roles, order), text that is not Unicode
             raise APIError(400, str(err), param="messages") from None
+
+    def check_tool_calls_read(self, req: ChatCompletionRequest) -> None:
+        """tool_choice auto reads calls in Hermes' form: refused where the model writes them otherwise."""
+        if req.tool_reader().mode != "auto" or (why := writes_hermes_calls(self.pipe.tokenizer)) is None:
+            return
+        raise APIError(400, f"tool_choice auto (the default with tools) reads the calls a model writes as Hermes' "
+                            f"{HERMES_START} blocks of JSON, as Qwen's chat templates teach them, and for this model "
+                            f"{why}; send tool_choice \"required\" or {{\"type\": \"function\", \"function\": "
+                            "{\"name\": ...}} (a grammar then holds the answer to a call this server reads), "
+                            "tool_choice \"none\", or serve the model with vLLM and its tool parser (dflash serve "
+                            "--engine vllm)", param="tool_choice")
 
     async def encode_text(self, prompt: str | list[int]) -> list[int]:
         """Tokenise text, or check token ids, on a worker thread (a long prompt's ids are many to check)."""
@@ -292,10 +308,12 @@ class Server:
     def _choice(self, index: int, seq: Sequence, shape: ResponseShape, req: SamplingRequest) -> dict:
         result = seq.result()
         text = self.echoed_prompt(req, seq) + (result.text or "") if req.echoes else result.text or ""
+        content, calls = req.tool_reader().read(text)
         logprobs = None
         if req.top_logprobs_asked is not None:
             logprobs = self.answer_logprobs(req, seq, shape.kind, result.logprobs or [])
-        return shape.choice(index, text, result.finish_reason, self.stop_reason(result, req), logprobs)
+        return shape.choice(index, content, result.finish_reason, self.stop_reason(result, req), logprobs,
+                            [call.body() for call in calls])
 
     def answer_logprobs(self, req: SamplingRequest, seq: Sequence, kind: str, entries: list[TokenLogprob]) -> dict:
         """A whole answer's `logprobs` object; an echo's starts with the prompt's tokens."""
@@ -340,8 +358,8 @@ class Server:
 
 
 class _StreamedChoice:
-    """One choice of a streamed answer: its text deltas (held back where a stop string may begin), its
-    log-probabilities, and an echo of the prompt before its first tokens."""
+    """One choice of a streamed answer: its text deltas (held back where a stop string or a tool call may begin),
+    its log-probabilities, an echo of the prompt before its first tokens, and its tool calls at the end."""
 
     def __init__(self, server: Server, index: int, seq: Sequence, shape: ResponseShape, req: SamplingRequest):
         self.server, self.index, self.seq, self.shape, self.req = server, index, seq, shape, req
@@ -349,6 +367,7 @@ class _StreamedChoice:
                                  seq.stop.min_new_tokens)
         self.logprobs = LogprobPieces(server.logprob_format, shape.kind)
         self.echo = req.echoes
+        self.tools = req.tool_reader().stream()
 
     def chunks(self, event: Event) -> list[dict]:
         """The chunks an event (not a failure) sends: text as it is safe, then the choice's ending."""
@@ -362,13 +381,16 @@ class _StreamedChoice:
         piece = self.deltas.add(event.tokens) if event.tokens else ""
         self.logprobs.add(event.logprobs)
         if not event.done:
+            piece = self.tools.add(piece)
             return out + ([self._chunk(piece, logprobs=self.logprobs.take())] if piece else [])
         result = self.seq.result()
-        piece += self.deltas.finish(result.text or "")
+        piece, calls = self.tools.finish(piece + self.deltas.finish(result.text or ""))
         if piece or self.logprobs.pending:
             out.append(self._chunk(piece, logprobs=self.logprobs.take()))
-        return out + [self._chunk(None, finish_reason=result.finish_reason,
-                                  stop_reason=self.server.stop_reason(result, self.req))]
+        if calls:
+            out.append(self._chunk(None, tool_calls=[call.body(i) for i, call in enumerate(calls)]))
+        finish = "tool_calls" if calls else result.finish_reason
+        return out + [self._chunk(None, finish_reason=finish, stop_reason=self.server.stop_reason(result, self.req))]
 
     def _chunk(self, text: str | None, **fields) -> dict:
         return self.shape.chunk(text, index=self.index, **fields)

@@ -3,9 +3,10 @@ and OpenAI-style error objects `{"error": {"message", "type", "param", "code"}}`
 
 Requests are validated strictly (a string where a number belongs is a 400, never coerced); null means the
 default, as in OpenAI's API. Unknown fields are ignored, as OpenAI clients send fields this server has no use
-for; known options it cannot honour (tools, ..., and vLLM's own sampling and guided-decoding extensions but min_p,
-min_tokens, repetition_penalty and guided_json / guided_regex / guided_choice) are refused with a 400 naming the
-field unless left at their defaults.
+for; known options it cannot honour (the deprecated functions, ..., and vLLM's own sampling and guided-decoding
+extensions but min_p, min_tokens, repetition_penalty and guided_json / guided_regex / guided_choice) are refused with
+a 400 naming the field unless left at their defaults. A chat request's tools are shown to the model through its chat
+template, and its answers read back as tool calls (`dflash.serve.tools`).
 """
 
 from __future__ import annotations
@@ -27,6 +28,7 @@ from dflash.decoding.penalties import MAX_PENALTY
 from dflash.decoding.sampling import MAX_LOGIT_BIAS
 from dflash.errors import UserError
 from dflash.records import shown
+from dflash.serve.tools import ToolReader, arguments_schema, calls_schema
 
 log = logging.getLogger("dflash.serve")
 
@@ -58,7 +60,8 @@ _UNION_FIELDS = {
     "prompt": "a string, a list of one string, or a list of token ids (integers), alone or as the one item of a list",
     "stop": f"a string, a list of up to {MAX_STOP_STRINGS} strings, or null",
     "logprobs": "a boolean, an integer or null",
-    "tool_choice": "a string, an object or null",
+    "tool_choice": '"none", "auto", "required", {"type": "function", "function": {"name": ...}} or null',
+    "arguments": "JSON text of an object, or an object",
 }
 
 
@@ -94,12 +97,77 @@ class ContentPart(_Strict):
         return self
 
 
+# OpenAI's rule for a function's name
+FUNCTION_NAME = re.compile(r"[A-Za-z0-9_-]{1,64}")
+
+
+def _function_name(name: str) -> str:
+    if not FUNCTION_NAME.fullmatch(name):
+        raise ValueError(f"{shown(name)} is not a function name: 1 to 64 letters, digits, underscores or dashes "
+                         "(OpenAI's rule)")
+    return name
+
+
+class FunctionCall(_Strict):
+    """A call an earlier assistant turn made. Its arguments (JSON text, as OpenAI sends them) reach the chat template
+    as an object, as the templates read them (Qwen's, Llama's: `arguments | tojson`) and vLLM passes them."""
+
+    name: str
+    arguments: str | dict[str, Any]
+
+    @field_validator("arguments")
+    @classmethod
+    def _an_object(cls, arguments):
+        if isinstance(arguments, dict):
+            return arguments
+        try:
+            value = json.loads(arguments)
+        except ValueError:
+            raise ValueError(f"must be JSON text of an object, as OpenAI sends a call's arguments; got "
+                             f"{shown(arguments)}") from None
+        if not isinstance(value, dict):
+            raise ValueError(f"must be JSON text of an object (a call's arguments by name), got {shown(arguments)}")
+        return value
+
+
+class MessageToolCall(_Strict):
+    id: str | None = None
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
+class FunctionDefinition(_Strict):
+    name: str
+    description: str | None = None
+    parameters: dict[str, Any] | None = None  # a JSON schema of the arguments; None: any object
+    strict: bool | None = None  # a grammar holds a required or named call's arguments to the schema either way
+
+    @field_validator("name")
+    @classmethod
+    def _named_as_openai_names(cls, name: str) -> str:
+        return _function_name(name)
+
+
+class Tool(_Strict):
+    type: Literal["function"]
+    function: FunctionDefinition
+
+
+class FunctionName(_Strict):
+    name: str
+
+
+class NamedToolChoice(_Strict):
+    type: Literal["function"]
+    function: FunctionName
+
+
 class ChatMessage(_Strict):
     role: str
     content: str | list[ContentPart] | None = None
     # passed on to the chat template, which may render them (a speaker's name, an earlier turn's tool calls)
     name: str | None = None
-    tool_calls: list[Any] | None = None
+    tool_calls: list[MessageToolCall] | None = None
     tool_call_id: str | None = None
     reasoning_content: str | None = None  # an earlier answer's reasoning (vLLM's reasoning parsers return it)
     reasoning: str | None = None  # the same, as newer vLLM names it
@@ -119,7 +187,8 @@ class ChatMessage(_Strict):
 
     def for_template(self) -> dict[str, Any]:
         message = {"role": self.role, "content": self.text()}  # a developer role is the template's (chat.py)
-        extras = {"name": self.name, "tool_calls": self.tool_calls, "tool_call_id": self.tool_call_id,
+        calls = None if self.tool_calls is None else [c.model_dump(exclude_none=True) for c in self.tool_calls]
+        extras = {"name": self.name, "tool_calls": calls, "tool_call_id": self.tool_call_id,
                   "reasoning_content": self.reasoning_content, "reasoning": self.reasoning}
         return {**message, **{k: v for k, v in extras.items() if v is not None}}
 
@@ -273,6 +342,10 @@ class SamplingRequest(_Strict):
                 raise ValueError(str(err)) from None
         return stop
 
+    def tool_reader(self) -> ToolReader:
+        """How the answers are read for tool calls: never, but on chat with tools."""
+        return ToolReader("none")
+
     @property
     def stop_strings(self) -> list[str]:
         if self.stop is None:
@@ -379,8 +452,9 @@ class ChatCompletionRequest(SamplingRequest):
     messages: list[ChatMessage] = Field(min_length=1)
     max_completion_tokens: int | None = None  # the newer name for max_tokens (checked with it, `_tokens_not_negative`)
     top_logprobs: int | None = Field(default=None, ge=0, le=MAX_TOP_LOGPROBS)
-    tools: list[Any] | None = None
-    tool_choice: str | dict[str, Any] | None = None
+    tools: list[Tool] | None = None  # shown to the model through its chat template (`dflash.serve.tools`)
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None  # None: "auto" with tools
+    parallel_tool_calls: bool = True  # False: one call at most
     functions: list[Any] | None = None  # the deprecated form of tools
     function_call: str | dict[str, Any] | None = None
     chat_template_kwargs: dict[str, Any] | None = None  # template variables, as in vLLM (e.g. enable_thinking)
@@ -392,10 +466,9 @@ class ChatCompletionRequest(SamplingRequest):
 
     _UNSUPPORTED: ClassVar[Refusals] = {
         **SamplingRequest._UNSUPPORTED,
-        "tools": (_unset, "this server does not call tools; leave tools out"),
-        "tool_choice": (_no_tool_choice, "this server does not call tools; leave tool_choice out"),
-        "functions": (_unset, "this server does not call functions; leave functions out"),
-        "function_call": (_no_tool_choice, "this server does not call functions; leave function_call out"),
+        "functions": (_unset, "functions is the deprecated form of tools; send tools (and tool_choice) instead"),
+        "function_call": (_no_tool_choice, "function_call is the deprecated form of tool_choice; send tools and "
+                          "tool_choice instead"),
         "chat_template": (lambda v: v is None, "this server renders with the model's own chat template; leave "
                           "chat_template out, or start the server with a model whose template you want"),
         "documents": (_unset, "this server's chat template gets no documents; leave documents out and put "
@@ -412,6 +485,60 @@ class ChatCompletionRequest(SamplingRequest):
         if self.continue_final_message and self.messages[-1].role != "assistant":
             raise APIError(400, "continue_final_message=true continues the last message, which must then be the "
                                 f"assistant's (it is the {self.messages[-1].role}'s)", param="continue_final_message")
+        self.check_tools()
+
+    def check_tools(self) -> None:
+        names = [t.function.name for t in self.tools or ()]
+        if len(set(names)) < len(names):
+            twice = sorted({n for n in names if names.count(n) > 1})
+            raise APIError(400, f"tools names {', '.join(map(repr, twice))} more than once; give each function "
+                                "one name of its own", param="tools")
+        choice = self.tool_choice
+        if choice in ("required", None, "none", "auto") and (choice != "required" or names):
+            return
+        asked = "required" if choice == "required" else f"the function {choice.function.name!r}"
+        if not names:
+            raise APIError(400, f"tool_choice asks for {asked}, and the request has no tools; send the functions "
+                                "in tools", param="tool_choice")
+        if choice != "required" and choice.function.name not in names:
+            raise APIError(400, f"tool_choice names the function {choice.function.name!r}, which is not among the "
+                                f"tools ({', '.join(map(repr, names))})", param="tool_choice")
+
+    def tool_dicts(self) -> list[dict[str, Any]] | None:
+        """The tools as the chat template reads them (OpenAI's form, as transformers passes them)."""
+        return None if not self.tools else [t.model_dump(exclude_none=True) for t in self.tools]
+
+    def tool_reader(self) -> ToolReader:
+        if not self.tools or self.tool_choice == "none":
+            return ToolReader("none")
+        if self.tool_choice in (None, "auto"):
+            return ToolReader("auto", parallel=self.parallel_tool_calls)
+        if self.tool_choice == "required":
+            return ToolReader("required", parallel=self.parallel_tool_calls)
+        return ToolReader("named", name=self.tool_choice.function.name)
+
+    def structure(self) -> tuple[dict[str, Any] | None, str | None, str | None]:
+        """A required or named tool_choice holds the answer to a call (`tools`); otherwise as for completions."""
+        tool = self._tool_schema()
+        given = super().structure()
+        if tool is None:
+            return given
+        if given[2] is not None:
+            raise APIError(400, f"tool_choice {self._tool_choice_words()} and {given[2]} each set the answer's "
+                                "structure; send one of them", param=given[2])
+        return tool, None, "tool_choice"
+
+    def _tool_schema(self) -> dict[str, Any] | None:
+        reader = self.tool_reader()
+        functions = [t.function.model_dump(exclude_none=True) for t in self.tools or ()]
+        if reader.mode == "required":
+            return calls_schema(functions, self.parallel_tool_calls)
+        if reader.mode == "named":
+            return arguments_schema(next(f for f in functions if f["name"] == reader.name))
+        return None
+
+    def _tool_choice_words(self) -> str:
+        return '"required"' if self.tool_choice == "required" else f"naming {self.tool_choice.function.name!r}"
 
     def check_logprobs(self) -> None:
         """Chat's logprobs is a boolean (0 and 1 read as false and true, as vLLM's request model coerces them), and
@@ -640,12 +767,16 @@ class ResponseShape:
         body.update(extra or {})
         return body
 
-    def choice(self, index: int, text: str, finish_reason: str, stop_reason: str | int | None = None,
-               logprobs: dict | None = None) -> dict:
-        """One whole choice of an answer (`full`)."""
+    def choice(self, index: int, text: str | None, finish_reason: str, stop_reason: str | int | None = None,
+               logprobs: dict | None = None, tool_calls: list[dict] | None = None) -> dict:
+        """One whole choice of an answer (`full`); with tool calls (chat), the text is the content beside them
+        (None: none) and the finish reason is "tool_calls", as in OpenAI's API and vLLM."""
+        if tool_calls:
+            finish_reason = "tool_calls"
         ending = {"finish_reason": finish_reason, "stop_reason": stop_reason, "logprobs": logprobs}
         if self.kind == "chat":
-            return {"index": index, "message": {"role": "assistant", "content": text}, **ending}
+            message = {"role": "assistant", "content": text, **({"tool_calls": tool_calls} if tool_calls else {})}
+            return {"index": index, "message": message, **ending}
         return {"index": index, "text": text, **ending}
 
     def full(self, choices: list[dict], prompt_tokens: int, completion_tokens: int) -> dict:
@@ -653,13 +784,16 @@ class ResponseShape:
         return self._envelope(name, choices, {"usage": usage(prompt_tokens, completion_tokens)})
 
     def chunk(self, text: str | None, finish_reason: str | None = None, first: bool = False,
-              stop_reason: str | int | None = None, logprobs: dict | None = None, index: int = 0) -> dict:
+              stop_reason: str | int | None = None, logprobs: dict | None = None, index: int = 0,
+              tool_calls: list[dict] | None = None) -> dict:
         ending = {"finish_reason": finish_reason, "stop_reason": stop_reason, "logprobs": logprobs}
         extra = {"usage": None} if self.include_usage else None
         if self.kind == "chat":
             delta: dict[str, Any] = {"role": "assistant", "content": ""} if first else {}
             if text:
                 delta["content"] = text
+            if tool_calls:
+                delta["tool_calls"] = tool_calls
             return self._envelope("chat.completion.chunk", [{"index": index, "delta": delta, **ending}], extra)
         return self._envelope("text_completion", [{"index": index, "text": text or "", **ending}], extra)
 

@@ -213,13 +213,26 @@ TOOL_TEMPLATE = (  # how Qwen's templates write an assistant's tool calls
     "{% if add_generation_prompt %}assistant:{% endif %}")
 
 
-@pytest.mark.parametrize("calls", [[{"function": {"name": "f"}}], [1]])  # no arguments; not an object
-def test_a_tool_call_the_template_cannot_render_is_400(server, monkeypatch, calls):
+@pytest.mark.parametrize("calls, param, says", [
+    ([{"function": {"name": "f"}}], "messages.1.tool_calls.0.function.arguments", "is required"),
+    ([1], "messages.1.tool_calls.0", "must be a JSON object"),
+])
+def test_a_tool_call_out_of_openais_form_is_400_naming_its_field(server, monkeypatch, calls, param, says):
     monkeypatch.setattr(server.pipe.tokenizer, "chat_template", TOOL_TEMPLATE)
     messages = [*MESSAGES, {"role": "assistant", "content": None, "tool_calls": calls}]
     response = post(server, "chat/completions", json={"messages": messages, "max_tokens": 1})
+    assert says in assert_error(response, 400, param)["message"]
+
+
+def test_a_tool_call_the_template_cannot_render_is_400(server, monkeypatch):
+    """A call in OpenAI's form that this template reads otherwise (a `parameters` key it requires)."""
+    monkeypatch.setattr(server.pipe.tokenizer, "chat_template", TOOL_TEMPLATE.replace(
+        "call.arguments | tojson", "call.parameters['x'] | tojson"))
+    calls = [{"id": "c", "type": "function", "function": {"name": "f", "arguments": "{}"}}]
+    messages = [*MESSAGES, {"role": "assistant", "content": None, "tool_calls": calls}]
+    response = post(server, "chat/completions", json={"messages": messages, "max_tokens": 1})
     error = assert_error(response, 400, "messages")
-    assert "chat template cannot render these messages" in error["message"]
+    assert "chat template" in error["message"]
 
 
 def test_chat_with_a_base_model_points_to_completions(server, monkeypatch):
@@ -331,9 +344,7 @@ def test_nan_temperature_is_not_a_range_error(server):
     assert "finite" in message and "<=" not in message and "less than" not in message
 
 
-UNSUPPORTED_CHAT = [
-    ("tools", [{"type": "function", "function": {"name": "f", "parameters": {}}}]), ("tool_choice", "required"),
-]
+UNSUPPORTED_CHAT = [("functions", [{"name": "f", "parameters": {}}]), ("function_call", {"name": "f"})]
 
 
 @pytest.mark.parametrize("field,value", UNSUPPORTED_CHAT)
