@@ -38,6 +38,7 @@ from dflash.model.loading import (
 from dflash.model.target import check_compatible
 from dflash.serve.limits import check_max_model_len
 from dflash.serve.sampling_defaults import NEUTRAL_CHOICES
+from dflash.serve.tools import hermes_template_problem
 
 ENGINES = ("vllm", "sglang")
 API_KEY_ENV = "DFLASH_API_KEY"  # where --dry-run's printed command reads the key, so it is never printed
@@ -84,6 +85,8 @@ class HandoffOptions:
     # --shutdown-timeout: seconds in-flight requests get at SIGTERM (vLLM's flag of that name, >= 0.18); None: the
     # engine's default (vLLM: stop at once; SGLang: it finishes them by its own rules, with no flag for it)
     shutdown_timeout: float | None = None
+    # vLLM's parser of the calls a model writes, for tool_choice auto (`with_tool_parser`); None: none named
+    tool_call_parser: str | None = None
 
 
 @dataclass
@@ -329,6 +332,8 @@ def vllm_command(target: str, draft: str | None, block_size: int, options: Hando
                       math.ceil(options.shutdown_timeout)})
     if options.chat_template_kwargs:
         cmd += ["--default-chat-template-kwargs", json.dumps(options.chat_template_kwargs)]
+    if options.tool_call_parser is not None:  # tool_choice auto, as dflash serve reads it
+        cmd += ["--enable-auto-tool-choice", "--tool-call-parser", options.tool_call_parser]
     cmd += ["--trust-remote-code"] if options.trust_remote_code else []
     if options.generation_config != "auto":
         neutral = options.generation_config in NEUTRAL_CHOICES
@@ -458,12 +463,46 @@ def engine_command(engine: str, target: str, draft: str | None, block_size: int 
     elif block_size is not None:
         raise UserError("--block-size sets the drafter's block, and --no-draft hands over the target alone: drop "
                         "one or the other")
+    options, tool_note = with_tool_parser(engine, target, options)
+    notes += [tool_note] if tool_note else []
     build = vllm_command if engine == "vllm" else sglang_command
     command = build(target, draft, block_size or 0, options)
     if engine == "vllm" and draft is not None and mixes_sliding_and_full(drafter.config):
         command.env[VLLM_V2_RUNNER_ENV] = "1"
     command.notes.extend(notes)
     return command
+
+
+def with_tool_parser(engine: str, target: str, options: HandoffOptions) -> tuple[HandoffOptions, str | None]:
+    """vLLM reads a model's tool calls as dflash serve does (tool_choice auto, Hermes' JSON blocks) with its hermes
+    parser, which it runs only when told: the options with it where the target's chat template teaches that form,
+    and a note where this cannot tell (a hub id) or where the engine is SGLang (its parser is named per model)."""
+    template = local_chat_template(target)
+    if template is None or hermes_template_problem(template) is not None:
+        hub = template is None and not Path(target).expanduser().is_dir()
+        return options, ("tool calls with tool_choice auto: for a model whose chat template writes Hermes' <tool_call> "
+                         "JSON blocks (Qwen's), add --enable-auto-tool-choice --tool-call-parser hermes (vLLM) or "
+                         "--tool-call-parser qwen25 (SGLang)") if hub else None
+    if engine == "sglang":
+        return options, ("tool calls with tool_choice auto: this target's chat template writes Hermes' <tool_call> "
+                         "JSON blocks; add SGLang's parser for its family (--tool-call-parser qwen25 for Qwen 2.5 "
+                         "and 3)")
+    return replace(options, tool_call_parser="hermes"), None
+
+
+def local_chat_template(target: str) -> str | None:
+    """The chat template of a local checkpoint directory (chat_template.jinja, else tokenizer_config.json's); None for
+    a hub id or a directory without one."""
+    path = Path(target).expanduser()
+    if not path.is_dir():
+        return None
+    if (path / "chat_template.jinja").is_file():
+        return (path / "chat_template.jinja").read_text(errors="replace")
+    try:
+        template = json.loads((path / "tokenizer_config.json").read_text()).get("chat_template")
+    except (OSError, ValueError, AttributeError):
+        return None
+    return None if template is None else str(template)  # a list of named templates: any of them may teach calls
 
 
 def vllm_attention_backends(options: HandoffOptions, facts: TargetFacts, vllm_here: bool | None) -> HandoffOptions:

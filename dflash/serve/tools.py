@@ -29,13 +29,18 @@ HERMES_START, HERMES_END = "<tool_call>", "</tool_call>"
 def writes_hermes_calls(tokenizer) -> str | None:
     """None where the model writes its calls in Hermes' form as its chat template teaches it, and the text answers
     show holds them; else why auto cannot read its calls."""
-    template = str(getattr(tokenizer, "chat_template", None) or "")
+    problem = hermes_template_problem(str(getattr(tokenizer, "chat_template", None) or ""))
+    if problem is None and HERMES_START in (getattr(tokenizer, "all_special_tokens", None) or ()):
+        return f"its tokenizer marks {HERMES_START} as a special token, which the answer's text leaves out"
+    return problem
+
+
+def hermes_template_problem(template: str) -> str | None:
+    """None where a chat template teaches calls in Hermes' form (JSON in <tool_call> blocks); else what it teaches."""
     if HERMES_START not in template:
         return "its chat template teaches another form"
     if "<function=" in template:  # Qwen3-Coder's XML inside the block: <function=NAME><parameter=KEY>...
         return "its chat template writes XML inside the blocks (Qwen3-Coder's form: vLLM's qwen3_coder parser reads it)"
-    if HERMES_START in (getattr(tokenizer, "all_special_tokens", None) or ()):
-        return f"its tokenizer marks {HERMES_START} as a special token, which the answer's text leaves out"
     return None
 
 

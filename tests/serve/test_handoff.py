@@ -659,3 +659,25 @@ def test_sglang_is_refused_a_drafter_without_num_target_layers_whose_layers_it_w
            f'{max(taps)}; add "num_target_layers": {target_layers} to the file' in capsys.readouterr().err
     dry_run(capsys, "--target", str(target), "--draft", str(lacking), "--engine", "vllm")  # vLLM reads the target's
     dry_run(capsys, "--target", str(target), "--draft", str(draft), "--engine", "sglang")
+
+
+@pytest.mark.parametrize("engine", ["vllm", "sglang"])
+def test_a_target_that_writes_hermes_calls_keeps_tool_choice_auto_after_the_hand_off(tiny_pair, tmp_path, capsys,
+                                                                                      engine):
+    """vLLM reads Hermes' <tool_call> blocks, as dflash serve does, only with its hermes parser named; SGLang's
+    parser is named per model family, so the dry run says which to add."""
+    target, draft = tiny_pair
+    plain = dry_run(capsys, "--target", str(target), "--draft", str(draft), "--engine", engine)
+    assert "--tool-call-parser" not in plain  # the tiny target's template shows no tools
+    hermes = tmp_path / "target"
+    shutil.copytree(target, hermes)
+    (hermes / "chat_template.jinja").write_text("{% for tool in tools or [] %}{{ tool | tojson }}{% endfor %}"
+                                                "{% for m in messages %}{{ m.content }}<tool_call>{% endfor %}")
+    assert main(["serve", "--target", str(hermes), "--draft", str(draft), "--engine", engine, "--dry-run"]) == 0
+    out, err = capsys.readouterr()
+    argv = shlex.split(out.strip())
+    if engine == "vllm":
+        at = argv.index("--tool-call-parser")
+        assert argv[at - 1: at + 2] == ["--enable-auto-tool-choice", "--tool-call-parser", "hermes"]
+    else:
+        assert "--tool-call-parser" not in argv and "--tool-call-parser qwen25" in err
