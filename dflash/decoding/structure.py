@@ -15,6 +15,7 @@ llguidance is an optional dependency: `pip install 'dflash[structured]'`.
 from __future__ import annotations
 
 import json
+from collections import OrderedDict
 from typing import Any
 
 import torch
@@ -22,6 +23,7 @@ import torch
 from dflash.errors import GenerationError
 
 INSTALL = "pip install 'dflash[structured]'"  # llguidance: structured output's one dependency
+COMPILED_KEPT = 64  # compiled grammars kept for reuse, the least recently used dropped first
 
 
 class StructureError(GenerationError):
@@ -64,14 +66,23 @@ class GrammarCompiler:
                                  "tokenizers (tokenizer.json) with byte-level (GPT-2, Llama 3, Qwen) or byte-fallback "
                                  "(Llama 2, Mistral, Gemma) decoders") from None
         self.vocab_size = vocab_size
+        # grammar text -> a matcher compiled from it and never advanced, copied for each row: a request's n choices,
+        # and clients that send the same schema (the same tools) turn after turn, compile it once
+        self._compiled: OrderedDict[str, Any] = OrderedDict()
 
     def grammar(self, json_schema: dict | None, regex: str | None) -> "Grammar":
-        llg = _llguidance()
-        matcher = llg.LLMatcher(self.tokenizer, grammar_text(json_schema, regex), log_level=0)
-        if matcher.is_error():  # the grammar is compiled once, here: a bad one leaves the matcher in error
-            what = "json_schema" if json_schema is not None else "regex"
-            raise StructureError(f"the {what} cannot be used: {first_line(matcher.get_error())}; fix it")
-        return Grammar(matcher, self.vocab_size)
+        text = grammar_text(json_schema, regex)
+        compiled = self._compiled.get(text)
+        if compiled is None:
+            compiled = _llguidance().LLMatcher(self.tokenizer, text, log_level=0)
+            if compiled.is_error():  # the grammar is compiled here: a bad one leaves the matcher in error
+                what = "json_schema" if json_schema is not None else "regex"
+                raise StructureError(f"the {what} cannot be used: {first_line(compiled.get_error())}; fix it")
+            self._compiled[text] = compiled
+            if len(self._compiled) > COMPILED_KEPT:
+                self._compiled.popitem(last=False)
+        self._compiled.move_to_end(text)
+        return Grammar(compiled.deep_copy(), self.vocab_size)
 
 
 class Grammar:

@@ -13,7 +13,7 @@ import torch
 from transformers import LogitsProcessor, LogitsProcessorList
 
 from conftest import byte_fallback_tokenizer, partial_oracle, random_prompts, tiny_drafter, tiny_target_model
-from dflash.decoding import DFlashProposer, GenerationConfig, SpeculativeEngine
+from dflash.decoding import DFlashProposer, GenerationConfig, SpeculativeEngine, structure
 from dflash.errors import GenerationError
 from dflash.model import TargetModel
 
@@ -96,6 +96,29 @@ def test_rows_with_and_without_a_grammar_decode_together_as_alone(tokenizer):
     alone = [engine.generate([p], c)[0] for p, c in zip(prompts, configs)]
     assert [o.output_ids for o in together] == [o.output_ids for o in alone]
     assert together[0].output_ids != together[1].output_ids
+
+
+def test_rows_of_one_schema_share_its_compiled_grammar_and_keep_their_own_state(tokenizer):
+    """The grammar is compiled once and each row gets a copy: rows of one schema (a request's n choices, a client's
+    turns) decode together as alone, from one compilation."""
+    target = text_target("qwen3", tokenizer)
+    engine = SpeculativeEngine(target, DFlashProposer(tiny_drafter(target), target))
+    prompts = random_prompts(3, seed=73)
+    config = GenerationConfig(max_new_tokens=MAX_NEW, json_schema=SCHEMA)
+    alone = [engine.generate([p], config)[0].output_ids for p in prompts]
+    together = engine.generate(prompts, config)
+    assert [o.output_ids for o in together] == alone and len(set(map(tuple, alone))) > 1
+    assert len(engine._grammars._compiled) == 1
+
+
+def test_the_compiled_grammars_kept_are_bounded(tokenizer, monkeypatch):
+    monkeypatch.setattr(structure, "COMPILED_KEPT", 3)
+    compiler = structure.GrammarCompiler(tokenizer, len(tokenizer), [tokenizer.eos_token_id])
+    for n in range(5):
+        compiler.grammar(None, f"a{{{n + 1}}}")
+    compiler.grammar(None, "a{3}")  # used again: the last to go
+    compiler.grammar(None, "b")
+    assert list(compiler._compiled) == [llguidance.LLMatcher.grammar_from_regex(r) for r in ("a{5}", "a{3}", "b")]
 
 
 def test_a_row_with_a_grammar_verifies_no_branch(tokenizer):
