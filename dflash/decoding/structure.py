@@ -15,6 +15,7 @@ llguidance is an optional dependency: `pip install 'dflash[structured]'`.
 from __future__ import annotations
 
 import json
+import threading
 from collections import OrderedDict
 from typing import Any
 
@@ -69,9 +70,14 @@ class GrammarCompiler:
         # grammar text -> a matcher compiled from it and never advanced, copied for each row: a request's n choices,
         # and clients that send the same schema (the same tools) turn after turn, compile it once
         self._compiled: OrderedDict[str, Any] = OrderedDict()
+        self._lock = threading.Lock()  # a server builds rows on worker threads
 
     def grammar(self, json_schema: dict | None, regex: str | None) -> "Grammar":
         text = grammar_text(json_schema, regex)
+        with self._lock:
+            return Grammar(self._compiled_matcher(text, json_schema).deep_copy(), self.vocab_size)
+
+    def _compiled_matcher(self, text: str, json_schema: dict | None) -> Any:
         compiled = self._compiled.get(text)
         if compiled is None:
             compiled = _llguidance().LLMatcher(self.tokenizer, text, log_level=0)
@@ -82,7 +88,7 @@ class GrammarCompiler:
             if len(self._compiled) > COMPILED_KEPT:
                 self._compiled.popitem(last=False)
         self._compiled.move_to_end(text)
-        return Grammar(compiled.deep_copy(), self.vocab_size)
+        return compiled
 
 
 class Grammar:

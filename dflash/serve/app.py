@@ -251,8 +251,8 @@ class Server:
             raise APIError(400, str(err), param="stop_token_ids") from None
         return req.stop_token_ids
 
-    def submit(self, req: SamplingRequest, prompt_ids: list[int], kind: str,
-               default_max: int | None) -> list[Decoding]:
+    async def submit(self, req: SamplingRequest, prompt_ids: list[int], kind: str,
+                     default_max: int | None) -> list[Decoding]:
         """The request's n choices, queued together; with a seed, choice i samples with seed + i (as vLLM)."""
         if req.n > self.scheduler.capacity:
             raise APIError(400, f"n={req.n} choices are more than this server decodes and queues at once "
@@ -264,17 +264,22 @@ class Server:
         config = self.generation_config(req, len(prompt_ids), kind, default_max)
         configs = [config if config.seed is None or i == 0 else dataclasses.replace(config, seed=config.seed + i)
                    for i in range(req.n)]
-        try:
-            seqs = [self.engine.new_sequence(prompt_ids, c) for c in configs]
-        except StructureError as err:  # (other GenerationErrors, UserErrors, are 400s too, naming no field)
-            raise APIError(400, str(err), param=req.structure()[2]) from None
+        seqs = await run_in_threadpool(self.new_sequences, req, prompt_ids, configs)
         workload = f"{kind}/{'greedy' if config.temperature == 0 else 'sampled'}"
         return self.scheduler.submit_all(seqs, workload, stream=req.stream)
+
+    def new_sequences(self, req: SamplingRequest, prompt_ids: list[int], configs: list[GenerationConfig]) -> list:
+        """The rows of the request's choices, built on a worker thread: compiling a grammar (json_schema, regex,
+        tools) can take a while (`a{100000}`: 0.8 s), and the event loop must go on serving meanwhile."""
+        try:
+            return [self.engine.new_sequence(prompt_ids, c) for c in configs]
+        except StructureError as err:  # (other GenerationErrors, UserErrors, are 400s too, naming no field)
+            raise APIError(400, str(err), param=req.structure()[2]) from None
 
     # ---- answers ----------------------------------------------------------------------------------------------
     async def answer(self, http: Request, req: SamplingRequest, prompt_ids: list[int], kind: str,
                      default_max: int | None) -> Response:
-        decodings = self.submit(req, prompt_ids, kind, default_max)
+        decodings = await self.submit(req, prompt_ids, kind, default_max)
         shape = ResponseShape(kind, self.config.served_model_name, include_usage=req.stream and req.include_usage)
         if req.stream:
             return StreamingResponse(self._stream(decodings, shape, req), media_type="text/event-stream")

@@ -3,8 +3,11 @@ guided_json, guided_regex and guided_choice hold the answer as the library's jso
 
 from __future__ import annotations
 
+import concurrent.futures
 import json
 import re
+import threading
+import time
 
 import httpx
 import pytest
@@ -103,3 +106,24 @@ def test_a_grammar_past_llguidances_limits_fails_that_request_alone_saying_so(js
     assert response.status_code == 500 and "the answer's grammar failed in llguidance" in error["message"], error
     assert "\n" not in error["message"] and "<state>" not in error["message"]
     assert text_of(complete(json_server, max_tokens=2))  # and the server goes on
+
+
+def test_a_grammar_compiles_off_the_event_loop(json_server, monkeypatch):
+    """While a request's grammar compiles (held here until /health has answered), the server goes on answering:
+    compiled on the event loop, /health would wait for it and time out."""
+    engine, compiled = json_server.pipe.engine, threading.Event()
+    grammar = engine._grammar
+
+    def slow_grammar(config):
+        compiled.wait(timeout=20)
+        return grammar(config)
+
+    monkeypatch.setattr(engine, "_grammar", slow_grammar)
+    with concurrent.futures.ThreadPoolExecutor(1) as pool:
+        pending = pool.submit(complete, json_server, guided_regex="(April|May) [0-9]")
+        try:
+            time.sleep(0.2)  # the request reaches its grammar
+            assert httpx.get(f"{json_server.url}/health", timeout=5).status_code == 200
+        finally:
+            compiled.set()
+        assert re.fullmatch("(April|May) [0-9]", text_of(pending.result(timeout=60)))
