@@ -20,5 +20,7 @@ def choice_logits(logits: torch.Tensor, rows: list, tokens: torch.Tensor | None 
     tokens (b, q): a verify forward's tokens, the first each row's anchor; sees (b, q, q): which of them each slot
     sees (None: those up to its own; a row with a grammar takes no branch). Without `tokens`, every slot is taken
     as the output so far stands (the prefill's)."""
-    penalized = penalize(add_logit_bias(logits, rows), rows, tokens, sees)
-    return constrain(hold_stops(penalized, rows, tokens, sees), rows, tokens)
+    chosen = add_logit_bias(logits, rows)  # a new tensor where a row has a bias; then the others change it in place,
+    chosen = penalize(chosen, rows, tokens, sees, copy=chosen is logits)  # copying the target's logits once at most
+    chosen = hold_stops(chosen, rows, tokens, sees, copy=chosen is logits)  # (log-probabilities read them unchanged)
+    return constrain(chosen, rows, tokens, copy=chosen is logits)

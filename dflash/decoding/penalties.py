@@ -65,16 +65,16 @@ class TokenCounts:
 
 
 def penalize(logits: torch.Tensor, rows: list, tokens: torch.Tensor | None = None,
-             sees: torch.Tensor | None = None) -> torch.Tensor:
+             sees: torch.Tensor | None = None, copy: bool = True) -> torch.Tensor:
     """logits (b, q, vocab) with each row's penalties (`Sequence.penalties`, counting `Sequence.counts`) applied at
     every slot (a new tensor; the same one where no row has penalties). tokens (b, q): a verify forward's tokens, the
     first each row's anchor (already in its output, so not counted again); sees (b, q, q): which of them each slot
     sees (None: those up to its own). Without `tokens`, every slot is penalized as the output so far stands (the
-    prefill's)."""
+    prefill's). copy=False: the logits are changed in place (a copy of the target's already)."""
     penalized = [r for r, row in enumerate(rows) if getattr(row, "penalties", None) is not None]
     if not penalized:
         return logits
-    logits = logits.clone()
+    logits = logits.clone() if copy else logits
     q = logits.shape[1]
     if tokens is not None and sees is None:  # slot i sees tokens 0..i
         sees = torch.ones(q, q, dtype=torch.bool, device=logits.device).tril().expand(tokens.shape[0], q, q)

@@ -128,17 +128,17 @@ class StopChecker:
 
 
 def hold_stops(logits: torch.Tensor, rows: list, tokens: torch.Tensor | None = None,
-               sees: torch.Tensor | None = None) -> torch.Tensor:
+               sees: torch.Tensor | None = None, copy: bool = True) -> torch.Tensor:
     """logits (b, q, vocab) with each row's stop ids (`Sequence.held_stops`, (k,) or None) at -inf in every slot
     whose token would be one of the row's first min_new_tokens (a new tensor; the same one where no slot is held).
     tokens (b, q): a verify forward's, the first each row's anchor; slot i's token comes after the output so far and
     the draft tokens it sees (sees (b, q, q); None: the i before it). Without `tokens`, every slot is taken as the
-    output so far stands (the prefill's)."""
+    output so far stands (the prefill's). copy=False: the logits are changed in place."""
     held = [(r, row) for r, row in enumerate(rows)
             if getattr(row, "held_stops", None) is not None and len(row.output_ids) < row.config.min_new_tokens]
     if not held:
         return logits
-    logits = logits.clone()
+    logits = logits.clone() if copy else logits
     q = logits.shape[1]
     for r, row in held:
         left = row.config.min_new_tokens - len(row.output_ids)  # the output tokens still held

@@ -145,14 +145,15 @@ def first_line(text: str, limit: int = 300) -> str:
     return line if len(line) <= limit else line[:limit] + "..."
 
 
-def constrain(logits: torch.Tensor, rows: list, tokens: torch.Tensor | None = None) -> torch.Tensor:
+def constrain(logits: torch.Tensor, rows: list, tokens: torch.Tensor | None = None,
+              copy: bool = True) -> torch.Tensor:
     """logits (b, q, vocab) with -inf where a row's grammar refuses the token (a new tensor; the same one where no
     row has a grammar); tokens (b, q): a verify forward's (the anchor first), whose draft tokens the slots after them
-    follow; None: every slot masked as the output stands."""
+    follow; None: every slot masked as the output stands. copy=False: the logits are changed in place."""
     grammars = [getattr(row, "grammar", None) for row in rows]
     if all(g is None for g in grammars):
         return logits
-    logits = logits.clone()
+    logits = logits.clone() if copy else logits
     for r, grammar in enumerate(grammars):
         if grammar is None:
             continue

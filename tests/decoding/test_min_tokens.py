@@ -15,6 +15,7 @@ from dflash.decoding.detokenizer import TextDeltas
 from dflash.decoding.stopping import StopChecker
 from dflash.errors import GenerationError
 
+from .test_logprobs import check_logprobs
 from .test_stopping import CharTokenizer
 
 MAX_NEW = 24
@@ -55,9 +56,11 @@ def test_greedy_with_min_new_tokens_is_transformers_with_them(target, block_size
     refs = {tuple(p): hf_greedy_held(target, p, m, {STOP: 10.0}, [STOP]) for p, m in zip(prompts, mins)}
     assert [len(refs[tuple(p)]) for p in prompts] == [m + 1 for m in mins]  # the test's premise: stops come at once
     engine = SpeculativeEngine(target, partial_oracle(target, refs, block_size))
-    outs = engine.generate(prompts, held_configs(mins, block_size=block_size))
+    outs = engine.generate(prompts, held_configs(mins, block_size=block_size, logprobs=0))
     assert [o.output_ids for o in outs] == [refs[tuple(p)] for p in prompts]
     assert [o.finish_reason for o in outs] == ["stop"] * 3
+    for prompt, out in zip(prompts, outs):
+        check_logprobs(target, prompt, out, top=0)  # the target's own: neither the bias nor the held stops
 
 
 class StopDrafter(BranchOracle):
