@@ -413,9 +413,9 @@ class SpeculativeEngine:
         stop = StopChecker(self.stop_ids(config), config.stop_strings, config.max_new_tokens, self.tokenizer,
                            config.min_new_tokens)
         return Sequence(prompt_ids, config, stop, self.target.device, self._bias_vector(config.logit_bias),
-                        self._grammar(config))
+                        self.grammar_for(config))
 
-    def _grammar(self, config: GenerationConfig) -> Grammar | None:
+    def grammar_for(self, config: GenerationConfig) -> Grammar | None:
         """The grammar of a config's json_schema or regex (None without one), over the target's tokenizer."""
         if not config.structured:
             return None

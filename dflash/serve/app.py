@@ -29,7 +29,7 @@ from starlette.concurrency import run_in_threadpool
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.requests import ClientDisconnect
 
-from dflash.chat import ToolsUnshown, check_template_kwargs
+from dflash.chat import ToolsUnshown, check_template_kwargs, check_tools_shown
 from dflash.decoding.block_policy import BlockSizePolicy
 from dflash.decoding.detokenizer import TextDeltas, decode
 from dflash.decoding.engine import SEED_RANGE, GenerationConfig, GenerationOutput, Sequence, check_token_ids
@@ -56,7 +56,7 @@ from dflash.serve.protocol import (
 from dflash.serve.sampling_defaults import sampling_defaults
 from dflash.serve.scheduler import Event, QueueFull, Scheduler, SchedulerClosed, SchedulerConfig
 from dflash.serve.scheduler import Request as Decoding
-from dflash.serve.tools import HERMES_START, writes_hermes_calls
+from dflash.serve.tools import HERMES_START, arguments_schema, writes_hermes_calls
 
 log = logging.getLogger("dflash.serve")
 
@@ -154,7 +154,12 @@ class Server:
             raise APIError(400, str(err), param="messages") from None
 
     def check_tool_calls_read(self, req: ChatCompletionRequest) -> None:
-        """tool_choice auto reads calls in Hermes' form: refused where the model writes them otherwise."""
+        """Tools the template never shows are refused; tool_choice auto reads calls in Hermes' form, and is refused
+        where the model writes them otherwise."""
+        try:
+            check_tools_shown(self.pipe.tokenizer, req.tool_dicts())
+        except ToolsUnshown as err:
+            raise APIError(400, str(err), param="tools") from None
         if req.tool_reader().mode != "auto" or (why := writes_hermes_calls(self.pipe.tokenizer)) is None:
             return
         raise APIError(400, f"tool_choice auto (the default with tools) reads the calls a model writes as Hermes' "
@@ -274,7 +279,18 @@ class Server:
         try:
             return [self.engine.new_sequence(prompt_ids, c) for c in configs]
         except StructureError as err:  # (other GenerationErrors, UserErrors, are 400s too, naming no field)
+            if req.structure()[2] == "tool_choice":
+                self.check_tool_parameters(req)
             raise APIError(400, str(err), param=req.structure()[2]) from None
+
+    def check_tool_parameters(self, req: ChatCompletionRequest) -> None:
+        """A 400 naming the first tool whose parameters no grammar can be made of (its call's grammar failed)."""
+        for i, tool in enumerate(req.tools or ()):
+            try:
+                self.engine.grammar_for(GenerationConfig(json_schema=arguments_schema(tool.function.model_dump())))
+            except StructureError as err:
+                message = str(err).replace("the json_schema cannot be used", "these parameters cannot hold a call")
+                raise APIError(400, message, param=f"tools.{i}.function.parameters") from None
 
     # ---- answers ----------------------------------------------------------------------------------------------
     async def answer(self, http: Request, req: SamplingRequest, prompt_ids: list[int], kind: str,
@@ -344,8 +360,9 @@ class Server:
         choices = [_StreamedChoice(self, i, d.seq, shape, req) for i, d in enumerate(decodings)]
         try:
             if shape.kind == "chat":
+                calls_only = req.tool_reader().holds_text
                 for choice in choices:
-                    yield sse(shape.chunk(None, first=True, index=choice.index))
+                    yield sse(shape.chunk(None, first=True, index=choice.index, calls_only=calls_only))
             async for index, event in _merged_events(decodings):
                 if event.done and event.error:
                     yield sse(_decode_error(event).body())

@@ -97,14 +97,15 @@ class ContentPart(_Strict):
         return self
 
 
-# OpenAI's rule for a function's name
-FUNCTION_NAME = re.compile(r"[A-Za-z0-9_-]{1,64}")
+# A function's name: OpenAI's rule (letters, digits, _ and -) with the dots and colons that tools bridged from other
+# protocols carry (MCP's server.tool), as vLLM takes them
+FUNCTION_NAME = re.compile(r"[A-Za-z0-9_.:-]{1,128}")
 
 
 def _function_name(name: str) -> str:
     if not FUNCTION_NAME.fullmatch(name):
-        raise ValueError(f"{shown(name)} is not a function name: 1 to 64 letters, digits, underscores or dashes "
-                         "(OpenAI's rule)")
+        raise ValueError(f"{shown(name)} is not a function name: 1 to 128 letters, digits, underscores, dashes, dots "
+                         "or colons")
     return name
 
 
@@ -146,6 +147,15 @@ class FunctionDefinition(_Strict):
     @classmethod
     def _named_as_openai_names(cls, name: str) -> str:
         return _function_name(name)
+
+    @field_validator("parameters")
+    @classmethod
+    def _an_object_schema(cls, parameters):
+        kind = parameters.get("type", "object")
+        if kind != "object" and not (isinstance(kind, list) and "object" in kind):
+            raise ValueError(f"must be the JSON schema of an object (the arguments by name: {{\"type\": \"object\", "
+                             f"\"properties\": {{...}}}}), not of type {shown(kind)}")
+        return parameters
 
 
 class Tool(_Strict):
@@ -494,7 +504,7 @@ class ChatCompletionRequest(SamplingRequest):
             raise APIError(400, f"tools names {', '.join(map(repr, twice))} more than once; give each function "
                                 "one name of its own", param="tools")
         choice = self.tool_choice
-        if choice in ("required", None, "none", "auto") and (choice != "required" or names):
+        if choice in (None, "none", "auto"):
             return
         asked = "required" if choice == "required" else f"the function {choice.function.name!r}"
         if not names:
@@ -503,6 +513,10 @@ class ChatCompletionRequest(SamplingRequest):
         if choice != "required" and choice.function.name not in names:
             raise APIError(400, f"tool_choice names the function {choice.function.name!r}, which is not among the "
                                 f"tools ({', '.join(map(repr, names))})", param="tool_choice")
+        if self.continue_final_message:
+            raise APIError(400, f"tool_choice {self._tool_choice_words()} holds the whole answer to a call, and "
+                                "continue_final_message=true continues an answer already begun; send one of them",
+                           param="tool_choice")
 
     def tool_dicts(self) -> list[dict[str, Any]] | None:
         """The tools as the chat template reads them (OpenAI's form, as transformers passes them)."""
@@ -785,11 +799,13 @@ class ResponseShape:
 
     def chunk(self, text: str | None, finish_reason: str | None = None, first: bool = False,
               stop_reason: str | int | None = None, logprobs: dict | None = None, index: int = 0,
-              tool_calls: list[dict] | None = None) -> dict:
+              tool_calls: list[dict] | None = None, calls_only: bool = False) -> dict:
+        """One stream chunk; the first of a chat choice opens it with its role and an empty content (null for an
+        answer that is calls alone: `calls_only`, as OpenAI's streams open one)."""
         ending = {"finish_reason": finish_reason, "stop_reason": stop_reason, "logprobs": logprobs}
         extra = {"usage": None} if self.include_usage else None
         if self.kind == "chat":
-            delta: dict[str, Any] = {"role": "assistant", "content": ""} if first else {}
+            delta: dict[str, Any] = {"role": "assistant", "content": None if calls_only else ""} if first else {}
             if text:
                 delta["content"] = text
             if tool_calls:

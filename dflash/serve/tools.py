@@ -57,8 +57,9 @@ class ToolCall:
 
 
 def new_call(name: str, arguments: Any) -> ToolCall:
-    """A call with a fresh id; arguments (an object, or JSON text of one) as JSON text."""
-    text = arguments if isinstance(arguments, str) else json.dumps(arguments, ensure_ascii=False)
+    """A call with a fresh id; arguments (an object, or JSON text of one) as JSON text. A ValueError for arguments
+    JSON cannot hold (a non-finite number)."""
+    text = arguments if isinstance(arguments, str) else json.dumps(arguments, ensure_ascii=False, allow_nan=False)
     return ToolCall(name, text, f"call_{uuid.uuid4().hex[:24]}")
 
 
@@ -68,12 +69,26 @@ COMPACT = {"x-guidance": {"whitespace_flexible": False}}
 
 
 def calls_schema(tools: list[dict[str, Any]], parallel: bool) -> dict[str, Any]:
-    """The JSON schema of a required answer: an array of calls, each naming a tool and holding its arguments."""
-    one_of = [{"type": "object", "properties": {"name": {"const": t["name"]}, "arguments": _parameters(t)},
-               "required": ["name", "arguments"], "additionalProperties": False} for t in tools]
-    schema: dict[str, Any] = {**COMPACT, "type": "array", "minItems": 1, "items": {"anyOf": one_of}}
+    """The JSON schema of a required answer: an array of calls, each naming a tool and holding its arguments. Each
+    tool's parameters sit whole under $defs, their own references ("#", "#/$defs/X") moved there with them, so a
+    schema with definitions (pydantic's nested models) or recursion means what it meant at its own root."""
+    defs = {f"tool{i}": _rebased(_parameters(t), f"#/$defs/tool{i}") for i, t in enumerate(tools)}
+    one_of = [{"type": "object", "required": ["name", "arguments"], "additionalProperties": False,
+               "properties": {"name": {"const": t["name"]}, "arguments": {"$ref": f"#/$defs/tool{i}"}}}
+              for i, t in enumerate(tools)]
+    schema: dict[str, Any] = {**COMPACT, "$defs": defs, "type": "array", "minItems": 1, "items": {"anyOf": one_of}}
     if not parallel:
         schema["maxItems"] = 1
+    return schema
+
+
+def _rebased(schema: Any, base: str) -> Any:
+    """The schema with its document-local references ("#...") pointing under `base` instead of its root."""
+    if isinstance(schema, dict):
+        return {k: (base + v[1:] if k == "$ref" and isinstance(v, str) and v.startswith("#") else _rebased(v, base))
+                for k, v in schema.items()}
+    if isinstance(schema, list):
+        return [_rebased(v, base) for v in schema]
     return schema
 
 
@@ -88,26 +103,24 @@ def _parameters(tool: dict[str, Any]) -> dict[str, Any]:
 
 def hermes_calls(text: str) -> tuple[str | None, list[ToolCall]] | None:
     """(content, calls) of an answer in Hermes' form, or None when it holds no call or a block is not one (the
-    answer is text then). The last block may lack its closing tag (an answer cut at a stop)."""
+    answer is text then). The content is the text before the first block; text after a block's end is dropped, as
+    vLLM drops it. The last block may lack its closing tag (an answer cut at a stop)."""
     start = text.find(HERMES_START)
     if start < 0:
         return None
     calls = []
     for block in text[start:].split(HERMES_START)[1:]:
-        body, closed, after = block.partition(HERMES_END)
-        if after.strip():  # text between or after the blocks: not an answer of calls alone
-            return None
-        call = _call(body)
+        call = _call(block.partition(HERMES_END)[0])
         if call is None:
             return None
         calls.append(call)
-    return text[:start] or None, calls  # as it streams: the text before the first block, as the model wrote it
+    return text[:start] or None, calls
 
 
 def json_calls(text: str) -> list[ToolCall] | None:
     """The calls of a required answer (a JSON array of {"name", "arguments"}); None when it is not one (cut short)."""
     try:
-        items = json.loads(text)
+        items = _loads(text)
     except ValueError:
         return None
     if not isinstance(items, list) or not items:
@@ -118,9 +131,19 @@ def json_calls(text: str) -> list[ToolCall] | None:
 
 def _call(body: str) -> ToolCall | None:
     try:
-        return _from_object(json.loads(body))
+        return _from_object(_loads(body))
     except ValueError:
         return None
+
+
+def _loads(text: str) -> Any:
+    """JSON as RFC 8259 has it: NaN and Infinity (Python's extensions) are no JSON; a ValueError as for any text
+    that is not JSON."""
+    return json.loads(text, parse_constant=_not_json)
+
+
+def _not_json(constant: str) -> Any:
+    raise ValueError(f"{constant} is not JSON")
 
 
 def _from_object(item: Any) -> ToolCall | None:
@@ -130,12 +153,15 @@ def _from_object(item: Any) -> ToolCall | None:
     arguments = item.get("arguments", item.get("parameters", {}))
     if isinstance(arguments, str):
         try:
-            arguments = json.loads(arguments)
+            arguments = _loads(arguments)
         except ValueError:
             return None
     if not isinstance(arguments, dict):
         return None
-    return new_call(item["name"], arguments)
+    try:
+        return new_call(item["name"], arguments)
+    except ValueError:  # a number beyond a float's range (1e400): JSON cannot say it again
+        return None
 
 
 class ToolReader:
@@ -170,46 +196,51 @@ class ToolReader:
 
 def _named(name: str | None, text: str) -> list[ToolCall]:
     try:
-        arguments = json.loads(text)
+        arguments = _loads(text)
+        return [new_call(name or "", arguments)] if isinstance(arguments, dict) else []
     except ValueError:
         return []
-    return [new_call(name or "", arguments)] if isinstance(arguments, dict) else []
 
 
 class ToolStream:
     """One streamed choice's text, read for calls: `add` passes on the content safe to send; `finish` gives the
-    rest of the content and the calls."""
+    rest of the content and the calls. Without tools it passes every piece on and keeps none."""
 
     def __init__(self, reader: ToolReader):
         self.reader = reader
-        self.text = ""  # all the answer's text so far
-        self.sent = 0  # how much of it went out as content
+        self.parts: list[str] = []  # the answer's text so far, joined once at the end
+        self.sent = 0  # characters of it sent as content
+        self.held = ""  # auto: the last characters sent on, held while they may begin a block
+        self.in_block = False  # auto: a block began; the rest waits for the end
 
     def add(self, piece: str) -> str:
-        self.text += piece
         if self.reader.mode == "none":
-            return self._send(len(self.text))
-        if self.reader.holds_text:
+            return piece
+        self.parts.append(piece)
+        if self.reader.holds_text or self.in_block:
             return ""
-        start = self.text.find(HERMES_START, max(0, self.sent - len(HERMES_START)))
+        window = self.held + piece
+        start = window.find(HERMES_START)
         if start >= 0:
-            return self._send(start)
-        return self._send(len(self.text) - _partial_start(self.text, HERMES_START))
+            self.in_block, self.held = True, ""
+            return self._send(window[:start])
+        keep = _partial_start(window, HERMES_START)
+        self.held = window[len(window) - keep:]
+        return self._send(window[:len(window) - keep])
 
     def finish(self, piece: str) -> tuple[str, list[ToolCall]]:
         """(content not yet sent, calls) once the answer ended, with its last piece."""
-        self.text += piece
-        content, calls = self.reader.read(self.text)
-        if not calls:
-            return self._send(len(self.text)), []
-        rest = (content or "")[self.sent:]  # what went out is where the content starts (the text before a block)
-        self.sent = len(self.text)
-        return rest, calls
+        if self.reader.mode == "none":
+            return piece, []
+        self.parts.append(piece)
+        text = "".join(self.parts)
+        content, calls = self.reader.read(text)
+        # what went out is where the content starts: text before any block, which is the content when calls are read
+        return ((content or "")[self.sent:], calls) if calls else (text[self.sent:], [])
 
-    def _send(self, end: int) -> str:
-        piece = self.text[self.sent:end] if end > self.sent else ""
-        self.sent = max(self.sent, end)
-        return piece
+    def _send(self, text: str) -> str:
+        self.sent += len(text)
+        return text
 
 
 def _partial_start(text: str, marker: str) -> int:

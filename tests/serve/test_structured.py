@@ -112,13 +112,13 @@ def test_a_grammar_compiles_off_the_event_loop(json_server, monkeypatch):
     """While a request's grammar compiles (held here until /health has answered), the server goes on answering:
     compiled on the event loop, /health would wait for it and time out."""
     engine, compiled = json_server.pipe.engine, threading.Event()
-    grammar = engine._grammar
+    grammar = engine.grammar_for
 
     def slow_grammar(config):
         compiled.wait(timeout=20)
         return grammar(config)
 
-    monkeypatch.setattr(engine, "_grammar", slow_grammar)
+    monkeypatch.setattr(engine, "grammar_for", slow_grammar)
     with concurrent.futures.ThreadPoolExecutor(1) as pool:
         pending = pool.submit(complete, json_server, guided_regex="(April|May) [0-9]")
         try:

@@ -126,7 +126,30 @@ def test_streamed_calls_are_the_whole_answers(tool_server, tool_choice):
         for i, c in enumerate(whole["message"]["tool_calls"])]
     assert all(c["id"].startswith("call_") and c["type"] == "function" for c in calls)
     assert "".join(d.get("content") or "" for d in deltas) == ""
+    assert deltas[0] == {"role": "assistant", "content": None}  # an answer of calls alone opens with null content
     assert [c["choices"][0]["finish_reason"] for c in chunks if c["choices"]][-1] == "tool_calls"
+
+
+def test_a_required_call_of_a_pydantic_tool_with_nested_models_keeps_their_schema(tool_server):
+    """openai.pydantic_function_tool writes nested models as $defs: the required grammar reads them where the tool
+    put them (helper-124: a 400 'Pointer /$defs/Place does not exist'), and a named function's name may hold dots."""
+    pydantic = pytest.importorskip("pydantic")
+    import openai
+
+    class Place(pydantic.BaseModel):
+        city: str = pydantic.Field(max_length=8)
+
+    class Book(pydantic.BaseModel):
+        where: Place
+        nights: int = pydantic.Field(ge=1, le=9)
+
+    tool = openai.pydantic_function_tool(Book, name="hotel.book")
+    assert "$defs" in tool["function"]["parameters"]
+    out = tool_server.client().chat.completions.create(model=MODEL, messages=MESSAGES, max_tokens=80, temperature=0,
+                                                       tools=[tool], tool_choice="required")
+    [call] = out.choices[0].message.tool_calls
+    assert call.function.name == "hotel.book"
+    Book.model_validate_json(call.function.arguments)  # the nested model's fields, as the schema says
 
 
 def test_auto_answers_text_when_the_model_writes_no_call_streamed_or_not(tool_server):
@@ -172,6 +195,13 @@ def test_earlier_calls_and_their_results_render_in_the_conversation(tool_server)
         {"id": "c", "type": "function", "function": {"name": "weather", "arguments": "{city"}}]}]),
      "messages.1.tool_calls.0.function.arguments", "must be JSON text of an object"),
     (dict(functions=[{"name": "weather"}]), "functions", "send tools"),
+    (dict(tools=[WEATHER, {"type": "function", "function": {"name": "f", "parameters": {
+        "type": "object", "properties": {"x": {"type": "foo"}}}}}], tool_choice="required"),
+     "tools.1.function.parameters", "these parameters cannot hold a call"),
+    (dict(tools=[{"type": "function", "function": {"name": "f", "parameters": {"type": "string"}}}]),
+     "tools.0.function.parameters", "must be the JSON schema of an object"),
+    (dict(tools=[WEATHER], tool_choice="required", add_generation_prompt=False, continue_final_message=True,
+          messages=MESSAGES + [{"role": "assistant", "content": "[{"}]), "tool_choice", "continue_final_message"),
 ])
 def test_tool_requests_that_cannot_work_are_400s_naming_the_field(tool_server, fields, param, says):
     response = chat(tool_server, **fields)
@@ -180,10 +210,10 @@ def test_tool_requests_that_cannot_work_are_400s_naming_the_field(tool_server, f
     assert error["param"] == param and says in error["message"], error
 
 
-def test_a_template_without_tools_or_without_hermes_calls_is_a_400(server):
-    """The shared server's ChatML template never shows tools; one that shows them in another form cannot be read
-    with auto (a grammar's answer still can)."""
-    body = {"model": MODEL, "messages": MESSAGES, "max_tokens": 4, "tools": [WEATHER], "tool_choice": "required"}
+@pytest.mark.parametrize("tool_choice", ["required", "auto"])
+def test_a_template_without_tools_is_a_400(server, tool_choice):
+    """The shared server's ChatML template never shows tools: said so, whatever the tool choice."""
+    body = {"model": MODEL, "messages": MESSAGES, "max_tokens": 4, "tools": [WEATHER], "tool_choice": tool_choice}
     refused = httpx.post(f"{server.url}/v1/chat/completions", json=body, timeout=60)
     assert refused.status_code == 400 and refused.json()["error"]["param"] == "tools"
     assert "never shows the model tools" in refused.json()["error"]["message"]
