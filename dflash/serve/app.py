@@ -169,8 +169,9 @@ class Server:
                             "tool_choice \"none\", or serve the model with vLLM and its tool parser (dflash serve "
                             "--engine vllm)", param="tool_choice")
 
-    async def encode_text(self, prompt: str | list[int]) -> list[int]:
-        """Tokenise text, or check token ids, on a worker thread (a long prompt's ids are many to check)."""
+    async def encode_text(self, prompt: str | list[int], index: int = 0, prompts: int = 1) -> list[int]:
+        """Tokenise text, or check token ids, on a worker thread (a long prompt's ids are many to check); a problem
+        names the prompt (`index`) when the request has several."""
         def encode() -> list[int]:
             if isinstance(prompt, list):
                 check_token_ids(prompt, self.pipe.target.vocab_size)
@@ -179,7 +180,7 @@ class Server:
         try:
             return await run_in_threadpool(encode)
         except UserError as err:  # token ids outside the vocabulary, text the tokenizer cannot take
-            raise APIError(400, str(err), param="prompt") from None
+            raise APIError(400, f"prompt {index}: {err}" if prompts > 1 else str(err), param="prompt") from None
 
     def check_model(self, model: str | None) -> None:
         if model and model != self.config.served_model_name:  # "" is no name, as vLLM reads it
@@ -256,28 +257,40 @@ class Server:
             raise APIError(400, str(err), param="stop_token_ids") from None
         return req.stop_token_ids
 
-    async def submit(self, req: SamplingRequest, prompt_ids: list[int], kind: str,
+    async def submit(self, req: SamplingRequest, prompts: list[Prompted], kind: str,
                      default_max: int | None) -> list[Decoding]:
-        """The request's n choices, queued together; with a seed, choice i samples with seed + i (as vLLM)."""
-        if req.n > self.scheduler.capacity:
-            raise APIError(400, f"n={req.n} choices are more than this server decodes and queues at once "
+        """The request's n choices of each prompt (prompt by prompt), queued together; with a seed, choice i of
+        each prompt samples with seed + i (as vLLM)."""
+        rows = req.n * len(prompts)
+        if rows > self.scheduler.capacity:
+            asked = f"n={req.n} choices" if len(prompts) == 1 else f"{len(prompts)} prompts x n={req.n} choices"
+            raise APIError(400, f"{asked} are more than this server decodes and queues at once "
                                 f"({self.scheduler.capacity}: --max-batch-size + --max-queue); send at most that",
-                           param="n")
+                           param="n" if len(prompts) == 1 else "prompt")
         if req.seed is not None and req.seed + req.n > SEED_RANGE[1]:
             raise APIError(400, f"seed={req.seed} with n={req.n}: choice i samples with seed + i, and seeds stop "
                                 f"below 2**64; send a seed below {SEED_RANGE[1] - req.n + 1}", param="seed")
-        config = self.generation_config(req, len(prompt_ids), kind, default_max)
-        configs = [config if config.seed is None or i == 0 else dataclasses.replace(config, seed=config.seed + i)
-                   for i in range(req.n)]
-        seqs = await run_in_threadpool(self.new_sequences, req, prompt_ids, configs)
-        workload = f"{kind}/{'greedy' if config.temperature == 0 else 'sampled'}"
+        configs = [self.prompt_config(req, p, i, len(prompts), kind, default_max) for i, p in enumerate(prompts)]
+        rows = [(p.ids, _choice_config(config, i)) for p, config in zip(prompts, configs) for i in range(req.n)]
+        seqs = await run_in_threadpool(self.new_sequences, req, rows)
+        workload = f"{kind}/{'greedy' if configs[0].temperature == 0 else 'sampled'}"
         return self.scheduler.submit_all(seqs, workload, stream=req.stream)
 
-    def new_sequences(self, req: SamplingRequest, prompt_ids: list[int], configs: list[GenerationConfig]) -> list:
+    def prompt_config(self, req: SamplingRequest, prompt: Prompted, index: int, prompts: int, kind: str,
+                      default_max: int | None) -> GenerationConfig:
+        """`generation_config` for one prompt of a request; a problem names the prompt when there are several."""
+        try:
+            return self.generation_config(req, len(prompt.ids), kind, default_max)
+        except APIError as err:
+            if prompts == 1:
+                raise
+            raise APIError(err.status, f"prompt {index}: {err.message}", err.type, err.param, err.code) from None
+
+    def new_sequences(self, req: SamplingRequest, rows: list[tuple[list[int], GenerationConfig]]) -> list:
         """The rows of the request's choices, built on a worker thread: compiling a grammar (json_schema, regex,
         tools) can take a while (`a{100000}`: 0.8 s), and the event loop must go on serving meanwhile."""
         try:
-            return [self.engine.new_sequence(prompt_ids, c) for c in configs]
+            return [self.engine.new_sequence(prompt_ids, config) for prompt_ids, config in rows]
         except StructureError as err:  # (other GenerationErrors, UserErrors, are 400s too, naming no field)
             if req.structure()[2] == "tool_choice":
                 self.check_tool_parameters(req)
@@ -293,13 +306,16 @@ class Server:
                 raise APIError(400, message, param=f"tools.{i}.function.parameters") from None
 
     # ---- answers ----------------------------------------------------------------------------------------------
-    async def answer(self, http: Request, req: SamplingRequest, prompt_ids: list[int], kind: str,
+    async def answer(self, http: Request, req: SamplingRequest, prompts: list[Prompted], kind: str,
                      default_max: int | None) -> Response:
-        decodings = await self.submit(req, prompt_ids, kind, default_max)
+        """The answer to a request of one or more prompts (a completions batch), with n choices each: choice
+        index p * n + i is prompt p's i-th, as OpenAI numbers them; usage counts each prompt once."""
+        decodings = await self.submit(req, prompts, kind, default_max)
+        answer = _Answer(decodings, [p for p in prompts for _ in range(req.n)], sum(len(p.ids) for p in prompts))
         shape = ResponseShape(kind, self.config.served_model_name, include_usage=req.stream and req.include_usage)
         if req.stream:
-            return StreamingResponse(self._stream(decodings, shape, req), media_type="text/event-stream")
-        return await self._complete(http, decodings, shape, req)
+            return StreamingResponse(self._stream(answer, shape, req), media_type="text/event-stream")
+        return await self._complete(http, answer, shape, req)
 
     def stop_reason(self, result: GenerationOutput, req: SamplingRequest) -> str | int | None:
         """vLLM's stop_reason: the stop string that ended the answer (the earliest in its text), or the request's
@@ -311,8 +327,8 @@ class Server:
             return last  # as vLLM: an EOS id that the request names stops as its own id once EOS is ignored
         return result.stop_string
 
-    async def _complete(self, http: Request, decodings: list[Decoding], shape: ResponseShape,
-                        req: SamplingRequest) -> Response:
+    async def _complete(self, http: Request, answer: _Answer, shape: ResponseShape, req: SamplingRequest) -> Response:
+        decodings = answer.decodings
         watcher = asyncio.create_task(_cancel_on_disconnect(http, decodings))
         try:
             async for _, event in _merged_events(decodings):  # each sends its final event only
@@ -322,42 +338,43 @@ class Server:
             watcher.cancel()
             for decoding in decodings:
                 decoding.cancel()
-        choices = [self._choice(i, d.seq, shape, req) for i, d in enumerate(decodings)]
-        seqs = [d.seq for d in decodings]
-        return JSONResponse(shape.full(choices, len(seqs[0].prompt_ids), sum(len(s.output_ids) for s in seqs)))
+        choices = [self._choice(i, d.seq, shape, req, answer.prompts[i]) for i, d in enumerate(decodings)]
+        return JSONResponse(shape.full(choices, answer.prompt_tokens, answer.completion_tokens))
 
-    def _choice(self, index: int, seq: Sequence, shape: ResponseShape, req: SamplingRequest) -> dict:
+    def _choice(self, index: int, seq: Sequence, shape: ResponseShape, req: SamplingRequest,
+                prompt: Prompted) -> dict:
         result = seq.result()
-        text = self.echoed_prompt(req, seq) + (result.text or "") if req.echoes else result.text or ""
+        text = self.echoed_prompt(prompt) + (result.text or "") if req.echoes else result.text or ""
         content, calls = req.tool_reader().read(text)
         logprobs = None
         if req.top_logprobs_asked is not None:
-            logprobs = self.answer_logprobs(req, seq, shape.kind, result.logprobs or [])
+            logprobs = self.answer_logprobs(req, seq, shape.kind, result.logprobs or [], prompt)
         return shape.choice(index, content, result.finish_reason, self.stop_reason(result, req), logprobs,
                             [call.body() for call in calls])
 
-    def answer_logprobs(self, req: SamplingRequest, seq: Sequence, kind: str, entries: list[TokenLogprob]) -> dict:
+    def answer_logprobs(self, req: SamplingRequest, seq: Sequence, kind: str, entries: list[TokenLogprob],
+                        prompt: Prompted) -> dict:
         """A whole answer's `logprobs` object; an echo's starts with the prompt's tokens."""
         pieces = LogprobPieces(self.logprob_format, kind)
-        prompt = self.prompt_logprobs(pieces, req, seq) if req.echoes else None
+        scores = self.prompt_logprobs(pieces, seq, prompt) if req.echoes else None
         pieces.add(entries)
         answer = pieces.take() or self.logprob_format.body(kind, [])
-        return joined(prompt, answer) if prompt else answer
+        return joined(scores, answer) if scores else answer
 
-    def prompt_logprobs(self, pieces: LogprobPieces, req: SamplingRequest, seq: Sequence) -> dict:
+    def prompt_logprobs(self, pieces: LogprobPieces, seq: Sequence, prompt: Prompted) -> dict:
         """An echoed prompt's `logprobs` object, its first token unscored; `pieces` goes on after it."""
         pieces.add(seq.prompt_logprobs, unscored=tuple(seq.prompt_ids[:1]))
-        return pieces.take(sent=_sent_text(req))
+        return pieces.take(sent=prompt.text)
 
-    def echoed_prompt(self, req: SamplingRequest, seq: Sequence) -> str:
+    def echoed_prompt(self, prompt: Prompted) -> str:
         """The prompt as an echo shows it: the text the client sent, or its token ids' text."""
-        sent = _sent_text(req)
-        return sent if sent is not None else decode(self.pipe.tokenizer, seq.prompt_ids)
+        return prompt.text if prompt.text is not None else decode(self.pipe.tokenizer, prompt.ids)
 
-    async def _stream(self, decodings: list[Decoding], shape: ResponseShape, req: SamplingRequest):
+    async def _stream(self, answer: _Answer, shape: ResponseShape, req: SamplingRequest):
         """Server-sent events, each choice's chunks as its tokens come (`index` tells them apart); leaving early
         (a disconnect cancels this generator) frees the rows."""
-        choices = [_StreamedChoice(self, i, d.seq, shape, req) for i, d in enumerate(decodings)]
+        decodings = answer.decodings
+        choices = [_StreamedChoice(self, i, d.seq, shape, req, answer.prompts[i]) for i, d in enumerate(decodings)]
         try:
             if shape.kind == "chat":
                 calls_only = req.tool_reader().holds_text
@@ -371,8 +388,7 @@ class Server:
                     yield sse(chunk)
             else:
                 if req.include_usage:
-                    seqs = [d.seq for d in decodings]
-                    yield sse(shape.usage_chunk(len(seqs[0].prompt_ids), sum(len(s.output_ids) for s in seqs)))
+                    yield sse(shape.usage_chunk(answer.prompt_tokens, answer.completion_tokens))
             yield sse("[DONE]")
         finally:
             for decoding in decodings:
@@ -383,8 +399,10 @@ class _StreamedChoice:
     """One choice of a streamed answer: its text deltas (held back where a stop string or a tool call may begin),
     its log-probabilities, an echo of the prompt before its first tokens, and its tool calls at the end."""
 
-    def __init__(self, server: Server, index: int, seq: Sequence, shape: ResponseShape, req: SamplingRequest):
+    def __init__(self, server: Server, index: int, seq: Sequence, shape: ResponseShape, req: SamplingRequest,
+                 prompt: Prompted):
         self.server, self.index, self.seq, self.shape, self.req = server, index, seq, shape, req
+        self.prompt = prompt
         self.deltas = TextDeltas(server.pipe.tokenizer, req.stop_strings, seq.stop.stop_token_ids,
                                  seq.stop.min_new_tokens)
         self.logprobs = LogprobPieces(server.logprob_format, shape.kind)
@@ -398,8 +416,8 @@ class _StreamedChoice:
             self.echo = False
             scores = None
             if self.req.top_logprobs_asked is not None:
-                scores = self.server.prompt_logprobs(self.logprobs, self.req, self.seq)
-            out.append(self._chunk(self.server.echoed_prompt(self.req, self.seq), logprobs=scores))
+                scores = self.server.prompt_logprobs(self.logprobs, self.seq, self.prompt)
+            out.append(self._chunk(self.server.echoed_prompt(self.prompt), logprobs=scores))
         piece = self.deltas.add(event.tokens) if event.tokens else ""
         self.logprobs.add(event.logprobs)
         if not event.done:
@@ -418,16 +436,38 @@ class _StreamedChoice:
         return self.shape.chunk(text, index=self.index, **fields)
 
 
-def _sent_text(req: SamplingRequest) -> str | None:
-    """A completions prompt the client sent as text (an echo shows it as sent); None: token ids, or chat."""
-    prompt = getattr(req, "prompt", None)
-    return prompt if isinstance(prompt, str) else None
+@dataclass
+class Prompted:
+    """One prompt of a request: its token ids, and the text the client sent (an echo shows it as sent; None: token
+    ids, or chat messages)."""
+
+    ids: list[int]
+    text: str | None = None
+
+
+@dataclass
+class _Answer:
+    """A request's rows: the decodings of its choices (prompt by prompt), the prompt of each, and the prompt tokens
+    usage counts (each prompt once)."""
+
+    decodings: list[Decoding]
+    prompts: list[Prompted]
+    prompt_tokens: int
+
+    @property
+    def completion_tokens(self) -> int:
+        return sum(len(d.seq.output_ids) for d in self.decodings)
 
 
 def _prompt_scores(req: SamplingRequest) -> int | None:
     """The alternatives per prompt token the engine lists (`GenerationConfig.prompt_logprobs`): an echo's, with
     logprobs (None: the prompt is not scored)."""
     return req.top_logprobs_asked if req.echoes else None
+
+
+def _choice_config(config: GenerationConfig, index: int) -> GenerationConfig:
+    """Choice `index`'s config: with a seed, seed + index (as vLLM seeds a request's choices)."""
+    return config if config.seed is None or index == 0 else dataclasses.replace(config, seed=config.seed + index)
 
 
 def _given(value, default):
@@ -541,7 +581,7 @@ def create_app(pipe, config: ServeConfig | None = None) -> FastAPI:
         server.check_model(req.model)
         req.check_supported()
         prompt_ids = await server.encode_chat(req)
-        return await server.answer(http, req, prompt_ids, "chat", default_max=None)
+        return await server.answer(http, req, [Prompted(prompt_ids)], "chat", default_max=None)
 
     @app.post("/v1/completions")
     async def completions(http: Request):
@@ -549,8 +589,9 @@ def create_app(pipe, config: ServeConfig | None = None) -> FastAPI:
         req = await server.read_request(http, CompletionRequest)
         server.check_model(req.model)
         req.check_supported()
-        prompt_ids = await server.encode_text(req.prompt)
-        return await server.answer(http, req, prompt_ids, "completion", default_max=COMPLETIONS_DEFAULT_MAX_TOKENS)
+        prompts = [Prompted(await server.encode_text(p, i, len(req.prompts)), p if isinstance(p, str) else None)
+                   for i, p in enumerate(req.prompts)]
+        return await server.answer(http, req, prompts, "completion", default_max=COMPLETIONS_DEFAULT_MAX_TOKENS)
 
     @app.api_route("/health", methods=["GET", "HEAD"])
     async def health():

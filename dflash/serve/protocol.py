@@ -582,7 +582,7 @@ class ChatCompletionRequest(SamplingRequest):
 
 
 class CompletionRequest(SamplingRequest):
-    prompt: str | list[str] | list[int] | list[list[int]]  # OpenAI's four forms; the lists hold one prompt
+    prompt: str | list[str] | list[int] | list[list[int]]  # OpenAI's four forms: text or token ids, one or a batch
     best_of: int | None = Field(default=None, ge=1)
     suffix: str | None = None
 
@@ -619,17 +619,23 @@ class CompletionRequest(SamplingRequest):
 
     @field_validator("prompt")
     @classmethod
-    def _one_prompt(cls, prompt):
-        if isinstance(prompt, list):
-            if not prompt:
-                raise ValueError("the prompt is empty")
-            if isinstance(prompt[0], (str, list)):  # a batch of prompts: text or token ids (lm-eval sends [[ids]])
-                if len(prompt) != 1:
-                    raise ValueError("one prompt per request (this server answers n=1 only)")
-                return cls._one_prompt(prompt[0])
-        if isinstance(prompt, str) and not prompt:
-            raise ValueError("the prompt is empty")
+    def _no_empty_prompt(cls, prompt):
+        prompts = _prompts(prompt)
+        for i, one in enumerate(prompts):
+            if not one:
+                raise ValueError("the prompt is empty" if len(prompts) == 1 else f"prompt {i} is empty")
         return prompt
+
+    @property
+    def prompts(self) -> list[str | list[int]]:
+        """The prompts, each text or token ids: one, or a batch (OpenAI's list of strings or of id lists)."""
+        return _prompts(self.prompt)
+
+
+def _prompts(prompt: str | list) -> list:
+    if isinstance(prompt, list) and prompt and isinstance(prompt[0], (str, list)):
+        return list(prompt)
+    return [prompt]
 
 
 def check_content_type(content_type: str | None, content_encoding: str | None = None) -> None:

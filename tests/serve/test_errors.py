@@ -398,8 +398,8 @@ def test_text_parts_are_joined_with_newlines_and_developer_is_system(server):
     {"model": MODEL},
     {"model": MODEL, "prompt": ""},
     {"model": MODEL, "prompt": []},
-    {"model": MODEL, "prompt": ["a", "b"]},
-    {"model": MODEL, "prompt": [[1], [2]]},
+    {"model": MODEL, "prompt": ["a", ""]},  # a batch's prompt 1 is empty
+    {"model": MODEL, "prompt": [[1], [10**6]]},  # a batch's prompt 1 holds a token id outside the vocabulary
     {"model": MODEL, "prompt": [[]]},
     {"model": MODEL, "prompt": [[1, "a"]]},
     {"model": MODEL, "prompt": [1, "a"]},
