@@ -27,17 +27,14 @@ from safetensors import SafetensorError
 from dflash.chat import (
     THINKING_IGNORED,
     THINKING_WITHOUT_TEMPLATE,
-    as_ids,
     check_template_kwargs,
     check_text,
     check_tools_shown,
     describe_template_kwargs,
+    encode_conversation,
     encode_plain,
     ignores_thinking,
-    plain_conversation,
-    render_chat,
     renders_alike,
-    text_messages,
 )
 from dflash.decoding.detokenizer import TextDeltas
 from dflash.decoding.draft_model import DraftModelProposer
@@ -230,16 +227,11 @@ class DFlash:
         if not has_template and not raw and variables.get("enable_thinking"):  # the call's own (the pipeline's were
             raise GenerationError(THINKING_WITHOUT_TEMPLATE)                   # refused when it was built)
         if kind == "messages":
-            prompt = text_messages(prompt)
             check_tools_shown(self.tokenizer if has_template else None, tools)
             variables = {**variables, **({"tools": tools} if tools else {})}
-            if not has_template:  # a base model: the turns as plain text
-                return self.encode(plain_conversation(prompt), raw=True)
-            if continue_final_message:
-                return as_ids(render_chat(self.tokenizer, list(prompt), add_generation_prompt=False,
-                                           continue_final_message=True, **variables))
-            return as_ids(render_chat(self.tokenizer, list(prompt), add_generation_prompt=add_generation_prompt,
-                                       **variables))
+            return encode_conversation(self.tokenizer, list(prompt), variables,
+                                       add_generation_prompt=add_generation_prompt,
+                                       continue_final_message=continue_final_message)
         check_text(prompt)
         if has_template and not raw:
             return self.encode([{"role": "user", "content": prompt}], chat_template_kwargs=chat_template_kwargs,

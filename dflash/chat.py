@@ -64,6 +64,23 @@ def render_chat(tokenizer, messages: list[dict], /, **options) -> Any:
         raise TemplateRefusal(_cannot_render(err)) from None
 
 
+def encode_conversation(tokenizer, messages: list[dict], variables: dict[str, Any] | None = None, *,
+                        add_generation_prompt: bool = True, continue_final_message: bool = False) -> list[int]:
+    """Token ids of chat messages: through the tokenizer's chat template with these template variables, or, for a
+    tokenizer without one (a base model), as `plain_conversation` text. `continue_final_message`: the messages end
+    with the start of the assistant's answer, which generation continues."""
+    messages = text_messages(messages)
+    variables = variables or {}
+    if not getattr(tokenizer, "chat_template", None):
+        text = plain_conversation(messages)
+        check_text(text)
+        return encode_plain(tokenizer, text)
+    if continue_final_message:
+        return as_ids(render_chat(tokenizer, messages, add_generation_prompt=False, continue_final_message=True,
+                                  **variables))
+    return as_ids(render_chat(tokenizer, messages, add_generation_prompt=add_generation_prompt, **variables))
+
+
 def template_roles(messages: list[dict], template: str | dict | None) -> list[dict]:
     """OpenAI's `developer` messages as `system` ones, unless the template itself knows a `developer` role (as
     gpt-oss's does): most templates render only system, user, assistant and tool turns, and drop the others

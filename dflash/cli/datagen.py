@@ -43,6 +43,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--device", help="cpu, cuda or cuda:N (default: this process's GPU when there is one; under "
                                          "torchrun, GPU LOCAL_RANK)")
     add_trust_remote_code_argument(parser)
+    server = parser.add_argument_group("answering through a server (vLLM, SGLang, dflash serve) already serving the "
+                                       "target; --target then gives its tokenizer and chat template")
+    server.add_argument("--base-url", help="the server's OpenAI API root, e.g. http://127.0.0.1:8000/v1; prompts are "
+                                           "rendered here and sent as token ids to its /v1/completions, --batch-size "
+                                           "at a time")
+    server.add_argument("--model", help="the model's name on the server (default: the first it lists)")
+    server.add_argument("--api-key", help="the server's key (default: $OPENAI_API_KEY, if set)")
 
 
 def run(args: argparse.Namespace) -> int:
@@ -51,7 +58,7 @@ def run(args: argparse.Namespace) -> int:
     config = DatagenConfig(**{k: v for k, v in vars(args).items() if k in DatagenConfig.__dataclass_fields__})
     config.validate()
     prompts = read_prompts(config)  # once, and every record checked before the target loads
-    if config.target is not None:  # found (or fetched) before the progress bar is drawn
+    if config.target is not None and config.base_url is None:  # found (or fetched) before the progress bar is drawn
         check_target_dir(resolve_model_dir(config.target))
     shard = Shard.of_torchrun()
     mine = len(prompts) if shard is None else sum(p.id % shard.world == shard.rank for p in prompts)

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import contextlib
 import numbers
+import threading
 import time
 from dataclasses import dataclass, field, fields
 from typing import Callable, Iterator
@@ -376,6 +377,7 @@ class SpeculativeEngine:
         self.profile = StepProfile()
         self._block_policy = None  # BlockSizePolicy for block_size "auto", timed on first use
         self._grammars: GrammarCompiler | None = None  # structured output's, built on first use
+        self._grammars_made = threading.Lock()
 
     # ---- requests ---------------------------------------------------------------------------------------
     @property
@@ -419,8 +421,9 @@ class SpeculativeEngine:
         """The grammar of a config's json_schema or regex (None without one), over the target's tokenizer."""
         if not config.structured:
             return None
-        if self._grammars is None:
-            self._grammars = GrammarCompiler(self.tokenizer, self.target.vocab_size, self.target.eos_token_ids())
+        with self._grammars_made:  # a server builds rows on several worker threads: one compiler for them all
+            if self._grammars is None:
+                self._grammars = GrammarCompiler(self.tokenizer, self.target.vocab_size, self.target.eos_token_ids())
         return self._grammars.grammar(config.json_schema, config.regex)
 
     def _bias_vector(self, logit_bias: dict[int, float] | None) -> torch.Tensor | None:

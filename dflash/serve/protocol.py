@@ -57,7 +57,7 @@ ROLES = ("system", "developer", "user", "assistant", "tool")
 # one complaint per form instead).
 _UNION_FIELDS = {
     "content": "a string, a list of text parts like {\"type\": \"text\", \"text\": \"...\"}, or null",
-    "prompt": "a string, a list of one string, or a list of token ids (integers), alone or as the one item of a list",
+    "prompt": "a string, a list of token ids (integers), or a batch: a list of strings or a list of token id lists",
     "stop": f"a string, a list of up to {MAX_STOP_STRINGS} strings, or null",
     "logprobs": "a boolean, an integer or null",
     "tool_choice": '"none", "auto", "required", {"type": "function", "function": {"name": ...}} or null',

@@ -75,6 +75,11 @@ class DatagenConfig:
     dtype: str | None = None
     device: str | None = None
     trust_remote_code: bool = False  # run the Python code the target ships (its config.json's auto_map)
+    # an OpenAI-compatible server serving the target answers instead (`datagen_server`); the target's tokenizer and
+    # chat template render the prompts here
+    base_url: str | None = None
+    model: str | None = None  # the model's name there (default: the first it serves)
+    api_key: str | None = None
 
     def validate(self) -> None:
         from dflash.api import make_config, refuse_greedy_ignores
@@ -103,6 +108,7 @@ class DatagenConfig:
         make_config(temperature=self.temperature, top_p=self.top_p)  # their ranges, named
         # as dflash generate; --seed's default here is 0, not None
         refuse_greedy_ignores(dict(temperature=self.temperature, top_p=self.top_p, seed=self.seed or None))
+        self._check_server_flags()
         if self.device is not None:  # before the output and its settings file are created
             from dflash.model.loading import resolve_device
 
@@ -129,6 +135,24 @@ class DatagenConfig:
                             "as a dataset (the answers and their settings file would become part of it): write it "
                             "elsewhere")
         saved_settings(output)  # a file of that name that is not datagen's is refused before anything is written
+
+    def _check_server_flags(self) -> None:
+        """--model and --api-key are the server's; --dtype and --device load the target here, which a server run
+        does not."""
+        if self.base_url is None:
+            given = [f for f, v in (("--model", self.model), ("--api-key", self.api_key)) if v is not None]
+            if given:
+                raise UserError(f"{' and '.join(given)} name the server of --base-url, which is not given: add "
+                                "--base-url (the server's API root, e.g. http://127.0.0.1:8000/v1), or drop them")
+            return
+        if not self.base_url.startswith(("http://", "https://")):
+            raise UserError(f"--base-url {self.base_url!r} is not a URL; give the server's API root, e.g. "
+                            "http://127.0.0.1:8000/v1")
+        loaded = [f for f, v in (("--dtype", None if self.dtype in (None, "auto") else self.dtype),
+                                 ("--device", self.device)) if v is not None]
+        if loaded:
+            raise UserError(f"{' and '.join(loaded)} set how the target loads here, and with --base-url the server "
+                            "decodes it: drop them (set them where the server starts)")
 
     def _check_dataset_flags(self) -> None:
         """--split and --subset pick part of a dataset; a file of prompts is read whole, so they would be ignored."""
@@ -751,12 +775,29 @@ def _refuse_thinking_without_template(config: DatagenConfig) -> None:
 
 def _answer(config: DatagenConfig, todo: list[Prompt], f, result: DatagenResult, progress) -> None:
     """Have the target answer `todo`, appending each record to `f` as it is done."""
+    generator = _generator(config)
+    try:
+        _answer_with(generator, config, todo, f, result, progress)
+    finally:
+        generator.close()
+
+
+def _generator(config: DatagenConfig) -> _Generator:
+    """The target, loaded here, or the server of --base-url (`datagen_server`)."""
+    if config.base_url is not None:
+        from dflash.training.datagen_server import ServerGenerator
+
+        return ServerGenerator(config)
     from dflash.api import DFlash
 
     pipe = DFlash.from_pretrained(config.target, no_draft=True, dtype=config.dtype, device=config.device,
                                   chat_template_kwargs=config.template_kwargs(),
                                   trust_remote_code=config.trust_remote_code)
-    generator = _Generator(pipe, config)
+    return _Generator(pipe, config)
+
+
+def _answer_with(generator: _Generator, config: DatagenConfig, todo: list[Prompt], f, result: DatagenResult,
+                 progress) -> None:
     first_ids = generator.first_turns(todo, result)
     if progress:
         progress(len(todo) - len(first_ids))
@@ -897,6 +938,9 @@ class _Generator:
         if self.config.prompt_suffix and new[-1]["role"] == "user":
             new[-1]["content"] += self.config.prompt_suffix
         return new
+
+    def close(self) -> None:
+        """Nothing to let go of here (the server's generator closes its connections)."""
 
     def _generation_config(self, prompt: Prompt, prompt_ids: list[int]):
         from dflash.decoding.engine import GenerationConfig

@@ -330,8 +330,9 @@ def test_a_lone_surrogate_in_a_stop_string_names_stop(server):
 
 
 @pytest.mark.parametrize("body,param,says", [
-    ({"prompt": 5}, "prompt", "must be a string, a list of one string, or a list of token ids"),
-    ({"prompt": [1, "a"]}, "prompt", "must be a string, a list of one string, or a list of token ids"),
+    ({"prompt": 5}, "prompt", "must be a string, a list of token ids (integers), or a batch: a list of strings"),
+    ({"prompt": [1, "a"]}, "prompt", "must be a string, a list of token ids (integers), or a batch: a list of strings"),
+    ({"prompt": ["hello", [5, 6]]}, "prompt", "or a list of token id lists"),
 ])
 def test_completion_messages_say_what_the_prompt_must_be(server, body, param, says):
     message = assert_error(post(server, "completions", json=body), 400, param)["message"]
@@ -591,7 +592,7 @@ def test_after_an_unexpected_error_the_connection_serves_the_next_request(start_
     import http.client
     import json
 
-    import dflash.api
+    import dflash.chat
 
     live = start_server()
     body = json.dumps({"model": MODEL, "messages": MESSAGES, "max_tokens": 2})
@@ -607,7 +608,7 @@ def test_after_an_unexpected_error_the_connection_serves_the_next_request(start_
 
     try:
         assert ask()[0] == 200
-        monkeypatch.setattr(dflash.api, "render_chat", broken)
+        monkeypatch.setattr(dflash.chat, "render_chat", broken)
         with caplog.at_level("ERROR"):
             status, answer = ask()
         assert status == 500 and answer["error"]["message"] == "internal server error (RuntimeError)"

@@ -1,0 +1,210 @@
+"""`dflash datagen --base-url`: the target answers through an OpenAI-compatible server already serving it (vLLM,
+SGLang, `dflash serve`), with that server's batching and kernels instead of loading the target here.
+
+Each turn is rendered here, with the target's own tokenizer and chat template (and the run's template variables), and
+sent as token ids to `/v1/completions`, so the record's `prompt_ids` are exactly what the server read. The answer
+comes back as text; its `response_ids` are that text's tokens, with the end-of-text token the answer stopped at (a
+text re-tokenized need not be the ids the server sampled, where a tokenizer can spell a text two ways: the training
+data is the text either way). Prompts are sent `--batch-size` at a time, each turn of a conversation after the one
+before; a transient failure (a timeout, a 5xx, a dropped connection) is tried again a few times before the run
+stops, keeping every record written.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from concurrent.futures import ThreadPoolExecutor
+from typing import TYPE_CHECKING
+
+import httpx
+
+from dflash.decoding.sampling import derive_seed
+from dflash.errors import UserError
+from dflash.training.datagen import _Generator, _record, _warn_capped
+
+if TYPE_CHECKING:
+    from dflash.training.datagen import DatagenConfig, DatagenResult, Prompt
+
+RETRIES = 4  # tries of one request past a transient failure, waiting 1, 2, 4 ... seconds between them
+TIMEOUT_S = 600.0  # one answer's time at most (a long answer on a busy server)
+
+
+class ServerError(UserError):
+    """The server failed a request in a way trying again will not mend, or kept failing it."""
+
+
+class Server:
+    """An OpenAI-compatible server's /v1/completions, and what /v1/models says of the model it serves."""
+
+    def __init__(self, base_url: str, model: str | None, api_key: str | None):
+        self.base_url = base_url.rstrip("/")
+        headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+        self.client = httpx.Client(base_url=self.base_url, headers=headers, timeout=TIMEOUT_S)
+        card = self._model_card(model)
+        self.model = card["id"]
+        self.max_model_len = card.get("max_model_len")  # vLLM's and dflash serve's; None: the server does not say
+
+    def _model_card(self, model: str | None) -> dict:
+        try:
+            response = self.client.get("/models", timeout=30)
+        except httpx.HTTPError as err:
+            raise ServerError(f"cannot reach the server at {self.base_url} ({type(err).__name__}: {err}); start it, "
+                              "or fix --base-url (its OpenAI API root, e.g. http://127.0.0.1:8000/v1)") from None
+        if response.status_code in (401, 403):
+            raise ServerError(f"the server at {self.base_url} refused the API key ({response.status_code}); give "
+                              "the key it was started with in --api-key")
+        cards = response.json().get("data", []) if _is_json(response) and response.status_code == 200 else None
+        if not cards:
+            raise ServerError(f"{self.base_url}/models answered {response.status_code} without a model list: is "
+                              f"--base-url an OpenAI-compatible server's API root (ending in /v1)?")
+        if model is None:
+            return cards[0]
+        named = [c for c in cards if c.get("id") == model]
+        if not named:
+            served = ", ".join(repr(c.get("id")) for c in cards)
+            raise ServerError(f"the server at {self.base_url} does not serve --model {model!r}; it serves {served}")
+        return named[0]
+
+    def complete(self, prompt_ids: list[int], body: dict) -> dict:
+        """One answer: the completions choice for these prompt ids, tried again past transient failures."""
+        request = {"model": self.model, "prompt": prompt_ids, **body}
+        for attempt in range(RETRIES + 1):
+            try:
+                response = self.client.post("/completions", json=request)
+            except (httpx.TimeoutException, httpx.TransportError) as err:
+                failure = f"{type(err).__name__}: {err}"
+            else:
+                if response.status_code == 200:
+                    return response.json()["choices"][0]
+                failure = f"{response.status_code}: {_error_message(response)}"
+                if response.status_code < 500 and response.status_code != 429:  # the request's fault: no retry
+                    raise ServerError(f"the server refused a request ({failure})")
+            if attempt < RETRIES:
+                time.sleep(2 ** attempt)
+        raise ServerError(f"the server at {self.base_url} failed a request {RETRIES + 1} times (last: {failure})")
+
+    def close(self) -> None:
+        self.client.close()
+
+
+def _is_json(response: httpx.Response) -> bool:
+    try:
+        response.json()
+    except ValueError:
+        return False
+    return True
+
+
+def _error_message(response: httpx.Response) -> str:
+    if _is_json(response) and isinstance(response.json(), dict):
+        error = response.json().get("error")
+        if isinstance(error, dict) and error.get("message"):
+            return str(error["message"])
+    return response.text[:300]
+
+
+class ServerGenerator(_Generator):
+    """The target answering prompts through a server: the local generator's turns and room, each turn rendered here
+    and decoded there, `--batch-size` conversations at a time."""
+
+    def __init__(self, config: DatagenConfig):
+        from transformers import AutoConfig, AutoTokenizer
+
+        self.config = config
+        target = target_source(config)
+        self.tokenizer = AutoTokenizer.from_pretrained(target, trust_remote_code=config.trust_remote_code)
+        self.server = Server(config.base_url, config.model, config.api_key or os.environ.get("OPENAI_API_KEY"))
+        context = self.server.max_model_len
+        if context is None:  # the server does not say: the target's own
+            text_config = AutoConfig.from_pretrained(target, trust_remote_code=config.trust_remote_code)
+            context = getattr(text_config.get_text_config(), "max_position_embeddings", None)
+        self.context = context
+        self.context_words = f"{context} tokens" if context else "unknown size"
+        self.end_id = self._end_id(target)
+        if not getattr(self.tokenizer, "chat_template", None):
+            from dflash.chat import PLAIN_CONVERSATION_NOTE
+            from dflash.training.datagen import _warn
+
+            _warn(PLAIN_CONVERSATION_NOTE)
+
+    def _end_id(self, target: str) -> int | None:
+        """The token an answer that stopped at the end of its text ends with: the tokenizer's end-of-text token (a
+        chat model's end of turn), else the first the target's generation config names."""
+        if self.tokenizer.eos_token_id is not None:
+            return self.tokenizer.eos_token_id
+        from transformers import GenerationConfig
+
+        try:
+            eos = GenerationConfig.from_pretrained(target).eos_token_id
+        except (OSError, ValueError):
+            return None
+        return eos[0] if isinstance(eos, list) and eos else eos
+
+    def encode_turn(self, prompt: Prompt, conversation: list[dict]) -> list[int]:
+        from dflash.chat import encode_conversation
+
+        try:
+            return encode_conversation(self.tokenizer, conversation, self.config.template_kwargs())
+        except UserError as err:
+            message = str(err)
+        except Exception as err:  # noqa: BLE001 - the template's own checks raise anything
+            message = f"the model's chat template cannot render these messages: {type(err).__name__}: {err}"
+        raise UserError(f"{prompt.where} (output id {prompt.id}): {message}; fix this record where it is (answers "
+                        "already written are kept, and a rerun resumes them)")
+
+    def room(self, prompt_ids: list[int]) -> int:
+        if self.context is None:
+            return self.config.max_new_tokens
+        return min(self.config.max_new_tokens, self.context - len(prompt_ids))
+
+    def answer(self, chunk: list[Prompt], first_ids: dict[int, list[int]], result: DatagenResult) -> list[dict]:
+        """Every turn of every prompt of the chunk, the conversations side by side on the server; the records in
+        the chunk's order."""
+        firsts = {p.id: first_ids.pop(p.id) for p in chunk}
+        with ThreadPoolExecutor(len(chunk)) as pool:
+            records = list(pool.map(lambda p: self._conversation(p, firsts[p.id], result), chunk))
+        return [r for r in records if r is not None]
+
+    def _conversation(self, prompt: Prompt, first_ids: list[int], result: DatagenResult) -> dict | None:
+        """One prompt's turns, each after the one before (it sees the target's own earlier answers)."""
+        conversation: list[dict] = []
+        answered: list[tuple[list[int], list[int], str]] = []
+        for turn, messages in enumerate(prompt.turns):
+            messages = conversation + self._with_suffix(messages)
+            ids = first_ids if turn == 0 else self.encode_turn(prompt, messages)
+            if self.room(ids) < 1:
+                result.cut += 1
+                _warn_capped(result.cut, f"{prompt.where} (output id {prompt.id}): turn {turn + 1} of "
+                             f"{len(prompt.turns)} ({len(ids)} tokens) leaves no room for an answer in the target's "
+                             f"context of {self.context_words}; its record keeps the first {turn}",
+                             "more conversations end early, their later turns too long for the target's context: "
+                             "the summary counts them")
+                break
+            choice = self.server.complete(ids, self._sampling(prompt, ids))
+            text = choice.get("text") or ""
+            response_ids = list(self.tokenizer(text, add_special_tokens=False)["input_ids"])
+            stopped = choice.get("finish_reason") == "stop" and choice.get("stop_reason") is None
+            if stopped and self.end_id is not None:  # at the end-of-text token, which the text leaves out
+                response_ids.append(self.end_id)
+            conversation = messages + [{"role": "assistant", "content": text}]
+            answered.append((ids, response_ids, choice.get("finish_reason") or "length"))
+        return _record(prompt, conversation, answered) if answered else None
+
+    def _sampling(self, prompt: Prompt, prompt_ids: list[int]) -> dict:
+        """The request's sampling fields: the local run's (`_generation_config`), its seed as the int64 of the same
+        bits (what servers take; the same noise)."""
+        c = self.config
+        seed = derive_seed(c.seed, prompt.id)
+        return {"max_tokens": self.room(prompt_ids), "temperature": c.temperature, "top_p": c.top_p,
+                "seed": seed - 2**64 if seed >= 2**63 else seed}
+
+    def close(self) -> None:
+        self.server.close()
+
+
+def target_source(config: DatagenConfig) -> str:
+    """Where the target's tokenizer and configuration are read: --target, else the embedded target."""
+    from dflash.api import DEFAULT_TARGET
+
+    return config.target or str(DEFAULT_TARGET)
