@@ -14,6 +14,7 @@ from dflash.training.config import (
     TrainConfig,
     load_config,
 )
+from dflash.training.reporting import REPORTERS
 
 DEFAULTS = TrainConfig()  # the values a flag left out takes (the flags themselves default to None: "not given")
 
@@ -106,6 +107,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="held-out responses replayed to measure eval_tau_decoding, the acceptance length "
                              f"greedy decoding would get (default {DEFAULTS.eval_decoding_examples}; 0 skips it)")
     parser.add_argument("--log-every", type=int, help=f"log every N steps (default {DEFAULTS.log_every})")
+    parser.add_argument("--report-to", choices=REPORTERS,
+                        help="tensorboard: the log's numbers as TensorBoard scalars in OUTPUT/tensorboard too (pip "
+                             "install 'dflash[tensorboard]'; W&B reads the directory with wandb sync "
+                             "--sync-tensorboard); default none")
     parser.add_argument("--checkpoint-every", type=int,
                         help=f"save a checkpoint every N steps (default {DEFAULTS.checkpoint_every}; 0: only at the "
                              "end); the last step is always saved")

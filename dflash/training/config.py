@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import importlib.util
 import math
 import typing
 from dataclasses import asdict, dataclass, fields
@@ -14,6 +15,8 @@ import yaml
 from dflash.config_types import blank_option, parse_int_list, type_mismatch
 from dflash.errors import UserError
 from dflash.model.config import untappable
+from dflash.training.reporting import INSTALL as TENSORBOARD_INSTALL
+from dflash.training.reporting import REPORTERS
 
 ANCHOR_POLICIES = ("uniform", "decoding")
 DEFAULT_MAX_LENGTH = 3072  # tokens of prompt + response per example
@@ -64,6 +67,7 @@ class TrainConfig:
     eval_every: int = 200
     eval_decoding_examples: int = 64  # held-out responses replayed for eval_tau_decoding (0: skip it)
     log_every: int = 10
+    report_to: str = "none"  # "tensorboard": the log's numbers as TensorBoard scalars too (`reporting`)
     checkpoint_every: int = 200
     keep_checkpoints: int = 2  # the newest checkpoints kept in checkpoints/
     feature_cache: str | None = None  # "memory" or a directory: keep target features across epochs
@@ -162,6 +166,9 @@ class TrainConfig:
             (self.eval_decoding_examples >= 0,
              f"--eval-decoding-examples must be >= 0, got {self.eval_decoding_examples}"),
             (self.log_every >= 1, f"--log-every must be >= 1, got {self.log_every}"),
+            (self.report_to in REPORTERS, f"--report-to is one of {', '.join(REPORTERS)}, got {self.report_to!r}"),
+            (self.report_to != "tensorboard" or importlib.util.find_spec("tensorboard") is not None,
+             f"--report-to tensorboard needs the tensorboard package: {TENSORBOARD_INSTALL}"),
             (self.checkpoint_every >= 0,
              f"--checkpoint-every must be >= 0 (0: only at the end), got {self.checkpoint_every}"),
             (self.keep_checkpoints >= 1,

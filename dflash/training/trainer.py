@@ -85,6 +85,7 @@ from dflash.training.objective import (
     walk_decoding_anchors,
 )
 from dflash.training.processes import process_device
+from dflash.training.reporting import TensorBoardReport, reporter
 
 
 def parameter_groups(drafter: DFlashDraftModel, lr: float) -> list[dict]:
@@ -193,6 +194,7 @@ class Trainer:
         self._output_lock: DirectoryLock | None = None  # rank 0's, on --output from setup to the end of train
         self._setup_log: list[dict] | None = None  # while setting up: the records train_log.jsonl gets if it succeeds
         self._stopped = False  # a Ctrl-C stopped the run after a step, and `_stop` said where
+        self._report: TensorBoardReport | None = None  # --report-to's, rank 0's, from the end of setup
 
     # ---- setup ----------------------------------------------------------------------------------------
     def setup(self) -> "Trainer":
@@ -220,6 +222,7 @@ class Trainer:
         logged, self._setup_log = self._setup_log, None
         if self.rank == 0:
             self._writing_log(_cut_half_written_line)  # once, before this run's first record
+            self._report = reporter(self.config.report_to, Path(self.config.output), self.step)
         for record in logged:
             self._write_log(record)
         return self
@@ -877,6 +880,8 @@ class Trainer:
             raise
         finally:
             self._unlock_output()
+            if self._report is not None:
+                self._report.close()
         self._log({"event": "done", **final})
         self._barrier()  # no process tears its connections down while another still uses them (cleanup)
         return final
@@ -1252,6 +1257,8 @@ class Trainer:
                 f.write(json.dumps(record) + "\n")
 
         self._writing_log(append)
+        if self._report is not None:
+            self._report.record(record)
 
     def _writing_log(self, write) -> None:
         """write(path of train_log.jsonl); a write the OS refuses is a UserError naming the checkpoint to go on from."""
