@@ -498,7 +498,7 @@ class SpeculativeEngine:
         if scored is not None:  # logits (prompt length, vocab): token i + 1 was read at position i
             if torch.isnan(logits[:-1]).any():
                 raise NoTokenError(NAN_LOGITS)
-            seq.prompt_logprobs = token_logprobs(logits[:-1], seq.prompt_ids[1:], scored)
+            seq.prompt_logprobs = token_logprobs(logits[:-1], seq.prompt_ids[1:], scored, ranks=True)
         last = logits[-1]  # (vocab,) the target's own; a token is chosen with the logit bias and penalties
         if seq.config.max_new_tokens == 0:
             seq.finish_reason = "length"

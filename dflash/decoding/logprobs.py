@@ -25,24 +25,28 @@ class TokenLogprob:
     token_id: int
     logprob: float
     top: tuple[tuple[int, float], ...] = ()  # (token id, log-probability), most likely first
+    rank: int | None = None  # 1 + the tokens likelier than it (`token_logprobs(ranks=True)`; vLLM's rank)
 
 
-def token_logprobs(logits: torch.Tensor, tokens: list[int], top: int, rows: int = 512) -> list[TokenLogprob]:
+def token_logprobs(logits: torch.Tensor, tokens: list[int], top: int, rows: int = 512,
+                   ranks: bool = False) -> list[TokenLogprob]:
     """The log-probabilities of `tokens`, token i read from logits[i] (n, vocab), and each position's `top` most
-    likely tokens; `rows` positions at a time, so that a long prompt's scores take little more memory than its
-    logits."""
+    likely tokens (and with `ranks`, each token's rank: 1 + the tokens likelier than it); `rows` positions at a
+    time, so that a long prompt's scores take little more memory than its logits."""
     result = []
     for start in range(0, len(tokens), rows):
         chunk = tokens[start : start + rows]
         logprobs = torch.log_softmax(logits[start : start + len(chunk)].float(), dim=-1)  # (rows, vocab)
         ids = torch.tensor(chunk, dtype=torch.long, device=logits.device)[:, None]
-        chosen = logprobs.gather(1, ids)[:, 0].tolist()  # (rows,)
+        picked = logprobs.gather(1, ids)  # (rows, 1)
+        chosen = picked[:, 0].tolist()
+        ranked = ((logprobs > picked).sum(-1) + 1).tolist() if ranks else [None] * len(chunk)  # (rows,)
         if top > 0:
             values, best = logprobs.topk(min(top, logprobs.shape[-1]), dim=-1)  # (rows, top)
             alternatives = [tuple(zip(i, v)) for i, v in zip(best.tolist(), values.tolist())]
         else:
             alternatives = [()] * len(chunk)
-        result += [TokenLogprob(t, p, a) for t, p, a in zip(chunk, chosen, alternatives)]
+        result += [TokenLogprob(t, p, a, r) for t, p, a, r in zip(chunk, chosen, alternatives, ranked)]
     return result
 
 

@@ -39,7 +39,7 @@ from dflash.decoding.structure import StructureError
 from dflash.errors import UserError
 from dflash.serve.fallback import AUTO_NEEDS_STEP_COSTS, FallbackConfig
 from dflash.serve.limits import DEFAULT_MAX_REQUEST_BYTES, check_max_model_len
-from dflash.serve.logprobs import LogprobFormat, LogprobPieces, joined
+from dflash.serve.logprobs import LogprobFormat, LogprobPieces, joined, vllm_prompt_logprobs
 from dflash.serve.metrics import ServerMetrics
 from dflash.serve.protocol import (
     APIError,
@@ -339,7 +339,14 @@ class Server:
             for decoding in decodings:
                 decoding.cancel()
         choices = [self._choice(i, d.seq, shape, req, answer.prompts[i]) for i, d in enumerate(decodings)]
-        return JSONResponse(shape.full(choices, answer.prompt_tokens, answer.completion_tokens))
+        extra = None
+        if req.prompt_logprobs is not None:  # vLLM's: each completions choice's, and chat's answer's once
+            scores = [vllm_prompt_logprobs(self.logprob_format, d.seq.prompt_logprobs or []) for d in decodings]
+            if shape.kind == "chat":
+                extra = {"prompt_logprobs": scores[0]}
+            else:
+                choices = [{**choice, "prompt_logprobs": s} for choice, s in zip(choices, scores)]
+        return JSONResponse(shape.full(choices, answer.prompt_tokens, answer.completion_tokens, extra))
 
     def _choice(self, index: int, seq: Sequence, shape: ResponseShape, req: SamplingRequest,
                 prompt: Prompted) -> dict:
@@ -460,8 +467,10 @@ class _Answer:
 
 
 def _prompt_scores(req: SamplingRequest) -> int | None:
-    """The alternatives per prompt token the engine lists (`GenerationConfig.prompt_logprobs`): an echo's, with
-    logprobs (None: the prompt is not scored)."""
+    """The alternatives per prompt token the engine lists (`GenerationConfig.prompt_logprobs`): vLLM's
+    prompt_logprobs, or an echo's with logprobs (None: the prompt is not scored)."""
+    if req.prompt_logprobs is not None:
+        return req.prompt_logprobs
     return req.top_logprobs_asked if req.echoes else None
 
 

@@ -159,3 +159,19 @@ class LogprobPieces:
         body = self._fmt.body(self._kind, self._pending, self._offsets, self._unscored, sent)
         self._pending, self._unscored = [], ()
         return body
+
+
+def vllm_prompt_logprobs(fmt: LogprobFormat, entries: list[TokenLogprob]) -> list[dict | None]:
+    """vLLM's `prompt_logprobs`: None for the first prompt token (nothing before it to score it), then per token
+    {token id: {"logprob", "rank", "decoded_token"}} for it and its position's most likely tokens."""
+    out: list[dict | None] = [None]
+    for entry in entries:
+        position = {str(entry.token_id): _vllm_logprob(fmt, entry.token_id, entry.logprob, entry.rank)}
+        for rank, (token_id, logprob) in enumerate(entry.top, start=1):
+            position.setdefault(str(token_id), _vllm_logprob(fmt, token_id, logprob, rank))
+        out.append(position)
+    return out
+
+
+def _vllm_logprob(fmt: LogprobFormat, token_id: int, logprob: float, rank: int | None) -> dict:
+    return {"logprob": max(logprob, FLOOR), "rank": rank, "decoded_token": fmt.token(token_id)[0]}

@@ -274,7 +274,8 @@ class SamplingRequest(_Strict):
     logits_processors: Any = None
     use_beam_search: Any = None
     length_penalty: Any = None
-    prompt_logprobs: Any = None
+    # vLLM's: the prompt tokens' log-probabilities, with this many alternatives each (`logprobs.vllm_prompt_logprobs`)
+    prompt_logprobs: int | None = Field(default=None, ge=0, le=MAX_TOP_LOGPROBS)
     truncate_prompt_tokens: Any = None
     include_stop_str_in_output: Any = None
     skip_special_tokens: Any = None
@@ -292,8 +293,6 @@ class SamplingRequest(_Strict):
         "logits_processors": (_unset, "this server runs no logits processors; leave logits_processors out"),
         "use_beam_search": (_unset, "this server does not search beams; leave use_beam_search out"),
         "length_penalty": (lambda v: v in (None, 1), "this server does not search beams; leave length_penalty out"),
-        "prompt_logprobs": (lambda v: v is None, "this server scores a prompt on /v1/completions with echo=true and "
-                            "logprobs (max_tokens=0: the prompt alone); leave prompt_logprobs out"),
         "truncate_prompt_tokens": (lambda v: v is None, "this server does not cut prompts; shorten the prompt "
                                    "yourself and leave truncate_prompt_tokens out"),
         "include_stop_str_in_output": (_unset, "this server cuts the answer before the stop string; leave "
@@ -321,6 +320,12 @@ class SamplingRequest(_Strict):
             if not at_default(value):
                 raise APIError(400, f"{name}={_show(value)} is not supported: {advice}", param=name)
         self.check_logprobs()
+        if self.prompt_logprobs is not None and self.stream:
+            raise APIError(400, "prompt_logprobs is returned with the whole answer, not in a stream (as in vLLM); "
+                                "send stream=false, or leave prompt_logprobs out", param="prompt_logprobs")
+        if self.prompt_logprobs is not None and self.echoes and self.top_logprobs_asked is not None:
+            raise APIError(400, "prompt_logprobs and echo with logprobs both score the prompt; send one of them",
+                           param="prompt_logprobs")
         if self.token_limit == 0 and not self.scores_prompt:
             raise APIError(400, f"{self.token_limit_field}: must be at least 1 (the number of new tokens to "
                                 f"generate){self.no_tokens_hint}", param=self.token_limit_field)
@@ -799,9 +804,9 @@ class ResponseShape:
             return {"index": index, "message": message, **ending}
         return {"index": index, "text": text, **ending}
 
-    def full(self, choices: list[dict], prompt_tokens: int, completion_tokens: int) -> dict:
+    def full(self, choices: list[dict], prompt_tokens: int, completion_tokens: int, extra: dict | None = None) -> dict:
         name = "chat.completion" if self.kind == "chat" else "text_completion"
-        return self._envelope(name, choices, {"usage": usage(prompt_tokens, completion_tokens)})
+        return self._envelope(name, choices, {"usage": usage(prompt_tokens, completion_tokens), **(extra or {})})
 
     def chunk(self, text: str | None, finish_reason: str | None = None, first: bool = False,
               stop_reason: str | int | None = None, logprobs: dict | None = None, index: int = 0,

@@ -479,7 +479,7 @@ def test_a_trailing_slash_reaches_the_same_endpoint(server):
 # ---- what clients moving from vLLM send ---------------------------------------------------------------------
 VLLM_REFUSED = [
     ("bad_words", ["x"]),
-    ("allowed_token_ids", [1, 2]), ("use_beam_search", True), ("prompt_logprobs", 1), ("truncate_prompt_tokens", 8),
+    ("allowed_token_ids", [1, 2]), ("use_beam_search", True), ("truncate_prompt_tokens", 8),
     ("include_stop_str_in_output", True), ("skip_special_tokens", False), ("spaces_between_special_tokens", False),
     ("guided_grammar", "start: a"), ("structured_outputs", {"json": {}}), ("chat_template", "{{ messages }}"),
     ("documents", [{"text": "x"}]),

@@ -193,3 +193,34 @@ def test_top_logprobs_of_tokens_with_the_same_text_keep_the_likeliest():
     chosen = tokenizer.encode("a", add_special_tokens=False)[0]
     body = fmt.completion([TokenLogprob(chosen, -3.0, ((first, -1.0), (second, -2.0)))], TextOffsets())
     assert body["top_logprobs"][0] == {"\ufffd": -1.0, "a": -3.0}
+
+
+def test_vllms_prompt_logprobs_score_each_prompt_token_with_its_rank(server):
+    """vLLM's prompt_logprobs: None, then per prompt token {id: {logprob, rank, decoded_token}} for it and its
+    position's most likely tokens, each the target's own (one transformers forward over the prompt)."""
+    import torch
+
+    ids = server.pipe.encode(PROMPTS[1], raw=True)
+    with torch.no_grad():
+        reference = server.pipe.target.model(torch.tensor([ids])).logits[0, :-1].float().log_softmax(-1)
+    body = {"model": MODEL, "prompt": ids, "max_tokens": 2, "temperature": 0, "prompt_logprobs": 2}
+    answer = httpx.post(f"{server.url}/v1/completions", json=body, timeout=60).json()
+    scores = answer["choices"][0]["prompt_logprobs"]
+    assert len(scores) == len(ids) and scores[0] is None
+    fmt = LogprobFormat(server.pipe.tokenizer)
+    for position, (token, entry) in enumerate(zip(ids[1:], scores[1:])):
+        row = reference[position]
+        mine = entry[str(token)]
+        assert mine["logprob"] == pytest.approx(row[token].item(), abs=1e-4)
+        assert mine["rank"] == int((row > row[token]).sum()) + 1 and mine["decoded_token"] == fmt.token(token)[0]
+        best = row.topk(2).indices.tolist()
+        assert [entry[str(t)]["rank"] for t in best] == [1, 2] and len(entry) == len({token, *best})
+    chat = {"model": MODEL, "messages": QUESTION, "max_tokens": 2, "prompt_logprobs": 0}
+    answer = httpx.post(f"{server.url}/v1/chat/completions", json=chat, timeout=60).json()
+    assert len(answer["prompt_logprobs"]) == answer["usage"]["prompt_tokens"]  # the answer's, once, on chat
+    assert all(len(p) == 1 for p in answer["prompt_logprobs"][1:])
+    for fields, says in (({"stream": True}, "not in a stream"), ({"echo": True, "logprobs": 1}, "send one of them"),
+                         ({"prompt_logprobs": 21}, "less than or equal to 20")):
+        refused = httpx.post(f"{server.url}/v1/completions", json={**body, **fields}, timeout=60)
+        assert refused.status_code == 400 and says in refused.json()["error"]["message"], refused.text
+        assert refused.json()["error"]["param"] == "prompt_logprobs"
