@@ -339,14 +339,24 @@ class Server:
             for decoding in decodings:
                 decoding.cancel()
         choices = [self._choice(i, d.seq, shape, req, answer.prompts[i]) for i, d in enumerate(decodings)]
-        extra = None
+        extra: dict = {}
         if req.prompt_logprobs is not None:  # vLLM's: each completions choice's, and chat's answer's once
             scores = [vllm_prompt_logprobs(self.logprob_format, d.seq.prompt_logprobs or []) for d in decodings]
-            if shape.kind == "chat":
-                extra = {"prompt_logprobs": scores[0]}
-            else:
-                choices = [{**choice, "prompt_logprobs": s} for choice, s in zip(choices, scores)]
+            extra.update(self._per_prompt(shape, choices, "prompt_logprobs", scores))
+        if req.return_token_ids:  # vLLM's: the ids each choice read and wrote
+            choices = [{**c, "token_ids": list(d.seq.output_ids)} for c, d in zip(choices, decodings)]
+            extra.update(self._per_prompt(shape, choices, "prompt_token_ids", [d.seq.prompt_ids for d in decodings]))
         return JSONResponse(shape.full(choices, answer.prompt_tokens, answer.completion_tokens, extra))
+
+    @staticmethod
+    def _per_prompt(shape: ResponseShape, choices: list[dict], key: str, values: list) -> dict:
+        """A field of each choice's prompt (vLLM's): set in each completions choice (in place), or returned for the
+        chat answer's top level (its one prompt)."""
+        if shape.kind == "chat":
+            return {key: values[0]}
+        for choice, value in zip(choices, values):
+            choice[key] = value
+        return {}
 
     def _choice(self, index: int, seq: Sequence, shape: ResponseShape, req: SamplingRequest,
                 prompt: Prompted) -> dict:
@@ -386,7 +396,8 @@ class Server:
             if shape.kind == "chat":
                 calls_only = req.tool_reader().holds_text
                 for choice in choices:
-                    yield sse(shape.chunk(None, first=True, index=choice.index, calls_only=calls_only))
+                    yield sse(shape.chunk(None, first=True, index=choice.index, calls_only=calls_only,
+                                          so_far=choice.so_far()))
             async for index, event in _merged_events(decodings):
                 if event.done and event.error:
                     yield sse(_decode_error(event).body())
@@ -415,6 +426,7 @@ class _StreamedChoice:
         self.logprobs = LogprobPieces(server.logprob_format, shape.kind)
         self.echo = req.echoes
         self.tools = req.tool_reader().stream()
+        self.completion_tokens = 0  # sent so far, for vLLM's continuous_usage_stats
 
     def chunks(self, event: Event) -> list[dict]:
         """The chunks an event (not a failure) sends: text as it is safe, then the choice's ending."""
@@ -426,6 +438,7 @@ class _StreamedChoice:
                 scores = self.server.prompt_logprobs(self.logprobs, self.seq, self.prompt)
             out.append(self._chunk(self.server.echoed_prompt(self.prompt), logprobs=scores))
         piece = self.deltas.add(event.tokens) if event.tokens else ""
+        self.completion_tokens += len(event.tokens or ())
         self.logprobs.add(event.logprobs)
         if not event.done:
             piece = self.tools.add(piece)
@@ -440,7 +453,11 @@ class _StreamedChoice:
         return out + [self._chunk(None, finish_reason=finish, stop_reason=self.server.stop_reason(result, self.req))]
 
     def _chunk(self, text: str | None, **fields) -> dict:
-        return self.shape.chunk(text, index=self.index, **fields)
+        return self.shape.chunk(text, index=self.index, so_far=self.so_far(), **fields)
+
+    def so_far(self) -> tuple[int, int] | None:
+        """(prompt tokens, completion tokens) of this choice so far, with vLLM's continuous_usage_stats."""
+        return (len(self.prompt.ids), self.completion_tokens) if self.req.continuous_usage else None
 
 
 @dataclass

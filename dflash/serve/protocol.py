@@ -81,6 +81,7 @@ class _Strict(BaseModel):
 
 class StreamOptions(_Strict):
     include_usage: bool = False
+    continuous_usage_stats: bool = False  # vLLM's: with include_usage, every chunk carries its choice's usage so far
 
 
 class ContentPart(_Strict):
@@ -274,6 +275,7 @@ class SamplingRequest(_Strict):
     logits_processors: Any = None
     use_beam_search: Any = None
     length_penalty: Any = None
+    return_token_ids: bool = False  # vLLM's: each choice's token_ids (its stop token included) and prompt_token_ids
     # vLLM's: the prompt tokens' log-probabilities, with this many alternatives each (`logprobs.vllm_prompt_logprobs`)
     prompt_logprobs: int | None = Field(default=None, ge=0, le=MAX_TOP_LOGPROBS)
     truncate_prompt_tokens: Any = None
@@ -320,6 +322,9 @@ class SamplingRequest(_Strict):
             if not at_default(value):
                 raise APIError(400, f"{name}={_show(value)} is not supported: {advice}", param=name)
         self.check_logprobs()
+        if self.return_token_ids and self.stream:
+            raise APIError(400, "return_token_ids is returned with the whole answer here, not in a stream; send "
+                                "stream=false, or leave return_token_ids out", param="return_token_ids")
         if self.prompt_logprobs is not None and self.stream:
             raise APIError(400, "prompt_logprobs is returned with the whole answer, not in a stream (as in vLLM); "
                                 "send stream=false, or leave prompt_logprobs out", param="prompt_logprobs")
@@ -370,6 +375,10 @@ class SamplingRequest(_Strict):
     @property
     def include_usage(self) -> bool:
         return bool(self.stream_options and self.stream_options.include_usage)
+
+    @property
+    def continuous_usage(self) -> bool:
+        return self.include_usage and self.stream_options.continuous_usage_stats
 
     @property
     def token_limit(self) -> int | None:
@@ -810,11 +819,13 @@ class ResponseShape:
 
     def chunk(self, text: str | None, finish_reason: str | None = None, first: bool = False,
               stop_reason: str | int | None = None, logprobs: dict | None = None, index: int = 0,
-              tool_calls: list[dict] | None = None, calls_only: bool = False) -> dict:
+              tool_calls: list[dict] | None = None, calls_only: bool = False,
+              so_far: tuple[int, int] | None = None) -> dict:
         """One stream chunk; the first of a chat choice opens it with its role and an empty content (null for an
-        answer that is calls alone: `calls_only`, as OpenAI's streams open one)."""
+        answer that is calls alone: `calls_only`, as OpenAI's streams open one). `so_far`: (prompt tokens,
+        completion tokens) of the choice so far, the chunk's usage (vLLM's continuous_usage_stats); else null."""
         ending = {"finish_reason": finish_reason, "stop_reason": stop_reason, "logprobs": logprobs}
-        extra = {"usage": None} if self.include_usage else None
+        extra = {"usage": None if so_far is None else usage(*so_far)} if self.include_usage else None
         if self.kind == "chat":
             delta: dict[str, Any] = {"role": "assistant", "content": None if calls_only else ""} if first else {}
             if text:

@@ -274,3 +274,39 @@ def test_a_pipeline_with_branches_serves_the_target_alones_text(tiny_pair):
     plain = DFlash.from_pretrained(*map(str, tiny_pair), no_draft=True, dtype="float32", device="cpu")
     assert served == [plain.generate(p, raw=True, max_new_tokens=12, ignore_eos=True).text for p in PROMPTS[:4]]
     assert max(widths) > 4
+
+
+def test_continuous_usage_stats_give_every_chunk_its_choices_usage_so_far(server):
+    """vLLM's stream_options.continuous_usage_stats: each chunk's usage is its choice's so far, rising to the
+    final usage chunk's."""
+    import json
+
+    body = {"model": MODEL, "prompt": PROMPTS[0], "max_tokens": 12, "temperature": 0, "ignore_eos": True,
+            "stream": True, "stream_options": {"include_usage": True, "continuous_usage_stats": True}}
+    response = httpx.post(f"{server.url}/v1/completions", json=body, timeout=60)
+    chunks = [json.loads(line[6:]) for line in response.text.splitlines() if line.startswith("data: {")]
+    *pieces, final = chunks
+    counts = [c["usage"]["completion_tokens"] for c in pieces]
+    assert counts == sorted(counts) and counts[-1] == final["usage"]["completion_tokens"] == 12
+    assert {c["usage"]["prompt_tokens"] for c in pieces} == {final["usage"]["prompt_tokens"]}
+    plain = httpx.post(f"{server.url}/v1/completions", timeout=60, json={
+        **body, "stream_options": {"include_usage": True}}).text
+    *pieces, final = [json.loads(line[6:]) for line in plain.splitlines() if line.startswith("data: {")]
+    assert all(c["usage"] is None for c in pieces) and final["usage"]["completion_tokens"] == 12
+
+
+def test_return_token_ids_gives_the_ids_each_choice_read_and_wrote(server):
+    """vLLM's return_token_ids: token_ids (the answer's, as the library writes them) and prompt_token_ids, per
+    completions choice and at the chat answer's top level."""
+    ids = server.pipe.encode(PROMPTS[0], raw=True)
+    library = server.pipe.generate(ids, raw=True, max_new_tokens=6, ignore_eos=True).output_ids
+    body = {"model": MODEL, "prompt": [PROMPTS[0], PROMPTS[0]], "max_tokens": 6, "temperature": 0,
+            "ignore_eos": True, "return_token_ids": True}
+    answer = httpx.post(f"{server.url}/v1/completions", json=body, timeout=60).json()
+    assert [(c["token_ids"], c["prompt_token_ids"]) for c in answer["choices"]] == [(library, ids)] * 2
+    chat = httpx.post(f"{server.url}/v1/chat/completions", timeout=60, json={
+        "model": MODEL, "messages": QUESTION, "max_tokens": 3, "return_token_ids": True}).json()
+    assert chat["prompt_token_ids"] == server.pipe.encode(QUESTION)
+    assert len(chat["choices"][0]["token_ids"]) == chat["usage"]["completion_tokens"]
+    refused = httpx.post(f"{server.url}/v1/completions", json={**body, "stream": True}, timeout=60)
+    assert refused.status_code == 400 and refused.json()["error"]["param"] == "return_token_ids"
