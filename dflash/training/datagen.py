@@ -145,6 +145,9 @@ class DatagenConfig:
                 raise UserError(f"{' and '.join(given)} name the server of --base-url, which is not given: add "
                                 "--base-url (the server's API root, e.g. http://127.0.0.1:8000/v1), or drop them")
             return
+        if self.target is None:
+            raise UserError("--base-url needs --target: the served model's directory or hub id, whose tokenizer and "
+                            "chat template render the prompts here (the embedded target's would not be the server's)")
         if not self.base_url.startswith(("http://", "https://")):
             raise UserError(f"--base-url {self.base_url!r} is not a URL; give the server's API root, e.g. "
                             "http://127.0.0.1:8000/v1")
@@ -807,6 +810,9 @@ def _answer_with(generator: _Generator, config: DatagenConfig, todo: list[Prompt
                 f.write(json.dumps(record) + "\n")
                 f.flush()
                 result.written += 1
+            if (failure := generator.failed()) is not None:  # once the answers finished beside it are written
+                raise UserError(f"{failure}; the {result.written} answers written this run are kept: rerun the same "
+                                "command to continue")
             if progress:
                 progress(len(chunk))
         os.fsync(f.fileno())
@@ -941,6 +947,10 @@ class _Generator:
 
     def close(self) -> None:
         """Nothing to let go of here (the server's generator closes its connections)."""
+
+    def failed(self) -> UserError | None:
+        """What stops the run after the chunk's records are written (the server's generator); None here."""
+        return None
 
     def _generation_config(self, prompt: Prompt, prompt_ids: list[int]):
         from dflash.decoding.engine import GenerationConfig

@@ -7,7 +7,12 @@ from __future__ import annotations
 
 import http.server
 import json
+import os
+import signal
+import subprocess
+import sys
 import threading
+import time
 
 import pytest
 from serve.conftest import LiveServer, load_pipe
@@ -45,17 +50,8 @@ def test_a_server_writes_the_records_a_local_run_writes(tiny_pair, prompts, tmp_
                                                         sampling):
     local = generate(tiny_pair, prompts, tmp_path / "local.jsonl", **sampling)
     served = generate(tiny_pair, prompts, tmp_path / "served.jsonl", tiny_server, **sampling)
-    assert [r["messages"] for r in served] == [r["messages"] for r in local]  # every turn's answer, seeded alike
-    assert [r["prompt_ids"] for r in served] == [r["prompt_ids"] for r in local]
+    assert served == local  # every turn's prompt and answer ids, text and finish reason, seeded alike
     assert len(served) == 5 and any(len(r["messages"]) > 2 for r in served)  # multi-turn records among them
-    tokenizer = tiny_server.pipe.tokenizer
-    eos = tokenizer.eos_token_id
-    for got, want in zip(served, local):
-        assert tokenizer.decode(got["response_ids"], skip_special_tokens=True) == got["messages"][-1]["content"]
-        assert got["finish_reason"] == want["finish_reason"]
-        assert (got["response_ids"][-1:] == [eos]) == (want["response_ids"][-1:] == [eos])
-        assert [t["prompt_tail_ids"] for t in got.get("earlier_turns", [])] == [
-            t["prompt_tail_ids"] for t in want.get("earlier_turns", [])]
 
 
 def test_a_server_run_resumes_without_duplicates(tiny_pair, prompts, tmp_path, tiny_server):  # noqa: F811
@@ -74,6 +70,7 @@ def test_the_command_line_answers_through_a_server(tiny_pair, prompts, tmp_path,
 
 @pytest.mark.parametrize("flags, says", [
     (["--model", "x"], "--model name the server of --base-url, which is not given"),
+    (["--target", "", "--base-url", "http://127.0.0.1:9/v1"], "--target is empty"),
     (["--base-url", "localhost:8000"], "is not a URL"),
     (["--base-url", "http://127.0.0.1:9/v1", "--dtype", "bfloat16"], "--dtype set how the target loads here"),
     (["--base-url", "http://127.0.0.1:9/v1"], "cannot reach the server at http://127.0.0.1:9/v1"),
@@ -138,14 +135,16 @@ class _Scripted(_Failing):
         self._send(200, {"object": "text_completion", "choices": [{"index": 0, **self.server.answer}]})
 
 
-@pytest.mark.parametrize("answer, ends_at_eos", [
-    ({"text": "May", "finish_reason": "stop", "stop_reason": None}, True),  # stopped at the end-of-text token
-    ({"text": "May", "finish_reason": "stop"}, True),  # a server that does not say (OpenAI's own)
-    ({"text": "May", "finish_reason": "stop", "stop_reason": "\n\n"}, False),  # at a stop string
-    ({"text": "May", "finish_reason": "length", "stop_reason": None}, False),
+@pytest.mark.parametrize("answer, end", [
+    ({"text": "May", "finish_reason": "stop", "stop_reason": None}, "eos"),  # stopped at the end-of-text token
+    ({"text": "May", "finish_reason": "stop"}, "eos"),  # a server that does not say (OpenAI's own)
+    ({"text": "May", "finish_reason": "stop", "stop_reason": 7}, [7]),  # another end token (vLLM names its id)
+    ({"text": "May", "finish_reason": "stop", "stop_reason": "\n\n"}, []),  # at a stop string
+    ({"text": "May", "finish_reason": "length", "stop_reason": None}, []),
+    ({"text": "May", "finish_reason": "stop", "token_ids": [9, 8, 2]}, "sampled"),  # the ids it sampled, as they are
 ])
-def test_an_answer_that_stopped_at_the_end_of_its_text_ends_with_the_end_token(tiny_pair, tmp_path, answer,
-                                                                                ends_at_eos):
+def test_an_answers_ids_are_the_sampled_ones_or_its_texts_and_the_end_token_it_stopped_at(tiny_pair, tmp_path,
+                                                                                          answer, end):
     scripted = http.server.ThreadingHTTPServer(("127.0.0.1", 0), _Scripted)
     scripted.posts, scripted.answer = 0, answer
     threading.Thread(target=scripted.serve_forever, daemon=True).start()
@@ -157,5 +156,89 @@ def test_an_answer_that_stopped_at_the_end_of_its_text_ends_with_the_end_token(t
         scripted.shutdown()
     tokenizer = load_pipe(tiny_pair).tokenizer
     text_ids = tokenizer("May", add_special_tokens=False)["input_ids"]
-    assert records[0]["response_ids"] == text_ids + ([tokenizer.eos_token_id] if ends_at_eos else [])
+    want = {"eos": text_ids + [tokenizer.eos_token_id], "sampled": [9, 8, 2]}[end] if isinstance(end, str) else (
+        text_ids + end)
+    assert records[0]["response_ids"] == want
     assert records[0]["messages"][-1] == {"role": "assistant", "content": "May"}
+
+
+class _Picky(_Failing):
+    """Lists a model, and answers completions in turn with the server's `statuses` (200: a one-word answer)."""
+
+    def do_POST(self):
+        with self.server.lock:
+            status = self.server.statuses[self.server.posts % len(self.server.statuses)]
+            self.server.posts += 1
+        if status != 200:
+            self._send(status, {"object": "error", "message": f"no ({status})"})  # vLLM's error body
+        else:
+            self._send(200, {"choices": [{"index": 0, "text": "May", "finish_reason": "length"}]})
+
+
+def picky_server(statuses: list[int]):
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), _Picky)
+    server.posts, server.statuses, server.lock = 0, statuses, threading.Lock()
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    return server
+
+
+def test_a_prompt_the_server_refuses_is_skipped_and_the_others_answered(tiny_pair, prompts, tmp_path,  # noqa: F811
+                                                                        capsys):
+    picky = picky_server([200, 400])  # every second request: "too long for my context"
+    try:
+        out = tmp_path / "x.jsonl"
+        config = DatagenConfig(target=str(tiny_pair[0]), prompts=str(prompts), output=str(out), max_new_tokens=4,
+                               batch_size=1, base_url=f"http://127.0.0.1:{picky.server_port}/v1")
+        result = run_datagen(config)
+    finally:
+        picky.shutdown()
+    assert result.written == len(read(out)) >= 2 and result.skipped_count + result.cut >= 2
+    assert "the server refused its prompt (400: no (400))" in capsys.readouterr().err
+
+
+def test_a_failure_that_stops_the_run_keeps_the_answers_finished_beside_it(tiny_pair, prompts, tmp_path,  # noqa: F811
+                                                                           monkeypatch):
+    monkeypatch.setattr(datagen_server.time, "sleep", lambda s: None)
+    picky = picky_server([200, 200, 404])  # the third request finds no such model: the run stops
+    try:
+        out = tmp_path / "x.jsonl"
+        config = DatagenConfig(target=str(tiny_pair[0]), prompts=str(prompts), output=str(out), max_new_tokens=4,
+                               batch_size=3, limit=3, base_url=f"http://127.0.0.1:{picky.server_port}/v1")
+        with pytest.raises(UserError, match="refused a request .404: no .404..; the 2 answers written this run are"):
+            run_datagen(config)
+    finally:
+        picky.shutdown()
+    assert len(read(out)) == 2  # the two answered beside the failing one are written
+
+
+def test_a_server_run_needs_the_served_targets_tokenizer(prompts, tmp_path, capsys):  # noqa: F811
+    assert main(["datagen", "--prompts", str(prompts), "--output", str(tmp_path / "x.jsonl"), "--base-url",
+                 "http://127.0.0.1:9/v1"]) == 2
+    assert "--base-url needs --target" in capsys.readouterr().err
+
+
+class _Slow(_Failing):
+    """Lists a model, and takes a minute over every completion."""
+
+    def do_POST(self):
+        time.sleep(60)
+
+
+def test_a_stop_does_not_wait_for_the_requests_in_flight(tiny_pair, prompts, tmp_path):  # noqa: F811
+    """SIGTERM (as Ctrl-C) while every conversation waits on a slow server: the run stops at once, saying how to
+    resume (it waited for each request in flight before)."""
+    slow = http.server.ThreadingHTTPServer(("127.0.0.1", 0), _Slow)
+    slow.daemon_threads = True
+    threading.Thread(target=slow.serve_forever, daemon=True).start()
+    command = [sys.executable, "-m", "dflash.cli.main", "datagen", "--target", str(tiny_pair[0]), "--prompts",
+               str(prompts), "--output", str(tmp_path / "x.jsonl"), "--base-url",
+               f"http://127.0.0.1:{slow.server_port}/v1", "--batch-size", "4"]
+    run = subprocess.Popen(command, stderr=subprocess.PIPE, text=True, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    try:
+        time.sleep(4)  # the requests are in flight
+        run.send_signal(signal.SIGTERM)
+        err = run.communicate(timeout=30)[1]  # a minute's wait per request before
+    finally:
+        run.kill()
+        slow.shutdown()
+    assert run.returncode == 143 and "rerun the same command to resume" in err
