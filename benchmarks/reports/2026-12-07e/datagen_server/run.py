@@ -65,17 +65,18 @@ def main() -> None:
                                   ("dflash serve --no-draft", 8321, ["--no-draft"])):
             server = served(port, *flags)
             try:
-                runs[name] = datagen(tmp / f"{port}.jsonl", args, "--base-url", f"http://127.0.0.1:{port}/v1")
+                runs[name] = datagen(tmp / f"{port}.jsonl", args, "--base-url", f"http://127.0.0.1:{port}/v1",
+                                     "--target", str(ROOT / "dflash" / "assets" / "target"))
             finally:
                 server.terminate()
                 server.wait()
         local = records(tmp / "local.jsonl")
         tokens = sum(len(r["response_ids"]) for r in local)
-        same = {name: [r["messages"] for r in records(tmp / f"{port}.jsonl")] == [r["messages"] for r in local]
+        same = {name: records(tmp / f"{port}.jsonl") == local  # the whole records: ids, text, finish reasons
                 for name, port in (("dflash serve", 8320), ("dflash serve --no-draft", 8321))}
     result = {"prompts": args.limit, "max_new_tokens": args.max_new_tokens, "batch_size": args.batch_size,
               "response_tokens": tokens, "seconds": {k: round(v, 2) for k, v in runs.items()},
-              "answers_equal_to_local": same}
+              "records_equal_to_local": same}
     (HERE / "result.json").write_text(json.dumps(result, indent=1) + "\n")
     print(json.dumps(result, indent=1))
 
