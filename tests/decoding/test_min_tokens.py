@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from transformers import LogitsProcessor, LogitsProcessorList, MinNewTokensLengthLogitsProcessor
+from transformers import LogitsProcessorList, MinNewTokensLengthLogitsProcessor
 
 from conftest import VOCAB, BranchOracle, byte_fallback_tokenizer, partial_oracle, random_prompts, tiny_drafter
 from dflash.decoding import DFlashProposer, GenerationConfig, SpeculativeEngine
@@ -15,21 +15,12 @@ from dflash.decoding.detokenizer import TextDeltas
 from dflash.decoding.stopping import StopChecker
 from dflash.errors import GenerationError
 
+from .test_logit_bias import AddBias
 from .test_logprobs import check_logprobs
-from .test_stopping import CharTokenizer
+from .test_stopping import CharTokenizer, in_steps
 
 MAX_NEW = 24
 STOP = VOCAB - 2  # a token the tests stop at (stop_token_ids), pushed by a logit bias so that it comes early
-
-
-class AddBias(LogitsProcessor):
-    def __init__(self, bias: dict[int, float]):
-        self.bias = bias
-
-    def __call__(self, input_ids, scores):
-        for token, value in self.bias.items():
-            scores[:, token] += value
-        return scores
 
 
 def hf_greedy_held(target, prompt: list[int], min_new: int, bias: dict[int, float], stops: list[int]) -> list[int]:
@@ -130,22 +121,12 @@ def test_a_bad_min_new_tokens_is_refused(options, says):
 TOKENS = [0, 1, 2, 3, 1, 2, 3, 1, 2, 9]  # "abcdbcdbcj": "bc" at tokens 1-2, 4-5 and 7-8
 
 
-def run(checker: StopChecker, tokens: list[int], step: int) -> tuple[list[int], str | None]:
-    kept: list[int] = []
-    for i in range(0, len(tokens), step):
-        decision = checker.check(kept, tokens[i:i + step])
-        kept += tokens[i:i + step][: decision.keep]
-        if decision.reason:
-            return kept, decision.reason
-    return kept, None
-
-
 @pytest.mark.parametrize("step", [1, 3, 16])
 @pytest.mark.parametrize("min_new, stops_after", [(0, 3), (2, 3), (3, 6), (5, 6), (6, 9), (8, 9), (9, None)])
 def test_a_stop_string_counts_where_a_token_past_min_new_tokens_completes_it(step, min_new, stops_after):
     """"bc" completed by token 3, 6 or 9 (counting from 1): with min_new_tokens m the first one past m stops."""
     checker = StopChecker([], ["bc"], 100, CharTokenizer(), min_new)
-    kept, reason = run(checker, TOKENS, step)
+    kept, reason = in_steps(checker, TOKENS, step)
     assert (len(kept), reason) == ((stops_after, "stop") if stops_after else (len(TOKENS), None))
     text, stop = checker.ending(kept)
     assert text == "abcdbcdbcj"[: (stops_after or 99) - 2 if stops_after else None]
@@ -156,7 +137,7 @@ def test_a_stop_string_counts_where_a_token_past_min_new_tokens_completes_it(ste
 @pytest.mark.parametrize("min_new", [0, 3, 5, 9])
 def test_a_stream_with_min_new_tokens_adds_up_to_the_final_text(step, min_new):
     checker = StopChecker([], ["bc"], 100, CharTokenizer(), min_new)
-    kept, _ = run(checker, TOKENS, step)
+    kept, _ = in_steps(checker, TOKENS, step)
     final, _ = checker.ending(kept)
     deltas = TextDeltas(CharTokenizer(), ["bc"], (), min_new)
     sent = "".join(deltas.add(kept[i:i + step]) for i in range(0, len(kept), step))
@@ -174,7 +155,7 @@ def test_a_stop_character_whose_bytes_straddle_min_new_tokens_stops(min_new, ste
     ids = tokenizer("a€b", add_special_tokens=False)["input_ids"]
     assert len(ids) == 6  # the space the tokenizer starts with, "a", three bytes, "b"
     checker = StopChecker([], ["€"], 100, tokenizer, min_new)
-    kept, reason = run(checker, ids, step)
+    kept, reason = in_steps(checker, ids, step)
     assert (len(kept), reason) == (5, "stop") and checker.ending(kept) == ("a", "€")
     deltas = TextDeltas(tokenizer, ["€"], (), min_new)
     sent = "".join(deltas.add(ids[i:i + step]) for i in range(0, len(ids), step))

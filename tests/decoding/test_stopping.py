@@ -14,6 +14,17 @@ class CharTokenizer:
         return "".join(chr(ord("a") + i) for i in ids)
 
 
+def in_steps(checker: StopChecker, tokens: list[int], step: int) -> tuple[list[int], str | None]:
+    """The tokens kept, and why the output ended (None: it did not), offered `step` at a time."""
+    kept: list[int] = []
+    for i in range(0, len(tokens), step):
+        decision = checker.check(kept, tokens[i:i + step])
+        kept += tokens[i:i + step][: decision.keep]
+        if decision.reason:
+            return kept, decision.reason
+    return kept, None
+
+
 def one_at_a_time(checker: StopChecker, tokens: list[int]) -> tuple[list[int], str | None]:
     kept: list[int] = []
     for token in tokens:
@@ -52,12 +63,6 @@ def test_a_stop_string_holding_the_replacement_character_stops_alike_at_every_st
     assert any(tokenizer.decode([i]) == "\ufffd" for i in ids)  # byte tokens: characters cut between tokens
 
     def decode(step_size: int) -> tuple[list[int], str | None]:
-        checker, kept = StopChecker([], ["\ufffd"], 100, tokenizer), []
-        for start in range(0, len(ids), step_size):
-            decision = checker.check(kept, ids[start:start + step_size])
-            kept += ids[start:start + step_size][:decision.keep]
-            if decision.reason:
-                return kept, decision.reason
-        return kept, None
+        return in_steps(StopChecker([], ["\ufffd"], 100, tokenizer), ids, step_size)
 
     assert decode(step) == decode(1) and decode(1)[1] == "stop"
