@@ -51,7 +51,8 @@ class Server:
         self.stopping = False  # Ctrl-C: the client is closed under the requests in flight, which end without retries
         card = self._model_card(model)
         self.model = card["id"]
-        self.max_model_len = card.get("max_model_len")  # vLLM's and dflash serve's; None: the server does not say
+        context = card.get("max_model_len")  # vLLM's and dflash serve's; None: the server does not say
+        self.max_model_len = context if isinstance(context, int) and not isinstance(context, bool) else None
 
     def _model_card(self, model: str | None) -> dict:
         try:
