@@ -29,6 +29,7 @@ class _GivenOnce(argparse.Action):
 
 WARM_UP = {"max_new_tokens": 2, "min_new_tokens": 0}  # the options of a warm-up run before the timed ones
 
+
 def stop_string(text: str) -> str:
     """A --stop value with \\n, \\t, \\r and \\\\ read as the characters they name (as the shell passes them)."""
     if not text:

@@ -16,7 +16,7 @@ from __future__ import annotations
 import re
 import weakref
 from itertools import groupby
-from typing import Sequence
+from typing import Callable, Sequence
 
 from dflash.errors import GenerationError
 
@@ -155,10 +155,25 @@ def tail_text(tokenizer, ids: Sequence[int], end: int, min_chars: int, since: in
         count *= 2
 
 
-def whole_text_length(tokenizer, ids: Sequence[int], bytes_of: dict[int, int] | None = None) -> int:
-    """How many characters the text of `ids` holds whole: without the replacement characters that a character cut
-    at its end decodes to (its last bytes are in tokens after these)."""
-    return len(decode(tokenizer, ids, bytes_of).rstrip(REPLACEMENT))
+class StopSearchStart:
+    """The characters a stop string must end past to count (`stopping`, min_new_tokens): those the first
+    min_new_tokens tokens' text holds whole (without the U+FFFD of a character a later token completes), or all of
+    the text while there are fewer tokens; 0 without min_new_tokens. Worked out once the tokens are there."""
+
+    def __init__(self, tokenizer, min_new_tokens: int, bytes_of: dict[int, int]):
+        self.tokenizer, self.min_new_tokens, self.bytes_of = tokenizer, min_new_tokens, bytes_of
+        self._start: int | None = None
+
+    def __call__(self, ids: Sequence[int], text_length: Callable[[], int]) -> int:
+        """ids: the output so far; text_length(): its text's length, asked for while it has fewer tokens."""
+        if not self.min_new_tokens:
+            return 0
+        if len(ids) < self.min_new_tokens:
+            return text_length()
+        if self._start is None:
+            first = decode(self.tokenizer, ids[: self.min_new_tokens], self.bytes_of)
+            self._start = len(first.rstrip(REPLACEMENT))
+        return self._start
 
 
 def first_stop(text: str, stop_strings: list[str], after: int = 0) -> tuple[int, str] | None:
@@ -173,13 +188,13 @@ class TextDeltas:
                  min_new_tokens: int = 0):
         self._tokenizer = tokenizer
         self._stops = [s for s in stop_strings if s]
-        self._min_new_tokens = min_new_tokens  # a stop string counts past their text only (`stopping`)
-        self._search_start: int | None = None
+
         self._stop_ids = set(stop_token_ids)  # a stop token ends the output and adds no text (as vLLM leaves it out)
         # per stop string: its last character -> the lengths n (longest first) of its prefixes stop[:n] ending so,
         # so a text's tail is compared only with the prefixes it could be
         self._prefix_ends = [_prefix_lengths_by_last_char(stop) for stop in self._stops]
         self._bytes_of = byte_tokens(tokenizer)
+        self._search_start = StopSearchStart(tokenizer, min_new_tokens, self._bytes_of)  # (min_new_tokens)
         self._ids: list[int] = []
         self._text, self._end = "", 0  # the decoded text of self._ids[:self._end]
         self.sent = ""
@@ -220,7 +235,7 @@ class TextDeltas:
         return decode(self._tokenizer, self._ids[:end], self._bytes_of)
 
     def _safe_length(self, text: str) -> int:
-        first = first_stop(text, self._stops, self._stop_search_start(text))
+        first = first_stop(text, self._stops, self._search_start(self._ids, lambda: len(text)))
         if first is not None:
             return first[0]
         safe = len(text.rstrip(REPLACEMENT))  # half a character decodes to one replacement character per byte
@@ -230,18 +245,6 @@ class TextDeltas:
                     safe -= n
                     break
         return safe
-
-
-    def _stop_search_start(self, text: str) -> int:
-        """The characters a stop string must end past to count: the first min_new_tokens tokens' (`text`, all of
-        it, while there are fewer)."""
-        if not self._min_new_tokens or not self._stops:
-            return 0
-        if len(self._ids) < self._min_new_tokens:
-            return len(text)
-        if self._search_start is None:
-            self._search_start = whole_text_length(self._tokenizer, self._ids[: self._min_new_tokens], self._bytes_of)
-        return self._search_start
 
 
 def _prefix_lengths_by_last_char(stop: str) -> dict[str, list[int]]:

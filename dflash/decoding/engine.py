@@ -417,14 +417,15 @@ class SpeculativeEngine:
         return Sequence(prompt_ids, config, stop, self.target.device, self._bias_vector(config.logit_bias),
                         self.grammar_for(config))
 
-    def grammar_for(self, config: GenerationConfig) -> Grammar | None:
-        """The grammar of a config's json_schema or regex (None without one), over the target's tokenizer."""
+    def grammar_for(self, config: GenerationConfig, keep: bool = True) -> Grammar | None:
+        """The grammar of a config's json_schema or regex (None without one), over the target's tokenizer;
+        `keep=False`: not kept for later rows (`GrammarCompiler.grammar`)."""
         if not config.structured:
             return None
         with self._grammars_made:  # a server builds rows on several worker threads: one compiler for them all
             if self._grammars is None:
                 self._grammars = GrammarCompiler(self.tokenizer, self.target.vocab_size, self.target.eos_token_ids())
-        return self._grammars.grammar(config.json_schema, config.regex)
+        return self._grammars.grammar(config.json_schema, config.regex, keep)
 
     def _bias_vector(self, logit_bias: dict[int, float] | None) -> torch.Tensor | None:
         """A logit bias over the target's logits (vocab,), None for none."""

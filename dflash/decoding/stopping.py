@@ -16,12 +16,12 @@ import torch
 
 from dflash.decoding.detokenizer import (
     REPLACEMENT,
+    StopSearchStart,
     byte_tokens,
     decode,
     first_stop,
     tail_text,
     whole_characters_end,
-    whole_text_length,
 )
 from dflash.errors import GenerationError
 
@@ -51,7 +51,7 @@ class StopChecker:
         self.min_new_tokens = min_new_tokens
         self.tokenizer = tokenizer
         self._bytes_of = byte_tokens(tokenizer) if self.stop_strings else {}  # read once, not at every token
-        self._search_start: int | None = None  # `stop_search_start`, once the output has min_new_tokens tokens
+        self._search_start = StopSearchStart(tokenizer, min_new_tokens, self._bytes_of)
 
     def check(self, output_ids: list[int], new_tokens: list[int]) -> StopDecision:
         """output_ids: tokens kept so far (before new_tokens). The new tokens are checked one at a time, in order,
@@ -97,24 +97,12 @@ class StopChecker:
     def find_stop(self, output_ids: list[int]) -> int | None:
         """Character index where the first stop string that counts starts in the decoded output, if any."""
         text = decode(self.tokenizer, output_ids, self._bytes_of)
-        first = self.first_stop(text, self.stop_search_start(output_ids))
+        first = first_stop(text, self.stop_strings, self.stop_search_start(output_ids))
         return None if first is None else first[0]
 
-    def first_stop(self, text: str, after: int = 0) -> tuple[int, str] | None:
-        """The first stop string in `text` that ends past character `after`, and where it starts: (character index,
-        string), or None."""
-        return first_stop(text, self.stop_strings, after)
-
     def stop_search_start(self, output_ids: list[int]) -> int:
-        """The characters a stop string must end past to count: those of the first min_new_tokens output tokens (all
-        of them while the output is shorter)."""
-        if not self.min_new_tokens:
-            return 0
-        if len(output_ids) < self.min_new_tokens:
-            return len(decode(self.tokenizer, output_ids, self._bytes_of))
-        if self._search_start is None:  # a character the first tokens cut is completed by a token past them
-            self._search_start = whole_text_length(self.tokenizer, output_ids[: self.min_new_tokens], self._bytes_of)
-        return self._search_start
+        """The characters a stop string must end past to count (`StopSearchStart`)."""
+        return self._search_start(output_ids, lambda: len(decode(self.tokenizer, output_ids, self._bytes_of)))
 
     def ending(self, output_ids: list[int]) -> tuple[str, str | None]:
         """(The final text: the decoded output with a stop string and anything after it removed; the stop string it
@@ -123,7 +111,7 @@ class StopChecker:
         if output_ids and output_ids[-1] in self.stop_token_ids:
             output_ids = output_ids[:-1]
         text = decode(self.tokenizer, output_ids)
-        first = self.first_stop(text, self.stop_search_start(output_ids)) if self.stop_strings else None
+        first = first_stop(text, self.stop_strings, self.stop_search_start(output_ids)) if self.stop_strings else None
         return (text, None) if first is None else (text[:first[0]], first[1])
 
 

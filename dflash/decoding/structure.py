@@ -72,23 +72,26 @@ class GrammarCompiler:
         self._compiled: OrderedDict[str, Any] = OrderedDict()
         self._lock = threading.Lock()  # a server builds rows on worker threads
 
-    def grammar(self, json_schema: dict | None, regex: str | None) -> "Grammar":
+    def grammar(self, json_schema: dict | None, regex: str | None, keep: bool = True) -> "Grammar":
+        """A row's grammar: a copy of the compiled one, compiled here the first time (outside the lock, so that
+        one heavy grammar holds up no other row's); `keep=False`: compiled without being kept (a check)."""
         text = grammar_text(json_schema, regex)
         with self._lock:
-            return Grammar(self._compiled_matcher(text, json_schema).deep_copy(), self.vocab_size)
-
-    def _compiled_matcher(self, text: str, json_schema: dict | None) -> Any:
-        compiled = self._compiled.get(text)
-        if compiled is None:
-            compiled = _llguidance().LLMatcher(self.tokenizer, text, log_level=0)
-            if compiled.is_error():  # the grammar is compiled here: a bad one leaves the matcher in error
-                what = "json_schema" if json_schema is not None else "regex"
-                raise StructureError(f"the {what} cannot be used: {first_line(compiled.get_error())}; fix it")
-            self._compiled[text] = compiled
-            if len(self._compiled) > COMPILED_KEPT:
-                self._compiled.popitem(last=False)
-        self._compiled.move_to_end(text)
-        return compiled
+            compiled = self._compiled.get(text)
+            if compiled is not None:
+                self._compiled.move_to_end(text)
+                return Grammar(compiled.deep_copy(), self.vocab_size)
+        compiled = _llguidance().LLMatcher(self.tokenizer, text, log_level=0)
+        if compiled.is_error():  # the grammar is compiled here: a bad one leaves the matcher in error
+            what = "json_schema" if json_schema is not None else "regex"
+            raise StructureError(f"the {what} cannot be used: {first_line(compiled.get_error())}; fix it")
+        if keep:
+            with self._lock:
+                self._compiled[text] = compiled
+                self._compiled.move_to_end(text)
+                if len(self._compiled) > COMPILED_KEPT:
+                    self._compiled.popitem(last=False)
+        return Grammar(compiled.deep_copy(), self.vocab_size)
 
 
 class Grammar:

@@ -37,6 +37,7 @@ _SAFETENSORS_INDEX = "model.safetensors.index.json"
 _TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json", "vocab.txt",
                     "spiece.model", "sentencepiece.bpe.model")
 
+
 class CheckpointError(UserError):
     """A checkpoint that cannot be found or read; the message says what to do."""
 

@@ -300,7 +300,8 @@ class Server:
         """A 400 naming the first tool whose parameters no grammar can be made of (its call's grammar failed)."""
         for i, tool in enumerate(req.tools or ()):
             try:
-                self.engine.grammar_for(GenerationConfig(json_schema=arguments_schema(tool.function.model_dump())))
+                self.engine.grammar_for(GenerationConfig(json_schema=arguments_schema(tool.function.model_dump())),
+                                        keep=False)
             except StructureError as err:
                 message = str(err).replace("the json_schema cannot be used", "these parameters cannot hold a call")
                 raise APIError(400, message, param=f"tools.{i}.function.parameters") from None

@@ -15,7 +15,7 @@ import yaml
 from dflash.config_types import blank_option, parse_int_list, type_mismatch
 from dflash.errors import UserError
 from dflash.model.config import untappable
-from dflash.training.reporting import INSTALL as TENSORBOARD_INSTALL
+from dflash.training.reporting import MISSING as TENSORBOARD_MISSING
 from dflash.training.reporting import REPORTERS
 
 ANCHOR_POLICIES = ("uniform", "decoding")
@@ -168,7 +168,7 @@ class TrainConfig:
             (self.log_every >= 1, f"--log-every must be >= 1, got {self.log_every}"),
             (self.report_to in REPORTERS, f"--report-to is one of {', '.join(REPORTERS)}, got {self.report_to!r}"),
             (self.report_to != "tensorboard" or importlib.util.find_spec("tensorboard") is not None,
-             f"--report-to tensorboard needs the tensorboard package: {TENSORBOARD_INSTALL}"),
+             TENSORBOARD_MISSING),
             (self.checkpoint_every >= 0,
              f"--checkpoint-every must be >= 0 (0: only at the end), got {self.checkpoint_every}"),
             (self.keep_checkpoints >= 1,

@@ -785,7 +785,7 @@ def _answer(config: DatagenConfig, todo: list[Prompt], f, result: DatagenResult,
         generator.close()
 
 
-def _generator(config: DatagenConfig) -> _Generator:
+def _generator(config: DatagenConfig) -> Generator:
     """The target, loaded here, or the server of --base-url (`datagen_server`)."""
     if config.base_url is not None:
         from dflash.training.datagen_server import ServerGenerator
@@ -796,10 +796,10 @@ def _generator(config: DatagenConfig) -> _Generator:
     pipe = DFlash.from_pretrained(config.target, no_draft=True, dtype=config.dtype, device=config.device,
                                   chat_template_kwargs=config.template_kwargs(),
                                   trust_remote_code=config.trust_remote_code)
-    return _Generator(pipe, config)
+    return Generator(pipe, config)
 
 
-def _answer_with(generator: _Generator, config: DatagenConfig, todo: list[Prompt], f, result: DatagenResult,
+def _answer_with(generator: Generator, config: DatagenConfig, todo: list[Prompt], f, result: DatagenResult,
                  progress) -> None:
     first_ids = generator.first_turns(todo, result)
     if progress:
@@ -849,7 +849,7 @@ def _chunks(items: list, size: int) -> Iterator[list]:
         yield items[start: start + size]
 
 
-class _Generator:
+class Generator:
     """The target answering prompts: their tokens (the chat template, or plain text for a target without one) and
     every turn's answer within the target's context."""
 
@@ -862,15 +862,19 @@ class _Generator:
             _warn(PLAIN_CONVERSATION_NOTE)
 
     def encode_turn(self, prompt: Prompt, conversation: list[dict]) -> list[int]:
-        """`DFlash.encode`, with an error that names the prompt's record when the chat template refuses it."""
+        """`encode`, with an error that names the prompt's record when the chat template refuses it."""
         try:
-            return self.pipe.encode(conversation)
+            return self.encode(conversation)
         except UserError as err:  # the template's refusal (`TemplateRefusal`), or the pipeline's check of the messages
             message = str(err)
         except Exception as err:  # the template's other checks (e.g. roles it does not take) raise anything
             message = f"the model's chat template cannot render these messages: {type(err).__name__}: {err}"
         raise UserError(f"{prompt.where} (output id {prompt.id}): {message}; fix this record where it is (answers "
                         "already written are kept, and a rerun resumes them)")
+
+    def encode(self, conversation: list[dict]) -> list[int]:
+        """A turn's token ids: the target's chat template (`DFlash.encode`)."""
+        return self.pipe.encode(conversation)
 
     def room(self, prompt_ids: list[int]) -> int:
         """How many tokens an answer to this prompt can have: --max-new-tokens, or less at the context's end."""
@@ -888,7 +892,7 @@ class _Generator:
                 continue
             result.skipped.append(f"{p.where} (output id {p.id}): its prompt of {len(prompt_ids)} tokens leaves no "
                                   f"room for an answer in the target's context of {self.context_words}")
-            _warn_capped(len(result.skipped), f"skipped {result.skipped[-1]}",
+            warn_capped(len(result.skipped), f"skipped {result.skipped[-1]}",
                          "more prompts are too long for the target's context: the summary counts them")
         return ids
 
@@ -909,7 +913,7 @@ class _Generator:
                 ids = first_ids.pop(p.id) if turn == 0 else self.encode_turn(p, messages)
                 if self.room(ids) < 1:
                     result.cut += 1
-                    _warn_capped(result.cut, f"{p.where} (output id {p.id}): turn {turn + 1} of {len(p.turns)} "
+                    warn_capped(result.cut, f"{p.where} (output id {p.id}): turn {turn + 1} of {len(p.turns)} "
                                  f"({len(ids)} tokens) leaves no room for an answer in the target's context of "
                                  f"{self.context_words}; its record keeps the first {turn}",
                                  "more conversations end early, their later turns too long for the target's "
@@ -930,13 +934,13 @@ class _Generator:
                     continue
                 conversations[p.id].append({"role": "assistant", "content": out.text})
                 answered[p.id].append((ids, out.output_ids, out.finish_reason))
-        return [_record(p, conversations[p.id], answered[p.id]) for p in chunk if p.id not in failed]
+        return [output_record(p, conversations[p.id], answered[p.id]) for p in chunk if p.id not in failed]
 
     @staticmethod
     def _failed(prompt: Prompt, turn: int, error: str, result: DatagenResult) -> None:
         result.failed += 1
         which = f"turn {turn + 1} of {len(prompt.turns)}" if len(prompt.turns) > 1 else "its prompt"
-        _warn_capped(result.failed, f"no record for {prompt.where} (output id {prompt.id}): {which} got no answer, "
+        warn_capped(result.failed, f"no record for {prompt.where} (output id {prompt.id}): {which} got no answer, "
                      f"{error}", "more prompts got no answer (NaN logits): the summary counts them")
 
     def _with_suffix(self, messages: list[dict]) -> list[dict]:
@@ -961,7 +965,7 @@ class _Generator:
                                 seed=derive_seed(c.seed, prompt.id))
 
 
-def _record(prompt: Prompt, conversation: list[dict], answered: list[tuple[list[int], list[int], str]]) -> dict:
+def output_record(prompt: Prompt, conversation: list[dict], answered: list[tuple[list[int], list[int], str]]) -> dict:
     """A prompt's output record: the last turn's exact prompt and answer ids, and each earlier turn's in
     `earlier_turns` (a later turn's prompt holds the earlier answers as the chat template renders their text,
     which need not be the ids the target produced, so each turn keeps its own; `earlier_turn_record`)."""
@@ -975,7 +979,7 @@ def _record(prompt: Prompt, conversation: list[dict], answered: list[tuple[list[
     return record
 
 
-def _warn_capped(count: int, message: str, more: str) -> None:
+def warn_capped(count: int, message: str, more: str) -> None:
     """The `count`-th warning of a kind: named up to MAX_WARNINGS, then `more` once (the summary counts them)."""
     if count <= MAX_WARNINGS:
         _warn(message)

@@ -24,7 +24,7 @@ import httpx
 
 from dflash.decoding.sampling import derive_seed
 from dflash.errors import UserError
-from dflash.training.datagen import _Generator, _record, _warn_capped
+from dflash.training.datagen import Generator, output_record, warn_capped
 
 if TYPE_CHECKING:
     from dflash.training.datagen import DatagenConfig, DatagenResult, Prompt
@@ -41,13 +41,15 @@ class Refused(ServerError):
     """The server refused one prompt (a 400 or 422: e.g. too long for its context); the others go on."""
 
 
-class Server:
+class CompletionsClient:
     """An OpenAI-compatible server's /v1/completions, and what /v1/models says of the model it serves."""
 
-    def __init__(self, base_url: str, model: str | None, api_key: str | None):
+    def __init__(self, base_url: str, model: str | None, api_key: str | None, connections: int):
         self.base_url = base_url.rstrip("/")
         headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
-        self.client = httpx.Client(base_url=self.base_url, headers=headers, timeout=TIMEOUT_S)
+        # a connection per conversation (--batch-size): none waits for one, which the timeout would count
+        self.client = httpx.Client(base_url=self.base_url, headers=headers, timeout=TIMEOUT_S,
+                                   limits=httpx.Limits(max_connections=connections))
         self.stopping = False  # Ctrl-C: the client is closed under the requests in flight, which end without retries
         card = self._model_card(model)
         self.model = card["id"]
@@ -131,7 +133,7 @@ def _error_message(response: httpx.Response) -> str:
     return response.text[:300]
 
 
-class ServerGenerator(_Generator):
+class ServerGenerator(Generator):
     """The target answering prompts through a server: the local generator's turns and room, each turn rendered here
     and decoded there, `--batch-size` conversations at a time."""
 
@@ -141,7 +143,8 @@ class ServerGenerator(_Generator):
         self.config = config
         target = target_source(config)
         self.tokenizer = AutoTokenizer.from_pretrained(target, trust_remote_code=config.trust_remote_code)
-        self.server = Server(config.base_url, config.model, config.api_key or os.environ.get("OPENAI_API_KEY"))
+        self.server = CompletionsClient(config.base_url, config.model,
+                                        config.api_key or os.environ.get("OPENAI_API_KEY"), config.batch_size)
         context = self.server.max_model_len
         if context is None:  # the server does not say: the target's own
             text_config = AutoConfig.from_pretrained(target, trust_remote_code=config.trust_remote_code)
@@ -170,17 +173,11 @@ class ServerGenerator(_Generator):
             return None
         return eos[0] if isinstance(eos, list) and eos else eos
 
-    def encode_turn(self, prompt: Prompt, conversation: list[dict]) -> list[int]:
+    def encode(self, conversation: list[dict]) -> list[int]:
+        """A turn's token ids, as `DFlash.encode` renders them, from the tokenizer alone."""
         from dflash.chat import encode_conversation
 
-        try:
-            return encode_conversation(self.tokenizer, conversation, self.config.template_kwargs())
-        except UserError as err:
-            message = str(err)
-        except Exception as err:  # noqa: BLE001 - the template's own checks raise anything
-            message = f"the model's chat template cannot render these messages: {type(err).__name__}: {err}"
-        raise UserError(f"{prompt.where} (output id {prompt.id}): {message}; fix this record where it is (answers "
-                        "already written are kept, and a rerun resumes them)")
+        return encode_conversation(self.tokenizer, conversation, self.config.template_kwargs())
 
     def room(self, prompt_ids: list[int]) -> int:
         if self.context is None:
@@ -237,7 +234,7 @@ class ServerGenerator(_Generator):
             text = choice.get("text") or ""
             conversation = messages + [{"role": "assistant", "content": text}]
             answered.append((ids, self._response_ids(choice, text), choice.get("finish_reason") or "length"))
-        return _record(prompt, conversation, answered) if answered else None
+        return output_record(prompt, conversation, answered) if answered else None
 
     def _response_ids(self, choice: dict, text: str) -> list[int]:
         """The ids the server sampled (return_token_ids), else the text's tokens and the end token it stopped at:
@@ -258,7 +255,7 @@ class ServerGenerator(_Generator):
     def _cut(self, prompt: Prompt, turn: int, ids: list[int], result: DatagenResult) -> None:
         with self._lock:
             result.cut += 1
-            _warn_capped(result.cut, f"{prompt.where} (output id {prompt.id}): turn {turn + 1} of "
+            warn_capped(result.cut, f"{prompt.where} (output id {prompt.id}): turn {turn + 1} of "
                          f"{len(prompt.turns)} ({len(ids)} tokens) leaves no room for an answer in the target's "
                          f"context of {self.context_words}; its record keeps the first {turn}",
                          "more conversations end early, their later turns too long for the target's context: the "
@@ -271,13 +268,13 @@ class ServerGenerator(_Generator):
         if turn:
             with self._lock:
                 result.cut += 1
-                _warn_capped(result.cut, f"{prompt.where} (output id {prompt.id}): the server refused {which} "
+                warn_capped(result.cut, f"{prompt.where} (output id {prompt.id}): the server refused {which} "
                              f"({err}); its record keeps the first {turn}",
                              "more conversations end early: the summary counts them")
             return
         with self._lock:
             result.skipped.append(f"{prompt.where} (output id {prompt.id}): the server refused {which} ({err})")
-            _warn_capped(len(result.skipped), f"skipped {result.skipped[-1]}",
+            warn_capped(len(result.skipped), f"skipped {result.skipped[-1]}",
                          "more prompts are skipped: the summary counts them")
 
     def _sampling(self, prompt: Prompt, prompt_ids: list[int]) -> dict:

@@ -18,7 +18,7 @@ from typing import Any
 from dflash.errors import UserError
 
 REPORTERS = ("none", "tensorboard")
-INSTALL = "pip install 'dflash[tensorboard]'"
+MISSING = "--report-to tensorboard needs the tensorboard package: pip install 'dflash[tensorboard]'"
 
 
 class TensorBoardReport:
@@ -28,7 +28,7 @@ class TensorBoardReport:
         try:
             from torch.utils.tensorboard import SummaryWriter
         except ImportError:
-            raise UserError(f"--report-to tensorboard needs the tensorboard package: {INSTALL}") from None
+            raise UserError(MISSING) from None
         self.writer = SummaryWriter(str(log_dir), purge_step=first_step)
 
     def record(self, record: dict[str, Any]) -> None:

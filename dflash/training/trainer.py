@@ -194,7 +194,7 @@ class Trainer:
         self._output_lock: DirectoryLock | None = None  # rank 0's, on --output from setup to the end of train
         self._setup_log: list[dict] | None = None  # while setting up: the records train_log.jsonl gets if it succeeds
         self._stopped = False  # a Ctrl-C stopped the run after a step, and `_stop` said where
-        self._report: TensorBoardReport | None = None  # --report-to's, rank 0's, from the end of setup
+        self._report: TensorBoardReport | None = None  # --report-to's, rank 0's, while train runs
 
     # ---- setup ----------------------------------------------------------------------------------------
     def setup(self) -> "Trainer":
@@ -222,7 +222,6 @@ class Trainer:
         logged, self._setup_log = self._setup_log, None
         if self.rank == 0:
             self._writing_log(_cut_half_written_line)  # once, before this run's first record
-            self._report = reporter(self.config.report_to, Path(self.config.output), self.step)
         for record in logged:
             self._write_log(record)
         return self
@@ -857,6 +856,8 @@ class Trainer:
         self._run_started = time.perf_counter()
         stop = StopRequest(announce=self.rank == 0)
         try:
+            if self.rank == 0:  # closed when train ends, however it ends
+                self._report = reporter(self.config.report_to, Path(self.config.output), self.step)
             with stop:
                 self._train_steps(stop)
                 stop.finishing = True

@@ -304,7 +304,6 @@ def test_local_decoding_teaches_the_policy_what_its_steps_take(target, monkeypat
     assert policy.overhead.extra_s[True] > 0.018
 
 
-
 def test_a_block_cut_to_what_the_row_wants_teaches_no_step_cost(target, monkeypatch):
     """The last steps of an answer verify only what it still wants (and draft fewer outputs): timed as if they were
     the block sizes start-up timed, they made short blocks look cheaper than they are."""

@@ -78,6 +78,7 @@ def test_sampled_tokens_get_the_targets_raw_logprobs(target):
 def test_a_stop_inside_a_steps_tokens_cuts_their_logprobs_with_them(target):
     prompt = random_prompts(1, seed=48)[0]
     refs = {tuple(prompt): hf_greedy(target, prompt, MAX_NEW)}
+
     def engine():  # a fresh drafter each time: its drafts are right for the same random numbers of tokens
         return SpeculativeEngine(target, partial_oracle(target, refs, 8))
 

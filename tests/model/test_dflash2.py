@@ -72,6 +72,7 @@ def test_path_confidence_is_each_steps_softmax_after_the_token_before_it():
     scores[0, 2, 0] = torch.tensor([0.0, 3.0])  # after 20
     lattice = Lattice(candidates, candidates.float(), scores)
     confidence = path_confidence(lattice, torch.tensor([[11, 20, 31]]))
+
     def sig(x: float) -> float:  # a softmax over two candidates
         return 1 / (1 + math.exp(-x))
 

@@ -195,7 +195,6 @@ def test_the_targets_own_file_is_checked_before_the_models_load(tiny_pair, tmp_p
     assert "at most 100, got 150.0" in err and "--generation-config vllm" in err
 
 
-
 def test_min_p_from_the_request_or_the_file_is_the_librarys(start_server, server, tmp_path_factory):
     """min_p 1 leaves the likeliest token alone: any seed samples the greedy answer. A request's min_p is the
     library's; the file's is the default of a request that leaves it out, as vLLM takes it."""

@@ -176,7 +176,6 @@ def test_trust_remote_code_is_a_flag_never_read_from_a_file(tmp_path):
     assert load_config(str(path), {"trust_remote_code": True}).trust_remote_code is True
 
 
-
 @pytest.mark.parametrize("text, expected", [('"1,9,17"', [1, 9, 17]), ("'1, 9,'", [1, 9]), ("[1, 9, 17]", [1, 9, 17])])
 def test_target_layer_ids_may_be_written_in_the_yaml_as_the_flag_takes_them(tmp_path, text, expected):
     yaml_path = tmp_path / "train.yaml"

@@ -662,7 +662,7 @@ def test_a_stopped_run_is_recorded_as_not_finished_until_a_rerun_finishes_it(tin
     out = tmp_path / "data.jsonl"
     config = DatagenConfig(target=str(tiny_pair[0]), prompts=str(prompts), output=str(out), max_new_tokens=4,
                            batch_size=2, device="cpu")
-    answer, calls = datagen._Generator.answer, []
+    answer, calls = datagen.Generator.answer, []
 
     def stopping_answer(self, *args, **kwargs):  # Ctrl-C after the first batch's records
         calls.append(1)
@@ -670,7 +670,7 @@ def test_a_stopped_run_is_recorded_as_not_finished_until_a_rerun_finishes_it(tin
             raise KeyboardInterrupt
         yield from answer(self, *args, **kwargs)
 
-    monkeypatch.setattr(datagen._Generator, "answer", stopping_answer)
+    monkeypatch.setattr(datagen.Generator, "answer", stopping_answer)
     with pytest.raises(KeyboardInterrupt):
         run_datagen(config)
     assert 0 < len(read(out)) < 5 and json.loads(settings_path(out).read_text())["finished"] is False
@@ -804,7 +804,7 @@ def test_a_full_disk_keeps_the_answers_written_and_says_a_rerun_continues(tiny_p
 def test_warnings_of_a_kind_are_named_up_to_the_cap_then_counted(capsys, monkeypatch):
     monkeypatch.setattr(datagen, "MAX_WARNINGS", 2)
     for count in range(1, 6):
-        datagen._warn_capped(count, f"conversation {count} ends early", "more conversations end early")
+        datagen.warn_capped(count, f"conversation {count} ends early", "more conversations end early")
     err = capsys.readouterr().err
     assert "conversation 2 ends early" in err and "conversation 3" not in err
     assert err.count("more conversations end early") == 1
