@@ -50,6 +50,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                                            "at a time")
     server.add_argument("--model", help="the model's name on the server (default: the first it lists)")
     server.add_argument("--api-key", help="the server's key (default: $OPENAI_API_KEY, if set)")
+    server.add_argument("--request-timeout", type=float, default=3600.0,
+                        help="seconds one answer may take on the server before it is asked again (default "
+                             "%(default)g; 0: no limit); long answers on a busy server need more")
 
 
 def run(args: argparse.Namespace) -> int:

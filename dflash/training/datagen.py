@@ -23,6 +23,7 @@ import contextlib
 import glob
 import hashlib
 import json
+import math
 import os
 import re
 import sys
@@ -80,6 +81,7 @@ class DatagenConfig:
     base_url: str | None = None
     model: str | None = None  # the model's name there (default: the first it serves)
     api_key: str | None = None
+    request_timeout: float = 3600.0  # seconds one answer may take on the server (0: no limit)
 
     def validate(self) -> None:
         from dflash.api import make_config, refuse_greedy_ignores
@@ -145,6 +147,9 @@ class DatagenConfig:
                 raise UserError(f"{' and '.join(given)} name the server of --base-url, which is not given: add "
                                 "--base-url (the server's API root, e.g. http://127.0.0.1:8000/v1), or drop them")
             return
+        if not (math.isfinite(self.request_timeout) and self.request_timeout >= 0):
+            raise UserError(f"--request-timeout is the seconds one answer may take on the server, >= 0 (0: no "
+                            f"limit), got {self.request_timeout}")
         if self.target is None:
             raise UserError("--base-url needs --target: the served model's directory or hub id, whose tokenizer and "
                             "chat template render the prompts here (the embedded target's would not be the server's)")

@@ -30,7 +30,7 @@ if TYPE_CHECKING:
     from dflash.training.datagen import DatagenConfig, DatagenResult, Prompt
 
 RETRIES = 4  # tries of one request past a transient failure, waiting 1, 2, 4 ... seconds between them
-TIMEOUT_S = 600.0  # one answer's time at most (a long answer on a busy server)
+CONNECT_TIMEOUT_S = 30.0  # reaching the server, and /v1/models's answer
 
 
 class ServerError(UserError):
@@ -44,12 +44,14 @@ class Refused(ServerError):
 class CompletionsClient:
     """An OpenAI-compatible server's /v1/completions, and what /v1/models says of the model it serves."""
 
-    def __init__(self, base_url: str, model: str | None, api_key: str | None, connections: int):
+    def __init__(self, base_url: str, model: str | None, api_key: str | None, connections: int,
+                 timeout: float | None):
         self.base_url = base_url.rstrip("/")
         headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
         # a connection per conversation (--batch-size): none waits for one, which the timeout would count
-        self.client = httpx.Client(base_url=self.base_url, headers=headers, timeout=TIMEOUT_S,
-                                   limits=httpx.Limits(max_connections=connections))
+        # an answer is read whole (not streamed): `timeout` bounds its time on the server (None: no bound)
+        self.client = httpx.Client(base_url=self.base_url, headers=headers, limits=httpx.Limits(
+            max_connections=connections), timeout=httpx.Timeout(timeout, connect=CONNECT_TIMEOUT_S))
         self.stopping = False  # Ctrl-C: the client is closed under the requests in flight, which end without retries
         card = self._model_card(model)
         self.model = card["id"]
@@ -58,7 +60,7 @@ class CompletionsClient:
 
     def _model_card(self, model: str | None) -> dict:
         try:
-            response = self.client.get("/models", timeout=30)
+            response = self.client.get("/models", timeout=CONNECT_TIMEOUT_S)
         except httpx.HTTPError as err:
             raise ServerError(f"cannot reach the server at {self.base_url} ({type(err).__name__}: {err}); start it, "
                               "or fix --base-url (its OpenAI API root, e.g. http://127.0.0.1:8000/v1)") from None
@@ -144,7 +146,8 @@ class ServerGenerator(Generator):
         target = target_source(config)
         self.tokenizer = AutoTokenizer.from_pretrained(target, trust_remote_code=config.trust_remote_code)
         self.server = CompletionsClient(config.base_url, config.model,
-                                        config.api_key or os.environ.get("OPENAI_API_KEY"), config.batch_size)
+                                        config.api_key or os.environ.get("OPENAI_API_KEY"), config.batch_size,
+                                        config.request_timeout or None)
         context = self.server.max_model_len
         if context is None:  # the server does not say: the target's own
             text_config = AutoConfig.from_pretrained(target, trust_remote_code=config.trust_remote_code)

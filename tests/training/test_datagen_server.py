@@ -242,3 +242,25 @@ def test_a_stop_does_not_wait_for_the_requests_in_flight(tiny_pair, prompts, tmp
         run.kill()
         slow.shutdown()
     assert run.returncode == 143 and "rerun the same command to resume" in err
+
+
+def test_an_answer_past_the_request_timeout_is_asked_again_then_named(tiny_pair, prompts, tmp_path,  # noqa: F811
+                                                                      monkeypatch):
+    monkeypatch.setattr(datagen_server, "RETRIES", 1)
+    monkeypatch.setattr(datagen_server.time, "sleep", lambda s: None)
+    slow = http.server.ThreadingHTTPServer(("127.0.0.1", 0), _Slow)
+    slow.daemon_threads = True
+    threading.Thread(target=slow.serve_forever, daemon=True).start()
+    try:
+        config = DatagenConfig(target=str(tiny_pair[0]), prompts=str(prompts), output=str(tmp_path / "x.jsonl"),
+                               max_new_tokens=4, batch_size=1, limit=1, request_timeout=0.5,
+                               base_url=f"http://127.0.0.1:{slow.server_port}/v1")
+        started = time.perf_counter()
+        with pytest.raises(UserError, match=r"failed a request 2 times"):
+            run_datagen(config)
+        assert time.perf_counter() - started < 30  # each try given up after 0.5 s, not the server's minute
+    finally:
+        slow.shutdown()
+    with pytest.raises(UserError, match="--request-timeout is the seconds one answer may take"):
+        DatagenConfig(target=str(tiny_pair[0]), prompts=str(prompts), output=str(tmp_path / "y.jsonl"),
+                      request_timeout=-1, base_url="http://127.0.0.1:9/v1").validate()
