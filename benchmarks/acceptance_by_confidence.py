@@ -163,8 +163,7 @@ def by_anchor_confidence(judged: list[Judged]) -> list[dict]:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    add_pair_options(parser, max_samples=40)
-    parser.add_argument("--seed", type=int, default=0)
+    add_pair_options(parser, max_samples=40, seed=0)
     parser.add_argument("--random-anchors", type=int, default=0, help="also judge K blocks per answer started at "
                         "random tokens (0 = off)")
     parser.add_argument("--replay-decoding-anchors", type=int, default=0,

@@ -25,9 +25,8 @@ import json
 import re
 from unittest import mock
 
-from pair_options import add_pair_options, load_pair
+from pair_options import add_pair_options, first_turn_prompts, load_pair
 
-from dflash.bench.datasets import DataOptions, load_samples
 from dflash.decoding import proposer as proposers
 from dflash.decoding.choice import choice_logits
 from dflash.decoding.engine import GenerationConfig, SpeculativeEngine
@@ -57,12 +56,10 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--settings", default="none,p0.5f0.5,p1.5,r1.1")
     parser.add_argument("--per-position", action="store_true")
-    add_pair_options(parser, max_samples=20)
-    parser.add_argument("--seed", type=int, default=1, help="which questions (a deterministic subset)")
+    add_pair_options(parser, max_samples=20, seed=1)
     args = parser.parse_args()
     pipe = load_pair(args)
-    samples = load_samples(args.dataset, DataOptions(max_samples=args.max_samples, seed=args.seed))
-    prompts = [pipe.encode(s.turns[0]) for s in samples]
+    prompts = first_turn_prompts(args, pipe)
     plain = SpeculativeEngine(pipe.target)
     ways = ["plain", "dflash", "penalized-drafts"]
     if args.per_position and hasattr(pipe.engine.proposer.drafter, "candidate_selector"):

@@ -15,9 +15,8 @@ import argparse
 import json
 import re
 
-from pair_options import add_pair_options, load_pair
+from pair_options import add_pair_options, first_turn_prompts, load_pair
 
-from dflash.bench.datasets import DataOptions, load_samples
 from dflash.decoding.engine import GenerationConfig, SpeculativeEngine
 
 # compact JSON (llguidance's option): with any whitespace allowed between items (the default, as vLLM's), the
@@ -42,12 +41,10 @@ def keeps(structure: str, text: str) -> bool:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    add_pair_options(parser, max_samples=20)
-    parser.add_argument("--seed", type=int, default=1, help="which questions (a deterministic subset)")
+    add_pair_options(parser, max_samples=20, seed=1)
     args = parser.parse_args()
     pipe = load_pair(args)
-    samples = load_samples(args.dataset, DataOptions(max_samples=args.max_samples, seed=args.seed))
-    prompts = [pipe.encode(s.turns[0]) for s in samples]
+    prompts = first_turn_prompts(args, pipe)
     engines = {"plain": SpeculativeEngine(pipe.target), "dflash": pipe.engine}
     report = {}
     for structure, options in STRUCTURES.items():

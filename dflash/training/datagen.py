@@ -861,7 +861,13 @@ class Generator:
     def __init__(self, pipe, config: DatagenConfig):
         self.pipe, self.config = pipe, config
         self.context_words = pipe.engine.target.context_words  # for the messages of prompts that do not fit
-        if pipe.tokenizer is not None and not pipe.has_chat_template:  # `DFlash.encode` joins the turns then
+        if pipe.tokenizer is not None:
+            self.note_plain_text(pipe.tokenizer)
+
+    @staticmethod
+    def note_plain_text(tokenizer) -> None:
+        """Say so where the target's tokenizer has no chat template: the turns go as plain text then."""
+        if not getattr(tokenizer, "chat_template", None):
             from dflash.chat import PLAIN_CONVERSATION_NOTE
 
             _warn(PLAIN_CONVERSATION_NOTE)

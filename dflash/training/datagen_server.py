@@ -157,11 +157,7 @@ class ServerGenerator(Generator):
         self.end_id = self._end_id(target)
         self.failure: UserError | None = None  # what stops the run, once the chunk's other answers are written
         self._lock = threading.Lock()  # the run's counts and warnings, from the conversations' threads
-        if not getattr(self.tokenizer, "chat_template", None):
-            from dflash.chat import PLAIN_CONVERSATION_NOTE
-            from dflash.training.datagen import _warn
-
-            _warn(PLAIN_CONVERSATION_NOTE)
+        self.note_plain_text(self.tokenizer)
 
     def _end_id(self, target: str) -> int | None:
         """The token an answer that stopped at the end of its text ends with: the tokenizer's end-of-text token (a

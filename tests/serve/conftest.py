@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import contextlib
 import socket
 import threading
 import time
+from collections.abc import Iterator
 
 import httpx
 import openai
@@ -56,6 +58,16 @@ class LiveServer:
     def stop(self) -> None:
         self._server.should_exit = True
         self._thread.join(10)
+
+
+@contextlib.contextmanager
+def serving(pair) -> Iterator[LiveServer]:
+    """A live server of a pair on disk (drafter on, fallback off), stopped at the end."""
+    server = LiveServer(load_pipe(pair), ServeConfig(served_model_name=MODEL, fallback=FallbackConfig(0.0)))
+    try:
+        yield server
+    finally:
+        server.stop()
 
 
 def load_pipe(tiny_pair, no_draft: bool = False) -> DFlash:

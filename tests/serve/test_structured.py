@@ -13,10 +13,8 @@ import httpx
 import pytest
 
 from conftest import byte_fallback_tokenizer, save_tiny_pair
-from dflash.serve import ServeConfig
-from dflash.serve.fallback import FallbackConfig
 
-from .conftest import MODEL, LiveServer, load_pipe
+from .conftest import MODEL, serving
 
 PROMPT = "12 apples and 5 pears"
 SCHEMA = {"type": "object", "properties": {"answer": {"enum": ["yes", "no"]},
@@ -28,9 +26,8 @@ SCHEMA = {"type": "object", "properties": {"answer": {"enum": ["yes", "no"]},
 def json_server(tmp_path_factory):
     """A server whose tokenizer writes any character (the shared one's cannot write a brace)."""
     pair = save_tiny_pair(tmp_path_factory.mktemp("bytes_pair"), tokenizer=byte_fallback_tokenizer())
-    server = LiveServer(load_pipe(pair), ServeConfig(served_model_name=MODEL, fallback=FallbackConfig(0.0)))
-    yield server
-    server.stop()
+    with serving(pair) as server:
+        yield server
 
 
 def complete(server, **fields) -> httpx.Response:

@@ -11,11 +11,9 @@ import pytest
 
 from conftest import byte_fallback_tokenizer, save_tiny_pair
 from dflash.decoding import GenerationConfig, SpeculativeEngine
-from dflash.serve import ServeConfig
-from dflash.serve.fallback import FallbackConfig
 from dflash.serve.tools import arguments_schema
 
-from .conftest import MODEL, LiveServer, load_pipe
+from .conftest import MODEL, serving
 
 pytest.importorskip("llguidance")
 
@@ -47,10 +45,8 @@ def tool_server(tmp_path_factory):
     """A server whose tokenizer writes any character and whose chat template renders tools."""
     tokenizer = byte_fallback_tokenizer()
     tokenizer.chat_template = TOOLS_TEMPLATE
-    pair = save_tiny_pair(tmp_path_factory.mktemp("tools_pair"), tokenizer=tokenizer)
-    server = LiveServer(load_pipe(pair), ServeConfig(served_model_name=MODEL, fallback=FallbackConfig(0.0)))
-    yield server
-    server.stop()
+    with serving(save_tiny_pair(tmp_path_factory.mktemp("tools_pair"), tokenizer=tokenizer)) as server:
+        yield server
 
 
 def chat(server, **fields) -> httpx.Response:
@@ -222,13 +218,9 @@ def test_a_template_without_tools_is_a_400(server, tool_choice):
 def test_auto_is_refused_where_the_template_writes_calls_in_another_form(tmp_path):
     tokenizer = byte_fallback_tokenizer()
     tokenizer.chat_template = TOOLS_TEMPLATE.replace("<tool_call>", "[CALL]").replace("</tool_call>", "[/CALL]")
-    server = LiveServer(load_pipe(save_tiny_pair(tmp_path, tokenizer=tokenizer)),
-                        ServeConfig(served_model_name=MODEL, fallback=FallbackConfig(0.0)))
-    try:
+    with serving(save_tiny_pair(tmp_path, tokenizer=tokenizer)) as server:
         refused = chat(server, tools=[WEATHER])
         assert refused.status_code == 400 and refused.json()["error"]["param"] == "tool_choice"
         assert "Hermes" in refused.json()["error"]["message"]
         named = chat(server, tools=[WEATHER], tool_choice={"type": "function", "function": {"name": "weather"}})
         assert named.status_code == 200 and named.json()["choices"][0]["message"]["tool_calls"]
-    finally:
-        server.stop()

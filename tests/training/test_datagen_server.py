@@ -15,12 +15,10 @@ import threading
 import time
 
 import pytest
-from serve.conftest import LiveServer, load_pipe
+from serve.conftest import load_pipe, serving
 
 from dflash.cli.main import main
 from dflash.errors import UserError
-from dflash.serve import ServeConfig
-from dflash.serve.fallback import FallbackConfig
 from dflash.training import datagen_server
 from dflash.training.datagen import DatagenConfig, run_datagen
 
@@ -31,9 +29,8 @@ MODEL = "tiny"
 
 @pytest.fixture(scope="module")
 def tiny_server(tiny_pair):
-    server = LiveServer(load_pipe(tiny_pair), ServeConfig(served_model_name=MODEL, fallback=FallbackConfig(0.0)))
-    yield server
-    server.stop()
+    with serving(tiny_pair) as server:
+        yield server
 
 
 def generate(tiny_pair, prompts, out, server=None, **options) -> list[dict]:  # noqa: F811
