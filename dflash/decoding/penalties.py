@@ -59,6 +59,13 @@ class TokenCounts:
     def __init__(self, prompt_ids: list[int]):
         self.output: Counter[int] = Counter()
         self.in_prompt = frozenset(prompt_ids)
+        self._prompt_index: dict[torch.device, torch.Tensor] = {}  # (distinct prompt tokens,), made once per device
+
+    def prompt_index(self, device: torch.device) -> torch.Tensor:
+        """The prompt's distinct tokens as an index on `device`, made once (not at every step)."""
+        if device not in self._prompt_index:
+            self._prompt_index[device] = torch.tensor(sorted(self.in_prompt), dtype=torch.long, device=device)
+        return self._prompt_index[device]
 
     def add(self, tokens: list[int]) -> None:
         self.output.update(tokens)
@@ -87,13 +94,15 @@ def penalize(logits: torch.Tensor, rows: list, tokens: torch.Tensor | None = Non
 
 def _penalize_row(logits: torch.Tensor, penalties: Penalties, counts: TokenCounts, drafted: list[int],
                   sees: torch.Tensor | None) -> None:
-    """One row's logits (q, vocab), penalized in place over the tokens its slots may hold: the output's, the draft
-    tokens' (drafted, the q - 1 after the anchor; sees (q, q - 1): which each slot sees) and, for the repetition
-    penalty, the prompt's."""
-    held = set(counts.output) | set(drafted)
-    if penalties.repetition != 1:
-        held |= counts.in_prompt
-    ids = sorted(held)
+    """One row's logits (q, vocab), penalized in place over the tokens its slots may hold: the prompt's, for the
+    repetition penalty (an index made once), then the output's and the draft tokens' (drafted, the q - 1 after the
+    anchor; sees (q, q - 1): which each slot sees), counted per slot."""
+    r = penalties.repetition
+    if r != 1 and counts.in_prompt:  # every slot: a prompt token is repeated whatever the slot sees
+        index = counts.prompt_index(logits.device)  # (p,)
+        sub = logits[:, index]  # (q, p)
+        logits[:, index] = torch.where(sub > 0, sub / r, sub * r)
+    ids = sorted(set(counts.output) | set(drafted))
     if not ids:
         return
     column = {token: i for i, token in enumerate(ids)}
@@ -104,10 +113,9 @@ def _penalize_row(logits: torch.Tensor, penalties: Penalties, counts: TokenCount
         seen = torch.zeros(len(drafted), len(ids), device=device)  # (q - 1, n)
         seen[torch.arange(len(drafted)), torch.tensor([column[t] for t in drafted])] = 1.0
         times = times + sees.to(seen.dtype) @ seen
-    in_prompt = torch.tensor([t in counts.in_prompt for t in ids], device=device)  # (n,)
     sub = logits[:, index]  # (q, n)
-    repeated = (times > 0) | in_prompt
-    r = penalties.repetition
-    sub = torch.where(repeated, torch.where(sub > 0, sub / r, sub * r), sub)
+    if r != 1:  # the repeated tokens the prompt does not hold (those were penalized above)
+        in_prompt = torch.tensor([t in counts.in_prompt for t in ids], device=device)  # (n,)
+        sub = torch.where((times > 0) & ~in_prompt, torch.where(sub > 0, sub / r, sub * r), sub)
     sub = sub - penalties.frequency * times - penalties.presence * (times > 0).to(sub.dtype)
     logits[:, index] = sub
